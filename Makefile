@@ -1,0 +1,59 @@
+# The two commands: `make demo` and `make test`. Both set up what they need
+# in a virtual environment under the repository (.venv, ignored by git).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+SAN_DIR := build/sanitize
+TORCH_VERSION := 2.13.0
+
+SOURCES := $(shell find vtm -name '*.cc' -o -name '*.h' -o -name '*.py') CMakeLists.txt pyproject.toml
+
+.PHONY: all demo test test-py test-sanitize bench clean
+
+all: $(STAMP)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch first, pinned: a bare requirement would resolve to a multi-GB CUDA build.
+$(VENV)/.deps: $(VENV)/bin/python
+	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
+	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja numpy pytest hypothesis
+	touch $@
+
+$(STAMP): $(VENV)/.deps $(SOURCES)
+	$(PIP) install --quiet --no-build-isolation ".[test]"
+	touch $@
+
+demo: $(STAMP)
+	$(PY) scripts/demo_vtm.py
+
+test: test-py test-sanitize
+
+test-py: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+# The extension rebuilt with AddressSanitizer + UndefinedBehaviorSanitizer,
+# run over the vtm tests with the sanitizer runtime preloaded into Python.
+$(SAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
+	mkdir -p $(SAN_DIR)
+	cmake -S . -B $(SAN_DIR)/cmake -G Ninja -DVTM_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
+	cmake --build $(SAN_DIR)/cmake
+	rm -rf $(SAN_DIR)/vtm && mkdir -p $(SAN_DIR)/vtm
+	cp vtm/*.py $(SAN_DIR)/vtm/
+	cp $(SAN_DIR)/cmake/_core*.so $(SAN_DIR)/vtm/_core.so
+
+test-sanitize: $(SAN_DIR)/vtm/_core.so
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	PYTHONPATH=$(SAN_DIR) VTM_SANITIZED=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) scripts/bench_vtm.py --json bench-results/bench_vtm.json
+
+clean:
+	rm -rf build $(VENV) bench-results

@@ -1,0 +1,91 @@
+// Backend: the only code in vtm that touches a memory API.
+//
+// A backend reserves virtual address ranges, creates physical chunks, and maps
+// chunks into reservations. Two implementations exist: `host` (memfd + mmap,
+// the reference) and `cuda` (the driver's virtual memory management API,
+// loaded with dlopen at run time). Everything above this interface is written
+// once and tested against the host backend, which enforces the CUDA rules:
+//
+//  * every size and offset is a multiple of granularity();
+//  * map() targets a range inside a live reservation that holds no mapping;
+//  * unmap() removes exactly whole earlier mappings (one or several adjacent);
+//  * set_access() covers only mapped bytes; a mapped range is inaccessible
+//    until set_access() is called on it;
+//  * a chunk may be released while mapped (the mapping keeps it alive), but
+//    vtm never does so.
+//
+// Errors are vtm::Error: kOutOfMemory when the device has no memory for a
+// chunk, kInvalidArgument for a violated rule, kBackend for anything else the
+// API reports (with its message). A call that throws has no effect.
+//
+// Thread safety: every method may be called from any thread concurrently;
+// callers serialise operations on the same range themselves.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace vtm {
+
+// An opaque physical chunk: a memfd on the host, a
+// CUmemGenericAllocationHandle on CUDA.
+using ChunkHandle = std::uint64_t;
+
+// DLPack device types (DLPack's DLDeviceType values).
+enum class DeviceType : std::int32_t { kCpu = 1, kCuda = 2 };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string name() const = 0;  // "host" or "cuda"
+  virtual DeviceType device_type() const = 0;
+  virtual int device_id() const = 0;
+  // Smallest unit of reservation, chunk size and mapping offset.
+  virtual std::size_t granularity() const = 0;
+
+  // Reserve `bytes` of virtual address space with no access and no backing.
+  virtual std::uintptr_t reserve(std::size_t bytes) = 0;
+  // Free a whole reservation. Every mapping inside must be unmapped first.
+  virtual void free_reservation(std::uintptr_t va, std::size_t bytes) = 0;
+
+  // Create a physical chunk of `bytes`, with its memory committed: a create
+  // that succeeds never faults later for lack of memory.
+  virtual ChunkHandle create_chunk(std::size_t bytes) = 0;
+  // Return a chunk's memory to the device. Never throws.
+  virtual void release_chunk(ChunkHandle chunk) noexcept = 0;
+
+  // Map the whole of `chunk` (of size `bytes`) at `va`, without access.
+  virtual void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) = 0;
+  // Make [va, va+bytes) readable and writable. Called once over a run of
+  // adjacent mappings, which is much cheaper than once per chunk on CUDA.
+  virtual void set_access(std::uintptr_t va, std::size_t bytes) = 0;
+  // Unmap whole earlier mappings covering exactly [va, va+bytes); the range
+  // stays reserved and inaccessible.
+  virtual void unmap(std::uintptr_t va, std::size_t bytes) = 0;
+
+  // A new POSIX fd for the chunk, owned by the caller (for another process).
+  virtual int export_fd(ChunkHandle chunk) = 0;
+  // A chunk backed by the memory behind `fd` (the fd is not consumed).
+  virtual ChunkHandle import_fd(int fd, std::size_t bytes) = 0;
+
+  // Copy the first `bytes` of `src` into `dst` (both chunks, possibly not
+  // mapped anywhere). Completes before returning.
+  virtual void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) = 0;
+};
+
+// The host backend: memfd chunks mapped into PROT_NONE reservations.
+// `granularity` must be a multiple of the system page size; 0 picks 2 MiB,
+// the granularity CUDA reports on current GPUs.
+std::shared_ptr<Backend> MakeHostBackend(std::size_t granularity);
+
+// The CUDA backend on `device`. Throws kUnavailable when libcuda.so.1 cannot
+// be loaded or the device does not support virtual memory management.
+std::shared_ptr<Backend> MakeCudaBackend(int device);
+
+// True when libcuda.so.1 loads and reports at least one device.
+bool CudaDriverAvailable();
+
+}  // namespace vtm

@@ -1,0 +1,662 @@
+// The CUDA backend: the driver's virtual memory management (VMM) API.
+//
+// libcuda is never linked. It is opened with dlopen("libcuda.so.1") the first
+// time anything here needs it, so the vtm module imports and the host backend
+// works on machines without a driver. cuda.h is included only for types and
+// prototypes; every entry point is resolved with dlsym and typed from its
+// prototype, so a wrong signature is a compile error rather than a crash.
+//
+// The whole file is compiled in every build. Without cuda.h (VTM_WITH_CUDA
+// undefined) it only provides the two entry points of backend.h, which report
+// that the backend is unavailable.
+#include "backend.h"
+#include "error.h"
+
+#if defined(VTM_WITH_CUDA) && VTM_WITH_CUDA
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+namespace vtm {
+namespace {
+
+// ---------------------------------------------------------------------------
+// The driver table.
+//
+// Each entry is (prototype name, exported symbol). cuda.h #defines several API
+// names to versioned symbols (cuMemcpyDtoD -> cuMemcpyDtoD_v2, ...), and only
+// the versioned symbol has the ABI of the prototype the header declares, so
+// the symbol string must be the versioned one. The static_asserts below check
+// that each string is exactly what the header's macro expands the name to, so
+// a header that renames an entry point again fails to compile here instead of
+// silently resolving an old ABI.
+//
+// Because the table's fields are declared with the same (macro-expanded)
+// names, call sites read like plain driver calls: driver.cuMemMap(...).
+#define VTM_CUDA_ENTRY_POINTS(X)                                      \
+  X(cuGetErrorName, "cuGetErrorName")                                 \
+  X(cuGetErrorString, "cuGetErrorString")                             \
+  X(cuInit, "cuInit")                                                 \
+  X(cuDeviceGetCount, "cuDeviceGetCount")                             \
+  X(cuDeviceGet, "cuDeviceGet")                                       \
+  X(cuDeviceGetAttribute, "cuDeviceGetAttribute")                     \
+  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")             \
+  X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2")        \
+  X(cuCtxGetCurrent, "cuCtxGetCurrent")                               \
+  X(cuCtxSetCurrent, "cuCtxSetCurrent")                               \
+  X(cuCtxSynchronize, "cuCtxSynchronize")                             \
+  X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity")   \
+  X(cuMemAddressReserve, "cuMemAddressReserve")                       \
+  X(cuMemAddressFree, "cuMemAddressFree")                             \
+  X(cuMemCreate, "cuMemCreate")                                       \
+  X(cuMemRelease, "cuMemRelease")                                     \
+  X(cuMemMap, "cuMemMap")                                             \
+  X(cuMemUnmap, "cuMemUnmap")                                         \
+  X(cuMemSetAccess, "cuMemSetAccess")                                 \
+  X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle")     \
+  X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle") \
+  X(cuMemcpyDtoD, "cuMemcpyDtoD_v2")
+
+// Stringify a name after macro expansion: VTM_CUDA_SYMBOL(cuMemcpyDtoD) is
+// "cuMemcpyDtoD_v2" with the CUDA 11+ headers.
+#define VTM_CUDA_SYMBOL_EXPANDED(name) #name
+#define VTM_CUDA_SYMBOL(name) VTM_CUDA_SYMBOL_EXPANDED(name)
+
+constexpr bool SameString(const char* a, const char* b) {
+  return *a == *b && (*a == '\0' || SameString(a + 1, b + 1));
+}
+
+#define VTM_CUDA_CHECK_SYMBOL(api, symbol)                      \
+  static_assert(SameString(VTM_CUDA_SYMBOL(api), symbol),       \
+                "cuda.h maps " #api " to another symbol than " symbol);
+VTM_CUDA_ENTRY_POINTS(VTM_CUDA_CHECK_SYMBOL)
+#undef VTM_CUDA_CHECK_SYMBOL
+
+// A vtm ChunkHandle carries a CUmemGenericAllocationHandle unchanged.
+static_assert(sizeof(ChunkHandle) == sizeof(CUmemGenericAllocationHandle),
+              "ChunkHandle must hold a CUmemGenericAllocationHandle");
+// Reservations are returned as uintptr_t; device pointers must fit.
+static_assert(sizeof(std::uintptr_t) >= sizeof(CUdeviceptr),
+              "uintptr_t must hold a CUdeviceptr");
+
+// Function pointers into libcuda, all non-null once loaded.
+struct DriverTable {
+#define VTM_CUDA_FIELD(api, symbol) decltype(&::api) api = nullptr;
+  VTM_CUDA_ENTRY_POINTS(VTM_CUDA_FIELD)
+#undef VTM_CUDA_FIELD
+};
+
+// What loading libcuda produced. Invariant: `unavailable` is empty exactly
+// when every entry of `fn` is resolved and cuInit(0) succeeded.
+struct Driver {
+  DriverTable fn;
+  std::string unavailable;  // why the driver cannot be used, or empty
+};
+
+template <typename Fn>
+bool ResolveSymbol(void* library, const char* symbol, Fn* out) {
+  void* address = dlsym(library, symbol);
+  // POSIX guarantees that a data pointer from dlsym converts to a function
+  // pointer; C++ leaves the cast conditionally supported, which GCC and Clang
+  // support.
+  *out = reinterpret_cast<Fn>(address);
+  return address != nullptr;
+}
+
+std::string DescribeResult(const DriverTable& fn, const char* function,
+                           CUresult result) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  // Both lookups fail for codes the driver does not know; keep the number then.
+  if (fn.cuGetErrorName(result, &name) != CUDA_SUCCESS) name = nullptr;
+  if (fn.cuGetErrorString(result, &text) != CUDA_SUCCESS || text == nullptr) {
+    text = "no description";
+  }
+  std::string message = std::string(function) + ": ";
+  message += name != nullptr ? std::string(name)
+                             : "CUresult " + std::to_string(static_cast<int>(result));
+  message += ": ";
+  message += text;
+  return message;
+}
+
+Driver LoadDriver() {
+  Driver driver;
+  // Cleared so that the dlerror() read below describes this dlopen only.
+  dlerror();
+  // RTLD_LOCAL keeps libcuda's symbols out of the global namespace, where they
+  // could satisfy some other library's references to a different CUDA.
+  void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char* why = dlerror();
+    driver.unavailable = std::string("cannot load libcuda.so.1 (no NVIDIA driver?): ") +
+                         (why != nullptr ? why : "unknown dlopen error");
+    return driver;
+  }
+  // The handle is never dlclose()d: the driver keeps process-wide state (and
+  // threads) that outlive any one backend, and unloading it is not supported.
+#define VTM_CUDA_RESOLVE(api, symbol)                                       \
+  if (!ResolveSymbol(library, symbol, &driver.fn.api)) {                   \
+    driver.unavailable = "libcuda.so.1 does not export " symbol            \
+                         " (the driver is too old for vtm's CUDA backend)"; \
+    return driver;                                                          \
+  }
+  VTM_CUDA_ENTRY_POINTS(VTM_CUDA_RESOLVE)
+#undef VTM_CUDA_RESOLVE
+
+  // cuInit is called once here so every user of the table may assume an
+  // initialised driver. A failure is remembered: the driver gives the same
+  // answer for the rest of the process.
+  CUresult result = driver.fn.cuInit(0);
+  if (result != CUDA_SUCCESS) {
+    driver.unavailable = DescribeResult(driver.fn, "cuInit", result);
+  }
+  return driver;
+}
+
+// The process-wide driver table, loaded on first use (thread-safe by the
+// function-local static rule). It is deliberately never destroyed: backends
+// owned by Python objects may be destroyed during interpreter shutdown, after
+// static destructors have run, and must still find the table.
+const Driver& GetDriver() {
+  static const Driver* const driver = new Driver(LoadDriver());
+  return *driver;
+}
+
+[[noreturn]] void ThrowDriverError(const DriverTable& fn, const char* function,
+                                   CUresult result) {
+  // Only an allocation failure is the caller's kind of "out of memory"; every
+  // other driver failure is reported with the driver's own words.
+  ErrorCode code = result == CUDA_ERROR_OUT_OF_MEMORY ? ErrorCode::kOutOfMemory
+                                                      : ErrorCode::kBackend;
+  Throw(code, DescribeResult(fn, function, result));
+}
+
+void Check(const DriverTable& fn, const char* function, CUresult result) {
+  if (result != CUDA_SUCCESS) ThrowDriverError(fn, function, result);
+}
+
+std::string Hex(std::uint64_t value) {
+  std::ostringstream out;
+  out << "0x" << std::hex << value;
+  return out.str();
+}
+
+// ---------------------------------------------------------------------------
+// RAII pieces.
+
+// Holds one reference on a device's primary context. The primary context is
+// the one the CUDA runtime (and so PyTorch) uses, so memory mapped here is
+// visible to their kernels without any context juggling.
+class PrimaryContext {
+ public:
+  PrimaryContext(const DriverTable& fn, CUdevice device) : fn_(fn), device_(device) {
+    Check(fn_, "cuDevicePrimaryCtxRetain", fn_.cuDevicePrimaryCtxRetain(&context_, device_));
+  }
+  ~PrimaryContext() { fn_.cuDevicePrimaryCtxRelease(device_); }
+  PrimaryContext(const PrimaryContext&) = delete;
+  PrimaryContext& operator=(const PrimaryContext&) = delete;
+
+  CUcontext get() const { return context_; }
+
+ private:
+  const DriverTable& fn_;
+  CUdevice device_;
+  CUcontext context_ = nullptr;
+};
+
+// Makes `context` current on this thread for one backend call and restores the
+// thread's previous context afterwards. vtm calls the backend from its own
+// worker threads (which have no current context) and from the caller's thread
+// (which may have another device current for its own work, e.g. PyTorch after
+// torch.cuda.set_device); restoring keeps the latter undisturbed.
+class ScopedContext {
+ public:
+  ScopedContext(const DriverTable& fn, CUcontext context) : fn_(fn) {
+    Check(fn_, "cuCtxGetCurrent", fn_.cuCtxGetCurrent(&previous_));
+    if (previous_ != context) {
+      Check(fn_, "cuCtxSetCurrent", fn_.cuCtxSetCurrent(context));
+      switched_ = true;
+    }
+  }
+  ~ScopedContext() {
+    if (switched_) fn_.cuCtxSetCurrent(previous_);
+  }
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+
+ private:
+  const DriverTable& fn_;
+  CUcontext previous_ = nullptr;
+  bool switched_ = false;
+};
+
+// An address range reservation, freed on destruction. Empty when va() == 0.
+// Invariant: a non-empty reservation holds no mappings when it is destroyed
+// (its owner unmaps them first), so cuMemAddressFree can succeed.
+class Reservation {
+ public:
+  explicit Reservation(const DriverTable& fn) : fn_(fn) {}
+  ~Reservation() { Free(); }
+  Reservation(const Reservation&) = delete;
+  Reservation& operator=(const Reservation&) = delete;
+
+  // Replaces the range with a fresh one of `bytes` aligned to `alignment`.
+  void Reset(std::size_t bytes, std::size_t alignment) {
+    Free();
+    CUdeviceptr va = 0;
+    Check(fn_, "cuMemAddressReserve", fn_.cuMemAddressReserve(&va, bytes, alignment, 0, 0));
+    va_ = va;
+    bytes_ = bytes;
+  }
+
+  CUdeviceptr va() const { return va_; }
+  std::size_t bytes() const { return bytes_; }
+
+  void Free() {
+    // Errors are ignored: this runs from destructors, and a range the driver
+    // refuses to free is at worst leaked address space.
+    if (va_ != 0) fn_.cuMemAddressFree(va_, bytes_);
+    va_ = 0;
+    bytes_ = 0;
+  }
+
+ private:
+  const DriverTable& fn_;
+  CUdeviceptr va_ = 0;
+  std::size_t bytes_ = 0;
+};
+
+// One mapping of a whole chunk, unmapped on destruction unless Unmap() already
+// did so. Used only for the copy scratch range.
+class ScopedMapping {
+ public:
+  ScopedMapping(const DriverTable& fn, CUdeviceptr va, std::size_t bytes,
+                CUmemGenericAllocationHandle chunk)
+      : fn_(fn), va_(va), bytes_(bytes) {
+    Check(fn_, "cuMemMap", fn_.cuMemMap(va_, bytes_, 0, chunk, 0));
+    mapped_ = true;
+  }
+  ~ScopedMapping() {
+    // The error path: the copy already failed and reports that error; an
+    // unmap failure on top of it has nothing useful to add.
+    if (mapped_) fn_.cuMemUnmap(va_, bytes_);
+  }
+  ScopedMapping(const ScopedMapping&) = delete;
+  ScopedMapping& operator=(const ScopedMapping&) = delete;
+
+  // The success path: an unmap failure is reported, since it would otherwise
+  // surface as a puzzling cuMemMap failure in the next copy.
+  void Unmap() {
+    mapped_ = false;
+    Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va_, bytes_));
+  }
+
+ private:
+  const DriverTable& fn_;
+  CUdeviceptr va_;
+  std::size_t bytes_;
+  bool mapped_ = false;
+};
+
+// ---------------------------------------------------------------------------
+// CudaBackend.
+//
+// Invariants:
+//  * context_ holds a reference on device_'s primary context for the backend's
+//    whole life; every driver call runs with it current (ScopedContext).
+//  * prop_ describes every chunk this backend creates: pinned device memory on
+//    device_, exportable as a POSIX fd. granularity_ is the minimum granularity
+//    for prop_, never 0.
+//  * chunks_ has an entry for every handle returned by create_chunk() or
+//    import_fd() and not yet released, with its size and the number of
+//    releases it is owed (an import may return a handle this process already
+//    holds, and the driver wants one cuMemRelease per import).
+//  * scratch_ (guarded by copy_mu_) holds no mapping outside copy().
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const DriverTable& fn, int device, CUdevice cu_device)
+      : fn_(fn), device_(device), context_(fn, cu_device), scratch_(fn) {
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = device_;
+
+    access_.location = prop_.location;
+    access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+
+    ScopedContext current(fn_, context_.get());
+    std::size_t granularity = 0;
+    Check(fn_, "cuMemGetAllocationGranularity",
+          fn_.cuMemGetAllocationGranularity(&granularity, &prop_,
+                                            CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    if (granularity == 0) {
+      Throw(ErrorCode::kBackend, "cuMemGetAllocationGranularity reported 0 for cuda device " +
+                                     std::to_string(device_));
+    }
+    granularity_ = granularity;
+  }
+
+  ~CudaBackend() override {
+    // The scratch range is freed here, with the context current, rather than
+    // by scratch_'s destructor, which runs after this body without it. No copy
+    // can be running: destroying a backend that is still in use is a bug.
+    try {
+      ScopedContext current(fn_, context_.get());
+      scratch_.Free();
+    } catch (...) {
+      // The context could not be made current: scratch_'s destructor still
+      // tries to free the range, and at teardown there is no one to tell.
+    }
+  }
+
+  std::string name() const override { return "cuda"; }
+  DeviceType device_type() const override { return DeviceType::kCuda; }
+  int device_id() const override { return device_; }
+  std::size_t granularity() const override { return granularity_; }
+
+  std::uintptr_t reserve(std::size_t bytes) override {
+    RequireSize("reserve", "bytes", bytes);
+    ScopedContext current(fn_, context_.get());
+    CUdeviceptr va = 0;
+    Check(fn_, "cuMemAddressReserve", fn_.cuMemAddressReserve(&va, bytes, granularity_, 0, 0));
+    return static_cast<std::uintptr_t>(va);
+  }
+
+  void free_reservation(std::uintptr_t va, std::size_t bytes) override {
+    RequireAddress("free_reservation", va);
+    RequireSize("free_reservation", "bytes", bytes);
+    ScopedContext current(fn_, context_.get());
+    Check(fn_, "cuMemAddressFree", fn_.cuMemAddressFree(va, bytes));
+  }
+
+  ChunkHandle create_chunk(std::size_t bytes) override {
+    RequireSize("create_chunk", "bytes", bytes);
+    ScopedContext current(fn_, context_.get());
+    CUmemGenericAllocationHandle handle = 0;
+    // cuMemCreate commits the physical memory now (it does not fault it in
+    // later), which is what create_chunk's contract requires.
+    Check(fn_, "cuMemCreate", fn_.cuMemCreate(&handle, bytes, &prop_, 0));
+    Remember("create_chunk", handle, bytes);
+    return handle;
+  }
+
+  void release_chunk(ChunkHandle chunk) noexcept override {
+    try {
+      {
+        std::lock_guard<std::mutex> lock(chunks_mu_);
+        auto it = chunks_.find(chunk);
+        // An unknown handle is not ours (or was released already): calling the
+        // driver could release a handle value it has since reused.
+        if (it == chunks_.end()) return;
+        if (--it->second.references == 0) chunks_.erase(it);
+      }
+      ScopedContext current(fn_, context_.get());
+      fn_.cuMemRelease(chunk);  // the contract says never throw: errors ignored
+    } catch (...) {
+      // Only ScopedContext can throw here; the chunk then stays allocated.
+    }
+  }
+
+  void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override {
+    RequireAddress("map", va);
+    RequireSize("map", "bytes", bytes);
+    std::size_t chunk_bytes = ChunkBytes("map", chunk);
+    if (chunk_bytes != bytes) {
+      Throw(ErrorCode::kInvalidArgument, "map: bytes=" + std::to_string(bytes) +
+                                             " but chunk " + Hex(chunk) + " is " +
+                                             std::to_string(chunk_bytes) + " bytes");
+    }
+    ScopedContext current(fn_, context_.get());
+    Check(fn_, "cuMemMap", fn_.cuMemMap(va, bytes, 0, chunk, 0));
+  }
+
+  void set_access(std::uintptr_t va, std::size_t bytes) override {
+    RequireAddress("set_access", va);
+    RequireSize("set_access", "bytes", bytes);
+    ScopedContext current(fn_, context_.get());
+    Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, bytes, &access_, 1));
+  }
+
+  void unmap(std::uintptr_t va, std::size_t bytes) override {
+    RequireAddress("unmap", va);
+    RequireSize("unmap", "bytes", bytes);
+    ScopedContext current(fn_, context_.get());
+    Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va, bytes));
+  }
+
+  int export_fd(ChunkHandle chunk) override {
+    ChunkBytes("export_fd", chunk);  // validates that the chunk is ours
+    ScopedContext current(fn_, context_.get());
+    int fd = -1;
+    // For CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the shareable handle is an
+    // int; each export yields a new fd that the caller owns and must close.
+    Check(fn_, "cuMemExportToShareableHandle",
+          fn_.cuMemExportToShareableHandle(&fd, chunk, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                           0));
+    return fd;
+  }
+
+  ChunkHandle import_fd(int fd, std::size_t bytes) override {
+    if (fd < 0) {
+      Throw(ErrorCode::kInvalidArgument, "import_fd: fd=" + std::to_string(fd) +
+                                             " is not a file descriptor");
+    }
+    RequireSize("import_fd", "bytes", bytes);
+    ScopedContext current(fn_, context_.get());
+    CUmemGenericAllocationHandle handle = 0;
+    // The driver does not take ownership of a POSIX fd: it only reads it
+    // during the call (NVIDIA's IPC samples close theirs right after import),
+    // which matches vtm's contract that the fd is not consumed. The caller
+    // keeps and eventually closes it. The driver has no query for a handle's
+    // size, so `bytes` is trusted (and checked against an earlier import of
+    // the same allocation when the driver hands back the same handle).
+    Check(fn_, "cuMemImportFromShareableHandle",
+          fn_.cuMemImportFromShareableHandle(
+              &handle, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)),
+              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    Remember("import_fd", handle, bytes);
+    return handle;
+  }
+
+  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override {
+    if (bytes == 0) {
+      Throw(ErrorCode::kInvalidArgument, "copy: bytes=0 (must be positive)");
+    }
+    const std::size_t dst_bytes = ChunkBytes("copy", dst);
+    const std::size_t src_bytes = ChunkBytes("copy", src);
+    if (bytes > dst_bytes || bytes > src_bytes) {
+      Throw(ErrorCode::kInvalidArgument,
+            "copy: bytes=" + std::to_string(bytes) + " exceeds a chunk (dst " + Hex(dst) +
+                " is " + std::to_string(dst_bytes) + " bytes, src " + Hex(src) + " is " +
+                std::to_string(src_bytes) + " bytes)");
+    }
+    if (dst == src) return;  // copying a chunk onto itself changes nothing
+
+    // Copies are rare (one per prefix match ending inside a page), so one
+    // scratch range serialised by a mutex is enough. Whole chunks are mapped
+    // because the driver maps a handle only from offset 0 to its end.
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    ScopedContext current(fn_, context_.get());
+    const std::size_t needed = src_bytes + dst_bytes;
+    if (scratch_.bytes() < needed) scratch_.Reset(needed, granularity_);
+
+    const CUdeviceptr src_va = scratch_.va();
+    const CUdeviceptr dst_va = scratch_.va() + src_bytes;  // aligned: sizes are
+    ScopedMapping src_map(fn_, src_va, src_bytes, src);    // granularity multiples
+    ScopedMapping dst_map(fn_, dst_va, dst_bytes, dst);
+    // One call for both: the two mappings are adjacent.
+    Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(src_va, needed, &access_, 1));
+    // On the legacy default stream. For device-to-device copies the
+    // "synchronous" cuMemcpyDtoD may return before the copy finishes, so the
+    // context is synchronised before the mappings go away. Ordering against
+    // kernels that wrote `src` on other streams is the caller's business.
+    Check(fn_, "cuMemcpyDtoD", fn_.cuMemcpyDtoD(dst_va, src_va, bytes));
+    Check(fn_, "cuCtxSynchronize", fn_.cuCtxSynchronize());
+    dst_map.Unmap();
+    src_map.Unmap();
+  }
+
+ private:
+  struct ChunkInfo {
+    std::size_t bytes;
+    std::size_t references;  // cuMemRelease calls this handle is owed
+  };
+
+  void RequireSize(const char* method, const char* what, std::size_t value) const {
+    if (value == 0 || value % granularity_ != 0) {
+      Throw(ErrorCode::kInvalidArgument,
+            std::string(method) + ": " + what + "=" + std::to_string(value) +
+                " is not a positive multiple of the granularity " +
+                std::to_string(granularity_));
+    }
+  }
+
+  void RequireAddress(const char* method, std::uintptr_t va) const {
+    if (va == 0 || va % granularity_ != 0) {
+      Throw(ErrorCode::kInvalidArgument,
+            std::string(method) + ": va=" + Hex(va) +
+                " is not a non-null multiple of the granularity " +
+                std::to_string(granularity_));
+    }
+  }
+
+  std::size_t ChunkBytes(const char* method, ChunkHandle chunk) const {
+    std::lock_guard<std::mutex> lock(chunks_mu_);
+    auto it = chunks_.find(chunk);
+    if (it == chunks_.end()) {
+      Throw(ErrorCode::kInvalidArgument,
+            std::string(method) + ": chunk " + Hex(chunk) + " is not a live chunk of this backend");
+    }
+    return it->second.bytes;
+  }
+
+  // Records a handle the driver just gave us (one release owed). If that
+  // fails, the handle is released again, so a throwing call has no effect.
+  void Remember(const char* method, CUmemGenericAllocationHandle handle, std::size_t bytes) {
+    std::size_t held_bytes = 0;
+    try {
+      std::lock_guard<std::mutex> lock(chunks_mu_);
+      auto inserted = chunks_.emplace(handle, ChunkInfo{bytes, 1});
+      if (inserted.second) return;
+      // The driver may return a handle this process already holds when the
+      // same allocation is imported again; it is owed one more release.
+      ChunkInfo& info = inserted.first->second;
+      if (info.bytes == bytes) {
+        ++info.references;
+        return;
+      }
+      held_bytes = info.bytes;
+    } catch (...) {
+      fn_.cuMemRelease(handle);
+      throw;
+    }
+    fn_.cuMemRelease(handle);
+    Throw(ErrorCode::kInvalidArgument,
+          std::string(method) + ": bytes=" + std::to_string(bytes) + " but its allocation is " +
+              "already held as chunk " + Hex(handle) + " of " + std::to_string(held_bytes) +
+              " bytes");
+  }
+
+  const DriverTable& fn_;
+  const int device_;
+  PrimaryContext context_;
+  CUmemAllocationProp prop_{};
+  CUmemAccessDesc access_{};
+  std::size_t granularity_ = 0;
+
+  mutable std::mutex chunks_mu_;
+  std::unordered_map<ChunkHandle, ChunkInfo> chunks_;
+
+  std::mutex copy_mu_;
+  Reservation scratch_;
+};
+
+}  // namespace
+
+bool CudaDriverAvailable() {
+  try {
+    const Driver& driver = GetDriver();
+    if (!driver.unavailable.empty()) return false;
+    int count = 0;
+    return driver.fn.cuDeviceGetCount(&count) == CUDA_SUCCESS && count > 0;
+  } catch (...) {
+    // Only an allocation failure while loading can land here; "not available"
+    // is the honest answer for a question that must not throw.
+    return false;
+  }
+}
+
+std::shared_ptr<Backend> MakeCudaBackend(int device) {
+  const Driver& driver = GetDriver();
+  if (!driver.unavailable.empty()) {
+    Throw(ErrorCode::kUnavailable, "cuda backend unavailable: " + driver.unavailable);
+  }
+  const DriverTable& fn = driver.fn;
+
+  int count = 0;
+  CUresult result = fn.cuDeviceGetCount(&count);
+  if (result != CUDA_SUCCESS) {
+    Throw(ErrorCode::kUnavailable,
+          "cuda backend unavailable: " + DescribeResult(fn, "cuDeviceGetCount", result));
+  }
+  if (device < 0 || device >= count) {
+    Throw(ErrorCode::kUnavailable, "cuda backend unavailable: device " + std::to_string(device) +
+                                       " does not exist (the driver reports " +
+                                       std::to_string(count) + " device(s))");
+  }
+  CUdevice cu_device = 0;
+  result = fn.cuDeviceGet(&cu_device, device);
+  if (result != CUDA_SUCCESS) {
+    Throw(ErrorCode::kUnavailable,
+          "cuda backend unavailable: " + DescribeResult(fn, "cuDeviceGet", result));
+  }
+
+  // Every chunk is created exportable as a POSIX fd, so both features are
+  // needed; without the second, cuMemCreate would fail on every chunk.
+  const std::pair<CUdevice_attribute, const char*> required[] = {
+      {CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "virtual memory management"},
+      {CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+       "POSIX file descriptor export of allocations"},
+  };
+  for (const auto& feature : required) {
+    int supported = 0;
+    result = fn.cuDeviceGetAttribute(&supported, feature.first, cu_device);
+    if (result != CUDA_SUCCESS) {
+      Throw(ErrorCode::kUnavailable,
+            "cuda backend unavailable: " + DescribeResult(fn, "cuDeviceGetAttribute", result));
+    }
+    if (supported == 0) {
+      Throw(ErrorCode::kUnavailable, "cuda backend unavailable: device " +
+                                         std::to_string(device) + " does not support " +
+                                         feature.second);
+    }
+  }
+  return std::make_shared<CudaBackend>(fn, device, cu_device);
+}
+
+}  // namespace vtm
+
+#else  // !VTM_WITH_CUDA
+
+namespace vtm {
+
+std::shared_ptr<Backend> MakeCudaBackend(int device) {
+  Throw(ErrorCode::kUnavailable,
+        "vtm was built without cuda.h, so the cuda backend (device " + std::to_string(device) +
+            ") is unavailable; rebuild with the CUDA toolkit headers installed");
+}
+
+bool CudaDriverAvailable() { return false; }
+
+}  // namespace vtm
+
+#endif  // VTM_WITH_CUDA

@@ -1,0 +1,134 @@
+#include "backend_faulty.h"
+
+#include "error.h"
+
+namespace vtm {
+
+const char* FaultInjectingBackend::OpName(Op op) {
+  static const char* const kNames[kNumOps] = {
+      "reserve", "free_reservation", "create_chunk", "release_chunk", "map",
+      "set_access", "unmap", "export_fd", "import_fd", "copy",
+  };
+  return kNames[op];
+}
+
+FaultInjectingBackend::Op FaultInjectingBackend::OpFromName(const std::string& name) {
+  for (int i = 0; i < kNumOps; ++i)
+    if (name == OpName(static_cast<Op>(i))) return static_cast<Op>(i);
+  Throw(ErrorCode::kInvalidArgument, "unknown backend operation '" + name + "'");
+}
+
+void FaultInjectingBackend::FailNth(Op op, int n, bool oom) {
+  if (n < 1) Throw(ErrorCode::kInvalidArgument, "fail_nth: n must be >= 1, got " + std::to_string(n));
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_[op] = Pending{n, oom};
+}
+
+void FaultInjectingBackend::SetPhysicalLimit(std::optional<std::size_t> bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  physical_limit_ = bytes;
+}
+
+long FaultInjectingBackend::Calls(Op op) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return calls_[op];
+}
+
+void FaultInjectingBackend::Clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_ = {};
+  physical_limit_.reset();
+}
+
+void FaultInjectingBackend::Enter(Op op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++calls_[op];
+  Pending& p = pending_[op];
+  if (p.countdown == 0 || --p.countdown > 0) return;
+  const bool oom = p.oom;
+  p = Pending{};
+  if (oom) Throw(ErrorCode::kOutOfMemory, std::string("injected: ") + OpName(op) + ": device out of memory");
+  Throw(ErrorCode::kBackend, std::string("injected fault in ") + OpName(op));
+}
+
+std::uintptr_t FaultInjectingBackend::reserve(std::size_t bytes) {
+  Enter(kReserve);
+  return inner_->reserve(bytes);
+}
+
+void FaultInjectingBackend::free_reservation(std::uintptr_t va, std::size_t bytes) {
+  Enter(kFreeReservation);
+  inner_->free_reservation(va, bytes);
+}
+
+ChunkHandle FaultInjectingBackend::create_chunk(std::size_t bytes) {
+  Enter(kCreateChunk);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (physical_limit_ && live_bytes_ + bytes > *physical_limit_)
+      Throw(ErrorCode::kOutOfMemory, "create_chunk: device out of memory (injected physical limit of " +
+                                         std::to_string(*physical_limit_) + " bytes)");
+    live_bytes_ += bytes;  // claimed before the call so concurrent creates respect the cap
+  }
+  try {
+    ChunkHandle chunk = inner_->create_chunk(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    chunk_bytes_[chunk] = bytes;
+    return chunk;
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_bytes_ -= bytes;
+    throw;
+  }
+}
+
+void FaultInjectingBackend::release_chunk(ChunkHandle chunk) noexcept {
+  // Releases cannot fail (they are cleanup on every error path), so they are
+  // only counted, never failed.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++calls_[kReleaseChunk];
+    auto it = chunk_bytes_.find(chunk);
+    if (it != chunk_bytes_.end()) {
+      live_bytes_ -= it->second;
+      chunk_bytes_.erase(it);
+    }
+  }
+  inner_->release_chunk(chunk);
+}
+
+void FaultInjectingBackend::map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) {
+  Enter(kMap);
+  inner_->map(va, bytes, chunk);
+}
+
+void FaultInjectingBackend::set_access(std::uintptr_t va, std::size_t bytes) {
+  Enter(kSetAccess);
+  inner_->set_access(va, bytes);
+}
+
+void FaultInjectingBackend::unmap(std::uintptr_t va, std::size_t bytes) {
+  Enter(kUnmap);
+  inner_->unmap(va, bytes);
+}
+
+int FaultInjectingBackend::export_fd(ChunkHandle chunk) {
+  Enter(kExportFd);
+  return inner_->export_fd(chunk);
+}
+
+ChunkHandle FaultInjectingBackend::import_fd(int fd, std::size_t bytes) {
+  Enter(kImportFd);
+  ChunkHandle chunk = inner_->import_fd(fd, bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  chunk_bytes_[chunk] = bytes;
+  live_bytes_ += bytes;
+  return chunk;
+}
+
+void FaultInjectingBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) {
+  Enter(kCopy);
+  inner_->copy(dst, src, bytes);
+}
+
+}  // namespace vtm

@@ -1,0 +1,76 @@
+// FaultInjectingBackend: a Backend decorator that fails chosen calls.
+//
+// Tests use it to prove that every call site in the manager survives a
+// failure of the memory API with its state unchanged: "make the n-th call of
+// operation X from now fail once", and "pretend the device has only N bytes"
+// (a physical limit below the pool's capacity).
+//
+// Invariants (guarded by mu_): live_bytes_ is the sum of chunk_bytes_, the
+// sizes of chunks created or imported through this wrapper and not released.
+#pragma once
+
+#include <array>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "backend.h"
+
+namespace vtm {
+
+class FaultInjectingBackend final : public Backend {
+ public:
+  enum Op {
+    kReserve, kFreeReservation, kCreateChunk, kReleaseChunk, kMap, kSetAccess,
+    kUnmap, kExportFd, kImportFd, kCopy, kNumOps,
+  };
+  static const char* OpName(Op op);
+  // Throws kInvalidArgument for an unknown name.
+  static Op OpFromName(const std::string& name);
+
+  explicit FaultInjectingBackend(std::shared_ptr<Backend> inner) : inner_(std::move(inner)) {}
+
+  // The n-th call (n >= 1) of `op` from now fails once: with kOutOfMemory
+  // when `oom`, else kBackend. A later FailNth of the same op replaces it.
+  void FailNth(Op op, int n, bool oom);
+  // create_chunk fails with kOutOfMemory when live chunk bytes would exceed
+  // `bytes`; nullopt removes the cap.
+  void SetPhysicalLimit(std::optional<std::size_t> bytes);
+  long Calls(Op op) const;
+  void Clear();
+
+  std::string name() const override { return inner_->name(); }
+  DeviceType device_type() const override { return inner_->device_type(); }
+  int device_id() const override { return inner_->device_id(); }
+  std::size_t granularity() const override { return inner_->granularity(); }
+
+  std::uintptr_t reserve(std::size_t bytes) override;
+  void free_reservation(std::uintptr_t va, std::size_t bytes) override;
+  ChunkHandle create_chunk(std::size_t bytes) override;
+  void release_chunk(ChunkHandle chunk) noexcept override;
+  void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override;
+  void set_access(std::uintptr_t va, std::size_t bytes) override;
+  void unmap(std::uintptr_t va, std::size_t bytes) override;
+  int export_fd(ChunkHandle chunk) override;
+  ChunkHandle import_fd(int fd, std::size_t bytes) override;
+  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override;
+
+ private:
+  struct Pending {
+    long countdown = 0;  // 0: nothing armed
+    bool oom = false;
+  };
+  // Counts the call and throws when it is the armed one.
+  void Enter(Op op);
+
+  std::shared_ptr<Backend> inner_;
+  mutable std::mutex mu_;
+  std::array<long, kNumOps> calls_{};
+  std::array<Pending, kNumOps> pending_{};
+  std::optional<std::size_t> physical_limit_;
+  std::size_t live_bytes_ = 0;
+  std::unordered_map<ChunkHandle, std::size_t> chunk_bytes_;
+};
+
+}  // namespace vtm

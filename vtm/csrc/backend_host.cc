@@ -1,0 +1,279 @@
+// The host backend: the reference implementation of Backend.
+//
+// A reservation is an anonymous PROT_NONE mapping; a chunk is a memfd whose
+// pages are committed with fallocate at creation (so an exhausted machine
+// fails create_chunk with kOutOfMemory instead of raising SIGBUS inside a
+// kernel later); map is mmap(MAP_SHARED | MAP_FIXED) of the memfd over part of
+// a reservation; unmap re-reserves the range with a fresh PROT_NONE mapping,
+// so the reservation never has a hole another allocation could fall into.
+//
+// The backend also enforces the CUDA driver's rules (see backend.h) on a
+// mirror of the state the driver would keep, so a manager bug that would
+// fail on a GPU fails here first, with kInvalidArgument.
+//
+// Invariants (guarded by mu_):
+//  * reservations_ holds disjoint ranges, each aligned to granularity_;
+//  * mappings_ holds disjoint ranges, each inside one reservation and each
+//    exactly one whole chunk;
+//  * chunk_bytes_ has one entry per live chunk fd this backend created or
+//    imported.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "backend.h"
+#include "error.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace vtm {
+namespace {
+
+std::string Errno(const char* what) {
+  return std::string(what) + ": " + std::strerror(errno);
+}
+
+class HostBackend final : public Backend {
+ public:
+  explicit HostBackend(std::size_t granularity) : granularity_(granularity) {}
+
+  ~HostBackend() override {
+    // Everything should have been returned by the manager; close what was not
+    // so a bug upstream does not also leak descriptors.
+    for (const auto& [va, bytes] : reservations_) munmap(reinterpret_cast<void*>(va), bytes);
+    for (const auto& [fd, bytes] : chunk_bytes_) close(static_cast<int>(fd));
+  }
+
+  std::string name() const override { return "host"; }
+  DeviceType device_type() const override { return DeviceType::kCpu; }
+  int device_id() const override { return 0; }
+  std::size_t granularity() const override { return granularity_; }
+
+  std::uintptr_t reserve(std::size_t bytes) override {
+    CheckSize("reserve", bytes);
+    // Over-reserve by one granule and cut the ends off, so the range is
+    // aligned to the granularity as cuMemAddressReserve's is.
+    const std::size_t padded = bytes + granularity_;
+    void* raw = mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) {
+      if (errno == ENOMEM) Throw(ErrorCode::kOutOfMemory, Errno("reserve: mmap"));
+      Throw(ErrorCode::kBackend, Errno("reserve: mmap"));
+    }
+    const auto start = reinterpret_cast<std::uintptr_t>(raw);
+    const std::uintptr_t aligned = (start + granularity_ - 1) / granularity_ * granularity_;
+    if (aligned > start) munmap(raw, aligned - start);
+    const std::uintptr_t end = start + padded;
+    if (end > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    reservations_[aligned] = bytes;
+    return aligned;
+  }
+
+  void free_reservation(std::uintptr_t va, std::size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = reservations_.find(va);
+    if (it == reservations_.end() || it->second != bytes)
+      Throw(ErrorCode::kInvalidArgument, "free_reservation: no reservation of " + std::to_string(bytes) +
+                                             " bytes at " + Hex(va));
+    auto m = mappings_.lower_bound(va);
+    if (m != mappings_.end() && m->first < va + bytes)
+      Throw(ErrorCode::kInvalidArgument, "free_reservation: range still has a mapping at " + Hex(m->first));
+    if (munmap(reinterpret_cast<void*>(va), bytes) != 0) Throw(ErrorCode::kBackend, Errno("free_reservation: munmap"));
+    reservations_.erase(it);
+  }
+
+  ChunkHandle create_chunk(std::size_t bytes) override {
+    CheckSize("create_chunk", bytes);
+    int fd = memfd_create("vtm-chunk", MFD_CLOEXEC);
+    if (fd < 0) Throw(errno == EMFILE || errno == ENFILE ? ErrorCode::kOutOfMemory : ErrorCode::kBackend,
+                      Errno("create_chunk: memfd_create"));
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const std::string msg = Errno("create_chunk: ftruncate");
+      close(fd);
+      Throw(ErrorCode::kBackend, msg);
+    }
+    // Commit the memory now: tmpfs pages allocated lazily would turn an
+    // exhausted machine into SIGBUS on first touch, inside a kernel.
+    int rc = fallocate(fd, 0, 0, static_cast<off_t>(bytes));
+    if (rc != 0 && errno != EOPNOTSUPP) {
+      const int err = errno;
+      const std::string msg = Errno("create_chunk: fallocate");
+      close(fd);
+      Throw(err == ENOSPC || err == ENOMEM ? ErrorCode::kOutOfMemory : ErrorCode::kBackend, msg);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    chunk_bytes_[static_cast<ChunkHandle>(fd)] = bytes;
+    return static_cast<ChunkHandle>(fd);
+  }
+
+  void release_chunk(ChunkHandle chunk) noexcept override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (chunk_bytes_.erase(chunk) == 1) close(static_cast<int>(chunk));
+  }
+
+  void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = chunk_bytes_.find(chunk);
+    if (c == chunk_bytes_.end()) Throw(ErrorCode::kInvalidArgument, "map: unknown chunk " + std::to_string(chunk));
+    if (c->second != bytes)
+      Throw(ErrorCode::kInvalidArgument, "map: " + std::to_string(bytes) + " bytes of a chunk of " +
+                                             std::to_string(c->second) + " (only whole chunks are mapped)");
+    CheckRangeLocked("map", va, bytes);
+    auto m = mappings_.upper_bound(va);
+    if (m != mappings_.begin()) {
+      auto prev = std::prev(m);
+      if (prev->first + prev->second.bytes > va)
+        Throw(ErrorCode::kInvalidArgument, "map: " + Hex(va) + " is already mapped");
+    }
+    if (m != mappings_.end() && m->first < va + bytes)
+      Throw(ErrorCode::kInvalidArgument, "map: range overlaps the mapping at " + Hex(m->first));
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED,
+                   static_cast<int>(chunk), 0);
+    if (p == MAP_FAILED) Throw(errno == ENOMEM ? ErrorCode::kOutOfMemory : ErrorCode::kBackend, Errno("map: mmap"));
+    mappings_[va] = Mapping{bytes, chunk};
+  }
+
+  void set_access(std::uintptr_t va, std::size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    CheckRangeLocked("set_access", va, bytes);
+    CheckWholeMappingsLocked("set_access", va, bytes);
+    if (mprotect(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE) != 0)
+      Throw(ErrorCode::kBackend, Errno("set_access: mprotect"));
+    // Build the page tables now, on the manager's worker thread, so the
+    // kernels that read this memory never take a page fault. Kernels older
+    // than 5.14 lack MADV_POPULATE_WRITE; they fault lazily instead.
+    madvise(reinterpret_cast<void*>(va), bytes, MADV_POPULATE_WRITE);
+  }
+
+  void unmap(std::uintptr_t va, std::size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    CheckRangeLocked("unmap", va, bytes);
+    CheckWholeMappingsLocked("unmap", va, bytes);
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) Throw(ErrorCode::kBackend, Errno("unmap: mmap"));
+    mappings_.erase(mappings_.lower_bound(va), mappings_.lower_bound(va + bytes));
+  }
+
+  int export_fd(ChunkHandle chunk) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (chunk_bytes_.count(chunk) == 0)
+      Throw(ErrorCode::kInvalidArgument, "export_fd: unknown chunk " + std::to_string(chunk));
+    int fd = fcntl(static_cast<int>(chunk), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) Throw(ErrorCode::kBackend, Errno("export_fd: dup"));
+    return fd;
+  }
+
+  ChunkHandle import_fd(int fd, std::size_t bytes) override {
+    CheckSize("import_fd", bytes);
+    struct stat st;
+    if (fstat(fd, &st) != 0) Throw(ErrorCode::kInvalidArgument, Errno("import_fd: fstat"));
+    if (static_cast<std::size_t>(st.st_size) < bytes)
+      Throw(ErrorCode::kInvalidArgument, "import_fd: fd holds " + std::to_string(st.st_size) + " bytes, not " +
+                                             std::to_string(bytes));
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) Throw(ErrorCode::kBackend, Errno("import_fd: dup"));
+    std::lock_guard<std::mutex> lock(mu_);
+    chunk_bytes_[static_cast<ChunkHandle>(own)] = bytes;
+    return static_cast<ChunkHandle>(own);
+  }
+
+  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (ChunkHandle c : {dst, src}) {
+        auto it = chunk_bytes_.find(c);
+        if (it == chunk_bytes_.end()) Throw(ErrorCode::kInvalidArgument, "copy: unknown chunk " + std::to_string(c));
+        if (bytes > it->second) Throw(ErrorCode::kInvalidArgument, "copy: " + std::to_string(bytes) + " bytes exceed the chunk");
+      }
+    }
+    if (bytes == 0) return;
+    TempMapping s(src, bytes, PROT_READ);
+    TempMapping d(dst, bytes, PROT_READ | PROT_WRITE);
+    std::memcpy(d.ptr, s.ptr, bytes);
+  }
+
+ private:
+  struct Mapping {
+    std::size_t bytes;
+    ChunkHandle chunk;
+  };
+
+  // A short-lived view of a chunk outside every reservation, for copy().
+  struct TempMapping {
+    TempMapping(ChunkHandle chunk, std::size_t bytes, int prot) : bytes(bytes) {
+      ptr = mmap(nullptr, bytes, prot, MAP_SHARED, static_cast<int>(chunk), 0);
+      if (ptr == MAP_FAILED) Throw(ErrorCode::kBackend, Errno("copy: mmap"));
+    }
+    ~TempMapping() { munmap(ptr, bytes); }
+    TempMapping(const TempMapping&) = delete;
+    TempMapping& operator=(const TempMapping&) = delete;
+    void* ptr;
+    std::size_t bytes;
+  };
+
+  static std::string Hex(std::uintptr_t v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "0x%zx", static_cast<std::size_t>(v));
+    return buf;
+  }
+
+  void CheckSize(const char* op, std::size_t bytes) const {
+    if (bytes == 0 || bytes % granularity_ != 0)
+      Throw(ErrorCode::kInvalidArgument, std::string(op) + ": " + std::to_string(bytes) +
+                                             " bytes is not a positive multiple of the granularity " +
+                                             std::to_string(granularity_));
+  }
+
+  // [va, va+bytes) is aligned and lies inside one reservation.
+  void CheckRangeLocked(const char* op, std::uintptr_t va, std::size_t bytes) const {
+    CheckSize(op, bytes);
+    if (va % granularity_ != 0)
+      Throw(ErrorCode::kInvalidArgument, std::string(op) + ": address " + Hex(va) + " is not aligned to the granularity");
+    auto r = reservations_.upper_bound(va);
+    if (r == reservations_.begin() || std::prev(r)->first + std::prev(r)->second < va + bytes)
+      Throw(ErrorCode::kInvalidArgument, std::string(op) + ": range at " + Hex(va) + " is not inside a reservation");
+  }
+
+  // [va, va+bytes) is exactly a run of adjacent whole mappings.
+  void CheckWholeMappingsLocked(const char* op, std::uintptr_t va, std::size_t bytes) const {
+    std::uintptr_t at = va;
+    auto m = mappings_.find(va);
+    while (at < va + bytes) {
+      if (m == mappings_.end() || m->first != at)
+        Throw(ErrorCode::kInvalidArgument, std::string(op) + ": " + Hex(at) + " is not the start of a mapping");
+      at += m->second.bytes;
+      ++m;
+    }
+    if (at != va + bytes)
+      Throw(ErrorCode::kInvalidArgument, std::string(op) + ": range ends inside the mapping before " + Hex(at));
+  }
+
+  const std::size_t granularity_;
+  mutable std::mutex mu_;
+  std::map<std::uintptr_t, std::size_t> reservations_;
+  std::map<std::uintptr_t, Mapping> mappings_;
+  std::unordered_map<ChunkHandle, std::size_t> chunk_bytes_;
+};
+
+}  // namespace
+
+std::shared_ptr<Backend> MakeHostBackend(std::size_t granularity) {
+  if (granularity == 0) granularity = std::size_t{2} << 20;
+  const long page = sysconf(_SC_PAGESIZE);
+  if (granularity % static_cast<std::size_t>(page) != 0)
+    Throw(ErrorCode::kInvalidArgument, "host granularity " + std::to_string(granularity) +
+                                           " is not a multiple of the page size " + std::to_string(page));
+  return std::make_shared<HostBackend>(granularity);
+}
+
+}  // namespace vtm

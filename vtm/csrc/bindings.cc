@@ -1,0 +1,446 @@
+// Python binding of vtm (module vtm._core).
+//
+// The Python objects hold a PyManager, which owns the C++ Manager; worker
+// threads never hold either, so the manager is always destroyed on a Python
+// thread. Every call that may wait (a future, a barrier operation, close)
+// releases the GIL while it waits; nothing here is ever called from a worker.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "backend.h"
+#include "dlpack_view.h"
+#include "error.h"
+#include "manager.h"
+
+namespace py = pybind11;
+
+namespace vtm {
+namespace {
+
+struct PyVTensor;
+
+// One per Python-side manager: the C++ manager plus the table that keeps
+// one Python object per live vTensor id.
+struct PyManager {
+  std::unique_ptr<Manager> core;
+  std::mutex mu;
+  std::unordered_map<std::uint64_t, std::weak_ptr<PyVTensor>> vtensors;
+  std::size_t sweep_at = 1024;
+};
+
+struct PyVTensor {
+  std::shared_ptr<PyManager> mgr;
+  std::uint64_t id;
+};
+
+struct PySpace {
+  std::shared_ptr<PyManager> mgr;
+  std::uint32_t id;
+};
+
+struct PyMatch {
+  std::shared_ptr<PyVTensor> vtensor;
+  std::size_t num_tokens;
+};
+
+struct PyFuture {
+  std::shared_ptr<PyManager> mgr;
+  std::shared_ptr<FutureState> state;
+};
+
+struct PyFaults {
+  std::shared_ptr<PyManager> mgr;
+};
+
+std::shared_ptr<PyVTensor> VTensorObject(const std::shared_ptr<PyManager>& mgr, std::uint64_t id) {
+  std::lock_guard<std::mutex> lock(mgr->mu);
+  auto& weak = mgr->vtensors[id];
+  if (auto existing = weak.lock()) return existing;
+  auto vt = std::make_shared<PyVTensor>(PyVTensor{mgr, id});
+  weak = vt;
+  if (mgr->vtensors.size() >= mgr->sweep_at) {
+    for (auto it = mgr->vtensors.begin(); it != mgr->vtensors.end();)
+      it = it->second.expired() ? mgr->vtensors.erase(it) : std::next(it);
+    mgr->sweep_at = std::max<std::size_t>(1024, 2 * mgr->vtensors.size());
+  }
+  return vt;
+}
+
+py::object ToPython(const std::shared_ptr<PyManager>& mgr, const FutureValue& value) {
+  if (std::holds_alternative<VTensorRef>(value)) return py::cast(VTensorObject(mgr, std::get<VTensorRef>(value).id));
+  if (std::holds_alternative<MatchResult>(value)) {
+    const MatchResult& m = std::get<MatchResult>(value);
+    return py::cast(PyMatch{m.vtensor == 0 ? nullptr : VTensorObject(mgr, m.vtensor), m.num_tokens});
+  }
+  if (std::holds_alternative<std::int64_t>(value)) return py::int_(std::get<std::int64_t>(value));
+  return py::none();
+}
+
+// Waits without the GIL; raises TimeoutError or the operation's error.
+py::object Result(const PyFuture& f, std::optional<double> timeout) {
+  bool done;
+  {
+    py::gil_scoped_release release;
+    done = f.state->Wait(timeout ? *timeout : -1.0);
+  }
+  if (!done) {
+    PyErr_SetString(PyExc_TimeoutError, "the vtm operation did not finish in time");
+    throw py::error_already_set();
+  }
+  if (f.state->error()) std::rethrow_exception(f.state->error());
+  return ToPython(f.mgr, f.state->value());
+}
+
+py::object Wait(const std::shared_ptr<PyManager>& mgr, std::shared_ptr<FutureState> state) {
+  return Result(PyFuture{mgr, std::move(state)}, std::nullopt);
+}
+
+Manager& Core(const std::shared_ptr<PyManager>& mgr) { return *mgr->core; }
+
+py::dict SpaceDict(const SpaceInfo& s) {
+  py::dict d;
+  d["namespace"] = s.ns;
+  d["row_bytes"] = s.row_bytes;
+  d["slot_bytes"] = s.slot_bytes;
+  d["max_slots"] = s.max_slots;
+  d["slots_free"] = s.slots_free;
+  d["vtensors"] = s.vtensors;
+  d["used_tokens"] = s.used_tokens;
+  d["used_bytes"] = s.used_tokens * s.row_bytes;
+  d["mapped_bytes"] = s.mapped_bytes;
+  d["cached_bytes"] = s.cached_bytes;
+  return d;
+}
+
+py::dict StatsDict(const Stats& st) {
+  py::dict d;
+  d["backend"] = st.backend;
+  d["chunk_bytes"] = st.chunk_bytes;
+  d["capacity_bytes"] = st.capacity_bytes;
+  d["chunks_created"] = st.chunks_created;
+  d["chunks_free"] = st.chunks_free;
+  d["chunks_held"] = st.chunks_held;
+  d["chunks_mapped"] = st.chunks_mapped;
+  d["chunks_cached"] = st.chunks_cached;
+  d["chunks_in_tree"] = st.chunks_in_tree;
+  d["tree_nodes"] = st.tree_nodes;
+  d["tree_tokens"] = st.tree_tokens;
+  d["evictions_total"] = st.evictions_total;
+  d["cow_copies_total"] = st.cow_copies_total;
+  d["slot_reuses_total"] = st.slot_reuses_total;
+  d["prealloc_chunks_total"] = st.prealloc_chunks_total;
+  d["chunks_released_total"] = st.chunks_released_total;
+  d["rollback_failures_total"] = st.rollback_failures_total;
+  py::dict spaces;
+  for (const auto& [name, info] : st.spaces) spaces[py::str(name)] = SpaceDict(info);
+  d["spaces"] = spaces;
+  py::dict ops;
+  for (const auto& [name, op] : st.ops) {
+    py::dict o;
+    o["count"] = op.count;
+    o["errors"] = op.errors;
+    o["mean_us"] = op.count ? op.total_us / static_cast<double>(op.count) : 0.0;
+    o["max_us"] = op.max_us;
+    ops[py::str(name)] = o;
+  }
+  d["ops"] = ops;
+  return d;
+}
+
+// A consumer renames the capsule ("used_...") and owns the tensor from then
+// on; a capsule never consumed still owns it here.
+void DestroyLegacyCapsule(PyObject* capsule) {
+  if (PyCapsule_IsValid(capsule, "dltensor"))
+    DeleteDLPackView(PyCapsule_GetPointer(capsule, "dltensor"), /*versioned=*/false);
+}
+
+void DestroyVersionedCapsule(PyObject* capsule) {
+  if (PyCapsule_IsValid(capsule, "dltensor_versioned"))
+    DeleteDLPackView(PyCapsule_GetPointer(capsule, "dltensor_versioned"), /*versioned=*/true);
+}
+
+std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::size_t capacity_bytes, std::size_t chunk_bytes,
+                                       int device, int workers, std::size_t prealloc_chunks,
+                                       std::optional<std::size_t> max_free_chunks,
+                                       std::optional<std::size_t> slot_cache_bytes,
+                                       std::optional<std::size_t> granularity, bool faults) {
+  ManagerOptions o;
+  o.backend = backend;
+  o.capacity_bytes = capacity_bytes;
+  o.chunk_bytes = chunk_bytes;
+  o.device = device;
+  o.workers = workers;
+  o.prealloc_chunks = prealloc_chunks;
+  o.max_free_chunks = max_free_chunks;
+  o.slot_cache_bytes = slot_cache_bytes;
+  o.granularity = granularity.value_or(0);
+  o.faults = faults;
+  auto mgr = std::make_shared<PyManager>();
+  py::gil_scoped_release release;
+  mgr->core = std::make_unique<Manager>(o);
+  return mgr;
+}
+
+std::vector<py::object> PageList(const std::vector<ChunkId>& pages) {
+  std::vector<py::object> out;
+  out.reserve(pages.size());
+  for (ChunkId c : pages) out.push_back(c == kNoChunk ? py::none() : py::object(py::int_(c)));
+  return out;
+}
+
+VTensorInfo LiveInfo(const PyVTensor& vt) {
+  VTensorInfo info = Core(vt.mgr).DescribeVTensor(vt.id);
+  if (!info.live) Throw(ErrorCode::kFailedPrecondition, "vTensor " + std::to_string(vt.id) + " was released");
+  return info;
+}
+
+}  // namespace
+}  // namespace vtm
+
+PYBIND11_MODULE(_core, m) {
+  using namespace vtm;
+  m.doc() = "vTensor Manager core (C++)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      py::object cls = py::module_::import("vtm.errors").attr(ErrorCodeName(e.code()));
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  m.def("cuda_available", &CudaDriverAvailable, py::call_guard<py::gil_scoped_release>(),
+        "True when libcuda.so.1 loads and reports a device.");
+
+  py::class_<PyFuture>(m, "Future", "The result of a queued vtm operation.")
+      .def("result", &Result, py::arg("timeout") = py::none(),
+           "Wait (without the GIL) and return the value, or raise the operation's error.")
+      .def("done", [](const PyFuture& f) { return f.state->done(); })
+      .def(
+          "exception",
+          [](const PyFuture& f, std::optional<double> timeout) -> py::object {
+            try {
+              Result(f, timeout);
+            } catch (py::error_already_set& e) {
+              if (e.matches(PyExc_TimeoutError)) throw;
+              return e.value();
+            } catch (const Error& e) {
+              py::object cls = py::module_::import("vtm.errors").attr(ErrorCodeName(e.code()));
+              return cls(e.what());
+            }
+            return py::none();
+          },
+          py::arg("timeout") = py::none());
+
+  py::class_<PyMatch>(m, "Match", "A prefix match: the new vTensor (or None) and the matched token count.")
+      .def_readonly("vtensor", &PyMatch::vtensor)
+      .def_readonly("num_tokens", &PyMatch::num_tokens)
+      .def("__repr__", [](const PyMatch& mt) {
+        return "Match(num_tokens=" + std::to_string(mt.num_tokens) +
+               (mt.vtensor ? ", vtensor=" + std::to_string(mt.vtensor->id) : std::string(", vtensor=None")) + ")";
+      });
+
+  py::class_<PyVTensor, std::shared_ptr<PyVTensor>>(m, "VTensor", "One request's KV: a slot and its page table.")
+      .def_property_readonly("id", [](const PyVTensor& vt) { return vt.id; })
+      .def_property_readonly("released", [](const PyVTensor& vt) { return !Core(vt.mgr).DescribeVTensor(vt.id).live; })
+      .def_property_readonly("space", [](const PyVTensor& vt) { return PySpace{vt.mgr, LiveInfo(vt).space}; })
+      .def_property_readonly("slot", [](const PyVTensor& vt) { return LiveInfo(vt).slot; })
+      .def_property_readonly("num_tokens", [](const PyVTensor& vt) { return LiveInfo(vt).num_tokens; })
+      .def_property_readonly("address", [](const PyVTensor& vt) { return LiveInfo(vt).address; })
+      .def_property_readonly("mapped_bytes", [](const PyVTensor& vt) { return LiveInfo(vt).mapped_bytes; })
+      .def("page_chunks", [](const PyVTensor& vt) { return PageList(LiveInfo(vt).pages); })
+      .def(
+          "extend",
+          [](const PyVTensor& vt, std::size_t n) { return PyFuture{vt.mgr, Core(vt.mgr).Extend(vt.id, n)}; },
+          py::arg("num_tokens"))
+      .def("release", [](const PyVTensor& vt) { return PyFuture{vt.mgr, Core(vt.mgr).Release(vt.id)}; })
+      .def("__hash__", [](const PyVTensor& vt) { return std::hash<std::uint64_t>()(vt.id); })
+      .def("__eq__",
+           [](const PyVTensor& a, py::object b) {
+             if (!py::isinstance<PyVTensor>(b)) return false;
+             const auto& other = b.cast<const PyVTensor&>();
+             return a.mgr == other.mgr && a.id == other.id;
+           })
+      .def("__repr__", [](const PyVTensor& vt) {
+        VTensorInfo info = Core(vt.mgr).DescribeVTensor(vt.id);
+        if (!info.live) return "VTensor(id=" + std::to_string(vt.id) + ", released)";
+        return "VTensor(id=" + std::to_string(vt.id) + ", slot=" + std::to_string(info.slot) +
+               ", num_tokens=" + std::to_string(info.num_tokens) + ")";
+      });
+
+  py::class_<PySpace>(m, "Space", "One model instance's KV area: a reservation of max_slots slots.")
+      .def(
+          "create",
+          [](const PySpace& s, std::size_t n) { return PyFuture{s.mgr, Core(s.mgr).Create(s.id, n)}; },
+          py::arg("num_tokens"))
+      .def(
+          "prefix_record",
+          [](const PySpace& s, const PyVTensor& vt, std::vector<std::int32_t> tokens) {
+            if (vt.mgr != s.mgr) Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor of another manager");
+            return PyFuture{s.mgr, Core(s.mgr).PrefixRecord(s.id, vt.id, std::move(tokens))};
+          },
+          py::arg("vtensor"), py::arg("token_ids"))
+      .def(
+          "prefix_match",
+          [](const PySpace& s, std::vector<std::int32_t> tokens) {
+            return PyFuture{s.mgr, Core(s.mgr).PrefixMatch(s.id, std::move(tokens))};
+          },
+          py::arg("token_ids"))
+      .def("clear_prefixes", [](const PySpace& s) { return Wait(s.mgr, Core(s.mgr).ClearPrefixes(s.id)); })
+      .def("close", [](const PySpace& s) { Wait(s.mgr, Core(s.mgr).CloseSpace(s.id)); })
+      .def("prefix_nodes",
+           [](const PySpace& s) {
+             py::list out;
+             for (const NodeInfo& n : Core(s.mgr).PrefixNodes(s.id)) {
+               py::dict d;
+               d["start"] = n.start;
+               d["end"] = n.end;
+               d["tokens"] = n.tokens;
+               d["locks"] = n.locks;
+               d["pages"] = n.pages;
+               out.append(d);
+             }
+             return out;
+           })
+      .def(
+          "_dlpack",
+          [](const PySpace& s, int code, int bits, std::vector<std::int64_t> shape, bool versioned) {
+            DLDataType dtype{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1};
+            void* t = MakeDLPackView(Core(s.mgr).SpaceReservation(s.id), dtype, shape, versioned);
+            if (versioned) return py::capsule(t, "dltensor_versioned", &DestroyVersionedCapsule);
+            return py::capsule(t, "dltensor", &DestroyLegacyCapsule);
+          },
+          py::arg("code"), py::arg("bits"), py::arg("shape"), py::arg("versioned"))
+      .def_property_readonly("_device",
+                             [](const PySpace& s) {
+                               const auto& b = Core(s.mgr).backend();
+                               return std::make_pair(static_cast<int>(b->device_type()), b->device_id());
+                             })
+      .def_property_readonly("id", [](const PySpace& s) { return s.id; })
+      .def_property_readonly("name", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).name; })
+      .def_property_readonly("namespace", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).ns; })
+      .def_property_readonly("row_bytes", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).row_bytes; })
+      .def_property_readonly("max_tokens", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).max_tokens; })
+      .def_property_readonly("max_slots", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).max_slots; })
+      .def_property_readonly("slot_bytes", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).slot_bytes; })
+      .def_property_readonly("pages_per_slot",
+                             [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).pages_per_slot; })
+      .def_property_readonly("base_address", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).base; })
+      .def_property_readonly("free_slots", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).slots_free; })
+      .def_property_readonly("closed", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).closed; })
+      .def("__repr__", [](const PySpace& s) {
+        SpaceInfo i = Core(s.mgr).DescribeSpace(s.id);
+        return "Space(name='" + i.name + "', row_bytes=" + std::to_string(i.row_bytes) +
+               ", max_tokens=" + std::to_string(i.max_tokens) + ", max_slots=" + std::to_string(i.max_slots) + ")";
+      });
+
+  py::class_<PyFaults>(m, "FaultInjector", "Makes chosen backend calls fail (faults=True managers only).")
+      .def(
+          "fail_nth",
+          [](const PyFaults& f, const std::string& op, int n, bool oom) {
+            Core(f.mgr).faults()->FailNth(FaultInjectingBackend::OpFromName(op), n, oom);
+          },
+          py::arg("op"), py::arg("n") = 1, py::arg("oom") = false)
+      .def(
+          "set_physical_limit",
+          [](const PyFaults& f, std::optional<std::size_t> bytes) { Core(f.mgr).faults()->SetPhysicalLimit(bytes); },
+          py::arg("bytes"))
+      .def("calls",
+           [](const PyFaults& f, const std::string& op) {
+             return Core(f.mgr).faults()->Calls(FaultInjectingBackend::OpFromName(op));
+           })
+      .def("clear", [](const PyFaults& f) { Core(f.mgr).faults()->Clear(); });
+
+  py::class_<PyManager, std::shared_ptr<PyManager>>(m, "Manager", "The vTensor Manager.")
+      .def(py::init(&OpenManager), py::arg("backend") = "auto", py::arg("capacity_bytes") = std::size_t{1} << 30,
+           py::arg("chunk_bytes") = std::size_t{2} << 20, py::kw_only(), py::arg("device") = 0, py::arg("workers") = 1,
+           py::arg("prealloc_chunks") = 0, py::arg("max_free_chunks") = py::none(),
+           py::arg("slot_cache_bytes") = py::none(), py::arg("granularity") = py::none(), py::arg("faults") = false)
+      .def(
+          "create_space",
+          [](const std::shared_ptr<PyManager>& mgr, std::size_t row_bytes, std::size_t max_tokens,
+             std::size_t max_slots, std::optional<std::string> ns, std::optional<std::string> name) {
+            std::uint32_t id;
+            {
+              py::gil_scoped_release release;
+              id = Core(mgr).CreateSpace(row_bytes, max_tokens, max_slots, ns.value_or(""), name.value_or(""));
+            }
+            return PySpace{mgr, id};
+          },
+          py::arg("row_bytes"), py::arg("max_tokens"), py::arg("max_slots"), py::arg("namespace") = py::none(),
+          py::arg("name") = py::none())
+      .def(
+          "step",
+          [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {
+            std::vector<std::pair<std::uint64_t, std::size_t>> list;
+            for (auto item : targets) {
+              const auto& vt = item.first.cast<const PyVTensor&>();
+              if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, "step: vTensor of another manager");
+              list.emplace_back(vt.id, item.second.cast<std::size_t>());
+            }
+            return PyFuture{mgr, Core(mgr).Step(std::move(list))};
+          },
+          py::arg("targets"))
+      .def(
+          "trim",
+          [](const std::shared_ptr<PyManager>& mgr, std::optional<std::size_t> bytes) {
+            return Wait(mgr, Core(mgr).Trim(bytes));
+          },
+          py::arg("bytes") = py::none())
+      .def("stats", [](const std::shared_ptr<PyManager>& mgr) {
+        Stats st;
+        {
+          py::gil_scoped_release release;
+          st = Core(mgr).GetStats();
+        }
+        return StatsDict(st);
+      })
+      .def("check", [](const std::shared_ptr<PyManager>& mgr) { Core(mgr).Check(); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("close", [](const std::shared_ptr<PyManager>& mgr) { Core(mgr).Close(); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("__enter__", [](const std::shared_ptr<PyManager>& mgr) { return mgr; })
+      .def("__exit__",
+           [](const std::shared_ptr<PyManager>& mgr, py::object, py::object, py::object) {
+             py::gil_scoped_release release;
+             Core(mgr).Close();
+           })
+      .def_property_readonly("backend", [](const std::shared_ptr<PyManager>& mgr) { return Core(mgr).backend()->name(); })
+      .def_property_readonly("chunk_bytes", [](const std::shared_ptr<PyManager>& mgr) { return Core(mgr).chunk_bytes(); })
+      .def_property_readonly("capacity_bytes",
+                             [](const std::shared_ptr<PyManager>& mgr) { return Core(mgr).capacity_bytes(); })
+      .def_property_readonly("granularity",
+                             [](const std::shared_ptr<PyManager>& mgr) { return Core(mgr).backend()->granularity(); })
+      .def_property_readonly("faults", [](const std::shared_ptr<PyManager>& mgr) -> py::object {
+        if (Core(mgr).faults() == nullptr) return py::none();
+        return py::cast(PyFaults{mgr});
+      });
+
+  // The raw backend, for tests of the backend rules and for measuring the
+  // floor (one map + set_access) in benchmarks.
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "RawBackend", "Direct access to a memory backend.")
+      .def_static(
+          "open",
+          [](const std::string& kind, std::size_t granularity, int device) {
+            if (kind == "host") return MakeHostBackend(granularity);
+            if (kind == "cuda") return MakeCudaBackend(device);
+            Throw(ErrorCode::kInvalidArgument, "unknown backend '" + kind + "'");
+          },
+          py::arg("kind"), py::arg("granularity") = 0, py::arg("device") = 0)
+      .def_property_readonly("name", &Backend::name)
+      .def_property_readonly("granularity", &Backend::granularity)
+      .def("reserve", &Backend::reserve, py::call_guard<py::gil_scoped_release>())
+      .def("free_reservation", &Backend::free_reservation, py::call_guard<py::gil_scoped_release>())
+      .def("create_chunk", &Backend::create_chunk, py::call_guard<py::gil_scoped_release>())
+      .def("release_chunk", &Backend::release_chunk, py::call_guard<py::gil_scoped_release>())
+      .def("map", &Backend::map, py::call_guard<py::gil_scoped_release>())
+      .def("set_access", &Backend::set_access, py::call_guard<py::gil_scoped_release>())
+      .def("unmap", &Backend::unmap, py::call_guard<py::gil_scoped_release>())
+      .def("export_fd", &Backend::export_fd, py::call_guard<py::gil_scoped_release>())
+      .def("import_fd", &Backend::import_fd, py::call_guard<py::gil_scoped_release>())
+      .def("copy", &Backend::copy, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,237 @@
+// Manager: the vTensor Manager's policies and state, behind one mutex.
+//
+// It owns the backend, the pool (pSet), the spaces with their slots (vSet)
+// and page tables, the vTensors, the prefix trees (rTree, one per namespace)
+// and the executor. Every mutating operation is queued on the executor and
+// returns a FutureState; the operation body runs on a worker thread with mu_
+// held for its whole duration, in three phases:
+//
+//   1. validate (bad input throws before anything changes);
+//   2. act: acquire chunks, map, copy: each step that changes state pushes
+//      its inverse on an UndoLog, so a failure (out of memory, a backend
+//      error) rolls everything back;
+//   3. commit: bookkeeping that cannot fail.
+//
+// Invariants (checked from scratch by Check()):
+//  * refs(chunk) == mappings of it in slots + prefix-tree nodes holding it;
+//  * chunks with refs 0 are exactly the pool's free list;
+//  * a slot is owned by at most one live vTensor; a live vTensor's pages
+//    cover its num_tokens rows; a free slot's mapped pages are private
+//    (refs 1): pages shared with the tree are unmapped when a vTensor is
+//    released, so a reused slot never writes a shared page;
+//  * cached_pages_ == mapped pages of free slots <= the cache budget;
+//  * a tree node's locks == live vTensors locking it or a descendant.
+//
+// Caches may shrink on the way to a failure that is not out of memory
+// (pages cached in released slots, unreferenced tree leaves); everything
+// else is as before the failed operation.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend.h"
+#include "backend_faulty.h"
+#include "executor.h"
+#include "future.h"
+#include "pool.h"
+#include "prefix_tree.h"
+#include "reservation.h"
+
+namespace vtm {
+
+struct ManagerOptions {
+  std::string backend = "auto";
+  std::size_t capacity_bytes = std::size_t{1} << 30;
+  std::size_t chunk_bytes = std::size_t{2} << 20;
+  int device = 0;
+  int workers = 1;
+  std::size_t prealloc_chunks = 0;
+  std::optional<std::size_t> max_free_chunks;
+  std::optional<std::size_t> slot_cache_bytes;  // default capacity_bytes / 4
+  std::size_t granularity = 0;                  // host only; 0 = 2 MiB
+  bool faults = false;
+};
+
+struct VTensorInfo {
+  bool live = false;
+  std::uint32_t space = 0;
+  int slot = -1;
+  std::size_t num_tokens = 0;
+  std::uintptr_t address = 0;
+  std::size_t mapped_bytes = 0;
+  std::vector<ChunkId> pages;
+};
+
+struct SpaceInfo {
+  std::string name, ns;
+  std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
+  std::uintptr_t base = 0;
+  std::size_t slots_free = 0, vtensors = 0, used_tokens = 0, mapped_bytes = 0, cached_bytes = 0;
+  bool closed = false;
+};
+
+struct NodeInfo {
+  std::size_t start = 0, end = 0;
+  std::vector<std::int32_t> tokens;
+  int locks = 0;
+  std::vector<ChunkId> pages;
+};
+
+struct OpStat {
+  std::uint64_t count = 0, errors = 0;
+  double total_us = 0, max_us = 0;
+};
+
+struct Stats {
+  std::string backend;
+  std::size_t chunk_bytes = 0, capacity_bytes = 0;
+  std::size_t chunks_created = 0, chunks_free = 0, chunks_held = 0, chunks_mapped = 0,
+              chunks_cached = 0, chunks_in_tree = 0, tree_nodes = 0, tree_tokens = 0;
+  std::uint64_t evictions_total = 0, cow_copies_total = 0, slot_reuses_total = 0,
+                prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0;
+  std::vector<std::pair<std::string, SpaceInfo>> spaces;
+  std::map<std::string, OpStat> ops;
+};
+
+class Manager {
+ public:
+  explicit Manager(const ManagerOptions& options);
+  ~Manager();  // Close()
+  Manager(const Manager&) = delete;
+  Manager& operator=(const Manager&) = delete;
+
+  // Waits for queued operations, then releases every mapping, chunk and
+  // reservation. Idempotent.
+  void Close();
+
+  std::uint32_t CreateSpace(std::size_t row_bytes, std::size_t max_tokens, std::size_t max_slots,
+                            const std::string& ns, const std::string& name);
+
+  std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);
+  std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens);
+  std::shared_ptr<FutureState> Step(std::vector<std::pair<std::uint64_t, std::size_t>> targets);
+  std::shared_ptr<FutureState> Release(std::uint64_t vt);
+  std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens);
+  std::shared_ptr<FutureState> PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens);
+  // Barriers: they run after everything submitted before them.
+  std::shared_ptr<FutureState> ClearPrefixes(std::uint32_t space);
+  std::shared_ptr<FutureState> Trim(std::optional<std::size_t> bytes);
+  std::shared_ptr<FutureState> CloseSpace(std::uint32_t space);
+
+  Stats GetStats() const;
+  void Check() const;
+  VTensorInfo DescribeVTensor(std::uint64_t vt) const;
+  SpaceInfo DescribeSpace(std::uint32_t space) const;
+  std::vector<NodeInfo> PrefixNodes(std::uint32_t space) const;
+  std::shared_ptr<Reservation> SpaceReservation(std::uint32_t space) const;
+
+  const std::shared_ptr<Backend>& backend() const { return backend_; }
+  FaultInjectingBackend* faults() const { return faults_; }
+  std::size_t chunk_bytes() const { return chunk_bytes_; }
+  std::size_t capacity_bytes() const { return capacity_chunks_ * chunk_bytes_; }
+
+ private:
+  struct Slot {
+    std::vector<ChunkId> pages;  // chunk mapped at each page, or kNoChunk
+    std::size_t mapped = 0;
+    std::uint64_t owner = 0;  // live vTensor id; 0 when free
+    bool claimed = false;     // taken by the operation in progress
+    std::list<std::pair<std::uint32_t, int>>::iterator cached_pos;  // in cached_lru_ when cached
+  };
+  struct Space {
+    std::uint32_t id = 0;
+    std::string name, ns;
+    PrefixTree* tree = nullptr;
+    std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
+    std::shared_ptr<Reservation> reservation;
+    std::vector<Slot> slots;
+    std::vector<int> clean_free;  // free slots with nothing mapped
+    bool closed = false;
+  };
+  struct VTensor {
+    std::uint32_t space = 0;
+    int slot = -1;
+    std::size_t num_tokens = 0;
+    PrefixNode* lock_node = nullptr;
+  };
+  class UndoLog;
+
+  template <class Fn>
+  std::shared_ptr<FutureState> Submit(const char* op, std::vector<std::uint64_t> keys, bool barrier, Fn fn);
+  void RecordOp(const char* op, double us, bool ok);
+
+  // Operation bodies, run on a worker.
+  FutureValue DoCreate(std::uint32_t space, std::uint64_t id, std::size_t n);
+  FutureValue DoStep(const std::vector<std::pair<std::uint64_t, std::size_t>>& targets);
+  FutureValue DoRelease(std::uint64_t id);
+  FutureValue DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens);
+  FutureValue DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens);
+  FutureValue DoClearPrefixes(std::uint32_t space);
+  FutureValue DoTrim(std::optional<std::size_t> bytes);
+  FutureValue DoCloseSpace(std::uint32_t space);
+  void RefillLoop();
+
+  // Helpers; all with mu_ held.
+  Space& LiveSpace(std::uint32_t space);
+  const Space& AnySpace(std::uint32_t space) const;
+  VTensor& LiveVTensor(std::uint64_t id);
+  std::size_t PagesFor(const Space& sp, std::size_t tokens) const;
+  int ClaimSlot(Space& sp, std::size_t need_pages, bool for_match, UndoLog& undo);
+  // Gives a claimed slot to `owner`; `cached_mapped` is how many of its pages
+  // counted as cached when it was claimed.
+  void TakeSlot(Space& sp, int slot, std::uint64_t owner, std::size_t cached_mapped);
+  void FreeSlot(Space& sp, int slot);
+  bool IsCached(const Slot& s) const { return s.cached_pos != cached_lru_.end(); }
+  static std::vector<std::size_t> MappedPages(const Slot& s);
+  std::vector<ChunkId> Acquire(std::size_t n, UndoLog& undo, std::unique_lock<std::mutex>& lock);
+  std::size_t ReachableChunks() const;
+  std::size_t EvictableTreeChunks() const;
+  std::size_t ReclaimCachedPages(std::size_t need);
+  std::size_t EvictTreeLeaves(std::size_t need);
+  void MapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, const std::vector<ChunkId>& chunks,
+                UndoLog& undo);
+  // Unmaps pages (in runs); chunk references are left for the caller.
+  std::vector<ChunkId> UnmapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, UndoLog* undo);
+  void ReleaseVTensorLocked(std::uint64_t id, bool best_effort);
+  void AfterCommit();
+  std::uintptr_t PageAddress(const Space& sp, int slot, std::size_t page) const {
+    return sp.reservation->va() + static_cast<std::size_t>(slot) * sp.slot_bytes + page * chunk_bytes_;
+  }
+
+  std::shared_ptr<Backend> backend_;
+  FaultInjectingBackend* faults_ = nullptr;  // backend_ when faults are on
+  std::size_t chunk_bytes_ = 0;
+  std::size_t capacity_chunks_ = 0;
+  std::size_t prealloc_chunks_ = 0;
+  std::optional<std::size_t> max_free_chunks_;
+  std::size_t cache_budget_pages_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable refill_cv_;
+  std::unique_ptr<Pool> pool_;
+  std::map<std::string, std::unique_ptr<PrefixTree>> trees_;  // after pool_: destroyed first
+  std::vector<std::unique_ptr<Space>> spaces_;
+  std::unordered_map<std::uint64_t, VTensor> vtensors_;
+  std::list<std::pair<std::uint32_t, int>> cached_lru_;  // free slots with pages mapped, oldest first
+  std::size_t cached_pages_ = 0;
+  std::uint64_t tick_ = 0;
+  std::uint64_t next_vtensor_id_ = 1;
+  bool refill_scheduled_ = false;
+  bool closed_ = false;
+  std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
+                rollback_failures_total_ = 0;
+  std::map<std::string, OpStat> op_stats_;
+
+  std::unique_ptr<Executor> executor_;  // last: its workers stop before the state above dies
+};
+
+}  // namespace vtm

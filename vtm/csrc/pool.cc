@@ -1,0 +1,72 @@
+#include "pool.h"
+
+#include <algorithm>
+
+#include "error.h"
+
+namespace vtm {
+
+Pool::Pool(std::shared_ptr<Backend> backend, std::size_t chunk_bytes, std::size_t capacity_chunks)
+    : backend_(std::move(backend)), chunk_bytes_(chunk_bytes), capacity_chunks_(capacity_chunks) {}
+
+Pool::~Pool() {
+  for (ChunkId id = 0; id < records_.size(); ++id)
+    if (records_[id].alive) backend_->release_chunk(records_[id].handle);
+}
+
+bool Pool::TakeFree(ChunkId* out) {
+  if (free_.empty()) return false;
+  *out = free_.back();
+  free_.pop_back();
+  records_[*out].refs = 1;
+  return true;
+}
+
+ChunkId Pool::Adopt(ChunkHandle handle, int refs) {
+  ChunkId id;
+  if (!dead_ids_.empty()) {
+    id = dead_ids_.back();
+    dead_ids_.pop_back();
+  } else {
+    id = static_cast<ChunkId>(records_.size());
+    records_.emplace_back();
+  }
+  records_[id] = Record{handle, refs, true};
+  ++alive_;
+  if (refs == 0) free_.push_back(id);
+  return id;
+}
+
+bool Pool::Unref(ChunkId id) {
+  Record& r = records_[id];
+  if (r.refs <= 0) Throw(ErrorCode::kInternal, "unref of chunk " + std::to_string(id) + " with refcount 0");
+  if (--r.refs > 0) return false;
+  free_.push_back(id);
+  return true;
+}
+
+void Pool::Destroy(ChunkId id) {
+  if (records_[id].refs != 1)
+    Throw(ErrorCode::kInternal, "destroy of chunk " + std::to_string(id) + " with refcount " +
+                                    std::to_string(records_[id].refs));
+  Retire(id);
+}
+
+std::size_t Pool::ReleaseFree(std::size_t max_chunks) {
+  std::size_t n = std::min(max_chunks, free_.size());
+  // Release the coldest chunks: the front of the LIFO free list.
+  for (std::size_t i = 0; i < n; ++i) Retire(free_[i]);
+  free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
+  return n;
+}
+
+void Pool::Retire(ChunkId id) {
+  Record& r = records_[id];
+  backend_->release_chunk(r.handle);
+  r = Record{};
+  dead_ids_.push_back(id);
+  --alive_;
+  ++released_total_;
+}
+
+}  // namespace vtm

@@ -1,0 +1,184 @@
+#include "prefix_tree.h"
+
+#include <algorithm>
+
+#include "error.h"
+
+namespace vtm {
+
+PrefixTree::PrefixTree(std::string name, std::size_t row_bytes, std::size_t page_bytes, Pool* pool)
+    : name_(std::move(name)), row_bytes_(row_bytes), page_bytes_(page_bytes), pool_(pool) {}
+
+PrefixTree::~PrefixTree() {
+  while (!root_.children.empty()) {
+    auto it = root_.children.begin();
+    std::unique_ptr<PrefixNode> child = std::move(it->second);
+    root_.children.erase(it);
+    DropSubtree(std::move(child));
+  }
+}
+
+TreePosition PrefixTree::Find(const std::int32_t* tokens, std::size_t n) const {
+  TreePosition pos{const_cast<PrefixNode*>(&root_), 0};
+  while (pos.length < n) {
+    auto it = pos.node->children.find(tokens[pos.length]);
+    if (it == pos.node->children.end()) break;
+    PrefixNode* child = it->second.get();
+    const std::size_t limit = std::min(child->tokens.size(), n - pos.length);
+    std::size_t k = 1;  // the first token matched by the key
+    while (k < limit && child->tokens[k] == tokens[pos.length + k]) ++k;
+    pos.node = child;
+    pos.length += k;
+    if (k < child->tokens.size()) break;
+  }
+  return pos;
+}
+
+void PrefixTree::CollectPages(const TreePosition& pos, std::vector<ChunkId>* out) const {
+  std::vector<const PrefixNode*> path;
+  for (const PrefixNode* n = pos.node; n != &root_; n = n->parent) path.push_back(n);
+  // Root first, so a deeper node's version of a page overwrites its parent's.
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    const PrefixNode* n = *it;
+    for (std::size_t i = 0; i < n->pages.size(); ++i) {
+      const std::size_t page = n->first_page + i;
+      if (page < out->size()) (*out)[page] = n->pages[i];
+    }
+  }
+}
+
+PrefixNode* PrefixTree::SplitAt(const TreePosition& pos) {
+  if (pos.length == pos.node->end() || pos.node == &root_) return pos.node;
+  return Split(pos.node, pos.length);
+}
+
+PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
+  // node covers [s, e) with s < at < e; it becomes [at, e) under a new
+  // parent covering [s, at).
+  const std::size_t offset = at - node->start;
+  auto upper = std::make_unique<PrefixNode>();
+  upper->tokens.assign(node->tokens.begin(), node->tokens.begin() + offset);
+  upper->start = node->start;
+  upper->first_page = node->first_page;
+  const std::size_t upper_last = (at * row_bytes_ - 1) / page_bytes_;
+  upper->pages.assign(node->pages.begin(), node->pages.begin() + (upper_last - node->first_page + 1));
+  upper->locks = node->locks;
+  upper->last_access = node->last_access;
+  upper->parent = node->parent;
+
+  const std::size_t lower_first = FirstPage(at);
+  node->pages.erase(node->pages.begin(), node->pages.begin() + (lower_first - node->first_page));
+  node->first_page = lower_first;
+  node->tokens.erase(node->tokens.begin(), node->tokens.begin() + offset);
+  node->start = at;
+  // The page holding byte at*R now belongs to both halves.
+  if (lower_first == upper_last) pool_->Ref(upper->pages.back());
+
+  PrefixNode* parent = node->parent;
+  auto& slot = parent->children[upper->tokens.front()];
+  std::unique_ptr<PrefixNode> lower = std::move(slot);
+  lower->parent = upper.get();
+  upper->children.emplace(lower->tokens.front(), std::move(lower));
+  slot = std::move(upper);
+  return slot.get();
+}
+
+std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* tokens, std::size_t n,
+                                                       const std::vector<ChunkId>& pages, std::uint64_t tick) {
+  TreePosition pos = Find(tokens, n);
+  PrefixNode* node = SplitAt(pos);
+  const std::size_t start = pos.length;
+  if (start < n) {
+    auto leaf = std::make_unique<PrefixNode>();
+    leaf->tokens.assign(tokens + start, tokens + n);
+    leaf->start = start;
+    leaf->first_page = FirstPage(start);
+    const std::size_t end_page = PageEnd(n);
+    for (std::size_t p = leaf->first_page; p < end_page; ++p) {
+      if (p >= pages.size() || pages[p] == kNoChunk)
+        Throw(ErrorCode::kInternal, "prefix_record: page " + std::to_string(p) + " is not mapped");
+      leaf->pages.push_back(pages[p]);
+    }
+    for (ChunkId c : leaf->pages) pool_->Ref(c);
+    leaf->parent = node;
+    PrefixNode* raw = leaf.get();
+    node->children.emplace(leaf->tokens.front(), std::move(leaf));
+    node = raw;
+  }
+  Touch(node, tick);
+  return {node, n - start};
+}
+
+void PrefixTree::Touch(PrefixNode* node, std::uint64_t tick) {
+  for (PrefixNode* n = node; n != nullptr; n = n->parent) n->last_access = tick;
+}
+
+void PrefixTree::Lock(PrefixNode* node) {
+  for (PrefixNode* n = node; n != &root_; n = n->parent) ++n->locks;
+}
+
+void PrefixTree::Unlock(PrefixNode* node) {
+  for (PrefixNode* n = node; n != &root_; n = n->parent) {
+    if (n->locks <= 0) Throw(ErrorCode::kInternal, "unlock of a prefix node without locks");
+    --n->locks;
+  }
+}
+
+std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
+  if (leaf == &root_ || !leaf->children.empty() || leaf->locks != 0)
+    Throw(ErrorCode::kInternal, "evicting a prefix node that is not an unlocked leaf");
+  std::size_t freed = 0;
+  for (ChunkId c : leaf->pages) freed += pool_->Unref(c) ? 1 : 0;
+  leaf->parent->children.erase(leaf->tokens.front());
+  return freed;
+}
+
+std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node) {
+  std::size_t dropped = 1;
+  for (auto& [token, child] : node->children) dropped += DropSubtree(std::move(child));
+  for (ChunkId c : node->pages) pool_->Unref(c);
+  return dropped;
+}
+
+std::size_t PrefixTree::DropUnlocked() {
+  std::size_t dropped = 0;
+  std::function<void(PrefixNode*)> visit = [&](PrefixNode* n) {
+    for (auto it = n->children.begin(); it != n->children.end();) {
+      if (it->second->locks == 0) {
+        std::unique_ptr<PrefixNode> child = std::move(it->second);
+        it = n->children.erase(it);
+        dropped += DropSubtree(std::move(child));
+      } else {
+        visit(it->second.get());
+        ++it;
+      }
+    }
+  };
+  visit(&root_);
+  return dropped;
+}
+
+void PrefixTree::ForEach(const std::function<void(const PrefixNode&)>& fn) const {
+  std::function<void(const PrefixNode&)> visit = [&](const PrefixNode& n) {
+    for (const auto& [token, child] : n.children) {
+      fn(*child);
+      visit(*child);
+    }
+  };
+  visit(root_);
+}
+
+void PrefixTree::ForEachEvictableLeaf(const std::function<void(PrefixNode*)>& fn) {
+  std::function<void(PrefixNode*)> visit = [&](PrefixNode* n) {
+    for (auto& [token, child] : n->children) {
+      if (child->children.empty()) {
+        if (child->locks == 0) fn(child.get());
+      } else {
+        visit(child.get());
+      }
+    }
+  };
+  visit(&root_);
+}
+
+}  // namespace vtm

@@ -1,0 +1,110 @@
+// PrefixTree (the rTree): a radix tree over token ids for one namespace,
+// holding references on the chunks that recorded sequences wrote.
+//
+// A node covers tokens [start, end) of every sequence through it. Its KV
+// bytes are [start*R, end*R) of a slot (R = row bytes), and it keeps the
+// chunk of every page that intersects that byte range: the pages that begin
+// inside it, plus its own version of the page straddling `start` (siblings
+// diverge inside a page, so a parent's version of that page may hold another
+// branch's bytes past the parent's end). For any page, the deepest node on a
+// path that keeps it holds the correct bytes for the whole path up to that
+// node's end; CollectPages() relies on this.
+//
+// Invariants:
+//  * children are keyed by their first token; no node but the root has an
+//    empty edge; a child's start is its parent's end;
+//  * pages.size() == pages intersecting [start*R, end*R), none kNoChunk, and
+//    the node holds one pool reference on each;
+//  * locks = number of live vTensors whose locked node is this node or a
+//    descendant, so locks(parent) >= locks(child); only leaves with locks == 0
+//    are evicted.
+//
+// Not thread-safe: the Manager calls it with its mutex held.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pool.h"
+
+namespace vtm {
+
+struct PrefixNode {
+  PrefixNode* parent = nullptr;
+  std::map<std::int32_t, std::unique_ptr<PrefixNode>> children;
+  std::vector<std::int32_t> tokens;  // the edge label
+  std::size_t start = 0;
+  std::size_t first_page = 0;
+  std::vector<ChunkId> pages;  // pages first_page, first_page + 1, ...
+  int locks = 0;
+  std::uint64_t last_access = 0;
+
+  std::size_t end() const { return start + tokens.size(); }
+};
+
+// Where a longest-prefix search stopped: `length` tokens matched, ending
+// inside or at the end of `node` (the root when length is 0).
+struct TreePosition {
+  PrefixNode* node = nullptr;
+  std::size_t length = 0;
+};
+
+class PrefixTree {
+ public:
+  PrefixTree(std::string name, std::size_t row_bytes, std::size_t page_bytes, Pool* pool);
+  ~PrefixTree();  // drops every reference (the pool must still exist)
+  PrefixTree(const PrefixTree&) = delete;
+  PrefixTree& operator=(const PrefixTree&) = delete;
+
+  const std::string& name() const { return name_; }
+  std::size_t row_bytes() const { return row_bytes_; }
+  PrefixNode* root() { return &root_; }
+
+  // Longest recorded prefix of tokens[0..n). Does not change the tree.
+  TreePosition Find(const std::int32_t* tokens, std::size_t n) const;
+  // For each page p < out->size(), the chunk the deepest node on the path to
+  // `pos` keeps for p (kNoChunk where none does).
+  void CollectPages(const TreePosition& pos, std::vector<ChunkId>* out) const;
+  // The node that ends exactly at pos.length, splitting pos.node if needed.
+  PrefixNode* SplitAt(const TreePosition& pos);
+  // Records tokens[0..n), whose KV lives in `pages` (a slot's page table).
+  // Returns the node ending at n and the number of tokens added.
+  std::pair<PrefixNode*, std::size_t> Insert(const std::int32_t* tokens, std::size_t n,
+                                             const std::vector<ChunkId>& pages, std::uint64_t tick);
+
+  // Marks the path from the root to `node` as used at `tick`.
+  void Touch(PrefixNode* node, std::uint64_t tick);
+  void Lock(PrefixNode* node);
+  void Unlock(PrefixNode* node);
+
+  // Removes a leaf with locks == 0; returns how many chunks became free.
+  std::size_t EvictLeaf(PrefixNode* leaf);
+  // Removes every node with locks == 0; returns how many were removed.
+  std::size_t DropUnlocked();
+
+  // Visits every node but the root, depth first, children in token order.
+  void ForEach(const std::function<void(const PrefixNode&)>& fn) const;
+  // Visits every leaf (not the root) with locks == 0.
+  void ForEachEvictableLeaf(const std::function<void(PrefixNode*)>& fn);
+
+  std::size_t FirstPage(std::size_t token) const { return token * row_bytes_ / page_bytes_; }
+  // One past the last page that holds a byte of tokens [0, end).
+  std::size_t PageEnd(std::size_t end) const { return (end * row_bytes_ + page_bytes_ - 1) / page_bytes_; }
+
+ private:
+  PrefixNode* Split(PrefixNode* node, std::size_t at);
+  std::size_t DropSubtree(std::unique_ptr<PrefixNode> node);
+
+  const std::string name_;
+  const std::size_t row_bytes_;
+  const std::size_t page_bytes_;
+  Pool* pool_;
+  PrefixNode root_;
+};
+
+}  // namespace vtm
