@@ -100,6 +100,12 @@ py::object Wait(const std::shared_ptr<PyManager>& mgr, std::shared_ptr<FutureSta
 
 Manager& Core(const std::shared_ptr<PyManager>& mgr) { return *mgr->core; }
 
+// Python ints may be negative; sizes may not.
+std::size_t Count(std::int64_t n, const char* what) {
+  if (n < 0) Throw(ErrorCode::kInvalidArgument, std::string(what) + " must be >= 0, got " + std::to_string(n));
+  return static_cast<std::size_t>(n);
+}
+
 py::dict SpaceDict(const SpaceInfo& s) {
   py::dict d;
   d["namespace"] = s.ns;
@@ -162,21 +168,21 @@ void DestroyVersionedCapsule(PyObject* capsule) {
     DeleteDLPackView(PyCapsule_GetPointer(capsule, "dltensor_versioned"), /*versioned=*/true);
 }
 
-std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::size_t capacity_bytes, std::size_t chunk_bytes,
-                                       int device, int workers, std::size_t prealloc_chunks,
-                                       std::optional<std::size_t> max_free_chunks,
-                                       std::optional<std::size_t> slot_cache_bytes,
-                                       std::optional<std::size_t> granularity, bool faults) {
+std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::int64_t capacity_bytes, std::int64_t chunk_bytes,
+                                       int device, int workers, std::int64_t prealloc_chunks,
+                                       std::optional<std::int64_t> max_free_chunks,
+                                       std::optional<std::int64_t> slot_cache_bytes,
+                                       std::optional<std::int64_t> granularity, bool faults) {
   ManagerOptions o;
   o.backend = backend;
-  o.capacity_bytes = capacity_bytes;
-  o.chunk_bytes = chunk_bytes;
+  o.capacity_bytes = Count(capacity_bytes, "capacity_bytes");
+  o.chunk_bytes = Count(chunk_bytes, "chunk_bytes");
   o.device = device;
   o.workers = workers;
-  o.prealloc_chunks = prealloc_chunks;
-  o.max_free_chunks = max_free_chunks;
-  o.slot_cache_bytes = slot_cache_bytes;
-  o.granularity = granularity.value_or(0);
+  o.prealloc_chunks = Count(prealloc_chunks, "prealloc_chunks");
+  if (max_free_chunks) o.max_free_chunks = Count(*max_free_chunks, "max_free_chunks");
+  if (slot_cache_bytes) o.slot_cache_bytes = Count(*slot_cache_bytes, "slot_cache_bytes");
+  if (granularity) o.granularity = Count(*granularity, "granularity");
   o.faults = faults;
   auto mgr = std::make_shared<PyManager>();
   py::gil_scoped_release release;
@@ -255,7 +261,9 @@ PYBIND11_MODULE(_core, m) {
       .def("page_chunks", [](const PyVTensor& vt) { return PageList(LiveInfo(vt).pages); })
       .def(
           "extend",
-          [](const PyVTensor& vt, std::size_t n) { return PyFuture{vt.mgr, Core(vt.mgr).Extend(vt.id, n)}; },
+          [](const PyVTensor& vt, std::int64_t n) {
+            return PyFuture{vt.mgr, Core(vt.mgr).Extend(vt.id, Count(n, "num_tokens"))};
+          },
           py::arg("num_tokens"))
       .def("release", [](const PyVTensor& vt) { return PyFuture{vt.mgr, Core(vt.mgr).Release(vt.id)}; })
       .def("__hash__", [](const PyVTensor& vt) { return std::hash<std::uint64_t>()(vt.id); })
@@ -275,7 +283,9 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PySpace>(m, "Space", "One model instance's KV area: a reservation of max_slots slots.")
       .def(
           "create",
-          [](const PySpace& s, std::size_t n) { return PyFuture{s.mgr, Core(s.mgr).Create(s.id, n)}; },
+          [](const PySpace& s, std::int64_t n) {
+            return PyFuture{s.mgr, Core(s.mgr).Create(s.id, Count(n, "num_tokens"))};
+          },
           py::arg("num_tokens"))
       .def(
           "prefix_record",
@@ -362,12 +372,14 @@ PYBIND11_MODULE(_core, m) {
            py::arg("slot_cache_bytes") = py::none(), py::arg("granularity") = py::none(), py::arg("faults") = false)
       .def(
           "create_space",
-          [](const std::shared_ptr<PyManager>& mgr, std::size_t row_bytes, std::size_t max_tokens,
-             std::size_t max_slots, std::optional<std::string> ns, std::optional<std::string> name) {
+          [](const std::shared_ptr<PyManager>& mgr, std::int64_t row_bytes, std::int64_t max_tokens,
+             std::int64_t max_slots, std::optional<std::string> ns, std::optional<std::string> name) {
+            const std::size_t r = Count(row_bytes, "row_bytes"), t = Count(max_tokens, "max_tokens"),
+                              n = Count(max_slots, "max_slots");
             std::uint32_t id;
             {
               py::gil_scoped_release release;
-              id = Core(mgr).CreateSpace(row_bytes, max_tokens, max_slots, ns.value_or(""), name.value_or(""));
+              id = Core(mgr).CreateSpace(r, t, n, ns.value_or(""), name.value_or(""));
             }
             return PySpace{mgr, id};
           },
@@ -380,15 +392,17 @@ PYBIND11_MODULE(_core, m) {
             for (auto item : targets) {
               const auto& vt = item.first.cast<const PyVTensor&>();
               if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, "step: vTensor of another manager");
-              list.emplace_back(vt.id, item.second.cast<std::size_t>());
+              list.emplace_back(vt.id, Count(item.second.cast<std::int64_t>(), "num_tokens"));
             }
             return PyFuture{mgr, Core(mgr).Step(std::move(list))};
           },
           py::arg("targets"))
       .def(
           "trim",
-          [](const std::shared_ptr<PyManager>& mgr, std::optional<std::size_t> bytes) {
-            return Wait(mgr, Core(mgr).Trim(bytes));
+          [](const std::shared_ptr<PyManager>& mgr, std::optional<std::int64_t> bytes) {
+            std::optional<std::size_t> b;
+            if (bytes) b = Count(*bytes, "bytes");
+            return Wait(mgr, Core(mgr).Trim(b));
           },
           py::arg("bytes") = py::none())
       .def("stats", [](const std::shared_ptr<PyManager>& mgr) {
