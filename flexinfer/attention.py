@@ -1,0 +1,101 @@
+"""Attention backends behind one small interface.
+
+`prepare(batch, kv_cache)` runs once per forward pass; `forward(layer, q,
+batch, kv_cache)` returns the attention output [T, heads, head_dim] for the
+flattened batch's queries q [T, heads, head_dim], reading K/V straight from
+the cache views.
+
+- `sdpa`: torch's scaled_dot_product_attention on each sequence's views (CPU
+  and CUDA). The reference.
+- `flash_attn`: flash_attn_with_kvcache over the whole-space views, with
+  cache_seqlens and cache_batch_idx (CUDA only, when the package exists).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class SdpaAttention:
+    name = "sdpa"
+
+    def prepare(self, batch, kv_cache) -> None:
+        # A chunk that continues a cached prefix needs an explicit causal
+        # mask aligned to the end (SDPA's is_causal aligns to the start).
+        self._masks = []
+        for start, n in zip(batch.starts, batch.new_lens):
+            if start > 0 and n > 1:
+                device = kv_cache.device
+                q_pos = torch.arange(start, start + n, device=device)[:, None]
+                k_pos = torch.arange(start + n, device=device)[None, :]
+                self._masks.append(k_pos <= q_pos)
+            else:
+                self._masks.append(None)
+
+    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
+        out = torch.empty_like(q)
+        offset = 0
+        k_layer, v_layer = kv_cache.k[layer], kv_cache.v[layer]
+        for slot, start, n, mask in zip(batch.slots, batch.starts, batch.new_lens, self._masks):
+            length = start + n
+            k = k_layer[slot, :length].transpose(0, 1).unsqueeze(0)
+            v = v_layer[slot, :length].transpose(0, 1).unsqueeze(0)
+            qi = q[offset:offset + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=(mask is None and n > 1),
+                                               enable_gqa=True)
+            out[offset:offset + n] = o[0].transpose(0, 1)
+            offset += n
+        return out
+
+
+class FlashAttention:
+    """flash_attn_with_kvcache over the space's full views (CUDA only)."""
+
+    name = "flash_attn"
+
+    def __init__(self):
+        from flash_attn import flash_attn_with_kvcache  # noqa: F401  (fails early when missing)
+
+        self._fn = flash_attn_with_kvcache
+
+    def prepare(self, batch, kv_cache) -> None:
+        device = kv_cache.device
+        self._slots = torch.tensor(batch.slots, dtype=torch.int32, device=device)
+        self._cache_seqlens = torch.tensor(batch.starts, dtype=torch.int32, device=device)
+
+    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
+        # The new rows were already written by KVCache.write, so the kernel
+        # sees cache_seqlens = start + n and is told not to append.
+        k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
+        out = torch.empty_like(q)
+        offset = 0
+        if batch.is_decode:
+            o = self._fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=self._cache_seqlens + 1,
+                         cache_batch_idx=self._slots, causal=True)
+            return o.squeeze(1)
+        for i, (start, n) in enumerate(zip(batch.starts, batch.new_lens)):
+            lens = torch.tensor([start + n], dtype=torch.int32, device=q.device)
+            o = self._fn(q[offset:offset + n].unsqueeze(0), k_cache, v_cache, cache_seqlens=lens,
+                         cache_batch_idx=self._slots[i:i + 1], causal=True)
+            out[offset:offset + n] = o[0]
+            offset += n
+        return out
+
+
+def make_attention(name: str, device: torch.device):
+    """`auto`: flash_attn on CUDA when installed, else sdpa."""
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                return FlashAttention()
+            except ImportError:
+                pass
+        return SdpaAttention()
+    if name == "sdpa":
+        return SdpaAttention()
+    if name == "flash_attn":
+        if device.type != "cuda":
+            raise ValueError("the flash_attn backend needs a CUDA device")
+        return FlashAttention()
+    raise ValueError(f"unknown attention backend {name!r} (expected auto, sdpa or flash_attn)")

@@ -1,0 +1,20 @@
+"""Typed errors raised by FlexInfer.
+
+Every error a caller can act on derives from FlexInferError; the ones caused by bad
+input also derive from ValueError so that generic `except ValueError` handlers keep
+working.
+"""
+
+
+class FlexInferError(Exception):
+    """Base class of every error FlexInfer raises on purpose."""
+
+
+class ModelLoadError(FlexInferError, ValueError):
+    """A model could not be loaded: missing or malformed file, or an unsupported
+    architecture, quantization type or tokenizer. The message names the file."""
+
+
+class ChatTemplateError(FlexInferError, ValueError):
+    """A chat template is missing, or it rejected the conversation (its
+    `raise_exception(...)` was called)."""

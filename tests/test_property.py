@@ -1,0 +1,449 @@
+"""Property tests: random operation sequences checked against a pure-Python model.
+
+Rows straddle pages (row_bytes 3000 and 46080 against 64 KiB chunks), the
+vocabulary has 4 tokens so prefixes collide all the time, and every row a
+vTensor gains is filled with a pattern derived from its token prefix, so a
+match must return exactly the bytes written for the query's prefix, and no
+vTensor may ever see its rows change (nobody writes into a shared page).
+"""
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import vtm
+from vtm_testing import (RowIO, assert_pool_consistent, best_lcp, leaf_paths, maximal,
+                      new_manager, node_paths)
+
+VOCAB = 4
+TOK = st.integers(0, VOCAB - 1)
+
+
+def toks(n):
+    return st.lists(TOK, min_size=n, max_size=n)
+
+
+class VtmMachine(RuleBasedStateMachine):
+    """Spaces 0 and 1 share namespace "shared" (row 3000 B, 3 pages per slot);
+    space 2 has a private namespace (row 46080 B: 1.4 rows per page, 9 pages)."""
+
+    def __init__(self):
+        super().__init__()
+        # capacity far above anything a run can hold: nothing is ever evicted
+        self.mgr = new_manager("host", chunks=2048)
+        self.spaces = [
+            self.mgr.create_space(row_bytes=3000, max_tokens=48, max_slots=6, namespace="shared"),
+            self.mgr.create_space(row_bytes=3000, max_tokens=48, max_slots=6, namespace="shared"),
+            self.mgr.create_space(row_bytes=46080, max_tokens=12, max_slots=4),
+        ]
+        self.ns_of = [0, 0, 1]
+        self.ios = [RowIO(s) for s in self.spaces]
+        self.live = {}          # vt -> [space index, token list]
+        self.recorded = [set(), set()]  # per namespace: recorded sequences (tuples)
+        self.recorded_by = {}   # vt -> sequences it recorded (a recorder may lock them)
+        self.matched = {}       # vt -> the path its match locked
+        self.steps = 0
+
+    # ---------------------------------------------------------------- helpers
+    def count(self, si):
+        return sum(1 for s, _ in self.live.values() if s == si)
+
+    def draw_vt(self, data, min_tokens=0):
+        cands = sorted((vt for vt, (_, t) in self.live.items() if len(t) >= min_tokens),
+                       key=lambda v: v.id)
+        if not cands:
+            return None
+        return data.draw(st.sampled_from(cands))
+
+    def draw_prefixy(self, data, ns, max_len):
+        """Tokens that often share a long prefix with something recorded."""
+        rec = sorted(self.recorded[ns])
+        if rec and data.draw(st.booleans()):
+            base = data.draw(st.sampled_from(rec))
+            cut = data.draw(st.integers(0, len(base)))
+            tail = data.draw(st.lists(TOK, max_size=6))
+            q = list(base[:cut]) + tail
+        else:
+            q = data.draw(st.lists(TOK, max_size=max_len))
+        return q[:max_len]
+
+    def write_new_rows(self, vt, old_n):
+        si, tokens = self.live[vt]
+        self.ios[si].write(vt, tokens, old_n, vt.num_tokens)
+
+    def grow(self, data, vt, target):
+        si, tokens = self.live[vt]
+        old = len(tokens)
+        new = max(old, target)
+        tokens.extend(data.draw(toks(new - old)))
+        return old
+
+    # ---------------------------------------------------------------- rules
+    @initialize(data=st.data())
+    def seed_records(self, data):
+        """Start with a few recorded conversations so that matches hit often."""
+        for si in (0, 2):
+            sp = self.spaces[si]
+            for _ in range(data.draw(st.integers(0, 3))):
+                tokens = self.draw_prefixy(data, self.ns_of[si], sp.max_tokens)
+                if not tokens:
+                    continue
+                vt = sp.create(len(tokens)).result()
+                self.live[vt] = [si, list(tokens)]
+                self.recorded_by[vt] = []
+                self.write_new_rows(vt, 0)
+                seq = tuple(tokens)
+                expect = len(seq) - best_lcp(seq, self.recorded[self.ns_of[si]])
+                assert sp.prefix_record(vt, list(seq)).result() == expect
+                self.recorded[self.ns_of[si]].add(seq)
+                if data.draw(st.booleans()):
+                    vt.release().result()
+                    del self.live[vt]
+                    del self.recorded_by[vt]
+                else:
+                    self.recorded_by[vt].append(seq)
+
+    @rule(data=st.data(), si=st.integers(0, 2))
+    def create(self, data, si):
+        sp = self.spaces[si]
+        if self.count(si) >= sp.max_slots:
+            with pytest.raises(vtm.OutOfMemory):
+                sp.create(1).result()
+            return
+        tokens = self.draw_prefixy(data, self.ns_of[si], sp.max_tokens)
+        if data.draw(st.booleans()):
+            tokens = data.draw(toks(data.draw(st.integers(0, sp.max_tokens))))
+        vt = sp.create(len(tokens)).result()
+        assert vt.num_tokens == len(tokens)
+        assert not vt.released
+        self.live[vt] = [si, list(tokens)]
+        self.recorded_by[vt] = []
+        self.write_new_rows(vt, 0)
+
+    @rule(data=st.data())
+    def extend(self, data):
+        vt = self.draw_vt(data)
+        if vt is None:
+            return
+        si, tokens = self.live[vt]
+        mt = self.spaces[si].max_tokens
+        target = data.draw(st.integers(max(0, len(tokens) - 3), mt))
+        vt.extend(target).result()
+        old = self.grow(data, vt, target)
+        assert vt.num_tokens == max(old, target)
+        self.write_new_rows(vt, old)
+
+    @rule(data=st.data())
+    def step(self, data):
+        vts = sorted(self.live, key=lambda v: v.id)
+        if not vts:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(vts), min_size=1, max_size=3, unique=True))
+        req = {}
+        for vt in chosen:
+            si, tokens = self.live[vt]
+            req[vt] = data.draw(st.integers(len(tokens), self.spaces[si].max_tokens))
+        self.mgr.step(req).result()
+        for vt, target in req.items():
+            old = self.grow(data, vt, target)
+            assert vt.num_tokens == target
+            self.write_new_rows(vt, old)
+
+    @rule(data=st.data())
+    def prefix_record(self, data):
+        vt = self.draw_vt(data, min_tokens=1)
+        if vt is None:
+            return
+        si, tokens = self.live[vt]
+        k = data.draw(st.integers(1, len(tokens)))
+        seq = tuple(tokens[:k])
+        ns = self.ns_of[si]
+        expect = k - best_lcp(seq, self.recorded[ns])
+        got = self.spaces[si].prefix_record(vt, list(seq)).result()
+        assert got == expect, f"prefix_record({list(seq)}) added {got}, model says {expect}"
+        self.recorded[ns].add(seq)
+        self.recorded_by[vt].append(seq)
+
+    @rule(data=st.data(), si=st.integers(0, 2))
+    def prefix_match(self, data, si):
+        sp = self.spaces[si]
+        if self.count(si) >= sp.max_slots:
+            return
+        ns = self.ns_of[si]
+        q = self.draw_prefixy(data, ns, 60)
+        if not q:
+            q = [data.draw(TOK)]
+        expect = min(best_lcp(q, self.recorded[ns]), len(q) - 1)
+        m = sp.prefix_match(q).result()
+        assert m.num_tokens == expect, f"match({q}) = {m.num_tokens}, model says {expect}"
+        event(f"match length {'0' if expect == 0 else '>0'}")
+        if expect == 0:
+            assert m.vtensor is None
+            return
+        vt = m.vtensor
+        assert vt.num_tokens == expect and not vt.released
+        assert vt.space.name == sp.name
+        self.ios[si].verify(vt, q, 0, expect, what=f"match({q}):")
+        self.live[vt] = [si, list(q[:expect])]
+        self.recorded_by[vt] = []
+        self.matched[vt] = tuple(q[:expect])
+
+    @rule(data=st.data())
+    def release(self, data):
+        vt = self.draw_vt(data)
+        if vt is None:
+            return
+        vt.release().result()
+        assert vt.released
+        del self.live[vt]
+        self.recorded_by.pop(vt, None)
+        self.matched.pop(vt, None)
+
+    @rule()
+    def trim(self):
+        got = self.mgr.trim()
+        assert got >= 0 and got % self.mgr.chunk_bytes == 0
+        st_ = self.mgr.stats()
+        assert st_["chunks_free"] == 0, st_
+        assert st_["chunks_cached"] == 0, st_
+        for name, d in st_["spaces"].items():
+            assert d["cached_bytes"] == 0, (name, d)
+
+    @rule(si=st.integers(0, 2))
+    def clear_prefixes(self, si):
+        sp = self.spaces[si]
+        ns = self.ns_of[si]
+        n_before = len(sp.prefix_nodes())
+        dropped = sp.clear_prefixes()
+        nodes = sp.prefix_nodes()
+        assert dropped == n_before - len(nodes)
+        kept = leaf_paths(nodes)
+        live_ns = [vt for vt, (s, _) in self.live.items() if self.ns_of[s] == ns]
+        # a path a live matched vTensor locks is kept (as long as it recorded
+        # nothing since: a later record may move its lock to the recorded path)
+        for vt in live_ns:
+            p = self.matched.get(vt)
+            if p and not self.recorded_by.get(vt):
+                assert any(r[:len(p)] == p for r in kept), f"locked path {p} was dropped"
+        # nothing is kept unless some live vTensor may lock it (its match or its records)
+        sources = [self.matched[vt] for vt in live_ns if vt in self.matched]
+        sources += [s for vt in live_ns for s in self.recorded_by.get(vt, [])]
+        for r in kept:
+            assert any(s[:len(r)] == r for s in sources), f"unlocked path {r} survived clear_prefixes"
+        for path, nd in node_paths(nodes):
+            assert nd["locks"] > 0, f"node {nd} (path {path}) survived clear_prefixes unlocked"
+        self.recorded[ns] = set(kept)
+
+    # ---------------------------------------------------------------- invariants
+    @invariant()
+    def consistent(self):
+        st_ = assert_pool_consistent(self.mgr)
+        assert st_["evictions_total"] == 0, "capacity is ample: nothing may be evicted"
+        assert st_["chunks_in_tree"] <= st_["chunks_held"]
+        assert st_["chunks_mapped"] <= st_["chunks_held"]
+        for si, sp in enumerate(self.spaces):
+            d = st_["spaces"][sp.name]
+            mine = [(vt, t) for vt, (s, t) in self.live.items() if s == si]
+            assert d["vtensors"] == len(mine), (sp.name, d)
+            assert d["slots_free"] == sp.max_slots - len(mine) == sp.free_slots, (sp.name, d)
+            used = sum(len(t) for _, t in mine)
+            assert d["used_tokens"] == used, (sp.name, d)
+            assert d["used_bytes"] == used * sp.row_bytes, (sp.name, d)
+            assert d["mapped_bytes"] >= d["used_bytes"], (sp.name, d)
+        for vt, (si, tokens) in self.live.items():
+            assert not vt.released
+            assert vt.num_tokens == len(tokens)
+            assert vt.mapped_bytes >= len(tokens) * self.spaces[si].row_bytes
+            # every row of every live vTensor still holds what was written for it
+            self.ios[si].verify(vt, tokens)
+        chunk = self.mgr.chunk_bytes
+        for vt in self.live:
+            pages = vt.page_chunks()
+            assert vt.mapped_bytes == chunk * sum(p is not None for p in pages)
+        n_nodes = n_tokens = 0
+        in_tree = set()
+        for ns, sp in ((0, self.spaces[0]), (1, self.spaces[2])):
+            nodes = sp.prefix_nodes()
+            in_tree |= {c for nd in nodes for c in nd["pages"] if c is not None}
+            assert leaf_paths(nodes) == maximal(self.recorded[ns])
+            n_nodes += len(nodes)
+            n_tokens += sum(nd["end"] - nd["start"] for nd in nodes)
+        assert self.spaces[1].prefix_nodes() == self.spaces[0].prefix_nodes()
+        assert st_["tree_nodes"] == n_nodes
+        assert st_["chunks_in_tree"] == len(in_tree)
+        assert st_["tree_tokens"] == n_tokens
+
+    def teardown(self):
+        try:
+            for vt in list(self.live):
+                vt.release().result()
+            self.live.clear()
+            for sp in self.spaces:
+                sp.clear_prefixes()
+            for sp in self.spaces:
+                for nd in sp.prefix_nodes():
+                    raise AssertionError(f"node survived clear_prefixes with nothing live: {nd}")
+            self.mgr.trim()
+            st_ = self.mgr.stats()
+            assert st_["chunks_held"] == 0, st_
+            assert st_["chunks_created"] == 0, st_
+            assert st_["tree_nodes"] == 0, st_
+            self.mgr.check()
+        finally:
+            self.mgr.close()
+
+
+TestVtmStateful = VtmMachine.TestCase
+TestVtmStateful.settings = settings(max_examples=400, stateful_step_count=60, deadline=None,
+                                    suppress_health_check=[HealthCheck.too_slow,
+                                                           HealthCheck.data_too_large])
+
+
+# ---------------------------------------------------------------------------
+# eviction under a small capacity
+
+ROW = 3000
+MAXT = 48  # 3 pages per slot
+CAP_CHUNKS = 10
+EV_OPS = (["record"] * 4 + ["match"] * 4 + ["extend", "create", "release", "release", "trim"])
+
+
+@settings(max_examples=600, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data(), n_ops=st.integers(5, 45))
+def test_eviction_matches_never_longer_bytes_exact(data, n_ops):
+    """A pool of 10 chunks: creates run out of memory, trim(bytes) evicts tree
+    leaves. A match may then be shorter than everything ever recorded would
+    allow, never longer; it must equal what the tree itself still holds; and the
+    bytes of whatever matched are exact."""
+    mgr = new_manager("host", chunks=CAP_CHUNKS)
+    CH = mgr.chunk_bytes
+    try:
+        sp = mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=4)
+        io = RowIO(sp)
+        live = {}  # vt -> tokens
+        order = []  # live vTensors in creation order
+        ever = set()  # every sequence ever recorded
+
+        def tree_paths():
+            return leaf_paths(sp.prefix_nodes())
+
+        def with_room(fn):
+            """Run fn; on OutOfMemory evict some tree leaves and try once more."""
+            try:
+                return fn()
+            except vtm.OutOfMemory:
+                mgr.trim(bytes=3 * CH)
+                try:
+                    return fn()
+                except vtm.OutOfMemory:
+                    event("evicting test: out of memory even after trim")
+                    return None
+
+        def prefixy(max_len):
+            if ever and data.draw(st.booleans()):
+                base = data.draw(st.sampled_from(sorted(ever)))
+                q = list(base[:data.draw(st.integers(0, len(base)))])
+                q += data.draw(st.lists(TOK, max_size=6))
+            else:
+                q = data.draw(st.lists(TOK, min_size=1, max_size=max_len))
+            return q[:max_len]
+
+        def check():
+            assert_pool_consistent(mgr)
+            for vt, t in live.items():
+                assert vt.num_tokens == len(t)
+                io.verify(vt, t)
+            for p in tree_paths():
+                assert any(s[:len(p)] == p for s in ever), f"tree holds {p}, never recorded"
+
+        for _ in range(n_ops):
+            kind = data.draw(st.sampled_from(EV_OPS))
+            if kind in ("create", "record"):
+                if len(order) >= sp.max_slots:
+                    continue
+                tokens = prefixy(MAXT)
+                vt = with_room(lambda: sp.create(len(tokens)).result())
+                if vt is None:
+                    continue
+                live[vt] = list(tokens)
+                order.append(vt)
+                io.write(vt, tokens, 0, len(tokens))
+                if kind == "record" and tokens:
+                    seq = tuple(tokens[:data.draw(st.integers(1, len(tokens)))])
+                    expect = len(seq) - best_lcp(seq, tree_paths())
+                    evictions = mgr.stats()["evictions_total"]
+                    got = with_room(lambda: sp.prefix_record(vt, list(seq)).result())
+                    if got is None:
+                        continue
+                    # Recording may need a chunk (the tree copies the page the
+                    # recorder writes next) and evict leaves to get it; only
+                    # then may more tokens be new than before the call.
+                    if mgr.stats()["evictions_total"] == evictions:
+                        assert got == expect
+                    else:
+                        assert got >= expect
+                    ever.add(seq)
+                    if data.draw(st.integers(0, 3)):
+                        order.remove(vt)
+                        del live[vt]
+                        vt.release().result()
+            elif kind == "extend" and order:
+                vt = data.draw(st.sampled_from(order))
+                t = live[vt]
+                new = t + data.draw(st.lists(TOK, min_size=1, max_size=12))
+                new = new[:MAXT]
+                before = (vt.num_tokens, vt.page_chunks())
+                if with_room(lambda: vt.extend(len(new)).result() or True):
+                    live[vt] = new
+                    io.write(vt, new, len(t), len(new))
+                else:
+                    assert (vt.num_tokens, vt.page_chunks()) == before
+            elif kind == "match":
+                if len(order) >= sp.max_slots:
+                    continue
+                q = prefixy(30)
+                if not q:
+                    continue
+                upper = min(best_lcp(q, ever), len(q) - 1)
+
+                def do_match():
+                    exact = min(best_lcp(q, tree_paths()), len(q) - 1)
+                    return exact, sp.prefix_match(q).result()
+                r = with_room(do_match)
+                if r is None:
+                    continue
+                exact, m = r
+                assert m.num_tokens <= upper, "matched more than was ever recorded"
+                assert m.num_tokens == exact, "match disagrees with the tree's own contents"
+                if m.num_tokens < upper:
+                    event("evicting test: match shortened by eviction")
+                if m.num_tokens == 0:
+                    assert m.vtensor is None
+                else:
+                    vt = m.vtensor
+                    io.verify(vt, q, 0, m.num_tokens, what="match under eviction:")
+                    live[vt] = list(q[:m.num_tokens])
+                    order.append(vt)
+            elif kind == "release" and order:
+                vt = data.draw(st.sampled_from(order))
+                order.remove(vt)
+                del live[vt]
+                vt.release().result()
+            elif kind == "trim":
+                got = mgr.trim(bytes=data.draw(st.integers(0, 4)) * CH)
+                assert got >= 0 and got % CH == 0
+            check()
+        if mgr.stats()["evictions_total"]:
+            event("evicting test: eviction happened")
+
+        for vt in order:
+            vt.release().result()
+        sp.clear_prefixes()
+        mgr.trim()
+        st_ = mgr.stats()
+        assert st_["chunks_created"] == 0 and st_["chunks_held"] == 0, st_
+        mgr.check()
+    finally:
+        mgr.close()
