@@ -33,6 +33,7 @@ $(STAMP): $(VENV)/.deps $(SOURCES)
 
 demo: $(STAMP)
 	$(PY) scripts/demo_vtm.py
+	$(PY) scripts/demo_chat.py
 
 test: test-py test-sanitize
 
