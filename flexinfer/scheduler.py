@@ -48,12 +48,6 @@ class Scheduler:
 
     # -- memory ---------------------------------------------------------
 
-    def _covered(self, tokens: int) -> int:
-        """Tokens covered once a vTensor is extended to `tokens` (whole pages map)."""
-        chunk, row = self.manager.chunk_bytes, self.kv.row_bytes
-        pages = -(-tokens * row // chunk)
-        return min(pages * chunk // row, self.kv.max_tokens)
-
     def _await_pending(self) -> None:
         if self._pending is None:
             return
@@ -65,12 +59,15 @@ class Scheduler:
             return  # the synchronous path below retries, preempting if it must
         for seq, tokens in targets.items():
             if seq.vtensor is not None:
-                seq.capacity = max(seq.capacity, self._covered(tokens))
+                seq.extended = max(seq.extended, tokens)
 
     def _ensure(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Map what `plan` writes, preempting until it fits; returns the surviving plan."""
         while True:
-            need = {s: s.num_cached + n for s, n in plan if s.capacity < s.num_cached + n}
+            # Also extend where pages are mapped but the vTensor's token count
+            # lags (after a prefix hit, or a pre-extend that ran out of
+            # memory): prefix_record may only cover tokens the vTensor holds.
+            need = {s: s.num_cached + n for s, n in plan if s.extended < s.num_cached + n}
             if not need:
                 return plan
             try:
@@ -86,7 +83,7 @@ class Scheduler:
                 plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
                 continue
             for s, t in need.items():
-                s.capacity = self._covered(t)
+                s.extended = t
 
     def _victim(self) -> Sequence | None:
         """The lowest-priority (largest value), latest-arrived running sequence."""
@@ -137,7 +134,7 @@ class Scheduler:
                 if match.vtensor is not None:
                     seq.vtensor = match.vtensor
                     seq.num_cached = match.num_tokens
-                    seq.capacity = self._covered(match.num_tokens)
+                    seq.extended = match.num_tokens
                     seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens,
                                                         min(match.num_tokens, len(seq.prompt_ids)))
             if seq.vtensor is None:

