@@ -1,0 +1,91 @@
+"""FlexInfer on a CUDA device (skipped without a driver): the vtm cuda backend
+under real kernels. The CPU float32 engine is the reference (it is itself
+checked against transformers in test_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vtm
+
+pytestmark = pytest.mark.gpu
+if not vtm.cuda_available() or not torch.cuda.is_available():
+    pytest.skip("needs a CUDA driver, a device and a CUDA build of torch", allow_module_level=True)
+
+transformers = pytest.importorskip("transformers")
+
+from flexinfer import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [[1, 17, 42, 99, 7], [1] + list(range(200, 260)), [1, 5] * 20]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, smollm2_hf_tokenizer):
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                      initializer_range=0.1)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-gpu")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    smollm2_hf_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def test_cuda_float32_sdpa_matches_cpu(tiny_folder):
+    cpu = LLM(tiny_folder, dtype="float32", backend="host", max_model_len=256, max_num_seqs=4)
+    expected = _greedy(cpu, PROMPTS)
+    cpu.close()
+    gpu = LLM(tiny_folder, dtype="float32", backend="cuda", attention="sdpa", max_model_len=256, max_num_seqs=4)
+    assert gpu.manager.backend == "cuda" and gpu.kv_cache.device.type == "cuda"
+    assert _greedy(gpu, PROMPTS) == expected
+    again = _greedy(gpu, [p + t for p, t in zip(PROMPTS, expected)])  # prefix reuse on the GPU
+    gpu.manager.check()
+    gpu.kv_cache.space.clear_prefixes()
+    gpu.manager.trim()
+    assert gpu.manager.stats()["chunks_held"] == 0
+    assert all(len(t) == 24 for t in again)
+    gpu.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_flash_attn_matches_sdpa(tiny_folder, dtype):
+    pytest.importorskip("flash_attn")
+    outs = {}
+    for attention in ("sdpa", "flash_attn"):
+        llm = LLM(tiny_folder, dtype=dtype, backend="cuda", attention=attention, max_model_len=256, max_num_seqs=4)
+        outs[attention] = _greedy(llm, PROMPTS)
+        llm.close()
+    agree = sum(a == b for a, b in zip(outs["sdpa"], outs["flash_attn"]))
+    assert agree >= len(PROMPTS) - 1, outs  # half precision may flip one near-tie
+
+
+def test_cuda_bytes_survive_sharing():
+    """Bytes written through a CUDA view of one vTensor are read back through a
+    matched vTensor's pages (shared chunks and the copy-on-write page)."""
+    mgr = vtm.Manager(backend="cuda", capacity_bytes=64 << 21, chunk_bytes=2 << 20)
+    space = mgr.create_space(row_bytes=46080, max_tokens=512, max_slots=4)
+    kv = space.tensor(torch.uint8)
+    assert kv.device.type == "cuda"
+    vt = space.create(200).result()
+    rows = kv[vt.slot, : 200 * 46080].view(200, 46080)
+    rows.copy_(torch.arange(200, device="cuda", dtype=torch.uint8)[:, None].expand(200, 46080))
+    torch.cuda.synchronize()
+    tokens = list(range(200))
+    space.prefix_record(vt, tokens).result()
+    match = space.prefix_match(tokens[:150] + [999]).result()
+    assert match.num_tokens == 150
+    got = kv[match.vtensor.slot, : 150 * 46080].view(150, 46080)
+    assert torch.equal(got[:, 0].cpu(), torch.arange(150, dtype=torch.uint8))
+    assert torch.equal(got[:, -1].cpu(), torch.arange(150, dtype=torch.uint8))
+    match.vtensor.release().result()
+    vt.release().result()
+    mgr.check()
+    del kv, rows, got
+    mgr.close()
