@@ -86,7 +86,7 @@ class Settings:
     match_reps: int = 30
     decode_batch: int = 32
     decode_steps: int = 200
-    decode_reps: int = 3
+    decode_reps: int = 5
     compute_ms: float = 2.0
     warmup: int = 5
 
@@ -489,14 +489,19 @@ def bench_prefix(backend: str, s: Settings, problems) -> list[Row]:
     pages + a copy-on-write of the partial one), against create(4100)
     (91 private pages from the free list), each followed by its release."""
     p_pages = pages_for(PREFIX_TOKENS)
-    cap = (4 * p_pages + 16) * CHUNK
+    n_records = s.record_reps + s.warmup
+    cap = (4 * p_pages + n_records + 16) * CHUNK
     rec_t, match_t, match_rel_t, create_t, create_rel_t = [], [], [], [], []
     with manager(backend, cap, slot_cache_bytes=0) as mgr:
         space = mgr.create_space(ROW, MAX_TOKENS, 8)
         holder = space.create(PREFIX_TOKENS).result()
+        # Each record gives the tree a copy of the holder's partial last page
+        # (the page the recorder writes next): put one free chunk per record
+        # in the pool, as a running engine's free list would have.
+        space.create(tokens_for_pages(n_records)).result().release().result()
         gc.disable()
         try:
-            for i in range(s.record_reps + s.warmup):
+            for i in range(n_records):
                 if i == s.warmup:
                     w = OpWatch(mgr)
                 tokens = [1_000_000 + i] + list(range(1, PREFIX_TOKENS))  # a new branch each time
@@ -555,8 +560,9 @@ def bench_prefix(backend: str, s: Settings, problems) -> list[Row]:
                     "shared pages unmapped, tree keeps its references", d_match["ops"].get("release"),
                     d_match["counters"], per=p_pages)
     record_row = Row(f"prefix_record new {PREFIX_TOKENS}-token sequence", "prefix_record", rec_t, None,
-                     f"tree takes {p_pages} chunk references; no backend call", d_rec["ops"].get("prefix_record"),
-                     d_rec["counters"], per=p_pages)
+                     f"tree refs {p_pages - 1} chunks + copies the partial page the recorder writes next "
+                     f"({d_rec['counters'].get('cow_copies_total', 0)}/{len(rec_t)} copies, into a free-list chunk)",
+                     d_rec["ops"].get("prefix_record"), d_rec["counters"])
     return [record_row, create_row, match_row, create_rel, match_rel]
 
 
@@ -640,8 +646,8 @@ def bench_decode(backend: str, s: Settings, compute: Compute, pool: str, problem
             for f in [vt.release() for vt in vts]:
                 f.result()
             step = d["ops"].get("step", {"count": 0, "mean_us": 0.0})
-            return {"wall_ms": wall / 1e6, "stall_ms": stall / 1e6, "worker_step_ms": step["count"] * step["mean_us"] / 1e3,
-                    "steps": step["count"]}
+            return {"wall_ms": wall / 1e6, "stall_ms": stall / 1e6,
+                    "worker_step_ms": step["count"] * step["mean_us"] / 1e3, "steps": step["count"]}
 
         one("sync")  # warm-up: fills the free list, warms page tables and caches
         for _ in range(s.decode_reps):
@@ -677,29 +683,36 @@ def bench_decode(backend: str, s: Settings, compute: Compute, pool: str, problem
 
 def run_backend(backend: str, s: Settings, compute: Compute, log) -> dict:
     problems: list[str] = []
-    log(f"[{backend}] backend floor ...")
-    floor = bench_floor(backend, s)
+    load: dict[str, float | None] = {}  # CPUs other processes kept busy, per section
+
+    def section(name, fn):
+        log(f"[{backend}] {name} ...")
+        c0, t0 = cpu_snapshot(), time.monotonic()
+        out = fn()
+        load[name] = other_load(c0, cpu_snapshot(), time.monotonic() - t0)
+        return out
+
+    floor = section("backend floor", lambda: bench_floor(backend, s))
     floor_us = float(np.median(floor["map_set_access"]))
     rows: list[Row] = []
-    log(f"[{backend}] create / release ...")
-    fresh_create = bench_create_fresh(backend, s, 0, 1, True, s.op_reps, problems)
-    rows.append(fresh_create)
-    cold_c, cold_r = bench_create_release(backend, s, 0, problems)
-    warm_c, warm_r = bench_create_release(backend, s, None, problems)
-    rows += [cold_c, warm_c]
-    rows.append(bench_create_fresh(backend, s, PREALLOC, 1, True, s.op_reps, problems))
-    rows.append(bench_create_fresh(backend, s, PREALLOC, 1, False, s.nogap_reps, problems))
-    rows.append(bench_create_fresh(backend, s, PREALLOC, 2, False, s.nogap_reps, problems))
-    rows += [cold_r, warm_r]
-    log(f"[{backend}] extend ...")
-    for mode in ("fresh", "prealloc", "recycled"):
-        rows.append(bench_extend(backend, s, mode, problems))
-    log(f"[{backend}] step over {STEP_BATCH} vTensors ...")
-    rows += bench_step(backend, s, problems)
-    log(f"[{backend}] prefix_record / prefix_match ...")
-    rows += bench_prefix(backend, s, problems)
-    log(f"[{backend}] decode loop ...")
-    decode = {pool: bench_decode(backend, s, compute, pool, problems) for pool in ("fresh", "recycled")}
+
+    def creates():
+        fresh = bench_create_fresh(backend, s, 0, 1, True, s.op_reps, problems)
+        cold_c, cold_r = bench_create_release(backend, s, 0, problems)
+        warm_c, warm_r = bench_create_release(backend, s, None, problems)
+        return [fresh, cold_c, warm_c,
+                bench_create_fresh(backend, s, PREALLOC, 1, True, s.op_reps, problems),
+                bench_create_fresh(backend, s, PREALLOC, 1, False, s.nogap_reps, problems),
+                bench_create_fresh(backend, s, PREALLOC, 2, False, s.nogap_reps, problems),
+                cold_r, warm_r]
+
+    rows += section("create / release", creates)
+    rows += section("extend", lambda: [bench_extend(backend, s, mode, problems)
+                                       for mode in ("fresh", "prealloc", "recycled")])
+    rows += section(f"step over {STEP_BATCH} vTensors", lambda: bench_step(backend, s, problems))
+    rows += section("prefix_record / prefix_match", lambda: bench_prefix(backend, s, problems))
+    decode = section("decode loop", lambda: {pool: bench_decode(backend, s, compute, pool, problems)
+                                             for pool in ("fresh", "recycled")})
 
     by_name = {r.name: r for r in rows}
     out_rows = []
@@ -728,6 +741,7 @@ def run_backend(backend: str, s: Settings, compute: Compute, log) -> dict:
                   for k, v in floor.items()},
         "rows": out_rows,
         "decode": decode,
+        "other_load_cpus": load,
         "problems": problems,
     }
 
@@ -798,6 +812,10 @@ def print_report(res: dict, out=sys.stdout) -> None:
               f"{d['median_stall_ms'][m]:>9.2f} {d['median_worker_step_ms'][m]:>10.2f}")
         p(f"   async / sync = {d['async_over_sync']:.3f}; mapping time hidden = (sync - async) / (sync - compute) "
           f"= {fmt(d['hidden_fraction'] * 100, '.0f')}%")
+    busy = {k: v for k, v in res["other_load_cpus"].items() if v is not None and v > 0.2}
+    if busy:
+        p(f"\n!! {be}: other processes were busy during: " +
+          ", ".join(f"{k} ({v:.2f} CPUs)" for k, v in busy.items()) + "; those timings include contention")
     if res["problems"]:
         p(f"\n!! {be}: problems found")
         for msg in res["problems"]:
@@ -806,7 +824,7 @@ def print_report(res: dict, out=sys.stdout) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions (~15 s)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (~10 s)")
     ap.add_argument("--json", metavar="PATH", help="write every raw number here (parent dirs are created)")
     ap.add_argument("--backend", choices=("host", "cuda", "all"), default="all",
                     help="all: host, plus cuda when a driver with a device exists (default)")
