@@ -75,16 +75,19 @@ Manager::Manager(const ManagerOptions& o) {
   cache_budget_pages_ = o.slot_cache_bytes.value_or(o.capacity_bytes / 4) / chunk_bytes_;
   pool_ = std::make_unique<Pool>(backend_, chunk_bytes_, capacity_chunks_);
   executor_ = std::make_unique<Executor>(o.workers);
-  if (prealloc_chunks_ > 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    AfterCommit();
-  }
+  if (prealloc_chunks_ > 0) refill_thread_ = std::thread([this] { RefillThread(); });
 }
 
 Manager::~Manager() { Close(); }
 
 void Manager::Close() {
   executor_->Shutdown();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    refill_stop_ = true;
+    refill_wake_.notify_all();
+  }
+  if (refill_thread_.joinable()) refill_thread_.join();
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return;
   std::vector<std::uint64_t> ids;
@@ -390,7 +393,7 @@ std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_
       undo.Add([this, id] { pool_->Destroy(id); });
       continue;
     }
-    if (pool_->creating() > 0) {  // the background refill is about to add one
+    if (pool_->creating() > 0) {  // the refill thread is about to add one
       refill_cv_.wait(lock);
       continue;
     }
@@ -502,25 +505,26 @@ std::vector<ChunkId> Manager::UnmapPages(Space& sp, int slot, const std::vector<
   return unmapped;
 }
 
+bool Manager::RefillNeeded() const {
+  return prealloc_chunks_ > 0 && !closed_ && !refill_blocked_ &&
+         pool_->free_count() + pool_->creating() < prealloc_chunks_ && pool_->headroom() > 0;
+}
+
 void Manager::AfterCommit() {
   if (max_free_chunks_ && pool_->free_count() > *max_free_chunks_)
     pool_->ReleaseFree(pool_->free_count() - *max_free_chunks_);
-  if (prealloc_chunks_ > 0 && !refill_scheduled_ && !closed_ &&
-      pool_->free_count() + pool_->creating() < prealloc_chunks_ && pool_->headroom() > 0) {
-    refill_scheduled_ = true;
-    try {
-      executor_->Submit({}, false, [this] { RefillLoop(); });
-    } catch (const Error&) {
-      refill_scheduled_ = false;  // closing: nothing left to refill for
-    }
-  }
+  refill_blocked_ = false;  // memory may have come back: the refill may try again
+  if (RefillNeeded()) refill_wake_.notify_one();
 }
 
-void Manager::RefillLoop() {
-  // Eager allocation: create chunks ahead of demand without holding the
-  // lock across the (slow) device call, so operations keep running.
+void Manager::RefillThread() {
+  // Eager allocation on a thread of its own, so that creating chunks (the
+  // slowest backend call) never occupies a worker that operations wait
+  // for; the lock is dropped around each device call.
   std::unique_lock<std::mutex> lock(mu_);
-  while (pool_->free_count() + pool_->creating() < prealloc_chunks_ && pool_->headroom() > 0) {
+  for (;;) {
+    refill_wake_.wait(lock, [this] { return refill_stop_ || RefillNeeded(); });
+    if (refill_stop_) return;
     pool_->BeginCreate();
     lock.unlock();
     ChunkHandle handle = 0;
@@ -532,13 +536,14 @@ void Manager::RefillLoop() {
     }
     lock.lock();
     pool_->EndCreate();
+    if (ok) {
+      pool_->Adopt(handle, 0);
+      ++prealloc_total_;
+    } else {
+      refill_blocked_ = true;  // until the next operation commits
+    }
     refill_cv_.notify_all();
-    if (!ok) break;
-    pool_->Adopt(handle, 0);
-    ++prealloc_total_;
   }
-  refill_scheduled_ = false;
-  refill_cv_.notify_all();
 }
 
 // ---------------------------------------------------------------------------

@@ -35,6 +35,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -178,7 +179,8 @@ class Manager {
   FutureValue DoClearPrefixes(std::uint32_t space);
   FutureValue DoTrim(std::optional<std::size_t> bytes);
   FutureValue DoCloseSpace(std::uint32_t space);
-  void RefillLoop();
+  void RefillThread();
+  bool RefillNeeded() const;
 
   // Helpers; all with mu_ held.
   Space& LiveSpace(std::uint32_t space);
@@ -216,7 +218,8 @@ class Manager {
   std::size_t cache_budget_pages_ = 0;
 
   mutable std::mutex mu_;
-  std::condition_variable refill_cv_;
+  std::condition_variable refill_cv_;    // a chunk creation without the lock finished
+  std::condition_variable refill_wake_;  // the refill thread may have work
   std::unique_ptr<Pool> pool_;
   std::map<std::string, std::unique_ptr<PrefixTree>> trees_;  // after pool_: destroyed first
   std::vector<std::unique_ptr<Space>> spaces_;
@@ -225,13 +228,15 @@ class Manager {
   std::size_t cached_pages_ = 0;
   std::uint64_t tick_ = 0;
   std::uint64_t next_vtensor_id_ = 1;
-  bool refill_scheduled_ = false;
+  bool refill_stop_ = false;
+  bool refill_blocked_ = false;  // the last refill found the device full
   bool closed_ = false;
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
                 rollback_failures_total_ = 0;
   std::map<std::string, OpStat> op_stats_;
 
-  std::unique_ptr<Executor> executor_;  // last: its workers stop before the state above dies
+  std::unique_ptr<Executor> executor_;  // its workers stop (in Close) before the state above dies
+  std::thread refill_thread_;          // eager allocation; runs only when prealloc_chunks > 0
 };
 
 }  // namespace vtm
