@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 import vtm  # noqa: E402
 
 CHUNK = 2 << 20  # physical chunk = page, as CUDA's granularity on current GPUs
-ROW = 46080  # SmolLM2-135M KV row: 30 layers x (K + V) x 3 KV heads x 64 dims x 2 bytes (bf16)
+ROW = 46080  # SmolLM2-135M KV row: 30 layers x (K + V) x 3 KV heads x 64 dims x 4 bytes (float32)
 MAX_TOKENS = 8192  # 8192 x 46080 B = exactly 180 pages per slot
 PREALLOC = 64
 STEP_BATCH = 256
