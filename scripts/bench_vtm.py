@@ -366,8 +366,7 @@ def bench_create_fresh(backend: str, s: Settings, prealloc: int, workers: int, u
         name += f", workers={workers}"
     if not use_gap:
         name += ", back-to-back"
-        note = ("no idle time between ops: the refill must run while the caller waits"
-                + (" (on the single worker, ahead of the next op)" if workers == 1 else " (on the second worker)"))
+        note = "no idle time between ops: the refill thread creates chunks while the workers map"
     return Row(name, "create", samples, "create 1 page, cold, fresh chunk", note,
                d["ops"].get("create"), d["counters"], also="create 1 page, cold, recycled chunk")
 
