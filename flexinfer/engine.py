@@ -146,9 +146,16 @@ class LLM:
         return outs[0] if single else outs
 
     def close(self) -> None:
+        """Release the KV space (and the manager, when this engine made it)."""
         self.kv_cache.close()
         if self._own_manager:
             self.manager.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- one step -------------------------------------------------------
 

@@ -47,6 +47,7 @@ def main() -> None:
     print(f"vtm backend: {llm.manager.backend}; KV row {llm.kv_cache.row_bytes} bytes, "
           f"{llm.manager.chunk_bytes >> 20} MiB chunks")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up the kernels
+    llm.kv_cache.space.clear_prefixes()  # so turn 1 starts from an empty prefix cache
     with_reuse = run(llm, params, show=True)
     stats = llm.manager.stats()
     print(f"\nvtm: {stats['tree_tokens']} tokens in the prefix tree, {stats['chunks_held']} chunks held, "
