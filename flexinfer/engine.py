@@ -212,8 +212,13 @@ class LLM:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.stop_ids:
             return "stop"
-        if seq.params.stop and any(s in self.tokenizer.decode(seq.output_ids) for s in seq.params.stop):
-            return "stop"
+        if seq.params.stop:
+            # Decode only what the new token adds (constant cost per step).
+            new_text, seq.prefix_offset, seq.read_offset = self.tokenizer.decode_incremental(
+                seq.output_ids, seq.prefix_offset, seq.read_offset)
+            seq.text += new_text
+            if any(s in seq.text for s in seq.params.stop):
+                return "stop"
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"
         return None

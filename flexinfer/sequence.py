@@ -64,6 +64,8 @@ class Sequence:
         self.extended = 0
         self.prompt_recorded = False
         self.finish_reason: str | None = None
+        self.text = ""  # decoded output so far, kept only to match stop strings
+        self.prefix_offset = self.read_offset = 0
         self.error: Exception | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
