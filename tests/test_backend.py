@@ -124,24 +124,31 @@ def test_cuda_unavailable_without_driver():
 def test_host_set_access_populates_writable_page_tables():
     """Kernels must never take page faults on mapped KV: set_access populates
     the page tables on the worker, on the first mapping of a chunk and on every
-    later one (where vtm uses the cheaper read-populate)."""
+    later one (where vtm uses the cheaper read-populate). Without population,
+    writing the chunk's 512 pages takes 512 faults; the bound leaves room for
+    faults on other memory (AddressSanitizer's shadow alone takes 64 here)."""
     import resource
 
     g = 2 << 20
     raw = vtm.RawBackend.open("host", granularity=g)
     va = raw.reserve(g)
     chunk = raw.create_chunk(g)
+    mapped = False
     try:
         for _ in range(2):  # first mapping of the chunk, then a remapping
             raw.map(va, g, chunk)
+            mapped = True
             raw.set_access(va, g)
             before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             for offset in range(0, g, 4096):
                 ctypes.memset(va + offset, 0x5A, 1)
             faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-            assert faults < 32, f"{faults} page faults writing 512 populated pages"
+            assert faults < 128, f"{faults} page faults writing 512 populated pages"
             assert ctypes.string_at(va + g - 4096, 1) == b"\x5a"
             raw.unmap(va, g)
+            mapped = False
     finally:
+        if mapped:
+            raw.unmap(va, g)
         raw.release_chunk(chunk)
         raw.free_reservation(va, g)
