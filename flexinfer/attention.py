@@ -37,7 +37,8 @@ class SdpaAttention:
         out = torch.empty_like(q)
         offset = 0
         k_layer, v_layer = kv_cache.k[layer], kv_cache.v[layer]
-        for slot, start, n, mask in zip(batch.slots, batch.starts, batch.new_lens, self._masks):
+        slots = batch.slots[kv_cache.group_of[layer]]
+        for slot, start, n, mask in zip(slots, batch.starts, batch.new_lens, self._masks):
             length = start + n
             k = k_layer[slot, :length].transpose(0, 1).unsqueeze(0)
             v = v_layer[slot, :length].transpose(0, 1).unsqueeze(0)
@@ -61,23 +62,24 @@ class FlashAttention:
 
     def prepare(self, batch, kv_cache) -> None:
         device = kv_cache.device
-        self._slots = torch.tensor(batch.slots, dtype=torch.int32, device=device)
+        self._slots = [torch.tensor(group, dtype=torch.int32, device=device) for group in batch.slots]
         self._cache_seqlens = torch.tensor(batch.starts, dtype=torch.int32, device=device)
 
     def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
         # The new rows were already written by KVCache.write, so the kernel
         # sees cache_seqlens = start + n and is told not to append.
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
+        slots = self._slots[kv_cache.group_of[layer]]
         out = torch.empty_like(q)
         offset = 0
         if batch.is_decode:
             o = self._fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=self._cache_seqlens + 1,
-                         cache_batch_idx=self._slots, causal=True)
+                         cache_batch_idx=slots, causal=True)
             return o.squeeze(1)
         for i, (start, n) in enumerate(zip(batch.starts, batch.new_lens)):
             lens = torch.tensor([start + n], dtype=torch.int32, device=q.device)
             o = self._fn(q[offset:offset + n].unsqueeze(0), k_cache, v_cache, cache_seqlens=lens,
-                         cache_batch_idx=self._slots[i:i + 1], causal=True)
+                         cache_batch_idx=slots[i:i + 1], causal=True)
             out[offset:offset + n] = o[0]
             offset += n
         return out

@@ -62,7 +62,7 @@ class LLM:
                  manager: vtm.Manager | None = None, backend: str = "auto", device: str | None = None,
                  max_num_seqs: int = 32, max_model_len: int | None = None, max_batch_tokens: int = 1024,
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
-                 workers: int = 1, namespace: str | None = None):
+                 workers: int = 1, namespace: str | None = None, layer_groups: int = 1):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.dtype = _DTYPES[dtype]
@@ -86,7 +86,7 @@ class LLM:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len, max_num_seqs,
-                                namespace=namespace or f"{model}:{dtype}")
+                                namespace=namespace or f"{model}:{dtype}", layer_groups=layer_groups)
         self.attention = make_attention(attention, self.device)
         self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
         self._ids = itertools.count()
@@ -166,7 +166,7 @@ class LLM:
         ids = []
         for seq, n in plan:
             ids.extend(seq.token_ids[seq.num_cached: seq.num_cached + n])
-        batch = ForwardBatch.build([seq.slot for seq, _ in plan], [seq.num_cached for seq, _ in plan],
+        batch = ForwardBatch.build([seq.slots for seq, _ in plan], [seq.num_cached for seq, _ in plan],
                                    [n for _, n in plan], self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)

@@ -1,11 +1,18 @@
-"""A model instance's KV cache on vtm: one space, strided per-layer views.
+"""A model instance's KV cache on vtm: strided per-layer views of vtm spaces.
 
 Token-major layout (DESIGN.md §4): a slot holds, for each token, one row of
-[layer, k|v, kv_head, head_dim] for every layer, so one request's KV for all
-layers is contiguous and costs at most one partially used chunk. Per-layer K
-and V are strided views of the space's single DLPack tensor; new rows are
-written in place and attention reads past rows through views, so no past KV
-is ever copied.
+[layer, k|v, kv_head, head_dim] for the layers of its space, so a request's
+KV is contiguous and costs at most one partially used chunk per space.
+Per-layer K and V are strided views of the space's single DLPack tensor; new
+rows are written in place and attention reads past rows through views, so no
+past KV is ever copied.
+
+By default one space holds every layer. With `layer_groups=G` the layers are
+split into G consecutive groups, one space (and one vTensor per request)
+each: rows get G times shorter, so attention's token stride shrinks (better
+locality on long contexts) at the price of up to G partial chunks per
+request. Each group's space has its own namespace, and every operation is
+applied to all groups, so their vTensors always hold the same tokens.
 """
 
 from __future__ import annotations
@@ -18,37 +25,108 @@ from flexinfer.model.config import ModelConfig
 
 class KVCache:
     def __init__(self, manager: vtm.Manager, config: ModelConfig, dtype: torch.dtype, max_tokens: int,
-                 max_slots: int, namespace: str | None = None, name: str | None = None):
-        itemsize = torch.empty((), dtype=dtype).element_size()
+                 max_slots: int, namespace: str | None = None, name: str | None = None, layer_groups: int = 1):
         layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        self.row_bytes = config.kv_row_bytes(itemsize)
+        if not 1 <= layer_groups <= layers:
+            raise ValueError(f"layer_groups must be in [1, {layers}], got {layer_groups}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.manager = manager
         self.max_tokens = max_tokens
         self.max_slots = max_slots
-        self.manager = manager
-        self.space = manager.create_space(row_bytes=self.row_bytes, max_tokens=max_tokens, max_slots=max_slots,
-                                          namespace=namespace, name=name)
-        flat = self.space.tensor(dtype)  # [max_slots, slot_bytes // itemsize]
-        row_elems = self.row_bytes // itemsize
-        rows = flat[:, : max_tokens * row_elems].view(max_slots, max_tokens, layers, 2, heads, dim)
-        self.device = rows.device
-        # [slot, token, kv_head, head_dim] per layer; token stride = one row.
-        self.k = [rows[:, :, layer, 0] for layer in range(layers)]
-        self.v = [rows[:, :, layer, 1] for layer in range(layers)]
+        self.row_bytes = config.kv_row_bytes(itemsize)  # all groups together
+        bounds = [layers * g // layer_groups for g in range(layer_groups + 1)]
+        self.group_of = [0] * layers  # layer -> group
+        self.spaces: list[vtm.Space] = []
+        self.k: list[torch.Tensor] = [None] * layers  # [slot, token, kv_head, head_dim] per layer
+        self.v: list[torch.Tensor] = [None] * layers
+        for g in range(layer_groups):
+            first, last = bounds[g], bounds[g + 1]
+            row_bytes = config.kv_row_bytes(itemsize, layers=last - first)
+            suffix = "" if layer_groups == 1 else f":layers{first}-{last - 1}"
+            space = manager.create_space(row_bytes=row_bytes, max_tokens=max_tokens, max_slots=max_slots,
+                                         namespace=None if namespace is None else namespace + suffix,
+                                         name=None if name is None else name + suffix)
+            self.spaces.append(space)
+            flat = space.tensor(dtype)  # [max_slots, slot_bytes // itemsize]
+            row_elems = row_bytes // itemsize
+            rows = flat[:, : max_tokens * row_elems].view(max_slots, max_tokens, last - first, 2, heads, dim)
+            for layer in range(first, last):
+                self.group_of[layer] = g
+                self.k[layer] = rows[:, :, layer - first, 0]
+                self.v[layer] = rows[:, :, layer - first, 1]
+        self.device = self.k[0].device
+
+    @property
+    def groups(self) -> int:
+        return len(self.spaces)
+
+    @property
+    def space(self) -> vtm.Space:
+        """The space, for the default single group."""
+        if len(self.spaces) != 1:
+            raise AttributeError("this cache has several layer groups: use .spaces")
+        return self.spaces[0]
 
     def write(self, layer: int, batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots and positions."""
-        self.k[layer].index_put_((batch.slot_index, batch.positions), k)
-        self.v[layer].index_put_((batch.slot_index, batch.positions), v)
+        index = (batch.slot_index[self.group_of[layer]], batch.positions)
+        self.k[layer].index_put_(index, k)
+        self.v[layer].index_put_(index, v)
 
-    def keys(self, layer: int, slot: int, length: int) -> torch.Tensor:
-        return self.k[layer][slot, :length]
+    # -- vTensor operations over all groups ------------------------------
 
-    def values(self, layer: int, slot: int, length: int) -> torch.Tensor:
-        return self.v[layer][slot, :length]
+    def create(self) -> list[vtm.VTensor]:
+        """An empty vTensor in every group (all or none)."""
+        made = []
+        try:
+            for space in self.spaces:
+                made.append(space.create(0).result())
+        except vtm.Error:
+            self.release(made)
+            raise
+        return made
 
-    def tokens_per_chunk(self) -> float:
-        return self.manager.chunk_bytes / self.row_bytes
+    def match(self, token_ids: list[int]) -> tuple[list[vtm.VTensor] | None, int]:
+        """The longest prefix recorded in every group, as one vTensor per group."""
+        matches = [space.prefix_match(token_ids) for space in self.spaces]
+        found = []
+        try:
+            for fut in matches:
+                found.append(fut.result())
+        except vtm.Error:
+            self.release([m.vtensor for m in found if m.vtensor is not None])
+            raise
+        length = min(m.num_tokens for m in found)
+        if length == 0:
+            self.release([m.vtensor for m in found if m.vtensor is not None])
+            return None, 0
+        vts = []
+        for space, m in zip(self.spaces, found):
+            if m.num_tokens == length:
+                vts.append(m.vtensor)
+                continue
+            # This group remembers more (another group evicted some of it):
+            # match again up to the common length, so that no group's
+            # vTensor maps shared pages the next rows would be written into.
+            m.vtensor.release().result()
+            again = space.prefix_match(token_ids[: length + 1]).result()
+            if again.num_tokens != length:
+                self.release(vts + [again.vtensor] + [x.vtensor for x in found[len(vts) + 1:]])
+                return None, 0
+            vts.append(again.vtensor)
+        return vts, length
+
+    def record(self, vtensors: list[vtm.VTensor], token_ids: list[int]) -> list[vtm.Future]:
+        return [space.prefix_record(vt, token_ids) for space, vt in zip(self.spaces, vtensors)]
+
+    def release(self, vtensors: list[vtm.VTensor]) -> None:
+        for fut in [vt.release() for vt in vtensors if vt is not None]:
+            fut.result()
+
+    def clear_prefixes(self) -> int:
+        return sum(space.clear_prefixes() for space in self.spaces)
 
     def close(self) -> None:
         self.k = self.v = []
-        self.space.close()
+        for space in self.spaces:
+            space.close()

@@ -27,7 +27,6 @@ from flexinfer.sequence import Sequence, Status
 class Scheduler:
     def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_batch_tokens: int, prefix_caching: bool):
         self.kv = kv_cache
-        self.space = kv_cache.space
         self.manager = kv_cache.manager
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -58,7 +57,7 @@ class Scheduler:
         except vtm.OutOfMemory:
             return  # the synchronous path below retries, preempting if it must
         for seq, tokens in targets.items():
-            if seq.vtensor is not None:
+            if seq.vtensors:
                 seq.extended = max(seq.extended, tokens)
 
     def _ensure(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
@@ -71,7 +70,7 @@ class Scheduler:
             if not need:
                 return plan
             try:
-                self.manager.step({s.vtensor: t for s, t in need.items()}).result()
+                self.manager.step(self._targets(need)).result()
             except vtm.OutOfMemory as exc:
                 victim = self._victim()
                 if victim is None or (victim in need and len(self.running) == 1):
@@ -85,6 +84,11 @@ class Scheduler:
             for s, t in need.items():
                 s.extended = t
 
+    @staticmethod
+    def _targets(need: dict[Sequence, int]) -> dict:
+        """One step target per vTensor (one per layer group) of each sequence."""
+        return {vt: tokens for seq, tokens in need.items() for vt in seq.vtensors}
+
     def _victim(self) -> Sequence | None:
         """The lowest-priority (largest value), latest-arrived running sequence."""
         if not self.running:
@@ -92,15 +96,15 @@ class Scheduler:
         return max(self.running, key=lambda s: (s.priority, s.metrics.arrival_s, s.id))
 
     def _preempt(self, seq: Sequence) -> None:
-        self._drop_vtensor(seq, record=True)
+        self._drop_vtensors(seq, record=True)
         self.running.remove(seq)
         seq.status = Status.WAITING
         seq.metrics.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
-        if seq.vtensor is not None:
-            self._drop_vtensor(seq, record=False)
+        if seq.vtensors:
+            self._drop_vtensors(seq, record=False)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -110,13 +114,13 @@ class Scheduler:
         seq.error = exc
         self.failed.append(seq)
 
-    def _drop_vtensor(self, seq: Sequence, record: bool) -> None:
+    def _drop_vtensors(self, seq: Sequence, record: bool) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds
         # the chunks, evictable LRU when memory runs out): a preempted or
         # finished conversation is resumed by mapping instead of recomputing.
         if record and self.prefix_caching and seq.num_cached > 0:
-            self._background.append(self.space.prefix_record(seq.vtensor, seq.token_ids[: seq.num_cached]))
-        seq.vtensor.release().result()
+            self._background += self.kv.record(seq.vtensors, seq.token_ids[: seq.num_cached])
+        self.kv.release(seq.vtensors)
         seq.reset_cache_state()
 
     # -- admission ------------------------------------------------------
@@ -130,20 +134,20 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         try:
             if self.prefix_caching and seq.num_tokens > 1:
-                match = self.space.prefix_match(seq.token_ids).result()
-                if match.vtensor is not None:
-                    seq.vtensor = match.vtensor
-                    seq.num_cached = match.num_tokens
-                    seq.extended = match.num_tokens
+                vtensors, matched = self.kv.match(seq.token_ids)
+                if vtensors is not None:
+                    seq.vtensors = vtensors
+                    seq.num_cached = matched
+                    seq.extended = matched
                     seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens,
-                                                        min(match.num_tokens, len(seq.prompt_ids)))
-            if seq.vtensor is None:
-                seq.vtensor = self.space.create(0).result()
+                                                        min(matched, len(seq.prompt_ids)))
+            if not seq.vtensors:
+                seq.vtensors = self.kv.create()
         except vtm.OutOfMemory as exc:
             if not self.running:
                 self._fail(seq, exc)
             return False
-        seq.slot = seq.vtensor.slot
+        seq.slots = tuple(vt.slot for vt in seq.vtensors)
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = Status.RUNNING
@@ -176,20 +180,20 @@ class Scheduler:
         # vTensor's token count, which prefix_record relies on.
         ahead = {s: min(s.num_cached + n + 1, self.kv.max_tokens) for s, n in plan}
         if ahead:
-            self._pending = (self.manager.step({s.vtensor: t for s, t in ahead.items()}), ahead)
+            self._pending = (self.manager.step(self._targets(ahead)), ahead)
         return plan
 
     def after_prefill(self, seq: Sequence) -> None:
         """The prompt's KV is complete: make it matchable (n > 1 siblings, shared prompts)."""
         if self.prefix_caching and not seq.prompt_recorded:
-            self._background.append(self.space.prefix_record(seq.vtensor, seq.prompt_ids))
+            self._background += self.kv.record(seq.vtensors, seq.prompt_ids)
         seq.prompt_recorded = True
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.status = Status.FINISHED
         self.running.remove(seq)
-        self._drop_vtensor(seq, record=True)
+        self._drop_vtensors(seq, record=True)
 
     def drain(self) -> None:
         """Wait for every queued memory operation (end of generate)."""

@@ -42,7 +42,7 @@ class RequestMetrics:
 class Sequence:
     """Token state and cache state of one sample.
 
-    `num_cached` tokens of `token_ids` have their KV in `vtensor`; the next
+    `num_cached` tokens of `token_ids` have their KV in `vtensors`; the next
     forward computes tokens from there. `extended` is the vTensor's token
     count in vtm: its pages cover that many tokens, and prefix_record may
     cover no more.
@@ -58,9 +58,9 @@ class Sequence:
         self.params = params
         self.priority = priority
         self.status = Status.WAITING
-        self.vtensor = None
+        self.vtensors: list = []  # one per layer group of the KV cache
+        self.slots: tuple[int, ...] = ()
         self.num_cached = 0
-        self.extended = 0
         self.extended = 0
         self.prompt_recorded = False
         self.finish_reason: str | None = None
@@ -85,11 +85,8 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def prefill_done(self) -> bool:
-        return self.num_cached >= len(self.prompt_ids)
-
     def reset_cache_state(self) -> None:
-        self.vtensor = None
+        self.vtensors = []
+        self.slots = ()
         self.num_cached = 0
         self.extended = 0

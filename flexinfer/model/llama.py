@@ -24,31 +24,35 @@ class ForwardBatch:
     """The tokens of one forward pass and where their KV lives.
 
     Sequence i contributes `new_lens[i]` tokens at positions
-    `starts[i] .. starts[i] + new_lens[i] - 1` of the vTensor in `slots[i]`
-    (the first `starts[i]` rows are already cached).
+    `starts[i] .. starts[i] + new_lens[i] - 1` of its vTensors (the first
+    `starts[i]` rows are already cached). `slots[g][i]` is the slot of its
+    vTensor in layer group g (one group unless the cache has several).
     """
 
-    slots: list[int]
+    slots: list[list[int]]
     starts: list[int]
     new_lens: list[int]
-    slot_index: torch.Tensor  # [T] the slot of each token
+    slot_index: list[torch.Tensor]  # per group: [T] the slot of each token
     positions: torch.Tensor  # [T] the position of each token
     last_index: torch.Tensor  # [B] index in the flat batch of each sequence's last token
 
     @staticmethod
-    def build(slots: list[int], starts: list[int], new_lens: list[int], device: torch.device) -> "ForwardBatch":
-        slot_index = []
+    def build(slots, starts: list[int], new_lens: list[int], device: torch.device) -> "ForwardBatch":
+        """`slots`: per sequence, its slot (an int) or its slot in each layer group (a tuple)."""
+        per_seq = [(s,) if isinstance(s, int) else tuple(s) for s in slots]
+        groups = [list(column) for column in zip(*per_seq)] if per_seq else [[]]
         positions = []
         last = []
         total = 0
-        for slot, start, n in zip(slots, starts, new_lens):
-            slot_index.extend([slot] * n)
+        for start, n in zip(starts, new_lens):
             positions.extend(range(start, start + n))
             total += n
             last.append(total - 1)
         as_long = dict(dtype=torch.long, device=device)
-        return ForwardBatch(slots, starts, new_lens, torch.tensor(slot_index, **as_long),
-                            torch.tensor(positions, **as_long), torch.tensor(last, **as_long))
+        slot_index = [torch.tensor([slot for slot, n in zip(group, new_lens) for _ in range(n)], **as_long)
+                      for group in groups]
+        return ForwardBatch(groups, starts, new_lens, slot_index, torch.tensor(positions, **as_long),
+                            torch.tensor(last, **as_long))
 
     @property
     def is_decode(self) -> bool:

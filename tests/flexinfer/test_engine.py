@@ -776,3 +776,60 @@ def test_bad_engine_arguments(tiny_llama):
     with pytest.raises(ValueError, match="one SamplingParams per prompt"):
         llm.generate([[5, 6], [7, 8]], [greedy(2)] * 3)
     llm.close()
+
+
+# ----------------------------------------------------------------------------- layer groups
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_layer_groups_match_transformers_with_prefix_reuse(tiny, tiny_prompts, arch):
+    """Two layer groups: one space and one vTensor per group; outputs and prefix
+    reuse are exactly those of the single-space layout."""
+    folder, oracle = tiny[arch]
+    manager = small_manager(256)
+    llm = LLM(folder, manager=manager, layer_groups=2)
+    assert llm.kv_cache.groups == 2 and len(manager.stats()["spaces"]) == 2
+    n = 10
+    first = llm.generate(tiny_prompts, greedy(n), use_tqdm=False)
+    manager.check()
+    assert_greedy_equal(oracle, tiny_prompts, first, n)
+    follow_ups = [p + o.token_ids + [5, 6] for p, o in zip(tiny_prompts, first)]
+    second = llm.generate(follow_ups, greedy(n), use_tqdm=False)
+    assert [o.metrics.prefix_hit_tokens for o in second] == [len(p) + n - 1 for p in tiny_prompts]
+    assert_greedy_equal(oracle, follow_ups, second, n)
+    # A group that forgot its prefixes: the common prefix is empty, so nothing is
+    # mapped in either group, and the output is recomputed, still exact.
+    llm.kv_cache.spaces[1].clear_prefixes()
+    third = llm.generate(follow_ups[:2], greedy(n), use_tqdm=False)
+    assert [o.metrics.prefix_hit_tokens for o in third] == [0, 0]
+    assert_greedy_equal(oracle, follow_ups[:2], third, n)
+    manager.check()
+    assert llm.kv_cache.clear_prefixes() > 0
+    manager.trim()
+    assert manager.stats()["chunks_held"] == 0
+    llm.close()
+    manager.close()
+
+
+def test_layer_groups_under_preemption(tiny_llama, tiny_prompts):
+    folder, oracle = tiny_llama
+    group_rows = TINY_ROW_BYTES // 2
+    per_sequence = [2 * -(-(len(p) + TINY_NEW_TOKENS) * group_rows // SMALL_CHUNK) for p in tiny_prompts]
+    chunks = max(per_sequence) + 4
+    assert chunks < sum(per_sequence) / 2
+    manager = small_manager(chunks)
+    llm = LLM(folder, manager=manager, layer_groups=2)
+    outputs = llm.generate(tiny_prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
+    manager.check()
+    assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
+    assert sum(o.metrics.preemptions for o in outputs) > 0
+    llm.kv_cache.clear_prefixes()
+    manager.trim()
+    assert manager.stats()["chunks_held"] == 0
+    llm.close()
+    manager.close()
+
+
+def test_layer_groups_must_fit_the_layers(tiny_llama):
+    with pytest.raises(ValueError, match="layer_groups"):
+        LLM(tiny_llama[0], layer_groups=3)  # the tiny model has 2 layers
