@@ -81,6 +81,7 @@ Manager::Manager(const ManagerOptions& o) {
 Manager::~Manager() { Close(); }
 
 void Manager::Close() {
+  std::lock_guard<std::mutex> closing(close_mu_);  // two closers must not both join the threads
   executor_->Shutdown();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -95,6 +96,7 @@ void Manager::Close() {
   for (std::uint64_t id : ids) ReleaseVTensorLocked(id, /*best_effort=*/true);
   for (auto& [space_id, slot] : cached_lru_) {
     Space& sp = *spaces_[space_id - 1];
+    sp.slots[slot].cached_pos = cached_lru_.end();
     for (std::size_t p : MappedPages(sp.slots[slot])) {
       try {
         for (ChunkId c : UnmapPages(sp, slot, {p}, nullptr)) pool_->Unref(c);
@@ -307,15 +309,16 @@ int Manager::ClaimSlot(Space& sp, std::size_t need_pages, bool for_match, UndoLo
     Throw(ErrorCode::kOutOfMemory, "no free slot in space '" + sp.name + "' (all " + std::to_string(sp.max_slots) +
                                        " slots hold live vTensors)");
   sp.slots[best].claimed = true;
+  sp.slots[best].cached_at_claim = sp.slots[best].mapped;
   undo.Add([&sp, best] { sp.slots[best].claimed = false; });
   return best;
 }
 
-void Manager::TakeSlot(Space& sp, int slot, std::uint64_t owner, std::size_t cached_mapped) {
+void Manager::TakeSlot(Space& sp, int slot, std::uint64_t owner) {
   Slot& s = sp.slots[slot];
   if (IsCached(s)) {
     cached_lru_.erase(s.cached_pos);
-    cached_pages_ -= cached_mapped;
+    cached_pages_ -= s.cached_at_claim;
     ++slot_reuses_total_;
   }
   s.cached_pos = cached_lru_.end();
@@ -357,7 +360,7 @@ std::size_t Manager::EvictableTreeChunks() const {
 std::size_t Manager::ReachableChunks() const {
   std::size_t n = pool_->free_count() + pool_->headroom() + pool_->creating() + cached_pages_;
   for (const auto& [space_id, slot] : cached_lru_)
-    if (spaces_[space_id - 1]->slots[slot].claimed) n -= spaces_[space_id - 1]->slots[slot].mapped;
+    if (spaces_[space_id - 1]->slots[slot].claimed) n -= spaces_[space_id - 1]->slots[slot].cached_at_claim;
   return n;
 }
 
@@ -418,7 +421,9 @@ std::size_t Manager::ReclaimCachedPages(std::size_t need) {
       continue;
     }
     const std::size_t before = s.mapped;
-    std::vector<ChunkId> chunks = UnmapPages(sp, slot, MappedPages(s), nullptr);
+    UndoLog slot_undo(&rollback_failures_total_);  // a slot's pages go all or none
+    std::vector<ChunkId> chunks = UnmapPages(sp, slot, MappedPages(s), &slot_undo);
+    slot_undo.Commit();
     for (ChunkId c : chunks) pool_->Unref(c);
     freed += chunks.size();
     cached_pages_ -= before;
@@ -558,14 +563,13 @@ FutureValue Manager::DoCreate(std::uint32_t space, std::uint64_t id, std::size_t
   UndoLog undo(&rollback_failures_total_);
   const std::size_t need = PagesFor(sp, n);
   const int slot = ClaimSlot(sp, need, /*for_match=*/false, undo);
-  const std::size_t cached_mapped = IsCached(sp.slots[slot]) ? sp.slots[slot].mapped : 0;
   std::vector<std::size_t> missing;
   for (std::size_t p = 0; p < need; ++p)
     if (sp.slots[slot].pages[p] == kNoChunk) missing.push_back(p);
   std::vector<ChunkId> chunks = Acquire(missing.size(), undo, lock);
   MapPages(sp, slot, missing, chunks, undo);
   undo.Commit();
-  TakeSlot(sp, slot, id, cached_mapped);
+  TakeSlot(sp, slot, id);
   vtensors_[id] = VTensor{space, slot, n, nullptr};
   AfterCommit();
   return VTensorRef{id};
@@ -697,13 +701,16 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   sp.tree->Lock(node);
   if (recorder.lock_node != nullptr) sp.tree->Unlock(recorder.lock_node);
   recorder.lock_node = node;
+  AfterCommit();
   return static_cast<std::int64_t>(added);
 }
 
 FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens) {
   std::unique_lock<std::mutex> lock(mu_);
   Space& sp = LiveSpace(space);
-  const std::size_t limit = tokens.empty() ? 0 : tokens.size() - 1;
+  // Capped at len - 1 (the last token's KV is what the caller computes) and
+  // at this space's max_tokens (a space sharing the namespace may be longer).
+  const std::size_t limit = tokens.empty() ? 0 : std::min(tokens.size() - 1, sp.max_tokens);
   const TreePosition found = sp.tree->Find(tokens.data(), limit);
   const std::size_t m = found.length;
   if (m == 0) return MatchResult{0, 0};
@@ -715,8 +722,12 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   sp.tree->CollectPages(found, &source);
 
   UndoLog undo(&rollback_failures_total_);
-  // Hold the chunks read from the tree for the whole operation: a refill
-  // wait inside Acquire lets other workers evict tree nodes.
+  // Lock the matched path for the whole operation, so the eviction that
+  // makes room for the copy below never picks the prefix being matched; and
+  // hold its chunks, so a refill wait inside Acquire (which lets other
+  // workers run) cannot free them either.
+  sp.tree->Lock(found.node);
+  undo.Add([this, &sp, node = found.node] { sp.tree->Unlock(node); });
   for (std::size_t p = 0; p < need; ++p) {
     if (source[p] == kNoChunk) Throw(ErrorCode::kInternal, "prefix tree lacks page " + std::to_string(p));
     pool_->Ref(source[p]);
@@ -724,7 +735,6 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   }
   const int slot = ClaimSlot(sp, need, /*for_match=*/true, undo);
   Slot& s = sp.slots[slot];
-  const std::size_t cached_mapped = IsCached(s) ? s.mapped : 0;
   std::vector<std::size_t> conflicting;
   for (std::size_t p = 0; p < need; ++p)
     if (s.pages[p] != kNoChunk) conflicting.push_back(p);
@@ -752,15 +762,16 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // the temporary one on the copied source goes.
   if (partial) pool_->Unref(source[shared_end]);
   for (ChunkId c : displaced) pool_->Unref(c);
-  const TreePosition now = sp.tree->Find(tokens.data(), m);  // the tree may have changed during a wait
+  // The matched path was locked throughout, so it still holds m tokens; a
+  // split at m hands the lock count to the upper half too.
+  const TreePosition now = sp.tree->Find(tokens.data(), m);
   PrefixNode* node = sp.tree->SplitAt(now);
-  if (now.length > 0) {
-    sp.tree->Lock(node);
-    sp.tree->Touch(node, ++tick_);
-  }
+  sp.tree->Lock(node);
+  sp.tree->Unlock(found.node);
+  sp.tree->Touch(node, ++tick_);
   if (partial) ++cow_copies_total_;
-  TakeSlot(sp, slot, id, cached_mapped);
-  vtensors_[id] = VTensor{space, slot, m, now.length > 0 ? node : nullptr};
+  TakeSlot(sp, slot, id);
+  vtensors_[id] = VTensor{space, slot, m, node};
   AfterCommit();
   return MatchResult{id, m};
 }
@@ -775,6 +786,11 @@ FutureValue Manager::DoClearPrefixes(std::uint32_t space) {
 
 FutureValue Manager::DoTrim(std::optional<std::size_t> bytes) {
   std::unique_lock<std::mutex> lock(mu_);
+  // Trim hands memory back: let a creation in flight land (so it is trimmed
+  // too), and keep the refill from re-creating chunks until the next
+  // operation commits.
+  refill_cv_.wait(lock, [this] { return pool_->creating() == 0; });
+  refill_blocked_ = true;
   const std::size_t target = bytes ? (*bytes + chunk_bytes_ - 1) / chunk_bytes_ : SIZE_MAX;
   // 1. While free chunks fall short, unmap the pages of released slots,
   //    oldest first. Unmapping is the only step that can fail: all or none.

@@ -146,6 +146,7 @@ class Manager {
     std::size_t mapped = 0;
     std::uint64_t owner = 0;  // live vTensor id; 0 when free
     bool claimed = false;     // taken by the operation in progress
+    std::size_t cached_at_claim = 0;  // its pages counted in cached_pages_ when claimed
     std::list<std::pair<std::uint32_t, int>>::iterator cached_pos;  // in cached_lru_ when cached
   };
   struct Space {
@@ -188,9 +189,8 @@ class Manager {
   VTensor& LiveVTensor(std::uint64_t id);
   std::size_t PagesFor(const Space& sp, std::size_t tokens) const;
   int ClaimSlot(Space& sp, std::size_t need_pages, bool for_match, UndoLog& undo);
-  // Gives a claimed slot to `owner`; `cached_mapped` is how many of its pages
-  // counted as cached when it was claimed.
-  void TakeSlot(Space& sp, int slot, std::uint64_t owner, std::size_t cached_mapped);
+  // Gives a claimed slot to `owner`.
+  void TakeSlot(Space& sp, int slot, std::uint64_t owner);
   void FreeSlot(Space& sp, int slot);
   bool IsCached(const Slot& s) const { return s.cached_pos != cached_lru_.end(); }
   static std::vector<std::size_t> MappedPages(const Slot& s);
@@ -217,6 +217,7 @@ class Manager {
   std::optional<std::size_t> max_free_chunks_;
   std::size_t cache_budget_pages_ = 0;
 
+  std::mutex close_mu_;  // serialises Close()
   mutable std::mutex mu_;
   std::condition_variable refill_cv_;    // a chunk creation without the lock finished
   std::condition_variable refill_wake_;  // the refill thread may have work
