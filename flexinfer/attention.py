@@ -34,17 +34,23 @@ class SdpaAttention:
                 self._masks.append(None)
 
     def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
+        # kv_cache.k_heads[layer][s] is slot s's K as [kv_head, token, head_dim]
+        # (a view), so each request costs one slicing op per tensor.
+        k_heads, v_heads = kv_cache.k_heads[layer], kv_cache.v_heads[layer]
+        slots = batch.slots[kv_cache.group_of[layer]]
+        if batch.is_decode:
+            q_heads = q.unsqueeze(2)  # [B, heads, 1, head_dim]
+            outs = [F.scaled_dot_product_attention(q_heads[i:i + 1], k_heads[slot:slot + 1, :, :start + 1],
+                                                   v_heads[slot:slot + 1, :, :start + 1], enable_gqa=True)
+                    for i, (slot, start) in enumerate(zip(slots, batch.starts))]
+            return torch.cat(outs).squeeze(2)
         out = torch.empty_like(q)
         offset = 0
-        k_layer, v_layer = kv_cache.k[layer], kv_cache.v[layer]
-        slots = batch.slots[kv_cache.group_of[layer]]
         for slot, start, n, mask in zip(slots, batch.starts, batch.new_lens, self._masks):
             length = start + n
-            k = k_layer[slot, :length].transpose(0, 1).unsqueeze(0)
-            v = v_layer[slot, :length].transpose(0, 1).unsqueeze(0)
             qi = q[offset:offset + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=(mask is None and n > 1),
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(qi, k_heads[slot:slot + 1, :, :length], v_heads[slot:slot + 1, :, :length],
+                                               attn_mask=mask, is_causal=(mask is None and n > 1), enable_gqa=True)
             out[offset:offset + n] = o[0].transpose(0, 1)
             offset += n
         return out

@@ -54,6 +54,9 @@ class KVCache:
                 self.group_of[layer] = g
                 self.k[layer] = rows[:, :, layer - first, 0]
                 self.v[layer] = rows[:, :, layer - first, 1]
+        # The same views as [slot, kv_head, token, head_dim], the layout attention takes.
+        self.k_heads = [k.permute(0, 2, 1, 3) for k in self.k]
+        self.v_heads = [v.permute(0, 2, 1, 3) for v in self.v]
         self.device = self.k[0].device
 
     @property
@@ -127,6 +130,6 @@ class KVCache:
         return sum(space.clear_prefixes() for space in self.spaces)
 
     def close(self) -> None:
-        self.k = self.v = []
+        self.k = self.v = self.k_heads = self.v_heads = []
         for space in self.spaces:
             space.close()
