@@ -33,7 +33,6 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.failed: list[Sequence] = []
         self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
         self._background: list = []  # record/release futures, checked as they complete
 
@@ -112,7 +111,6 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = "error"
         seq.error = exc
-        self.failed.append(seq)
 
     def _drop_vtensors(self, seq: Sequence, record: bool) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds
