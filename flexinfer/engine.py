@@ -165,7 +165,7 @@ class LLM:
             return
         ids = []
         for seq, n in plan:
-            ids.extend(seq.token_ids[seq.num_cached: seq.num_cached + n])
+            ids.extend(seq.tokens_between(seq.num_cached, seq.num_cached + n))
         batch = ForwardBatch.build([seq.slots for seq, _ in plan], [seq.num_cached for seq, _ in plan],
                                    [n for _, n in plan], self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

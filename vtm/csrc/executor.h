@@ -41,7 +41,6 @@ class Executor {
   // Runs every queued task to completion, then joins the workers.
   void Shutdown();
 
-  int workers() const { return static_cast<int>(threads_.size()); }
 
  private:
   struct Task {
