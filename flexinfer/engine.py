@@ -62,7 +62,8 @@ class LLM:
                  manager: vtm.Manager | None = None, backend: str = "auto", device: str | None = None,
                  max_num_seqs: int = 32, max_model_len: int | None = None, max_batch_tokens: int = 1024,
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
-                 workers: int = 1, namespace: str | None = None, layer_groups: int = 1):
+                 workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
+                 linear: str = "auto"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.dtype = _DTYPES[dtype]
@@ -81,7 +82,7 @@ class LLM:
         loaded = load_model(model, self.dtype)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device)
+        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear)
         del loaded
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)

@@ -5,7 +5,9 @@ sequence, concatenated. Projections, norms and the MLP run once over all of
 them; each layer writes its new K/V rows in place into the vTensor cache and
 asks the attention backend to attend over the cached rows, which it reads as
 strided views (no past KV is ever copied). Q/K/V and gate/up weights are
-fused into one matrix each so a layer costs few, large matmuls.
+fused into one matrix each so a layer costs few, large matmuls, and every
+projection runs through `Linear`, which prepares its weight once for the
+fastest kernel on the device (see linear.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from flexinfer.model.config import ModelConfig
+from flexinfer.model.linear import Linear, resolve_linear_kind
 
 
 @dataclass
@@ -86,16 +89,20 @@ class LlamaModel:
     """Weights and the forward pass. Not an nn.Module: inference only."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", linear: str = "auto"):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.linear_kind = resolve_linear_kind(linear, self.device, dtype)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, self.linear_kind)
 
         self.embed = w("model.embed_tokens.weight")
         self.layers = []
@@ -109,15 +116,14 @@ class LlamaModel:
                                       w(p + "self_attn.v_proj.bias")]).contiguous()
             self.layers.append(dict(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=qkv,
-                qkv_bias=qkv_bias,
-                o=w(p + "self_attn.o_proj.weight"),
+                qkv=linear(qkv, qkv_bias),
+                o=linear(w(p + "self_attn.o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                down=linear(w(p + "mlp.down_proj.weight")),
             ))
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.inv_freq = rope_inv_freq(c).to(self.device)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,15 +150,15 @@ class LlamaModel:
         attention.prepare(batch, kv_cache)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer["input_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self._rotate(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
             k = self._rotate(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
             kv_cache.write(i, batch, k, v.view(t, c.num_key_value_heads, c.head_dim))
             attn = attention.forward(i, q, batch, kv_cache)
-            hidden = hidden + F.linear(attn.reshape(t, self.q_size), layer["o"])
+            hidden = hidden + layer["o"](attn.reshape(t, self.q_size))
             x = self._rms_norm(hidden, layer["post_norm"])
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            hidden = hidden + layer["down"](F.silu(gate) * up)
         last = self._rms_norm(hidden.index_select(0, batch.last_index), self.norm)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()

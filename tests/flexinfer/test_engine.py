@@ -28,12 +28,15 @@ from flexinfer import engine as engine_module  # noqa: E402
 from flexinfer.attention import SdpaAttention  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
 from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
+from flexinfer.model.linear import onednn_available  # noqa: E402
 from flexinfer.model.loader import load_model  # noqa: E402
 
 TINY_VOCAB = 512
 TINY_ROW_BYTES = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv_heads * head_dim * float32
 SMALL_CHUNK = 4096  # 8 tiny rows a page: prompts span several pages, some straddle
 LOGITS_ATOL = 1e-4
+# Every linear kernel this machine can run: the torch reference, and oneDNN's where present.
+LINEAR_KINDS_HERE = ["torch"] + (["onednn"] if onednn_available(torch.device("cpu"), torch.float32) else [])
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -247,11 +250,13 @@ DECODE_SCHEDULE = [[1, 1, 1]] * 4 + [[6, 1, 3], [1, 1, 1], [1, 9, 1]]
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_logits_match_transformers(tiny, arch):
+@pytest.mark.parametrize("linear", LINEAR_KINDS_HERE)
+def test_logits_match_transformers(tiny, arch, linear):
     folder, oracle = tiny[arch]
     loaded = load_model(folder, torch.float32)
     assert loaded.config.attention_bias == (arch == "qwen2")
-    model = LlamaModel(loaded.config, loaded.weights, torch.float32)
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32, linear=linear)
+    assert model.linear_kind == linear
     prompts = random_prompts([7, 19, 30], seed=10)
     _check_forward_against_oracle(model, oracle, prompts, DECODE_SCHEDULE, SMALL_CHUNK, seed=11,
                                   atol=LOGITS_ATOL, rtol=0)
@@ -290,9 +295,10 @@ def tiny_prompts():
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-on", "prefix-off"])
-def test_greedy_matches_transformers(tiny, tiny_prompts, arch, prefix_caching):
+@pytest.mark.parametrize("linear", LINEAR_KINDS_HERE)
+def test_greedy_matches_transformers(tiny, tiny_prompts, arch, prefix_caching, linear):
     folder, oracle = tiny[arch]
-    llm = LLM(folder, enable_prefix_caching=prefix_caching)
+    llm = LLM(folder, enable_prefix_caching=prefix_caching, linear=linear)
     outputs = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
     assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
     for out in outputs:

@@ -1,0 +1,57 @@
+"""Linear: every kernel kind computes what F.linear computes, for the row
+counts the engine feeds it (one decode row to a long prefill chunk)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexinfer.model.linear import Linear, onednn_available, resolve_linear_kind
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not onednn_available(CPU, torch.float32), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 8, 33, 512])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_onednn_matches_float64_reference(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 64, generator=gen)
+    got = Linear(weight, bias, "onednn")(x)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@needs_onednn
+def test_onednn_takes_strided_and_batched_inputs():
+    weight = torch.randn(40, 24)
+    layer = Linear(weight, None, "onednn")
+    wide = torch.randn(5, 50)
+    torch.testing.assert_close(layer(wide[:, 3:27]), F.linear(wide[:, 3:27], weight), atol=1e-5, rtol=1e-5)
+    x = torch.randn(2, 3, 24)
+    torch.testing.assert_close(layer(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_available(CPU, torch.bfloat16), reason="torch built without oneDNN")
+def test_onednn_bfloat16_matches_torch():
+    weight = torch.randn(64, 128).bfloat16()
+    x = torch.randn(4, 128).bfloat16()
+    got = Linear(weight, None, "onednn")(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x.float(), weight.float()), atol=0.1, rtol=1e-2)
+
+
+def test_kind_resolution():
+    assert resolve_linear_kind("torch", CPU, torch.float32) == "torch"
+    assert resolve_linear_kind("auto", torch.device("cuda"), torch.float16) == "torch"
+    if onednn_available(CPU, torch.float32):
+        assert resolve_linear_kind("auto", CPU, torch.float32) == "onednn"
+    with pytest.raises(ValueError, match="linear must be one of"):
+        resolve_linear_kind("mkl", CPU, torch.float32)
+    with pytest.raises(ValueError, match="onednn linear kernel needs"):
+        resolve_linear_kind("onednn", CPU, torch.float16)
