@@ -37,6 +37,7 @@ class KVCache:
         bounds = [layers * g // layer_groups for g in range(layer_groups + 1)]
         self.group_of = [0] * layers  # layer -> group
         self.spaces: list[vtm.Space] = []
+        self.kv: list[torch.Tensor] = [None] * layers  # [slot, token, k|v, kv_head, head_dim] per layer
         self.k: list[torch.Tensor] = [None] * layers  # [slot, token, kv_head, head_dim] per layer
         self.v: list[torch.Tensor] = [None] * layers
         for g in range(layer_groups):
@@ -52,6 +53,7 @@ class KVCache:
             rows = flat[:, : max_tokens * row_elems].view(max_slots, max_tokens, last - first, 2, heads, dim)
             for layer in range(first, last):
                 self.group_of[layer] = g
+                self.kv[layer] = rows[:, :, layer - first]
                 self.k[layer] = rows[:, :, layer - first, 0]
                 self.v[layer] = rows[:, :, layer - first, 1]
         # The same views as [slot, kv_head, token, head_dim], the layout attention takes.
@@ -70,11 +72,10 @@ class KVCache:
             raise AttributeError("this cache has several layer groups: use .spaces")
         return self.spaces[0]
 
-    def write(self, layer: int, batch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots and positions."""
-        index = (batch.slot_index[self.group_of[layer]], batch.positions)
-        self.k[layer].index_put_(index, k)
-        self.v[layer].index_put_(index, v)
+    def write(self, layer: int, batch, kv: torch.Tensor) -> None:
+        """Store the new tokens' K and V ([T, 2, kv_heads, head_dim]) at their slots and positions.
+        K and V of a layer are adjacent in a row, so one scatter writes both."""
+        self.kv[layer].index_put_((batch.slot_index[self.group_of[layer]], batch.positions), kv)
 
     # -- vTensor operations over all groups ------------------------------
 
@@ -130,6 +131,6 @@ class KVCache:
         return sum(space.clear_prefixes() for space in self.spaces)
 
     def close(self) -> None:
-        self.k = self.v = self.k_heads = self.v_heads = []
+        self.kv = self.k = self.v = self.k_heads = self.v_heads = []
         for space in self.spaces:
             space.close()

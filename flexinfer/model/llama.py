@@ -96,7 +96,6 @@ class LlamaModel:
         self.linear_kind = resolve_linear_kind(linear, self.device, dtype)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
-        self.kv_size = c.num_key_value_heads * c.head_dim
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
@@ -127,15 +126,19 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(c).to(self.device)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] for `_rotate`; sin's first half negated."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
+        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+        return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotary embedding in place: x*cos + rotate_half(x)*sin, where
+        rotate_half(x) = [-x2, x1] is [x2, x1] times the signs `_rope` folded into sin."""
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+        x.mul_(cos).addcmul_(swapped, sin)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
@@ -148,14 +151,15 @@ class LlamaModel:
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self._rope(batch.positions)
         attention.prepare(batch, kv_cache)
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer["input_norm"])
-            qkv = layer["qkv"](x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rotate(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
-            k = self._rotate(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
-            kv_cache.write(i, batch, k, v.view(t, c.num_key_value_heads, c.head_dim))
-            attn = attention.forward(i, q, batch, kv_cache)
+            # [T, q heads | k heads | v heads, head_dim]: rotate q and k together,
+            # in place, then K and V are one adjacent block for the cache.
+            qkv = layer["qkv"](x).view(t, heads + 2 * kv_heads, c.head_dim)
+            self._rotate_(qkv[:, : heads + kv_heads], cos, sin)
+            kv_cache.write(i, batch, qkv[:, heads:].view(t, 2, kv_heads, c.head_dim))
+            attn = attention.forward(i, qkv[:, :heads], batch, kv_cache)
             hidden = hidden + layer["o"](attn.reshape(t, self.q_size))
             x = self._rms_norm(hidden, layer["post_norm"])
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
