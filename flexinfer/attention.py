@@ -34,14 +34,12 @@ class SdpaAttention:
                 self._masks.append(None)
 
     def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
-        # kv_cache.k_heads[layer][s] is slot s's K as [kv_head, token, head_dim]
-        # (a view), so each request costs one slicing op per tensor.
         k_heads, v_heads = kv_cache.k_heads[layer], kv_cache.v_heads[layer]
         slots = batch.slots[kv_cache.group_of[layer]]
         if batch.is_decode:
             q_heads = q.unsqueeze(2)  # [B, heads, 1, head_dim]
-            outs = [F.scaled_dot_product_attention(q_heads[i:i + 1], k_heads[slot:slot + 1, :, :start + 1],
-                                                   v_heads[slot:slot + 1, :, :start + 1], enable_gqa=True)
+            outs = [F.scaled_dot_product_attention(q_heads[i:i + 1], _rows(k_heads, slot, start + 1),
+                                                   _rows(v_heads, slot, start + 1), enable_gqa=True)
                     for i, (slot, start) in enumerate(zip(slots, batch.starts))]
             return torch.cat(outs).squeeze(2)
         out = torch.empty_like(q)
@@ -49,11 +47,20 @@ class SdpaAttention:
         for slot, start, n, mask in zip(slots, batch.starts, batch.new_lens, self._masks):
             length = start + n
             qi = q[offset:offset + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qi, k_heads[slot:slot + 1, :, :length], v_heads[slot:slot + 1, :, :length],
+            o = F.scaled_dot_product_attention(qi, _rows(k_heads, slot, length), _rows(v_heads, slot, length),
                                                attn_mask=mask, is_causal=(mask is None and n > 1), enable_gqa=True)
             out[offset:offset + n] = o[0].transpose(0, 1)
             offset += n
         return out
+
+
+def _rows(heads_view: torch.Tensor, slot: int, length: int) -> torch.Tensor:
+    """heads_view[slot:slot + 1, :, :length] ([1, kv_head, token, head_dim]) in
+    one op instead of two: decode makes one per request, layer and K/V."""
+    _, kv_heads, _, head_dim = heads_view.shape
+    slot_stride = heads_view.stride(0)
+    return heads_view.as_strided((1, kv_heads, length, head_dim), heads_view.stride(),
+                                 heads_view.storage_offset() + slot * slot_stride)
 
 
 class FlashAttention:

@@ -45,7 +45,7 @@ def resolve_linear_kind(kind: str, device: torch.device, dtype: torch.dtype) -> 
 
 
 class Linear:
-    """y = x @ weight.T + bias for x of shape [..., in_features]."""
+    """y = x @ weight.T + bias (+ residual) for x of shape [..., in_features]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
         self.out_features, self.in_features = weight.shape
@@ -56,7 +56,12 @@ class Linear:
         else:
             self.weight = weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With `residual`, returns residual + linear(x); oneDNN adds it as the
+        matmul writes its output, saving a pass over the result."""
         if self.kind == "onednn":
+            if residual is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else residual + y

@@ -55,3 +55,14 @@ def test_kind_resolution():
         resolve_linear_kind("mkl", CPU, torch.float32)
     with pytest.raises(ValueError, match="onednn linear kernel needs"):
         resolve_linear_kind("onednn", CPU, torch.float16)
+
+
+@pytest.mark.parametrize("kind", ["torch"] + (["onednn"] if onednn_available(CPU, torch.float32) else []))
+def test_residual_is_added(kind):
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(32, 48, generator=gen), torch.randn(32, generator=gen)
+    x, residual = torch.randn(5, 48, generator=gen), torch.randn(5, 32, generator=gen)
+    before = residual.clone()
+    got = Linear(weight, bias, kind)(x, residual=residual)
+    torch.testing.assert_close(got, residual + F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert torch.equal(residual, before)  # the residual input is not written
