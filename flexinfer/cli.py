@@ -6,7 +6,9 @@ import argparse
 import sys
 import time
 
+import vtm
 from flexinfer.engine import LLM
+from flexinfer.errors import FlexInferError
 from flexinfer.sampling import SamplingParams
 
 
@@ -17,6 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--linear", default="auto", choices=["auto", "onednn", "torch"],
+                   help="projection kernels: oneDNN with prepacked weights (CPU default) or F.linear")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -30,7 +34,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _engine(args) -> LLM:
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=int(args.kv_capacity_gib * (1 << 30)),
                backend=args.backend, max_model_len=args.max_model_len,
-               enable_prefix_caching=not args.no_prefix_caching)
+               enable_prefix_caching=not args.no_prefix_caching, linear=args.linear)
 
 
 def _params(args) -> SamplingParams:
@@ -118,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-tokens", type=int, default=128)
     b.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (FlexInferError, vtm.Error, ValueError) as e:
+        # Bad input or no memory: one line naming the problem, not a traceback.
+        print(f"flexinfer: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 1. Throughput: FlexInfer `generate` versus Hugging Face transformers `generate`
    (greedy, 128 new tokens, ignore EOS) at several batch sizes; tokens/s and
-   the ratio. Both run in this process, alternating, each repeated; medians.
+   the ratio. Also FlexInfer with `linear="torch"` (the F.linear kernels
+   transformers uses), which separates what the oneDNN linear kernels bring
+   from what the engine does. All run in this process, alternating, each
+   repeated; medians.
 2. Fragmentation: a mixed-length workload; KV bytes mapped versus bytes used,
    sampled every step.
 3. Multi-turn chat (5 turns, growing history): time to first token per turn
@@ -76,22 +79,26 @@ def run_flexinfer(llm, prompts, new_tokens) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
-def throughput(llm, hf, batches, new_tokens, prompt_len, repeats):
+def throughput(llm, llm_torch_linear, hf, batches, new_tokens, prompt_len, repeats):
     rows = []
     for batch in batches:
         prompts = make_prompts(batch, prompt_len)
-        ours, theirs = [], []
+        ours, plain, theirs = [], [], []
         for _ in range(repeats):
             theirs.append(run_hf(hf, prompts, new_tokens))
-            ours.append(run_flexinfer(llm, prompts, new_tokens))
-            llm.kv_cache.space.clear_prefixes()  # no cross-repeat reuse: measure compute
+            for engine, results in ((llm, ours), (llm_torch_linear, plain)):
+                results.append(run_flexinfer(engine, prompts, new_tokens))
+                engine.kv_cache.space.clear_prefixes()  # no cross-repeat reuse: measure compute
         row = dict(batch=batch, prompt_tokens=prompt_len, new_tokens=new_tokens,
                    flexinfer_tok_s=statistics.median(ours), hf_tok_s=statistics.median(theirs),
-                   flexinfer_all=ours, hf_all=theirs)
+                   flexinfer_torch_linear_tok_s=statistics.median(plain),
+                   flexinfer_all=ours, hf_all=theirs, flexinfer_torch_linear_all=plain)
         row["ratio"] = row["flexinfer_tok_s"] / row["hf_tok_s"]
+        row["ratio_torch_linear"] = row["flexinfer_torch_linear_tok_s"] / row["hf_tok_s"]
         rows.append(row)
         print(f"  batch {batch:>3}: FlexInfer {row['flexinfer_tok_s']:7.1f} tok/s   HF {row['hf_tok_s']:7.1f} tok/s"
-              f"   ratio {row['ratio']:.2f}x", flush=True)
+              f"   ratio {row['ratio']:.2f}x   (FlexInfer with F.linear {row['flexinfer_torch_linear_tok_s']:7.1f}"
+              f" tok/s, {row['ratio_torch_linear']:.2f}x)", flush=True)
     return rows
 
 
@@ -206,11 +213,16 @@ def main() -> None:
     hf = hf_model(loaded.config, loaded.weights)
     del loaded
     llm = LLM("smollm2", dtype="float32", kv_capacity_bytes=2 << 30, max_model_len=2048, max_num_seqs=32)
-    run_flexinfer(llm, make_prompts(1, 32), 4)  # warm up both
+    llm_torch_linear = LLM("smollm2", dtype="float32", kv_capacity_bytes=2 << 30, max_model_len=2048,
+                           max_num_seqs=32, linear="torch")
+    print(f"FlexInfer linear kernels: {llm.model.linear_kind} (and {llm_torch_linear.model.linear_kind})")
+    for engine in (llm, llm_torch_linear):  # warm up all three
+        run_flexinfer(engine, make_prompts(1, 32), 4)
     run_hf(hf, make_prompts(1, 32), 4)
 
     print("\n1. Throughput, float32, greedy, SmolLM2-135M (median of %d)" % repeats)
-    rows = throughput(llm, hf, batches, new_tokens, 32, repeats)
+    rows = throughput(llm, llm_torch_linear, hf, batches, new_tokens, 32, repeats)
+    llm_torch_linear.close()
     print("\n2. Fragmentation (mixed lengths)")
     frag = fragmentation(llm, args.quick)
     llm.close()
