@@ -9,7 +9,8 @@
 2. Fragmentation: a mixed-length workload; KV bytes mapped versus bytes used,
    sampled every step.
 3. Multi-turn chat (5 turns, growing history): time to first token per turn
-   and total throughput, with and without prefix reuse.
+   and total throughput, with and without prefix reuse (alternating, repeated,
+   medians per turn).
 4. KV layout: decode attention over all layers of one request at several
    context lengths, token-major (one space) versus layer groups.
 
@@ -167,10 +168,8 @@ def fragmentation(llm, quick):
     return result
 
 
-def multi_turn(model, turns, new_tokens, reuse):
-    llm = LLM(model, dtype="float32", kv_capacity_bytes=1 << 30, max_model_len=4096,
-              enable_prefix_caching=reuse)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+def multi_turn(llm, turns, new_tokens):
+    """One chat on `llm` from an empty prefix cache: per-turn TTFT, and tokens/s over the chat."""
     llm.kv_cache.space.clear_prefixes()
     g = torch.Generator().manual_seed(3)
     history: list[int] = [1] + torch.randint(100, 40000, (200,), generator=g).tolist()  # a system prompt
@@ -184,9 +183,32 @@ def multi_turn(model, turns, new_tokens, reuse):
         total_tokens += len(out.token_ids)
         rows.append(dict(turn=turn + 1, prompt_tokens=out.metrics.prompt_tokens,
                          reused_tokens=out.metrics.prefix_hit_tokens, ttft_s=out.metrics.ttft_s))
-    elapsed = time.perf_counter() - start
-    llm.close()
-    return rows, total_tokens / elapsed
+    return rows, total_tokens / (time.perf_counter() - start)
+
+
+def multi_turn_compare(model, turns, new_tokens, repeats):
+    """The same chat with and without prefix reuse, alternating, `repeats` times; per-turn medians."""
+    engines = {reuse: LLM(model, dtype="float32", kv_capacity_bytes=1 << 30, max_model_len=4096,
+                          enable_prefix_caching=reuse) for reuse in (True, False)}
+    runs = {True: [], False: []}
+    for llm in engines.values():
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
+    for _ in range(repeats):
+        for reuse, llm in engines.items():
+            runs[reuse].append(multi_turn(llm, turns, new_tokens))
+    for llm in engines.values():
+        llm.close()
+    rows = []
+    for turn in range(turns):
+        with_reuse = [chat[turn] for chat, _ in runs[True]]
+        without = [chat[turn] for chat, _ in runs[False]]
+        row = dict(with_reuse[0], ttft_s=statistics.median(r["ttft_s"] for r in with_reuse),
+                   ttft_all=[r["ttft_s"] for r in with_reuse],
+                   ttft_no_reuse_s=statistics.median(r["ttft_s"] for r in without),
+                   ttft_no_reuse_all=[r["ttft_s"] for r in without])
+        row["speedup"] = row["ttft_no_reuse_s"] / row["ttft_s"]
+        rows.append(row)
+    return rows, statistics.median(rate for _, rate in runs[True]), statistics.median(rate for _, rate in runs[False])
 
 
 def kv_layout(config, contexts, group_counts, repeats):
@@ -261,16 +283,13 @@ def main() -> None:
     llm.close()
     del hf
 
-    print("\n3. Multi-turn chat, %d turns, growing history" % (3 if args.quick else 5))
     turns = 3 if args.quick else 5
-    with_reuse, rate_reuse = multi_turn("smollm2", turns, 16 if args.quick else 32, True)
-    without, rate_plain = multi_turn("smollm2", turns, 16 if args.quick else 32, False)
+    print("\n3. Multi-turn chat, %d turns, growing history (median of %d chats)" % (turns, repeats))
+    with_reuse, rate_reuse, rate_plain = multi_turn_compare("smollm2", turns, 16 if args.quick else 32, repeats)
     print("  turn  prompt  reused  TTFT reuse  TTFT no reuse  speed-up")
-    for a, b in zip(with_reuse, without):
-        a["ttft_no_reuse_s"] = b["ttft_s"]
-        a["speedup"] = b["ttft_s"] / a["ttft_s"]
+    for a in with_reuse:
         print(f"  {a['turn']:>4}  {a['prompt_tokens']:>6}  {a['reused_tokens']:>6}  {a['ttft_s'] * 1000:>7.0f} ms"
-              f"  {b['ttft_s'] * 1000:>10.0f} ms  {a['speedup']:>7.2f}x")
+              f"  {a['ttft_no_reuse_s'] * 1000:>10.0f} ms  {a['speedup']:>7.2f}x")
     print(f"  total throughput: {rate_reuse:.1f} tok/s with reuse, {rate_plain:.1f} tok/s without "
           f"({rate_reuse / rate_plain:.2f}x)")
     print("\n4. KV layout: decode attention, all layers, one request (median of %d)" % (5 if args.quick else 20))
