@@ -16,11 +16,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flexinfer.errors import InvalidArgument
+
 
 class SdpaAttention:
     name = "sdpa"
 
     def prepare(self, batch, kv_cache) -> None:
+        # `_rows` does not clamp like slicing would: refuse lengths past the slot.
+        if max(start + n for start, n in zip(batch.starts, batch.new_lens)) > kv_cache.max_tokens:
+            raise InvalidArgument(f"a sequence is longer than the cache's {kv_cache.max_tokens} tokens")
         # A chunk that continues a cached prefix needs an explicit causal
         # mask aligned to the end (SDPA's is_causal aligns to the start).
         self._masks = []
@@ -55,8 +60,10 @@ class SdpaAttention:
 
 
 def _rows(heads_view: torch.Tensor, slot: int, length: int) -> torch.Tensor:
-    """heads_view[slot:slot + 1, :, :length] ([1, kv_head, token, head_dim]) in
-    one op instead of two: decode makes one per request, layer and K/V."""
+    """heads_view[slot:slot + 1, :, :length] ([1, kv_head, token, head_dim]) as
+    one as_strided call, cheaper than the indexing (decode makes one per request,
+    layer and K/V). Unlike slicing it does not clamp: the caller keeps
+    slot < max_slots and length <= max_tokens (`prepare` checks the lengths)."""
     _, kv_heads, _, head_dim = heads_view.shape
     slot_stride = heads_view.stride(0)
     return heads_view.as_strided((1, kv_heads, length, head_dim), heads_view.stride(),
@@ -111,6 +118,6 @@ def make_attention(name: str, device: torch.device):
         return SdpaAttention()
     if name == "flash_attn":
         if device.type != "cuda":
-            raise ValueError("the flash_attn backend needs a CUDA device")
+            raise InvalidArgument("the flash_attn backend needs a CUDA device")
         return FlashAttention()
-    raise ValueError(f"unknown attention backend {name!r} (expected auto, sdpa or flash_attn)")
+    raise InvalidArgument(f"unknown attention backend {name!r} (expected auto, sdpa or flash_attn)")

@@ -1,4 +1,9 @@
-"""The `flexinfer` command: generate, chat, bench."""
+"""The `flexinfer` command: generate, chat, bench.
+
+Exit status: 0 on success; 1 when a request failed (its error is printed);
+2 for bad input or no memory (one line, `flexinfer: error: ...`). Anything
+else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,11 @@ import time
 import vtm
 from flexinfer.engine import LLM
 from flexinfer.errors import FlexInferError
+from flexinfer.model.linear import LINEAR_KINDS
 from flexinfer.sampling import SamplingParams
+
+# Errors caused by the user's input or the machine's limits, not by a bug.
+_USER_ERRORS = (FlexInferError, vtm.InvalidArgument, vtm.OutOfMemory, vtm.Unavailable)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +28,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--linear", default="auto", choices=["auto", "onednn", "torch"],
+    p.add_argument("--linear", default="auto", choices=LINEAR_KINDS,
                    help="projection kernels: oneDNN with prepacked weights (CPU default) or F.linear")
 
 
@@ -43,11 +52,12 @@ def _params(args) -> SamplingParams:
 
 
 def cmd_generate(args) -> int:
+    params = _params(args)  # before the model loads: a bad flag fails at once
     llm = _engine(args)
     try:
-        for out in llm.generate(args.prompt, _params(args)):
+        for out in llm.generate(args.prompt, params):
             if out.outputs[0].error is not None:
-                print(f"error: {out.outputs[0].error}", file=sys.stderr)
+                print(f"flexinfer: error: {out.outputs[0].error}", file=sys.stderr)
                 return 1
             m = out.metrics
             print(out.prompt + out.text if args.echo else out.text)
@@ -60,6 +70,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    params = _params(args)
     llm = _engine(args)
     history: list[dict] = []
     if args.system:
@@ -74,7 +85,10 @@ def cmd_chat(args) -> int:
             if not line:
                 break
             history.append({"role": "user", "content": line})
-            out = llm.chat(history, _params(args))
+            out = llm.chat(history, params)
+            if out.outputs[0].error is not None:  # e.g. the conversation outgrew max_model_len
+                print(f"flexinfer: error: {out.outputs[0].error}", file=sys.stderr)
+                return 1
             history.append({"role": "assistant", "content": out.text})
             m = out.metrics
             print(f"assistant> {out.text}")
@@ -124,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (FlexInferError, vtm.Error, ValueError) as e:
-        # Bad input or no memory: one line naming the problem, not a traceback.
+    except _USER_ERRORS as e:
         print(f"flexinfer: error: {e}", file=sys.stderr)
         return 2
 

@@ -13,7 +13,9 @@ from tqdm import tqdm
 
 import vtm
 from flexinfer.attention import make_attention
+from flexinfer.errors import InvalidArgument
 from flexinfer.kv_cache import KVCache
+from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel
 from flexinfer.model.loader import load_model
 from flexinfer.sampling import SamplingParams, sample
@@ -65,31 +67,46 @@ class LLM:
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto"):
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens)):
+            if value < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {value}")
         self.dtype = _DTYPES[dtype]
         self._own_manager = manager is None
         if manager is None:
             manager = vtm.Manager(backend=backend, capacity_bytes=kv_capacity_bytes, chunk_bytes=chunk_bytes,
                                   workers=workers, prealloc_chunks=4)
         self.manager = manager
-        if device is None:
-            device = "cuda" if manager.backend == "cuda" else "cpu"
-        self.device = torch.device(device)
-        if (self.device.type == "cuda") != (manager.backend == "cuda"):
-            raise ValueError(f"device {device} does not match the vtm backend {manager.backend}")
-        if self.device.type == "cpu" and self.dtype == torch.float16:
-            raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on CPU")
-        loaded = load_model(model, self.dtype)
-        self.config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear)
-        del loaded
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
-        self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len, max_num_seqs,
-                                namespace=namespace or f"{model}:{dtype}", layer_groups=layer_groups)
-        self.attention = make_attention(attention, self.device)
-        self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
+        self.kv_cache = None
+        try:
+            if device is None:
+                device = "cuda" if manager.backend == "cuda" else "cpu"
+            self.device = torch.device(device)
+            if (self.device.type == "cuda") != (manager.backend == "cuda"):
+                raise InvalidArgument(f"device {device} does not match the vtm backend {manager.backend}")
+            if self.device.type == "cpu" and self.dtype == torch.float16:
+                raise InvalidArgument("float16 is supported on CUDA only; use float32 or bfloat16 on CPU")
+            # Every cheap check before the weights load.
+            linear = resolve_linear_kind(linear, self.device, self.dtype)
+            self.attention = make_attention(attention, self.device)
+            loaded = load_model(model, self.dtype)
+            self.config = loaded.config
+            self.tokenizer = loaded.tokenizer
+            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear)
+            del loaded
+            self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                     self.config.max_position_embeddings)
+            self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len, max_num_seqs,
+                                    namespace=namespace or f"{model}:{dtype}", layer_groups=layer_groups)
+            self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
+        except BaseException:
+            # A failed constructor leaves nothing behind: no space on a shared
+            # manager, no manager of its own.
+            if self.kv_cache is not None:
+                self.kv_cache.close()
+            if self._own_manager:
+                manager.close()
+            raise
         self._ids = itertools.count()
 
     # -- public API -----------------------------------------------------
@@ -102,7 +119,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError("one SamplingParams per prompt, or a single one for all")
+            raise InvalidArgument("one SamplingParams per prompt, or a single one for all")
         outputs: list[RequestOutput] = []
         seqs: list[Sequence] = []
         for index, (prompt, p) in enumerate(zip(prompts, params)):
@@ -207,7 +224,7 @@ class LLM:
         elif max(seq.prompt_ids) >= self.config.vocab_size or min(seq.prompt_ids) < 0:
             problem = "a prompt token id is outside the vocabulary"
         if problem:
-            seq.error = ValueError(problem)
+            seq.error = InvalidArgument(problem)
             seq.finish_reason = "error"
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

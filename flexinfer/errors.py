@@ -10,6 +10,11 @@ class FlexInferError(Exception):
     """Base class of every error FlexInfer raises on purpose."""
 
 
+class InvalidArgument(FlexInferError, ValueError):
+    """A bad argument or request: an unknown option, a value out of range, a
+    prompt that does not fit. Nothing was changed."""
+
+
 class ModelLoadError(FlexInferError, ValueError):
     """A model could not be loaded: missing or malformed file, or an unsupported
     architecture, quantization type or tokenizer. The message names the file."""

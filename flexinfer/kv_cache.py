@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 import vtm
+from flexinfer.errors import InvalidArgument
 from flexinfer.model.config import ModelConfig
 
 
@@ -28,7 +29,7 @@ class KVCache:
                  max_slots: int, namespace: str | None = None, name: str | None = None, layer_groups: int = 1):
         layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         if not 1 <= layer_groups <= layers:
-            raise ValueError(f"layer_groups must be in [1, {layers}], got {layer_groups}")
+            raise InvalidArgument(f"layer_groups must be in [1, {layers}], got {layer_groups}")
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.manager = manager
         self.max_tokens = max_tokens

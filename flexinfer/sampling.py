@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexinfer.errors import InvalidArgument
+
 
 @dataclass
 class SamplingParams:
@@ -21,15 +23,15 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            raise InvalidArgument(f"n must be >= 1, got {self.n}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

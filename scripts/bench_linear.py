@@ -5,11 +5,11 @@ down in each of the 30 layers, then the LM head), so it streams all 538 MB of
 float32 weights once. This runs that sequence of 121 matmuls with random weights
 of SmolLM2's shapes through `flexinfer.model.linear.Linear` for each kernel kind
 (`torch` = F.linear, the baseline; `onednn` = weights reordered once), at several
-row counts, and reports the medians, the weight bytes streamed per second, and
+row counts, in float32 (or --dtype bfloat16), and reports the medians, the weight bytes streamed per second, and
 the ratio to the baseline. For scale, it first measures what the machine streams
 (a copy and a sum of 512 MB).
 
-Usage: python scripts/bench_linear.py [--rows 1,8,32] [--repeats 15] [--json PATH]
+Usage: python scripts/bench_linear.py [--rows 1,8,32] [--dtype float32|bfloat16] [--repeats 15] [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,23 +51,25 @@ def memory_bandwidth(repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cpu = torch.device("cpu")
-    kinds = ["torch"] + (["onednn"] if onednn_available(cpu, torch.float32) else [])
+    dtype = getattr(torch, args.dtype)
+    kinds = ["torch"] + (["onednn"] if onednn_available(cpu, dtype) else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     bandwidth = memory_bandwidth(args.repeats)
     print(f"memory: copy {bandwidth['copy_gb_s']:.1f} GB/s (read + write), sum {bandwidth['sum_gb_s']:.1f} GB/s")
 
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(shape, generator=gen) for _ in range(LAYERS) for shape in LAYER_SHAPES]
-    weights.append(torch.randn(LM_HEAD, generator=gen))
+    weights = [torch.randn(shape, generator=gen).to(dtype) for _ in range(LAYERS) for shape in LAYER_SHAPES]
+    weights.append(torch.randn(LM_HEAD, generator=gen).to(dtype))
     weight_bytes = sum(w.nbytes for w in weights)
-    print(f"{len(weights)} projections, {weight_bytes / 1e6:.0f} MB of float32 weights")
+    print(f"{len(weights)} projections, {weight_bytes / 1e6:.0f} MB of {args.dtype} weights")
     rows = []
     for n in [int(r) for r in args.rows.split(",")]:
-        inputs = {width: torch.randn(n, width, generator=gen) for width in (576, 1536)}
+        inputs = {width: torch.randn(n, width, generator=gen).to(dtype) for width in (576, 1536)}
         times = {}
         for kind in kinds:
             layers = [Linear(w, None, kind) for w in weights]
@@ -87,7 +89,8 @@ def main() -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(dict(memory=bandwidth, weight_bytes=weight_bytes, rows=rows, torch=torch.__version__,
+            json.dump(dict(memory=bandwidth, dtype=args.dtype, weight_bytes=weight_bytes, rows=rows,
+                           torch=torch.__version__,
                            threads=torch.get_num_threads()), f, indent=2)
 
 

@@ -55,7 +55,7 @@ def make_prompts(batch: int, length: int) -> list[list[int]]:
     return [[1] + torch.randint(100, 40000, (length - 1,), generator=g).tolist() for _ in range(batch)]
 
 
-def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     # min_tokens = max_tokens with ignore_eos: every request decodes exactly new_tokens.
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens,
                             ignore_eos=True, detokenize=False)
@@ -63,7 +63,7 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
-    return len(prompts) * new_tokens / elapsed
+    return len(prompts) * new_tokens / elapsed, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def main() -> None:
@@ -100,8 +100,11 @@ def main() -> None:
     rows = []
     for batch in batches:
         prompts = make_prompts(batch, args.prompt_len)
-        samples = [run(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
-        rows.append({"batch": batch, "tokens_per_s": statistics.median(samples), "samples": samples})
+        runs = [run(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
+        samples = [rate for rate, _ in runs]
+        # The greedy tokens, so the caller can check both engines computed the same thing.
+        rows.append({"batch": batch, "tokens_per_s": statistics.median(samples), "samples": samples,
+                     "token_ids": runs[-1][1]})
         print(f"batch {batch:3d}: {rows[-1]['tokens_per_s']:8.1f} tokens/s (median of {args.repeats})")
 
     if args.json:

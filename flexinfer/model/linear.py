@@ -2,14 +2,15 @@
 
 Why not plain `F.linear`: on CPU, torch sends float32 matmuls to MKL's sgemm,
 which on AMD processors takes a generic path. Decode multiplies a few rows by
-every weight matrix, so each step streams all weights once; measured on the
-2-core EPYC dev machine over SmolLM2's 538 MB of float32 projections, sgemm
-moves 17 GB/s at one row and 12 GB/s at eight, while the same machine copies
-memory at 45 GB/s. oneDNN's matmul, with the weight reordered once into its
-blocked layout, moves 33-34 GB/s at one and eight rows (2-3x less time per
-step), and also beats torch's bfloat16 path. The reorder is done at load and
-the blocked copy replaces the original, so it costs no memory (beyond the
-embedding table when the LM head shares it).
+every weight matrix, so each step streams all weights once; measured with
+scripts/bench_linear.py on the 2-core EPYC dev machine over SmolLM2's 538 MB of
+float32 projections, sgemm moves 17 GB/s at one row and 12 GB/s at eight, on a
+machine that streams 45-80 GB/s. oneDNN's matmul, with each weight reordered
+once into its blocked layout, moves 41 and 36 GB/s (0.41x and 0.34x the time
+per step); in bfloat16 it is also faster than torch's own path (see the script's
+--dtype). The reorder happens at load; the blocked copy then replaces the
+original, so after loading it costs no memory (beyond the embedding table when
+the LM head shares it), though both exist for a moment while the model loads.
 
 `kind="torch"` keeps `F.linear` everywhere (the reference path; also what runs
 on CUDA, where cuBLAS needs no help).
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flexinfer.errors import InvalidArgument
+
 LINEAR_KINDS = ("auto", "onednn", "torch")
 
 # The row count oneDNN tunes its blocked layout for; decode batches are this small.
@@ -27,19 +30,23 @@ _ROWS_HINT = 8
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        # Without native bfloat16 instructions oneDNN falls back to slow reference kernels.
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
 
 
 def resolve_linear_kind(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     if kind not in LINEAR_KINDS:
-        raise ValueError(f"linear must be one of {LINEAR_KINDS}, got {kind!r}")
+        raise InvalidArgument(f"linear must be one of {LINEAR_KINDS}, got {kind!r}")
     if kind == "auto":
         return "onednn" if onednn_available(device, dtype) else "torch"
     if kind == "onednn" and not onednn_available(device, dtype):
-        raise ValueError(f"the onednn linear kernel needs a CPU torch with oneDNN and float32 or bfloat16, "
+        raise InvalidArgument(f"the onednn linear kernel needs a CPU torch with oneDNN and float32 or bfloat16, "
                          f"not {device.type}/{dtype}")
     return kind
 
@@ -48,7 +55,7 @@ class Linear:
     """y = x @ weight.T + bias (+ residual) for x of shape [..., in_features]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
-        self.out_features, self.in_features = weight.shape
+        self.in_features = weight.shape[1]
         self.bias = bias
         self.kind = kind
         if kind == "onednn":

