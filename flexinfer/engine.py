@@ -92,7 +92,8 @@ class LLM:
             loaded = load_model(model, self.dtype)
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
-            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear)
+            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear,
+                                    consume_weights=True)
             del loaded
             self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                      self.config.max_position_embeddings)

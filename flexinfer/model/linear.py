@@ -8,9 +8,9 @@ float32 projections, sgemm moves 17 GB/s at one row and 12 GB/s at eight, on a
 machine that streams 45-80 GB/s. oneDNN's matmul, with each weight reordered
 once into its blocked layout, moves 41 and 36 GB/s (0.41x and 0.34x the time
 per step); in bfloat16 it is also faster than torch's own path (see the script's
---dtype). The reorder happens at load; the blocked copy then replaces the
-original, so after loading it costs no memory (beyond the embedding table when
-the LM head shares it), though both exist for a moment while the model loads.
+--dtype). The reorder happens at load and the blocked copy replaces the
+original, so it costs no memory (beyond the embedding table when the LM head
+shares it); the engine's load frees each original as it goes.
 
 `kind="torch"` keeps `F.linear` everywhere (the reference path; also what runs
 on CUDA, where cuBLAS needs no help).

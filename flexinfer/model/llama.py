@@ -87,10 +87,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Weights and the forward pass. Not an nn.Module: inference only."""
+    """Weights and the forward pass. Not an nn.Module: inference only.
+
+    With `consume_weights`, each tensor is popped from `weights` as it is
+    converted, so the loaded copy is freed layer by layer instead of coexisting
+    with the converted (fused, reordered) one until loading ends.
+    """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", linear: str = "auto"):
+                 device: torch.device | str = "cpu", linear: str = "auto", consume_weights: bool = False):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -98,8 +103,10 @@ class LlamaModel:
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
 
+        take = weights.pop if consume_weights else weights.__getitem__
+
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype)
+            return take(name).to(device=self.device, dtype=dtype)
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, self.linear_kind)

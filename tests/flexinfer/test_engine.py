@@ -12,6 +12,7 @@ by checking that clearing the prefix tree and trimming leaves no chunk held.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -181,7 +182,10 @@ def smollm2_loaded():
     real_load = engine_module.load_model
 
     def cached_load(name, dtype):
-        return loaded if (name, dtype) == ("smollm2", torch.float32) else real_load(name, dtype)
+        if (name, dtype) != ("smollm2", torch.float32):
+            return real_load(name, dtype)
+        # A dict of its own: the engine consumes (pops) the weights it is given.
+        return dataclasses.replace(loaded, weights=dict(loaded.weights))
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine_module, "load_model", cached_load)
@@ -261,6 +265,19 @@ def test_logits_match_transformers(tiny, arch, linear):
     prompts = random_prompts([7, 19, 30], seed=10)
     _check_forward_against_oracle(model, oracle, prompts, DECODE_SCHEDULE, SMALL_CHUNK, seed=11,
                                   atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_model_consumes_every_loaded_weight(tiny, arch):
+    """The engine's load frees each loaded tensor as it converts it: none is left
+    over (which would also mean the loader produced a tensor the model ignores)."""
+    folder, _ = tiny[arch]
+    loaded = load_model(folder, torch.float32)
+    kept = dict(loaded.weights)
+    LlamaModel(loaded.config, kept, torch.float32)
+    assert kept.keys() == loaded.weights.keys()
+    LlamaModel(loaded.config, loaded.weights, torch.float32, consume_weights=True)
+    assert loaded.weights == {}
 
 
 def test_logits_match_transformers_llama3_rope(tmp_path, smollm2_hf_tokenizer):
