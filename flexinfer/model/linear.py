@@ -47,7 +47,7 @@ def resolve_linear_kind(kind: str, device: torch.device, dtype: torch.dtype) -> 
         return "onednn" if onednn_available(device, dtype) else "torch"
     if kind == "onednn" and not onednn_available(device, dtype):
         raise InvalidArgument(f"the onednn linear kernel needs a CPU torch with oneDNN and float32 or bfloat16, "
-                         f"not {device.type}/{dtype}")
+                              f"not {device.type}/{dtype}")
     return kind
 
 

@@ -24,6 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import vtm  # noqa: E402
+from vtm_testing import lcp  # noqa: E402
 from flexinfer import LLM, SamplingParams  # noqa: E402
 from flexinfer import InvalidArgument, ModelLoadError  # noqa: E402
 from flexinfer import engine as engine_module  # noqa: E402
@@ -67,15 +68,6 @@ def assert_all_memory_returned(llm: LLM) -> None:
     stats = llm.manager.stats()
     assert stats["chunks_held"] == 0, stats
     assert stats["tree_nodes"] == 0 and stats["chunks_in_tree"] == 0, stats
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Oracle:
@@ -514,7 +506,7 @@ def test_smollm2_multi_turn_chat_maps_earlier_turns(smollm2_llm):
         # What the previous turn recorded: its prompt and output, less the last output
         # token (sampled, never fed back, so its KV does not exist).
         recorded = previous.prompt_token_ids + previous.token_ids[:-1]
-        expected = min(common_prefix(turn.prompt_token_ids, recorded), len(turn.prompt_token_ids) - 1)
+        expected = min(lcp(turn.prompt_token_ids, recorded), len(turn.prompt_token_ids) - 1)
         assert expected > len(previous.prompt_token_ids)
         assert turn.metrics.prefix_hit_tokens == expected
     assert cached[0].metrics.prefix_hit_tokens == 0
