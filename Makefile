@@ -46,7 +46,7 @@ $(SAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
 	mkdir -p $(SAN_DIR)
 	cmake -S . -B $(SAN_DIR)/cmake -G Ninja -DVTM_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
-	cmake --build $(SAN_DIR)/cmake
+	cmake --build $(SAN_DIR)/cmake --target _core
 	rm -rf $(SAN_DIR)/vtm && mkdir -p $(SAN_DIR)/vtm
 	cp vtm/*.py $(SAN_DIR)/vtm/
 	cp $(SAN_DIR)/cmake/_core*.so $(SAN_DIR)/vtm/_core.so

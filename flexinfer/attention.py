@@ -5,8 +5,13 @@ batch, kv_cache)` returns the attention output [T, heads, head_dim] for the
 flattened batch's queries q [T, heads, head_dim], reading K/V straight from
 the cache views.
 
+- `kernel`: one call per layer for the whole batch over the whole-space
+  per-layer views, with a slot vector and a length vector (plus query offsets
+  for prefill chunks): the C++ kernel on CPU (flexinfer/csrc/attention_cpu.cc),
+  Triton kernels on CUDA. The default.
 - `sdpa`: torch's scaled_dot_product_attention on each sequence's views (CPU
-  and CUDA). The reference.
+  and CUDA), one call per sequence and layer. The reference the kernels are
+  tested against.
 - `flash_attn`: flash_attn_with_kvcache over the whole-space views, with
   cache_seqlens and cache_batch_idx (CUDA only, when the package exists).
 """
@@ -70,6 +75,34 @@ def _rows(heads_view: torch.Tensor, slot: int, length: int) -> torch.Tensor:
                                  heads_view.storage_offset() + slot * slot_stride)
 
 
+class KernelAttention:
+    """The batched kernels: C++ on CPU, Triton on CUDA (same interface)."""
+
+    name = "kernel"
+
+    def __init__(self, device: torch.device):
+        if device.type == "cuda":
+            from flexinfer.kernels import triton_attention as kernels
+        else:
+            from flexinfer.kernels import cpu_attention as kernels
+        self._decode = kernels.decode_attention
+        self._prefill = kernels.prefill_attention
+
+    def prepare(self, batch, kv_cache) -> None:
+        # The kernels check slots and lengths themselves, before reading.
+        self._out = None
+
+    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
+        k, v = kv_cache.k[layer], kv_cache.v[layer]
+        slots = batch.slot_vector[kv_cache.group_of[layer]]
+        if self._out is None:  # one output buffer serves every layer of the pass
+            self._out = torch.empty_like(q)
+        if batch.is_decode:
+            return self._decode(q, k, v, slots, batch.seq_lens, out=self._out)
+        return self._prefill(q, k, v, batch.cu_seqlens_q, slots, batch.seq_lens, out=self._out,
+                             max_q_len=batch.max_q_len)
+
+
 class FlashAttention:
     """flash_attn_with_kvcache over the space's full views (CUDA only)."""
 
@@ -105,19 +138,28 @@ class FlashAttention:
         return out
 
 
+ATTENTION_BACKENDS = ("auto", "kernel", "sdpa", "flash_attn")
+
+
 def make_attention(name: str, device: torch.device):
-    """`auto`: flash_attn on CUDA when installed, else sdpa."""
+    """`auto`: the batched kernels (on CUDA, flash_attn when triton is missing but
+    flash_attn is installed; sdpa when neither is)."""
     if name == "auto":
-        if device.type == "cuda":
-            try:
-                return FlashAttention()
-            except ImportError:
-                pass
-        return SdpaAttention()
+        try:
+            return KernelAttention(device)
+        except ImportError:
+            if device.type != "cuda":
+                raise
+        try:
+            return FlashAttention()
+        except ImportError:
+            return SdpaAttention()
+    if name == "kernel":
+        return KernelAttention(device)
     if name == "sdpa":
         return SdpaAttention()
     if name == "flash_attn":
         if device.type != "cuda":
             raise InvalidArgument("the flash_attn backend needs a CUDA device")
         return FlashAttention()
-    raise InvalidArgument(f"unknown attention backend {name!r} (expected auto, sdpa or flash_attn)")
+    raise InvalidArgument(f"unknown attention backend {name!r} (expected one of {ATTENTION_BACKENDS})")

@@ -31,6 +31,7 @@ class ForwardBatch:
     `starts[i] .. starts[i] + new_lens[i] - 1` of its vTensors (the first
     `starts[i]` rows are already cached). `slots[g][i]` is the slot of its
     vTensor in layer group g (one group unless the cache has several).
+    The batched attention kernels take the same facts as int32 vectors.
     """
 
     slots: list[list[int]]
@@ -39,6 +40,10 @@ class ForwardBatch:
     slot_index: list[torch.Tensor]  # per group: [T] the slot of each token
     positions: torch.Tensor  # [T] the position of each token
     last_index: torch.Tensor  # [B] index in the flat batch of each sequence's last token
+    slot_vector: list[torch.Tensor]  # per group: [B] int32 slots
+    seq_lens: torch.Tensor  # [B] int32: starts + new_lens
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: offsets of each sequence's tokens in the flat batch
+    max_q_len: int
 
     @staticmethod
     def build(slots, starts: list[int], new_lens: list[int], device: torch.device) -> "ForwardBatch":
@@ -47,16 +52,19 @@ class ForwardBatch:
         groups = [list(column) for column in zip(*per_seq)] if per_seq else [[]]
         positions = []
         last = []
-        total = 0
+        offsets = [0]
         for start, n in zip(starts, new_lens):
             positions.extend(range(start, start + n))
-            total += n
-            last.append(total - 1)
+            offsets.append(offsets[-1] + n)
+            last.append(offsets[-1] - 1)
         as_long = dict(dtype=torch.long, device=device)
+        as_int = dict(dtype=torch.int32, device=device)
         slot_index = [torch.tensor([slot for slot, n in zip(group, new_lens) for _ in range(n)], **as_long)
                       for group in groups]
         return ForwardBatch(groups, starts, new_lens, slot_index, torch.tensor(positions, **as_long),
-                            torch.tensor(last, **as_long))
+                            torch.tensor(last, **as_long), [torch.tensor(g, **as_int) for g in groups],
+                            torch.tensor([s + n for s, n in zip(starts, new_lens)], **as_int),
+                            torch.tensor(offsets, **as_int), max(new_lens, default=0))
 
     @property
     def is_decode(self) -> bool:

@@ -16,6 +16,12 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.find_spec("flexinfer")
 if _spec is None or _spec.origin is None or Path(_spec.origin).resolve().parent != _REPO_ROOT / "flexinfer":
     sys.path.insert(0, str(_REPO_ROOT))
+    # The compiled kernels (flexinfer._kernels) exist only in the installed
+    # copy: let the in-tree package find them there.
+    import flexinfer  # noqa: E402
+
+    if _spec is not None and _spec.submodule_search_locations:
+        flexinfer.__path__.extend(_spec.submodule_search_locations)
 
 
 # ----------------------------------------------------------------------------- SmolLM2 oracle

@@ -1,0 +1,64 @@
+// Python binding of FlexInfer's CPU kernels (module flexinfer._kernels).
+//
+// Tensors cross as raw pointers and strides: the Python wrapper
+// (flexinfer/kernels/cpu_attention.py) checks dtypes, shapes and devices and
+// passes torch's data pointers, so this module needs no torch headers. The GIL
+// is released while a kernel runs.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+#include "attention_cpu.h"
+
+namespace py = pybind11;
+
+namespace flexinfer {
+namespace {
+
+const void* Ptr(std::uintptr_t address) { return reinterpret_cast<const void*>(address); }
+
+}  // namespace
+
+PYBIND11_MODULE(_kernels, m) {
+  m.doc() = "FlexInfer's CPU kernels; use flexinfer.kernels, which checks the arguments.";
+  m.def(
+      "attention",
+      [](std::uintptr_t q, std::int64_t q_stride_token, std::int64_t q_stride_head, std::uintptr_t out,
+         std::int64_t out_stride_token, std::int64_t out_stride_head, std::uintptr_t k, std::uintptr_t v,
+         std::int64_t kv_stride_slot, std::int64_t kv_stride_token, std::int64_t kv_stride_head,
+         std::int64_t max_slots, std::int64_t max_tokens, std::uintptr_t slots, std::uintptr_t seq_lens,
+         std::uintptr_t cu_q, std::int64_t batch, std::int64_t num_queries, int heads, int kv_heads,
+         int head_dim, int dtype, float scale, int threads) {
+        AttentionArgs a;
+        a.q = Ptr(q);
+        a.q_stride_token = q_stride_token;
+        a.q_stride_head = q_stride_head;
+        a.out = reinterpret_cast<void*>(out);
+        a.out_stride_token = out_stride_token;
+        a.out_stride_head = out_stride_head;
+        a.k = Ptr(k);
+        a.v = Ptr(v);
+        a.kv_stride_slot = kv_stride_slot;
+        a.kv_stride_token = kv_stride_token;
+        a.kv_stride_head = kv_stride_head;
+        a.max_slots = max_slots;
+        a.max_tokens = max_tokens;
+        a.slots = static_cast<const std::int32_t*>(Ptr(slots));
+        a.seq_lens = static_cast<const std::int32_t*>(Ptr(seq_lens));
+        a.cu_q = static_cast<const std::int32_t*>(Ptr(cu_q));
+        a.batch = batch;
+        a.num_queries = num_queries;
+        a.heads = heads;
+        a.kv_heads = kv_heads;
+        a.head_dim = head_dim;
+        if (dtype < 0 || dtype > 2) throw std::invalid_argument("unknown dtype code");
+        a.dtype = static_cast<DType>(dtype);
+        a.scale = scale;
+        a.threads = threads;
+        py::gil_scoped_release release;
+        Attention(a);
+      },
+      "Batched attention over per-layer K/V views (see attention_cpu.h).");
+}
+
+}  // namespace flexinfer

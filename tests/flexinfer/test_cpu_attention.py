@@ -1,0 +1,220 @@
+"""The CPU attention kernel against per-request SDPA, on random caches and on
+real vtm host-backend memory where every page past a request's length is
+unmapped (an over-read kills the process: those checks run in a subprocess)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexinfer.errors import InvalidArgument
+from flexinfer.kernels.cpu_attention import decode_attention, prefill_attention
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def make_cache(slots, tokens, kv_heads, dim, dtype, layers=2, seed=0):
+    """K and V views of layer 1 of a token-major [slot, token, layer, k|v, head, dim] block, like KVCache's."""
+    gen = torch.Generator().manual_seed(seed)
+    block = torch.randn(slots, tokens, layers, 2, kv_heads, dim, generator=gen).to(dtype)
+    return block[:, :, 1, 0], block[:, :, 1, 1]
+
+
+def reference(q, k, v, cu, slots, lens):
+    """Per-request SDPA in float64, causal aligned to the end of each request."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(len(slots)):
+        n, length = int(cu[b + 1] - cu[b]), int(lens[b])
+        if n == 0:
+            continue
+        kk = k[int(slots[b]), :length].permute(1, 0, 2)[None].double()
+        vv = v[int(slots[b]), :length].permute(1, 0, 2)[None].double()
+        qb = q[cu[b]:cu[b + 1]].transpose(0, 1)[None].double()
+        mask = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+        out[cu[b]:cu[b + 1]] = F.scaled_dot_product_attention(qb, kk, vv, attn_mask=mask,
+                                                              enable_gqa=True)[0].transpose(0, 1)
+    return out
+
+
+def int32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_matches_sdpa(dtype, heads, kv_heads, dim, threads):
+    k, v = make_cache(6, 1100, kv_heads, dim, dtype)
+    slots, lens = int32([5, 0, 3, 2, 1]), int32([1, 37, 1100, 0, 257])
+    q = torch.randn(5, heads, dim).to(dtype)
+    out = decode_attention(q, k, v, slots, lens, threads=threads)
+    ref = reference(q, k, v, torch.arange(6), slots, lens)
+    assert (out[3] == 0).all()  # the idle row
+    assert (out.double() - ref).abs().max() < TOLERANCE[dtype] * 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_decode_split_across_threads_matches_sdpa(dtype, threads):
+    """One request with a long context is split into pieces merged afterwards."""
+    k, v = make_cache(2, 5000, 3, 64, dtype)
+    q = torch.randn(1, 9, 64).to(dtype)
+    for length in (255, 256, 257, 1023, 4999, 5000):
+        out = decode_attention(q, k, v, int32([1]), int32([length]), threads=threads)
+        ref = reference(q, k, v, torch.arange(2), int32([1]), int32([length]))
+        assert (out.double() - ref).abs().max() < TOLERANCE[dtype] * 10, length
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_and_chunks_continuing_a_prefix_match_sdpa(dtype, threads):
+    """Whole prompts (n == len), chunks after a cached prefix (n < len), single tokens and empty entries."""
+    k, v = make_cache(5, 700, 3, 64, dtype)
+    slots, lens, new = int32([4, 0, 2, 3, 1]), int32([40, 700, 33, 1, 9]), [40, 65, 1, 1, 0]
+    cu = torch.zeros(6, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(new), 0)
+    q = torch.randn(int(cu[-1]), 9, 64).to(dtype)
+    out = prefill_attention(q, k, v, cu, slots, lens, threads=threads)
+    assert (out.double() - reference(q, k, v, cu, slots, lens)).abs().max() < TOLERANCE[dtype] * 10
+
+
+def test_output_in_place_and_strided_queries():
+    """q may be a strided slice of the fused qkv projection; out is written in place."""
+    k, v = make_cache(3, 50, 3, 64, torch.float32)
+    qkv = torch.randn(2, 9 + 6, 64)
+    q = qkv[:, :9]
+    out = torch.full((2, 9, 64), float("nan"))
+    result = decode_attention(q, k, v, int32([2, 0]), int32([50, 7]), out=out)
+    assert result is out
+    assert (out.double() - reference(q, k, v, torch.arange(3), int32([2, 0]), int32([50, 7]))).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("case", ["slot", "negative_slot", "length", "negative_length", "queries", "offsets",
+                                  "dtype", "heads", "lengths_dtype"])
+def test_bad_arguments_raise_and_write_nothing(case):
+    k, v = make_cache(3, 64, 3, 64, torch.float32)
+    slots, lens, q = int32([0, 1]), int32([5, 6]), torch.randn(2, 9, 64)
+    cu = int32([0, 1, 2])
+    if case == "slot":
+        slots = int32([0, 3])
+    elif case == "negative_slot":
+        slots = int32([-1, 0])
+    elif case == "length":
+        lens = int32([5, 65])
+    elif case == "negative_length":
+        lens = int32([5, -1])
+    elif case == "queries":
+        cu, lens = int32([0, 1, 2]), int32([5, 0])
+    elif case == "offsets":
+        cu = int32([0, 2, 1])
+    elif case == "dtype":
+        q = q.double()
+    elif case == "heads":
+        q = torch.randn(2, 8, 64)
+    elif case == "lengths_dtype":
+        lens = torch.tensor([5, 6])
+    out = torch.full(q.shape, 7.0, dtype=q.dtype)
+    with pytest.raises(InvalidArgument):
+        if case in ("queries", "offsets"):
+            prefill_attention(q, k, v, cu, slots, lens, out=out)
+        else:
+            decode_attention(q, k, v, slots, lens, out=out)
+    assert (out == 7.0).all()
+
+
+# A K/V cache on vtm host memory: 64 KiB pages, 1536-byte rows (3 kv heads x 64
+# dims x K|V, float32), so a length of 128 rows ends exactly on a page boundary
+# and row 128 lies on an unmapped page.
+VTM_CACHE = """
+import sys
+import torch
+import vtm
+import torch.nn.functional as F
+from flexinfer.kernels.cpu_attention import decode_attention, prefill_attention
+
+KVH, D = 3, 64
+row_bytes = 2 * KVH * D * 4
+mgr = vtm.Manager(backend="host", capacity_bytes=256 << 16, chunk_bytes=1 << 16, granularity=1 << 16)
+space = mgr.create_space(row_bytes=row_bytes, max_tokens=1024, max_slots=8)
+flat = space.tensor(torch.float32)
+rows = flat[:, : 1024 * 2 * KVH * D].view(8, 1024, 2, KVH, D)
+k, v = rows[:, :, 0], rows[:, :, 1]
+lengths = [128, 256, 85, 1, 640]
+vts = [space.create(n).result() for n in lengths]
+gen = torch.Generator().manual_seed(0)
+for vt, n in zip(vts, lengths):
+    assert (n * row_bytes) % (1 << 16) != 0 or vt.page_chunks()[n * row_bytes >> 16] is None
+    rows[vt.slot, :n] = torch.randn(n, 2, KVH, D, generator=gen)
+slots = torch.tensor([vt.slot for vt in vts], dtype=torch.int32)
+lens = torch.tensor(lengths, dtype=torch.int32)
+"""
+
+VTM_CHECK = VTM_CACHE + """
+def ref(qb, b):
+    L, n = lengths[b], qb.shape[0]
+    kk = k[slots[b], :L].permute(1, 0, 2)[None]
+    vv = v[slots[b], :L].permute(1, 0, 2)[None]
+    mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    return F.scaled_dot_product_attention(qb.transpose(0, 1)[None], kk, vv, attn_mask=mask,
+                                          enable_gqa=True)[0].transpose(0, 1)
+
+for threads in (1, 2):
+    q = torch.randn(len(lengths), 9, D, generator=gen)
+    out = decode_attention(q, k, v, slots, lens, threads=threads)
+    for b in range(len(lengths)):
+        assert (out[b:b + 1] - ref(q[b:b + 1], b)).abs().max() < 1e-5
+    new = [128, 3, 85, 1, 17]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(new), 0)
+    q = torch.randn(int(cu[-1]), 9, D, generator=gen)
+    out = prefill_attention(q, k, v, cu, slots, lens, threads=threads)
+    for b in range(len(lengths)):
+        assert (out[cu[b]:cu[b + 1]] - ref(q[cu[b]:cu[b + 1]], b)).abs().max() < 1e-5
+print("OK")
+"""
+
+
+def run_python(source, tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent(source))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=_env())
+
+
+def _env():
+    """The subprocess imports flexinfer from where this process did (see PATH_FIX)."""
+    import os
+
+    import flexinfer
+
+    env = dict(os.environ)
+    env["FLEXINFER_TEST_PATH"] = os.pathsep.join(flexinfer.__path__)
+    return env
+
+
+# vtm first, from the installed package with its compiled core; then flexinfer
+# from the same folders as in this process (the tree, with the installed
+# compiled kernels; see tests/flexinfer/conftest.py).
+PATH_FIX = """
+import os, sys
+import vtm
+paths = os.environ["FLEXINFER_TEST_PATH"].split(os.pathsep)
+sys.path.insert(0, os.path.dirname(paths[0]))
+import flexinfer
+flexinfer.__path__[:] = paths
+"""
+
+
+def test_kernel_reads_only_each_requests_own_rows_on_vtm_memory(tmp_path):
+    result = run_python(PATH_FIX + VTM_CHECK, tmp_path)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_over_read_harness_catches_a_read_past_the_length(tmp_path):
+    """Negative control: reading row 128 of the 128-row request faults, so the
+    check above would have caught a kernel that over-reads."""
+    result = run_python(PATH_FIX + VTM_CACHE + "\nprint(float(k[slots[0], 128].sum()))\nprint('read')\n", tmp_path)
+    assert result.returncode == -11 and "read" not in result.stdout, (result.returncode, result.stderr[-2000:])
