@@ -81,26 +81,31 @@ class KernelAttention:
     name = "kernel"
 
     def __init__(self, device: torch.device):
-        if device.type == "cuda":
-            from flexinfer.kernels import triton_attention as kernels
-        else:
+        self._cpu = device.type != "cuda"
+        if self._cpu:
             from flexinfer.kernels import cpu_attention as kernels
-        self._decode = kernels.decode_attention
-        self._prefill = kernels.prefill_attention
+        else:
+            from flexinfer.kernels import triton_attention as kernels
+        self._kernels = kernels
 
     def prepare(self, batch, kv_cache) -> None:
-        # The kernels check slots and lengths themselves, before reading.
         self._out = None
+        if self._cpu:  # slots, lengths and offsets checked once for all layers
+            cu = None if batch.is_decode else batch.cu_seqlens_q
+            self._plans = [self._kernels.Plan(slots, batch.seq_lens, cu) for slots in batch.slot_vector]
 
     def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
         k, v = kv_cache.k[layer], kv_cache.v[layer]
-        slots = batch.slot_vector[kv_cache.group_of[layer]]
+        group = kv_cache.group_of[layer]
         if self._out is None:  # one output buffer serves every layer of the pass
             self._out = torch.empty_like(q)
+        if self._cpu:
+            return self._plans[group].run(q, k, v, self._out)
+        slots = batch.slot_vector[group]
         if batch.is_decode:
-            return self._decode(q, k, v, slots, batch.seq_lens, out=self._out)
-        return self._prefill(q, k, v, batch.cu_seqlens_q, slots, batch.seq_lens, out=self._out,
-                             max_q_len=batch.max_q_len)
+            return self._kernels.decode_attention(q, k, v, slots, batch.seq_lens, out=self._out)
+        return self._kernels.prefill_attention(q, k, v, batch.cu_seqlens_q, slots, batch.seq_lens, out=self._out,
+                                               max_q_len=batch.max_q_len)
 
 
 class FlashAttention:

@@ -24,10 +24,12 @@ constexpr int kQueryBlock = 16;
 constexpr std::int64_t kMinSplitKeys = 256;
 constexpr int kMaxHeadDim = 512;
 
-// A unit of work: queries [j0, j1) of request b for the query heads of kv
-// head kvh, over keys [key_lo, key_hi) (a piece of the context when split).
+// A unit of work: queries [j0, j1) of request b, every head, over keys
+// [key_lo, key_hi) (a piece of the context when a decode context is split).
+// All heads together: in the token-major layout one token's K and V rows
+// for every head lie in the same page, so each page is visited once.
 struct WorkItem {
-  std::int32_t b, kvh, j0, j1, split;
+  std::int32_t b, j0, j1, split;
   std::int64_t key_lo, key_hi;
 };
 
@@ -53,6 +55,31 @@ void Narrow(float x, std::uint16_t* dst) {  // to bfloat16, round to nearest eve
 }
 void Narrow(float x, _Float16* dst) { *dst = static_cast<_Float16>(x); }
 
+// e^x for x <= 0 (scores minus their running maximum), written so that the
+// compiler vectorises a loop of it: range reduction x = n ln2 + r with
+// |r| <= ln2/2 and a degree-7 Taylor polynomial (relative error < 1e-8),
+// scaled by 2^n built in the exponent bits. Below -87 the result flushes to
+// 0 as the true value is under float's normal range; NaN stays NaN.
+inline __attribute__((always_inline)) float ExpNonPositive(float x) {
+  const float clamped = x < -87.0f ? -87.0f : x;
+  // Round to nearest by adding and subtracting 1.5 * 2^23 (vectorises on any
+  // ISA, unlike roundf).
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (clamped - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
 // Row `t` of a K or V head as float32: the row itself for float32 caches, a
 // widened copy in `buf` otherwise.
 template <class T>
@@ -68,6 +95,7 @@ inline __attribute__((always_inline)) const float* LoadRow(const T* src, float* 
 // Per-thread scratch, grown once and reused across calls.
 struct Scratch {
   std::vector<float> q, acc, m, l, keys, values, scores;
+  std::vector<const float*> key_rows, value_rows;  // [kv_head][tile]
 };
 thread_local Scratch scratch;
 
@@ -81,100 +109,181 @@ struct Partials {
   }
 };
 
-template <class T>
+// 16 floats: GCC's vector extension compiles to one AVX-512 register, two
+// AVX2 or four SSE registers, whichever the clone targets.
+typedef float Vec16 __attribute__((vector_size(64)));
+
+inline __attribute__((always_inline)) Vec16 LoadVec(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline __attribute__((always_inline)) void StoreVec(float* p, Vec16 v) { std::memcpy(p, &v, sizeof v); }
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+// A horizontal sum by halving (4 shuffle + add steps, not 15 lane extracts).
+inline __attribute__((always_inline)) float Sum(Vec16 v) {
+  const Vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// Scores of one query row against `n` key rows, written to `scores`; returns
+// their maximum. kVecs = head_dim / 16 when known at compile time (the query
+// row then lives in registers), 0 for any head_dim.
+template <int kVecs>
+inline __attribute__((always_inline)) float Scores(const float* q, const float* const* keys, int n, int dim,
+                                                   float* scores) {
+  float tile_max = -std::numeric_limits<float>::infinity();
+  if constexpr (kVecs > 0) {
+    Vec16 qv[kVecs];
+    for (int i = 0; i < kVecs; ++i) qv[i] = LoadVec(q + 16 * i);
+    for (int t = 0; t < n; ++t) {
+      Vec16 dot = qv[0] * LoadVec(keys[t]);
+      for (int i = 1; i < kVecs; ++i) dot += qv[i] * LoadVec(keys[t] + 16 * i);
+      scores[t] = Sum(dot);
+      tile_max = scores[t] > tile_max ? scores[t] : tile_max;
+    }
+  } else {
+    for (int t = 0; t < n; ++t) {
+      float dot = 0.0f;
+      for (int d = 0; d < dim; ++d) dot += q[d] * keys[t][d];
+      scores[t] = dot;
+      tile_max = dot > tile_max ? dot : tile_max;
+    }
+  }
+  return tile_max;
+}
+
+// acc = acc * correction + sum_t weights[t] * values[t], keeping acc in
+// registers across the tile when head_dim is known.
+template <int kVecs>
+inline __attribute__((always_inline)) void Accumulate(float* acc, float correction, const float* weights,
+                                                      const float* const* values, int n, int dim) {
+  if constexpr (kVecs > 0) {
+    Vec16 av[kVecs];
+    for (int i = 0; i < kVecs; ++i) av[i] = LoadVec(acc + 16 * i) * correction;
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < kVecs; ++i) av[i] += weights[t] * LoadVec(values[t] + 16 * i);
+    }
+    for (int i = 0; i < kVecs; ++i) StoreVec(acc + 16 * i, av[i]);
+  } else {
+    for (int d = 0; d < dim; ++d) acc[d] *= correction;
+    for (int t = 0; t < n; ++t) {
+      for (int d = 0; d < dim; ++d) acc[d] += weights[t] * values[t][d];
+    }
+  }
+}
+
+template <class T, int kVecs>
 inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const WorkItem& w,
                                                    Partials* partials) {
-  const int dim = a.head_dim, group = a.heads / a.kv_heads;
+  const int dim = a.head_dim, heads = a.heads, kv_heads = a.kv_heads, group = heads / kv_heads;
   const std::int64_t len = a.seq_lens[w.b];
   const std::int64_t q_begin = a.cu_q ? a.cu_q[w.b] : w.b;
   const std::int64_t n_new = a.cu_q ? a.cu_q[w.b + 1] - a.cu_q[w.b] : 1;
-  const int nq = w.j1 - w.j0, rows = nq * group;
+  const int nq = w.j1 - w.j0, rows = nq * heads;  // row = j * heads + h
 
   Scratch& s = scratch;
   s.q.resize(static_cast<std::size_t>(rows) * dim);
   s.acc.assign(static_cast<std::size_t>(rows) * dim, 0.0f);
   s.m.assign(rows, -std::numeric_limits<float>::infinity());
   s.l.assign(rows, 0.0f);
-  s.keys.resize(static_cast<std::size_t>(kKeyTile) * dim);
-  s.values.resize(static_cast<std::size_t>(kKeyTile) * dim);
+  s.keys.resize(static_cast<std::size_t>(kKeyTile) * kv_heads * dim);
+  s.values.resize(static_cast<std::size_t>(kKeyTile) * kv_heads * dim);
   s.scores.resize(kKeyTile);
 
   const T* q = static_cast<const T*>(a.q);
   for (int j = 0; j < nq; ++j) {
-    for (int g = 0; g < group; ++g) {
-      const T* src = q + (q_begin + w.j0 + j) * a.q_stride_token + (w.kvh * group + g) * a.q_stride_head;
-      float* dst = &s.q[(static_cast<std::size_t>(j) * group + g) * dim];
+    for (int h = 0; h < heads; ++h) {
+      const T* src = q + (q_begin + w.j0 + j) * a.q_stride_token + h * a.q_stride_head;
+      float* dst = &s.q[(static_cast<std::size_t>(j) * heads + h) * dim];
       for (int d = 0; d < dim; ++d) dst[d] = Widen(src[d]) * a.scale;
     }
   }
 
-  const T* kbase = static_cast<const T*>(a.k) + a.slots[w.b] * a.kv_stride_slot + w.kvh * a.kv_stride_head;
-  const T* vbase = static_cast<const T*>(a.v) + a.slots[w.b] * a.kv_stride_slot + w.kvh * a.kv_stride_head;
+  const T* kbase = static_cast<const T*>(a.k) + a.slots[w.b] * a.kv_stride_slot;
+  const T* vbase = static_cast<const T*>(a.v) + a.slots[w.b] * a.kv_stride_slot;
   // Query j sits at position len - n_new + j and sees keys up to it; the
   // last query of the block sees the most. Never read at or past `len`.
   const std::int64_t first_pos = len - n_new + w.j0;
   const std::int64_t key_end = std::min(w.key_hi, first_pos + nq);
-  const float* key_rows[kKeyTile];
-  const float* value_rows[kKeyTile];
+  std::vector<const float*>& key_rows = s.key_rows;
+  std::vector<const float*>& value_rows = s.value_rows;
+  key_rows.resize(static_cast<std::size_t>(kKeyTile) * kv_heads);
+  value_rows.resize(static_cast<std::size_t>(kKeyTile) * kv_heads);
+  float* scores = s.scores.data();
+  // Consecutive tokens' rows lie a whole row of every layer apart (tens of
+  // KiB), one page each: the hardware prefetcher does not follow, so the
+  // next tile's rows are requested while this one is computed.
+  const std::size_t row_bytes = static_cast<std::size_t>(dim) * sizeof(T);
+  auto prefetch_tile = [&](std::int64_t first, std::int64_t last) {
+    for (std::int64_t t = first; t < last; ++t) {
+      for (int kvh = 0; kvh < kv_heads; ++kvh) {
+        const std::int64_t offset = t * a.kv_stride_token + kvh * a.kv_stride_head;
+        const char* kp = reinterpret_cast<const char*>(kbase + offset);
+        const char* vp = reinterpret_cast<const char*>(vbase + offset);
+        for (std::size_t line = 0; line < row_bytes; line += 64) {
+          __builtin_prefetch(kp + line);
+          __builtin_prefetch(vp + line);
+        }
+      }
+    }
+  };
+  prefetch_tile(w.key_lo, std::min(key_end, w.key_lo + kKeyTile));
   for (std::int64_t t0 = w.key_lo; t0 < key_end; t0 += kKeyTile) {
     const int tile = static_cast<int>(std::min<std::int64_t>(kKeyTile, key_end - t0));
+    prefetch_tile(t0 + tile, std::min(key_end, t0 + tile + kKeyTile));
     for (int t = 0; t < tile; ++t) {
-      key_rows[t] = LoadRow(kbase + (t0 + t) * a.kv_stride_token, &s.keys[static_cast<std::size_t>(t) * dim], dim);
-      value_rows[t] =
-          LoadRow(vbase + (t0 + t) * a.kv_stride_token, &s.values[static_cast<std::size_t>(t) * dim], dim);
+      for (int kvh = 0; kvh < kv_heads; ++kvh) {
+        const std::int64_t offset = (t0 + t) * a.kv_stride_token + kvh * a.kv_stride_head;
+        const std::size_t slot = static_cast<std::size_t>(kvh) * kKeyTile + t;
+        key_rows[slot] = LoadRow(kbase + offset, &s.keys[slot * dim], dim);
+        value_rows[slot] = LoadRow(vbase + offset, &s.values[slot * dim], dim);
+      }
     }
     for (int j = 0; j < nq; ++j) {
       const std::int64_t visible = first_pos + j + 1 - t0;  // keys of this tile query j may see
       if (visible <= 0) continue;
       const int n = static_cast<int>(std::min<std::int64_t>(tile, visible));
-      for (int g = 0; g < group; ++g) {
-        const int row = j * group + g;
+      for (int h = 0; h < heads; ++h) {
+        const int row = j * heads + h;
+        const float* const* krows = &key_rows[static_cast<std::size_t>(h / group) * kKeyTile];
+        const float* const* vrows = &value_rows[static_cast<std::size_t>(h / group) * kKeyTile];
         const float* qr = &s.q[static_cast<std::size_t>(row) * dim];
-        float tile_max = -std::numeric_limits<float>::infinity();
-        for (int t = 0; t < n; ++t) {
-          const float* kr = key_rows[t];
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < dim; ++d) dot += qr[d] * kr[d];
-          s.scores[t] = dot;
-          tile_max = std::max(tile_max, dot);
-        }
+        const float tile_max = Scores<kVecs>(qr, krows, n, dim, scores);
         const float m_new = std::max(s.m[row], tile_max);
         const float correction = std::exp(s.m[row] - m_new);
-        float* acc = &s.acc[static_cast<std::size_t>(row) * dim];
-        if (correction != 1.0f) {
-          for (int d = 0; d < dim; ++d) acc[d] *= correction;
-        }
-        float sum = s.l[row] * correction;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
         for (int t = 0; t < n; ++t) {
-          const float p = std::exp(s.scores[t] - m_new);
-          sum += p;
-          const float* vr = value_rows[t];
-#pragma omp simd
-          for (int d = 0; d < dim; ++d) acc[d] += p * vr[d];
+          scores[t] = ExpNonPositive(scores[t] - m_new);
+          sum += scores[t];
         }
+        Accumulate<kVecs>(&s.acc[static_cast<std::size_t>(row) * dim], correction, scores, vrows, n, dim);
         s.m[row] = m_new;
-        s.l[row] = sum;
+        s.l[row] = s.l[row] * correction + sum;
       }
     }
   }
 
   if (partials != nullptr) {
-    for (int g = 0; g < group; ++g) {  // decode: one query
-      const std::size_t i = partials->Index(w.b, w.kvh * group + g, w.split);
-      partials->m[i] = s.m[g];
-      partials->l[i] = s.l[g];
-      std::memcpy(&partials->acc[i * dim], &s.acc[static_cast<std::size_t>(g) * dim], sizeof(float) * dim);
+    for (int h = 0; h < heads; ++h) {  // decode: one query
+      const std::size_t i = partials->Index(w.b, h, w.split);
+      partials->m[i] = s.m[h];
+      partials->l[i] = s.l[h];
+      std::memcpy(&partials->acc[i * dim], &s.acc[static_cast<std::size_t>(h) * dim], sizeof(float) * dim);
     }
     return;
   }
   T* out = static_cast<T*>(a.out);
   for (int j = 0; j < nq; ++j) {
-    for (int g = 0; g < group; ++g) {
-      const int row = j * group + g;
+    for (int h = 0; h < heads; ++h) {
+      const int row = j * heads + h;
       const float inv = s.l[row] > 0.0f ? 1.0f / s.l[row] : 0.0f;  // no keys: an idle row, zeros
       const float* acc = &s.acc[static_cast<std::size_t>(row) * dim];
-      T* dst = out + (q_begin + w.j0 + j) * a.out_stride_token + (w.kvh * group + g) * a.out_stride_head;
+      T* dst = out + (q_begin + w.j0 + j) * a.out_stride_token + h * a.out_stride_head;
       for (int d = 0; d < dim; ++d) Narrow(acc[d] * inv, &dst[d]);
     }
   }
@@ -188,14 +297,24 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
 #define FLEXINFER_CLONES
 #endif
 
+template <class T>
+inline __attribute__((always_inline)) void RunItemAnyDim(const AttentionArgs& a, const WorkItem& w,
+                                                         Partials* p) {
+  switch (a.head_dim) {
+    case 64: RunItem<T, 4>(a, w, p); break;
+    case 128: RunItem<T, 8>(a, w, p); break;
+    default: RunItem<T, 0>(a, w, p); break;
+  }
+}
+
 FLEXINFER_CLONES void RunItemF32(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItem<float>(a, w, p);
+  RunItemAnyDim<float>(a, w, p);
 }
 FLEXINFER_CLONES void RunItemBF16(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItem<std::uint16_t>(a, w, p);
+  RunItemAnyDim<std::uint16_t>(a, w, p);
 }
 FLEXINFER_CLONES void RunItemF16(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItem<_Float16>(a, w, p);
+  RunItemAnyDim<_Float16>(a, w, p);
 }
 
 template <class T>
@@ -259,7 +378,7 @@ void Attention(const AttentionArgs& a) {
   if (decode && threads > 1) {
     std::int64_t longest = 0;
     for (std::int64_t b = 0; b < a.batch; ++b) longest = std::max<std::int64_t>(longest, a.seq_lens[b]);
-    const std::int64_t units = std::max<std::int64_t>(1, a.batch * a.kv_heads);
+    const std::int64_t units = std::max<std::int64_t>(1, a.batch);
     const std::int64_t wanted = (2 * threads + units - 1) / units;
     partials.splits = static_cast<int>(std::clamp<std::int64_t>(longest / kMinSplitKeys, 1, wanted));
   }
@@ -290,16 +409,14 @@ void Attention(const AttentionArgs& a) {
       }
       continue;
     }
-    for (std::int32_t kvh = 0; kvh < a.kv_heads; ++kvh) {
-      if (split) {
-        const std::int64_t piece = (len + partials.splits - 1) / partials.splits;
-        for (int s = 0; s < partials.splits; ++s) {
-          items.push_back({b, kvh, 0, 1, s, std::min(len, s * piece), std::min(len, (s + 1) * piece)});
-        }
-      } else {
-        for (std::int32_t j0 = 0; j0 < n; j0 += kQueryBlock) {
-          items.push_back({b, kvh, j0, std::min(n, j0 + kQueryBlock), 0, 0, len});
-        }
+    if (split) {
+      const std::int64_t piece = (len + partials.splits - 1) / partials.splits;
+      for (int s = 0; s < partials.splits; ++s) {
+        items.push_back({b, 0, 1, s, std::min(len, s * piece), std::min(len, (s + 1) * piece)});
+      }
+    } else {
+      for (std::int32_t j0 = 0; j0 < n; j0 += kQueryBlock) {
+        items.push_back({b, j0, std::min(n, j0 + kQueryBlock), 0, 0, len});
       }
     }
     work += static_cast<std::int64_t>(n) * len * group;

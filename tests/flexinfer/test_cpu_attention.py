@@ -218,3 +218,23 @@ def test_over_read_harness_catches_a_read_past_the_length(tmp_path):
     check above would have caught a kernel that over-reads."""
     result = run_python(PATH_FIX + VTM_CACHE + "\nprint(float(k[slots[0], 128].sum()))\nprint('read')\n", tmp_path)
     assert result.returncode == -11 and "read" not in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+def test_plan_runs_every_layer_like_the_checked_calls():
+    """The engine's path: one Plan per pass, one run per layer."""
+    from flexinfer.kernels.cpu_attention import Plan
+
+    block = torch.randn(4, 80, 3, 2, 3, 64)  # three layers
+    slots, lens = int32([3, 1]), int32([80, 5])
+    cu = int32([0, 4, 9])
+    q = torch.randn(9, 9, 64)
+    plan = Plan(slots, lens, cu)
+    for layer in range(3):
+        k, v = block[:, :, layer, 0], block[:, :, layer, 1]
+        out = plan.run(q, k, v, torch.empty_like(q))
+        assert torch.equal(out, prefill_attention(q, k, v, cu, slots, lens))
+    with pytest.raises(InvalidArgument):
+        Plan(slots, lens, int32([0, 4]))
+    bad = Plan(int32([4, 1]), lens, cu)  # slot 4 is past the view: the kernel refuses before reading
+    with pytest.raises(InvalidArgument):
+        bad.run(q, block[:, :, 0, 0], block[:, :, 0, 1], torch.empty_like(q))
