@@ -12,6 +12,7 @@ import sys
 import time
 
 import vtm
+from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.engine import LLM
 from flexinfer.errors import FlexInferError
 from flexinfer.model.linear import LINEAR_KINDS
@@ -29,7 +30,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--linear", default="auto", choices=LINEAR_KINDS,
-                   help="projection kernels: oneDNN with prepacked weights (CPU default) or F.linear")
+                   help="projection kernels: auto (timed at load per batch size), onednn (prepacked weights) "
+                        "or torch (F.linear) (default: %(default)s)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention: kernel (one batched call per layer; auto) or sdpa (per request, the reference)")
+    p.add_argument("--threads", default="auto", type=_threads,
+                   help="CPU compute threads: auto (measured while decoding) or a number (default: %(default)s)")
+
+
+def _threads(value: str):
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number, got {value!r}")
+    return count
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -43,7 +61,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _engine(args) -> LLM:
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=int(args.kv_capacity_gib * (1 << 30)),
                backend=args.backend, max_model_len=args.max_model_len,
-               enable_prefix_caching=not args.no_prefix_caching, linear=args.linear)
+               enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
+               attention=args.attention, threads=args.threads)
 
 
 def _params(args) -> SamplingParams:

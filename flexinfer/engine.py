@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 import vtm
-from flexinfer.attention import make_attention
+from flexinfer.attention import KernelAttention, make_attention
 from flexinfer.errors import InvalidArgument
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
@@ -21,6 +21,7 @@ from flexinfer.model.loader import load_model
 from flexinfer.sampling import SamplingParams, sample
 from flexinfer.scheduler import Scheduler
 from flexinfer.sequence import RequestMetrics, Sequence
+from flexinfer.threads import ThreadTuner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,12 +66,14 @@ class LLM:
                  max_num_seqs: int = 32, max_model_len: int | None = None, max_batch_tokens: int = 1024,
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
-                 linear: str = "auto"):
+                 linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None):
         if dtype not in _DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens)):
             if value < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {value}")
+        if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise InvalidArgument(f"threads must be 'auto' or a positive int, got {threads!r}")
         self.dtype = _DTYPES[dtype]
         self._own_manager = manager is None
         if manager is None:
@@ -78,6 +81,8 @@ class LLM:
                                   workers=workers, prealloc_chunks=4)
         self.manager = manager
         self.kv_cache = None
+        self.graphs = None
+        self._sink = []
         try:
             if device is None:
                 device = "cuda" if manager.backend == "cuda" else "cpu"
@@ -89,6 +94,11 @@ class LLM:
             # Every cheap check before the weights load.
             linear = resolve_linear_kind(linear, self.device, self.dtype)
             self.attention = make_attention(attention, self.device)
+            # Decode as CUDA graph replays: on by default where the batched kernels run on CUDA.
+            if cuda_graphs is None:
+                cuda_graphs = self.device.type == "cuda" and isinstance(self.attention, KernelAttention)
+            if cuda_graphs and (self.device.type != "cuda" or not isinstance(self.attention, KernelAttention)):
+                raise InvalidArgument("cuda_graphs needs a CUDA device and attention='kernel' (or 'auto')")
             loaded = load_model(model, self.dtype)
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
@@ -97,13 +107,27 @@ class LLM:
             del loaded
             self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                      self.config.max_position_embeddings)
-            self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len, max_num_seqs,
+            # With graphs, one more slot: the sink that padding rows write into.
+            self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len,
+                                    max_num_seqs + (1 if cuda_graphs else 0),
                                     namespace=namespace or f"{model}:{dtype}", layer_groups=layer_groups)
+            if cuda_graphs:
+                from flexinfer.cuda_graphs import DecodeGraphs
+
+                self._sink = self.kv_cache.create_sink()
+                self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, max_num_seqs,
+                                           [vt.slot for vt in self._sink])
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
+            # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
+            self.thread_tuner = None
+            if self.device.type == "cpu":
+                self.thread_tuner = (ThreadTuner() if threads == "auto"
+                                     else ThreadTuner(max_threads=threads, adaptive=False))
         except BaseException:
             # A failed constructor leaves nothing behind: no space on a shared
             # manager, no manager of its own.
             if self.kv_cache is not None:
+                self.kv_cache.release(self._sink)
                 self.kv_cache.close()
             if self._own_manager:
                 manager.close()
@@ -166,6 +190,11 @@ class LLM:
 
     def close(self) -> None:
         """Release the KV space (and the manager, when this engine made it)."""
+        if self.thread_tuner is not None:
+            self.thread_tuner.close()
+        self.graphs = None
+        self.kv_cache.release(self._sink)
+        self._sink = []
         self.kv_cache.close()
         if self._own_manager:
             self.manager.close()
@@ -185,10 +214,19 @@ class LLM:
         ids = []
         for seq, n in plan:
             ids.extend(seq.tokens_between(seq.num_cached, seq.num_cached + n))
-        batch = ForwardBatch.build([seq.slots for seq, _ in plan], [seq.num_cached for seq, _ in plan],
-                                   [n for _, n in plan], self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
+        decode_batch = len(plan) if all(n == 1 for _, n in plan) else None
+        if self.thread_tuner is not None:
+            self.thread_tuner.before_step(decode_batch)
+        started = time.perf_counter()
+        if self.graphs is not None and decode_batch and self.graphs.bucket_for(decode_batch):
+            logits = self.graphs.run(ids, [seq.slots for seq, _ in plan], [seq.num_cached for seq, _ in plan])
+        else:
+            batch = ForwardBatch.build([seq.slots for seq, _ in plan], [seq.num_cached for seq, _ in plan],
+                                       [n for _, n in plan], self.device)
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
+        if self.thread_tuner is not None:
+            self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)
         ready_rows, ready = [], []
         for row, (seq, n) in enumerate(plan):
             seq.num_cached += n
@@ -200,7 +238,11 @@ class LLM:
         if not ready:
             return
         rows = logits[ready_rows] if len(ready_rows) < len(plan) else logits
-        tokens = sample(rows.cpu(), [s.params for s in ready], [s.generator for s in ready])
+        params = [s.params for s in ready]
+        # Greedy rows are chosen where the logits are; only sampled ones come to the host.
+        if not all(p.greedy for p in params):
+            rows = rows.cpu()
+        tokens = sample(rows, params, [s.generator for s in ready])
         now = time.perf_counter()
         for seq, token in zip(ready, tokens):
             seq.output_ids.append(token)

@@ -91,6 +91,18 @@ class KVCache:
             raise
         return made
 
+    def create_sink(self) -> list[vtm.VTensor]:
+        """A one-token vTensor in every group that no request reads: the rows
+        padding a CUDA-graph batch write their K/V there (see cuda_graphs.py)."""
+        made = []
+        try:
+            for space in self.spaces:
+                made.append(space.create(1).result())
+        except vtm.Error:
+            self.release(made)
+            raise
+        return made
+
     def match(self, token_ids: list[int]) -> tuple[list[vtm.VTensor] | None, int]:
         """The longest prefix recorded in every group, as one vTensor per group."""
         matches = [space.prefix_match(token_ids) for space in self.spaces]

@@ -1,11 +1,11 @@
 """FlexInfer end-to-end benchmarks on SmolLM2-135M-Instruct (same weights, dtype, prompts, run).
 
 1. Throughput: FlexInfer `generate` versus Hugging Face transformers `generate`
-   (greedy, 128 new tokens, ignore EOS) at several batch sizes; tokens/s and
-   the ratio. Also FlexInfer with `linear="torch"` (the F.linear kernels
-   transformers uses), which separates what the oneDNN linear kernels bring
-   from what the engine does. All run in this process, alternating, each
-   repeated; medians.
+   (greedy, 128 new tokens, ignore EOS) at several batch sizes, in float32 or
+   (--dtype) bfloat16; tokens/s and the ratio. Also FlexInfer with
+   `attention="sdpa"` (one SDPA call per request and layer, the path before
+   the batched kernels), which separates what the kernels bring. All run in
+   this process, alternating, each repeated; medians.
 2. Fragmentation: a mixed-length workload; KV bytes mapped versus bytes used,
    sampled every step.
 3. Multi-turn chat (5 turns, growing history): time to first token per turn
@@ -20,7 +20,8 @@ runs scripts/bench_vllm_cpu.py there on the same weights (saved from the
 transformers model to a temporary folder) and prompts, right after the other
 engines, and reports its ratio to this run's transformers numbers.
 
-Usage: python scripts/bench_engine.py [--quick] [--json PATH] [--vllm-python PATH]
+Usage: python scripts/bench_engine.py [--quick] [--json PATH] [--vllm-python PATH] [--dtype bfloat16]
+           [--batches 1,8,32] [--throughput-only]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from flexinfer.model.llama import ForwardBatch
 from flexinfer.model.loader import load_model
 
 
-def hf_model(config, weights):
+def hf_model(config, weights, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hc = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -56,7 +57,12 @@ def hf_model(config, weights):
     model = LlamaForCausalLM(hc).eval().to(torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    return model
+    return model.to(dtype)
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def make_prompts(batch: int, length: int) -> list[list[int]]:
@@ -87,30 +93,30 @@ def run_flexinfer(llm, prompts, new_tokens, outputs=None) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
-def throughput(llm, llm_torch_linear, hf, batches, new_tokens, prompt_len, repeats):
+def throughput(llm, llm_sdpa, hf, batches, new_tokens, prompt_len, repeats):
     rows = []
     for batch in batches:
         prompts = make_prompts(batch, prompt_len)
         ours, plain, theirs, token_ids = [], [], [], []
         for _ in range(repeats):
             theirs.append(run_hf(hf, prompts, new_tokens))
-            for engine, results in ((llm, ours), (llm_torch_linear, plain)):
+            for engine, results in ((llm, ours), (llm_sdpa, plain)):
                 results.append(run_flexinfer(engine, prompts, new_tokens, token_ids if engine is llm else None))
                 engine.kv_cache.space.clear_prefixes()  # no cross-repeat reuse: measure compute
         row = dict(batch=batch, prompt_tokens=prompt_len, new_tokens=new_tokens,
                    flexinfer_tok_s=statistics.median(ours), hf_tok_s=statistics.median(theirs),
-                   flexinfer_torch_linear_tok_s=statistics.median(plain),
-                   flexinfer_all=ours, hf_all=theirs, flexinfer_torch_linear_all=plain, token_ids=token_ids)
+                   flexinfer_sdpa_tok_s=statistics.median(plain),
+                   flexinfer_all=ours, hf_all=theirs, flexinfer_sdpa_all=plain, token_ids=token_ids)
         row["ratio"] = row["flexinfer_tok_s"] / row["hf_tok_s"]
-        row["ratio_torch_linear"] = row["flexinfer_torch_linear_tok_s"] / row["hf_tok_s"]
+        row["ratio_sdpa"] = row["flexinfer_sdpa_tok_s"] / row["hf_tok_s"]
         rows.append(row)
         print(f"  batch {batch:>3}: FlexInfer {row['flexinfer_tok_s']:7.1f} tok/s   HF {row['hf_tok_s']:7.1f} tok/s"
-              f"   ratio {row['ratio']:.2f}x   (FlexInfer with F.linear {row['flexinfer_torch_linear_tok_s']:7.1f}"
-              f" tok/s, {row['ratio_torch_linear']:.2f}x)", flush=True)
+              f"   ratio {row['ratio']:.2f}x   (FlexInfer with per-request SDPA {row['flexinfer_sdpa_tok_s']:7.1f}"
+              f" tok/s, {row['ratio_sdpa']:.2f}x)", flush=True)
     return rows
 
 
-def peer_vllm(vllm_python, hf, rows, new_tokens, repeats):
+def peer_vllm(vllm_python, hf, rows, new_tokens, repeats, dtype):
     """vllm-cpu in its own environment, on a copy of the same weights; ratios to this run's HF."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_vllm_cpu.py")
     # vLLM's default binding keeps a core for its scheduler (on 2 cores: one compute
@@ -122,7 +128,7 @@ def peer_vllm(vllm_python, hf, rows, new_tokens, repeats):
         hf.save_pretrained(folder)
         out = os.path.join(folder, "vllm.json")
         proc = subprocess.run([vllm_python, script, "--model", folder, "--json", out, "--repeats", str(repeats),
-                               "--new-tokens", str(new_tokens), "--prompt-len", str(rows[0]["prompt_tokens"]),
+                               "--new-tokens", str(new_tokens), "--dtype", dtype, "--prompt-len", str(rows[0]["prompt_tokens"]),
                                "--batches", ",".join(str(r["batch"]) for r in rows)],
                               env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -264,31 +270,42 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: compare with it too")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--throughput-only", action="store_true", help="section 1 (and 1b) only")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 4] if args.quick else [1, 8, 32])
     new_tokens = 16 if args.quick else 128
     repeats = 1 if args.quick else 3
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, {cpu_model()}")
     loaded = load_model("smollm2", torch.float32)
     config = loaded.config
-    hf = hf_model(loaded.config, loaded.weights)
+    hf = hf_model(loaded.config, loaded.weights, dtype)
     del loaded
-    llm = LLM("smollm2", dtype="float32", kv_capacity_bytes=2 << 30, max_model_len=2048, max_num_seqs=32)
-    llm_torch_linear = LLM("smollm2", dtype="float32", kv_capacity_bytes=2 << 30, max_model_len=2048,
-                           max_num_seqs=32, linear="torch")
-    print(f"FlexInfer linear kernels: {llm.model.linear_kind} (and {llm_torch_linear.model.linear_kind})")
-    for engine in (llm, llm_torch_linear):  # warm up all three
+    llm = LLM("smollm2", dtype=args.dtype, kv_capacity_bytes=2 << 30, max_model_len=2048, max_num_seqs=32)
+    llm_sdpa = LLM("smollm2", dtype=args.dtype, kv_capacity_bytes=2 << 30, max_model_len=2048,
+                   max_num_seqs=32, attention="sdpa")
+    print(f"FlexInfer linear kernels: {llm.model.linear_kind} (and {llm_sdpa.model.linear_kind})")
+    for engine in (llm, llm_sdpa):  # warm up all three
         run_flexinfer(engine, make_prompts(1, 32), 4)
     run_hf(hf, make_prompts(1, 32), 4)
 
-    print("\n1. Throughput, float32, greedy, SmolLM2-135M (median of %d)" % repeats)
-    rows = throughput(llm, llm_torch_linear, hf, batches, new_tokens, 32, repeats)
-    llm_torch_linear.close()
+    print("\n1. Throughput, %s, greedy, SmolLM2-135M (median of %d)" % (args.dtype, repeats))
+    rows = throughput(llm, llm_sdpa, hf, batches, new_tokens, 32, repeats)
+    llm_sdpa.close()
     peer = None
     if args.vllm_python:
         print("\n1b. Peer engine vllm-cpu (own environment, eager; medians of %d)" % repeats)
-        peer = peer_vllm(args.vllm_python, hf, rows, new_tokens, repeats)
+        peer = peer_vllm(args.vllm_python, hf, rows, new_tokens, repeats, args.dtype)
+    if args.throughput_only:
+        llm.close()
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(dict(throughput=rows, vllm_cpu=peer, dtype=args.dtype, cpu=cpu_model(),
+                               torch=torch.__version__, threads=torch.get_num_threads()), f, indent=2)
+        return
     print("\n2. Fragmentation (mixed lengths)")
     frag = fragmentation(llm, args.quick)
     llm.close()

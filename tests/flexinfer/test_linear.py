@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexinfer.model.linear import Linear, onednn_available, resolve_linear_kind
+from flexinfer.model.linear import ROW_BUCKETS, Linear, bucket_of, measure_kinds, onednn_available, resolve_linear_kind
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(not onednn_available(CPU, torch.float32), reason="torch built without oneDNN")
@@ -50,7 +50,7 @@ def test_kind_resolution():
     assert resolve_linear_kind("torch", CPU, torch.float32) == "torch"
     assert resolve_linear_kind("auto", torch.device("cuda"), torch.float16) == "torch"
     if onednn_available(CPU, torch.float32):
-        assert resolve_linear_kind("auto", CPU, torch.float32) == "onednn"
+        assert resolve_linear_kind("auto", CPU, torch.float32) == "auto"  # measured at load
     with pytest.raises(ValueError, match="linear must be one of"):
         resolve_linear_kind("mkl", CPU, torch.float32)
     with pytest.raises(ValueError, match="onednn linear kernel needs"):
@@ -67,3 +67,27 @@ def test_residual_is_added(kind):
     want = residual.double() + F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
     assert torch.equal(residual, before)  # the residual input is not written
+
+
+needs_onednn = pytest.mark.skipif(not onednn_available(CPU, torch.float32), reason="no oneDNN in this torch")
+
+
+@needs_onednn
+def test_measured_choice_names_a_kernel_per_bucket():
+    gen = torch.Generator().manual_seed(4)
+    choice = measure_kinds([torch.randn(96, 64, generator=gen), torch.randn(64, 96, generator=gen)], repeats=2)
+    assert set(choice) == set(ROW_BUCKETS) and set(choice.values()) <= {"torch", "onednn"}
+
+
+@needs_onednn
+def test_mixed_kinds_run_each_bucket_on_its_kernel():
+    """A layer whose buckets chose different kernels gives the same result at every row count."""
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    layer = Linear(weight, bias, {1: "torch", 8: "onednn", 32: "torch"})
+    assert layer.kind == "mixed" and set(layer.weights) == {"torch", "onednn"}
+    for rows in (1, 2, 8, 9, 32, 100):
+        assert bucket_of(rows) == next((b for b in ROW_BUCKETS if rows <= b), ROW_BUCKETS[-1])
+        x = torch.randn(rows, 24, generator=gen)
+        want = F.linear(x.double(), weight.double(), bias.double())
+        torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)

@@ -1,0 +1,68 @@
+"""CUDA-graph decode: bucket sizes and argument checks everywhere; on a GPU,
+greedy outputs with graphs equal the eager batched kernels and per-request
+SDPA (float32), across batch sizes that need padding rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vtm
+from flexinfer import LLM, InvalidArgument, SamplingParams
+from flexinfer.cuda_graphs import buckets_up_to
+
+
+def test_buckets_cover_every_batch_size_up_to_the_maximum():
+    assert buckets_up_to(1) == [1]
+    assert buckets_up_to(8) == [1, 2, 4, 8]
+    assert buckets_up_to(20) == [1, 2, 4, 8, 16, 20]
+    big = buckets_up_to(300)
+    assert big[-1] == 300 and big == sorted(set(big))
+    assert all(b - a <= 128 for a, b in zip(big, big[1:]))
+
+
+def test_graphs_need_cuda_and_the_batched_kernels():
+    # Checked before any weight loads, so the model path is never read.
+    with pytest.raises(InvalidArgument, match="cuda_graphs"):
+        LLM("no-such-model", backend="host", cuda_graphs=True, max_model_len=64)
+
+
+gpu = pytest.mark.skipif(not (vtm.cuda_available() and torch.cuda.is_available()),
+                         reason="needs a CUDA driver, a device and a CUDA build of torch")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, smollm2_hf_tokenizer):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                      initializer_range=0.1)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-graphs")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    smollm2_hf_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_decode_matches_eager_kernels_and_sdpa(tiny_folder, dtype):
+    # Lengths that end at different steps, so batches shrink through the buckets (7 -> 1).
+    prompts = [[1] + list(range(10 + i, 30 + 3 * i)) for i in range(7)]
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
+    outs = {}
+    for name, kwargs in {"graphs": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False),
+                         "sdpa": dict(attention="sdpa")}.items():
+        with LLM(tiny_folder, dtype=dtype, backend="cuda", max_model_len=256, max_num_seqs=8, **kwargs) as llm:
+            outs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if name == "graphs":
+                again = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                assert again == outs[name]  # replays after prefix hits and slot reuse
+                llm.kv_cache.clear_prefixes()
+                llm.manager.trim()
+                assert llm.manager.stats()["chunks_held"] == 1  # only the sink
+    assert outs["graphs"] == outs["eager"]
+    if dtype == "float32":
+        assert outs["graphs"] == outs["sdpa"]
