@@ -17,9 +17,14 @@ Invariants every kernel here keeps:
 
 decode_attention splits each request's context over NUM_SPLITS programs
 (flash-decoding) so that a small batch with a long context still fills the GPU,
-then a second kernel merges the partial results. prefill_attention computes
-causal attention for chunks of new queries that continue a cached prefix: query
-j of a chunk of n sits at position seq_len - n + j.
+then a second kernel merges the partial results; a batch large enough to fill
+the GPU alone takes one split and one kernel. prefill_attention computes causal
+attention for chunks of new queries that continue a cached prefix: query j of a
+chunk of n sits at position seq_len - n + j.
+
+Matrix products take 16-bit operands as they are (float32 accumulation) and
+float32 ones at full precision (no TF32); in the interpreter every operand is
+converted to float32 first, because its bfloat16 tl.dot is wrong (triton 3.9).
 """
 
 from __future__ import annotations
