@@ -35,7 +35,7 @@ from attention_cases import (CASES, cu_seqlens, fill_rows, kv_views, scaled_erro
                              sdpa_prefill)
 
 PAGE = 64 << 10
-LAYERS, KV_HEADS, HEADS, HEAD_DIM, LAYER = 2, 2, 6, 64, 1
+LAYERS, KV_HEADS, HEADS, HEAD_DIM, LAYER = 2, 3, 9, 64, 1  # SmolLM2's heads: rows straddle pages
 
 
 def run_cases() -> None:
@@ -53,12 +53,16 @@ def run_cases() -> None:
 def on_vtm_memory(mode: str, dtype_name: str) -> None:
     dtype = getattr(torch, dtype_name)
     row_bytes = LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
-    per_page = PAGE // row_bytes  # rows per page: row_bytes divides the page here
-    # Page-aligned lengths (the next row is unmapped), a single token, an idle
-    # request whose slot maps nothing, and lengths just past a boundary.
-    seq_lens = [per_page, 1, 2 * per_page, 0, per_page + 1, 3 * per_page]
-    new_lens = [per_page, 1, per_page // 2, 0, per_page + 1, 5]
-    max_tokens = 4 * per_page
+    # Rows do not divide a page (most straddle two), but `aligned` rows fill
+    # exactly three pages: a length that is a multiple of it ends on a page
+    # boundary, so the very next row is unmapped.
+    assert PAGE % row_bytes and 3 * PAGE % row_bytes == 0
+    aligned = 3 * PAGE // row_bytes
+    # Page-aligned lengths, a single token, an idle request whose slot maps
+    # nothing, a length whose last row straddles two pages.
+    seq_lens = [aligned, 1, 2 * aligned, 0, aligned // 3 + 1, 3 * aligned]
+    new_lens = [aligned, 1, aligned // 2, 0, aligned // 3 + 1, 5]
+    max_tokens = 4 * aligned
     mgr = vtm.Manager(backend="host", capacity_bytes=64 * PAGE, chunk_bytes=PAGE, granularity=PAGE)
     space = mgr.create_space(row_bytes=row_bytes, max_tokens=max_tokens, max_slots=len(seq_lens))
     vts = [space.create(n).result() for n in seq_lens]
@@ -90,8 +94,8 @@ def on_vtm_memory(mode: str, dtype_name: str) -> None:
     errors["decode"] = scaled_error(out, sdpa_decode(q, k, v, slots, lens))
     # Batch 1 over the longest context: several splits, the trailing ones empty.
     one = [vts[5].slot]
-    out = decode_attention(q[:1], k, v, torch.tensor(one, **i32), torch.tensor([3 * per_page], **i32))
-    errors["decode_split"] = scaled_error(out, sdpa_decode(q[:1], k, v, one, [3 * per_page]))
+    out = decode_attention(q[:1], k, v, torch.tensor(one, **i32), torch.tensor([3 * aligned], **i32))
+    errors["decode_split"] = scaled_error(out, sdpa_decode(q[:1], k, v, one, [3 * aligned]))
     cu = cu_seqlens(news)
     q = torch.randn(cu[-1], HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = prefill_attention(q, k, v, torch.tensor(cu, **i32), torch.tensor(slots, **i32), torch.tensor(lens, **i32),
