@@ -1,0 +1,115 @@
+"""Runs the Triton attention kernels in Triton's interpreter, in a process of its
+own (run as a script by test_triton_attention.py).
+
+Triton decides whether kernels are interpreted when it is imported (its own
+library functions are jit functions too), so TRITON_INTERPRET=1 is set here,
+before the import, and never in the pytest process.
+
+    triton_interpreter_child.py cases        every attention_cases.CASES under the interpreter on CPU
+                                             tensors; prints {case: result} as JSON
+    triton_interpreter_child.py vtm DTYPE    the over-read check: K/V in REAL vtm host-backend memory,
+                                             each request mapping exactly the pages its length needs,
+                                             several lengths ending on a page boundary (the next row is
+                                             PROT_NONE); a load past a length is SIGSEGV. Prints the
+                                             kernels' errors against SDPA as JSON
+    triton_interpreter_child.py torch DTYPE  the negative control: the same setup, then one row past a
+                                             page-aligned length read with plain torch (must die)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Before triton is imported: it decides at decoration time whether kernels are interpreted.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+import vtm  # noqa: E402  (the installed package, before the repository goes on sys.path)
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from attention_cases import (CASES, cu_seqlens, fill_rows, kv_views, scaled_error, sdpa_decode,  # noqa: E402
+                             sdpa_prefill)
+
+PAGE = 64 << 10
+LAYERS, KV_HEADS, HEADS, HEAD_DIM, LAYER = 2, 3, 9, 64, 1  # SmolLM2's heads: rows straddle pages
+
+
+def run_cases() -> None:
+    from flexinfer.kernels import triton_attention
+
+    results = {}
+    for name, case in CASES.items():
+        try:
+            results[name] = case.run(triton_attention, torch.device("cpu"))
+        except Exception as exc:  # reported per case, so that one failure does not hide the others
+            results[name] = {"exception": repr(exc)}
+    print(json.dumps(results), flush=True)
+
+
+def on_vtm_memory(mode: str, dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
+    row_bytes = LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
+    # Rows do not divide a page (most straddle two), but `aligned` rows fill
+    # exactly three pages: a length that is a multiple of it ends on a page
+    # boundary, so the very next row is unmapped.
+    assert PAGE % row_bytes and 3 * PAGE % row_bytes == 0
+    aligned = 3 * PAGE // row_bytes
+    # Page-aligned lengths, a single token, an idle request whose slot maps
+    # nothing, a length whose last row straddles two pages.
+    seq_lens = [aligned, 1, 2 * aligned, 0, aligned // 3 + 1, 3 * aligned]
+    new_lens = [aligned, 1, aligned // 2, 0, aligned // 3 + 1, 5]
+    max_tokens = 4 * aligned
+    mgr = vtm.Manager(backend="host", capacity_bytes=64 * PAGE, chunk_bytes=PAGE, granularity=PAGE)
+    space = mgr.create_space(row_bytes=row_bytes, max_tokens=max_tokens, max_slots=len(seq_lens))
+    vts = [space.create(n).result() for n in seq_lens]
+    for vt, n in zip(vts, seq_lens):
+        pages = vt.page_chunks()
+        needed = -(-n * row_bytes // PAGE)
+        assert all(c is not None for c in pages[:needed]) and all(c is None for c in pages[needed:]), pages
+    rows, k, v = kv_views(space.tensor(dtype), max_tokens, LAYERS, KV_HEADS, HEAD_DIM, LAYER)
+    gen = torch.Generator().manual_seed(0)
+    for vt, n in zip(vts, seq_lens):
+        fill_rows(rows, vt.slot, 0, n, gen)
+    # The batch lists requests in another order than their slots.
+    order = [4, 0, 3, 5, 1, 2]
+    slots = [vts[i].slot for i in order]
+    lens = [seq_lens[i] for i in order]
+    news = [new_lens[i] for i in order]
+
+    if mode == "torch":
+        aligned = vts[0]
+        print("read", float(k[aligned.slot, seq_lens[0], 0, 0]), flush=True)  # must fault
+        return
+
+    from flexinfer.kernels.triton_attention import decode_attention, prefill_attention
+
+    i32 = dict(dtype=torch.int32)
+    errors = {}
+    q = torch.randn(len(slots), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    out = decode_attention(q, k, v, torch.tensor(slots, **i32), torch.tensor(lens, **i32))
+    errors["decode"] = scaled_error(out, sdpa_decode(q, k, v, slots, lens))
+    # Batch 1 over the longest context: several splits, the trailing ones empty.
+    one = [vts[5].slot]
+    out = decode_attention(q[:1], k, v, torch.tensor(one, **i32), torch.tensor([3 * aligned], **i32))
+    errors["decode_split"] = scaled_error(out, sdpa_decode(q[:1], k, v, one, [3 * aligned]))
+    cu = cu_seqlens(news)
+    q = torch.randn(cu[-1], HEADS, HEAD_DIM, generator=gen).to(dtype)
+    out = prefill_attention(q, k, v, torch.tensor(cu, **i32), torch.tensor(slots, **i32), torch.tensor(lens, **i32),
+                            max_q_len=max(news))
+    errors["prefill"] = scaled_error(out, sdpa_prefill(q, k, v, cu, slots, lens))
+    print(json.dumps(errors), flush=True)
+    del rows, k, v, q, out
+    for vt in vts:
+        vt.release().result()
+    mgr.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "cases":
+        run_cases()
+    else:
+        on_vtm_memory(sys.argv[1], sys.argv[2])
