@@ -310,6 +310,10 @@ class ScopedMapping {
 // ---------------------------------------------------------------------------
 // CudaBackend.
 //
+// The contract's rules (backend.h) are checked by CheckedBackend before any
+// call reaches this class, so the driver is never asked to do something the
+// contract forbids; this class keeps only the state it needs to act.
+//
 // Invariants:
 //  * context_ holds a reference on device_'s primary context for the backend's
 //    whole life; every driver call runs with it current (ScopedContext).
@@ -364,7 +368,6 @@ class CudaBackend final : public Backend {
   std::size_t granularity() const override { return granularity_; }
 
   std::uintptr_t reserve(std::size_t bytes) override {
-    RequireSize("reserve", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     CUdeviceptr va = 0;
     Check(fn_, "cuMemAddressReserve", fn_.cuMemAddressReserve(&va, bytes, granularity_, 0, 0));
@@ -372,14 +375,11 @@ class CudaBackend final : public Backend {
   }
 
   void free_reservation(std::uintptr_t va, std::size_t bytes) override {
-    RequireAddress("free_reservation", va);
-    RequireSize("free_reservation", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     Check(fn_, "cuMemAddressFree", fn_.cuMemAddressFree(va, bytes));
   }
 
   ChunkHandle create_chunk(std::size_t bytes) override {
-    RequireSize("create_chunk", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     CUmemGenericAllocationHandle handle = 0;
     // cuMemCreate commits the physical memory now (it does not fault it in
@@ -407,34 +407,21 @@ class CudaBackend final : public Backend {
   }
 
   void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override {
-    RequireAddress("map", va);
-    RequireSize("map", "bytes", bytes);
-    std::size_t chunk_bytes = ChunkBytes("map", chunk);
-    if (chunk_bytes != bytes) {
-      Throw(ErrorCode::kInvalidArgument, "map: bytes=" + std::to_string(bytes) +
-                                             " but chunk " + Hex(chunk) + " is " +
-                                             std::to_string(chunk_bytes) + " bytes");
-    }
     ScopedContext current(fn_, context_.get());
     Check(fn_, "cuMemMap", fn_.cuMemMap(va, bytes, 0, chunk, 0));
   }
 
   void set_access(std::uintptr_t va, std::size_t bytes) override {
-    RequireAddress("set_access", va);
-    RequireSize("set_access", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, bytes, &access_, 1));
   }
 
   void unmap(std::uintptr_t va, std::size_t bytes) override {
-    RequireAddress("unmap", va);
-    RequireSize("unmap", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va, bytes));
   }
 
   int export_fd(ChunkHandle chunk) override {
-    ChunkBytes("export_fd", chunk);  // validates that the chunk is ours
     ScopedContext current(fn_, context_.get());
     int fd = -1;
     // For CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the shareable handle is an
@@ -446,11 +433,6 @@ class CudaBackend final : public Backend {
   }
 
   ChunkHandle import_fd(int fd, std::size_t bytes) override {
-    if (fd < 0) {
-      Throw(ErrorCode::kInvalidArgument, "import_fd: fd=" + std::to_string(fd) +
-                                             " is not a file descriptor");
-    }
-    RequireSize("import_fd", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     CUmemGenericAllocationHandle handle = 0;
     // The driver does not take ownership of a POSIX fd: it only reads it
@@ -468,17 +450,8 @@ class CudaBackend final : public Backend {
   }
 
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override {
-    if (bytes == 0) {
-      Throw(ErrorCode::kInvalidArgument, "copy: bytes=0 (must be positive)");
-    }
     const std::size_t dst_bytes = ChunkBytes("copy", dst);
     const std::size_t src_bytes = ChunkBytes("copy", src);
-    if (bytes > dst_bytes || bytes > src_bytes) {
-      Throw(ErrorCode::kInvalidArgument,
-            "copy: bytes=" + std::to_string(bytes) + " exceeds a chunk (dst " + Hex(dst) +
-                " is " + std::to_string(dst_bytes) + " bytes, src " + Hex(src) + " is " +
-                std::to_string(src_bytes) + " bytes)");
-    }
     if (dst == src) return;  // copying a chunk onto itself changes nothing
 
     // Copies are rare (one per prefix match ending inside a page), so one
@@ -510,24 +483,6 @@ class CudaBackend final : public Backend {
     std::size_t bytes;
     std::size_t references;  // cuMemRelease calls this handle is owed
   };
-
-  void RequireSize(const char* method, const char* what, std::size_t value) const {
-    if (value == 0 || value % granularity_ != 0) {
-      Throw(ErrorCode::kInvalidArgument,
-            std::string(method) + ": " + what + "=" + std::to_string(value) +
-                " is not a positive multiple of the granularity " +
-                std::to_string(granularity_));
-    }
-  }
-
-  void RequireAddress(const char* method, std::uintptr_t va) const {
-    if (va == 0 || va % granularity_ != 0) {
-      Throw(ErrorCode::kInvalidArgument,
-            std::string(method) + ": va=" + Hex(va) +
-                " is not a non-null multiple of the granularity " +
-                std::to_string(granularity_));
-    }
-  }
 
   std::size_t ChunkBytes(const char* method, ChunkHandle chunk) const {
     std::lock_guard<std::mutex> lock(chunks_mu_);

@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "backend.h"
+#include "backend_checked.h"
 #include "dlpack_view.h"
 #include "error.h"
 #include "manager.h"
@@ -140,6 +141,7 @@ py::dict StatsDict(const Stats& st) {
   d["prealloc_chunks_total"] = st.prealloc_chunks_total;
   d["chunks_released_total"] = st.chunks_released_total;
   d["rollback_failures_total"] = st.rollback_failures_total;
+  d["reservation_free_failures_total"] = st.reservation_free_failures_total;
   py::dict spaces;
   for (const auto& [name, info] : st.spaces) spaces[py::str(name)] = SpaceDict(info);
   d["spaces"] = spaces;
@@ -440,8 +442,10 @@ PYBIND11_MODULE(_core, m) {
       .def_static(
           "open",
           [](const std::string& kind, std::size_t granularity, int device) {
-            if (kind == "host") return MakeHostBackend(granularity);
-            if (kind == "cuda") return MakeCudaBackend(device);
+            // Checked as the manager's backend is: the contract tests run
+            // against what vtm actually sends to a device.
+            if (kind == "host") return MakeCheckedBackend(MakeHostBackend(granularity));
+            if (kind == "cuda") return MakeCheckedBackend(MakeCudaBackend(device));
             Throw(ErrorCode::kInvalidArgument, "unknown backend '" + kind + "'");
           },
           py::arg("kind"), py::arg("granularity") = 0, py::arg("device") = 0)

@@ -7,6 +7,7 @@
 #include <set>
 #include <unordered_set>
 
+#include "backend_checked.h"
 #include "error.h"
 
 namespace vtm {
@@ -58,16 +59,19 @@ Manager::Manager(const ManagerOptions& o) {
     Throw(ErrorCode::kInvalidArgument, "granularity applies to the host backend only");
   if (o.max_free_chunks && o.prealloc_chunks > *o.max_free_chunks)
     Throw(ErrorCode::kInvalidArgument, "prealloc_chunks exceeds max_free_chunks");
-  backend_ = OpenBackend(o);
-  if (o.chunk_bytes % backend_->granularity() != 0)
+  std::shared_ptr<Backend> device = OpenBackend(o);
+  if (o.chunk_bytes % device->granularity() != 0)
     Throw(ErrorCode::kInvalidArgument, "chunk_bytes " + std::to_string(o.chunk_bytes) +
                                            " is not a multiple of the backend granularity " +
-                                           std::to_string(backend_->granularity()));
+                                           std::to_string(device->granularity()));
   if (o.faults) {
-    auto faulty = std::make_shared<FaultInjectingBackend>(backend_);
+    auto faulty = std::make_shared<FaultInjectingBackend>(device);
     faults_ = faulty.get();
-    backend_ = faulty;
+    device = faulty;
   }
+  // Outermost, so that no call the contract forbids reaches the device, and
+  // an injected fault is a device failing a well-formed call.
+  backend_ = MakeCheckedBackend(std::move(device));
   chunk_bytes_ = o.chunk_bytes;
   capacity_chunks_ = o.capacity_bytes / o.chunk_bytes;
   prealloc_chunks_ = std::min(o.prealloc_chunks, capacity_chunks_);
@@ -178,7 +182,7 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   sp->max_slots = max_slots;
   sp->slot_bytes = slot_bytes;
   sp->pages_per_slot = slot_bytes / chunk_bytes_;
-  sp->reservation = std::make_shared<Reservation>(backend_, max_slots * slot_bytes);
+  sp->reservation = std::make_shared<Reservation>(backend_, max_slots * slot_bytes, reservation_free_failures_);
   sp->slots.resize(max_slots);
   for (auto& s : sp->slots) {
     s.pages.assign(sp->pages_per_slot, kNoChunk);
@@ -962,6 +966,7 @@ Stats Manager::GetStats() const {
   st.prealloc_chunks_total = prealloc_total_;
   st.chunks_released_total = pool_->released_total();
   st.rollback_failures_total = rollback_failures_total_;
+  st.reservation_free_failures_total = reservation_free_failures_->load(std::memory_order_relaxed);
   st.ops = op_stats_;
   for (const auto& sp : spaces_) {
     if (sp->closed) continue;

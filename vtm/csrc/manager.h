@@ -27,6 +27,7 @@
 // else is as before the failed operation.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <list>
@@ -98,7 +99,8 @@ struct Stats {
   std::size_t chunks_created = 0, chunks_free = 0, chunks_held = 0, chunks_mapped = 0,
               chunks_cached = 0, chunks_in_tree = 0, tree_nodes = 0, tree_tokens = 0;
   std::uint64_t evictions_total = 0, cow_copies_total = 0, slot_reuses_total = 0,
-                prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0;
+                prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0,
+                reservation_free_failures_total = 0;
   std::vector<std::pair<std::string, SpaceInfo>> spaces;
   std::map<std::string, OpStat> ops;
 };
@@ -209,8 +211,8 @@ class Manager {
     return sp.reservation->va() + static_cast<std::size_t>(slot) * sp.slot_bytes + page * chunk_bytes_;
   }
 
-  std::shared_ptr<Backend> backend_;
-  FaultInjectingBackend* faults_ = nullptr;  // backend_ when faults are on
+  std::shared_ptr<Backend> backend_;         // a CheckedBackend over the device (and the fault injector)
+  FaultInjectingBackend* faults_ = nullptr;  // inside backend_ when faults are on
   std::size_t chunk_bytes_ = 0;
   std::size_t capacity_chunks_ = 0;
   std::size_t prealloc_chunks_ = 0;
@@ -235,6 +237,9 @@ class Manager {
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
                 rollback_failures_total_ = 0;
   std::map<std::string, OpStat> op_stats_;
+  // Shared with every Reservation, which may outlive the manager in a view.
+  std::shared_ptr<std::atomic<std::uint64_t>> reservation_free_failures_ =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
 
   std::unique_ptr<Executor> executor_;  // its workers stop (in Close) before the state above dies
   std::thread refill_thread_;          // eager allocation; runs only when prealloc_chunks > 0

@@ -7,6 +7,7 @@
 // under the view.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -16,14 +17,23 @@ namespace vtm {
 
 class Reservation {
  public:
-  Reservation(std::shared_ptr<Backend> backend, std::size_t bytes)
-      : backend_(std::move(backend)), bytes_(bytes), va_(backend_->reserve(bytes)) {}
+  // A free that fails in the destructor (a mapping left behind by a failed
+  // unmap, or the memory API refusing) is counted in `free_failures`, which
+  // the manager reports as reservation_free_failures_total; the counter is
+  // shared because a view may destroy the reservation after the manager.
+  Reservation(std::shared_ptr<Backend> backend, std::size_t bytes,
+              std::shared_ptr<std::atomic<std::uint64_t>> free_failures)
+      : backend_(std::move(backend)),
+        bytes_(bytes),
+        va_(backend_->reserve(bytes)),
+        free_failures_(std::move(free_failures)) {}
   ~Reservation() {
     try {
       backend_->free_reservation(va_, bytes_);
     } catch (...) {
-      // A mapping was left behind by a failed unmap; the range stays reserved
-      // rather than freed under it.
+      // The range stays reserved rather than freed under a mapping; a
+      // destructor cannot report more than the count.
+      free_failures_->fetch_add(1, std::memory_order_relaxed);
     }
   }
   Reservation(const Reservation&) = delete;
@@ -37,6 +47,7 @@ class Reservation {
   std::shared_ptr<Backend> backend_;
   std::size_t bytes_;
   std::uintptr_t va_;
+  std::shared_ptr<std::atomic<std::uint64_t>> free_failures_;
 };
 
 }  // namespace vtm
