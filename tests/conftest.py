@@ -52,6 +52,9 @@ sys.modules.setdefault("vtm_testing", sys.modules[__name__])
 def pytest_addoption(parser):
     parser.addoption("--vtm-backend", choices=("host", "cuda"), default="host",
                      help="the vtm backend every test in tests/*.py runs against (default: host)")
+    parser.addoption("--vtm-chunk-bytes", type=int, default=None,
+                     help="chunk size of the tests' managers (default: 64 KiB on host, the granularity on "
+                          "cuda); e.g. 2097152 runs the host with the geometry of a CUDA run")
 
 
 def pytest_configure(config):
@@ -66,6 +69,7 @@ def pytest_configure(config):
         CHUNK = CUDA_CHUNK
         if cuda_available():
             CHUNK = max(CUDA_CHUNK, vtm.RawBackend.open("cuda").granularity)
+    CHUNK = config.getoption("--vtm-chunk-bytes") or CHUNK
     SCALE = CHUNK // HOST_CHUNK
 
 
@@ -124,7 +128,7 @@ def new_manager(backend=None, chunks=64, **kw):
     backend = backend or BACKEND
     chunk = kw.pop("chunk_bytes", chunk_for(backend))
     if backend == "host":
-        kw.setdefault("granularity", HOST_CHUNK)
+        kw.setdefault("granularity", min(HOST_CHUNK, chunk))
     return vtm.Manager(backend=backend, capacity_bytes=chunks * chunk,
                        chunk_bytes=chunk, **kw)
 

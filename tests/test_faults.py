@@ -10,7 +10,7 @@ slots) may have been reclaimed on the way." DESIGN.md 3: "a failed operation
 import pytest
 
 import vtm
-from vtm_testing import (SENTINEL, RowIO, assert_pool_consistent, assert_same_state, new_manager,
+from vtm_testing import (CHUNK, SCALE, SENTINEL, RowIO, assert_pool_consistent, assert_same_state, new_manager,
                       snapshot)
 
 BACKEND_OPS = ["reserve", "free_reservation", "create_chunk", "release_chunk", "map",
@@ -19,7 +19,7 @@ BACKEND_OPS = ["reserve", "free_reservation", "create_chunk", "release_chunk", "
 # (the operation then succeeds) instead of surfacing. Everything else must fail.
 MAY_ABSORB = {"release_chunk", "free_reservation"}
 
-ROW = 3000      # rows straddle 64 KiB pages
+ROW = 3000 * SCALE  # rows straddle pages (64 KiB on the host)
 MAXT = 120      # 360000 B -> 6 pages per slot
 A = [(7 * i) % 13 + 1 for i in range(200)]  # the recorded conversation
 OWN = [20 + (i % 5) for i in range(200)]  # tokens the matched vTensor continues with
@@ -35,8 +35,8 @@ class Scenario:
 
     def __init__(self, op):
         self.op = op
-        self.mgr = new_manager("host", chunks=64, faults=True, prealloc_chunks=0,
-                               slot_cache_bytes=(32 * 65536 if op in ("create_reuse", "release_cached")
+        self.mgr = new_manager(chunks=64, faults=True, prealloc_chunks=0,
+                               slot_cache_bytes=(32 * CHUNK if op in ("create_reuse", "release_cached")
                                                  else 0))
         self.sp = self.mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=6)
         self.io = RowIO(self.sp)
@@ -258,7 +258,7 @@ def test_fault_after_success_is_harmless(op):
 
 
 def test_calls_counts():
-    mgr = new_manager("host", chunks=16, faults=True, prealloc_chunks=0)
+    mgr = new_manager(chunks=16, faults=True, prealloc_chunks=0)
     try:
         assert mgr.faults is not None
         c0 = mgr.faults.calls("create_chunk")
@@ -271,7 +271,7 @@ def test_calls_counts():
             mgr.faults.fail_nth("no_such_op", 1)
     finally:
         mgr.close()
-    plain = new_manager("host", chunks=4)
+    plain = new_manager(chunks=4)
     try:
         assert plain.faults is None
     finally:
@@ -279,7 +279,7 @@ def test_calls_counts():
 
 
 def test_physical_limit_below_capacity():
-    mgr = new_manager("host", chunks=32, faults=True, prealloc_chunks=0, slot_cache_bytes=0)
+    mgr = new_manager(chunks=32, faults=True, prealloc_chunks=0, slot_cache_bytes=0)
     CH = mgr.chunk_bytes
     try:
         sp = mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=6)

@@ -5,20 +5,20 @@ import threading
 import pytest
 
 import vtm
+from vtm_testing import BACKEND, CHUNK as C, SCALE, new_manager
 
-C = 65536
 
-
-def host(capacity_chunks, **kw):
-    return vtm.Manager(backend="host", capacity_bytes=capacity_chunks * C, chunk_bytes=C, granularity=C, **kw)
+def manager(capacity_chunks, **kw):
+    """A manager of `capacity_chunks` chunks on the backend under test."""
+    return new_manager(chunks=capacity_chunks, **kw)
 
 
 def test_match_is_capped_at_the_spaces_max_tokens_in_a_shared_namespace():
     # A longer space of the same namespace recorded 50 tokens; the short space's
     # slots hold one page. The match used to index past the slot's page table.
-    mgr = host(64)
-    big = mgr.create_space(row_bytes=4096, max_tokens=100, max_slots=2, namespace="m", name="big")
-    small = mgr.create_space(row_bytes=4096, max_tokens=10, max_slots=4, namespace="m", name="small")
+    mgr = manager(64)
+    big = mgr.create_space(row_bytes=4096 * SCALE, max_tokens=100, max_slots=2, namespace="m", name="big")
+    small = mgr.create_space(row_bytes=4096 * SCALE, max_tokens=10, max_slots=4, namespace="m", name="small")
     vt = big.create(50).result()
     tokens = list(range(50))
     big.prefix_record(vt, tokens).result()
@@ -33,7 +33,7 @@ def test_match_is_capped_at_the_spaces_max_tokens_in_a_shared_namespace():
 
 
 def test_a_failed_unmap_while_reclaiming_a_cached_slot_keeps_the_accounting():
-    mgr = host(4, slot_cache_bytes=4 * C, faults=True)
+    mgr = manager(4, slot_cache_bytes=4 * C, faults=True)
     s = mgr.create_space(row_bytes=C // 4, max_tokens=16, max_slots=1, name="s")
     t = mgr.create_space(row_bytes=C // 4, max_tokens=16, max_slots=1, name="t")
     v0 = s.create(9).result()
@@ -53,7 +53,7 @@ def test_a_failed_unmap_while_reclaiming_a_cached_slot_keeps_the_accounting():
 
 
 def test_a_match_never_evicts_the_prefix_it_is_matching():
-    mgr = host(4, slot_cache_bytes=0, max_free_chunks=0)
+    mgr = manager(4, slot_cache_bytes=0, max_free_chunks=0)
     s = mgr.create_space(row_bytes=C // 4, max_tokens=16, max_slots=2, name="s")
     a, b = [1, 2, 3, 4, 5, 6], [9] * 8
     for seq in (a, b):
@@ -71,7 +71,7 @@ def test_a_match_never_evicts_the_prefix_it_is_matching():
 
 
 def test_a_capacity_out_of_memory_in_match_changes_nothing():
-    mgr = host(3, slot_cache_bytes=4 * C)
+    mgr = manager(3, slot_cache_bytes=4 * C)
     s = mgr.create_space(row_bytes=C // 4, max_tokens=16, max_slots=1, name="s")
     a = [1, 2, 3, 4, 5, 6]
     vt = s.create(len(a)).result()
@@ -90,8 +90,8 @@ def test_a_capacity_out_of_memory_in_match_changes_nothing():
 
 def test_concurrent_close_is_safe():
     for _ in range(20):
-        mgr = host(16, workers=4, prealloc_chunks=2)
-        sp = mgr.create_space(row_bytes=4096, max_tokens=64, max_slots=4)
+        mgr = manager(16, workers=4, prealloc_chunks=2)
+        sp = mgr.create_space(row_bytes=4096 * SCALE, max_tokens=64, max_slots=4)
         sp.create(20).result()
         threads = [threading.Thread(target=mgr.close) for _ in range(2)]
         for t in threads:
@@ -102,7 +102,8 @@ def test_concurrent_close_is_safe():
 
 
 def test_trim_is_not_undone_by_the_refill():
-    mgr = vtm.Manager(backend="host", capacity_bytes=64 << 20, chunk_bytes=2 << 20, prealloc_chunks=8)
+    chunk = max(C, 2 << 20)
+    mgr = vtm.Manager(backend=BACKEND, capacity_bytes=32 * chunk, chunk_bytes=chunk, prealloc_chunks=8)
     sp = mgr.create_space(row_bytes=46080, max_tokens=512, max_slots=2)
     for _ in range(5):
         vt = sp.create(100).result()
