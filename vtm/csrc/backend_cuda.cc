@@ -52,7 +52,9 @@ namespace {
   X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2")        \
   X(cuCtxGetCurrent, "cuCtxGetCurrent")                               \
   X(cuCtxSetCurrent, "cuCtxSetCurrent")                               \
-  X(cuCtxSynchronize, "cuCtxSynchronize")                             \
+  X(cuStreamCreate, "cuStreamCreate")                                 \
+  X(cuStreamDestroy, "cuStreamDestroy_v2")                            \
+  X(cuStreamSynchronize, "cuStreamSynchronize")                       \
   X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity")   \
   X(cuMemAddressReserve, "cuMemAddressReserve")                       \
   X(cuMemAddressFree, "cuMemAddressFree")                             \
@@ -63,7 +65,7 @@ namespace {
   X(cuMemSetAccess, "cuMemSetAccess")                                 \
   X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle")     \
   X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle") \
-  X(cuMemcpyDtoD, "cuMemcpyDtoD_v2")
+  X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
 
 // Stringify a name after macro expansion: VTM_CUDA_SYMBOL(cuMemcpyDtoD) is
 // "cuMemcpyDtoD_v2" with the CUDA 11+ headers.
@@ -324,7 +326,10 @@ class ScopedMapping {
 //    import_fd() and not yet released, with its size and the number of
 //    releases it is owed (an import may return a handle this process already
 //    holds, and the driver wants one cuMemRelease per import).
-//  * scratch_ (guarded by copy_mu_) holds no mapping outside copy().
+//  * scratch_ (guarded by copy_mu_) holds no mapping outside copy();
+//  * copy_stream_ is vtm's own non-blocking stream, for copy() only: a copy
+//    waits for its own work and never for the kernels of other streams
+//    (cuCtxSynchronize would wait for every stream of the context).
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const DriverTable& fn, int device, CUdevice cu_device)
@@ -347,6 +352,7 @@ class CudaBackend final : public Backend {
                                      std::to_string(device_));
     }
     granularity_ = granularity;
+    Check(fn_, "cuStreamCreate", fn_.cuStreamCreate(&copy_stream_, CU_STREAM_NON_BLOCKING));
   }
 
   ~CudaBackend() override {
@@ -356,6 +362,7 @@ class CudaBackend final : public Backend {
     try {
       ScopedContext current(fn_, context_.get());
       scratch_.Free();
+      fn_.cuStreamDestroy(copy_stream_);
     } catch (...) {
       // The context could not be made current: scratch_'s destructor still
       // tries to free the range, and at teardown there is no one to tell.
@@ -468,12 +475,13 @@ class CudaBackend final : public Backend {
     ScopedMapping dst_map(fn_, dst_va, dst_bytes, dst);
     // One call for both: the two mappings are adjacent.
     Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(src_va, needed, &access_, 1));
-    // On the legacy default stream. For device-to-device copies the
-    // "synchronous" cuMemcpyDtoD may return before the copy finishes, so the
-    // context is synchronised before the mappings go away. Ordering against
-    // kernels that wrote `src` on other streams is the caller's business.
-    Check(fn_, "cuMemcpyDtoD", fn_.cuMemcpyDtoD(dst_va, src_va, bytes));
-    Check(fn_, "cuCtxSynchronize", fn_.cuCtxSynchronize());
+    // On vtm's own stream, waiting for that stream only: the copy runs on a
+    // worker with the manager's mutex held, and must not wait for the
+    // kernels running on other streams meanwhile (cuCtxSynchronize would).
+    // It completes before the mappings go away. Ordering against kernels
+    // that wrote `src` on other streams is the caller's business.
+    Check(fn_, "cuMemcpyDtoDAsync", fn_.cuMemcpyDtoDAsync(dst_va, src_va, bytes, copy_stream_));
+    Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
     dst_map.Unmap();
     src_map.Unmap();
   }
@@ -533,6 +541,7 @@ class CudaBackend final : public Backend {
 
   std::mutex copy_mu_;
   Reservation scratch_;
+  CUstream copy_stream_ = nullptr;
 };
 
 }  // namespace

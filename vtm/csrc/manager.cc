@@ -77,7 +77,7 @@ Manager::Manager(const ManagerOptions& o) {
   prealloc_chunks_ = std::min(o.prealloc_chunks, capacity_chunks_);
   max_free_chunks_ = o.max_free_chunks;
   cache_budget_pages_ = o.slot_cache_bytes.value_or(o.capacity_bytes / 4) / chunk_bytes_;
-  pool_ = std::make_unique<Pool>(backend_, chunk_bytes_, capacity_chunks_);
+  pool_ = std::make_unique<Pool>(backend_, capacity_chunks_);
   executor_ = std::make_unique<Executor>(o.workers);
   if (prealloc_chunks_ > 0) refill_thread_ = std::thread([this] { RefillThread(); });
 }
@@ -190,19 +190,20 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   }
   for (int i = static_cast<int>(max_slots) - 1; i >= 0; --i) sp->clean_free.push_back(i);
   if (tree_it == trees_.end())
-    tree_it = trees_.emplace(space_ns, std::make_unique<PrefixTree>(space_ns, row_bytes, chunk_bytes_, pool_.get()))
+    tree_it = trees_.emplace(space_ns, std::make_unique<PrefixTree>(row_bytes, chunk_bytes_, pool_.get()))
                   .first;
   sp->tree = tree_it->second.get();
   spaces_.push_back(std::move(sp));
+  {
+    std::lock_guard<std::mutex> keys(tree_keys_mu_);
+    const auto ns_key = tree_key_of_ns_.emplace(space_ns, kTreeKeyBit | (tree_key_of_ns_.size() + 1)).first;
+    tree_key_of_space_[id] = ns_key->second;
+  }
   return id;
 }
 
 std::shared_ptr<FutureState> Manager::Create(std::uint32_t space, std::size_t n) {
-  std::uint64_t id;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    id = next_vtensor_id_++;
-  }
+  const std::uint64_t id = next_vtensor_id_.fetch_add(1, std::memory_order_relaxed);
   return Submit("create", {id}, false, [this, space, id, n] { return DoCreate(space, id, n); });
 }
 
@@ -221,18 +222,21 @@ std::shared_ptr<FutureState> Manager::Release(std::uint64_t vt) {
 }
 
 std::shared_ptr<FutureState> Manager::PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens) {
-  return Submit("prefix_record", {vt}, false,
+  return Submit("prefix_record", {vt, TreeKey(space)}, false,
                 [this, space, vt, tokens = std::move(tokens)] { return DoRecord(space, vt, tokens); });
 }
 
 std::shared_ptr<FutureState> Manager::PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens) {
-  std::uint64_t id;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    id = next_vtensor_id_++;
-  }
-  return Submit("prefix_match", {id}, false,
+  const std::uint64_t id = next_vtensor_id_.fetch_add(1, std::memory_order_relaxed);
+  return Submit("prefix_match", {id, TreeKey(space)}, false,
                 [this, space, id, tokens = std::move(tokens)] { return DoMatch(space, id, tokens); });
+}
+
+std::uint64_t Manager::TreeKey(std::uint32_t space) const {
+  std::lock_guard<std::mutex> lock(tree_keys_mu_);
+  auto it = tree_key_of_space_.find(space);
+  // An unknown space gets a key of its own: the operation fails with NotFound.
+  return it != tree_key_of_space_.end() ? it->second : kTreeKeyBit;
 }
 
 std::shared_ptr<FutureState> Manager::ClearPrefixes(std::uint32_t space) {

@@ -169,6 +169,11 @@ class Manager {
   };
   class UndoLog;
 
+  // Executor keys of prefix trees have this bit set; vTensor ids never do.
+  static constexpr std::uint64_t kTreeKeyBit = std::uint64_t{1} << 63;
+  // The key that orders operations on `space`'s prefix tree (its namespace's),
+  // so a prefix_match runs after every prefix_record submitted before it.
+  std::uint64_t TreeKey(std::uint32_t space) const;
   template <class Fn>
   std::shared_ptr<FutureState> Submit(const char* op, std::vector<std::uint64_t> keys, bool barrier, Fn fn);
   void RecordOp(const char* op, double us, bool ok);
@@ -230,7 +235,6 @@ class Manager {
   std::list<std::pair<std::uint32_t, int>> cached_lru_;  // free slots with pages mapped, oldest first
   std::size_t cached_pages_ = 0;
   std::uint64_t tick_ = 0;
-  std::uint64_t next_vtensor_id_ = 1;
   bool refill_stop_ = false;
   bool refill_blocked_ = false;  // the last refill found the device full
   bool closed_ = false;
@@ -240,6 +244,14 @@ class Manager {
   // Shared with every Reservation, which may outlive the manager in a view.
   std::shared_ptr<std::atomic<std::uint64_t>> reservation_free_failures_ =
       std::make_shared<std::atomic<std::uint64_t>>(0);
+
+  // Submission touches none of the state above (it never waits for mu_,
+  // which an operation in flight holds): ids come from an atomic counter, and
+  // the executor key of each namespace's prefix tree from a map of its own.
+  std::atomic<std::uint64_t> next_vtensor_id_{1};
+  mutable std::mutex tree_keys_mu_;  // never held while waiting for anything
+  std::map<std::string, std::uint64_t> tree_key_of_ns_;
+  std::unordered_map<std::uint32_t, std::uint64_t> tree_key_of_space_;
 
   std::unique_ptr<Executor> executor_;  // its workers stop (in Close) before the state above dies
   std::thread refill_thread_;          // eager allocation; runs only when prealloc_chunks > 0
