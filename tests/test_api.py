@@ -533,13 +533,16 @@ def test_slot_cache_default_is_quarter_capacity(make_manager):
 
 
 def test_view_outlives_manager():
+    """A view that outlives its memory reads zeros (docs/api.md, Views after close):
+    a Jupyter user printing a tensor after a clean close must not lose the kernel."""
     torch = pytest.importorskip("torch")
     mgr = new_manager(chunks=8)
     sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=2)
     view = sp.tensor(torch.uint8)
     vt = sp.create(10).result()
-    view[vt.slot, :3000] = 7
-    assert int(view[vt.slot, :3000].sum()) == 7 * 3000
+    slot = vt.slot
+    view[slot, :3000] = 7
+    assert int(view[slot, :3000].sum()) == 7 * 3000
     if view.device.type == "cuda":
         torch.cuda.synchronize()
     mgr.close()
@@ -549,12 +552,62 @@ def test_view_outlives_manager():
         run(lambda: vt.extend(20))
     with pytest.raises(vtm.FailedPrecondition):
         run(lambda: mgr.trim())
-    # do not touch the view's memory: its pages are gone; dropping it must not crash
     assert tuple(view.shape) == (2, sp.slot_bytes)
+    # Checked before touching the view: an unsealed range would fault.
+    assert mgr.stats()["reservation_free_failures_total"] == 0
+    # The pages written before, and the slot never mapped, read zeros now.
+    assert int(view.sum()) == 0
+    assert int(view[1 - slot, -4096:].sum()) == 0
     del view
     gc.collect()
     del vt, sp, mgr
     gc.collect()
+
+
+def test_view_outlives_its_closed_space(make_manager):
+    torch = pytest.importorskip("torch")
+    mgr = make_manager(chunks=16)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=2)
+    other = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=2)
+    view, kept = sp.tensor(torch.uint8), other.tensor(torch.uint8)
+    a, b = sp.create(60).result(), other.create(60).result()
+    slot = a.slot
+    view[slot, :1000] = 3
+    kept[b.slot, :1000] = 5
+    sp.close()
+    assert a.released
+    st = assert_pool_consistent(mgr)
+    assert st["reservation_free_failures_total"] == 0  # before touching the view: it is sealed
+    assert int(view[slot].sum()) == 0, "a closed space's view reads zeros"
+    assert int(kept[b.slot, :1000].sum()) == 5 * 1000, "other spaces are untouched"
+    c = other.create(60).result()  # the chunks the closed space returned are reused
+    kept[c.slot, :10] = 1
+    del view
+    gc.collect()
+
+
+@host_only
+def test_a_write_through_a_closed_view_faults(tmp_path):
+    """Reads of a closed space's view return zeros; a write is a bug, and faults."""
+    code = """
+import vtm, torch
+mgr = vtm.Manager(backend="host", capacity_bytes=1 << 20, chunk_bytes=1 << 16, granularity=1 << 16)
+sp = mgr.create_space(row_bytes=1024, max_tokens=64, max_slots=2)
+view = sp.tensor(torch.uint8)
+sp.create(64).result()
+mgr.close()
+print("read", int(view.sum()), flush=True)
+view[0, 0] = 1
+print("wrote")
+"""
+    import signal
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    # SIGSEGV; under `make test-sanitize`, AddressSanitizer reports it and aborts.
+    assert out.returncode in (-signal.SIGSEGV, -signal.SIGABRT), out
+    assert "read 0" in out.stdout and "wrote" not in out.stdout, out
 
 
 def test_context_manager():

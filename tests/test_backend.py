@@ -171,6 +171,61 @@ def test_unknown_chunks_are_rejected(raw, lay):
     rejects(raw, "import size", lambda: raw.import_fd(0, g + 1), r"^import_fd: .* granularity")
 
 
+def test_sealed_reservations_take_no_mappings(raw):
+    g = raw.granularity
+    va = raw.reserve(4 * g)
+    c = raw.create_chunk(g)
+    try:
+        raw.map(va, g, c)
+        rejects(raw, "seal while mapped", lambda: raw.seal(va, 4 * g), r"^seal: the reservation still holds a mapping")
+        raw.unmap(va, g)
+        rejects(raw, "seal part", lambda: raw.seal(va, 2 * g), r"^seal: no reservation is exactly")
+        raw.seal(va, 4 * g)
+        rejects(raw, "seal twice", lambda: raw.seal(va, 4 * g), r"^seal: the reservation .* is sealed already")
+        rejects(raw, "map sealed", lambda: raw.map(va, g, c), r"^map: range .* is inside a sealed reservation")
+        rejects(raw, "set_access sealed", lambda: raw.set_access(va, g), r"^set_access: range .* sealed")
+        rejects(raw, "unmap sealed", lambda: raw.unmap(va, g), r"^unmap: range .* sealed")
+    finally:
+        raw.release_chunk(c)
+        raw.free_reservation(va, 4 * g)  # a sealed reservation is freed like any other
+    rejects(raw, "seal freed", lambda: raw.seal(va, 4 * g), r"^seal: no reservation is exactly")
+
+
+@host_only
+def test_host_sealed_reservation_reads_zeros_and_faults_on_write(tmp_path):
+    raw = vtm.RawBackend.open("host", granularity=G)
+    va = raw.reserve(2 * G)
+    c = raw.create_chunk(G)
+    try:
+        raw.map(va, G, c)
+        raw.set_access(va, G)
+        ctypes.memset(va, 0x77, G)  # what the page held before
+        raw.unmap(va, G)
+        raw.seal(va, 2 * G)
+        assert ctypes.string_at(va, G) == bytes(G), "a sealed range reads zeros"
+        assert ctypes.string_at(va + 2 * G - 16, 16) == bytes(16)
+    finally:
+        raw.release_chunk(c)
+        raw.free_reservation(va, 2 * G)
+    # A write faults: in a child, which must die of SIGSEGV.
+    code = (
+        "import ctypes, vtm\n"
+        f"raw = vtm.RawBackend.open('host', granularity={G})\n"
+        f"va = raw.reserve({G}); raw.seal(va, {G})\n"
+        "print('sealed', flush=True)\n"
+        "ctypes.memset(va, 1, 1)\n"
+        "print('wrote')\n"
+    )
+    import signal
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    # SIGSEGV; under `make test-sanitize`, AddressSanitizer reports it and aborts.
+    assert out.returncode in (-signal.SIGSEGV, -signal.SIGABRT), out
+    assert "sealed" in out.stdout and "wrote" not in out.stdout, out
+
+
 def test_export_import_round_trip(raw, lay):
     g = raw.granularity
     fd = raw.export_fd(lay.chunks[0])

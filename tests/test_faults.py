@@ -14,10 +14,10 @@ from vtm_testing import (CHUNK, SCALE, SENTINEL, RowIO, assert_pool_consistent, 
                       snapshot)
 
 BACKEND_OPS = ["reserve", "free_reservation", "create_chunk", "release_chunk", "map",
-               "set_access", "unmap", "export_fd", "import_fd", "copy"]
+               "set_access", "unmap", "export_fd", "import_fd", "copy", "seal"]
 # Releasing device memory cannot be rolled back; a failure there may be absorbed
 # (the operation then succeeds) instead of surfacing. Everything else must fail.
-MAY_ABSORB = {"release_chunk", "free_reservation"}
+MAY_ABSORB = {"release_chunk", "free_reservation", "seal"}
 
 ROW = 3000 * SCALE  # rows straddle pages (64 KiB on the host)
 MAXT = 120      # 360000 B -> 6 pages per slot

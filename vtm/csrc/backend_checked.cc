@@ -14,7 +14,7 @@ std::string Hex(std::uintptr_t v) {
   return buf;
 }
 
-std::string Range(std::uintptr_t va, std::size_t bytes) {
+std::string Span(std::uintptr_t va, std::size_t bytes) {
   return "[" + Hex(va) + ", " + Hex(va + bytes) + ")";
 }
 
@@ -41,10 +41,11 @@ void CheckedBackend::CheckRangeLocked(const char* op, std::uintptr_t va, std::si
   // The reservation starting at or below va must reach va + bytes. Written
   // without va + bytes overflowing: bytes <= end - va.
   auto r = reservations_.upper_bound(va);
-  if (r == reservations_.begin()) Invalid(op, "range " + Range(va, bytes) + " is not inside a reservation");
+  if (r == reservations_.begin()) Invalid(op, "range " + Span(va, bytes) + " is not inside a reservation");
   --r;
-  const std::uintptr_t end = r->first + r->second;
-  if (va >= end || bytes > end - va) Invalid(op, "range " + Range(va, bytes) + " is not inside a reservation");
+  const std::uintptr_t end = r->first + r->second.bytes;
+  if (va >= end || bytes > end - va) Invalid(op, "range " + Span(va, bytes) + " is not inside a reservation");
+  if (r->second.sealed) Invalid(op, "range " + Span(va, bytes) + " is inside a sealed reservation");
 }
 
 void CheckedBackend::CheckWholeMappingsLocked(const char* op, std::uintptr_t va, std::size_t bytes) const {
@@ -55,7 +56,7 @@ void CheckedBackend::CheckWholeMappingsLocked(const char* op, std::uintptr_t va,
     at += m->second.bytes;
     ++m;
   }
-  if (at != va + bytes) Invalid(op, "range " + Range(va, bytes) + " ends inside the mapping that ends at " + Hex(at));
+  if (at != va + bytes) Invalid(op, "range " + Span(va, bytes) + " ends inside the mapping that ends at " + Hex(at));
 }
 
 std::size_t CheckedBackend::ChunkBytesLocked(const char* op, ChunkHandle chunk) const {
@@ -68,20 +69,33 @@ std::uintptr_t CheckedBackend::reserve(std::size_t bytes) {
   CheckSize("reserve", bytes);
   const std::uintptr_t va = inner_->reserve(bytes);
   std::lock_guard<std::mutex> lock(mu_);
-  reservations_.emplace(va, bytes);
+  reservations_.emplace(va, Range{bytes, false});
   return va;
 }
 
 void CheckedBackend::free_reservation(std::uintptr_t va, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto r = reservations_.find(va);
-  if (r == reservations_.end() || r->second != bytes)
-    Invalid("free_reservation", "no reservation is exactly " + Range(va, bytes) + " (only whole reservations are freed)");
-  auto m = mappings_.lower_bound(va);
-  if (m != mappings_.end() && m->first < va + bytes)
-    Invalid("free_reservation", "the reservation still holds a mapping at " + Hex(m->first));
+  auto r = WholeEmptyReservationLocked("free_reservation", va, bytes);
   inner_->free_reservation(va, bytes);
   reservations_.erase(r);
+}
+
+void CheckedBackend::seal(std::uintptr_t va, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = WholeEmptyReservationLocked("seal", va, bytes);
+  if (r->second.sealed) Invalid("seal", "the reservation " + Span(va, bytes) + " is sealed already");
+  inner_->seal(va, bytes);
+  r->second.sealed = true;
+}
+
+std::map<std::uintptr_t, CheckedBackend::Range>::iterator CheckedBackend::WholeEmptyReservationLocked(
+    const char* op, std::uintptr_t va, std::size_t bytes) {
+  auto r = reservations_.find(va);
+  if (r == reservations_.end() || r->second.bytes != bytes)
+    Invalid(op, "no reservation is exactly " + Span(va, bytes) + " (only whole reservations are freed or sealed)");
+  auto m = mappings_.lower_bound(va);
+  if (m != mappings_.end() && m->first < va + bytes) Invalid(op, "the reservation still holds a mapping at " + Hex(m->first));
+  return r;
 }
 
 ChunkHandle CheckedBackend::create_chunk(std::size_t bytes) {
@@ -134,10 +148,10 @@ void CheckedBackend::map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk
   if (next != mappings_.begin()) {
     auto prev = std::prev(next);
     if (prev->first + prev->second.bytes > va)
-      Invalid("map", "range " + Range(va, bytes) + " overlaps the mapping at " + Hex(prev->first));
+      Invalid("map", "range " + Span(va, bytes) + " overlaps the mapping at " + Hex(prev->first));
   }
   if (next != mappings_.end() && next->first < va + bytes)
-    Invalid("map", "range " + Range(va, bytes) + " overlaps the mapping at " + Hex(next->first));
+    Invalid("map", "range " + Span(va, bytes) + " overlaps the mapping at " + Hex(next->first));
   inner_->map(va, bytes, chunk);
   mappings_.emplace_hint(next, va, Mapping{bytes, chunk});
 }

@@ -13,7 +13,8 @@
 // Invariants (guarded by mu_):
 //  * reservations_ holds disjoint ranges [va, va + bytes), each aligned to and
 //    a positive multiple of granularity_: exactly the live reservations made
-//    through this wrapper;
+//    through this wrapper, with whether each is sealed;
+//  * no mapping lies inside a sealed reservation;
 //  * mappings_ holds disjoint ranges, each inside one reservation, each one
 //    whole chunk of the size the chunk was created or imported with;
 //  * chunks_ has one entry per live chunk handle created or imported through
@@ -50,6 +51,7 @@ class CheckedBackend final : public Backend {
 
   std::uintptr_t reserve(std::size_t bytes) override;
   void free_reservation(std::uintptr_t va, std::size_t bytes) override;
+  void seal(std::uintptr_t va, std::size_t bytes) override;
   ChunkHandle create_chunk(std::size_t bytes) override;
   void release_chunk(ChunkHandle chunk) noexcept override;
   void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override;
@@ -60,6 +62,10 @@ class CheckedBackend final : public Backend {
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override;
 
  private:
+  struct Range {
+    std::size_t bytes;
+    bool sealed;
+  };
   struct Mapping {
     std::size_t bytes;
     ChunkHandle chunk;
@@ -74,13 +80,16 @@ class CheckedBackend final : public Backend {
   void CheckRangeLocked(const char* op, std::uintptr_t va, std::size_t bytes) const;
   void CheckWholeMappingsLocked(const char* op, std::uintptr_t va, std::size_t bytes) const;
   std::size_t ChunkBytesLocked(const char* op, ChunkHandle chunk) const;
+  // The reservation that is exactly [va, va + bytes) and holds no mapping.
+  std::map<std::uintptr_t, Range>::iterator WholeEmptyReservationLocked(const char* op, std::uintptr_t va,
+                                                                        std::size_t bytes);
   // Records a handle the inner backend just returned; on failure releases it.
   void RememberChunk(const char* op, ChunkHandle chunk, std::size_t bytes);
 
   const std::shared_ptr<Backend> inner_;
   const std::size_t granularity_;
   mutable std::mutex mu_;
-  std::map<std::uintptr_t, std::size_t> reservations_;
+  std::map<std::uintptr_t, Range> reservations_;
   std::map<std::uintptr_t, Mapping> mappings_;
   std::unordered_map<ChunkHandle, Chunk> chunks_;
 };

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -65,7 +66,8 @@ namespace {
   X(cuMemSetAccess, "cuMemSetAccess")                                 \
   X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle")     \
   X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle") \
-  X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
+  X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")                        \
+  X(cuMemsetD8Async, "cuMemsetD8Async")
 
 // Stringify a name after macro expansion: VTM_CUDA_SYMBOL(cuMemcpyDtoD) is
 // "cuMemcpyDtoD_v2" with the CUDA 11+ headers.
@@ -327,6 +329,9 @@ class ScopedMapping {
 //    releases it is owed (an import may return a handle this process already
 //    holds, and the driver wants one cuMemRelease per import).
 //  * scratch_ (guarded by copy_mu_) holds no mapping outside copy();
+//  * sealed_ (guarded by seal_mu_) holds the sealed reservations; each maps
+//    zero_chunk_ (one zeroed granule, created on the first seal) read-only
+//    at every granule, until free_reservation unmaps it;
 //  * copy_stream_ is vtm's own non-blocking stream, for copy() only: a copy
 //    waits for its own work and never for the kernels of other streams
 //    (cuCtxSynchronize would wait for every stream of the context).
@@ -362,6 +367,7 @@ class CudaBackend final : public Backend {
     try {
       ScopedContext current(fn_, context_.get());
       scratch_.Free();
+      if (zero_chunk_ != 0) fn_.cuMemRelease(zero_chunk_);
       fn_.cuStreamDestroy(copy_stream_);
     } catch (...) {
       // The context could not be made current: scratch_'s destructor still
@@ -383,7 +389,39 @@ class CudaBackend final : public Backend {
 
   void free_reservation(std::uintptr_t va, std::size_t bytes) override {
     ScopedContext current(fn_, context_.get());
+    {
+      std::lock_guard<std::mutex> lock(seal_mu_);
+      auto sealed = sealed_.find(va);
+      if (sealed != sealed_.end()) {
+        // The zero chunk's mappings go first: the driver frees only an
+        // address range with nothing mapped in it.
+        Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va, bytes));
+        sealed_.erase(sealed);
+      }
+    }
     Check(fn_, "cuMemAddressFree", fn_.cuMemAddressFree(va, bytes));
+  }
+
+  void seal(std::uintptr_t va, std::size_t bytes) override {
+    std::lock_guard<std::mutex> lock(seal_mu_);
+    ScopedContext current(fn_, context_.get());
+    if (zero_chunk_ == 0) zero_chunk_ = CreateZeroChunk();
+    // One physical granule of zeros mapped at every granule of the range,
+    // read-only: reads return zeros, a write is an illegal address. Costs
+    // one cuMemMap per granule, once, at close, and only while a view holds
+    // the range.
+    std::size_t mapped = 0;
+    try {
+      for (; mapped < bytes; mapped += granularity_)
+        Check(fn_, "cuMemMap", fn_.cuMemMap(va + mapped, granularity_, 0, zero_chunk_, 0));
+      CUmemAccessDesc read_only = access_;
+      read_only.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+      Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, bytes, &read_only, 1));
+      sealed_.emplace(va, bytes);
+    } catch (...) {
+      if (mapped > 0) fn_.cuMemUnmap(va, mapped);  // a failed seal changes nothing
+      throw;
+    }
   }
 
   ChunkHandle create_chunk(std::size_t bytes) override {
@@ -492,6 +530,27 @@ class CudaBackend final : public Backend {
     std::size_t references;  // cuMemRelease calls this handle is owed
   };
 
+  // A new chunk of one granule, filled with zeros (cuMemCreate does not
+  // clear memory), zeroed through the copy scratch range on copy_stream_.
+  // With the context current.
+  CUmemGenericAllocationHandle CreateZeroChunk() {
+    CUmemGenericAllocationHandle handle = 0;
+    Check(fn_, "cuMemCreate", fn_.cuMemCreate(&handle, granularity_, &prop_, 0));
+    try {
+      std::lock_guard<std::mutex> lock(copy_mu_);
+      if (scratch_.bytes() < granularity_) scratch_.Reset(granularity_, granularity_);
+      ScopedMapping mapping(fn_, scratch_.va(), granularity_, handle);
+      Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(scratch_.va(), granularity_, &access_, 1));
+      Check(fn_, "cuMemsetD8Async", fn_.cuMemsetD8Async(scratch_.va(), 0, granularity_, copy_stream_));
+      Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
+      mapping.Unmap();
+    } catch (...) {
+      fn_.cuMemRelease(handle);
+      throw;
+    }
+    return handle;
+  }
+
   std::size_t ChunkBytes(const char* method, ChunkHandle chunk) const {
     std::lock_guard<std::mutex> lock(chunks_mu_);
     auto it = chunks_.find(chunk);
@@ -542,6 +601,10 @@ class CudaBackend final : public Backend {
   std::mutex copy_mu_;
   Reservation scratch_;
   CUstream copy_stream_ = nullptr;
+
+  std::mutex seal_mu_;  // before copy_mu_ when both are held
+  CUmemGenericAllocationHandle zero_chunk_ = 0;
+  std::map<CUdeviceptr, std::size_t> sealed_;
 };
 
 }  // namespace

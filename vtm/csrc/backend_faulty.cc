@@ -10,7 +10,7 @@ namespace vtm {
 const char* FaultInjectingBackend::OpName(Op op) {
   static const char* const kNames[kNumOps] = {
       "reserve", "free_reservation", "create_chunk", "release_chunk", "map",
-      "set_access", "unmap", "export_fd", "import_fd", "copy",
+      "set_access", "unmap", "export_fd", "import_fd", "copy", "seal",
   };
   return kNames[op];
 }
@@ -75,6 +75,11 @@ std::uintptr_t FaultInjectingBackend::reserve(std::size_t bytes) {
 void FaultInjectingBackend::free_reservation(std::uintptr_t va, std::size_t bytes) {
   Enter(kFreeReservation);
   inner_->free_reservation(va, bytes);
+}
+
+void FaultInjectingBackend::seal(std::uintptr_t va, std::size_t bytes) {
+  Enter(kSeal);
+  inner_->seal(va, bytes);
 }
 
 ChunkHandle FaultInjectingBackend::create_chunk(std::size_t bytes) {

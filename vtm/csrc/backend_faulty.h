@@ -24,7 +24,7 @@ class FaultInjectingBackend final : public Backend {
  public:
   enum Op {
     kReserve, kFreeReservation, kCreateChunk, kReleaseChunk, kMap, kSetAccess,
-    kUnmap, kExportFd, kImportFd, kCopy, kNumOps,
+    kUnmap, kExportFd, kImportFd, kCopy, kSeal, kNumOps,
   };
   static const char* OpName(Op op);
   // Throws kInvalidArgument for an unknown name.
@@ -51,6 +51,7 @@ class FaultInjectingBackend final : public Backend {
 
   std::uintptr_t reserve(std::size_t bytes) override;
   void free_reservation(std::uintptr_t va, std::size_t bytes) override;
+  void seal(std::uintptr_t va, std::size_t bytes) override;
   ChunkHandle create_chunk(std::size_t bytes) override;
   void release_chunk(ChunkHandle chunk) noexcept override;
   void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override;

@@ -88,6 +88,14 @@ class HostBackend final : public Backend {
     reservations_.erase(va);
   }
 
+  void seal(std::uintptr_t va, std::size_t bytes) override {
+    // Private anonymous read-only memory: every page reads from the kernel's
+    // shared zero page (nothing is committed), and a write faults.
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_READ,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) Throw(ErrorCode::kBackend, Errno("seal: mmap"));
+  }
+
   ChunkHandle create_chunk(std::size_t bytes) override {
     int fd = memfd_create("vtm-chunk", MFD_CLOEXEC);
     if (fd < 0) Throw(errno == EMFILE || errno == ENFILE ? ErrorCode::kOutOfMemory : ErrorCode::kBackend,

@@ -488,5 +488,6 @@ PYBIND11_MODULE(_core, m) {
       .def("unmap", &Backend::unmap, py::call_guard<py::gil_scoped_release>())
       .def("export_fd", &Backend::export_fd, py::call_guard<py::gil_scoped_release>())
       .def("import_fd", &Backend::import_fd, py::call_guard<py::gil_scoped_release>())
-      .def("copy", &Backend::copy, py::call_guard<py::gil_scoped_release>());
+      .def("copy", &Backend::copy, py::call_guard<py::gil_scoped_release>())
+      .def("seal", &Backend::seal, py::call_guard<py::gil_scoped_release>());
 }

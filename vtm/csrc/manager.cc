@@ -114,7 +114,7 @@ void Manager::Close() {
   trees_.clear();
   for (auto& sp : spaces_) {
     sp->closed = true;
-    sp->reservation.reset();
+    RetireReservation(sp->reservation);
   }
   pool_->ReleaseFree(pool_->free_count());
   closed_ = true;
@@ -860,7 +860,7 @@ FutureValue Manager::DoCloseSpace(std::uint32_t space) {
     if (!other->closed && other->tree == sp.tree) shared = true;
   if (!shared) trees_.erase(sp.ns);
   sp.tree = nullptr;
-  sp.reservation.reset();
+  RetireReservation(sp.reservation);
   AfterCommit();
   return std::monostate{};
 }
