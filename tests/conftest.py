@@ -25,6 +25,7 @@ import gc
 import hashlib
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,10 +71,12 @@ def pytest_configure(config):
         if cuda_available():
             CHUNK = max(CUDA_CHUNK, vtm.RawBackend.open("cuda").granularity)
     CHUNK = config.getoption("--vtm-chunk-bytes") or CHUNK
+    if CHUNK <= 0 or CHUNK % HOST_CHUNK != 0:
+        raise pytest.UsageError(f"--vtm-chunk-bytes {CHUNK} is not a positive multiple of {HOST_CHUNK}")
     SCALE = CHUNK // HOST_CHUNK
 
 
-_VTM_TESTS = __import__("pathlib").Path(__file__).resolve().parent
+_VTM_TESTS = Path(__file__).resolve().parent  # tests/*.py, not tests/flexinfer
 
 
 def pytest_collection_modifyitems(config, items):
