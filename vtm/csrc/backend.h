@@ -4,7 +4,10 @@
 // chunks into reservations. Two implementations exist: `host` (memfd + mmap,
 // the reference) and `cuda` (the driver's virtual memory management API,
 // loaded with dlopen at run time). Everything above this interface is written
-// once and tested against the host backend, which enforces the CUDA rules:
+// once and tested against the host backend. The rules below (the CUDA
+// driver's) are the contract; CheckedBackend (backend_checked.h) enforces them
+// for every backend before a call reaches it, so implementations may assume
+// well-formed calls:
 //
 //  * every size and offset is a multiple of granularity();
 //  * map() targets a range inside a live reservation that holds no mapping;
