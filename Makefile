@@ -57,7 +57,7 @@ $(SAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
 test-sanitize: $(SAN_DIR)/vtm/_core.so
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	PYTHONPATH=$(SAN_DIR) VTM_SANITIZED=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" --ignore=tests/flexinfer tests
+	PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/flexinfer tests
 
 bench: $(STAMP)
 	$(PY) scripts/bench_vtm.py --json bench-results/bench_vtm.json

@@ -6,6 +6,14 @@ vTensor gains: the bytes of row ``t`` depend only on the token prefix
 ``tokens[:t+1]`` (and the row size), so two vTensors holding the same prefix
 hold identical rows, which is exactly what prefix sharing must preserve.
 
+One switch picks the backend every vtm test runs against: ``pytest
+--vtm-backend cuda`` (default ``host``). Geometry follows the backend: CHUNK is
+64 KiB on the host and the driver's granularity (2 MiB) on CUDA, and SCALE =
+CHUNK // 64 KiB multiplies the row sizes the tests were written with, so every
+test keeps its page structure (rows straddling pages, pages per slot). Byte
+checks go through torch views on the backend's device. Without a driver,
+``--vtm-backend cuda`` skips every vtm test (tests/flexinfer is not affected).
+
 Safety rule for every helper here: only rows ``< vt.num_tokens`` of a live
 vTensor are ever touched through a view, and before touching them we check
 ``vt.page_chunks()`` says the pages are mapped (an unmapped page faults the
@@ -17,6 +25,7 @@ import gc
 import hashlib
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,16 +38,74 @@ HOST_CHUNK = 64 * KiB
 CUDA_CHUNK = 2 * MiB
 SENTINEL = 10**6  # a token id never used in recorded sequences
 
+# The backend under test and its geometry; pytest_configure sets them before
+# any test module is imported (test modules read them at import).
+BACKEND = "host"
+CHUNK = HOST_CHUNK
+SCALE = 1
+
 
 # Test modules import these helpers as `vtm_testing`: the name `conftest` is
 # ambiguous once another folder (tests/flexinfer) has its own conftest.py.
 sys.modules.setdefault("vtm_testing", sys.modules[__name__])
 
 
+def pytest_addoption(parser):
+    parser.addoption("--vtm-backend", choices=("host", "cuda"), default="host",
+                     help="the vtm backend every test in tests/*.py runs against (default: host)")
+    parser.addoption("--vtm-chunk-bytes", type=int, default=None,
+                     help="chunk size of the tests' managers (default: 64 KiB on host, the granularity on "
+                          "cuda); e.g. 2097152 runs the host with the geometry of a CUDA run")
+
+
 def pytest_configure(config):
+    global BACKEND, CHUNK, SCALE
     # pyproject registers it too; registering twice is harmless and keeps
     # `--strict-markers` happy if the ini section moves.
     config.addinivalue_line("markers", "gpu: needs a CUDA driver and device")
+    config.addinivalue_line("markers", "host_only: runs only with --vtm-backend host")
+    BACKEND = config.getoption("--vtm-backend")
+    CHUNK = HOST_CHUNK
+    if BACKEND == "cuda":
+        CHUNK = CUDA_CHUNK
+        if cuda_available():
+            CHUNK = max(CUDA_CHUNK, vtm.RawBackend.open("cuda").granularity)
+    CHUNK = config.getoption("--vtm-chunk-bytes") or CHUNK
+    if CHUNK <= 0 or CHUNK % HOST_CHUNK != 0:
+        raise pytest.UsageError(f"--vtm-chunk-bytes {CHUNK} is not a positive multiple of {HOST_CHUNK}")
+    SCALE = CHUNK // HOST_CHUNK
+
+
+_VTM_TESTS = Path(__file__).resolve().parent  # tests/*.py, not tests/flexinfer
+
+
+def pytest_collection_modifyitems(config, items):
+    if BACKEND != "host":
+        skip_host = pytest.mark.skip(reason="host backend only (reads host memory through numpy or ctypes)")
+        for item in items:
+            if item.get_closest_marker("host_only"):
+                item.add_marker(skip_host)
+    if BACKEND != "cuda" or cuda_available():
+        return
+    # Skipped, not deselected: a run that selects nothing exits with 5, and
+    # "no driver here" is a clean outcome for a CUDA run, not an error.
+    skip = pytest.mark.skip(reason="--vtm-backend cuda: no CUDA driver/device (vtm.cuda_available() is False)")
+    for item in items:
+        path = item.path.resolve()
+        if path.parent == _VTM_TESTS:
+            item.add_marker(skip)
+
+
+def pytest_generate_tests(metafunc):
+    # `backend` is the backend under test, as a parameter so test ids name it.
+    if "backend" in metafunc.fixturenames:
+        marks = [pytest.mark.gpu] if BACKEND == "cuda" else []
+        metafunc.parametrize("backend", [pytest.param(BACKEND, marks=marks)])
+
+
+# For tests of host memory itself (numpy views, ctypes, page-fault counts):
+# skipped with this reason under another backend.
+host_only = pytest.mark.host_only
 
 
 def cuda_available():
@@ -55,36 +122,28 @@ def cuda_available():
 # fixtures
 
 
-@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
-def backend(request):
-    if request.param == "cuda" and not cuda_available():
-        pytest.skip("no CUDA driver/device (vtm.cuda_available() is False)")
-    return request.param
-
-
 def chunk_for(backend):
-    return CUDA_CHUNK if backend == "cuda" else HOST_CHUNK
+    return CHUNK if backend == BACKEND else (CUDA_CHUNK if backend == "cuda" else HOST_CHUNK)
 
 
-def new_manager(backend="host", chunks=64, **kw):
-    """A small manager: capacity `chunks` chunks of 64 KiB (host) / 2 MiB (cuda)."""
-    if backend == "cuda":
-        chunk = kw.pop("chunk_bytes", CUDA_CHUNK)
-    else:
-        chunk = kw.pop("chunk_bytes", HOST_CHUNK)
-        kw.setdefault("granularity", HOST_CHUNK)
+def new_manager(backend=None, chunks=64, **kw):
+    """A small manager on the backend under test: capacity `chunks` chunks of CHUNK bytes."""
+    backend = backend or BACKEND
+    chunk = kw.pop("chunk_bytes", chunk_for(backend))
+    if backend == "host":
+        kw.setdefault("granularity", min(HOST_CHUNK, chunk))
     return vtm.Manager(backend=backend, capacity_bytes=chunks * chunk,
                        chunk_bytes=chunk, **kw)
 
 
 @pytest.fixture
 def make_manager():
-    """Factory fixture: make_manager(backend="host", chunks=64, **Manager kwargs).
+    """Factory fixture: make_manager(backend=BACKEND, chunks=64, **Manager kwargs).
 
     Every manager made is closed at teardown."""
     made = []
 
-    def make(backend="host", chunks=64, **kw):
+    def make(backend=None, chunks=64, **kw):
         mgr = new_manager(backend, chunks, **kw)
         made.append(mgr)
         return mgr
@@ -129,10 +188,13 @@ def random_tokens(rng, n, vocab):
 class RowIO:
     """Reads and writes token rows of one space through a zero-copy view.
 
-    host: a numpy uint8 view; cuda: a torch.uint8 CUDA view (copies go through the CPU)."""
+    host: a numpy uint8 view; cuda: a torch.uint8 CUDA view (copies go through the CPU).
+    The backend is the space's own unless named."""
 
-    def __init__(self, space, backend="host"):
+    def __init__(self, space, backend=None):
         self.space = space
+        if backend is None:
+            backend = "cuda" if space._device[0] == 2 else "host"
         self.backend = backend
         self.rb = space.row_bytes
         self.slot_bytes = space.slot_bytes

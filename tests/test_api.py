@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import vtm
-from vtm_testing import (HOST_CHUNK, SENTINEL, RowIO, assert_pool_consistent, assert_same_state,
+from vtm_testing import (CHUNK, HOST_CHUNK, SCALE, SENTINEL, RowIO, host_only, assert_pool_consistent, assert_same_state,
                       chunk_for, cuda_available, new_manager, poll, snapshot)
 
 
@@ -157,15 +157,36 @@ def test_prefix_sharing_bytes(backend, make_manager):
 
 def test_torch_view_shape_and_zero_copy(make_manager):
     torch = pytest.importorskip("torch")
-    mgr = make_manager("host", chunks=16)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=100, max_slots=3)
+    mgr = make_manager(chunks=16)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=100, max_slots=3)
     t8 = sp.tensor(torch.uint8)
+    device = t8.device
+    assert device.type == ("cuda" if mgr.backend == "cuda" else "cpu")
     assert isinstance(t8, torch.Tensor)
     assert t8.dtype == torch.uint8 and tuple(t8.shape) == (3, sp.slot_bytes)
     assert t8.data_ptr() == sp.base_address
     t16 = sp.tensor(torch.float16)
     assert t16.dtype == torch.float16 and tuple(t16.shape) == (3, sp.slot_bytes // 2)
     assert t16.data_ptr() == sp.base_address
+    vt = sp.create(10).result()
+    s = vt.slot
+    t8[s, :3000] = torch.arange(3000, dtype=torch.int64, device=device).remainder(251).to(torch.uint8)
+    t16[s, 1500:1600] = 1.5
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    # Both views are the same memory: the uint8 view sees the float16 writes.
+    got = t8[s, :3200].cpu()
+    assert torch.equal(got[:3000], torch.arange(3000).remainder(251).to(torch.uint8))
+    assert torch.all(got[3000:3200].view(torch.float16) == 1.5)
+    vt.release().result()
+
+
+@host_only
+def test_numpy_views_share_the_torch_views_memory(make_manager):
+    torch = pytest.importorskip("torch")
+    mgr = make_manager(chunks=16)
+    sp = mgr.create_space(row_bytes=3000, max_tokens=100, max_slots=3)
+    t8 = sp.tensor(torch.uint8)
     n8 = sp.tensor(np.uint8)
     assert isinstance(n8, np.ndarray) and n8.shape == (3, sp.slot_bytes) and n8.dtype == np.uint8
     assert n8.__array_interface__["data"][0] == sp.base_address
@@ -175,8 +196,8 @@ def test_torch_view_shape_and_zero_copy(make_manager):
     s = vt.slot
     t8[s, :3000] = torch.arange(3000, dtype=torch.int64).remainder(251).to(torch.uint8)
     assert np.array_equal(n8[s, :3000], (np.arange(3000) % 251).astype(np.uint8))
-    t16[s, 1500:1600] = 1.5
-    assert np.all(n8[s, 3000:3200].view(np.float16) == np.float16(1.5))
+    nf[s, 750:800] = 2.5
+    assert torch.all(t8[s, 3000:3200].view(torch.float32) == 2.5)
     vt.release().result()
 
 
@@ -186,8 +207,8 @@ def test_torch_view_shape_and_zero_copy(make_manager):
 
 @pytest.fixture
 def small(make_manager):
-    mgr = make_manager("host", chunks=8, slot_cache_bytes=0)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=3)  # 3 pages per slot
+    mgr = make_manager(chunks=8, slot_cache_bytes=0)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=3)  # 3 pages per slot
     io = RowIO(sp)
     vt = sp.create(30).result()
     io.write(vt, [5] * 30, 0, 30)
@@ -218,15 +239,15 @@ def test_bad_sizes(small):
 
 def test_vtensor_of_another_space(small):
     mgr, sp, io, vt, live = small
-    other = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=2)
+    other = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=2)
     ios = {sp.name: io}
     before = snapshot(mgr, [sp, other], live, ios)
     with pytest.raises(vtm.FailedPrecondition):
         run(lambda: other.prefix_record(vt, [5] * 10))
     assert_same_state(before, snapshot(mgr, [sp, other], live, ios), allow_reclaim=False)
     # even when the two spaces share a namespace
-    s1 = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=1, namespace="ns")
-    s2 = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=1, namespace="ns")
+    s1 = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=1, namespace="ns")
+    s2 = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=1, namespace="ns")
     w = s1.create(5).result()
     RowIO(s1).write(w, [1] * 5, 0, 5)
     with pytest.raises(vtm.FailedPrecondition):
@@ -324,8 +345,8 @@ def test_out_of_slots(small):
 
 
 def test_out_of_capacity_changes_nothing(make_manager):
-    mgr = make_manager("host", chunks=4, slot_cache_bytes=0)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=120, max_slots=3)
+    mgr = make_manager(chunks=4, slot_cache_bytes=0)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=120, max_slots=3)
     io = RowIO(sp)
     a = sp.create(60).result()  # 3 pages
     live = {a: [1] * 60}
@@ -348,8 +369,8 @@ def test_out_of_capacity_changes_nothing(make_manager):
 
 
 def test_step_atomicity(make_manager):
-    mgr = make_manager("host", chunks=6, slot_cache_bytes=0, prealloc_chunks=0)
-    sp = mgr.create_space(row_bytes=4096, max_tokens=64, max_slots=4)  # 16 rows per page
+    mgr = make_manager(chunks=6, slot_cache_bytes=0, prealloc_chunks=0)
+    sp = mgr.create_space(row_bytes=4096 * SCALE, max_tokens=64, max_slots=4)  # 16 rows per page
     io = RowIO(sp)
     a = sp.create(16).result()
     b = sp.create(16).result()
@@ -384,14 +405,14 @@ def test_step_atomicity(make_manager):
 
 
 def test_deferred_reclamation_reuses_slot(make_manager):
-    mgr = make_manager("host", chunks=32, slot_cache_bytes=16 * HOST_CHUNK, prealloc_chunks=0)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=4)
+    mgr = make_manager(chunks=32, slot_cache_bytes=16 * CHUNK, prealloc_chunks=0)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=4)
     vt = sp.create(60).result()  # 3 pages
     slot, pages = vt.slot, vt.page_chunks()
     vt.release().result()
     st = mgr.stats()
     assert st["chunks_cached"] == 3 and st["chunks_created"] == 3
-    assert st["spaces"][sp.name]["cached_bytes"] == 3 * HOST_CHUNK
+    assert st["spaces"][sp.name]["cached_bytes"] == 3 * CHUNK
     assert sp.free_slots == 4
     reuses = st["slot_reuses_total"]
     vt2 = sp.create(50).result()
@@ -408,8 +429,8 @@ def test_deferred_reclamation_reuses_slot(make_manager):
 
 
 def test_deferred_reclamation_best_fit(make_manager):
-    mgr = make_manager("host", chunks=64, slot_cache_bytes=32 * HOST_CHUNK, prealloc_chunks=0)
-    sp = mgr.create_space(row_bytes=HOST_CHUNK // 4, max_tokens=28, max_slots=8)  # 4 rows/page
+    mgr = make_manager(chunks=64, slot_cache_bytes=32 * CHUNK, prealloc_chunks=0)
+    sp = mgr.create_space(row_bytes=CHUNK // 4, max_tokens=28, max_slots=8)  # 4 rows/page
     vts = {p: sp.create(4 * p).result() for p in (1, 4, 6)}
     slots = {p: vt.slot for p, vt in vts.items()}
     pages = {p: vt.page_chunks() for p, vt in vts.items()}
@@ -431,8 +452,8 @@ def test_deferred_reclamation_best_fit(make_manager):
 
 
 def test_eager_allocation(make_manager):
-    mgr = make_manager("host", chunks=32, prealloc_chunks=4, slot_cache_bytes=0)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=4)
+    mgr = make_manager(chunks=32, prealloc_chunks=4, slot_cache_bytes=0)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=4)
     vt = sp.create(60).result()  # 3 pages
     assert poll(lambda: mgr.stats()["chunks_free"] == 4), mgr.stats()
     st = mgr.stats()
@@ -450,8 +471,8 @@ def test_eager_allocation(make_manager):
 
 
 def test_lazy_release_and_trim(make_manager):
-    mgr = make_manager("host", chunks=32, slot_cache_bytes=0, prealloc_chunks=0)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=4)
+    mgr = make_manager(chunks=32, slot_cache_bytes=0, prealloc_chunks=0)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=4)
     vt = sp.create(60).result()
     vt.release().result()
     st = mgr.stats()
@@ -462,7 +483,7 @@ def test_lazy_release_and_trim(make_manager):
     assert mgr.stats()["chunks_created"] == 3
     vt.release().result()
     got = mgr.trim()
-    assert got == 3 * HOST_CHUNK
+    assert got == 3 * CHUNK
     st = mgr.stats()
     assert st["chunks_created"] == 0 and st["chunks_free"] == 0
     assert st["chunks_released_total"] == r0 + 3
@@ -470,14 +491,14 @@ def test_lazy_release_and_trim(make_manager):
 
 
 def test_trim_returns_cached_pages(make_manager):
-    mgr = make_manager("host", chunks=32, slot_cache_bytes=16 * HOST_CHUNK, prealloc_chunks=0)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=4)
+    mgr = make_manager(chunks=32, slot_cache_bytes=16 * CHUNK, prealloc_chunks=0)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=4)
     keep = sp.create(20).result()  # 1 page, live
     vt = sp.create(60).result()
     vt.release().result()
     assert mgr.stats()["chunks_cached"] == 3
     got = mgr.trim()
-    assert got == 3 * HOST_CHUNK
+    assert got == 3 * CHUNK
     st = mgr.stats()
     assert st["chunks_cached"] == 0 and st["chunks_created"] == 1
     assert st["spaces"][sp.name]["cached_bytes"] == 0
@@ -485,8 +506,8 @@ def test_trim_returns_cached_pages(make_manager):
 
 
 def test_max_free_chunks_watermark(make_manager):
-    mgr = make_manager("host", chunks=32, slot_cache_bytes=0, max_free_chunks=2)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=150, max_slots=4)
+    mgr = make_manager(chunks=32, slot_cache_bytes=0, max_free_chunks=2)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=150, max_slots=4)
     vt = sp.create(130).result()  # 6 pages
     vt.release().result()
     assert poll(lambda: mgr.stats()["chunks_free"] <= 2), mgr.stats()
@@ -497,13 +518,13 @@ def test_max_free_chunks_watermark(make_manager):
 
 
 def test_slot_cache_default_is_quarter_capacity(make_manager):
-    mgr = make_manager("host", chunks=16, prealloc_chunks=0)  # cache: 4 chunks
-    sp = mgr.create_space(row_bytes=3000, max_tokens=140, max_slots=4)
+    mgr = make_manager(chunks=16, prealloc_chunks=0)  # cache: 4 chunks
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=140, max_slots=4)
     a = sp.create(130).result()  # 6 pages
     a.release().result()
     st = mgr.stats()
     assert st["chunks_cached"] <= 4
-    assert st["spaces"][sp.name]["cached_bytes"] <= 4 * HOST_CHUNK
+    assert st["spaces"][sp.name]["cached_bytes"] <= 4 * CHUNK
     assert_pool_consistent(mgr)
 
 
@@ -512,12 +533,18 @@ def test_slot_cache_default_is_quarter_capacity(make_manager):
 
 
 def test_view_outlives_manager():
-    mgr = new_manager("host", chunks=8)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=2)
-    view = sp.tensor(np.uint8)
+    """A view that outlives its memory reads zeros (docs/api.md, Views after close):
+    a Jupyter user printing a tensor after a clean close must not lose the kernel."""
+    torch = pytest.importorskip("torch")
+    mgr = new_manager(chunks=8)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=2)
+    view = sp.tensor(torch.uint8)
     vt = sp.create(10).result()
-    view[vt.slot, :3000] = 7
-    assert view[vt.slot, :3000].sum() == 7 * 3000
+    slot = vt.slot
+    view[slot, :3000] = 7
+    assert int(view[slot, :3000].sum()) == 7 * 3000
+    if view.device.type == "cuda":
+        torch.cuda.synchronize()
     mgr.close()
     with pytest.raises(vtm.FailedPrecondition):
         run(lambda: sp.create(1))
@@ -525,17 +552,67 @@ def test_view_outlives_manager():
         run(lambda: vt.extend(20))
     with pytest.raises(vtm.FailedPrecondition):
         run(lambda: mgr.trim())
-    # do not touch the view's memory: its pages are gone; dropping it must not crash
-    assert view.shape == (2, sp.slot_bytes)
+    assert tuple(view.shape) == (2, sp.slot_bytes)
+    # Checked before touching the view: an unsealed range would fault.
+    assert mgr.stats()["reservation_free_failures_total"] == 0
+    # The pages written before, and the slot never mapped, read zeros now.
+    assert int(view.sum()) == 0
+    assert int(view[1 - slot, -4096:].sum()) == 0
     del view
     gc.collect()
     del vt, sp, mgr
     gc.collect()
 
 
+def test_view_outlives_its_closed_space(make_manager):
+    torch = pytest.importorskip("torch")
+    mgr = make_manager(chunks=16)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=2)
+    other = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=2)
+    view, kept = sp.tensor(torch.uint8), other.tensor(torch.uint8)
+    a, b = sp.create(60).result(), other.create(60).result()
+    slot = a.slot
+    view[slot, :1000] = 3
+    kept[b.slot, :1000] = 5
+    sp.close()
+    assert a.released
+    st = assert_pool_consistent(mgr)
+    assert st["reservation_free_failures_total"] == 0  # before touching the view: it is sealed
+    assert int(view[slot].sum()) == 0, "a closed space's view reads zeros"
+    assert int(kept[b.slot, :1000].sum()) == 5 * 1000, "other spaces are untouched"
+    c = other.create(60).result()  # the chunks the closed space returned are reused
+    kept[c.slot, :10] = 1
+    del view
+    gc.collect()
+
+
+@host_only
+def test_a_write_through_a_closed_view_faults(tmp_path):
+    """Reads of a closed space's view return zeros; a write is a bug, and faults."""
+    code = """
+import vtm, torch
+mgr = vtm.Manager(backend="host", capacity_bytes=1 << 20, chunk_bytes=1 << 16, granularity=1 << 16)
+sp = mgr.create_space(row_bytes=1024, max_tokens=64, max_slots=2)
+view = sp.tensor(torch.uint8)
+sp.create(64).result()
+mgr.close()
+print("read", int(view.sum()), flush=True)
+view[0, 0] = 1
+print("wrote")
+"""
+    import signal
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    # SIGSEGV; under `make test-sanitize`, AddressSanitizer reports it and aborts.
+    assert out.returncode in (-signal.SIGSEGV, -signal.SIGABRT), out
+    assert "read 0" in out.stdout and "wrote" not in out.stdout, out
+
+
 def test_context_manager():
-    with new_manager("host", chunks=8) as mgr:
-        sp = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=2)
+    with new_manager(chunks=8) as mgr:
+        sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=2)
         vt = sp.create(30).result()
         io = RowIO(sp)
         io.write(vt, [1] * 30, 0, 30)
@@ -551,9 +628,9 @@ def test_context_manager():
 
 
 def test_space_close_releases_its_vtensors(make_manager):
-    mgr = make_manager("host", chunks=32, prealloc_chunks=0)
-    sp = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=4)
-    other = mgr.create_space(row_bytes=3000, max_tokens=60, max_slots=4)
+    mgr = make_manager(chunks=32, prealloc_chunks=0)
+    sp = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=4)
+    other = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=4)
     keep = other.create(40).result()
     a = sp.create(60).result()
     b = sp.create(20).result()

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import vtm
-from vtm_testing import SENTINEL, RowIO, assert_pool_consistent, new_manager
+from vtm_testing import SCALE, SENTINEL, RowIO, assert_pool_consistent, new_manager
 
-ROW = 3000
+ROW = 3000 * SCALE
 MAXT = 64
 N_THREADS = 4
 OPS_PER_THREAD = 400
@@ -104,7 +104,7 @@ def worker(tid, mgr, spaces, ios, errors, leftovers, kinds):
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_threads_share_a_manager(workers):
-    mgr = new_manager("host", chunks=2048, workers=workers)
+    mgr = new_manager(chunks=2048, workers=workers)
     try:
         spaces = [mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=32, namespace="m")
                   for _ in range(2)]
@@ -154,7 +154,7 @@ def test_threads_share_a_manager(workers):
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_per_vtensor_submission_order(workers):
-    mgr = new_manager("host", chunks=512, workers=workers)
+    mgr = new_manager(chunks=512, workers=workers)
     try:
         sp = mgr.create_space(row_bytes=ROW, max_tokens=400, max_slots=8)
         for _ in range(3):
@@ -186,7 +186,7 @@ def test_per_vtensor_submission_order(workers):
 
 def test_interleaved_vtensors_keep_their_own_order():
     """extend() on many vTensors, submitted round-robin, each ending in a release."""
-    mgr = new_manager("host", chunks=1024, workers=3)
+    mgr = new_manager(chunks=1024, workers=3)
     try:
         sp = mgr.create_space(row_bytes=ROW, max_tokens=200, max_slots=16)
         vts = [sp.create(0).result() for _ in range(8)]
@@ -209,7 +209,7 @@ def test_interleaved_vtensors_keep_their_own_order():
 
 
 def test_result_timeout_on_pending_future():
-    mgr = new_manager("host", chunks=1024, workers=1)
+    mgr = new_manager(chunks=1024, workers=1)
     try:
         # one row per chunk: every extend maps (and commits) a fresh page
         sp = mgr.create_space(row_bytes=mgr.chunk_bytes, max_tokens=600, max_slots=2)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import vtm
-from vtm_testing import (HOST_CHUNK, SENTINEL, RowIO, assert_pool_consistent, leaf_paths,
+from vtm_testing import (CHUNK, SCALE, SENTINEL, RowIO, assert_pool_consistent, leaf_paths,
                       node_paths, snapshot, assert_same_state)
 
 
@@ -51,9 +51,9 @@ def shape(space):
     return {(nd["start"], nd["end"], tuple(nd["tokens"])) for nd in space.prefix_nodes()}
 
 
-# row_bytes 20000 against 64 KiB pages: 3.28 rows per page, so most split
+# row_bytes 20000 * SCALE against pages of 64 KiB * SCALE: 3.28 rows per page, so most split
 # offsets fall inside a page and rows straddle page boundaries.
-ROW = 20000
+ROW = 20000 * SCALE
 N = 12
 
 
@@ -113,7 +113,7 @@ def test_split_at_every_offset(make_manager, k):
 def test_diverge_inside_page_keeps_both_versions(make_manager):
     """Siblings that diverge inside a page keep their own version of that page."""
     mgr = make_manager(chunks=128)
-    row = 3000  # 21.8 rows per 64 KiB page
+    row = 3000 * SCALE  # 21.8 rows per page
     space = mgr.create_space(row_bytes=row, max_tokens=64, max_slots=8)
     io = RowIO(space)
     base = [7] * 10
@@ -165,7 +165,7 @@ def test_partial_match_locks_only_matched_part(make_manager):
 
 def test_match_caps_at_len_minus_one(make_manager):
     mgr = make_manager(chunks=64)
-    space = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4)
+    space = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4)
     io = RowIO(space)
     A = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     record(space, io, A)
@@ -179,7 +179,7 @@ def test_match_caps_at_len_minus_one(make_manager):
 
 def test_match_unknown_prefix(make_manager):
     mgr = make_manager(chunks=64)
-    space = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4)
+    space = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4)
     io = RowIO(space)
     m = space.prefix_match([5, 6, 7]).result()
     assert m.vtensor is None and m.num_tokens == 0
@@ -192,7 +192,7 @@ def test_match_unknown_prefix(make_manager):
 
 def test_record_more_than_num_tokens_raises(make_manager):
     mgr = make_manager(chunks=64)
-    space = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4)
+    space = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4)
     io = RowIO(space)
     record(space, io, [1, 2, 3, 4])
     vt = written_vt(space, io, [1, 2, 3, 4, 5, 6])
@@ -208,7 +208,7 @@ def test_record_more_than_num_tokens_raises(make_manager):
 
 def test_record_return_values(make_manager):
     mgr = make_manager(chunks=64)
-    space = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4)
+    space = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4)
     io = RowIO(space)
     A = list(range(20))
     vt = written_vt(space, io, A)
@@ -227,7 +227,7 @@ def test_record_return_values(make_manager):
 # eviction order
 
 
-EV_ROW = 4096  # 16 rows per 64 KiB chunk: a 32-token sequence is exactly 2 chunks
+EV_ROW = 4096 * SCALE  # 16 rows per chunk: a 32-token sequence is exactly 2 chunks
 EV_LEN = 32
 
 
@@ -331,11 +331,11 @@ def test_trim_everything_keeps_locked(make_manager):
 
 def test_namespaces(make_manager):
     mgr = make_manager(chunks=128)
-    s1 = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4, namespace="m")
-    s2 = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4, namespace="m")
-    s3 = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4, namespace="other")
-    s4 = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4)
-    s5 = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=4)
+    s1 = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4, namespace="m")
+    s2 = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4, namespace="m")
+    s3 = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4, namespace="other")
+    s4 = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4)
+    s5 = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=4)
     assert s1.namespace == s2.namespace == "m"
     assert s3.namespace == "other"
     io = {s.name: RowIO(s) for s in (s1, s2, s3, s4, s5)}
@@ -368,9 +368,9 @@ def test_namespaces(make_manager):
 
 def test_namespace_requires_equal_row_bytes(make_manager):
     mgr = make_manager(chunks=16)
-    mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=2, namespace="m")
+    mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=2, namespace="m")
     with pytest.raises(vtm.InvalidArgument):
-        mgr.create_space(row_bytes=3001, max_tokens=64, max_slots=2, namespace="m")
+        mgr.create_space(row_bytes=3000 * SCALE + 1, max_tokens=64, max_slots=2, namespace="m")
 
 
 # --------------------------------------------------------------------------
@@ -379,7 +379,7 @@ def test_namespace_requires_equal_row_bytes(make_manager):
 
 def test_clear_prefixes_keeps_locked(make_manager):
     mgr = make_manager(chunks=64)
-    space = mgr.create_space(row_bytes=3000, max_tokens=64, max_slots=8)
+    space = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=64, max_slots=8)
     io = RowIO(space)
     A, B, C = [1] * 30, [2] * 30, [3] * 30
     for s in (A, B, C):
@@ -421,7 +421,7 @@ def test_recorder_writes_only_private_pages(make_manager, recorded):
     """After recording a prefix whose last page is partial, the recorder's next
     rows go to a page the tree does not hold."""
     mgr = make_manager(chunks=64)
-    row = 3000  # 25 rows = 75000 B: page 0 full, page 1 partial
+    row = 3000 * SCALE  # 25 rows = 75000 B * SCALE: page 0 full, page 1 partial
     space = mgr.create_space(row_bytes=row, max_tokens=60, max_slots=4)
     io = RowIO(space)
     t = list(range(60))
@@ -444,7 +444,7 @@ def test_recorder_writes_only_private_pages(make_manager, recorded):
 
 def test_matched_vtensor_writes_only_private_pages(make_manager):
     mgr = make_manager(chunks=64)
-    row = 3000
+    row = 3000 * SCALE
     space = mgr.create_space(row_bytes=row, max_tokens=60, max_slots=4)
     io = RowIO(space)
     t = list(range(60))
@@ -469,8 +469,8 @@ def test_matched_vtensor_writes_only_private_pages(make_manager):
 def test_reused_slot_holds_no_shared_page(make_manager):
     """Deferred reclamation keeps private pages only: a slot reused after its
     vTensor recorded a prefix never writes into a tree chunk."""
-    mgr = make_manager(chunks=64, slot_cache_bytes=32 * HOST_CHUNK)
-    row = 3000
+    mgr = make_manager(chunks=64, slot_cache_bytes=32 * CHUNK)
+    row = 3000 * SCALE
     space = mgr.create_space(row_bytes=row, max_tokens=60, max_slots=1)
     io = RowIO(space)
     t = list(range(60))

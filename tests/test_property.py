@@ -1,6 +1,6 @@
 """Property tests: random operation sequences checked against a pure-Python model.
 
-Rows straddle pages (row_bytes 3000 and 46080 against 64 KiB chunks), the
+Rows straddle pages (row_bytes 3000 and 46080 against 64 KiB chunks, times SCALE on other backends), the
 vocabulary has 4 tokens so prefixes collide all the time, and every row a
 vTensor gains is filled with a pattern derived from its token prefix, so a
 match must return exactly the bytes written for the query's prefix, and no
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import vtm
-from vtm_testing import (RowIO, assert_pool_consistent, best_lcp, leaf_paths, maximal,
+from vtm_testing import (SCALE, RowIO, assert_pool_consistent, best_lcp, leaf_paths, maximal,
                       new_manager, node_paths)
 
 VOCAB = 4
@@ -31,11 +31,11 @@ class VtmMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         # capacity far above anything a run can hold: nothing is ever evicted
-        self.mgr = new_manager("host", chunks=2048)
+        self.mgr = new_manager(chunks=2048)
         self.spaces = [
-            self.mgr.create_space(row_bytes=3000, max_tokens=48, max_slots=6, namespace="shared"),
-            self.mgr.create_space(row_bytes=3000, max_tokens=48, max_slots=6, namespace="shared"),
-            self.mgr.create_space(row_bytes=46080, max_tokens=12, max_slots=4),
+            self.mgr.create_space(row_bytes=3000 * SCALE, max_tokens=48, max_slots=6, namespace="shared"),
+            self.mgr.create_space(row_bytes=3000 * SCALE, max_tokens=48, max_slots=6, namespace="shared"),
+            self.mgr.create_space(row_bytes=46080 * SCALE, max_tokens=12, max_slots=4),
         ]
         self.ns_of = [0, 0, 1]
         self.ios = [RowIO(s) for s in self.spaces]
@@ -294,8 +294,13 @@ class VtmMachine(RuleBasedStateMachine):
             self.mgr.close()
 
 
+# With larger chunks (a CUDA run: SCALE 32) every row is SCALE times longer
+# to write, read and compare, and a run must fit scripts/gpu_check.sh's budget:
+# a quarter of the examples there (the host run, SCALE 1, keeps them all).
+EXAMPLES = 1.0 if SCALE == 1 else 0.25
+
 TestVtmStateful = VtmMachine.TestCase
-TestVtmStateful.settings = settings(max_examples=400, stateful_step_count=60, deadline=None,
+TestVtmStateful.settings = settings(max_examples=int(400 * EXAMPLES), stateful_step_count=60, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow,
                                                            HealthCheck.data_too_large])
 
@@ -303,13 +308,13 @@ TestVtmStateful.settings = settings(max_examples=400, stateful_step_count=60, de
 # ---------------------------------------------------------------------------
 # eviction under a small capacity
 
-ROW = 3000
+ROW = 3000 * SCALE
 MAXT = 48  # 3 pages per slot
 CAP_CHUNKS = 10
 EV_OPS = (["record"] * 4 + ["match"] * 4 + ["extend", "create", "release", "release", "trim"])
 
 
-@settings(max_examples=600, deadline=None,
+@settings(max_examples=int(600 * EXAMPLES), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(), n_ops=st.integers(5, 45))
 def test_eviction_matches_never_longer_bytes_exact(data, n_ops):
@@ -317,7 +322,7 @@ def test_eviction_matches_never_longer_bytes_exact(data, n_ops):
     leaves. A match may then be shorter than everything ever recorded would
     allow, never longer; it must equal what the tree itself still holds; and the
     bytes of whatever matched are exact."""
-    mgr = new_manager("host", chunks=CAP_CHUNKS)
+    mgr = new_manager(chunks=CAP_CHUNKS)
     CH = mgr.chunk_bytes
     try:
         sp = mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=4)

@@ -1,24 +1,25 @@
 """Regression tests for bugs a review of the manager found (each failed before its fix)."""
 
 import threading
+import time
 
 import pytest
 
 import vtm
+from vtm_testing import BACKEND, CHUNK as C, SCALE, SENTINEL, new_manager
 
-C = 65536
 
-
-def host(capacity_chunks, **kw):
-    return vtm.Manager(backend="host", capacity_bytes=capacity_chunks * C, chunk_bytes=C, granularity=C, **kw)
+def manager(capacity_chunks, **kw):
+    """A manager of `capacity_chunks` chunks on the backend under test."""
+    return new_manager(chunks=capacity_chunks, **kw)
 
 
 def test_match_is_capped_at_the_spaces_max_tokens_in_a_shared_namespace():
     # A longer space of the same namespace recorded 50 tokens; the short space's
     # slots hold one page. The match used to index past the slot's page table.
-    mgr = host(64)
-    big = mgr.create_space(row_bytes=4096, max_tokens=100, max_slots=2, namespace="m", name="big")
-    small = mgr.create_space(row_bytes=4096, max_tokens=10, max_slots=4, namespace="m", name="small")
+    mgr = manager(64)
+    big = mgr.create_space(row_bytes=4096 * SCALE, max_tokens=100, max_slots=2, namespace="m", name="big")
+    small = mgr.create_space(row_bytes=4096 * SCALE, max_tokens=10, max_slots=4, namespace="m", name="small")
     vt = big.create(50).result()
     tokens = list(range(50))
     big.prefix_record(vt, tokens).result()
@@ -33,7 +34,7 @@ def test_match_is_capped_at_the_spaces_max_tokens_in_a_shared_namespace():
 
 
 def test_a_failed_unmap_while_reclaiming_a_cached_slot_keeps_the_accounting():
-    mgr = host(4, slot_cache_bytes=4 * C, faults=True)
+    mgr = manager(4, slot_cache_bytes=4 * C, faults=True)
     s = mgr.create_space(row_bytes=C // 4, max_tokens=16, max_slots=1, name="s")
     t = mgr.create_space(row_bytes=C // 4, max_tokens=16, max_slots=1, name="t")
     v0 = s.create(9).result()
@@ -53,7 +54,7 @@ def test_a_failed_unmap_while_reclaiming_a_cached_slot_keeps_the_accounting():
 
 
 def test_a_match_never_evicts_the_prefix_it_is_matching():
-    mgr = host(4, slot_cache_bytes=0, max_free_chunks=0)
+    mgr = manager(4, slot_cache_bytes=0, max_free_chunks=0)
     s = mgr.create_space(row_bytes=C // 4, max_tokens=16, max_slots=2, name="s")
     a, b = [1, 2, 3, 4, 5, 6], [9] * 8
     for seq in (a, b):
@@ -71,7 +72,7 @@ def test_a_match_never_evicts_the_prefix_it_is_matching():
 
 
 def test_a_capacity_out_of_memory_in_match_changes_nothing():
-    mgr = host(3, slot_cache_bytes=4 * C)
+    mgr = manager(3, slot_cache_bytes=4 * C)
     s = mgr.create_space(row_bytes=C // 4, max_tokens=16, max_slots=1, name="s")
     a = [1, 2, 3, 4, 5, 6]
     vt = s.create(len(a)).result()
@@ -90,8 +91,8 @@ def test_a_capacity_out_of_memory_in_match_changes_nothing():
 
 def test_concurrent_close_is_safe():
     for _ in range(20):
-        mgr = host(16, workers=4, prealloc_chunks=2)
-        sp = mgr.create_space(row_bytes=4096, max_tokens=64, max_slots=4)
+        mgr = manager(16, workers=4, prealloc_chunks=2)
+        sp = mgr.create_space(row_bytes=4096 * SCALE, max_tokens=64, max_slots=4)
         sp.create(20).result()
         threads = [threading.Thread(target=mgr.close) for _ in range(2)]
         for t in threads:
@@ -102,7 +103,8 @@ def test_concurrent_close_is_safe():
 
 
 def test_trim_is_not_undone_by_the_refill():
-    mgr = vtm.Manager(backend="host", capacity_bytes=64 << 20, chunk_bytes=2 << 20, prealloc_chunks=8)
+    chunk = max(C, 2 << 20)
+    mgr = vtm.Manager(backend=BACKEND, capacity_bytes=32 * chunk, chunk_bytes=chunk, prealloc_chunks=8)
     sp = mgr.create_space(row_bytes=46080, max_tokens=512, max_slots=2)
     for _ in range(5):
         vt = sp.create(100).result()
@@ -113,3 +115,133 @@ def test_trim_is_not_undone_by_the_refill():
     sp.create(1).result()  # an operation re-arms the refill
     mgr.check()
     mgr.close()
+
+
+# --------------------------------------------------------------------------
+# issue 7, item 4
+
+
+def test_submitting_never_waits_for_work_in_flight():
+    """An extend in flight holds the manager's mutex for its whole duration
+    (here: 1 s, its map call delayed). Submitting other operations, and reading
+    properties, used to wait for that mutex while holding the GIL: one
+    submission blocked 2.1 s behind an extend."""
+    mgr = manager(16, faults=True, prealloc_chunks=0)
+    try:
+        sp = mgr.create_space(row_bytes=C, max_tokens=8, max_slots=4)
+        busy, other = sp.create(1).result(), sp.create(1).result()
+        mgr.faults.delay("map", 1.0)
+        in_flight = busy.extend(2)
+        time.sleep(0.2)  # the worker is inside the delayed map now
+        assert not in_flight.done()
+        t0 = time.monotonic()
+        futures = [sp.create(1), sp.prefix_match([1, 2, 3]), other.extend(1), other.release()]
+        submit_s = time.monotonic() - t0
+        assert submit_s < 0.3, f"submitting 4 operations took {submit_s:.2f} s behind an extend in flight"
+        # A read waits for the mutex, but without the GIL: another Python
+        # thread keeps running meanwhile.
+        ticks = []
+        stop = threading.Event()
+        ticker = threading.Thread(target=lambda: [ticks.append(1) or time.sleep(0.01) for _ in iter(stop.is_set, True)])
+        ticker.start()
+        t0 = time.monotonic()
+        assert busy.num_tokens in (1, 2)
+        read_s = time.monotonic() - t0
+        stop.set()
+        ticker.join()
+        assert read_s < 0.3 or len(ticks) >= 10, f"a property read held the GIL for {read_s:.2f} s"
+        mgr.faults.clear()
+        in_flight.result()
+        for f in futures:
+            f.result()
+        mgr.check()
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prefix_match_runs_after_an_earlier_prefix_record_on_the_same_space(workers):
+    """prefix_record is ordered behind its vTensor's earlier operations; a
+    prefix_match submitted after it used to be ordered behind nothing, so it
+    ran first (with one worker, always: it was ready while the record waited
+    for the extend) and matched nothing."""
+    mgr = manager(64, workers=workers, faults=True, prealloc_chunks=0)
+    try:
+        sp = mgr.create_space(row_bytes=C // 4, max_tokens=64, max_slots=4, namespace="m")
+        twin = mgr.create_space(row_bytes=C // 4, max_tokens=64, max_slots=4, namespace="m")
+        other = mgr.create_space(row_bytes=C // 4, max_tokens=64, max_slots=4)
+        for attempt in range(3):
+            tokens = [attempt + 1] * 32
+            vt = sp.create(16).result()
+            mgr.faults.delay("map", 0.1)  # the extend below stays in flight
+            extend = vt.extend(32)
+            record = sp.prefix_record(vt, tokens)
+            match = sp.prefix_match(tokens + [SENTINEL])
+            twin_match = twin.prefix_match(tokens + [SENTINEL])  # same namespace, same tree
+            mgr.faults.clear()
+            extend.result()
+            assert record.result() == 32
+            for m in (match.result(), twin_match.result()):
+                assert m.num_tokens == 32, f"attempt {attempt}: the match ran before the record"
+                m.vtensor.release().result()
+            vt.release().result()
+        assert other.prefix_match([1] * 32 + [SENTINEL]).result().num_tokens == 0  # another namespace
+        mgr.check()
+    finally:
+        mgr.close()
+
+
+def test_a_view_shape_whose_byte_size_overflows_is_invalid(tmp_path):
+    """space.tensor(dtype, shape) multiplied the shape in 64 bits unchecked: a
+    wrapped product passed the size check and torch aborted the process."""
+    code = """
+import sys, torch, vtm
+mgr = vtm.Manager(backend="host", capacity_bytes=1 << 20, chunk_bytes=1 << 16, granularity=1 << 16)
+sp = mgr.create_space(row_bytes=1024, max_tokens=64, max_slots=2)
+for shape in ([1 << 32, 1 << 32], [1 << 62, 4], [0, 1 << 62, 1 << 62], [3, (1 << 63) - 1]):
+    for dtype in (torch.uint8, torch.float32):
+        try:
+            sp.tensor(dtype, shape)
+        except vtm.InvalidArgument as e:
+            print("InvalidArgument:", e)
+            continue
+        sys.exit(f"accepted {shape} of {dtype}")
+print("ok")
+"""
+    import subprocess
+    import sys
+
+    # In a child (before the fix, torch aborted the whole process), run from
+    # an empty folder so it imports the vtm this run tests, not the tree's.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stdout, out.stderr)
+
+
+@pytest.mark.gpu
+def test_cuda_copy_on_write_waits_for_its_own_stream_only(backend):
+    """The CUDA copy of a prefix match's partial page ended in cuCtxSynchronize,
+    under the manager's mutex: it waited for every kernel of every stream."""
+    if backend != "cuda":
+        pytest.skip("CUDA backend only (run with --vtm-backend cuda)")
+    import torch
+
+    mgr = manager(64)
+    try:
+        sp = mgr.create_space(row_bytes=C // 4 + 64, max_tokens=64, max_slots=4)
+        vt = sp.create(40).result()
+        tokens = list(range(40))
+        sp.prefix_record(vt, tokens).result()
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(3e9))  # a kernel of about 1-2 s on another stream
+        t0 = time.monotonic()
+        m = sp.prefix_match(tokens[:30] + [SENTINEL]).result()  # 30 rows end inside a page: a copy
+        took = time.monotonic() - t0
+        busy = not side.query()
+        torch.cuda.synchronize()
+        assert m.num_tokens == 30 and mgr.stats()["cow_copies_total"] >= 1
+        assert busy, "the side kernel finished too early to tell"
+        assert took < 0.5, f"the copy waited {took:.2f} s for another stream's kernel"
+    finally:
+        mgr.close()

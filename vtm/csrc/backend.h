@@ -4,7 +4,10 @@
 // chunks into reservations. Two implementations exist: `host` (memfd + mmap,
 // the reference) and `cuda` (the driver's virtual memory management API,
 // loaded with dlopen at run time). Everything above this interface is written
-// once and tested against the host backend, which enforces the CUDA rules:
+// once and tested against the host backend. The rules below (the CUDA
+// driver's) are the contract; CheckedBackend (backend_checked.h) enforces them
+// for every backend before a call reaches it, so implementations may assume
+// well-formed calls:
 //
 //  * every size and offset is a multiple of granularity();
 //  * map() targets a range inside a live reservation that holds no mapping;
@@ -12,7 +15,9 @@
 //  * set_access() covers only mapped bytes; a mapped range is inaccessible
 //    until set_access() is called on it;
 //  * a chunk may be released while mapped (the mapping keeps it alive), but
-//    vtm never does so.
+//    vtm never does so;
+//  * a sealed reservation takes no map, set_access or unmap; it can only be
+//    freed (whole).
 //
 // Errors are vtm::Error: kOutOfMemory when the device has no memory for a
 // chunk, kInvalidArgument for a violated rule, kBackend for anything else the
@@ -50,6 +55,11 @@ class Backend {
   virtual std::uintptr_t reserve(std::size_t bytes) = 0;
   // Free a whole reservation. Every mapping inside must be unmapped first.
   virtual void free_reservation(std::uintptr_t va, std::size_t bytes) = 0;
+  // Seal a whole reservation that holds no mapping: from now until it is
+  // freed, every byte of it reads as zero and a write faults. For the range
+  // of a closed space that a tensor view still holds, so that reading the
+  // view returns zeros instead of killing the process.
+  virtual void seal(std::uintptr_t va, std::size_t bytes) = 0;
 
   // Create a physical chunk of `bytes`, with its memory committed: a create
   // that succeeds never faults later for lack of memory.

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -52,7 +53,9 @@ namespace {
   X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2")        \
   X(cuCtxGetCurrent, "cuCtxGetCurrent")                               \
   X(cuCtxSetCurrent, "cuCtxSetCurrent")                               \
-  X(cuCtxSynchronize, "cuCtxSynchronize")                             \
+  X(cuStreamCreate, "cuStreamCreate")                                 \
+  X(cuStreamDestroy, "cuStreamDestroy_v2")                            \
+  X(cuStreamSynchronize, "cuStreamSynchronize")                       \
   X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity")   \
   X(cuMemAddressReserve, "cuMemAddressReserve")                       \
   X(cuMemAddressFree, "cuMemAddressFree")                             \
@@ -63,7 +66,8 @@ namespace {
   X(cuMemSetAccess, "cuMemSetAccess")                                 \
   X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle")     \
   X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle") \
-  X(cuMemcpyDtoD, "cuMemcpyDtoD_v2")
+  X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")                        \
+  X(cuMemsetD8Async, "cuMemsetD8Async")
 
 // Stringify a name after macro expansion: VTM_CUDA_SYMBOL(cuMemcpyDtoD) is
 // "cuMemcpyDtoD_v2" with the CUDA 11+ headers.
@@ -310,6 +314,10 @@ class ScopedMapping {
 // ---------------------------------------------------------------------------
 // CudaBackend.
 //
+// The contract's rules (backend.h) are checked by CheckedBackend before any
+// call reaches this class, so the driver is never asked to do something the
+// contract forbids; this class keeps only the state it needs to act.
+//
 // Invariants:
 //  * context_ holds a reference on device_'s primary context for the backend's
 //    whole life; every driver call runs with it current (ScopedContext).
@@ -320,7 +328,13 @@ class ScopedMapping {
 //    import_fd() and not yet released, with its size and the number of
 //    releases it is owed (an import may return a handle this process already
 //    holds, and the driver wants one cuMemRelease per import).
-//  * scratch_ (guarded by copy_mu_) holds no mapping outside copy().
+//  * scratch_ (guarded by copy_mu_) holds no mapping outside copy();
+//  * sealed_ (guarded by seal_mu_) holds the sealed reservations; each maps
+//    zero_chunk_ (one zeroed granule, created on the first seal) read-only
+//    at every granule, until free_reservation unmaps it;
+//  * copy_stream_ is vtm's own non-blocking stream, for copy() only: a copy
+//    waits for its own work and never for the kernels of other streams
+//    (cuCtxSynchronize would wait for every stream of the context).
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const DriverTable& fn, int device, CUdevice cu_device)
@@ -343,6 +357,7 @@ class CudaBackend final : public Backend {
                                      std::to_string(device_));
     }
     granularity_ = granularity;
+    Check(fn_, "cuStreamCreate", fn_.cuStreamCreate(&copy_stream_, CU_STREAM_NON_BLOCKING));
   }
 
   ~CudaBackend() override {
@@ -352,6 +367,8 @@ class CudaBackend final : public Backend {
     try {
       ScopedContext current(fn_, context_.get());
       scratch_.Free();
+      if (zero_chunk_ != 0) fn_.cuMemRelease(zero_chunk_);
+      fn_.cuStreamDestroy(copy_stream_);
     } catch (...) {
       // The context could not be made current: scratch_'s destructor still
       // tries to free the range, and at teardown there is no one to tell.
@@ -364,7 +381,6 @@ class CudaBackend final : public Backend {
   std::size_t granularity() const override { return granularity_; }
 
   std::uintptr_t reserve(std::size_t bytes) override {
-    RequireSize("reserve", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     CUdeviceptr va = 0;
     Check(fn_, "cuMemAddressReserve", fn_.cuMemAddressReserve(&va, bytes, granularity_, 0, 0));
@@ -372,14 +388,43 @@ class CudaBackend final : public Backend {
   }
 
   void free_reservation(std::uintptr_t va, std::size_t bytes) override {
-    RequireAddress("free_reservation", va);
-    RequireSize("free_reservation", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
+    {
+      std::lock_guard<std::mutex> lock(seal_mu_);
+      auto sealed = sealed_.find(va);
+      if (sealed != sealed_.end()) {
+        // The zero chunk's mappings go first: the driver frees only an
+        // address range with nothing mapped in it.
+        Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va, bytes));
+        sealed_.erase(sealed);
+      }
+    }
     Check(fn_, "cuMemAddressFree", fn_.cuMemAddressFree(va, bytes));
   }
 
+  void seal(std::uintptr_t va, std::size_t bytes) override {
+    std::lock_guard<std::mutex> lock(seal_mu_);
+    ScopedContext current(fn_, context_.get());
+    if (zero_chunk_ == 0) zero_chunk_ = CreateZeroChunk();
+    // One physical granule of zeros mapped at every granule of the range,
+    // read-only: reads return zeros, a write is an illegal address. Costs
+    // one cuMemMap per granule, once, at close, and only while a view holds
+    // the range.
+    std::size_t mapped = 0;
+    try {
+      for (; mapped < bytes; mapped += granularity_)
+        Check(fn_, "cuMemMap", fn_.cuMemMap(va + mapped, granularity_, 0, zero_chunk_, 0));
+      CUmemAccessDesc read_only = access_;
+      read_only.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+      Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, bytes, &read_only, 1));
+      sealed_.emplace(va, bytes);
+    } catch (...) {
+      if (mapped > 0) fn_.cuMemUnmap(va, mapped);  // a failed seal changes nothing
+      throw;
+    }
+  }
+
   ChunkHandle create_chunk(std::size_t bytes) override {
-    RequireSize("create_chunk", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     CUmemGenericAllocationHandle handle = 0;
     // cuMemCreate commits the physical memory now (it does not fault it in
@@ -407,34 +452,21 @@ class CudaBackend final : public Backend {
   }
 
   void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override {
-    RequireAddress("map", va);
-    RequireSize("map", "bytes", bytes);
-    std::size_t chunk_bytes = ChunkBytes("map", chunk);
-    if (chunk_bytes != bytes) {
-      Throw(ErrorCode::kInvalidArgument, "map: bytes=" + std::to_string(bytes) +
-                                             " but chunk " + Hex(chunk) + " is " +
-                                             std::to_string(chunk_bytes) + " bytes");
-    }
     ScopedContext current(fn_, context_.get());
     Check(fn_, "cuMemMap", fn_.cuMemMap(va, bytes, 0, chunk, 0));
   }
 
   void set_access(std::uintptr_t va, std::size_t bytes) override {
-    RequireAddress("set_access", va);
-    RequireSize("set_access", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, bytes, &access_, 1));
   }
 
   void unmap(std::uintptr_t va, std::size_t bytes) override {
-    RequireAddress("unmap", va);
-    RequireSize("unmap", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va, bytes));
   }
 
   int export_fd(ChunkHandle chunk) override {
-    ChunkBytes("export_fd", chunk);  // validates that the chunk is ours
     ScopedContext current(fn_, context_.get());
     int fd = -1;
     // For CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the shareable handle is an
@@ -446,11 +478,6 @@ class CudaBackend final : public Backend {
   }
 
   ChunkHandle import_fd(int fd, std::size_t bytes) override {
-    if (fd < 0) {
-      Throw(ErrorCode::kInvalidArgument, "import_fd: fd=" + std::to_string(fd) +
-                                             " is not a file descriptor");
-    }
-    RequireSize("import_fd", "bytes", bytes);
     ScopedContext current(fn_, context_.get());
     CUmemGenericAllocationHandle handle = 0;
     // The driver does not take ownership of a POSIX fd: it only reads it
@@ -468,17 +495,8 @@ class CudaBackend final : public Backend {
   }
 
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override {
-    if (bytes == 0) {
-      Throw(ErrorCode::kInvalidArgument, "copy: bytes=0 (must be positive)");
-    }
     const std::size_t dst_bytes = ChunkBytes("copy", dst);
     const std::size_t src_bytes = ChunkBytes("copy", src);
-    if (bytes > dst_bytes || bytes > src_bytes) {
-      Throw(ErrorCode::kInvalidArgument,
-            "copy: bytes=" + std::to_string(bytes) + " exceeds a chunk (dst " + Hex(dst) +
-                " is " + std::to_string(dst_bytes) + " bytes, src " + Hex(src) + " is " +
-                std::to_string(src_bytes) + " bytes)");
-    }
     if (dst == src) return;  // copying a chunk onto itself changes nothing
 
     // Copies are rare (one per prefix match ending inside a page), so one
@@ -495,12 +513,13 @@ class CudaBackend final : public Backend {
     ScopedMapping dst_map(fn_, dst_va, dst_bytes, dst);
     // One call for both: the two mappings are adjacent.
     Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(src_va, needed, &access_, 1));
-    // On the legacy default stream. For device-to-device copies the
-    // "synchronous" cuMemcpyDtoD may return before the copy finishes, so the
-    // context is synchronised before the mappings go away. Ordering against
-    // kernels that wrote `src` on other streams is the caller's business.
-    Check(fn_, "cuMemcpyDtoD", fn_.cuMemcpyDtoD(dst_va, src_va, bytes));
-    Check(fn_, "cuCtxSynchronize", fn_.cuCtxSynchronize());
+    // On vtm's own stream, waiting for that stream only: the copy runs on a
+    // worker with the manager's mutex held, and must not wait for the
+    // kernels running on other streams meanwhile (cuCtxSynchronize would).
+    // It completes before the mappings go away. Ordering against kernels
+    // that wrote `src` on other streams is the caller's business.
+    Check(fn_, "cuMemcpyDtoDAsync", fn_.cuMemcpyDtoDAsync(dst_va, src_va, bytes, copy_stream_));
+    Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
     dst_map.Unmap();
     src_map.Unmap();
   }
@@ -511,22 +530,25 @@ class CudaBackend final : public Backend {
     std::size_t references;  // cuMemRelease calls this handle is owed
   };
 
-  void RequireSize(const char* method, const char* what, std::size_t value) const {
-    if (value == 0 || value % granularity_ != 0) {
-      Throw(ErrorCode::kInvalidArgument,
-            std::string(method) + ": " + what + "=" + std::to_string(value) +
-                " is not a positive multiple of the granularity " +
-                std::to_string(granularity_));
+  // A new chunk of one granule, filled with zeros (cuMemCreate does not
+  // clear memory), zeroed through the copy scratch range on copy_stream_.
+  // With the context current.
+  CUmemGenericAllocationHandle CreateZeroChunk() {
+    CUmemGenericAllocationHandle handle = 0;
+    Check(fn_, "cuMemCreate", fn_.cuMemCreate(&handle, granularity_, &prop_, 0));
+    try {
+      std::lock_guard<std::mutex> lock(copy_mu_);
+      if (scratch_.bytes() < granularity_) scratch_.Reset(granularity_, granularity_);
+      ScopedMapping mapping(fn_, scratch_.va(), granularity_, handle);
+      Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(scratch_.va(), granularity_, &access_, 1));
+      Check(fn_, "cuMemsetD8Async", fn_.cuMemsetD8Async(scratch_.va(), 0, granularity_, copy_stream_));
+      Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
+      mapping.Unmap();
+    } catch (...) {
+      fn_.cuMemRelease(handle);
+      throw;
     }
-  }
-
-  void RequireAddress(const char* method, std::uintptr_t va) const {
-    if (va == 0 || va % granularity_ != 0) {
-      Throw(ErrorCode::kInvalidArgument,
-            std::string(method) + ": va=" + Hex(va) +
-                " is not a non-null multiple of the granularity " +
-                std::to_string(granularity_));
-    }
+    return handle;
   }
 
   std::size_t ChunkBytes(const char* method, ChunkHandle chunk) const {
@@ -578,6 +600,11 @@ class CudaBackend final : public Backend {
 
   std::mutex copy_mu_;
   Reservation scratch_;
+  CUstream copy_stream_ = nullptr;
+
+  std::mutex seal_mu_;  // before copy_mu_ when both are held
+  CUmemGenericAllocationHandle zero_chunk_ = 0;
+  std::map<CUdeviceptr, std::size_t> sealed_;
 };
 
 }  // namespace

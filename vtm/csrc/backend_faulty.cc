@@ -1,5 +1,8 @@
 #include "backend_faulty.h"
 
+#include <chrono>
+#include <thread>
+
 #include "error.h"
 
 namespace vtm {
@@ -7,7 +10,7 @@ namespace vtm {
 const char* FaultInjectingBackend::OpName(Op op) {
   static const char* const kNames[kNumOps] = {
       "reserve", "free_reservation", "create_chunk", "release_chunk", "map",
-      "set_access", "unmap", "export_fd", "import_fd", "copy",
+      "set_access", "unmap", "export_fd", "import_fd", "copy", "seal",
   };
   return kNames[op];
 }
@@ -29,6 +32,12 @@ void FaultInjectingBackend::SetPhysicalLimit(std::optional<std::size_t> bytes) {
   physical_limit_ = bytes;
 }
 
+void FaultInjectingBackend::SetDelay(Op op, double seconds) {
+  if (!(seconds >= 0)) Throw(ErrorCode::kInvalidArgument, "delay: seconds must be >= 0");
+  std::lock_guard<std::mutex> lock(mu_);
+  delay_s_[op] = seconds;
+}
+
 long FaultInjectingBackend::Calls(Op op) const {
   std::lock_guard<std::mutex> lock(mu_);
   return calls_[op];
@@ -37,10 +46,17 @@ long FaultInjectingBackend::Calls(Op op) const {
 void FaultInjectingBackend::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   pending_ = {};
+  delay_s_ = {};
   physical_limit_.reset();
 }
 
 void FaultInjectingBackend::Enter(Op op) {
+  double delay;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    delay = delay_s_[op];
+  }
+  if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
   std::lock_guard<std::mutex> lock(mu_);
   ++calls_[op];
   Pending& p = pending_[op];
@@ -59,6 +75,11 @@ std::uintptr_t FaultInjectingBackend::reserve(std::size_t bytes) {
 void FaultInjectingBackend::free_reservation(std::uintptr_t va, std::size_t bytes) {
   Enter(kFreeReservation);
   inner_->free_reservation(va, bytes);
+}
+
+void FaultInjectingBackend::seal(std::uintptr_t va, std::size_t bytes) {
+  Enter(kSeal);
+  inner_->seal(va, bytes);
 }
 
 ChunkHandle FaultInjectingBackend::create_chunk(std::size_t bytes) {

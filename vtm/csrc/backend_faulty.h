@@ -2,8 +2,9 @@
 //
 // Tests use it to prove that every call site in the manager survives a
 // failure of the memory API with its state unchanged: "make the n-th call of
-// operation X from now fail once", and "pretend the device has only N bytes"
-// (a physical limit below the pool's capacity).
+// operation X from now fail once", "pretend the device has only N bytes"
+// (a physical limit below the pool's capacity), and "every call of X takes
+// this long" (to hold an operation in flight while a test submits others).
 //
 // Invariants (guarded by mu_): live_bytes_ is the sum of chunk_bytes_, the
 // sizes of chunks created or imported through this wrapper and not released.
@@ -23,7 +24,7 @@ class FaultInjectingBackend final : public Backend {
  public:
   enum Op {
     kReserve, kFreeReservation, kCreateChunk, kReleaseChunk, kMap, kSetAccess,
-    kUnmap, kExportFd, kImportFd, kCopy, kNumOps,
+    kUnmap, kExportFd, kImportFd, kCopy, kSeal, kNumOps,
   };
   static const char* OpName(Op op);
   // Throws kInvalidArgument for an unknown name.
@@ -37,6 +38,9 @@ class FaultInjectingBackend final : public Backend {
   // create_chunk fails with kOutOfMemory when live chunk bytes would exceed
   // `bytes`; nullopt removes the cap.
   void SetPhysicalLimit(std::optional<std::size_t> bytes);
+  // Every later call of `op` sleeps `seconds` (0 removes the delay) before
+  // it runs. release_chunk is never delayed.
+  void SetDelay(Op op, double seconds);
   long Calls(Op op) const;
   void Clear();
 
@@ -47,6 +51,7 @@ class FaultInjectingBackend final : public Backend {
 
   std::uintptr_t reserve(std::size_t bytes) override;
   void free_reservation(std::uintptr_t va, std::size_t bytes) override;
+  void seal(std::uintptr_t va, std::size_t bytes) override;
   ChunkHandle create_chunk(std::size_t bytes) override;
   void release_chunk(ChunkHandle chunk) noexcept override;
   void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override;
@@ -61,13 +66,14 @@ class FaultInjectingBackend final : public Backend {
     long countdown = 0;  // 0: nothing armed
     bool oom = false;
   };
-  // Counts the call and throws when it is the armed one.
+  // Counts the call, sleeps its delay, and throws when it is the armed one.
   void Enter(Op op);
 
   std::shared_ptr<Backend> inner_;
   mutable std::mutex mu_;
   std::array<long, kNumOps> calls_{};
   std::array<Pending, kNumOps> pending_{};
+  std::array<double, kNumOps> delay_s_{};
   std::optional<std::size_t> physical_limit_;
   std::size_t live_bytes_ = 0;
   std::unordered_map<ChunkHandle, std::size_t> chunk_bytes_;

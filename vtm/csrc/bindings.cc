@@ -2,8 +2,10 @@
 //
 // The Python objects hold a PyManager, which owns the C++ Manager; worker
 // threads never hold either, so the manager is always destroyed on a Python
-// thread. Every call that may wait (a future, a barrier operation, close)
-// releases the GIL while it waits; nothing here is ever called from a worker.
+// thread. Every call into the Manager (a submission, a read, a future, a
+// barrier operation, close) runs without the GIL, so a Python thread that
+// waits for vtm never holds up the others; nothing here is ever called from
+// a worker.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,6 +13,7 @@
 #include <unordered_map>
 
 #include "backend.h"
+#include "backend_checked.h"
 #include "dlpack_view.h"
 #include "error.h"
 #include "manager.h"
@@ -100,6 +103,19 @@ py::object Wait(const std::shared_ptr<PyManager>& mgr, std::shared_ptr<FutureSta
 
 Manager& Core(const std::shared_ptr<PyManager>& mgr) { return *mgr->core; }
 
+// Runs `fn` without the GIL. Every call into the Manager goes through here:
+// a read takes the manager's mutex, which an operation in flight holds for
+// its whole duration, and other Python threads must not wait for that.
+template <class Fn>
+auto NoGil(Fn&& fn) {
+  py::gil_scoped_release release;
+  return fn();
+}
+
+SpaceInfo DescribeSpace(const PySpace& s) {
+  return NoGil([&] { return Core(s.mgr).DescribeSpace(s.id); });
+}
+
 // Python ints may be negative; sizes may not.
 std::size_t Count(std::int64_t n, const char* what) {
   if (n < 0) Throw(ErrorCode::kInvalidArgument, std::string(what) + " must be >= 0, got " + std::to_string(n));
@@ -140,6 +156,7 @@ py::dict StatsDict(const Stats& st) {
   d["prealloc_chunks_total"] = st.prealloc_chunks_total;
   d["chunks_released_total"] = st.chunks_released_total;
   d["rollback_failures_total"] = st.rollback_failures_total;
+  d["reservation_free_failures_total"] = st.reservation_free_failures_total;
   py::dict spaces;
   for (const auto& [name, info] : st.spaces) spaces[py::str(name)] = SpaceDict(info);
   d["spaces"] = spaces;
@@ -198,7 +215,7 @@ std::vector<py::object> PageList(const std::vector<ChunkId>& pages) {
 }
 
 VTensorInfo LiveInfo(const PyVTensor& vt) {
-  VTensorInfo info = Core(vt.mgr).DescribeVTensor(vt.id);
+  VTensorInfo info = NoGil([&] { return Core(vt.mgr).DescribeVTensor(vt.id); });
   if (!info.live) Throw(ErrorCode::kFailedPrecondition, "vTensor " + std::to_string(vt.id) + " was released");
   return info;
 }
@@ -252,7 +269,10 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<PyVTensor, std::shared_ptr<PyVTensor>>(m, "VTensor", "One request's KV: a slot and its page table.")
       .def_property_readonly("id", [](const PyVTensor& vt) { return vt.id; })
-      .def_property_readonly("released", [](const PyVTensor& vt) { return !Core(vt.mgr).DescribeVTensor(vt.id).live; })
+      .def_property_readonly("released",
+                             [](const PyVTensor& vt) {
+                               return !NoGil([&] { return Core(vt.mgr).DescribeVTensor(vt.id); }).live;
+                             })
       .def_property_readonly("space", [](const PyVTensor& vt) { return PySpace{vt.mgr, LiveInfo(vt).space}; })
       .def_property_readonly("slot", [](const PyVTensor& vt) { return LiveInfo(vt).slot; })
       .def_property_readonly("num_tokens", [](const PyVTensor& vt) { return LiveInfo(vt).num_tokens; })
@@ -262,10 +282,12 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "extend",
           [](const PyVTensor& vt, std::int64_t n) {
-            return PyFuture{vt.mgr, Core(vt.mgr).Extend(vt.id, Count(n, "num_tokens"))};
+            const std::size_t tokens = Count(n, "num_tokens");
+            return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Extend(vt.id, tokens); })};
           },
           py::arg("num_tokens"))
-      .def("release", [](const PyVTensor& vt) { return PyFuture{vt.mgr, Core(vt.mgr).Release(vt.id)}; })
+      .def("release",
+           [](const PyVTensor& vt) { return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Release(vt.id); })}; })
       .def("__hash__", [](const PyVTensor& vt) { return std::hash<std::uint64_t>()(vt.id); })
       .def("__eq__",
            [](const PyVTensor& a, py::object b) {
@@ -274,7 +296,7 @@ PYBIND11_MODULE(_core, m) {
              return a.mgr == other.mgr && a.id == other.id;
            })
       .def("__repr__", [](const PyVTensor& vt) {
-        VTensorInfo info = Core(vt.mgr).DescribeVTensor(vt.id);
+        VTensorInfo info = NoGil([&] { return Core(vt.mgr).DescribeVTensor(vt.id); });
         if (!info.live) return "VTensor(id=" + std::to_string(vt.id) + ", released)";
         return "VTensor(id=" + std::to_string(vt.id) + ", slot=" + std::to_string(info.slot) +
                ", num_tokens=" + std::to_string(info.num_tokens) + ")";
@@ -284,28 +306,30 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "create",
           [](const PySpace& s, std::int64_t n) {
-            return PyFuture{s.mgr, Core(s.mgr).Create(s.id, Count(n, "num_tokens"))};
+            const std::size_t tokens = Count(n, "num_tokens");
+            return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).Create(s.id, tokens); })};
           },
           py::arg("num_tokens"))
       .def(
           "prefix_record",
           [](const PySpace& s, const PyVTensor& vt, std::vector<std::int32_t> tokens) {
             if (vt.mgr != s.mgr) Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor of another manager");
-            return PyFuture{s.mgr, Core(s.mgr).PrefixRecord(s.id, vt.id, std::move(tokens))};
+            return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).PrefixRecord(s.id, vt.id, std::move(tokens)); })};
           },
           py::arg("vtensor"), py::arg("token_ids"))
       .def(
           "prefix_match",
           [](const PySpace& s, std::vector<std::int32_t> tokens) {
-            return PyFuture{s.mgr, Core(s.mgr).PrefixMatch(s.id, std::move(tokens))};
+            return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).PrefixMatch(s.id, std::move(tokens)); })};
           },
           py::arg("token_ids"))
-      .def("clear_prefixes", [](const PySpace& s) { return Wait(s.mgr, Core(s.mgr).ClearPrefixes(s.id)); })
-      .def("close", [](const PySpace& s) { Wait(s.mgr, Core(s.mgr).CloseSpace(s.id)); })
+      .def("clear_prefixes",
+           [](const PySpace& s) { return Wait(s.mgr, NoGil([&] { return Core(s.mgr).ClearPrefixes(s.id); })); })
+      .def("close", [](const PySpace& s) { Wait(s.mgr, NoGil([&] { return Core(s.mgr).CloseSpace(s.id); })); })
       .def("prefix_nodes",
            [](const PySpace& s) {
              py::list out;
-             for (const NodeInfo& n : Core(s.mgr).PrefixNodes(s.id)) {
+             for (const NodeInfo& n : NoGil([&] { return Core(s.mgr).PrefixNodes(s.id); })) {
                py::dict d;
                d["start"] = n.start;
                d["end"] = n.end;
@@ -320,7 +344,7 @@ PYBIND11_MODULE(_core, m) {
           "_dlpack",
           [](const PySpace& s, int code, int bits, std::vector<std::int64_t> shape, bool versioned) {
             DLDataType dtype{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1};
-            void* t = MakeDLPackView(Core(s.mgr).SpaceReservation(s.id), dtype, shape, versioned);
+            void* t = MakeDLPackView(NoGil([&] { return Core(s.mgr).SpaceReservation(s.id); }), dtype, shape, versioned);
             if (versioned) return py::capsule(t, "dltensor_versioned", &DestroyVersionedCapsule);
             return py::capsule(t, "dltensor", &DestroyLegacyCapsule);
           },
@@ -331,19 +355,19 @@ PYBIND11_MODULE(_core, m) {
                                return std::make_pair(static_cast<int>(b->device_type()), b->device_id());
                              })
       .def_property_readonly("id", [](const PySpace& s) { return s.id; })
-      .def_property_readonly("name", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).name; })
-      .def_property_readonly("namespace", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).ns; })
-      .def_property_readonly("row_bytes", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).row_bytes; })
-      .def_property_readonly("max_tokens", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).max_tokens; })
-      .def_property_readonly("max_slots", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).max_slots; })
-      .def_property_readonly("slot_bytes", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).slot_bytes; })
+      .def_property_readonly("name", [](const PySpace& s) { return DescribeSpace(s).name; })
+      .def_property_readonly("namespace", [](const PySpace& s) { return DescribeSpace(s).ns; })
+      .def_property_readonly("row_bytes", [](const PySpace& s) { return DescribeSpace(s).row_bytes; })
+      .def_property_readonly("max_tokens", [](const PySpace& s) { return DescribeSpace(s).max_tokens; })
+      .def_property_readonly("max_slots", [](const PySpace& s) { return DescribeSpace(s).max_slots; })
+      .def_property_readonly("slot_bytes", [](const PySpace& s) { return DescribeSpace(s).slot_bytes; })
       .def_property_readonly("pages_per_slot",
-                             [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).pages_per_slot; })
-      .def_property_readonly("base_address", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).base; })
-      .def_property_readonly("free_slots", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).slots_free; })
-      .def_property_readonly("closed", [](const PySpace& s) { return Core(s.mgr).DescribeSpace(s.id).closed; })
+                             [](const PySpace& s) { return DescribeSpace(s).pages_per_slot; })
+      .def_property_readonly("base_address", [](const PySpace& s) { return DescribeSpace(s).base; })
+      .def_property_readonly("free_slots", [](const PySpace& s) { return DescribeSpace(s).slots_free; })
+      .def_property_readonly("closed", [](const PySpace& s) { return DescribeSpace(s).closed; })
       .def("__repr__", [](const PySpace& s) {
-        SpaceInfo i = Core(s.mgr).DescribeSpace(s.id);
+        SpaceInfo i = DescribeSpace(s);
         return "Space(name='" + i.name + "', row_bytes=" + std::to_string(i.row_bytes) +
                ", max_tokens=" + std::to_string(i.max_tokens) + ", max_slots=" + std::to_string(i.max_slots) + ")";
       });
@@ -355,6 +379,12 @@ PYBIND11_MODULE(_core, m) {
             Core(f.mgr).faults()->FailNth(FaultInjectingBackend::OpFromName(op), n, oom);
           },
           py::arg("op"), py::arg("n") = 1, py::arg("oom") = false)
+      .def(
+          "delay",
+          [](const PyFaults& f, const std::string& op, double seconds) {
+            Core(f.mgr).faults()->SetDelay(FaultInjectingBackend::OpFromName(op), seconds);
+          },
+          py::arg("op"), py::arg("seconds"))
       .def(
           "set_physical_limit",
           [](const PyFaults& f, std::optional<std::size_t> bytes) { Core(f.mgr).faults()->SetPhysicalLimit(bytes); },
@@ -394,7 +424,7 @@ PYBIND11_MODULE(_core, m) {
               if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, "step: vTensor of another manager");
               list.emplace_back(vt.id, Count(item.second.cast<std::int64_t>(), "num_tokens"));
             }
-            return PyFuture{mgr, Core(mgr).Step(std::move(list))};
+            return PyFuture{mgr, NoGil([&] { return Core(mgr).Step(std::move(list)); })};
           },
           py::arg("targets"))
       .def(
@@ -402,7 +432,7 @@ PYBIND11_MODULE(_core, m) {
           [](const std::shared_ptr<PyManager>& mgr, std::optional<std::int64_t> bytes) {
             std::optional<std::size_t> b;
             if (bytes) b = Count(*bytes, "bytes");
-            return Wait(mgr, Core(mgr).Trim(b));
+            return Wait(mgr, NoGil([&] { return Core(mgr).Trim(b); }));
           },
           py::arg("bytes") = py::none())
       .def("stats", [](const std::shared_ptr<PyManager>& mgr) {
@@ -440,8 +470,10 @@ PYBIND11_MODULE(_core, m) {
       .def_static(
           "open",
           [](const std::string& kind, std::size_t granularity, int device) {
-            if (kind == "host") return MakeHostBackend(granularity);
-            if (kind == "cuda") return MakeCudaBackend(device);
+            // Checked as the manager's backend is: the contract tests run
+            // against what vtm actually sends to a device.
+            if (kind == "host") return MakeCheckedBackend(MakeHostBackend(granularity));
+            if (kind == "cuda") return MakeCheckedBackend(MakeCudaBackend(device));
             Throw(ErrorCode::kInvalidArgument, "unknown backend '" + kind + "'");
           },
           py::arg("kind"), py::arg("granularity") = 0, py::arg("device") = 0)
@@ -456,5 +488,6 @@ PYBIND11_MODULE(_core, m) {
       .def("unmap", &Backend::unmap, py::call_guard<py::gil_scoped_release>())
       .def("export_fd", &Backend::export_fd, py::call_guard<py::gil_scoped_release>())
       .def("import_fd", &Backend::import_fd, py::call_guard<py::gil_scoped_release>())
-      .def("copy", &Backend::copy, py::call_guard<py::gil_scoped_release>());
+      .def("copy", &Backend::copy, py::call_guard<py::gil_scoped_release>())
+      .def("seal", &Backend::seal, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,6 +1,8 @@
 // Executor: CPU worker threads that run the manager's operations.
 //
-// Each task names the keys (vTensor ids) it touches. A task starts only after
+// Each task names the keys it touches (vTensor ids; the manager also gives
+// each prefix tree a key). Submit() holds mu_ only to queue, never while a
+// task runs, so submitting never waits for work in flight. A task starts only after
 // every earlier task that shares a key with it has finished, so operations on
 // one vTensor run in submission order, while tasks on disjoint keys may run
 // on different workers at once. Tasks with no keys are ordered only by the

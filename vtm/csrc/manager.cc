@@ -7,6 +7,7 @@
 #include <set>
 #include <unordered_set>
 
+#include "backend_checked.h"
 #include "error.h"
 
 namespace vtm {
@@ -58,22 +59,25 @@ Manager::Manager(const ManagerOptions& o) {
     Throw(ErrorCode::kInvalidArgument, "granularity applies to the host backend only");
   if (o.max_free_chunks && o.prealloc_chunks > *o.max_free_chunks)
     Throw(ErrorCode::kInvalidArgument, "prealloc_chunks exceeds max_free_chunks");
-  backend_ = OpenBackend(o);
-  if (o.chunk_bytes % backend_->granularity() != 0)
+  std::shared_ptr<Backend> device = OpenBackend(o);
+  if (o.chunk_bytes % device->granularity() != 0)
     Throw(ErrorCode::kInvalidArgument, "chunk_bytes " + std::to_string(o.chunk_bytes) +
                                            " is not a multiple of the backend granularity " +
-                                           std::to_string(backend_->granularity()));
+                                           std::to_string(device->granularity()));
   if (o.faults) {
-    auto faulty = std::make_shared<FaultInjectingBackend>(backend_);
+    auto faulty = std::make_shared<FaultInjectingBackend>(device);
     faults_ = faulty.get();
-    backend_ = faulty;
+    device = faulty;
   }
+  // Outermost, so that no call the contract forbids reaches the device, and
+  // an injected fault is a device failing a well-formed call.
+  backend_ = MakeCheckedBackend(std::move(device));
   chunk_bytes_ = o.chunk_bytes;
   capacity_chunks_ = o.capacity_bytes / o.chunk_bytes;
   prealloc_chunks_ = std::min(o.prealloc_chunks, capacity_chunks_);
   max_free_chunks_ = o.max_free_chunks;
   cache_budget_pages_ = o.slot_cache_bytes.value_or(o.capacity_bytes / 4) / chunk_bytes_;
-  pool_ = std::make_unique<Pool>(backend_, chunk_bytes_, capacity_chunks_);
+  pool_ = std::make_unique<Pool>(backend_, capacity_chunks_);
   executor_ = std::make_unique<Executor>(o.workers);
   if (prealloc_chunks_ > 0) refill_thread_ = std::thread([this] { RefillThread(); });
 }
@@ -110,7 +114,7 @@ void Manager::Close() {
   trees_.clear();
   for (auto& sp : spaces_) {
     sp->closed = true;
-    sp->reservation.reset();
+    RetireReservation(sp->reservation);
   }
   pool_->ReleaseFree(pool_->free_count());
   closed_ = true;
@@ -178,7 +182,7 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   sp->max_slots = max_slots;
   sp->slot_bytes = slot_bytes;
   sp->pages_per_slot = slot_bytes / chunk_bytes_;
-  sp->reservation = std::make_shared<Reservation>(backend_, max_slots * slot_bytes);
+  sp->reservation = std::make_shared<Reservation>(backend_, max_slots * slot_bytes, reservation_free_failures_);
   sp->slots.resize(max_slots);
   for (auto& s : sp->slots) {
     s.pages.assign(sp->pages_per_slot, kNoChunk);
@@ -186,19 +190,20 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   }
   for (int i = static_cast<int>(max_slots) - 1; i >= 0; --i) sp->clean_free.push_back(i);
   if (tree_it == trees_.end())
-    tree_it = trees_.emplace(space_ns, std::make_unique<PrefixTree>(space_ns, row_bytes, chunk_bytes_, pool_.get()))
+    tree_it = trees_.emplace(space_ns, std::make_unique<PrefixTree>(row_bytes, chunk_bytes_, pool_.get()))
                   .first;
   sp->tree = tree_it->second.get();
   spaces_.push_back(std::move(sp));
+  {
+    std::lock_guard<std::mutex> keys(tree_keys_mu_);
+    const auto ns_key = tree_key_of_ns_.emplace(space_ns, kTreeKeyBit | (tree_key_of_ns_.size() + 1)).first;
+    tree_key_of_space_[id] = ns_key->second;
+  }
   return id;
 }
 
 std::shared_ptr<FutureState> Manager::Create(std::uint32_t space, std::size_t n) {
-  std::uint64_t id;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    id = next_vtensor_id_++;
-  }
+  const std::uint64_t id = next_vtensor_id_.fetch_add(1, std::memory_order_relaxed);
   return Submit("create", {id}, false, [this, space, id, n] { return DoCreate(space, id, n); });
 }
 
@@ -217,18 +222,21 @@ std::shared_ptr<FutureState> Manager::Release(std::uint64_t vt) {
 }
 
 std::shared_ptr<FutureState> Manager::PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens) {
-  return Submit("prefix_record", {vt}, false,
+  return Submit("prefix_record", {vt, TreeKey(space)}, false,
                 [this, space, vt, tokens = std::move(tokens)] { return DoRecord(space, vt, tokens); });
 }
 
 std::shared_ptr<FutureState> Manager::PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens) {
-  std::uint64_t id;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    id = next_vtensor_id_++;
-  }
-  return Submit("prefix_match", {id}, false,
+  const std::uint64_t id = next_vtensor_id_.fetch_add(1, std::memory_order_relaxed);
+  return Submit("prefix_match", {id, TreeKey(space)}, false,
                 [this, space, id, tokens = std::move(tokens)] { return DoMatch(space, id, tokens); });
+}
+
+std::uint64_t Manager::TreeKey(std::uint32_t space) const {
+  std::lock_guard<std::mutex> lock(tree_keys_mu_);
+  auto it = tree_key_of_space_.find(space);
+  // An unknown space gets a key of its own: the operation fails with NotFound.
+  return it != tree_key_of_space_.end() ? it->second : kTreeKeyBit;
 }
 
 std::shared_ptr<FutureState> Manager::ClearPrefixes(std::uint32_t space) {
@@ -852,7 +860,7 @@ FutureValue Manager::DoCloseSpace(std::uint32_t space) {
     if (!other->closed && other->tree == sp.tree) shared = true;
   if (!shared) trees_.erase(sp.ns);
   sp.tree = nullptr;
-  sp.reservation.reset();
+  RetireReservation(sp.reservation);
   AfterCommit();
   return std::monostate{};
 }
@@ -962,6 +970,7 @@ Stats Manager::GetStats() const {
   st.prealloc_chunks_total = prealloc_total_;
   st.chunks_released_total = pool_->released_total();
   st.rollback_failures_total = rollback_failures_total_;
+  st.reservation_free_failures_total = reservation_free_failures_->load(std::memory_order_relaxed);
   st.ops = op_stats_;
   for (const auto& sp : spaces_) {
     if (sp->closed) continue;

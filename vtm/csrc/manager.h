@@ -27,6 +27,7 @@
 // else is as before the failed operation.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <list>
@@ -98,7 +99,8 @@ struct Stats {
   std::size_t chunks_created = 0, chunks_free = 0, chunks_held = 0, chunks_mapped = 0,
               chunks_cached = 0, chunks_in_tree = 0, tree_nodes = 0, tree_tokens = 0;
   std::uint64_t evictions_total = 0, cow_copies_total = 0, slot_reuses_total = 0,
-                prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0;
+                prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0,
+                reservation_free_failures_total = 0;
   std::vector<std::pair<std::string, SpaceInfo>> spaces;
   std::map<std::string, OpStat> ops;
 };
@@ -167,6 +169,11 @@ class Manager {
   };
   class UndoLog;
 
+  // Executor keys of prefix trees have this bit set; vTensor ids never do.
+  static constexpr std::uint64_t kTreeKeyBit = std::uint64_t{1} << 63;
+  // The key that orders operations on `space`'s prefix tree (its namespace's),
+  // so a prefix_match runs after every prefix_record submitted before it.
+  std::uint64_t TreeKey(std::uint32_t space) const;
   template <class Fn>
   std::shared_ptr<FutureState> Submit(const char* op, std::vector<std::uint64_t> keys, bool barrier, Fn fn);
   void RecordOp(const char* op, double us, bool ok);
@@ -209,8 +216,8 @@ class Manager {
     return sp.reservation->va() + static_cast<std::size_t>(slot) * sp.slot_bytes + page * chunk_bytes_;
   }
 
-  std::shared_ptr<Backend> backend_;
-  FaultInjectingBackend* faults_ = nullptr;  // backend_ when faults are on
+  std::shared_ptr<Backend> backend_;         // a CheckedBackend over the device (and the fault injector)
+  FaultInjectingBackend* faults_ = nullptr;  // inside backend_ when faults are on
   std::size_t chunk_bytes_ = 0;
   std::size_t capacity_chunks_ = 0;
   std::size_t prealloc_chunks_ = 0;
@@ -228,13 +235,23 @@ class Manager {
   std::list<std::pair<std::uint32_t, int>> cached_lru_;  // free slots with pages mapped, oldest first
   std::size_t cached_pages_ = 0;
   std::uint64_t tick_ = 0;
-  std::uint64_t next_vtensor_id_ = 1;
   bool refill_stop_ = false;
   bool refill_blocked_ = false;  // the last refill found the device full
   bool closed_ = false;
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
                 rollback_failures_total_ = 0;
   std::map<std::string, OpStat> op_stats_;
+  // Shared with every Reservation, which may outlive the manager in a view.
+  std::shared_ptr<std::atomic<std::uint64_t>> reservation_free_failures_ =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
+
+  // Submission touches none of the state above (it never waits for mu_,
+  // which an operation in flight holds): ids come from an atomic counter, and
+  // the executor key of each namespace's prefix tree from a map of its own.
+  std::atomic<std::uint64_t> next_vtensor_id_{1};
+  mutable std::mutex tree_keys_mu_;  // never held while waiting for anything
+  std::map<std::string, std::uint64_t> tree_key_of_ns_;
+  std::unordered_map<std::uint32_t, std::uint64_t> tree_key_of_space_;
 
   std::unique_ptr<Executor> executor_;  // its workers stop (in Close) before the state above dies
   std::thread refill_thread_;          // eager allocation; runs only when prealloc_chunks > 0

@@ -6,8 +6,8 @@
 
 namespace vtm {
 
-Pool::Pool(std::shared_ptr<Backend> backend, std::size_t chunk_bytes, std::size_t capacity_chunks)
-    : backend_(std::move(backend)), chunk_bytes_(chunk_bytes), capacity_chunks_(capacity_chunks) {}
+Pool::Pool(std::shared_ptr<Backend> backend, std::size_t capacity_chunks)
+    : backend_(std::move(backend)), capacity_chunks_(capacity_chunks) {}
 
 Pool::~Pool() {
   for (ChunkId id = 0; id < records_.size(); ++id)

@@ -29,13 +29,11 @@ constexpr ChunkId kNoChunk = std::numeric_limits<ChunkId>::max();
 
 class Pool {
  public:
-  Pool(std::shared_ptr<Backend> backend, std::size_t chunk_bytes, std::size_t capacity_chunks);
+  Pool(std::shared_ptr<Backend> backend, std::size_t capacity_chunks);
   ~Pool();  // releases every alive chunk
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
-  std::size_t chunk_bytes() const { return chunk_bytes_; }
-  std::size_t capacity_chunks() const { return capacity_chunks_; }
   std::size_t alive() const { return alive_; }
   std::size_t free_count() const { return free_.size(); }
   std::size_t held() const { return alive_ - free_.size(); }
@@ -79,7 +77,6 @@ class Pool {
   void Retire(ChunkId id);
 
   std::shared_ptr<Backend> backend_;
-  const std::size_t chunk_bytes_;
   const std::size_t capacity_chunks_;
   std::vector<Record> records_;
   std::vector<ChunkId> dead_ids_;  // record slots to reuse

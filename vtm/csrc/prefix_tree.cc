@@ -6,8 +6,8 @@
 
 namespace vtm {
 
-PrefixTree::PrefixTree(std::string name, std::size_t row_bytes, std::size_t page_bytes, Pool* pool)
-    : name_(std::move(name)), row_bytes_(row_bytes), page_bytes_(page_bytes), pool_(pool) {}
+PrefixTree::PrefixTree(std::size_t row_bytes, std::size_t page_bytes, Pool* pool)
+    : row_bytes_(row_bytes), page_bytes_(page_bytes), pool_(pool) {}
 
 PrefixTree::~PrefixTree() {
   while (!root_.children.empty()) {

@@ -56,12 +56,11 @@ struct TreePosition {
 
 class PrefixTree {
  public:
-  PrefixTree(std::string name, std::size_t row_bytes, std::size_t page_bytes, Pool* pool);
+  PrefixTree(std::size_t row_bytes, std::size_t page_bytes, Pool* pool);
   ~PrefixTree();  // drops every reference (the pool must still exist)
   PrefixTree(const PrefixTree&) = delete;
   PrefixTree& operator=(const PrefixTree&) = delete;
 
-  const std::string& name() const { return name_; }
   std::size_t row_bytes() const { return row_bytes_; }
   PrefixNode* root() { return &root_; }
 
@@ -100,7 +99,6 @@ class PrefixTree {
   PrefixNode* Split(PrefixNode* node, std::size_t at);
   std::size_t DropSubtree(std::unique_ptr<PrefixNode> node);
 
-  const std::string name_;
   const std::size_t row_bytes_;
   const std::size_t page_bytes_;
   Pool* pool_;

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# One command that checks vtm and FlexInfer on a GPU machine:
+#
+#   scripts/gpu_check.sh OUTDIR
+#
+# 1. builds the extension with the machine's own python (PYTHON, default
+#    python3) and its cmake, ninja and pybind11: a cmake build into
+#    build/gpu-check, staged as an importable vtm package there (no pip, no
+#    network, nothing installed into the machine's python);
+# 2. runs every vtm test file (tests/*.py) with --vtm-backend cuda, each in its
+#    own pytest process, so a test that crashes the process (a segfault in a
+#    driver call) cannot hide the other files;
+# 3. runs FlexInfer's GPU tests (pytest -m gpu tests/flexinfer);
+# 4. runs the CUDA rows of scripts/bench_vtm.py (--quick), and
+#    scripts/bench_gpu.py when that script exists.
+#
+# Logs, JUnit XML and benchmark JSON go into OUTDIR; the last lines printed
+# are one summary line per step, and the exit status is nonzero when any step
+# failed. Budget: under 6 minutes on one H100/H200 (each step has a timeout).
+#
+# Without a CUDA driver (libcuda.so.1 does not load) it stops after the build
+# and a host smoke test, says "no CUDA driver", and exits 0: that is how it is
+# smoke-tested on a CPU machine. GPU_CHECK_BACKEND=host runs every step
+# against the host backend instead, to test this script itself without a GPU.
+set -uo pipefail
+
+if [ $# -ne 1 ]; then
+  echo "usage: $0 OUTDIR" >&2
+  exit 2
+fi
+mkdir -p "$1" || exit 2
+OUT=$(cd "$1" && pwd)
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PY=$(command -v "${PYTHON:-python3}") || { echo "gpu_check: no python (set PYTHON)" >&2; exit 2; }
+PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # absolute (the steps run in OUTDIR), links kept (a venv's)
+# cmake, ninja and pytest installed with pip live next to the interpreter.
+export PATH="$(dirname "$PY"):$PATH"
+BUILD="$REPO/build/gpu-check"
+SITE="$BUILD/site"
+START=$(date +%s)
+BACKEND=${GPU_CHECK_BACKEND:-cuda}
+BUDGET=${GPU_CHECK_BUDGET_S:-350}  # every step ends by then; the 6-minute promise
+SUMMARY=()
+FAILED=0
+
+# step NAME TIMEOUT_S CMD...: runs CMD with its output in OUTDIR/NAME.log and
+# records one summary line (with the tail of a pytest summary when present).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local t0 rc detail left
+  t0=$(date +%s)
+  left=$(( BUDGET - (t0 - START) ))
+  if [ "$left" -lt 5 ]; then
+    SUMMARY+=("FAILED  $name: not run, the ${BUDGET} s budget is spent")
+    FAILED=1
+    return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "gpu_check: $name ..."
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  detail=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)|no tests ran' "$OUT/$name.log" | tail -1 |
+           sed -E 's/^=+ //; s/ =+$//')
+  if [ "$rc" -eq 0 ]; then
+    SUMMARY+=("ok      $name ($(( $(date +%s) - t0 )) s) $detail")
+  else
+    case $rc in
+      124|137) detail="timed out after ${limit} s; $detail" ;;
+      139) detail="SEGFAULT; $detail" ;;
+    esac
+    SUMMARY+=("FAILED  $name rc=$rc ($(( $(date +%s) - t0 )) s) $detail")
+    FAILED=1
+  fi
+  return "$rc"
+}
+
+finish() {
+  echo
+  echo "gpu_check summary ($(( $(date +%s) - START )) s, logs in $OUT):"
+  printf '  %s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+  exit "$FAILED"
+}
+
+build() {
+  local generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  cmake -S "$REPO" -B "$BUILD/cmake" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DPython_EXECUTABLE="$PY" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" || return
+  cmake --build "$BUILD/cmake" --parallel || return
+  # The package as it would be installed: the Python files and the module.
+  rm -rf "$SITE" && mkdir -p "$SITE/vtm" || return
+  cp "$REPO"/vtm/*.py "$SITE/vtm/" && cp "$BUILD"/cmake/_core*.so "$SITE/vtm/"
+}
+
+# The staged vtm first, then the tree (flexinfer is pure Python). Every
+# python below runs from OUTDIR, so the tree's own vtm/ (which has no
+# compiled module) is never the one imported.
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+cd "$OUT" || exit 2
+
+{
+  echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+  echo "commit: $(git -C "$REPO" rev-parse HEAD 2>/dev/null)$(git -C "$REPO" diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+  echo "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+  echo "cpu: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+  "$PY" -c 'import torch; print("torch:", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1
+} >"$OUT/machine.txt"
+cat "$OUT/machine.txt"
+
+# `timeout` runs programs, not shell functions: build runs in a child bash.
+export -f build
+export PY REPO BUILD SITE
+step build 240 bash -c build || finish
+step import 60 "$PY" -c '
+import vtm
+with vtm.Manager(backend="host", capacity_bytes=8 << 20, chunk_bytes=2 << 20) as mgr:
+    sp = mgr.create_space(row_bytes=4096, max_tokens=1024, max_slots=2)
+    vt = sp.create(500).result()  # 2048000 bytes: one 2 MiB chunk
+    assert vt.mapped_bytes == 2 << 20
+    mgr.check()
+print("vtm", vtm.__file__, "cuda_available", vtm.cuda_available())
+' || finish
+
+if [ "$BACKEND" = cuda ] && ! "$PY" -c 'import ctypes; ctypes.CDLL("libcuda.so.1")' 2>/dev/null; then
+  echo "gpu_check: no CUDA driver (libcuda.so.1 does not load): the build and host smoke test passed; nothing else to run"
+  SUMMARY+=("skipped the CUDA steps: no CUDA driver")
+  finish
+fi
+# A driver is present: a vtm that cannot use it (built without cuda.h, or no
+# device) is a failure, not a reason to skip everything.
+if [ "$BACKEND" = cuda ]; then
+  step cuda_backend 60 "$PY" -c '
+import sys, vtm
+if not vtm.cuda_available():
+    sys.exit("libcuda loads but vtm.cuda_available() is False (built without cuda.h, or no device)")
+print("cuda granularity", vtm.RawBackend.open("cuda").granularity)
+' || finish
+fi
+
+for file in "$REPO"/tests/test_*.py; do
+  name=$(basename "$file" .py)
+  limit=120
+  [ "$name" = test_property ] && limit=200  # hypothesis: ~1000 random sequences
+  step "vtm_${name#test_}" "$limit" "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+    --vtm-backend "$BACKEND" --junitxml "$OUT/vtm_${name#test_}.xml" "$file"
+done
+if [ "$BACKEND" = cuda ]; then
+  step flexinfer_gpu 180 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+    -m gpu --junitxml "$OUT/flexinfer_gpu.xml" "$REPO/tests/flexinfer"
+fi
+step bench_vtm 120 "$PY" "$REPO/scripts/bench_vtm.py" --backend "$BACKEND" --quick --json "$OUT/bench_vtm.json"
+if [ "$BACKEND" = cuda ] && [ -f "$REPO/scripts/bench_gpu.py" ]; then
+  step bench_gpu 150 "$PY" "$REPO/scripts/bench_gpu.py" --json "$OUT/bench_gpu.json"
+fi
+finish

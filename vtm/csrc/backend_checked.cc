@@ -1,0 +1,207 @@
+#include "backend_checked.h"
+
+#include <cstdio>
+#include <iterator>
+
+#include "error.h"
+
+namespace vtm {
+namespace {
+
+std::string Hex(std::uintptr_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%zx", static_cast<std::size_t>(v));
+  return buf;
+}
+
+std::string Span(std::uintptr_t va, std::size_t bytes) {
+  return "[" + Hex(va) + ", " + Hex(va + bytes) + ")";
+}
+
+[[noreturn]] void Invalid(const char* op, const std::string& what) {
+  Throw(ErrorCode::kInvalidArgument, std::string(op) + ": " + what);
+}
+
+}  // namespace
+
+CheckedBackend::CheckedBackend(std::shared_ptr<Backend> inner)
+    : inner_(std::move(inner)), granularity_(inner_->granularity()) {}
+
+void CheckedBackend::CheckSize(const char* op, std::size_t bytes) const {
+  if (bytes == 0 || bytes % granularity_ != 0)
+    Invalid(op, std::to_string(bytes) + " bytes is not a positive multiple of the granularity " +
+                    std::to_string(granularity_));
+}
+
+void CheckedBackend::CheckRangeLocked(const char* op, std::uintptr_t va, std::size_t bytes) const {
+  CheckSize(op, bytes);
+  if (va == 0 || va % granularity_ != 0)
+    Invalid(op, "address " + Hex(va) + " is not a non-null multiple of the granularity " +
+                    std::to_string(granularity_));
+  // The reservation starting at or below va must reach va + bytes. Written
+  // without va + bytes overflowing: bytes <= end - va.
+  auto r = reservations_.upper_bound(va);
+  if (r == reservations_.begin()) Invalid(op, "range " + Span(va, bytes) + " is not inside a reservation");
+  --r;
+  const std::uintptr_t end = r->first + r->second.bytes;
+  if (va >= end || bytes > end - va) Invalid(op, "range " + Span(va, bytes) + " is not inside a reservation");
+  if (r->second.sealed) Invalid(op, "range " + Span(va, bytes) + " is inside a sealed reservation");
+}
+
+void CheckedBackend::CheckWholeMappingsLocked(const char* op, std::uintptr_t va, std::size_t bytes) const {
+  std::uintptr_t at = va;
+  auto m = mappings_.find(va);
+  while (at < va + bytes) {
+    if (m == mappings_.end() || m->first != at) Invalid(op, Hex(at) + " is not the start of a mapping");
+    at += m->second.bytes;
+    ++m;
+  }
+  if (at != va + bytes) Invalid(op, "range " + Span(va, bytes) + " ends inside the mapping that ends at " + Hex(at));
+}
+
+std::size_t CheckedBackend::ChunkBytesLocked(const char* op, ChunkHandle chunk) const {
+  auto it = chunks_.find(chunk);
+  if (it == chunks_.end()) Invalid(op, "chunk " + Hex(chunk) + " is not a live chunk of this backend");
+  return it->second.bytes;
+}
+
+std::uintptr_t CheckedBackend::reserve(std::size_t bytes) {
+  CheckSize("reserve", bytes);
+  const std::uintptr_t va = inner_->reserve(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  reservations_.emplace(va, Range{bytes, false});
+  return va;
+}
+
+void CheckedBackend::free_reservation(std::uintptr_t va, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = WholeEmptyReservationLocked("free_reservation", va, bytes);
+  inner_->free_reservation(va, bytes);
+  reservations_.erase(r);
+}
+
+void CheckedBackend::seal(std::uintptr_t va, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = WholeEmptyReservationLocked("seal", va, bytes);
+  if (r->second.sealed) Invalid("seal", "the reservation " + Span(va, bytes) + " is sealed already");
+  inner_->seal(va, bytes);
+  r->second.sealed = true;
+}
+
+std::map<std::uintptr_t, CheckedBackend::Range>::iterator CheckedBackend::WholeEmptyReservationLocked(
+    const char* op, std::uintptr_t va, std::size_t bytes) {
+  auto r = reservations_.find(va);
+  if (r == reservations_.end() || r->second.bytes != bytes)
+    Invalid(op, "no reservation is exactly " + Span(va, bytes) + " (only whole reservations are freed or sealed)");
+  auto m = mappings_.lower_bound(va);
+  if (m != mappings_.end() && m->first < va + bytes) Invalid(op, "the reservation still holds a mapping at " + Hex(m->first));
+  return r;
+}
+
+ChunkHandle CheckedBackend::create_chunk(std::size_t bytes) {
+  CheckSize("create_chunk", bytes);
+  const ChunkHandle chunk = inner_->create_chunk(bytes);
+  RememberChunk("create_chunk", chunk, bytes);
+  return chunk;
+}
+
+void CheckedBackend::RememberChunk(const char* op, ChunkHandle chunk, std::size_t bytes) {
+  std::size_t held = 0;
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [it, inserted] = chunks_.emplace(chunk, Chunk{bytes, 1});
+    if (inserted) return;
+    if (it->second.bytes == bytes) {
+      ++it->second.references;  // the same allocation imported again
+      return;
+    }
+    held = it->second.bytes;
+  } catch (...) {
+    inner_->release_chunk(chunk);  // no memory for the table: the call fails as a whole
+    throw;
+  }
+  inner_->release_chunk(chunk);  // the call fails as a whole: drop the reference it took
+  Invalid(op, std::to_string(bytes) + " bytes, but the allocation is already held as chunk " + Hex(chunk) +
+                           " of " + std::to_string(held) + " bytes");
+}
+
+void CheckedBackend::release_chunk(ChunkHandle chunk) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = chunks_.find(chunk);
+    // An unknown handle is not ours (or was released already): the driver
+    // could have given its value to another allocation since.
+    if (it == chunks_.end()) return;
+    if (--it->second.references == 0) chunks_.erase(it);
+  }
+  inner_->release_chunk(chunk);
+}
+
+void CheckedBackend::map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::size_t chunk_bytes = ChunkBytesLocked("map", chunk);
+  CheckRangeLocked("map", va, bytes);
+  if (chunk_bytes != bytes)
+    Invalid("map", std::to_string(bytes) + " bytes of chunk " + Hex(chunk) + " of " + std::to_string(chunk_bytes) +
+                       " bytes (only whole chunks are mapped)");
+  auto next = mappings_.lower_bound(va);
+  if (next != mappings_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.bytes > va)
+      Invalid("map", "range " + Span(va, bytes) + " overlaps the mapping at " + Hex(prev->first));
+  }
+  if (next != mappings_.end() && next->first < va + bytes)
+    Invalid("map", "range " + Span(va, bytes) + " overlaps the mapping at " + Hex(next->first));
+  inner_->map(va, bytes, chunk);
+  mappings_.emplace_hint(next, va, Mapping{bytes, chunk});
+}
+
+void CheckedBackend::set_access(std::uintptr_t va, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckRangeLocked("set_access", va, bytes);
+  CheckWholeMappingsLocked("set_access", va, bytes);
+  inner_->set_access(va, bytes);
+}
+
+void CheckedBackend::unmap(std::uintptr_t va, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckRangeLocked("unmap", va, bytes);
+  CheckWholeMappingsLocked("unmap", va, bytes);
+  inner_->unmap(va, bytes);
+  mappings_.erase(mappings_.lower_bound(va), mappings_.lower_bound(va + bytes));
+}
+
+int CheckedBackend::export_fd(ChunkHandle chunk) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ChunkBytesLocked("export_fd", chunk);
+  }
+  return inner_->export_fd(chunk);
+}
+
+ChunkHandle CheckedBackend::import_fd(int fd, std::size_t bytes) {
+  if (fd < 0) Invalid("import_fd", "fd " + std::to_string(fd) + " is not a file descriptor");
+  CheckSize("import_fd", bytes);
+  const ChunkHandle chunk = inner_->import_fd(fd, bytes);
+  RememberChunk("import_fd", chunk, bytes);
+  return chunk;
+}
+
+void CheckedBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::size_t dst_bytes = ChunkBytesLocked("copy", dst);
+    const std::size_t src_bytes = ChunkBytesLocked("copy", src);
+    if (bytes == 0) Invalid("copy", "0 bytes (must be positive)");
+    if (bytes > dst_bytes || bytes > src_bytes)
+      Invalid("copy", std::to_string(bytes) + " bytes exceed a chunk (dst " + std::to_string(dst_bytes) +
+                          " bytes, src " + std::to_string(src_bytes) + " bytes)");
+  }
+  inner_->copy(dst, src, bytes);
+}
+
+std::shared_ptr<Backend> MakeCheckedBackend(std::shared_ptr<Backend> inner) {
+  return std::make_shared<CheckedBackend>(std::move(inner));
+}
+
+}  // namespace vtm

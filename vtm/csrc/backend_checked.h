@@ -1,0 +1,100 @@
+// CheckedBackend: the backend contract (backend.h), enforced once, for every
+// backend, before the driver is asked.
+//
+// vtm never hands a call to a memory API that the contract forbids: what the
+// CUDA driver does with such a call is undefined in practice (a map just past
+// a reservation has crashed the process on an H200, a double map or an unmap
+// of nothing returns different codes than the host would). This decorator
+// keeps vtm's own table of reservations, mappings and chunks, rejects every
+// violation with kInvalidArgument and one message whatever the backend, and
+// forwards only calls the contract allows. The manager and RawBackend.open
+// wrap every backend (host, cuda, and the fault injector over either) in it.
+//
+// Invariants (guarded by mu_):
+//  * reservations_ holds disjoint ranges [va, va + bytes), each aligned to and
+//    a positive multiple of granularity_: exactly the live reservations made
+//    through this wrapper, with whether each is sealed;
+//  * no mapping lies inside a sealed reservation;
+//  * mappings_ holds disjoint ranges, each inside one reservation, each one
+//    whole chunk of the size the chunk was created or imported with;
+//  * chunks_ has one entry per live chunk handle created or imported through
+//    this wrapper, with its size and the releases it is owed (an import may
+//    return a handle already held);
+//  * a call that throws leaves all three tables as they were: entries are
+//    added only after the inner call succeeded, removed only after it did.
+//
+// Cost: every check is an O(log n) std::map lookup (plus a walk over the
+// mappings a set_access or unmap covers), under one mutex.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "backend.h"
+
+namespace vtm {
+
+class CheckedBackend final : public Backend {
+ public:
+  explicit CheckedBackend(std::shared_ptr<Backend> inner);
+
+  const std::shared_ptr<Backend>& inner() const { return inner_; }
+
+  std::string name() const override { return inner_->name(); }
+  DeviceType device_type() const override { return inner_->device_type(); }
+  int device_id() const override { return inner_->device_id(); }
+  std::size_t granularity() const override { return granularity_; }
+
+  std::uintptr_t reserve(std::size_t bytes) override;
+  void free_reservation(std::uintptr_t va, std::size_t bytes) override;
+  void seal(std::uintptr_t va, std::size_t bytes) override;
+  ChunkHandle create_chunk(std::size_t bytes) override;
+  void release_chunk(ChunkHandle chunk) noexcept override;
+  void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override;
+  void set_access(std::uintptr_t va, std::size_t bytes) override;
+  void unmap(std::uintptr_t va, std::size_t bytes) override;
+  int export_fd(ChunkHandle chunk) override;
+  ChunkHandle import_fd(int fd, std::size_t bytes) override;
+  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override;
+
+ private:
+  struct Range {
+    std::size_t bytes;
+    bool sealed;
+  };
+  struct Mapping {
+    std::size_t bytes;
+    ChunkHandle chunk;
+  };
+  struct Chunk {
+    std::size_t bytes;
+    std::size_t references;  // release_chunk calls owed
+  };
+
+  // Each throws kInvalidArgument naming `op`; the *Locked ones need mu_.
+  void CheckSize(const char* op, std::size_t bytes) const;
+  void CheckRangeLocked(const char* op, std::uintptr_t va, std::size_t bytes) const;
+  void CheckWholeMappingsLocked(const char* op, std::uintptr_t va, std::size_t bytes) const;
+  std::size_t ChunkBytesLocked(const char* op, ChunkHandle chunk) const;
+  // The reservation that is exactly [va, va + bytes) and holds no mapping.
+  std::map<std::uintptr_t, Range>::iterator WholeEmptyReservationLocked(const char* op, std::uintptr_t va,
+                                                                        std::size_t bytes);
+  // Records a handle the inner backend just returned; on failure releases it.
+  void RememberChunk(const char* op, ChunkHandle chunk, std::size_t bytes);
+
+  const std::shared_ptr<Backend> inner_;
+  const std::size_t granularity_;
+  mutable std::mutex mu_;
+  std::map<std::uintptr_t, Range> reservations_;
+  std::map<std::uintptr_t, Mapping> mappings_;
+  std::unordered_map<ChunkHandle, Chunk> chunks_;
+};
+
+// `inner` wrapped in a CheckedBackend.
+std::shared_ptr<Backend> MakeCheckedBackend(std::shared_ptr<Backend> inner);
+
+}  // namespace vtm
