@@ -342,7 +342,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and tokens, one repeat (a smoke run)")
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--attention", default="triton", help="FlexInfer's attention backend (default triton)")
+    parser.add_argument("--attention", default="kernel", help="FlexInfer's attention backend (default: kernel, the batched Triton kernels)")
     parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers' attention")
     parser.add_argument("--dry-run", action="store_true", help="CPU only: build the model and check it loads")
     args = parser.parse_args()
