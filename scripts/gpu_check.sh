@@ -90,12 +90,13 @@ build() {
   cmake --build "$BUILD/cmake" --parallel || return
   # The package as it would be installed: the Python files and the module.
   rm -rf "$SITE" && mkdir -p "$SITE/vtm" || return
-  cp "$REPO"/vtm/*.py "$SITE/vtm/" && cp "$BUILD"/cmake/_core*.so "$SITE/vtm/"
+  cp -r "$REPO"/vtm/. "$SITE/vtm/" && cp "$BUILD"/cmake/_core*.so "$SITE/vtm/" || return
+  cp -r "$REPO/flexinfer" "$SITE/" && cp "$BUILD"/cmake/_kernels*.so "$SITE/flexinfer/"
 }
 
-# The staged vtm first, then the tree (flexinfer is pure Python). Every
-# python below runs from OUTDIR, so the tree's own vtm/ (which has no
-# compiled module) is never the one imported.
+# The staged packages first, then the tree. Every python below runs from
+# OUTDIR, so the tree's own vtm/ and flexinfer/ (which have no compiled
+# modules) are never the ones imported.
 export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 cd "$OUT" || exit 2
 
