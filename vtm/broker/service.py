@@ -1,0 +1,324 @@
+"""The broker's gRPC service: sessions and the instruction set over one
+manager that maps nothing (record_mappings) and exports every chunk once.
+
+Each call authenticates its lease, then runs under the session's lock, so
+one client's calls are serialised (a client's own worker sends them one at
+a time anyway) while different clients run concurrently on the manager,
+which is thread safe. A reply carries the page states of the client's spaces
+that the call changed (drained from the manager under the same lock), so the
+client maps exactly what the broker accounted for.
+
+Invariants:
+  * sessions holds every open session, by lease; a session is removed and
+    closed (its spaces closed, which releases its vTensors) exactly once;
+  * a call only ever names spaces and vTensors of its own session;
+  * while stopping, no session is admitted and no operation starts.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+
+import vtm
+from vtm.broker import status
+from vtm.broker.session import Session
+from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+
+_MAX_COUNT = 1 << 62  # sizes above this are malformed (the manager takes int64)
+_ATTACH_S = 10.0  # a session whose Notices stream never opens is dropped after this
+
+
+def _count(value: int, what: str) -> int:
+    if value >= _MAX_COUNT:
+        raise vtm.InvalidArgument(f"{what} {value} is out of range")
+    return value
+
+
+class BrokerService(vtm_pb2_grpc.BrokerServicer):
+    def __init__(self, manager, backend: str, device: int, fd_socket: str):
+        self.manager = manager
+        self._backend = backend
+        self._device = device
+        self._fd_socket = fd_socket
+        self._mu = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._next_client = 1
+        self._stopping = False
+        self._reaper_stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="vtmd-reaper", daemon=True)
+        self._reaper.start()
+
+    # -- sessions ---------------------------------------------------------
+
+    def lookup(self, lease: str):
+        with self._mu:
+            return self._sessions.get(lease)
+
+    def _session(self, context) -> Session:
+        lease = dict(context.invocation_metadata()).get(status.LEASE_KEY)
+        session = self.lookup(lease) if lease else None
+        if session is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid lease: say Hello first (or the session ended)")
+        return session
+
+    def end_session(self, session: Session) -> None:
+        """Releases everything the client holds; its chunks go back to the
+        pool, except those the prefix tree still references for others."""
+        with self._mu:
+            if self._sessions.get(session.lease) is not session:
+                return
+            del self._sessions[session.lease]
+        with session.lock:
+            if session.closed:
+                return
+            session.closed = True
+            for space_id, space in list(session.spaces.items()):
+                try:
+                    space.close()
+                    self.manager._drain_effects(space_id)
+                except vtm.Error:
+                    pass  # counted by the manager (rollback_failures_total); nothing else to do
+            session.spaces.clear()
+            session.vtensors.clear()
+            session.pages.clear()
+            session.serial_refs.clear()
+            session.chunk_of.clear()
+        session.notices.put(None)
+
+    def _reap(self) -> None:
+        while not self._reaper_stop.wait(1.0):
+            now = time.monotonic()
+            with self._mu:
+                stale = [s for s in self._sessions.values() if not s.attached and now - s.created_at > _ATTACH_S]
+            for session in stale:
+                self.end_session(session)
+
+    def stop_admitting(self) -> None:
+        with self._mu:
+            self._stopping = True
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            session.notices.put(vtm_pb2.Notice(kind=vtm_pb2.Notice.SHUTDOWN, reason="the broker is stopping"))
+
+    def close_all(self) -> None:
+        self._reaper_stop.set()
+        with self._mu:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            self.end_session(session)
+
+    def clients(self) -> list[dict]:
+        with self._mu:
+            sessions = list(self._sessions.values())
+        chunk_bytes = self.manager.chunk_bytes
+        return [{"id": s.client_id, "name": s.name, "pid": s.pid, "priority": s.priority,
+                 "guaranteed_bytes": s.guaranteed_bytes, "limit_bytes": s.limit_bytes,
+                 "mapped_bytes": s.mapped_bytes(chunk_bytes), "spaces": len(s.spaces),
+                 "vtensors": len(s.vtensors)} for s in sessions]
+
+    # -- plumbing ------------------------------------------------------------
+
+    def _run(self, context, body, session_required=True):
+        """Runs body(session) under the session lock, mapping vtm errors to codes."""
+        try:
+            if self._stopping:
+                raise vtm.Unavailable("the broker is stopping")
+            if not session_required:
+                return body(None)
+            session = self._session(context)
+            with session.lock:
+                if session.closed:
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, "the session ended")
+                return body(session)
+        except vtm.Error as exc:
+            context.set_trailing_metadata(((status.ERROR_KEY, type(exc).__name__),))
+            context.abort(status.code_of(exc), str(exc))
+        except (TypeError, ValueError, OverflowError) as exc:
+            # Malformed input the manager's binding rejected before running.
+            context.set_trailing_metadata(((status.ERROR_KEY, "InvalidArgument"),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _space(self, session: Session, space_id: int):
+        space = session.spaces.get(space_id)
+        if space is None:
+            raise vtm.NotFound(f"no space {space_id} in this session")
+        return space
+
+    def _vtensor(self, session: Session, vt_id: int):
+        vt = session.vtensors.get(vt_id)
+        if vt is None:
+            raise vtm.FailedPrecondition(f"vTensor {vt_id} is not live (already released)")
+        return vt
+
+    def _reply(self, session: Session, vtensors=(), closed=(), **fields) -> vtm_pb2.OpReply:
+        """An OpReply with the page states of the session's spaces the call
+        changed, and the state of `vtensors`."""
+        reply = vtm_pb2.OpReply(**fields)
+        for space_id in list(session.spaces) + list(closed):
+            effects = self.manager._drain_effects(space_id)
+            if not effects and space_id not in closed:
+                continue
+            session.note_effects(space_id, effects)
+            reply.effects.append(vtm_pb2.SpaceEffects(
+                space_id=space_id, closed=space_id in closed,
+                pages=[vtm_pb2.PageEffect(slot=s, page=p, chunk=c, serial=n) for s, p, c, n in effects]))
+        for vt in vtensors:
+            if vt.released:
+                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt.id, released=True))
+            else:
+                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt.id, space_id=vt.space.id, slot=vt.slot,
+                                                           num_tokens=vt.num_tokens))
+        return reply
+
+    # -- RPCs --------------------------------------------------------------
+
+    def Hello(self, request, context):
+        def body(_):
+            with self._mu:
+                client_id = self._next_client
+                self._next_client += 1
+                name = request.name or f"client{client_id}"
+                session = Session(client_id, name, request.priority, _count(request.guaranteed_bytes, "guaranteed_bytes"),
+                                  _count(request.limit_bytes, "limit_bytes"), request.pid)
+                self._sessions[session.lease] = session
+            m = self.manager
+            return vtm_pb2.HelloReply(lease=session.lease, client_id=client_id, backend=self._backend,
+                                      device=self._device, chunk_bytes=m.chunk_bytes, capacity_bytes=m.capacity_bytes,
+                                      granularity=m.granularity, fd_socket=self._fd_socket, name=name)
+        return self._run(context, body, session_required=False)
+
+    def Notices(self, request, context):
+        session = self._session(context)
+        session.attached = True
+        # The stream ends when the client closes it, disconnects or dies:
+        # its leases end with it.
+        if not context.add_callback(
+                lambda: threading.Thread(target=self.end_session, args=(session,), daemon=True).start()):
+            self.end_session(session)
+            return
+        while context.is_active():
+            try:
+                notice = session.notices.get(timeout=0.25)
+            except Exception:  # queue.Empty
+                continue
+            if notice is None:
+                return
+            yield notice
+
+    def CreateSpace(self, request, context):
+        def body(session):
+            name = request.name or f"space{session.next_space}"
+            if name in session.space_names.values():
+                raise vtm.InvalidArgument(f"a space named '{name}' already exists")
+            space = self.manager.create_space(
+                _count(request.row_bytes, "row_bytes"), _count(request.max_tokens, "max_tokens"),
+                _count(request.max_slots, "max_slots"), namespace=request.namespace or None,
+                name=f"c{session.client_id}/{name}")
+            session.next_space += 1
+            session.spaces[space.id] = space
+            session.space_names[space.id] = name
+            return vtm_pb2.SpaceReply(space_id=space.id, name=name, namespace=space.namespace,
+                                      row_bytes=space.row_bytes, max_tokens=space.max_tokens, max_slots=space.max_slots,
+                                      slot_bytes=space.slot_bytes, pages_per_slot=space.pages_per_slot)
+        return self._run(context, body)
+
+    def CloseSpace(self, request, context):
+        def body(session):
+            space = self._space(session, request.space_id)
+            space.close()
+            del session.spaces[request.space_id]
+            del session.space_names[request.space_id]
+            gone = [vt for vt in session.vtensors.values() if vt.released]
+            for vt in gone:
+                del session.vtensors[vt.id]
+            return self._reply(session, vtensors=gone, closed=(request.space_id,))
+        return self._run(context, body)
+
+    def Create(self, request, context):
+        def body(session):
+            space = self._space(session, request.space_id)
+            vt = space.create(_count(request.num_tokens, "num_tokens")).result()
+            session.vtensors[vt.id] = vt
+            return self._reply(session, vtensors=[vt], vtensor_id=vt.id)
+        return self._run(context, body)
+
+    def Extend(self, request, context):
+        def body(session):
+            vt = self._vtensor(session, request.vtensor_id)
+            vt.extend(_count(request.num_tokens, "num_tokens")).result()
+            return self._reply(session, vtensors=[vt])
+        return self._run(context, body)
+
+    def Step(self, request, context):
+        def body(session):
+            targets = {}
+            for t in request.targets:
+                vt = self._vtensor(session, t.vtensor_id)
+                targets[vt] = max(targets.get(vt, 0), _count(t.num_tokens, "num_tokens"))
+            self.manager.step(targets).result()
+            return self._reply(session, vtensors=list(targets))
+        return self._run(context, body)
+
+    def Release(self, request, context):
+        def body(session):
+            vt = self._vtensor(session, request.vtensor_id)
+            vt.release().result()
+            del session.vtensors[vt.id]
+            return self._reply(session, vtensors=[vt])
+        return self._run(context, body)
+
+    def PrefixRecord(self, request, context):
+        def body(session):
+            space = self._space(session, request.space_id)
+            vt = self._vtensor(session, request.vtensor_id)
+            added = space.prefix_record(vt, list(request.token_ids)).result()
+            return self._reply(session, value=added)
+        return self._run(context, body)
+
+    def PrefixMatch(self, request, context):
+        def body(session):
+            space = self._space(session, request.space_id)
+            match = space.prefix_match(list(request.token_ids)).result()
+            if match.vtensor is None:
+                return self._reply(session, matched_tokens=0)
+            session.vtensors[match.vtensor.id] = match.vtensor
+            return self._reply(session, vtensors=[match.vtensor], vtensor_id=match.vtensor.id,
+                               matched_tokens=match.num_tokens)
+        return self._run(context, body)
+
+    def ClearPrefixes(self, request, context):
+        def body(session):
+            dropped = self._space(session, request.space_id).clear_prefixes()
+            return self._reply(session, value=dropped)
+        return self._run(context, body)
+
+    def PrefixNodes(self, request, context):
+        def body(session):
+            nodes = self._space(session, request.space_id).prefix_nodes()
+            return vtm_pb2.PrefixNodesReply(nodes=[
+                vtm_pb2.PrefixNode(start=n["start"], end=n["end"], tokens=n["tokens"], locks=n["locks"],
+                                   pages=n["pages"]) for n in nodes])
+        return self._run(context, body)
+
+    def Trim(self, request, context):
+        def body(session):
+            released = self.manager.trim(None if request.all else _count(request.bytes, "bytes"))
+            return self._reply(session, value=released)
+        return self._run(context, body)
+
+    def Stats(self, request, context):
+        def body(session):
+            stats = self.manager.stats()
+            stats["clients"] = self.clients()
+            return vtm_pb2.StatsReply(json=json.dumps(stats))
+        return self._run(context, body)
+
+    def Check(self, request, context):
+        def body(session):
+            self.manager.check()
+            return vtm_pb2.OpReply()
+        return self._run(context, body)
