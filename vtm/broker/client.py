@@ -40,6 +40,14 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 _KEEP_IDLE_IMPORTS = 256  # imports kept after their last unmap, for reuse without an fd round trip
 
 
+def _message(cls, what: str, **fields):
+    """A request message; a field out of its proto range is InvalidArgument."""
+    try:
+        return cls(**fields)
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgument(f"{what}: {exc}") from None
+
+
 def _count(n, what: str) -> int:
     n = int(n)
     if n < 0:
@@ -103,8 +111,6 @@ class RemoteManager:
             if isinstance(error, errors.Unavailable):
                 self._broken = self._broken or error
             raise error from None
-        except (ValueError, TypeError) as exc:  # a field out of its proto range
-            raise errors.InvalidArgument(f"{what}: {exc}") from None
 
     def _listen(self) -> None:
         """Consumes notices; the stream ending means the session is gone."""
@@ -191,8 +197,10 @@ class RemoteManager:
     def _create(self, space: RemoteSpace, n) -> RemoteFuture:
         n = _count(n, "num_tokens")
 
+        request = _message(vtm_pb2.CreateRequest, "create", space_id=space.id, num_tokens=n)
+
         def run():
-            reply = self._rpc("create", self._stub.Create, vtm_pb2.CreateRequest(space_id=space.id, num_tokens=n))
+            reply = self._rpc("create", self._stub.Create, request)
             vt = self._new_vtensor(space, reply)
             self._apply(reply)
             return vt
@@ -201,14 +209,16 @@ class RemoteManager:
     def _extend(self, vt: RemoteVTensor, n) -> RemoteFuture:
         n = _count(n, "num_tokens")
 
+        request = _message(vtm_pb2.ExtendRequest, "extend", vtensor_id=vt.id, num_tokens=n)
+
         def run():
-            self._apply(self._rpc("extend", self._stub.Extend, vtm_pb2.ExtendRequest(vtensor_id=vt.id, num_tokens=n)))
+            self._apply(self._rpc("extend", self._stub.Extend, request))
         return self._submit(run)
 
     def step(self, targets) -> RemoteFuture:
-        request = vtm_pb2.StepRequest(targets=[
-            vtm_pb2.ExtendRequest(vtensor_id=self._own(vt, "step").id, num_tokens=_count(n, "num_tokens"))
-            for vt, n in targets.items()])
+        request = _message(vtm_pb2.StepRequest, "step", targets=[
+            _message(vtm_pb2.ExtendRequest, "step", vtensor_id=self._own(vt, "step").id,
+                     num_tokens=_count(n, "num_tokens")) for vt, n in targets.items()])
 
         def run():
             self._apply(self._rpc("step", self._stub.Step, request))
@@ -221,21 +231,21 @@ class RemoteManager:
 
     def _prefix_record(self, space: RemoteSpace, vt, token_ids) -> RemoteFuture:
         vt = self._own(vt, "prefix_record")
-        tokens = [int(t) for t in token_ids]
+        request = _message(vtm_pb2.PrefixRecordRequest, "prefix_record", space_id=space.id, vtensor_id=vt.id,
+                           token_ids=[int(t) for t in token_ids])
 
         def run():
-            reply = self._rpc("prefix_record", self._stub.PrefixRecord,
-                              vtm_pb2.PrefixRecordRequest(space_id=space.id, vtensor_id=vt.id, token_ids=tokens))
+            reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)
             self._apply(reply)
             return reply.value
         return self._submit(run)
 
     def _prefix_match(self, space: RemoteSpace, token_ids) -> RemoteFuture:
-        tokens = [int(t) for t in token_ids]
+        request = _message(vtm_pb2.PrefixMatchRequest, "prefix_match", space_id=space.id,
+                           token_ids=[int(t) for t in token_ids])
 
         def run():
-            reply = self._rpc("prefix_match", self._stub.PrefixMatch,
-                              vtm_pb2.PrefixMatchRequest(space_id=space.id, token_ids=tokens))
+            reply = self._rpc("prefix_match", self._stub.PrefixMatch, request)
             vt = self._new_vtensor(space, reply) if reply.vtensor_id else None
             self._apply(reply)
             return RemoteMatch(vt, reply.matched_tokens)
@@ -263,9 +273,9 @@ class RemoteManager:
     # -- the Manager API -----------------------------------------------------
 
     def create_space(self, row_bytes, max_tokens, max_slots, namespace=None, name=None) -> RemoteSpace:
-        request = vtm_pb2.CreateSpaceRequest(
-            row_bytes=_count(row_bytes, "row_bytes"), max_tokens=_count(max_tokens, "max_tokens"),
-            max_slots=_count(max_slots, "max_slots"), namespace=namespace or "", name=name or "")
+        request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=_count(row_bytes, "row_bytes"),
+                           max_tokens=_count(max_tokens, "max_tokens"), max_slots=_count(max_slots, "max_slots"),
+                           namespace=namespace or "", name=name or "")
 
         def run():
             reply = self._rpc("create_space", self._stub.CreateSpace, request)
@@ -281,7 +291,8 @@ class RemoteManager:
         return self._submit(run).result()
 
     def trim(self, bytes=None) -> int:  # noqa: A002 - the in-process API's name
-        request = vtm_pb2.TrimRequest(all=bytes is None, bytes=0 if bytes is None else _count(bytes, "bytes"))
+        request = _message(vtm_pb2.TrimRequest, "trim", all=bytes is None,
+                           bytes=0 if bytes is None else _count(bytes, "bytes"))
 
         def run():
             reply = self._rpc("trim", self._stub.Trim, request)
@@ -290,7 +301,15 @@ class RemoteManager:
         return self._submit(run).result()
 
     def stats(self) -> dict:
-        return self._submit(lambda: json.loads(self._rpc("stats", self._stub.Stats, vtm_pb2.StatsRequest()).json)).result()
+        """The broker's stats (the whole pool, every client's spaces) plus
+        "clients"; this client's spaces appear under the names it gave them."""
+        def run():
+            stats = json.loads(self._rpc("stats", self._stub.Stats, vtm_pb2.StatsRequest()).json)
+            mine = f"c{self.client_id}/"
+            stats["spaces"] = {(name[len(mine):] if name.startswith(mine) else name): info
+                               for name, info in stats["spaces"].items()}
+            return stats
+        return self._submit(run).result()
 
     def check(self) -> None:
         self._submit(lambda: self._rpc("check", self._stub.Check, vtm_pb2.StatsRequest()) and None).result()
