@@ -67,6 +67,9 @@ class RemoteManager:
         self._mapper = None
         self._fds = None
         self._notices = None
+        if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
+            # Nothing listens there: say so now instead of after the timeout.
+            raise errors.Unavailable(f"no vtm broker answers at {address} (no such socket)")
         self._channel = grpc.insecure_channel(address)
         try:
             try:
