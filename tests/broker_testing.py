@@ -92,6 +92,14 @@ def pattern(tokens, row_bytes: int = ROW) -> np.ndarray:
 # ----------------------------------------------------------------------------- child bodies
 # Each reports through `q` and never raises: an exception is reported by name.
 
+def run_child(vtm_root, target, *args):
+    """A spawned child's entry: import vtm from where the parent did (a test
+    conftest may have put the source tree, which lacks the built _core, first
+    on the sys.path the child inherits), then run `target`."""
+    sys.path.insert(0, vtm_root)
+    target(*args)
+
+
 def child_allocate(address, tokens, q, hold_event=None):
     """Creates a vTensor of `tokens` rows, reports ("ok", pages) or the error
     class name, then holds it until hold_event is set."""

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import vtm
-from broker_testing import CHUNK, ROW, BrokerProcess, child_allocate, child_extend_forever, child_record, pattern
+from broker_testing import (CHUNK, ROW, BrokerProcess, child_allocate, child_extend_forever, child_record, pattern,
+                            run_child)
 
 CTX = multiprocessing.get_context("spawn")
 
@@ -35,8 +36,10 @@ def spawn():
     """Starts spawned children; kills any still alive at teardown."""
     children = []
 
+    vtm_root = os.path.dirname(os.path.dirname(os.path.abspath(vtm.__file__)))
+
     def start(target, *args):
-        p = CTX.Process(target=target, args=args, daemon=True)
+        p = CTX.Process(target=run_child, args=(vtm_root, target, *args), daemon=True)
         p.start()
         children.append(p)
         return p
