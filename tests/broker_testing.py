@@ -23,7 +23,8 @@ START_TIMEOUT_S = 30.0
 
 
 class BrokerProcess:
-    def __init__(self, folder, capacity_chunks: int = 64, chunk_bytes: int = CHUNK):
+    def __init__(self, folder, capacity_chunks: int = 64, chunk_bytes: int = CHUNK, backend: str = "host"):
+        self.backend = backend
         self.folder = str(folder)
         self.path = os.path.join(self.folder, "vtmd", "sock")
         self.address = "unix:" + self.path
@@ -34,9 +35,9 @@ class BrokerProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vtm.broker", "--listen", self.address, "--backend", "host",
-             "--capacity-bytes", str(self.capacity_bytes), "--chunk-bytes", str(self.chunk_bytes),
-             "--granularity", str(self.chunk_bytes)],
+            [sys.executable, "-m", "vtm.broker", "--listen", self.address, "--backend", self.backend,
+             "--capacity-bytes", str(self.capacity_bytes), "--chunk-bytes", str(self.chunk_bytes)]
+            + (["--granularity", str(self.chunk_bytes)] if self.backend == "host" else []),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             cwd=self.folder)  # not the repository root, whose vtm/ lacks the built _core
         line = self.proc.stdout.readline()  # "vtmd: listening on ..." once serving
@@ -77,6 +78,33 @@ def wait_serving(address: str, timeout: float) -> None:
                 if time.monotonic() > deadline:
                     raise
             time.sleep(0.05)
+
+
+class RowView:
+    """Bytes of a space through its tensor view: numpy on the host backend,
+    a torch CUDA tensor on cuda (read back to numpy for comparisons)."""
+
+    def __init__(self, space, backend: str):
+        if backend == "cuda":
+            import torch
+
+            self._torch = torch
+            self._view = space.tensor(torch.uint8)
+        else:
+            self._torch = None
+            self._view = space.tensor(np.uint8)
+
+    def write(self, slot: int, start: int, data: np.ndarray) -> None:
+        if self._torch is not None:
+            self._view[slot, start:start + len(data)] = self._torch.from_numpy(data).to(self._view.device)
+            self._torch.cuda.synchronize()
+        else:
+            self._view[slot, start:start + len(data)] = data
+
+    def read(self, slot: int, start: int, stop: int) -> np.ndarray:
+        if self._torch is not None:
+            return self._view[slot, start:stop].cpu().numpy()
+        return np.array(self._view[slot, start:stop])
 
 
 def pattern(tokens, row_bytes: int = ROW) -> np.ndarray:
@@ -122,21 +150,21 @@ def child_allocate(address, tokens, q, hold_event=None):
         q.put((type(exc).__name__, str(exc)))
 
 
-def child_record(address, tokens, q, go_on, done):
+def child_record(address, tokens, q, go_on, done, row=ROW, backend="host"):
     """Writes the pattern of `tokens`, records it, reports its page chunks;
     after `go_on`, checks its own bytes are intact and reports again."""
     import vtm
 
     try:
-        with vtm.connect(address, name="writer", timeout=10) as mgr:
-            space = mgr.create_space(row_bytes=ROW, max_tokens=4096, max_slots=4, namespace="shared")
+        with vtm.connect(address, name="writer", timeout=30) as mgr:
+            space = mgr.create_space(row_bytes=row, max_tokens=4096, max_slots=4, namespace="shared")
             vt = space.create(len(tokens)).result()
-            view = space.tensor(np.uint8)
-            view[vt.slot, :len(tokens) * ROW] = pattern(tokens)
+            view = RowView(space, backend)
+            view.write(vt.slot, 0, pattern(tokens, row))
             space.prefix_record(vt, tokens).result()
             q.put(("recorded", vt.page_chunks()))
             go_on.wait(30)
-            intact = bool((view[vt.slot, :len(tokens) * ROW] == pattern(tokens)).all())
+            intact = bool((view.read(vt.slot, 0, len(tokens) * row) == pattern(tokens, row)).all())
             q.put(("intact", intact))
             done.wait(30)
     except Exception as exc:  # noqa: BLE001

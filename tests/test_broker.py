@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import vtm
-from broker_testing import (CHUNK, ROW, BrokerProcess, child_allocate, child_extend_forever, child_record, pattern,
-                            run_child)
+from broker_testing import (CHUNK, ROW, BrokerProcess, RowView, child_allocate, child_extend_forever, child_record,
+                            pattern, run_child)
 
 CTX = multiprocessing.get_context("spawn")
 
@@ -148,38 +148,44 @@ def test_two_clients_share_one_pool(broker, spawn):
         mgr.check()
 
 
-def test_cross_process_prefix_sharing_is_byte_exact(broker, spawn):
-    q, go_on, done = CTX.Queue(), CTX.Event(), CTX.Event()
-    tokens = list(range(100, 400))  # 300 rows: 4 full pages and a partial fifth
-    writer = spawn(child_record, broker.address, tokens, q, go_on, done)
-    kind, writer_pages = q.get(timeout=60)
-    assert kind == "recorded", writer_pages
-    with vtm.connect(broker.address, name="reader") as mgr:
-        space = mgr.create_space(row_bytes=ROW, max_tokens=4096, max_slots=4, namespace="shared")
-        match = space.prefix_match(tokens + [7]).result()
-        assert match.num_tokens == 300
-        vt = match.vtensor
-        mine = vt.page_chunks()
-        full = 300 * ROW // CHUNK  # 4 pages wholly below the match: the writer's chunks
-        assert mine[:full] == writer_pages[:full]
-        assert mine[full] is not None and mine[full] != writer_pages[full]  # a private copy
-        view = space.tensor(np.uint8)
-        assert (view[vt.slot, :300 * ROW] == pattern(tokens)).all()
-        # Writing the next row goes into the private copy only.
-        vt.extend(301).result()
-        view[vt.slot, 300 * ROW:301 * ROW] = 99
-        go_on.set()
-        assert q.get(timeout=30) == ("intact", True)
-        # The writer leaves; the chunks it shared stay valid for the reader.
-        done.set()
-        writer.join(30)
-        assert writer.exitcode == 0
-        wait_until(lambda: len(mgr.stats()["clients"]) == 1, 5)
-        assert (view[vt.slot, :300 * ROW] == pattern(tokens)).all()
-        mgr.check()
-        vt.release().result()
-        space.clear_prefixes()
-        assert held(mgr) == 0
+def test_cross_process_prefix_sharing_is_byte_exact(tmp_path, spawn, backend):
+    # Host: 64 KiB pages of 65.5 rows; cuda: 2 MiB pages of 104.9 rows.
+    chunk, row = (CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
+    b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=chunk, backend=backend)
+    try:
+        q, go_on, done = CTX.Queue(), CTX.Event(), CTX.Event()
+        tokens = list(range(100, 400))  # 300 rows: full pages and a partial last one
+        writer = spawn(child_record, b.address, tokens, q, go_on, done, row, backend)
+        kind, writer_pages = q.get(timeout=120)
+        assert kind == "recorded", writer_pages
+        with vtm.connect(b.address, name="reader") as mgr:
+            space = mgr.create_space(row_bytes=row, max_tokens=4096, max_slots=4, namespace="shared")
+            match = space.prefix_match(tokens + [7]).result()
+            assert match.num_tokens == 300
+            vt = match.vtensor
+            mine = vt.page_chunks()
+            full = 300 * row // chunk  # pages wholly below the match: the writer's chunks
+            assert full >= 2 and mine[:full] == writer_pages[:full]
+            assert mine[full] is not None and mine[full] != writer_pages[full]  # a private copy
+            view = RowView(space, backend)
+            assert (view.read(vt.slot, 0, 300 * row) == pattern(tokens, row)).all()
+            # Writing the next row goes into the private copy only.
+            vt.extend(301).result()
+            view.write(vt.slot, 300 * row, np.full(row, 99, np.uint8))
+            go_on.set()
+            assert q.get(timeout=30) == ("intact", True)
+            # The writer leaves; the chunks it shared stay valid for the reader.
+            done.set()
+            writer.join(30)
+            assert writer.exitcode == 0
+            wait_until(lambda: len(mgr.stats()["clients"]) == 1, 5)
+            assert (view.read(vt.slot, 0, 300 * row) == pattern(tokens, row)).all()
+            mgr.check()
+            vt.release().result()
+            space.clear_prefixes()
+            assert held(mgr) == 0
+    finally:
+        b.kill()
 
 
 def test_sigkill_mid_extend_returns_chunks_within_a_second(tmp_path, spawn):
