@@ -67,6 +67,8 @@ class RemoteManager:
         self._mapper = None
         self._fds = None
         self._notices = None
+        self._reclaim_handler = None
+        self.reclaim_notices = 0  # RECLAIM notices received
         if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
             # Nothing listens there: say so now instead of after the timeout.
             raise errors.Unavailable(f"no vtm broker answers at {address} (no such socket)")
@@ -121,10 +123,35 @@ class RemoteManager:
             for notice in self._notices:
                 if notice.kind == vtm_pb2.Notice.SHUTDOWN:
                     self._broken = self._broken or errors.Unavailable(f"the vtm broker is stopping: {notice.reason}")
+                elif notice.kind == vtm_pb2.Notice.RECLAIM:
+                    self._answer_reclaim(notice)
         except grpc.RpcError:
             pass
         if not self._closed:
             self._broken = self._broken or errors.Unavailable("the connection to the vtm broker was lost")
+
+    def _answer_reclaim(self, notice) -> None:
+        """Runs the reclaim handler (on this listener thread, so it may wait
+        on futures), then acknowledges."""
+        self.reclaim_notices += 1
+        handler = self._reclaim_handler
+        if handler is not None:
+            try:
+                handler(notice.bytes)
+            except Exception:  # noqa: BLE001 - a failing handler frees nothing; the broker's deadline applies
+                pass
+        try:
+            self._stub.Ack(vtm_pb2.AckRequest(notice_id=notice.notice_id), timeout=self._timeout,
+                           metadata=self._metadata)
+        except grpc.RpcError:
+            pass  # the stream ending reports a lost broker
+
+    def set_reclaim_handler(self, handler) -> None:
+        """handler(bytes) is called (on a thread of this client) when the
+        broker asks for `bytes` back for a higher-priority client: release
+        vTensors, then return. A client that does not come down to what was
+        asked within the notice's deadline gets no more memory until it does."""
+        self._reclaim_handler = handler
 
     def _work(self) -> None:
         while True:

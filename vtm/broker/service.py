@@ -25,6 +25,7 @@ import grpc
 
 import vtm
 from vtm.broker import status
+from vtm.broker.policy import Policy
 from vtm.broker.session import Session
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 
@@ -48,11 +49,16 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._sessions: dict[str, Session] = {}
         self._next_client = 1
         self._stopping = False
+        self.policy = Policy(self._open_sessions, manager.chunk_bytes)
         self._reaper_stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="vtmd-reaper", daemon=True)
         self._reaper.start()
 
     # -- sessions ---------------------------------------------------------
+
+    def _open_sessions(self) -> list[Session]:
+        with self._mu:
+            return list(self._sessions.values())
 
     def lookup(self, lease: str):
         with self._mu:
@@ -118,7 +124,9 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         return [{"id": s.client_id, "name": s.name, "pid": s.pid, "priority": s.priority,
                  "guaranteed_bytes": s.guaranteed_bytes, "limit_bytes": s.limit_bytes,
                  "mapped_bytes": s.mapped_bytes(chunk_bytes), "spaces": len(s.spaces),
-                 "vtensors": len(s.vtensors)} for s in sessions]
+                 "vtensors": len(s.vtensors), "owes_bytes": (0 if s.owed_target is None else
+                                                             max(0, s.mapped_bytes(chunk_bytes) - s.owed_target))}
+                for s in sessions]
 
     # -- plumbing ------------------------------------------------------------
 
@@ -163,6 +171,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if not effects and space_id not in closed:
                 continue
             session.note_effects(space_id, effects)
+            self.policy.settle(session)
             reply.effects.append(vtm_pb2.SpaceEffects(
                 space_id=space_id, closed=space_id in closed,
                 pages=[vtm_pb2.PageEffect(slot=s, page=p, chunk=c, serial=n) for s, p, c, n in effects]))
@@ -173,6 +182,30 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt.id, space_id=vt.space.id, slot=vt.slot,
                                                            num_tokens=vt.num_tokens))
         return reply
+
+    def _pages_for(self, space, num_tokens: int) -> int:
+        chunk = self.manager.chunk_bytes
+        return (num_tokens * space.row_bytes + chunk - 1) // chunk
+
+    def _missing_bytes(self, session: Session, vt, num_tokens: int) -> int:
+        """Bytes an extend of `vt` to `num_tokens` rows would map."""
+        space = vt.space
+        if num_tokens > space.max_tokens:
+            return 0  # the manager refuses it with InvalidArgument
+        need = self._pages_for(space, num_tokens)
+        return (need - session.mapped_in(space.id, vt.slot, need)) * self.manager.chunk_bytes
+
+    def _allocate(self, session: Session, extra_bytes: int, op):
+        """Runs an allocating op under the policy: the client's limit and
+        debts first; on out of memory, reclaim from lower priorities and
+        retry once."""
+        self.policy.admit(session, extra_bytes)
+        try:
+            return op()
+        except vtm.OutOfMemory:
+            if not self.policy.reclaim(session, extra_bytes):
+                raise
+        return op()
 
     # -- RPCs --------------------------------------------------------------
 
@@ -241,7 +274,9 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def Create(self, request, context):
         def body(session):
             space = self._space(session, request.space_id)
-            vt = space.create(_count(request.num_tokens, "num_tokens")).result()
+            n = _count(request.num_tokens, "num_tokens")
+            extra = self._pages_for(space, min(n, space.max_tokens)) * self.manager.chunk_bytes
+            vt = self._allocate(session, extra, lambda: space.create(n).result())
             session.vtensors[vt.id] = vt
             return self._reply(session, vtensors=[vt], vtensor_id=vt.id)
         return self._run(context, body)
@@ -249,7 +284,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def Extend(self, request, context):
         def body(session):
             vt = self._vtensor(session, request.vtensor_id)
-            vt.extend(_count(request.num_tokens, "num_tokens")).result()
+            n = _count(request.num_tokens, "num_tokens")
+            self._allocate(session, self._missing_bytes(session, vt, n), lambda: vt.extend(n).result())
             return self._reply(session, vtensors=[vt])
         return self._run(context, body)
 
@@ -259,7 +295,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             for t in request.targets:
                 vt = self._vtensor(session, t.vtensor_id)
                 targets[vt] = max(targets.get(vt, 0), _count(t.num_tokens, "num_tokens"))
-            self.manager.step(targets).result()
+            extra = sum(self._missing_bytes(session, vt, n) for vt, n in targets.items())
+            self._allocate(session, extra, lambda: self.manager.step(targets).result())
             return self._reply(session, vtensors=list(targets))
         return self._run(context, body)
 
@@ -282,9 +319,15 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def PrefixMatch(self, request, context):
         def body(session):
             space = self._space(session, request.space_id)
-            match = space.prefix_match(list(request.token_ids)).result()
+            tokens = list(request.token_ids)
+            match = self._allocate(session, 0, lambda: space.prefix_match(tokens).result())
             if match.vtensor is None:
                 return self._reply(session, matched_tokens=0)
+            mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self.manager.chunk_bytes
+            if session.limit_bytes and session.mapped_bytes(self.manager.chunk_bytes) + mapped > session.limit_bytes:
+                match.vtensor.release().result()  # its effects cancel out in the drain
+                raise vtm.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes; "
+                                      f"the match would map {mapped} more")
             session.vtensors[match.vtensor.id] = match.vtensor
             return self._reply(session, vtensors=[match.vtensor], vtensor_id=match.vtensor.id,
                                matched_tokens=match.num_tokens)
@@ -304,21 +347,42 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                    pages=n["pages"]) for n in nodes])
         return self._run(context, body)
 
+    # Control calls: no lease needed (see the proto).
+
     def Trim(self, request, context):
-        def body(session):
-            released = self.manager.trim(None if request.all else _count(request.bytes, "bytes"))
-            return self._reply(session, value=released)
-        return self._run(context, body)
+        def body(_):
+            # No page effects: the broker keeps no slot cache, so trimming
+            # unmaps nothing any client maps.
+            return vtm_pb2.OpReply(value=self.manager.trim(None if request.all else _count(request.bytes, "bytes")))
+        return self._run(context, body, session_required=False)
 
     def Stats(self, request, context):
-        def body(session):
+        def body(_):
             stats = self.manager.stats()
             stats["clients"] = self.clients()
             return vtm_pb2.StatsReply(json=json.dumps(stats))
-        return self._run(context, body)
+        return self._run(context, body, session_required=False)
 
     def Check(self, request, context):
-        def body(session):
+        def body(_):
             self.manager.check()
+            return vtm_pb2.OpReply()
+        return self._run(context, body, session_required=False)
+
+    def SetQuota(self, request, context):
+        def body(_):
+            matching = [s for s in self._open_sessions() if s.name == request.name]
+            if not matching:
+                raise vtm.NotFound(f"no client named '{request.name}'")
+            for session in matching:
+                session.limit_bytes = _count(request.limit_bytes, "limit_bytes")
+                if request.set_guaranteed:
+                    session.guaranteed_bytes = _count(request.guaranteed_bytes, "guaranteed_bytes")
+            return vtm_pb2.StatsReply(json=json.dumps([c for c in self.clients() if c["name"] == request.name]))
+        return self._run(context, body, session_required=False)
+
+    def Ack(self, request, context):
+        def body(session):
+            self.policy.settle(session)
             return vtm_pb2.OpReply()
         return self._run(context, body)

@@ -7,7 +7,9 @@ Invariants (guarded by `lock`, which also serialises the client's calls):
   * pages[(space, slot, page)] is the (chunk, serial) mapped there as the
     client was last told; serial_refs[s] counts those pages, so a chunk's fd
     is handed out only while the client maps it (DESIGN §6);
-  * once `closed`, the session holds nothing and every call fails.
+  * once `closed`, the session holds nothing and every call fails;
+  * limit_bytes / guaranteed_bytes / priority / owed_* are the policy's
+    (vtm/broker/policy.py); 0 limit means none.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Session:
         self.created_at = time.monotonic()
         self.closed = False
         self.next_space = 1
+        # Set by the policy's reclaim notices (vtm/broker/policy.py).
+        self.owed_target = None  # mapped bytes the client was asked to come down to
+        self.owed_deadline = 0.0
 
     def note_effects(self, space_id: int, effects) -> None:
         """Record the page states the client is about to be told."""
@@ -58,3 +63,7 @@ class Session:
 
     def mapped_bytes(self, chunk_bytes: int) -> int:
         return len(self.pages) * chunk_bytes
+
+    def mapped_in(self, space_id: int, slot: int, pages: int) -> int:
+        """How many of the first `pages` pages of a slot the client maps."""
+        return sum(1 for p in range(pages) if (space_id, slot, p) in self.pages)

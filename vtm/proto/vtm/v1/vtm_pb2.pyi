@@ -48,7 +48,7 @@ class NoticesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Notice(_message.Message):
-    __slots__ = ("kind", "bytes", "reason")
+    __slots__ = ("kind", "bytes", "reason", "notice_id", "deadline_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Notice.Kind]
@@ -60,10 +60,32 @@ class Notice(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     kind: Notice.Kind
     bytes: int
     reason: str
-    def __init__(self, kind: _Optional[_Union[Notice.Kind, str]] = ..., bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    notice_id: int
+    deadline_s: float
+    def __init__(self, kind: _Optional[_Union[Notice.Kind, str]] = ..., bytes: _Optional[int] = ..., reason: _Optional[str] = ..., notice_id: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("notice_id",)
+    NOTICE_ID_FIELD_NUMBER: _ClassVar[int]
+    notice_id: int
+    def __init__(self, notice_id: _Optional[int] = ...) -> None: ...
+
+class SetQuotaRequest(_message.Message):
+    __slots__ = ("name", "limit_bytes", "set_guaranteed", "guaranteed_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SET_GUARANTEED_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    limit_bytes: int
+    set_guaranteed: bool
+    guaranteed_bytes: int
+    def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., set_guaranteed: _Optional[bool] = ..., guaranteed_bytes: _Optional[int] = ...) -> None: ...
 
 class CreateSpaceRequest(_message.Message):
     __slots__ = ("row_bytes", "max_tokens", "max_slots", "namespace", "name")

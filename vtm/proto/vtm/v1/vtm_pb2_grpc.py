@@ -109,6 +109,16 @@ class BrokerStub:
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsRequest.SerializeToString,
                 response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
                 _registered_method=True)
+        self.Ack = channel.unary_unary(
+                '/vtm.v1.Broker/Ack',
+                request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.AckRequest.SerializeToString,
+                response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+                _registered_method=True)
+        self.SetQuota = channel.unary_unary(
+                '/vtm.v1.Broker/SetQuota',
+                request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsReply.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -206,6 +216,22 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ack(self, request, context):
+        """The client has answered a reclaim notice (freed what it could).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQuota(self, request, context):
+        """Control (vtmctl): a connected client's limit and guarantee. Stats, Trim,
+        Check and SetQuota also work without a lease, for the broker's owner
+        (the socket's folder is private to that user).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -283,6 +309,16 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.Check,
                     request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsRequest.FromString,
                     response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
+            ),
+            'Ack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ack,
+                    request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.AckRequest.FromString,
+                    response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.SetQuotaRequest.FromString,
+                    response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -690,6 +726,60 @@ class Broker:
             '/vtm.v1.Broker/Check',
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsRequest.SerializeToString,
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vtm.v1.Broker/Ack',
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.AckRequest.SerializeToString,
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vtm.v1.Broker/SetQuota',
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.SetQuotaRequest.SerializeToString,
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,
