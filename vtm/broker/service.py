@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 
@@ -108,7 +109,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             self._stopping = True
             sessions = list(self._sessions.values())
         for session in sessions:
+            # Then the stream ends, so the server's grace period is spent on
+            # calls in flight, not on waiting for long-lived streams.
             session.notices.put(vtm_pb2.Notice(kind=vtm_pb2.Notice.SHUTDOWN, reason="the broker is stopping"))
+            session.notices.put(None)
 
     def close_all(self) -> None:
         self._reaper_stop.set()
@@ -236,7 +240,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         while context.is_active():
             try:
                 notice = session.notices.get(timeout=0.25)
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 continue
             if notice is None:
                 return
