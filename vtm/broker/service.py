@@ -91,6 +91,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                     pass  # counted by the manager (rollback_failures_total); nothing else to do
             session.spaces.clear()
             session.vtensors.clear()
+            session.vt_state.clear()
+            session.geometry.clear()
             session.pages.clear()
             session.serial_refs.clear()
             session.chunk_of.clear()
@@ -168,7 +170,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def _reply(self, session: Session, vtensors=(), closed=(), **fields) -> vtm_pb2.OpReply:
         """An OpReply with the page states of the session's spaces the call
-        changed, and the state of `vtensors`."""
+        changed, and the state of the vTensors with ids `vtensors` (released
+        when the session no longer holds them)."""
         reply = vtm_pb2.OpReply(**fields)
         for space_id in list(session.spaces) + list(closed):
             effects = self.manager._drain_effects(space_id)
@@ -179,25 +182,28 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             reply.effects.append(vtm_pb2.SpaceEffects(
                 space_id=space_id, closed=space_id in closed,
                 pages=[vtm_pb2.PageEffect(slot=s, page=p, chunk=c, serial=n) for s, p, c, n in effects]))
-        for vt in vtensors:
-            if vt.released:
-                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt.id, released=True))
+        for vt_id in vtensors:
+            state = session.vt_state.get(vt_id)
+            if state is None:
+                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt_id, released=True))
             else:
-                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt.id, space_id=vt.space.id, slot=vt.slot,
-                                                           num_tokens=vt.num_tokens))
+                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt_id, space_id=state[0], slot=state[1],
+                                                           num_tokens=state[2]))
         return reply
 
-    def _pages_for(self, space, num_tokens: int) -> int:
+    def _pages_for(self, session: Session, space_id: int, num_tokens: int) -> int:
         chunk = self.manager.chunk_bytes
-        return (num_tokens * space.row_bytes + chunk - 1) // chunk
+        return (num_tokens * session.geometry[space_id][0] + chunk - 1) // chunk
 
-    def _missing_bytes(self, session: Session, vt, num_tokens: int) -> int:
-        """Bytes an extend of `vt` to `num_tokens` rows would map."""
-        space = vt.space
-        if num_tokens > space.max_tokens:
+    def _missing_bytes(self, session: Session, vt_id: int, num_tokens: int) -> int:
+        """Bytes an extend of a vTensor to `num_tokens` rows would map."""
+        space_id, _, current = session.vt_state[vt_id]
+        if num_tokens > session.geometry[space_id][1]:
             return 0  # the manager refuses it with InvalidArgument
-        need = self._pages_for(space, num_tokens)
-        return (need - session.mapped_in(space.id, vt.slot, need)) * self.manager.chunk_bytes
+        # A live vTensor maps exactly the pages covering its rows (the broker
+        # keeps no slot cache), so the difference is what it will map.
+        more = self._pages_for(session, space_id, num_tokens) - self._pages_for(session, space_id, current)
+        return max(0, more) * self.manager.chunk_bytes
 
     def _allocate(self, session: Session, extra_bytes: int, op):
         """Runs an allocating op under the policy: the client's limit and
@@ -258,6 +264,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             session.next_space += 1
             session.spaces[space.id] = space
             session.space_names[space.id] = name
+            session.geometry[space.id] = (space.row_bytes, space.max_tokens)
             return vtm_pb2.SpaceReply(space_id=space.id, name=name, namespace=space.namespace,
                                       row_bytes=space.row_bytes, max_tokens=space.max_tokens, max_slots=space.max_slots,
                                       slot_bytes=space.slot_bytes, pages_per_slot=space.pages_per_slot)
@@ -269,9 +276,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             space.close()
             del session.spaces[request.space_id]
             del session.space_names[request.space_id]
-            gone = [vt for vt in session.vtensors.values() if vt.released]
-            for vt in gone:
-                del session.vtensors[vt.id]
+            del session.geometry[request.space_id]
+            gone = [vt_id for vt_id, state in session.vt_state.items() if state[0] == request.space_id]
+            for vt_id in gone:
+                session.drop_vtensor(vt_id)
             return self._reply(session, vtensors=gone, closed=(request.space_id,))
         return self._run(context, body)
 
@@ -279,18 +287,20 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         def body(session):
             space = self._space(session, request.space_id)
             n = _count(request.num_tokens, "num_tokens")
-            extra = self._pages_for(space, min(n, space.max_tokens)) * self.manager.chunk_bytes
+            extra = self._pages_for(session, space.id, min(n, session.geometry[space.id][1])) * self.manager.chunk_bytes
             vt = self._allocate(session, extra, lambda: space.create(n).result())
-            session.vtensors[vt.id] = vt
-            return self._reply(session, vtensors=[vt], vtensor_id=vt.id)
+            session.add_vtensor(vt)
+            return self._reply(session, vtensors=[vt.id], vtensor_id=vt.id)
         return self._run(context, body)
 
     def Extend(self, request, context):
         def body(session):
             vt = self._vtensor(session, request.vtensor_id)
             n = _count(request.num_tokens, "num_tokens")
-            self._allocate(session, self._missing_bytes(session, vt, n), lambda: vt.extend(n).result())
-            return self._reply(session, vtensors=[vt])
+            self._allocate(session, self._missing_bytes(session, vt.id, n), lambda: vt.extend(n).result())
+            state = session.vt_state[vt.id]
+            state[2] = max(state[2], n)
+            return self._reply(session, vtensors=[vt.id])
         return self._run(context, body)
 
     def Step(self, request, context):
@@ -299,17 +309,20 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             for t in request.targets:
                 vt = self._vtensor(session, t.vtensor_id)
                 targets[vt] = max(targets.get(vt, 0), _count(t.num_tokens, "num_tokens"))
-            extra = sum(self._missing_bytes(session, vt, n) for vt, n in targets.items())
+            extra = sum(self._missing_bytes(session, vt.id, n) for vt, n in targets.items())
             self._allocate(session, extra, lambda: self.manager.step(targets).result())
-            return self._reply(session, vtensors=list(targets))
+            for vt, n in targets.items():
+                state = session.vt_state[vt.id]
+                state[2] = max(state[2], n)
+            return self._reply(session, vtensors=[vt.id for vt in targets])
         return self._run(context, body)
 
     def Release(self, request, context):
         def body(session):
             vt = self._vtensor(session, request.vtensor_id)
             vt.release().result()
-            del session.vtensors[vt.id]
-            return self._reply(session, vtensors=[vt])
+            session.drop_vtensor(vt.id)
+            return self._reply(session, vtensors=[vt.id])
         return self._run(context, body)
 
     def PrefixRecord(self, request, context):
@@ -332,8 +345,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 match.vtensor.release().result()  # its effects cancel out in the drain
                 raise vtm.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes; "
                                       f"the match would map {mapped} more")
-            session.vtensors[match.vtensor.id] = match.vtensor
-            return self._reply(session, vtensors=[match.vtensor], vtensor_id=match.vtensor.id,
+            session.add_vtensor(match.vtensor)
+            return self._reply(session, vtensors=[match.vtensor.id], vtensor_id=match.vtensor.id,
                                matched_tokens=match.num_tokens)
         return self._run(context, body)
 

@@ -34,6 +34,11 @@ class Session:
         self.spaces = {}  # space id -> vtm Space of the broker's manager
         self.space_names = {}  # space id -> the name the client chose
         self.vtensors = {}  # vTensor id -> vtm VTensor
+        # Cached so the hot path (a step over many vTensors) asks the manager
+        # nothing but the step: geometry never changes, a slot is fixed for
+        # a vTensor's life, and num_tokens changes only through this session.
+        self.geometry = {}  # space id -> (row_bytes, max_tokens)
+        self.vt_state = {}  # vTensor id -> [space id, slot, num_tokens]
         self.pages = {}  # (space, slot, page) -> (chunk, serial)
         self.serial_refs = collections.Counter()
         self.chunk_of = {}  # serial -> chunk id, for mapped serials
@@ -61,9 +66,13 @@ class Session:
                 self.serial_refs[serial] += 1
                 self.chunk_of[serial] = chunk
 
+    def add_vtensor(self, vt) -> None:
+        self.vtensors[vt.id] = vt
+        self.vt_state[vt.id] = [vt.space.id, vt.slot, vt.num_tokens]
+
+    def drop_vtensor(self, vt_id: int) -> None:
+        self.vtensors.pop(vt_id, None)
+        self.vt_state.pop(vt_id, None)
+
     def mapped_bytes(self, chunk_bytes: int) -> int:
         return len(self.pages) * chunk_bytes
-
-    def mapped_in(self, space_id: int, slot: int, pages: int) -> int:
-        """How many of the first `pages` pages of a slot the client maps."""
-        return sum(1 for p in range(pages) if (space_id, slot, p) in self.pages)
