@@ -127,6 +127,9 @@ def engine_worker(conn, model, manager_address, capacity_bytes, backend, max_mod
     manager = vtm.connect(manager_address, name=f"engine-{os.getpid()}") if manager_address else None
     llm = LLM(model, manager=manager, kv_capacity_bytes=capacity_bytes, backend=backend, max_num_seqs=16,
               max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
+    # Warm-up (kernel setup, first imports of chunks), then its tree entry goes.
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.kv_cache.clear_prefixes()
     conn.send("ready")
     while True:
         msg = conn.recv()
