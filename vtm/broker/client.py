@@ -243,15 +243,18 @@ class RemoteManager:
 
         def run():
             self._apply(self._rpc("extend", self._stub.Extend, request))
+            vt._num_tokens = max(vt._num_tokens, n)
         return self._submit(run)
 
     def step(self, targets) -> RemoteFuture:
+        sizes = [(self._own(vt, "step"), _count(n, "num_tokens")) for vt, n in targets.items()]
         request = _message(vtm_pb2.StepRequest, "step", targets=[
-            _message(vtm_pb2.ExtendRequest, "step", vtensor_id=self._own(vt, "step").id,
-                     num_tokens=_count(n, "num_tokens")) for vt, n in targets.items()])
+            vtm_pb2.ExtendRequest(vtensor_id=vt.id, num_tokens=n) for vt, n in sizes])
 
         def run():
             self._apply(self._rpc("step", self._stub.Step, request))
+            for vt, n in sizes:
+                vt._num_tokens = max(vt._num_tokens, n)
         return self._submit(run)
 
     def _release(self, vt: RemoteVTensor) -> RemoteFuture:

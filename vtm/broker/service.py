@@ -300,7 +300,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             self._allocate(session, self._missing_bytes(session, vt.id, n), lambda: vt.extend(n).result())
             state = session.vt_state[vt.id]
             state[2] = max(state[2], n)
-            return self._reply(session, vtensors=[vt.id])
+            return self._reply(session)  # the client knows the new size: max(old, n)
         return self._run(context, body)
 
     def Step(self, request, context):
@@ -314,7 +314,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             for vt, n in targets.items():
                 state = session.vt_state[vt.id]
                 state[2] = max(state[2], n)
-            return self._reply(session, vtensors=[vt.id for vt in targets])
+            return self._reply(session)  # the client knows the new sizes: max(old, n)
         return self._run(context, body)
 
     def Release(self, request, context):
