@@ -269,6 +269,20 @@ def test_stale_socket_is_replaced_and_a_live_one_refused(tmp_path):
         b.kill()
 
 
+def test_vtmd_refuses_a_shared_socket_folder_and_bad_addresses(tmp_path):
+    import subprocess
+    import sys
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    for address, message in ((f"unix:{shared}/sock", "mode 0700"), ("tcp:1234", "unix:PATH")):
+        done = subprocess.run([sys.executable, "-m", "vtm.broker", "--listen", address, "--backend", "host"],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (shared / "sock").exists() and not (shared / "sock.fds").exists()
+
+
 def test_fd_socket_gives_only_leased_chunks(broker):
     from vtm.broker.fd_channel import FdClient
 

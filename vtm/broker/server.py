@@ -87,6 +87,7 @@ class Broker:
         self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
                                    workers=workers, granularity=granularity, slot_cache_bytes=0,
                                    record_mappings=True, export_chunks=True)
+        self.service = self.fds = None
         try:
             self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds")
             self.fds = FdServer(self.path + ".fds", self.service.lookup, self.manager._chunk_fd)
@@ -101,6 +102,10 @@ class Broker:
             for name in ("", SERVICE_NAME):
                 self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         except BaseException:
+            if self.fds is not None:
+                self.fds.close()  # and its socket file
+            if self.service is not None:
+                self.service.close_all()  # stops its reaper thread
             self.manager.close()
             raise
         self._stopped = False
@@ -116,11 +121,10 @@ class Broker:
         self.service.close_all()
         self.fds.close()
         self.manager.close()
-        for path in (self.path,):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(self.path)  # the fd socket went with self.fds
+        except FileNotFoundError:
+            pass
 
 
 def main(argv=None) -> int:
