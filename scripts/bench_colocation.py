@@ -31,7 +31,6 @@ import json
 import multiprocessing
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
