@@ -31,6 +31,7 @@ from vtm.proto.vtm.v1 import vtm_pb2_grpc
 
 SERVICE_NAME = "vtm.v1.Broker"
 _GRACE_S = 5.0
+_MAX_THREADS = 256  # so up to ~200 clients
 
 
 def unix_path(address: str) -> str:
@@ -91,7 +92,9 @@ class Broker:
         try:
             self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds")
             self.fds = FdServer(self.path + ".fds", self.service.lookup, self.manager._chunk_fd)
-            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="vtmd"))
+            # Each connected client holds one thread for its Notices stream;
+            # the rest serve calls.
+            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=_MAX_THREADS, thread_name_prefix="vtmd"))
             vtm_pb2_grpc.add_BrokerServicer_to_server(self.service, self.server)
             self.health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
