@@ -1,8 +1,12 @@
 """FlexInfer on a vtm broker (vtmd): `LLM(model, manager=vtm.connect(addr))`
-gives the same greedy tokens as an in-process manager, and a second engine
-(another broker session) maps the prefixes the first one recorded."""
+gives the same greedy tokens as an in-process manager, a second engine
+(another broker session) maps the prefixes the first one recorded, and an
+engine answers a reclaim notice by preempting without changing its output."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -59,6 +63,44 @@ def test_greedy_over_a_broker_equals_in_process(tiny_folder, broker):
     finally:
         first.close()
         second.close()
+
+
+def test_engine_preempts_to_answer_a_reclaim_notice(tiny_folder, tmp_path):
+    prompts = random_prompts([40, 40, 40, 40], seed=3)
+    long = 150  # tokens each: the engine runs for a while
+    with LLM(tiny_folder, backend="host") as local:
+        want = [o.token_ids for o in local.generate(prompts, greedy(long), use_tqdm=False)]
+    # 4 x 190 rows of 512 bytes = 95 pages of 4 KiB; the pool has 110.
+    b = BrokerProcess(tmp_path, capacity_chunks=110, chunk_bytes=PAGE)
+    low = vtm.connect(b.address, name="engine", priority=0)
+    high = vtm.connect(b.address, name="urgent", priority=10)
+    worker = None
+    try:
+        engine = LLM(tiny_folder, manager=low)
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            outs=engine.generate(prompts, greedy(long), use_tqdm=False)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while low.stats()["chunks_held"] < 60 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # More pages than are free, so the engine must give some back.
+        ask = 110 - low.stats()["chunks_held"] + 10
+        space = high.create_space(row_bytes=PAGE, max_tokens=128, max_slots=1)
+        vt = space.create(ask).result()
+        assert vt.mapped_bytes == ask * PAGE and low.reclaim_notices == 1
+        vt.release().result()
+        worker.join(120)
+        outs = result["outs"]
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.metrics.preemptions for o in outs) > 0
+        engine.close()
+    finally:
+        if worker is not None:
+            worker.join(120)  # before unmapping what its compute reads
+        high.close()
+        low.close()
+        b.kill()
 
 
 def test_cli_manager_flag_reaches_the_broker(tmp_path, tiny_folder, capsys):

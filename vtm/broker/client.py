@@ -67,7 +67,7 @@ class RemoteManager:
         self._mapper = None
         self._fds = None
         self._notices = None
-        self._reclaim_handler = None
+        self._reclaim_handlers = []
         self.reclaim_notices = 0  # RECLAIM notices received
         if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
             # Nothing listens there: say so now instead of after the timeout.
@@ -131,15 +131,17 @@ class RemoteManager:
             self._broken = self._broken or errors.Unavailable("the connection to the vtm broker was lost")
 
     def _answer_reclaim(self, notice) -> None:
-        """Runs the reclaim handler (on this listener thread, so it may wait
-        on futures), then acknowledges."""
+        """Runs the reclaim handlers in turn (on this listener thread, so they
+        may wait on futures) until the asked bytes are freed, then acknowledges."""
         self.reclaim_notices += 1
-        handler = self._reclaim_handler
-        if handler is not None:
+        remaining = notice.bytes
+        for handler in list(self._reclaim_handlers):
             try:
-                handler(notice.bytes)
+                remaining -= handler(remaining) or 0
             except Exception:  # noqa: BLE001 - a failing handler frees nothing; the broker's deadline applies
-                pass
+                continue
+            if remaining <= 0:
+                break
         try:
             self._stub.Ack(vtm_pb2.AckRequest(notice_id=notice.notice_id), timeout=self._timeout,
                            metadata=self._metadata)
@@ -149,9 +151,18 @@ class RemoteManager:
     def set_reclaim_handler(self, handler) -> None:
         """handler(bytes) is called (on a thread of this client) when the
         broker asks for `bytes` back for a higher-priority client: release
-        vTensors, then return. A client that does not come down to what was
-        asked within the notice's deadline gets no more memory until it does."""
-        self._reclaim_handler = handler
+        vTensors, then return the bytes freed. A client that does not come
+        down to what was asked within the notice's deadline gets no more
+        memory until it does. Replaces every handler added before."""
+        self._reclaim_handlers = [handler]
+
+    def add_reclaim_handler(self, handler) -> None:
+        """Another handler (say, one per FlexInfer engine sharing this
+        manager); handlers run in the order added until enough is freed."""
+        self._reclaim_handlers = self._reclaim_handlers + [handler]
+
+    def remove_reclaim_handler(self, handler) -> None:
+        self._reclaim_handlers = [h for h in self._reclaim_handlers if h is not handler]
 
     def _work(self) -> None:
         while True:
