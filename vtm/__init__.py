@@ -29,6 +29,14 @@ from vtm.views import tensor as _tensor
 
 Space.tensor = _tensor
 
+
+def connect(address, name=None, priority=0, guaranteed_bytes=0, limit_bytes=None, timeout=10):
+    """A manager served by the vtm broker at `address` ("unix:PATH") with the
+    API of Manager; see docs/broker.md. Needs grpcio (imported only here)."""
+    from vtm.broker.client import connect as _connect
+
+    return _connect(address, name, priority, guaranteed_bytes, limit_bytes, timeout)
+
 __all__ = [
     "BackendError",
     "Error",
@@ -45,5 +53,6 @@ __all__ = [
     "Space",
     "Unavailable",
     "VTensor",
+    "connect",
     "cuda_available",
 ]

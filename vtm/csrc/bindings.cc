@@ -17,6 +17,7 @@
 #include "dlpack_view.h"
 #include "error.h"
 #include "manager.h"
+#include "mapper_client.h"
 
 namespace py = pybind11;
 
@@ -189,7 +190,8 @@ std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::int64_t 
                                        int device, int workers, std::int64_t prealloc_chunks,
                                        std::optional<std::int64_t> max_free_chunks,
                                        std::optional<std::int64_t> slot_cache_bytes,
-                                       std::optional<std::int64_t> granularity, bool faults) {
+                                       std::optional<std::int64_t> granularity, bool faults, bool record_mappings,
+                                       bool export_chunks) {
   ManagerOptions o;
   o.backend = backend;
   o.capacity_bytes = Count(capacity_bytes, "capacity_bytes");
@@ -201,6 +203,8 @@ std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::int64_t 
   if (slot_cache_bytes) o.slot_cache_bytes = Count(*slot_cache_bytes, "slot_cache_bytes");
   if (granularity) o.granularity = Count(*granularity, "granularity");
   o.faults = faults;
+  o.record_mappings = record_mappings;
+  o.export_chunks = export_chunks;
   auto mgr = std::make_shared<PyManager>();
   py::gil_scoped_release release;
   mgr->core = std::make_unique<Manager>(o);
@@ -211,6 +215,29 @@ std::vector<py::object> PageList(const std::vector<ChunkId>& pages) {
   std::vector<py::object> out;
   out.reserve(pages.size());
   for (ChunkId c : pages) out.push_back(c == kNoChunk ? py::none() : py::object(py::int_(c)));
+  return out;
+}
+
+// Page effects cross to Python as (slot, page, chunk, serial) tuples, with
+// chunk -1 and serial 0 for an unmapped page.
+using EffectTuple = std::tuple<int, std::size_t, std::int64_t, std::uint64_t>;
+
+std::vector<EffectTuple> EffectsToPython(const std::vector<PageEffect>& effects) {
+  std::vector<EffectTuple> out;
+  out.reserve(effects.size());
+  for (const PageEffect& e : effects)
+    out.emplace_back(e.slot, e.page, e.chunk == kNoChunk ? -1 : static_cast<std::int64_t>(e.chunk), e.serial);
+  return out;
+}
+
+std::vector<PageEffect> EffectsFromPython(const std::vector<EffectTuple>& tuples) {
+  std::vector<PageEffect> out;
+  out.reserve(tuples.size());
+  for (const auto& [slot, page, chunk, serial] : tuples) {
+    if (chunk < -1 || chunk >= static_cast<std::int64_t>(kNoChunk) || (chunk == -1) != (serial == 0))
+      Throw(ErrorCode::kInvalidArgument, "malformed page effect");
+    out.push_back(PageEffect{slot, page, chunk == -1 ? kNoChunk : static_cast<ChunkId>(chunk), serial});
+  }
   return out;
 }
 
@@ -399,7 +426,25 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init(&OpenManager), py::arg("backend") = "auto", py::arg("capacity_bytes") = std::size_t{1} << 30,
            py::arg("chunk_bytes") = std::size_t{2} << 20, py::kw_only(), py::arg("device") = 0, py::arg("workers") = 1,
            py::arg("prealloc_chunks") = 0, py::arg("max_free_chunks") = py::none(),
-           py::arg("slot_cache_bytes") = py::none(), py::arg("granularity") = py::none(), py::arg("faults") = false)
+           py::arg("slot_cache_bytes") = py::none(), py::arg("granularity") = py::none(), py::arg("faults") = false,
+           py::arg("record_mappings") = false, py::arg("export_chunks") = false)
+      .def(
+          "_drain_effects",
+          [](const std::shared_ptr<PyManager>& mgr, std::uint32_t space) {
+            std::vector<PageEffect> effects;
+            {
+              py::gil_scoped_release release;
+              effects = Core(mgr).DrainEffects(space);
+            }
+            return EffectsToPython(effects);
+          },
+          py::arg("space_id"))
+      .def(
+          "_chunk_fd",
+          [](const std::shared_ptr<PyManager>& mgr, std::uint32_t chunk, std::uint64_t serial) {
+            return Core(mgr).DupChunkFd(chunk, serial);
+          },
+          py::arg("chunk"), py::arg("serial"), py::call_guard<py::gil_scoped_release>())
       .def(
           "create_space",
           [](const std::shared_ptr<PyManager>& mgr, std::int64_t row_bytes, std::int64_t max_tokens,
@@ -463,6 +508,60 @@ PYBIND11_MODULE(_core, m) {
         if (Core(mgr).faults() == nullptr) return py::none();
         return py::cast(PyFaults{mgr});
       });
+
+  // A broker client's mapper (see mapper_client.h); vtm.broker.client
+  // drives it from its own worker thread, without the GIL.
+  py::class_<ClientMapper, std::shared_ptr<ClientMapper>>(m, "ClientMapper", "A broker client's mappings.")
+      .def(py::init([](const std::string& kind, std::size_t chunk_bytes, std::size_t granularity, int device,
+                       std::size_t keep_idle) {
+             std::shared_ptr<Backend> backend;
+             if (kind == "host") backend = MakeHostBackend(granularity);
+             else if (kind == "cuda") backend = MakeCudaBackend(device);
+             else Throw(ErrorCode::kInvalidArgument, "unknown backend '" + kind + "'");
+             // The contract is checked here too: the client maps what a broker says.
+             return std::make_shared<ClientMapper>(MakeCheckedBackend(std::move(backend)), chunk_bytes, keep_idle);
+           }),
+           py::arg("backend"), py::arg("chunk_bytes"), py::arg("granularity") = 0, py::arg("device") = 0,
+           py::arg("keep_idle") = 256)
+      .def("add_space", &ClientMapper::AddSpace, py::call_guard<py::gil_scoped_release>())
+      .def("remove_space", &ClientMapper::RemoveSpace, py::call_guard<py::gil_scoped_release>())
+      .def("missing",
+           [](const ClientMapper& m, const std::vector<EffectTuple>& effects) {
+             return m.Missing(EffectsFromPython(effects));
+           })
+      .def("import_fd", &ClientMapper::Import, py::call_guard<py::gil_scoped_release>())
+      .def("apply",
+           [](ClientMapper& m, std::uint32_t space, const std::vector<EffectTuple>& effects) {
+             std::vector<PageEffect> parsed = EffectsFromPython(effects);
+             py::gil_scoped_release release;
+             m.Apply(space, parsed);
+           })
+      .def("pages", [](const ClientMapper& m, std::uint32_t space, int slot) { return PageList(m.Pages(space, slot)); })
+      .def("mapped_pages", &ClientMapper::MappedPages)
+      .def("base_address",
+           [](const ClientMapper& m, std::uint32_t space) -> std::uintptr_t {
+             auto r = m.reservation(space);
+             return r ? r->va() : 0;
+           })
+      .def_property_readonly("imports", &ClientMapper::imports)
+      .def_property_readonly("_device",
+                             [](const ClientMapper& m) {
+                               return std::make_pair(static_cast<int>(m.backend()->device_type()),
+                                                     m.backend()->device_id());
+                             })
+      .def("close", &ClientMapper::Close, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "_dlpack",
+          [](const ClientMapper& m, std::uint32_t space, int code, int bits, std::vector<std::int64_t> shape,
+             bool versioned) {
+            auto reservation = m.reservation(space);
+            if (!reservation) Throw(ErrorCode::kFailedPrecondition, "space " + std::to_string(space) + " is closed");
+            DLDataType dtype{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1};
+            void* t = MakeDLPackView(reservation, dtype, shape, versioned);
+            if (versioned) return py::capsule(t, "dltensor_versioned", &DestroyVersionedCapsule);
+            return py::capsule(t, "dltensor", &DestroyLegacyCapsule);
+          },
+          py::arg("space"), py::arg("code"), py::arg("bits"), py::arg("shape"), py::arg("versioned"));
 
   // The raw backend, for tests of the backend rules and for measuring the
   // floor (one map + set_access) in benchmarks.

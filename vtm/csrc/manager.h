@@ -2,7 +2,16 @@
 //
 // It owns the backend, the pool (pSet), the spaces with their slots (vSet)
 // and page tables, the vTensors, the prefix trees (rTree, one per namespace)
-// and the executor. Every mutating operation is queued on the executor and
+// and the executor. It decides what is mapped where; its Mapper carries the
+// decisions out: a LocalMapper maps into this process's reservations, a
+// RecordingMapper (the broker, `record_mappings`) maps nothing and keeps the
+// effects for DrainEffects, so a client process maps them (DESIGN §6).
+//
+// The implementation is split by concern: manager.cc (construction,
+// submission, spaces), manager_slots.cc (the vSet), manager_chunks.cc
+// (acquiring and reclaiming chunks, eager allocation), manager_pages.cc
+// (page tables through the mapper, chunk export), manager_ops.cc (the
+// operation bodies), manager_introspection.cc (stats, Check, describe). Every mutating operation is queued on the executor and
 // returns a FutureState; the operation body runs on a worker thread with mu_
 // held for its whole duration, in three phases:
 //
@@ -44,9 +53,12 @@
 #include "backend_faulty.h"
 #include "executor.h"
 #include "future.h"
+#include "mapper.h"
+#include "mapper_recording.h"
 #include "pool.h"
 #include "prefix_tree.h"
 #include "reservation.h"
+#include "undo_log.h"
 
 namespace vtm {
 
@@ -61,6 +73,11 @@ struct ManagerOptions {
   std::optional<std::size_t> slot_cache_bytes;  // default capacity_bytes / 4
   std::size_t granularity = 0;                  // host only; 0 = 2 MiB
   bool faults = false;
+  // Broker mode: map nothing here, record the page-table effects for the
+  // client processes (DrainEffects), and export every chunk as a POSIX fd
+  // once, when it is created (DupChunkFd hands out copies).
+  bool record_mappings = false;
+  bool export_chunks = false;
 };
 
 struct VTensorInfo {
@@ -137,6 +154,13 @@ class Manager {
   std::vector<NodeInfo> PrefixNodes(std::uint32_t space) const;
   std::shared_ptr<Reservation> SpaceReservation(std::uint32_t space) const;
 
+  // Broker mode (record_mappings): the page states of `space` changed since
+  // its last drain. Throws kFailedPrecondition for an in-process manager.
+  std::vector<PageEffect> DrainEffects(std::uint32_t space);
+  // A new fd (owned by the caller) for chunk `id`, which must be alive with
+  // pool serial `serial` and exported (export_chunks).
+  int DupChunkFd(ChunkId id, std::uint64_t serial) const;
+
   const std::shared_ptr<Backend>& backend() const { return backend_; }
   FaultInjectingBackend* faults() const { return faults_; }
   std::size_t chunk_bytes() const { return chunk_bytes_; }
@@ -156,7 +180,6 @@ class Manager {
     std::string name, ns;
     PrefixTree* tree = nullptr;
     std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
-    std::shared_ptr<Reservation> reservation;
     std::vector<Slot> slots;
     std::vector<int> clean_free;  // free slots with nothing mapped
     bool closed = false;
@@ -167,7 +190,6 @@ class Manager {
     std::size_t num_tokens = 0;
     PrefixNode* lock_node = nullptr;
   };
-  class UndoLog;
 
   // Executor keys of prefix trees have this bit set; vTensor ids never do.
   static constexpr std::uint64_t kTreeKeyBit = std::uint64_t{1} << 63;
@@ -212,9 +234,10 @@ class Manager {
   std::vector<ChunkId> UnmapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, UndoLog* undo);
   void ReleaseVTensorLocked(std::uint64_t id, bool best_effort);
   void AfterCommit();
-  std::uintptr_t PageAddress(const Space& sp, int slot, std::size_t page) const {
-    return sp.reservation->va() + static_cast<std::size_t>(slot) * sp.slot_bytes + page * chunk_bytes_;
-  }
+  ChunkRef Ref(ChunkId id) const { return ChunkRef{id, pool_->handle(id), pool_->serial(id)}; }
+  // A new chunk from the backend, exported as *fd when export_chunks_ (else
+  // *fd = -1). Called with or without mu_ (it touches no manager state).
+  ChunkHandle CreateChunk(int* fd);
 
   std::shared_ptr<Backend> backend_;         // a CheckedBackend over the device (and the fault injector)
   FaultInjectingBackend* faults_ = nullptr;  // inside backend_ when faults are on
@@ -223,6 +246,9 @@ class Manager {
   std::size_t prealloc_chunks_ = 0;
   std::optional<std::size_t> max_free_chunks_;
   std::size_t cache_budget_pages_ = 0;
+  bool export_chunks_ = false;
+  std::unique_ptr<Mapper> mapper_;
+  RecordingMapper* recorder_ = nullptr;  // mapper_ in broker mode
 
   std::mutex close_mu_;  // serialises Close()
   mutable std::mutex mu_;

@@ -1,5 +1,7 @@
 #include "pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "error.h"
@@ -11,7 +13,10 @@ Pool::Pool(std::shared_ptr<Backend> backend, std::size_t capacity_chunks)
 
 Pool::~Pool() {
   for (ChunkId id = 0; id < records_.size(); ++id)
-    if (records_[id].alive) backend_->release_chunk(records_[id].handle);
+    if (records_[id].alive) {
+      if (records_[id].fd >= 0) close(records_[id].fd);
+      backend_->release_chunk(records_[id].handle);
+    }
 }
 
 bool Pool::TakeFree(ChunkId* out) {
@@ -22,7 +27,7 @@ bool Pool::TakeFree(ChunkId* out) {
   return true;
 }
 
-ChunkId Pool::Adopt(ChunkHandle handle, int refs) {
+ChunkId Pool::Adopt(ChunkHandle handle, int refs, int export_fd) {
   ChunkId id;
   if (!dead_ids_.empty()) {
     id = dead_ids_.back();
@@ -31,7 +36,7 @@ ChunkId Pool::Adopt(ChunkHandle handle, int refs) {
     id = static_cast<ChunkId>(records_.size());
     records_.emplace_back();
   }
-  records_[id] = Record{handle, refs, true};
+  records_[id] = Record{handle, refs, true, next_serial_++, export_fd};
   ++alive_;
   if (refs == 0) free_.push_back(id);
   return id;
@@ -62,6 +67,7 @@ std::size_t Pool::ReleaseFree(std::size_t max_chunks) {
 
 void Pool::Retire(ChunkId id) {
   Record& r = records_[id];
+  if (r.fd >= 0) close(r.fd);
   backend_->release_chunk(r.handle);
   r = Record{};
   dead_ids_.push_back(id);

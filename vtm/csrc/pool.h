@@ -6,10 +6,17 @@
 // free list (lazy release) until Trim()/ReleaseFree() gives it back to the
 // device; the next acquisition takes it without a device call.
 //
+// Each chunk also carries a serial, unique over the pool's life (ids are
+// reused, serials never), so a process that imported a chunk can tell a
+// recreated chunk from the one it cached; and, for a broker, the POSIX fd the
+// chunk was exported as once at creation (-1 when not exported), closed when
+// the chunk is released.
+//
 // Invariants:
 //  * a chunk is in free_ iff it is alive and its refcount is 0, once;
 //  * alive chunks + creating_ <= capacity_chunks_;
-//  * a chunk is released to the device only when its refcount is 0.
+//  * a chunk is released to the device only when its refcount is 0;
+//  * serials of alive chunks are distinct and never reused.
 //
 // Not thread-safe: the Manager calls it with its mutex held.
 #pragma once
@@ -44,8 +51,8 @@ class Pool {
   // Pops a free chunk and gives it refcount 1; false when none is free.
   bool TakeFree(ChunkId* out);
   // Registers a chunk just created on the device; it starts with `refs`
-  // references (0 puts it in the free list).
-  ChunkId Adopt(ChunkHandle handle, int refs);
+  // references (0 puts it in the free list). The pool owns `export_fd`.
+  ChunkId Adopt(ChunkHandle handle, int refs, int export_fd = -1);
   // Capacity accounting for a creation running without the manager's lock.
   void BeginCreate() { ++creating_; }
   void EndCreate() { --creating_; }
@@ -62,6 +69,8 @@ class Pool {
   int refs(ChunkId id) const { return records_[id].refs; }
   bool is_alive(ChunkId id) const { return id < records_.size() && records_[id].alive; }
   ChunkHandle handle(ChunkId id) const { return records_[id].handle; }
+  std::uint64_t serial(ChunkId id) const { return records_[id].serial; }
+  int export_fd(ChunkId id) const { return records_[id].fd; }
   std::size_t id_limit() const { return records_.size(); }
   const std::vector<ChunkId>& free_list() const { return free_; }
 
@@ -73,6 +82,8 @@ class Pool {
     ChunkHandle handle = 0;
     int refs = 0;
     bool alive = false;
+    std::uint64_t serial = 0;
+    int fd = -1;
   };
   void Retire(ChunkId id);
 
@@ -84,6 +95,7 @@ class Pool {
   std::size_t alive_ = 0;
   std::size_t creating_ = 0;
   std::uint64_t released_total_ = 0;
+  std::uint64_t next_serial_ = 1;
 };
 
 }  // namespace vtm

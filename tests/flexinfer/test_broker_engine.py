@@ -1,0 +1,109 @@
+"""FlexInfer on a vtm broker (vtmd): `LLM(model, manager=vtm.connect(addr))`
+gives the same greedy tokens as an in-process manager, a second engine
+(another broker session) maps the prefixes the first one recorded, and an
+engine answers a reclaim notice by preempting without changing its output."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import vtm  # noqa: E402
+from broker_testing import BrokerProcess  # noqa: E402
+from flexinfer import LLM  # noqa: E402
+from flexinfer.cli import main  # noqa: E402
+from test_engine import TINY_PROMPT_LENGTHS, _build_tiny, greedy, random_prompts  # noqa: E402
+
+PAGE = 4096  # 8 tiny rows a page: prompts span pages, some rows straddle
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, smollm2_hf_tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-broker")
+    _build_tiny(folder, "llama", smollm2_hf_tokenizer, seed=0)
+    return str(folder)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(tmp_path, capacity_chunks=2048, chunk_bytes=PAGE)
+    yield b
+    b.kill()
+
+
+def test_greedy_over_a_broker_equals_in_process(tiny_folder, broker):
+    prompts = random_prompts(TINY_PROMPT_LENGTHS, seed=20)
+    with LLM(tiny_folder, backend="host") as local:
+        want = [o.token_ids for o in local.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)]
+    first = vtm.connect(broker.address, name="engine-a")
+    second = vtm.connect(broker.address, name="engine-b")
+    try:
+        a = LLM(tiny_folder, manager=first)
+        outs = a.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
+        assert [o.metrics.prefix_hit_tokens for o in outs] == [0] * len(prompts)
+        first.check()
+        # Another session, same model (namespace): it maps engine a's recorded
+        # prompts through its own reservation and computes the same tokens.
+        b = LLM(tiny_folder, manager=second)
+        again = b.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)
+        assert [o.token_ids for o in again] == want
+        assert [o.metrics.prefix_hit_tokens for o in again] == [len(p) - 1 for p in prompts]
+        stats = second.stats()
+        assert stats["spaces"][b.kv_cache.space.name]["vtensors"] == 0
+        second.check()
+        a.close()
+        b.close()
+        assert second.stats()["chunks_held"] == 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_engine_preempts_to_answer_a_reclaim_notice(tiny_folder, tmp_path):
+    prompts = random_prompts([40, 40, 40, 40], seed=3)
+    long = 150  # tokens each: the engine runs for a while
+    with LLM(tiny_folder, backend="host") as local:
+        want = [o.token_ids for o in local.generate(prompts, greedy(long), use_tqdm=False)]
+    # 4 x 190 rows of 512 bytes = 95 pages of 4 KiB; the pool has 110.
+    b = BrokerProcess(tmp_path, capacity_chunks=110, chunk_bytes=PAGE)
+    low = vtm.connect(b.address, name="engine", priority=0)
+    high = vtm.connect(b.address, name="urgent", priority=10)
+    worker = None
+    try:
+        engine = LLM(tiny_folder, manager=low)
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            outs=engine.generate(prompts, greedy(long), use_tqdm=False)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while low.stats()["chunks_held"] < 60 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # More pages than are free, so the engine must give some back.
+        ask = 110 - low.stats()["chunks_held"] + 10
+        space = high.create_space(row_bytes=PAGE, max_tokens=128, max_slots=1)
+        vt = space.create(ask).result()
+        assert vt.mapped_bytes == ask * PAGE and low.reclaim_notices == 1
+        vt.release().result()
+        worker.join(120)
+        outs = result["outs"]
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.metrics.preemptions for o in outs) > 0
+        engine.close()
+    finally:
+        if worker is not None:
+            worker.join(120)  # before unmapping what its compute reads
+        high.close()
+        low.close()
+        b.kill()
+
+
+def test_cli_manager_flag_reaches_the_broker(tmp_path, tiny_folder, capsys):
+    dead = f"unix:{tmp_path}/nobody/sock"
+    assert main(["generate", "--model", tiny_folder, "--manager", dead, "--prompt", "hi"]) == 2
+    assert "no vtm broker answers" in capsys.readouterr().err

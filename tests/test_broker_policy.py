@@ -1,0 +1,209 @@
+"""The broker's policies across clients (limits, priorities, cooperative
+reclaim), vtmctl, and a fuzz of malformed requests that must neither crash
+the broker nor change its state."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import grpc
+import pytest
+
+import vtm
+from broker_testing import CHUNK, ROW, BrokerProcess
+from vtm.broker import ctl, status
+from vtm.proto.vtm.v1 import vtm_pb2
+
+ROWS_PER_CHUNK = CHUNK // ROW  # 65 rows fit in one chunk: n * 65 rows need n chunks
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(tmp_path, capacity_chunks=16)
+    yield b
+    b.kill()
+
+
+def held(mgr) -> int:
+    return mgr.stats()["chunks_held"]
+
+
+def test_limit_refuses_and_set_quota_lifts_it(broker, capsys):
+    with vtm.connect(broker.address, name="capped", limit_bytes=4 * CHUNK) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2)
+        with pytest.raises(vtm.OutOfMemory, match="limited to"):
+            space.create(5 * ROWS_PER_CHUNK).result()
+        vt = space.create(4 * ROWS_PER_CHUNK).result()
+        with pytest.raises(vtm.OutOfMemory, match="limited to"):
+            vt.extend(6 * ROWS_PER_CHUNK).result()
+        assert vt.mapped_bytes == 4 * CHUNK and held(mgr) == 4
+        assert ctl.main(["--address", broker.address, "set-quota", "capped", str(8 * CHUNK)]) == 0
+        assert "capped: limit" in capsys.readouterr().out
+        vt.extend(8 * ROWS_PER_CHUNK).result()
+        assert vt.mapped_bytes == 8 * CHUNK
+        assert ctl.main(["--address", broker.address, "set-quota", "nobody", "1"]) == 2
+        assert "no client named 'nobody'" in capsys.readouterr().err
+
+
+def test_reclaim_notice_lets_a_higher_priority_client_in(broker):
+    low = vtm.connect(broker.address, name="low", priority=0, guaranteed_bytes=2 * CHUNK)
+    high = vtm.connect(broker.address, name="high", priority=10)
+    try:
+        space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=6)
+        vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(6)]  # 12 of 16 chunks
+        asked = []
+
+        def give_back(nbytes):
+            asked.append(nbytes)
+            freed = 0
+            while freed < nbytes and vts:
+                vt = vts.pop()
+                vt.release().result()
+                freed += 2 * CHUNK
+
+        low.set_reclaim_handler(give_back)
+        hspace = high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        vt = hspace.create(8 * ROWS_PER_CHUNK).result()  # needs 4 more than the 4 free
+        assert vt.mapped_bytes == 8 * CHUNK
+        assert low.reclaim_notices == 1 and asked and asked[0] >= 4 * CHUNK
+        clients = {c["name"]: c for c in high.stats()["clients"]}
+        assert clients["low"]["mapped_bytes"] <= 8 * CHUNK and clients["low"]["owes_bytes"] == 0
+        high.check()
+    finally:
+        high.close()
+        low.close()
+
+
+def test_a_client_ignoring_notices_gets_no_more_memory(broker):
+    low = vtm.connect(broker.address, name="deaf", priority=0)
+    high = vtm.connect(broker.address, name="urgent", priority=5)
+    try:
+        space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=8)
+        vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(7)]  # 14 of 16 chunks
+        hspace = high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        t0 = time.monotonic()
+        with pytest.raises(vtm.OutOfMemory):
+            hspace.create(8 * ROWS_PER_CHUNK).result()
+        assert time.monotonic() - t0 < 5  # waited for the notice, then refused
+        assert low.reclaim_notices == 1
+        time.sleep(2.2)  # past the notice's deadline
+        with pytest.raises(vtm.OutOfMemory, match="ignored a reclaim notice"):
+            space.create(1).result()
+        for vt in vts[:4]:  # 8 chunks back: what was asked (all the request needed)
+            vt.release().result()
+        space.create(1).result()  # paid up: memory again
+        assert {c["name"]: c["owes_bytes"] for c in high.stats()["clients"]}["deaf"] == 0
+    finally:
+        high.close()
+        low.close()
+
+
+def test_vtmctl_stats_top_trim(broker, capsys):
+    with vtm.connect(broker.address, name="shown") as mgr:
+        vt = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1).create(2 * ROWS_PER_CHUNK).result()
+        assert ctl.main(["--address", broker.address, "stats"]) == 0
+        out = capsys.readouterr().out
+        assert "chunks: created 2, held 2" in out and "shown" in out
+        assert ctl.main(["--address", broker.address, "stats", "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert stats["chunks_held"] == 2 and stats["clients"][0]["mapped_bytes"] == 2 * CHUNK
+        assert ctl.main(["--address", broker.address, "top", "--iterations", "2", "--interval", "0.01"]) == 0
+        assert capsys.readouterr().out.count("shown") == 2
+        vt.release().result()
+        assert ctl.main(["--address", broker.address, "trim"]) == 0
+        assert capsys.readouterr().out == f"released {2 * CHUNK} bytes\n"
+        assert mgr.stats()["chunks_created"] == 0
+    assert ctl.main(["--address", broker.address + ".nobody", "--timeout", "0.5", "stats"]) == 2
+    assert "vtmctl: error:" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- fuzz
+
+_METHODS = {
+    "CreateSpace": vtm_pb2.CreateSpaceRequest, "CloseSpace": vtm_pb2.SpaceRequest,
+    "Create": vtm_pb2.CreateRequest, "Extend": vtm_pb2.ExtendRequest, "Step": vtm_pb2.StepRequest,
+    "Release": vtm_pb2.VTensorRequest, "PrefixRecord": vtm_pb2.PrefixRecordRequest,
+    "PrefixMatch": vtm_pb2.PrefixMatchRequest, "ClearPrefixes": vtm_pb2.SpaceRequest,
+    "PrefixNodes": vtm_pb2.SpaceRequest, "Ack": vtm_pb2.AckRequest, "SetQuota": vtm_pb2.SetQuotaRequest,
+}
+
+
+def _state(mgr) -> dict:
+    """Everything but operation counters."""
+    stats = mgr.stats()
+    stats.pop("ops")
+    return stats
+
+
+def _malformed(rng: random.Random, own_space: int, other_space: int, other_vt: int, own_vt: int):
+    """(method, request bytes): each one invalid, so none may change state."""
+    big = rng.choice([2**62, 2**63, 2**64 - 1, 10**12])
+    choice = rng.randrange(12)
+    if choice == 0:
+        return rng.choice(list(_METHODS)), rng.randbytes(rng.randrange(1, 64))  # not a message at all
+    if choice == 1:
+        return "CreateSpace", vtm_pb2.CreateSpaceRequest(
+            row_bytes=rng.choice([0, big]), max_tokens=rng.choice([0, big]), max_slots=rng.choice([0, big]),
+            namespace=rng.choice(["", "fuzz"]), name="x" * rng.randrange(0, 3)).SerializeToString()
+    if choice == 2:
+        return "Create", vtm_pb2.CreateRequest(space_id=rng.choice([other_space, 0, 999, 2**32 - 1]),
+                                               num_tokens=rng.randrange(5)).SerializeToString()
+    if choice == 3:
+        return "Create", vtm_pb2.CreateRequest(space_id=own_space, num_tokens=rng.choice([1001, big])).SerializeToString()
+    if choice == 4:
+        return "Extend", vtm_pb2.ExtendRequest(vtensor_id=rng.choice([other_vt, 0, 10**9, 2**64 - 1]),
+                                               num_tokens=rng.randrange(100)).SerializeToString()
+    if choice == 5:
+        return "Extend", vtm_pb2.ExtendRequest(vtensor_id=own_vt, num_tokens=rng.choice([1001, big])).SerializeToString()
+    if choice == 6:
+        targets = [vtm_pb2.ExtendRequest(vtensor_id=own_vt, num_tokens=50),
+                   vtm_pb2.ExtendRequest(vtensor_id=rng.choice([other_vt, 12345]), num_tokens=50)]
+        rng.shuffle(targets)
+        return "Step", vtm_pb2.StepRequest(targets=targets).SerializeToString()
+    if choice == 7:
+        return "Release", vtm_pb2.VTensorRequest(vtensor_id=rng.choice([other_vt, 0, 777])).SerializeToString()
+    if choice == 8:
+        return "PrefixRecord", vtm_pb2.PrefixRecordRequest(
+            space_id=rng.choice([own_space, other_space]), vtensor_id=rng.choice([own_vt, other_vt]),
+            token_ids=[rng.randrange(-2**31, 2**31) for _ in range(rng.choice([20, 11]))]).SerializeToString()
+    if choice == 9:
+        return rng.choice(["CloseSpace", "ClearPrefixes", "PrefixNodes"]), vtm_pb2.SpaceRequest(
+            space_id=rng.choice([other_space, 0, 4242])).SerializeToString()
+    if choice == 10:
+        return "SetQuota", vtm_pb2.SetQuotaRequest(name=rng.choice(["", "ghost"]), limit_bytes=big).SerializeToString()
+    return "PrefixMatch", vtm_pb2.PrefixMatchRequest(space_id=rng.choice([other_space, 31337]),
+                                                     token_ids=[1, 2, 3]).SerializeToString()
+
+
+def test_fuzz_malformed_requests_change_nothing(broker):
+    rng = random.Random(1234)
+    with vtm.connect(broker.address, name="fuzzer") as mine, vtm.connect(broker.address, name="bystander") as other:
+        own_space = mine.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+        own_vt = own_space.create(10).result()  # 10 rows: a 20-token record is too long
+        other_space = other.create_space(row_bytes=ROW, max_tokens=1000, max_slots=2, namespace="theirs")
+        other_vt = other_space.create(100).result()
+        other_space.prefix_record(other_vt, list(range(100))).result()
+        before = _state(other)
+        lease = mine._metadata[0][1]
+        codes = {}
+        with grpc.insecure_channel(broker.address) as channel:
+            for i in range(1000):
+                method, body = _malformed(rng, own_space.id, other_space.id, other_vt.id, own_vt.id)
+                call = channel.unary_unary(f"/vtm.v1.Broker/{method}")
+                metadata = rng.choice([((status.LEASE_KEY, lease),)] * 3 + [None, ((status.LEASE_KEY, "f" * 32),)])
+                try:
+                    call(body, timeout=10, metadata=metadata)
+                    pytest.fail(f"request {i} to {method} was accepted: {body!r}")
+                except grpc.RpcError as err:
+                    assert err.code() != grpc.StatusCode.UNKNOWN, (method, err.details())
+                    codes[err.code().name] = codes.get(err.code().name, 0) + 1
+        assert broker.proc.poll() is None, "the broker died"
+        assert _state(other) == before
+        assert own_vt.num_tokens == 10 and other_vt.num_tokens == 100
+        other.check()
+        # Both clients still work.
+        own_vt.extend(20).result()
+        assert other_space.prefix_match(list(range(101))).result().num_tokens == 100
+        assert {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAUTHENTICATED"} <= set(codes)

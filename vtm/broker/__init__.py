@@ -1,0 +1,1 @@
+"""The vtm broker (vtmd) and its client, vtm.connect (docs/broker.md)."""

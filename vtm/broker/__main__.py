@@ -1,0 +1,7 @@
+"""python -m vtm.broker: the same as the vtmd command."""
+
+import sys
+
+from vtm.broker.server import main
+
+sys.exit(main())

@@ -1,0 +1,411 @@
+"""vtm.connect: a vtm manager whose accounting lives in a broker (vtmd).
+
+The returned RemoteManager has vtm.Manager's API. Its operations run, in
+submission order, on one worker thread of this process: it sends the call
+(with a deadline), trades the chunk serials of the reply it has not imported
+yet for fds on the broker's side socket, maps the page changes into this
+process's own reservations (C++ ClientMapper, without the GIL), updates the
+vTensors' state and only then resolves the future. So, as in process, a
+caller may submit the next step's extend and compute meanwhile; the memory is
+mapped when its future resolves.
+
+A broker that dies or stops answering makes every pending and later call
+raise vtm.Unavailable within the call deadline; the session (and with it the
+client's memory) is lost, so the manager stays unusable: connect again.
+
+Invariants:
+  * the worker applies replies in the order the broker executed them (one
+    call at a time), so the mapper's page tables follow the broker's;
+  * _vtensors holds every live vTensor this client has, by id;
+  * after close() (or the connection broke), no call reaches the broker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import queue
+import threading
+import weakref
+
+import grpc
+
+from vtm import _core, errors
+from vtm.broker import status
+from vtm.broker.fd_channel import FdClient
+from vtm.broker.remote import RemoteFuture, RemoteMatch, RemoteSpace, RemoteVTensor
+from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+
+_KEEP_IDLE_IMPORTS = 256  # imports kept after their last unmap, for reuse without an fd round trip
+
+
+def _message(cls, what: str, **fields):
+    """A request message; a field out of its proto range is InvalidArgument."""
+    try:
+        return cls(**fields)
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgument(f"{what}: {exc}") from None
+
+
+def _count(n, what: str) -> int:
+    n = int(n)
+    if n < 0:
+        raise errors.InvalidArgument(f"{what} must be >= 0, got {n}")
+    return n
+
+
+class RemoteManager:
+    def __init__(self, address: str, name: str | None = None, priority: int = 0, guaranteed_bytes: int = 0,
+                 limit_bytes: int | None = None, timeout: float = 10.0):
+        self._timeout = float(timeout)
+        self._broken: errors.Error | None = None
+        self._closed = False
+        self._spaces: dict[int, RemoteSpace] = {}
+        self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._live: dict[int, RemoteVTensor] = {}
+        self._mapper = None
+        self._fds = None
+        self._notices = None
+        self._reclaim_handlers = []
+        self.reclaim_notices = 0  # RECLAIM notices received
+        if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
+            # Nothing listens there: say so now instead of after the timeout.
+            raise errors.Unavailable(f"no vtm broker answers at {address} (no such socket)")
+        self._channel = grpc.insecure_channel(address)
+        try:
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=self._timeout)
+            except grpc.FutureTimeoutError:
+                raise errors.Unavailable(f"no vtm broker answers at {address} "
+                                         f"(waited {self._timeout:g} s)") from None
+            self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
+            hello = self._rpc("hello", self._stub.Hello, vtm_pb2.HelloRequest(
+                name=name or "", priority=priority, guaranteed_bytes=_count(guaranteed_bytes, "guaranteed_bytes"),
+                limit_bytes=_count(limit_bytes or 0, "limit_bytes"), pid=os.getpid()), lease=False)
+            self._metadata = ((status.LEASE_KEY, hello.lease),)
+            self.name = hello.name
+            self.client_id = hello.client_id
+            self.backend = hello.backend
+            self.chunk_bytes = hello.chunk_bytes
+            self.capacity_bytes = hello.capacity_bytes
+            self.granularity = hello.granularity
+            self._mapper = _core.ClientMapper(hello.backend, hello.chunk_bytes,
+                                              hello.granularity if hello.backend == "host" else 0, hello.device,
+                                              _KEEP_IDLE_IMPORTS)
+            self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
+            # The session lives as long as this stream: the broker releases
+            # everything of ours when it ends.
+            self._notices = self._stub.Notices(vtm_pb2.NoticesRequest(), metadata=self._metadata)
+        except BaseException:
+            self._teardown()
+            raise
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name=f"vtm-client-{self.client_id}", daemon=True)
+        self._worker.start()
+        self._listener = threading.Thread(target=self._listen, name=f"vtm-notices-{self.client_id}", daemon=True)
+        self._listener.start()
+
+    # -- plumbing ------------------------------------------------------------
+
+    def _rpc(self, what: str, method, request, lease: bool = True):
+        try:
+            return method(request, timeout=self._timeout, metadata=self._metadata if lease else None)
+        except grpc.RpcError as err:
+            error = status.from_rpc_error(err, what)
+            if isinstance(error, errors.Unavailable):
+                self._broken = self._broken or error
+            raise error from None
+
+    def _listen(self) -> None:
+        """Consumes notices; the stream ending means the session is gone."""
+        try:
+            for notice in self._notices:
+                if notice.kind == vtm_pb2.Notice.SHUTDOWN:
+                    self._broken = self._broken or errors.Unavailable(f"the vtm broker is stopping: {notice.reason}")
+                elif notice.kind == vtm_pb2.Notice.RECLAIM:
+                    self._answer_reclaim(notice)
+        except grpc.RpcError:
+            pass
+        if not self._closed:
+            self._broken = self._broken or errors.Unavailable("the connection to the vtm broker was lost")
+
+    def _answer_reclaim(self, notice) -> None:
+        """Runs the reclaim handlers in turn (on this listener thread, so they
+        may wait on futures) until the asked bytes are freed, then acknowledges."""
+        self.reclaim_notices += 1
+        remaining = notice.bytes
+        for handler in list(self._reclaim_handlers):
+            try:
+                remaining -= handler(remaining) or 0
+            except Exception:  # noqa: BLE001 - a failing handler frees nothing; the broker's deadline applies
+                continue
+            if remaining <= 0:
+                break
+        try:
+            self._stub.Ack(vtm_pb2.AckRequest(notice_id=notice.notice_id), timeout=self._timeout,
+                           metadata=self._metadata)
+        except grpc.RpcError:
+            pass  # the stream ending reports a lost broker
+
+    def set_reclaim_handler(self, handler) -> None:
+        """handler(bytes) is called (on a thread of this client) when the
+        broker asks for `bytes` back for a higher-priority client: release
+        vTensors, then return the bytes freed. A client that does not come
+        down to what was asked within the notice's deadline gets no more
+        memory until it does. Replaces every handler added before."""
+        self._reclaim_handlers = [handler]
+
+    def add_reclaim_handler(self, handler) -> None:
+        """Another handler (say, one per FlexInfer engine sharing this
+        manager); handlers run in the order added until enough is freed."""
+        self._reclaim_handlers = self._reclaim_handlers + [handler]
+
+    def remove_reclaim_handler(self, handler) -> None:
+        self._reclaim_handlers = [h for h in self._reclaim_handlers if h is not handler]
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if self._broken is not None:
+                    raise type(self._broken)(str(self._broken))
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                future.set_exception(exc)
+
+    def _submit(self, fn) -> RemoteFuture:
+        if self._closed:
+            raise errors.FailedPrecondition("the manager is closed")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fn, future))
+        return RemoteFuture(future)
+
+    def _apply(self, reply) -> None:
+        """Maps the page changes of a reply and updates vTensor state."""
+        for space_effects in reply.effects:
+            effects = [(e.slot, e.page, e.chunk, e.serial) for e in space_effects.pages]
+            missing = self._mapper.missing(effects)
+            if missing:
+                try:
+                    fetched = self._fds.fetch(missing)
+                except (OSError, ValueError) as exc:
+                    raise errors.Unavailable(f"fetching chunk fds from the vtm broker failed: {exc}") from None
+                try:
+                    for serial, fd in fetched:
+                        self._mapper.import_fd(serial, fd)
+                finally:
+                    for _, fd in fetched:
+                        os.close(fd)
+            self._mapper.apply(space_effects.space_id, effects)
+            if space_effects.closed:
+                self._mapper.remove_space(space_effects.space_id)
+                space = self._spaces.pop(space_effects.space_id, None)
+                if space is not None:
+                    space.closed = True
+        for state in reply.vtensors:
+            vt = self._vtensors.get(state.vtensor_id)
+            if vt is None:
+                continue
+            if state.released:
+                vt._released = True
+                self._live.pop(vt.id, None)
+            else:
+                vt._slot, vt._num_tokens = state.slot, state.num_tokens
+
+    def _new_vtensor(self, space: RemoteSpace, reply) -> RemoteVTensor:
+        state = next(s for s in reply.vtensors if s.vtensor_id == reply.vtensor_id)
+        vt = RemoteVTensor(self, space, reply.vtensor_id, state.slot, state.num_tokens)
+        self._vtensors[vt.id] = vt
+        self._live[vt.id] = vt
+        return vt
+
+    def _own(self, vt, what: str) -> RemoteVTensor:
+        if not isinstance(vt, RemoteVTensor) or vt._mgr is not self:
+            raise errors.FailedPrecondition(f"{what}: vTensor of another manager")
+        return vt
+
+    def _live_in(self, space: RemoteSpace) -> int:
+        return sum(1 for vt in list(self._live.values()) if vt._space is space)
+
+    # -- operations (run on the worker) ------------------------------------------
+
+    def _create(self, space: RemoteSpace, n) -> RemoteFuture:
+        n = _count(n, "num_tokens")
+
+        request = _message(vtm_pb2.CreateRequest, "create", space_id=space.id, num_tokens=n)
+
+        def run():
+            reply = self._rpc("create", self._stub.Create, request)
+            vt = self._new_vtensor(space, reply)
+            self._apply(reply)
+            return vt
+        return self._submit(run)
+
+    def _extend(self, vt: RemoteVTensor, n) -> RemoteFuture:
+        n = _count(n, "num_tokens")
+
+        request = _message(vtm_pb2.ExtendRequest, "extend", vtensor_id=vt.id, num_tokens=n)
+
+        def run():
+            self._apply(self._rpc("extend", self._stub.Extend, request))
+            vt._num_tokens = max(vt._num_tokens, n)
+        return self._submit(run)
+
+    def step(self, targets) -> RemoteFuture:
+        sizes = [(self._own(vt, "step"), _count(n, "num_tokens")) for vt, n in targets.items()]
+        request = _message(vtm_pb2.StepRequest, "step", targets=[
+            vtm_pb2.ExtendRequest(vtensor_id=vt.id, num_tokens=n) for vt, n in sizes])
+
+        def run():
+            self._apply(self._rpc("step", self._stub.Step, request))
+            for vt, n in sizes:
+                vt._num_tokens = max(vt._num_tokens, n)
+        return self._submit(run)
+
+    def _release(self, vt: RemoteVTensor) -> RemoteFuture:
+        def run():
+            self._apply(self._rpc("release", self._stub.Release, vtm_pb2.VTensorRequest(vtensor_id=vt.id)))
+        return self._submit(run)
+
+    def _prefix_record(self, space: RemoteSpace, vt, token_ids) -> RemoteFuture:
+        vt = self._own(vt, "prefix_record")
+        request = _message(vtm_pb2.PrefixRecordRequest, "prefix_record", space_id=space.id, vtensor_id=vt.id,
+                           token_ids=[int(t) for t in token_ids])
+
+        def run():
+            reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)
+            self._apply(reply)
+            return reply.value
+        return self._submit(run)
+
+    def _prefix_match(self, space: RemoteSpace, token_ids) -> RemoteFuture:
+        request = _message(vtm_pb2.PrefixMatchRequest, "prefix_match", space_id=space.id,
+                           token_ids=[int(t) for t in token_ids])
+
+        def run():
+            reply = self._rpc("prefix_match", self._stub.PrefixMatch, request)
+            vt = self._new_vtensor(space, reply) if reply.vtensor_id else None
+            self._apply(reply)
+            return RemoteMatch(vt, reply.matched_tokens)
+        return self._submit(run)
+
+    def _clear_prefixes(self, space: RemoteSpace) -> RemoteFuture:
+        def run():
+            reply = self._rpc("clear_prefixes", self._stub.ClearPrefixes, vtm_pb2.SpaceRequest(space_id=space.id))
+            self._apply(reply)
+            return reply.value
+        return self._submit(run)
+
+    def _prefix_nodes(self, space: RemoteSpace) -> RemoteFuture:
+        def run():
+            reply = self._rpc("prefix_nodes", self._stub.PrefixNodes, vtm_pb2.SpaceRequest(space_id=space.id))
+            return [{"start": n.start, "end": n.end, "tokens": list(n.tokens), "locks": n.locks,
+                     "pages": list(n.pages)} for n in reply.nodes]
+        return self._submit(run)
+
+    def _close_space(self, space: RemoteSpace) -> RemoteFuture:
+        def run():
+            self._apply(self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=space.id)))
+        return self._submit(run)
+
+    # -- the Manager API -----------------------------------------------------
+
+    def create_space(self, row_bytes, max_tokens, max_slots, namespace=None, name=None) -> RemoteSpace:
+        request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=_count(row_bytes, "row_bytes"),
+                           max_tokens=_count(max_tokens, "max_tokens"), max_slots=_count(max_slots, "max_slots"),
+                           namespace=namespace or "", name=name or "")
+
+        def run():
+            reply = self._rpc("create_space", self._stub.CreateSpace, request)
+            try:
+                self._mapper.add_space(reply.space_id, reply.max_slots, reply.slot_bytes)
+            except BaseException:
+                # No reservation here: give the broker's space back.
+                self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=reply.space_id))
+                raise
+            space = RemoteSpace(self, reply)
+            self._spaces[space.id] = space
+            return space
+        return self._submit(run).result()
+
+    def trim(self, bytes=None) -> int:  # noqa: A002 - the in-process API's name
+        request = _message(vtm_pb2.TrimRequest, "trim", all=bytes is None,
+                           bytes=0 if bytes is None else _count(bytes, "bytes"))
+
+        def run():
+            reply = self._rpc("trim", self._stub.Trim, request)
+            self._apply(reply)
+            return reply.value
+        return self._submit(run).result()
+
+    def stats(self) -> dict:
+        """The broker's stats (the whole pool, every client's spaces) plus
+        "clients"; this client's spaces appear under the names it gave them."""
+        def run():
+            stats = json.loads(self._rpc("stats", self._stub.Stats, vtm_pb2.StatsRequest()).json)
+            mine = f"c{self.client_id}/"
+            stats["spaces"] = {(name[len(mine):] if name.startswith(mine) else name): info
+                               for name, info in stats["spaces"].items()}
+            return stats
+        return self._submit(run).result()
+
+    def check(self) -> None:
+        self._submit(lambda: self._rpc("check", self._stub.Check, vtm_pb2.StatsRequest()) and None).result()
+
+    @property
+    def faults(self):
+        return None
+
+    @property
+    def imports(self) -> int:
+        """Chunks imported into this process (mapped, or kept for reuse)."""
+        return self._mapper.imports
+
+    def close(self) -> None:
+        """Ends the session: the broker releases every vTensor and space of
+        this client; this process unmaps everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join()
+        self._teardown()
+        self._listener.join(timeout=self._timeout)
+        for space in self._spaces.values():
+            space.closed = True
+        for vt in self._live.values():
+            vt._released = True
+        self._spaces.clear()
+        self._live.clear()
+
+    def _teardown(self) -> None:
+        if self._notices is not None:
+            self._notices.cancel()
+        self._channel.close()
+        if self._fds is not None:
+            self._fds.close()
+        if self._mapper is not None:
+            self._mapper.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"RemoteManager(name='{self.name}', backend='{self.backend}', chunk_bytes={self.chunk_bytes})"
+
+
+def connect(address: str, name: str | None = None, priority: int = 0, guaranteed_bytes: int = 0,
+            limit_bytes: int | None = None, timeout: float = 10.0) -> RemoteManager:
+    """A manager served by the vtm broker at `address` ("unix:PATH"), with
+    vtm.Manager's API. Raises vtm.Unavailable when no broker answers within
+    `timeout` seconds, which is also the deadline of every later call."""
+    return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout)

@@ -1,0 +1,111 @@
+"""vtmctl: look at and steer a running vtm broker.
+
+    vtmctl --address unix:PATH stats [--json]
+    vtmctl --address unix:PATH top [--interval S] [--iterations N]
+    vtmctl --address unix:PATH set-quota NAME BYTES [--guaranteed BYTES]
+    vtmctl --address unix:PATH trim [--bytes N]
+
+Exit status 0 on success, 2 when the broker cannot be reached or refuses
+(one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import grpc
+
+from vtm import errors
+from vtm.broker import status
+from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+
+
+def _call(stub_method, request, timeout: float, what: str):
+    try:
+        return stub_method(request, timeout=timeout)
+    except grpc.RpcError as err:
+        raise status.from_rpc_error(err, what) from None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def _clients_table(stats: dict) -> list[str]:
+    rows = [f"{'client':<20} {'pid':>8} {'prio':>5} {'mapped MiB':>11} {'guar MiB':>9} {'limit MiB':>10} "
+            f"{'owes MiB':>9} {'spaces':>6} {'vts':>5}"]
+    for c in stats["clients"]:
+        rows.append(f"{c['name'][:20]:<20} {c['pid']:>8} {c['priority']:>5} {_mib(c['mapped_bytes']):>11} "
+                    f"{_mib(c['guaranteed_bytes']):>9} {_mib(c['limit_bytes']) if c['limit_bytes'] else '-':>10} "
+                    f"{_mib(c['owes_bytes']):>9} {c['spaces']:>6} {c['vtensors']:>5}")
+    return rows
+
+
+def _summary(stats: dict) -> list[str]:
+    chunk = stats["chunk_bytes"]
+    return [f"backend {stats['backend']}, capacity {_mib(stats['capacity_bytes'])} MiB in chunks of {_mib(chunk)} MiB",
+            f"chunks: created {stats['chunks_created']}, held {stats['chunks_held']}, free {stats['chunks_free']}, "
+            f"mapped {stats['chunks_mapped']}, in prefix trees {stats['chunks_in_tree']} "
+            f"({stats['tree_nodes']} nodes, {stats['tree_tokens']} tokens)",
+            f"evictions {stats['evictions_total']}, copy-on-write {stats['cow_copies_total']}, "
+            f"released to the device {stats['chunks_released_total']}"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd).")
+    parser.add_argument("--address", required=True, help="unix:PATH of the broker")
+    parser.add_argument("--timeout", type=float, default=5.0)
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("stats", help="the pool, prefix trees and clients")
+    st.add_argument("--json", action="store_true")
+    top = sub.add_parser("top", help="the clients, refreshed")
+    top.add_argument("--interval", type=float, default=1.0)
+    top.add_argument("--iterations", type=int, default=0, help="0: until interrupted")
+    quota = sub.add_parser("set-quota", help="a client's limit (0: none) and optionally its guarantee")
+    quota.add_argument("name")
+    quota.add_argument("bytes", type=int)
+    quota.add_argument("--guaranteed", type=int, default=None)
+    trim = sub.add_parser("trim", help="give free chunks back to the device")
+    trim.add_argument("--bytes", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            stub = vtm_pb2_grpc.BrokerStub(channel)
+            if args.command == "stats":
+                stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats").json)
+                print(json.dumps(stats, indent=2) if args.json else "\n".join(_summary(stats) + _clients_table(stats)))
+            elif args.command == "top":
+                n = 0
+                while args.iterations == 0 or n < args.iterations:
+                    stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats").json)
+                    print("\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _clients_table(stats)),
+                          flush=True)
+                    n += 1
+                    if args.iterations == 0 or n < args.iterations:
+                        time.sleep(args.interval)
+            elif args.command == "set-quota":
+                if args.bytes < 0 or (args.guaranteed is not None and args.guaranteed < 0):
+                    raise errors.InvalidArgument("byte counts must be >= 0")
+                request = vtm_pb2.SetQuotaRequest(name=args.name, limit_bytes=args.bytes,
+                                                  set_guaranteed=args.guaranteed is not None,
+                                                  guaranteed_bytes=args.guaranteed or 0)
+                clients = json.loads(_call(stub.SetQuota, request, args.timeout, "set-quota").json)
+                print(f"{args.name}: limit {args.bytes} bytes ({len(clients)} client(s))")
+            else:
+                if args.bytes is not None and args.bytes < 0:
+                    raise errors.InvalidArgument("--bytes must be >= 0")
+                request = vtm_pb2.TrimRequest(all=args.bytes is None, bytes=args.bytes or 0)
+                print(f"released {_call(stub.Trim, request, args.timeout, 'trim').value} bytes")
+    except errors.Error as exc:
+        print(f"vtmctl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

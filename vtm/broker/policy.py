@@ -1,0 +1,90 @@
+"""The broker's memory policy across clients: limits, priorities and
+cooperative reclaim (DESIGN §6, docs/broker.md).
+
+A mapped chunk cannot be revoked from a live process (its mapping keeps the
+memory alive), so reclaim is cooperative. Under pressure the manager itself
+first takes free chunks, then evicts unreferenced prefix-tree leaves (LRU);
+when that fails, a client's allocation asks lower-priority clients that map
+more than their guarantee to give memory back (a RECLAIM notice with a
+deadline), waits briefly for them, and retries once; then it fails with
+RESOURCE_EXHAUSTED. A client that has not come down to what a notice asked
+by its deadline gets no more memory until it does.
+
+Invariants:
+  * a session owes memory (owed_target is not None) only between a notice
+    and the moment its mapped bytes are at or below owed_target;
+  * admit() never changes state: it only refuses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+from vtm import errors
+from vtm.proto.vtm.v1 import vtm_pb2
+
+
+class Policy:
+    def __init__(self, sessions, chunk_bytes: int, notice_deadline_s: float = 2.0, wait_s: float = 1.0):
+        self._sessions = sessions  # () -> list of open sessions
+        self.chunk_bytes = chunk_bytes
+        self.notice_deadline_s = notice_deadline_s
+        self.wait_s = wait_s
+        self._ids = itertools.count(1)
+        self._mu = threading.Lock()
+
+    def admit(self, session, extra_bytes: int) -> None:
+        """Refuses an allocation of `extra_bytes` more that the client may not make."""
+        mapped = session.mapped_bytes(self.chunk_bytes)
+        if session.limit_bytes and mapped + extra_bytes > session.limit_bytes:
+            raise errors.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes: it maps "
+                                     f"{mapped} and asks for {extra_bytes} more")
+        with self._mu:
+            target, deadline = session.owed_target, session.owed_deadline
+        if target is not None and time.monotonic() > deadline and mapped > target:
+            raise errors.OutOfMemory(f"client '{session.name}' ignored a reclaim notice: it maps {mapped} bytes, "
+                                     f"{mapped - target} more than asked; no more memory until it gives them back")
+
+    def settle(self, session) -> None:
+        """Clears a debt the client has paid (called after its mappings change)."""
+        with self._mu:
+            if session.owed_target is not None and session.mapped_bytes(self.chunk_bytes) <= session.owed_target:
+                session.owed_target = None
+
+    def reclaim(self, requester, need_bytes: int) -> bool:
+        """Asks lower-priority clients above their guarantee for `need_bytes`
+        and waits up to wait_s for them; False when there was nobody to ask."""
+        victims = sorted((s for s in self._sessions() if s is not requester and not s.closed
+                          and s.priority < requester.priority
+                          and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
+                         key=lambda s: s.priority)
+        asked = []
+        remaining = max(need_bytes, self.chunk_bytes)
+        for victim in victims:
+            mapped = victim.mapped_bytes(self.chunk_bytes)
+            ask = min(mapped - victim.guaranteed_bytes, remaining)
+            if ask <= 0:
+                continue
+            notice_id = next(self._ids)
+            with self._mu:
+                target = mapped - ask if victim.owed_target is None else min(victim.owed_target, mapped - ask)
+                victim.owed_target = target
+                victim.owed_deadline = time.monotonic() + self.notice_deadline_s
+            victim.notices.put(vtm_pb2.Notice(
+                kind=vtm_pb2.Notice.RECLAIM, bytes=ask, notice_id=notice_id, deadline_s=self.notice_deadline_s,
+                reason=f"client '{requester.name}' (priority {requester.priority}) needs memory"))
+            asked.append(victim)
+            remaining -= ask
+            if remaining <= 0:
+                break
+        if not asked:
+            return False
+        end = time.monotonic() + self.wait_s
+        while time.monotonic() < end:
+            with self._mu:
+                if all(v.owed_target is None or v.closed for v in asked):
+                    break
+            time.sleep(0.01)
+        return True

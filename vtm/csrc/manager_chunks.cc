@@ -1,0 +1,191 @@
+#include "manager.h"
+
+#include <algorithm>
+#include <functional>
+#include <queue>
+#include <tuple>
+#include <unordered_map>
+
+#include "error.h"
+
+namespace vtm {
+
+namespace {
+
+std::string Bytes(std::size_t b) { return std::to_string(b) + " bytes"; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Chunks
+
+std::size_t Manager::EvictableTreeChunks() const {
+  // Chunks every one of whose references belongs to an unlocked node: those
+  // an eviction of all unlocked nodes would free.
+  std::unordered_map<ChunkId, int> refs;
+  for (const auto& [name, tree] : trees_)
+    tree->ForEach([&](const PrefixNode& n) {
+      if (n.locks == 0)
+        for (ChunkId c : n.pages) ++refs[c];
+    });
+  std::size_t n = 0;
+  for (const auto& [c, r] : refs) n += pool_->refs(c) == r ? 1 : 0;
+  return n;
+}
+
+std::size_t Manager::ReachableChunks() const {
+  std::size_t n = pool_->free_count() + pool_->headroom() + pool_->creating() + cached_pages_;
+  for (const auto& [space_id, slot] : cached_lru_)
+    if (spaces_[space_id - 1]->slots[slot].claimed) n -= spaces_[space_id - 1]->slots[slot].cached_at_claim;
+  return n;
+}
+
+std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_lock<std::mutex>& lock) {
+  std::vector<ChunkId> out;
+  if (n == 0) return out;
+  // Fail before touching any cache when even emptying them all could not
+  // satisfy the request.
+  if (ReachableChunks() < n && ReachableChunks() + EvictableTreeChunks() < n)
+    Throw(ErrorCode::kOutOfMemory,
+          "pool capacity exhausted: " + std::to_string(n) + " chunks needed, capacity " +
+              Bytes(capacity_chunks_ * chunk_bytes_) + " with " + std::to_string(pool_->held()) +
+              " chunks held by live vTensors and locked prefixes");
+  std::string device_error;
+  while (out.size() < n) {
+    ChunkId id;
+    if (pool_->TakeFree(&id)) {
+      out.push_back(id);
+      undo.Add([this, id] { pool_->Unref(id); });
+      continue;
+    }
+    if (device_error.empty() && pool_->headroom() > 0) {
+      ChunkHandle handle;
+      int fd = -1;
+      try {
+        handle = CreateChunk(&fd);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kOutOfMemory) throw;
+        device_error = e.what();
+        continue;
+      }
+      id = pool_->Adopt(handle, 1, fd);
+      out.push_back(id);
+      undo.Add([this, id] { pool_->Destroy(id); });
+      continue;
+    }
+    if (pool_->creating() > 0) {  // the refill thread is about to add one
+      refill_cv_.wait(lock);
+      continue;
+    }
+    if (ReclaimCachedPages(n - out.size()) > 0) continue;
+    if (EvictTreeLeaves(n - out.size()) > 0) continue;
+    if (!device_error.empty()) Throw(ErrorCode::kOutOfMemory, "device out of memory: " + device_error);
+    Throw(ErrorCode::kOutOfMemory, "pool capacity exhausted: " + std::to_string(n) + " chunks needed, capacity " +
+                                       Bytes(capacity_chunks_ * chunk_bytes_));
+  }
+  return out;
+}
+
+std::size_t Manager::ReclaimCachedPages(std::size_t need) {
+  // Oldest released slots first; their chunks go to the free list.
+  std::size_t freed = 0;
+  for (auto it = cached_lru_.begin(); it != cached_lru_.end() && freed < need;) {
+    auto [space_id, slot] = *it;
+    Space& sp = *spaces_[space_id - 1];
+    Slot& s = sp.slots[slot];
+    if (s.claimed) {
+      ++it;
+      continue;
+    }
+    const std::size_t before = s.mapped;
+    UndoLog slot_undo(&rollback_failures_total_);  // a slot's pages go all or none
+    std::vector<ChunkId> chunks = UnmapPages(sp, slot, MappedPages(s), &slot_undo);
+    slot_undo.Commit();
+    for (ChunkId c : chunks) pool_->Unref(c);
+    freed += chunks.size();
+    cached_pages_ -= before;
+    it = cached_lru_.erase(it);
+    s.cached_pos = cached_lru_.end();
+    sp.clean_free.push_back(slot);
+  }
+  return freed;
+}
+
+std::size_t Manager::EvictTreeLeaves(std::size_t need) {
+  using Entry = std::tuple<std::uint64_t, PrefixNode*, PrefixTree*>;
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  for (auto& [name, tree] : trees_) {
+    PrefixTree* t = tree.get();
+    t->ForEachEvictableLeaf([&](PrefixNode* n) { heap.emplace(n->last_access, n, t); });
+  }
+  std::size_t freed = 0;
+  while (freed < need && !heap.empty()) {
+    auto [tick, node, tree] = heap.top();
+    heap.pop();
+    PrefixNode* parent = node->parent;
+    freed += tree->EvictLeaf(node);
+    ++evictions_total_;
+    if (parent != tree->root() && parent->children.empty() && parent->locks == 0)
+      heap.emplace(parent->last_access, parent, tree);
+  }
+  return freed;
+}
+
+bool Manager::RefillNeeded() const {
+  return prealloc_chunks_ > 0 && !closed_ && !refill_blocked_ &&
+         pool_->free_count() + pool_->creating() < prealloc_chunks_ && pool_->headroom() > 0;
+}
+
+void Manager::AfterCommit() {
+  if (max_free_chunks_ && pool_->free_count() > *max_free_chunks_)
+    pool_->ReleaseFree(pool_->free_count() - *max_free_chunks_);
+  refill_blocked_ = false;  // memory may have come back: the refill may try again
+  if (RefillNeeded()) refill_wake_.notify_one();
+}
+
+void Manager::RefillThread() {
+  // Eager allocation on a thread of its own, so that creating chunks (the
+  // slowest backend call) never occupies a worker that operations wait
+  // for; the lock is dropped around each device call.
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    refill_wake_.wait(lock, [this] { return refill_stop_ || RefillNeeded(); });
+    if (refill_stop_) return;
+    pool_->BeginCreate();
+    lock.unlock();
+    ChunkHandle handle = 0;
+    int fd = -1;
+    bool ok = true;
+    try {
+      handle = CreateChunk(&fd);
+    } catch (...) {
+      ok = false;  // the device is full: demand will find out and reclaim
+    }
+    lock.lock();
+    pool_->EndCreate();
+    if (ok) {
+      pool_->Adopt(handle, 0, fd);
+      ++prealloc_total_;
+    } else {
+      refill_blocked_ = true;  // until the next operation commits
+    }
+    refill_cv_.notify_all();
+  }
+}
+
+ChunkHandle Manager::CreateChunk(int* fd) {
+  *fd = -1;
+  ChunkHandle handle = backend_->create_chunk(chunk_bytes_);
+  if (!export_chunks_) return handle;
+  // Exported once, here, off the critical path of a client's mapping: on
+  // CUDA an export costs ~0.5 ms (DESIGN §6); clients get dups of this fd.
+  try {
+    *fd = backend_->export_fd(handle);
+  } catch (...) {
+    backend_->release_chunk(handle);
+    throw;
+  }
+  return handle;
+}
+
+}  // namespace vtm

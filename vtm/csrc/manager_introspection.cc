@@ -1,0 +1,224 @@
+#include "manager.h"
+
+#include <map>
+#include <unordered_set>
+
+#include "error.h"
+
+namespace vtm {
+
+// ---------------------------------------------------------------------------
+// Introspection
+
+VTensorInfo Manager::DescribeVTensor(std::uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  VTensorInfo info;
+  auto it = vtensors_.find(id);
+  if (it == vtensors_.end()) return info;
+  const VTensor& vt = it->second;
+  const Space& sp = *spaces_[vt.space - 1];
+  const Slot& s = sp.slots[vt.slot];
+  info.live = true;
+  info.space = vt.space;
+  info.slot = vt.slot;
+  info.num_tokens = vt.num_tokens;
+  const auto reservation = mapper_->reservation(vt.space);
+  info.address = reservation ? reservation->va() + static_cast<std::size_t>(vt.slot) * sp.slot_bytes : 0;
+  info.mapped_bytes = s.mapped * chunk_bytes_;
+  info.pages = s.pages;
+  return info;
+}
+
+SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Space& sp = AnySpace(space);
+  SpaceInfo info;
+  info.name = sp.name;
+  info.ns = sp.ns.size() > 0 && sp.ns[0] == '\x01' ? "" : sp.ns;
+  info.row_bytes = sp.row_bytes;
+  info.max_tokens = sp.max_tokens;
+  info.max_slots = sp.max_slots;
+  info.slot_bytes = sp.slot_bytes;
+  info.pages_per_slot = sp.pages_per_slot;
+  const auto reservation = mapper_->reservation(space);
+  info.base = reservation ? reservation->va() : 0;
+  info.closed = sp.closed;
+  for (const Slot& s : sp.slots) {
+    if (s.owner == 0) {
+      ++info.slots_free;
+      info.cached_bytes += s.mapped * chunk_bytes_;
+    } else {
+      ++info.vtensors;
+      info.mapped_bytes += s.mapped * chunk_bytes_;
+    }
+  }
+  for (const auto& [id, vt] : vtensors_)
+    if (vt.space == space) info.used_tokens += vt.num_tokens;
+  return info;
+}
+
+std::vector<NodeInfo> Manager::PrefixNodes(std::uint32_t space) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Space& sp = AnySpace(space);
+  std::vector<NodeInfo> nodes;
+  if (sp.tree == nullptr) return nodes;
+  sp.tree->ForEach([&](const PrefixNode& n) {
+    nodes.push_back(NodeInfo{n.start, n.end(), n.tokens, n.locks, n.pages});
+  });
+  return nodes;
+}
+
+std::shared_ptr<Reservation> Manager::SpaceReservation(std::uint32_t space) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Space& sp = AnySpace(space);
+  if (sp.closed) Throw(ErrorCode::kFailedPrecondition, "space '" + sp.name + "' is closed");
+  auto reservation = mapper_->reservation(space);
+  if (!reservation)
+    Throw(ErrorCode::kFailedPrecondition, "space '" + sp.name + "' is mapped in its client's process, not here");
+  return reservation;
+}
+
+Stats Manager::GetStats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stats st;
+  st.backend = backend_->name();
+  st.chunk_bytes = chunk_bytes_;
+  st.capacity_bytes = capacity_chunks_ * chunk_bytes_;
+  st.chunks_created = pool_->alive();
+  st.chunks_free = pool_->free_count();
+  st.chunks_held = pool_->held();
+  std::unordered_set<ChunkId> mapped, cached, in_tree;
+  for (const auto& sp : spaces_)
+    for (const Slot& s : sp->slots)
+      for (ChunkId c : s.pages)
+        if (c != kNoChunk) mapped.insert(c);
+  for (const auto& [space_id, slot] : cached_lru_)
+    for (ChunkId c : spaces_[space_id - 1]->slots[slot].pages)
+      if (c != kNoChunk) cached.insert(c);
+  for (const auto& [name, tree] : trees_)
+    tree->ForEach([&](const PrefixNode& n) {
+      ++st.tree_nodes;
+      st.tree_tokens += n.tokens.size();
+      in_tree.insert(n.pages.begin(), n.pages.end());
+    });
+  st.chunks_mapped = mapped.size();
+  st.chunks_cached = cached.size();
+  st.chunks_in_tree = in_tree.size();
+  st.evictions_total = evictions_total_;
+  st.cow_copies_total = cow_copies_total_;
+  st.slot_reuses_total = slot_reuses_total_;
+  st.prealloc_chunks_total = prealloc_total_;
+  st.chunks_released_total = pool_->released_total();
+  st.rollback_failures_total = rollback_failures_total_;
+  st.reservation_free_failures_total = reservation_free_failures_->load(std::memory_order_relaxed);
+  st.ops = op_stats_;
+  for (const auto& sp : spaces_) {
+    if (sp->closed) continue;
+    SpaceInfo info;
+    info.ns = sp->ns[0] == '\x01' ? "" : sp->ns;
+    info.row_bytes = sp->row_bytes;
+    info.max_tokens = sp->max_tokens;
+    info.max_slots = sp->max_slots;
+    info.slot_bytes = sp->slot_bytes;
+    for (const Slot& s : sp->slots) {
+      if (s.owner == 0) {
+        ++info.slots_free;
+        info.cached_bytes += s.mapped * chunk_bytes_;
+      } else {
+        ++info.vtensors;
+        info.mapped_bytes += s.mapped * chunk_bytes_;
+      }
+    }
+    st.spaces.emplace_back(sp->name, info);
+  }
+  for (const auto& [id, vt] : vtensors_)
+    for (auto& [name, info] : st.spaces)
+      if (name == spaces_[vt.space - 1]->name) info.used_tokens += vt.num_tokens;
+  return st;
+}
+
+void Manager::Check() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto fail = [](const std::string& what) { Throw(ErrorCode::kInternal, "invariant broken: " + what); };
+  std::vector<int> expected(pool_->id_limit(), 0);
+  auto count = [&](ChunkId c, const std::string& where) {
+    if (!pool_->is_alive(c)) fail(where + " references dead chunk " + std::to_string(c));
+    ++expected[c];
+  };
+  std::size_t cached = 0;
+  for (const auto& sp : spaces_) {
+    for (std::size_t i = 0; i < sp->slots.size(); ++i) {
+      const Slot& s = sp->slots[i];
+      const std::string where = "space '" + sp->name + "' slot " + std::to_string(i);
+      std::size_t mapped = 0;
+      for (ChunkId c : s.pages)
+        if (c != kNoChunk) {
+          count(c, where);
+          ++mapped;
+        }
+      if (mapped != s.mapped) fail(where + " mapped count " + std::to_string(s.mapped) + " != " + std::to_string(mapped));
+      if (s.claimed) fail(where + " is still claimed");
+      if (sp->closed && mapped > 0) fail(where + " of a closed space maps pages");
+      if (s.owner == 0 && IsCached(s)) cached += mapped;
+      if (s.owner == 0 && mapped > 0 && !IsCached(s)) fail(where + " is free with pages mapped but not cached");
+      if (s.owner != 0) {
+        auto it = vtensors_.find(s.owner);
+        if (it == vtensors_.end() || it->second.slot != static_cast<int>(i) || it->second.space != sp->id)
+          fail(where + " is owned by vTensor " + std::to_string(s.owner) + " that does not own it");
+      }
+    }
+    for (int slot : sp->clean_free)
+      if (sp->slots[slot].owner != 0 || sp->slots[slot].mapped != 0)
+        fail("space '" + sp->name + "' clean free slot " + std::to_string(slot) + " is in use");
+  }
+  if (cached != cached_pages_) fail("cached pages " + std::to_string(cached_pages_) + " != " + std::to_string(cached));
+  for (const auto& [space_id, slot] : cached_lru_) {
+    const Slot& s = spaces_[space_id - 1]->slots[slot];
+    for (ChunkId c : s.pages)
+      if (c != kNoChunk && pool_->refs(c) != 1) fail("a released slot maps shared chunk " + std::to_string(c));
+  }
+  std::map<const PrefixNode*, int> locks;
+  for (const auto& [id, vt] : vtensors_) {
+    const Space& sp = *spaces_[vt.space - 1];
+    if (sp.closed) fail("vTensor " + std::to_string(id) + " lives in a closed space");
+    const Slot& s = sp.slots[vt.slot];
+    if (s.owner != id) fail("vTensor " + std::to_string(id) + " does not own its slot");
+    for (std::size_t p = 0; p < PagesFor(sp, vt.num_tokens); ++p)
+      if (s.pages[p] == kNoChunk) fail("vTensor " + std::to_string(id) + " lacks page " + std::to_string(p));
+    for (const PrefixNode* n = vt.lock_node; n != nullptr && n->parent != nullptr; n = n->parent) ++locks[n];
+  }
+  for (const auto& [name, tree] : trees_) {
+    tree->ForEach([&](const PrefixNode& n) {
+      const std::string where = "prefix node [" + std::to_string(n.start) + ", " + std::to_string(n.end()) + ")";
+      if (n.tokens.empty()) fail(where + " has an empty edge");
+      if (n.parent->end() != n.start) fail(where + " does not start at its parent's end");
+      if (n.first_page != tree->FirstPage(n.start) || n.first_page + n.pages.size() != tree->PageEnd(n.end()))
+        fail(where + " keeps the wrong pages");
+      for (ChunkId c : n.pages) count(c, where);
+      auto it = locks.find(&n);
+      if (n.locks != (it == locks.end() ? 0 : it->second))
+        fail(where + " has " + std::to_string(n.locks) + " locks, expected " +
+             std::to_string(it == locks.end() ? 0 : it->second));
+      for (const auto& [token, child] : n.children)
+        if (child->tokens.front() != token || child->parent != &n) fail(where + " has a misfiled child");
+    });
+  }
+  std::vector<bool> is_free(pool_->id_limit(), false);
+  for (ChunkId c : pool_->free_list()) {
+    if (!pool_->is_alive(c) || is_free[c]) fail("free list holds chunk " + std::to_string(c) + " wrongly");
+    is_free[c] = true;
+  }
+  std::size_t alive = 0;
+  for (ChunkId c = 0; c < pool_->id_limit(); ++c) {
+    if (!pool_->is_alive(c)) continue;
+    ++alive;
+    if (pool_->refs(c) != expected[c])
+      fail("chunk " + std::to_string(c) + " has refcount " + std::to_string(pool_->refs(c)) + " but " +
+           std::to_string(expected[c]) + " holders");
+    if ((pool_->refs(c) == 0) != is_free[c]) fail("chunk " + std::to_string(c) + " free-list membership is wrong");
+  }
+  if (alive != pool_->alive()) fail("alive chunk count");
+  if (pool_->alive() + pool_->creating() > capacity_chunks_) fail("capacity exceeded");
+}
+
+}  // namespace vtm

@@ -1,0 +1,316 @@
+#include "manager.h"
+
+#include <algorithm>
+#include <map>
+
+#include "error.h"
+
+namespace vtm {
+
+// ---------------------------------------------------------------------------
+// Operations
+
+FutureValue Manager::DoCreate(std::uint32_t space, std::uint64_t id, std::size_t n) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Space& sp = LiveSpace(space);
+  if (n > sp.max_tokens)
+    Throw(ErrorCode::kInvalidArgument, "create: " + std::to_string(n) + " tokens exceed max_tokens " +
+                                           std::to_string(sp.max_tokens) + " of space '" + sp.name + "'");
+  UndoLog undo(&rollback_failures_total_);
+  const std::size_t need = PagesFor(sp, n);
+  const int slot = ClaimSlot(sp, need, /*for_match=*/false, undo);
+  std::vector<std::size_t> missing;
+  for (std::size_t p = 0; p < need; ++p)
+    if (sp.slots[slot].pages[p] == kNoChunk) missing.push_back(p);
+  std::vector<ChunkId> chunks = Acquire(missing.size(), undo, lock);
+  MapPages(sp, slot, missing, chunks, undo);
+  undo.Commit();
+  TakeSlot(sp, slot, id);
+  vtensors_[id] = VTensor{space, slot, n, nullptr};
+  AfterCommit();
+  return VTensorRef{id};
+}
+
+FutureValue Manager::DoStep(const std::vector<std::pair<std::uint64_t, std::size_t>>& targets) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // Validate everything first; a vTensor named twice takes the larger size.
+  std::map<std::uint64_t, std::size_t> want;
+  for (auto [id, n] : targets) {
+    VTensor& vt = LiveVTensor(id);
+    const Space& sp = *spaces_[vt.space - 1];
+    if (n > sp.max_tokens)
+      Throw(ErrorCode::kInvalidArgument, "extend: " + std::to_string(n) + " tokens exceed max_tokens " +
+                                             std::to_string(sp.max_tokens) + " of space '" + sp.name + "'");
+    want[id] = std::max(want[id], n);
+  }
+  struct Plan {
+    std::uint64_t id;
+    std::size_t n;
+    std::vector<std::size_t> missing;
+  };
+  std::vector<Plan> plans;
+  std::size_t total = 0;
+  for (auto [id, n] : want) {
+    VTensor& vt = vtensors_.at(id);
+    const Space& sp = *spaces_[vt.space - 1];
+    Plan plan{id, n, {}};
+    const std::size_t need = PagesFor(sp, n);
+    for (std::size_t p = 0; p < need; ++p)
+      if (sp.slots[vt.slot].pages[p] == kNoChunk) plan.missing.push_back(p);
+    total += plan.missing.size();
+    plans.push_back(std::move(plan));
+  }
+  UndoLog undo(&rollback_failures_total_);
+  std::vector<ChunkId> chunks = Acquire(total, undo, lock);
+  // Look the vTensors up again: Acquire may have waited without the lock.
+  std::size_t next = 0;
+  for (Plan& plan : plans) {
+    const VTensor& vt = vtensors_.at(plan.id);
+    std::vector<ChunkId> mine(chunks.begin() + next, chunks.begin() + next + plan.missing.size());
+    next += plan.missing.size();
+    MapPages(*spaces_[vt.space - 1], vt.slot, plan.missing, mine, undo);
+  }
+  undo.Commit();
+  for (Plan& plan : plans) {
+    VTensor& vt = vtensors_.at(plan.id);
+    vt.num_tokens = std::max(vt.num_tokens, plan.n);
+  }
+  AfterCommit();
+  return std::monostate{};
+}
+
+FutureValue Manager::DoRelease(std::uint64_t id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  LiveVTensor(id);
+  ReleaseVTensorLocked(id, /*best_effort=*/false);
+  AfterCommit();
+  return std::monostate{};
+}
+
+void Manager::ReleaseVTensorLocked(std::uint64_t id, bool best_effort) {
+  VTensor vt = vtensors_.at(id);
+  Space& sp = *spaces_[vt.space - 1];
+  Slot& s = sp.slots[vt.slot];
+  // Pages shared with the tree or another vTensor must not stay in a slot
+  // that a later request will write into; private pages may, within budget.
+  std::size_t private_pages = 0;
+  for (ChunkId c : s.pages)
+    if (c != kNoChunk && pool_->refs(c) == 1) ++private_pages;
+  const bool keep_private = !best_effort && cached_pages_ + private_pages <= cache_budget_pages_;
+  std::vector<std::size_t> to_unmap;
+  for (std::size_t p = 0; p < s.pages.size(); ++p)
+    if (s.pages[p] != kNoChunk && (!keep_private || pool_->refs(s.pages[p]) > 1)) to_unmap.push_back(p);
+  std::vector<ChunkId> unmapped;
+  if (best_effort) {
+    for (std::size_t p : to_unmap) {
+      try {
+        std::vector<ChunkId> one = UnmapPages(sp, vt.slot, {p}, nullptr);
+        unmapped.insert(unmapped.end(), one.begin(), one.end());
+      } catch (...) {
+        ++rollback_failures_total_;
+      }
+    }
+  } else {
+    UndoLog undo(&rollback_failures_total_);
+    unmapped = UnmapPages(sp, vt.slot, to_unmap, &undo);
+    undo.Commit();
+  }
+  if (vt.lock_node != nullptr) sp.tree->Unlock(vt.lock_node);
+  for (ChunkId c : unmapped) pool_->Unref(c);
+  vtensors_.erase(id);
+  FreeSlot(sp, vt.slot);
+}
+
+FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Space& sp = LiveSpace(space);
+  VTensor& vt = LiveVTensor(id);
+  if (vt.space != space)
+    Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor " + std::to_string(id) + " belongs to space '" +
+                                              spaces_[vt.space - 1]->name + "', not '" + sp.name + "'");
+  if (tokens.size() > vt.num_tokens)
+    Throw(ErrorCode::kInvalidArgument, "prefix_record: " + std::to_string(tokens.size()) +
+                                           " tokens, but the vTensor holds only " + std::to_string(vt.num_tokens));
+  if (tokens.empty()) return std::int64_t{0};
+  const std::size_t n = tokens.size();
+  const int slot = vt.slot;
+  std::vector<ChunkId> pages = sp.slots[slot].pages;
+  // The recorder's next row goes into the page holding byte n*R. When that
+  // page would join the tree, the tree gets a copy instead, so a page the
+  // tree holds is never written again (DESIGN §3).
+  ChunkId copy = kNoChunk;
+  const std::size_t boundary = n * sp.row_bytes;
+  if (sp.tree->Find(tokens.data(), n).length < n && boundary % chunk_bytes_ != 0) {
+    UndoLog undo(&rollback_failures_total_);
+    const std::size_t p = boundary / chunk_bytes_;
+    copy = Acquire(1, undo, lock).front();
+    backend_->copy(pool_->handle(copy), pool_->handle(pages[p]), boundary - p * chunk_bytes_);
+    pages[p] = copy;
+    undo.Commit();
+    ++cow_copies_total_;
+  }
+  auto [node, added] = sp.tree->Insert(tokens.data(), n, pages, ++tick_);
+  if (copy != kNoChunk) pool_->Unref(copy);  // the tree took its own reference (or, if unused, it is free)
+  // The vTensor now locks the path it recorded (it maps those chunks). Look
+  // it up again: Acquire may have waited without the lock.
+  VTensor& recorder = vtensors_.at(id);
+  sp.tree->Lock(node);
+  if (recorder.lock_node != nullptr) sp.tree->Unlock(recorder.lock_node);
+  recorder.lock_node = node;
+  AfterCommit();
+  return static_cast<std::int64_t>(added);
+}
+
+FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Space& sp = LiveSpace(space);
+  // Capped at len - 1 (the last token's KV is what the caller computes) and
+  // at this space's max_tokens (a space sharing the namespace may be longer).
+  const std::size_t limit = tokens.empty() ? 0 : std::min(tokens.size() - 1, sp.max_tokens);
+  const TreePosition found = sp.tree->Find(tokens.data(), limit);
+  const std::size_t m = found.length;
+  if (m == 0) return MatchResult{0, 0};
+
+  const std::size_t need = PagesFor(sp, m);
+  const std::size_t shared_end = m * sp.row_bytes / chunk_bytes_;  // pages wholly below the match
+  const bool partial = shared_end < need;
+  std::vector<ChunkId> source(need, kNoChunk);
+  sp.tree->CollectPages(found, &source);
+
+  UndoLog undo(&rollback_failures_total_);
+  // Lock the matched path for the whole operation, so the eviction that
+  // makes room for the copy below never picks the prefix being matched; and
+  // hold its chunks, so a refill wait inside Acquire (which lets other
+  // workers run) cannot free them either.
+  sp.tree->Lock(found.node);
+  undo.Add([this, &sp, node = found.node] { sp.tree->Unlock(node); });
+  for (std::size_t p = 0; p < need; ++p) {
+    if (source[p] == kNoChunk) Throw(ErrorCode::kInternal, "prefix tree lacks page " + std::to_string(p));
+    pool_->Ref(source[p]);
+    undo.Add([this, c = source[p]] { pool_->Unref(c); });
+  }
+  const int slot = ClaimSlot(sp, need, /*for_match=*/true, undo);
+  Slot& s = sp.slots[slot];
+  std::vector<std::size_t> conflicting;
+  for (std::size_t p = 0; p < need; ++p)
+    if (s.pages[p] != kNoChunk) conflicting.push_back(p);
+  std::vector<ChunkId> displaced = UnmapPages(sp, slot, conflicting, &undo);
+
+  std::vector<std::size_t> pages;
+  std::vector<ChunkId> chunks;
+  for (std::size_t p = 0; p < shared_end; ++p) {
+    pages.push_back(p);
+    chunks.push_back(source[p]);
+  }
+  if (partial) {
+    // Copy-on-write of the page holding the match's end: this request will
+    // write its next rows there.
+    ChunkId copy = Acquire(1, undo, lock).front();
+    backend_->copy(pool_->handle(copy), pool_->handle(source[shared_end]),
+                   m * sp.row_bytes - shared_end * chunk_bytes_);
+    pages.push_back(shared_end);
+    chunks.push_back(copy);
+  }
+  MapPages(sp, slot, pages, chunks, undo);
+  undo.Commit();
+
+  // The mapping references of the shared pages are the ones taken above;
+  // the temporary one on the copied source goes.
+  if (partial) pool_->Unref(source[shared_end]);
+  for (ChunkId c : displaced) pool_->Unref(c);
+  // The matched path was locked throughout, so it still holds m tokens; a
+  // split at m hands the lock count to the upper half too.
+  const TreePosition now = sp.tree->Find(tokens.data(), m);
+  PrefixNode* node = sp.tree->SplitAt(now);
+  sp.tree->Lock(node);
+  sp.tree->Unlock(found.node);
+  sp.tree->Touch(node, ++tick_);
+  if (partial) ++cow_copies_total_;
+  TakeSlot(sp, slot, id);
+  vtensors_[id] = VTensor{space, slot, m, node};
+  AfterCommit();
+  return MatchResult{id, m};
+}
+
+FutureValue Manager::DoClearPrefixes(std::uint32_t space) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Space& sp = LiveSpace(space);
+  const std::size_t dropped = sp.tree->DropUnlocked();
+  AfterCommit();
+  return static_cast<std::int64_t>(dropped);
+}
+
+FutureValue Manager::DoTrim(std::optional<std::size_t> bytes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // Trim hands memory back: let a creation in flight land (so it is trimmed
+  // too), and keep the refill from re-creating chunks until the next
+  // operation commits.
+  refill_cv_.wait(lock, [this] { return pool_->creating() == 0; });
+  refill_blocked_ = true;
+  const std::size_t target = bytes ? (*bytes + chunk_bytes_ - 1) / chunk_bytes_ : SIZE_MAX;
+  // 1. While free chunks fall short, unmap the pages of released slots,
+  //    oldest first. Unmapping is the only step that can fail: all or none.
+  std::vector<std::pair<Space*, int>> emptied;
+  std::vector<ChunkId> reclaimed;
+  {
+    UndoLog undo(&rollback_failures_total_);
+    for (auto& [space_id, slot] : cached_lru_) {
+      if (pool_->free_count() + reclaimed.size() >= target) break;
+      Space& sp = *spaces_[space_id - 1];
+      std::vector<ChunkId> chunks = UnmapPages(sp, slot, MappedPages(sp.slots[slot]), &undo);
+      reclaimed.insert(reclaimed.end(), chunks.begin(), chunks.end());
+      emptied.emplace_back(&sp, slot);
+    }
+    undo.Commit();
+  }
+  for (auto [sp, slot] : emptied) {
+    Slot& s = sp->slots[slot];
+    cached_lru_.erase(s.cached_pos);
+    s.cached_pos = cached_lru_.end();
+    sp->clean_free.push_back(slot);
+  }
+  cached_pages_ -= reclaimed.size();
+  for (ChunkId c : reclaimed) pool_->Unref(c);
+  // 2. Still short of an explicit target: evict unreferenced tree leaves.
+  if (bytes && pool_->free_count() < target) EvictTreeLeaves(target - pool_->free_count());
+  // No refill here: trim is a request to hand memory back.
+  const std::size_t released = pool_->ReleaseFree(std::min(target, pool_->free_count()));
+  return static_cast<std::int64_t>(released * chunk_bytes_);
+}
+
+FutureValue Manager::DoCloseSpace(std::uint32_t space) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Space& sp = LiveSpace(space);
+  std::vector<std::uint64_t> ids;
+  for (auto& [id, vt] : vtensors_)
+    if (vt.space == space) ids.push_back(id);
+  for (std::uint64_t id : ids) ReleaseVTensorLocked(id, /*best_effort=*/true);
+  for (auto it = cached_lru_.begin(); it != cached_lru_.end();) {
+    if (it->first != space) {
+      ++it;
+      continue;
+    }
+    Slot& s = sp.slots[it->second];
+    cached_pages_ -= s.mapped;
+    for (std::size_t p : MappedPages(s)) {
+      try {
+        for (ChunkId c : UnmapPages(sp, it->second, {p}, nullptr)) pool_->Unref(c);
+      } catch (...) {
+        ++rollback_failures_total_;
+      }
+    }
+    s.cached_pos = cached_lru_.end();
+    it = cached_lru_.erase(it);
+  }
+  sp.closed = true;
+  bool shared = false;
+  for (auto& other : spaces_)
+    if (!other->closed && other->tree == sp.tree) shared = true;
+  if (!shared) trees_.erase(sp.ns);
+  sp.tree = nullptr;
+  mapper_->RemoveSpace(space);
+  AfterCommit();
+  return std::monostate{};
+}
+
+}  // namespace vtm

@@ -1,0 +1,197 @@
+#include "mapper_client.h"
+
+#include <algorithm>
+
+#include "error.h"
+
+namespace vtm {
+
+ClientMapper::ClientMapper(std::shared_ptr<Backend> backend, std::size_t chunk_bytes, std::size_t keep_idle)
+    : backend_(std::move(backend)), chunk_bytes_(chunk_bytes), keep_idle_(keep_idle), local_(backend_, chunk_bytes) {
+  if (chunk_bytes == 0 || chunk_bytes % backend_->granularity() != 0)
+    Throw(ErrorCode::kInvalidArgument, "chunk_bytes " + std::to_string(chunk_bytes) +
+                                           " is not a positive multiple of the backend granularity");
+}
+
+ClientMapper::~ClientMapper() { Close(); }
+
+void ClientMapper::AddSpace(std::uint32_t space, std::size_t slots, std::size_t slot_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (areas_.count(space) != 0) Throw(ErrorCode::kInvalidArgument, "space " + std::to_string(space) + " exists");
+  if (slots == 0 || slot_bytes == 0 || slot_bytes % chunk_bytes_ != 0 || slots > (std::size_t{1} << 47) / slot_bytes)
+    Throw(ErrorCode::kInvalidArgument, "bad space geometry: " + std::to_string(slots) + " slots of " +
+                                           std::to_string(slot_bytes) + " bytes");
+  local_.AddSpace(space, slots, slot_bytes);
+  Area area;
+  area.slots = slots;
+  area.pages_per_slot = slot_bytes / chunk_bytes_;
+  area.pages.resize(slots * area.pages_per_slot);
+  areas_.emplace(space, std::move(area));
+}
+
+ClientMapper::Area& ClientMapper::FindArea(std::uint32_t space) {
+  auto it = areas_.find(space);
+  if (it == areas_.end()) Throw(ErrorCode::kNotFound, "no space " + std::to_string(space) + " in this client");
+  return it->second;
+}
+
+const ClientMapper::Area& ClientMapper::FindArea(std::uint32_t space) const {
+  return const_cast<ClientMapper*>(this)->FindArea(space);
+}
+
+void ClientMapper::Unuse(std::uint64_t serial) {
+  Imported& im = imports_.at(serial);
+  if (--im.maps == 0) {
+    idle_.push_front(serial);
+    im.idle_pos = idle_.begin();
+  }
+}
+
+void ClientMapper::TrimIdle() {
+  while (idle_.size() > keep_idle_) {
+    const std::uint64_t serial = idle_.back();
+    idle_.pop_back();
+    backend_->release_chunk(imports_.at(serial).handle);
+    imports_.erase(serial);
+  }
+}
+
+void ClientMapper::UnmapRun(std::uint32_t space, Area& area, int slot, std::size_t first, std::size_t count) {
+  local_.Unmap(space, slot, first, count);
+  for (std::size_t p = first; p < first + count; ++p) {
+    Page& page = area.pages[static_cast<std::size_t>(slot) * area.pages_per_slot + p];
+    Unuse(page.serial);
+    page = Page{};
+  }
+}
+
+void ClientMapper::RemoveSpace(std::uint32_t space) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Area& area = FindArea(space);
+  for (std::size_t slot = 0; slot < area.slots; ++slot)
+    for (std::size_t p = 0; p < area.pages_per_slot; ++p)
+      if (area.pages[slot * area.pages_per_slot + p].serial != 0) UnmapRun(space, area, static_cast<int>(slot), p, 1);
+  areas_.erase(space);
+  local_.RemoveSpace(space);
+  TrimIdle();
+}
+
+std::shared_ptr<Reservation> ClientMapper::reservation(std::uint32_t space) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return local_.reservation(space);
+}
+
+std::vector<std::uint64_t> ClientMapper::Missing(const std::vector<PageEffect>& effects) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::uint64_t> out;
+  for (const PageEffect& e : effects)
+    if (e.serial != 0 && imports_.count(e.serial) == 0 && std::find(out.begin(), out.end(), e.serial) == out.end())
+      out.push_back(e.serial);
+  return out;
+}
+
+void ClientMapper::Import(std::uint64_t serial, int fd) {
+  if (serial == 0) Throw(ErrorCode::kInvalidArgument, "import: serial 0");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (imports_.count(serial) != 0) return;
+  Imported im;
+  im.handle = backend_->import_fd(fd, chunk_bytes_);
+  idle_.push_front(serial);
+  im.idle_pos = idle_.begin();
+  imports_.emplace(serial, im);
+  // Not trimmed here: the import is about to be mapped by Apply.
+}
+
+void ClientMapper::Apply(std::uint32_t space, const std::vector<PageEffect>& effects) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Area& area = FindArea(space);
+  std::vector<PageEffect> sorted = effects;
+  for (const PageEffect& e : sorted) {
+    if (e.slot < 0 || static_cast<std::size_t>(e.slot) >= area.slots || e.page >= area.pages_per_slot)
+      Throw(ErrorCode::kInvalidArgument, "page effect outside space " + std::to_string(space));
+    if (e.serial != 0 && imports_.count(e.serial) == 0)
+      Throw(ErrorCode::kFailedPrecondition, "chunk serial " + std::to_string(e.serial) + " is not imported");
+  }
+  std::sort(sorted.begin(), sorted.end(), [](const PageEffect& a, const PageEffect& b) {
+    return a.slot != b.slot ? a.slot < b.slot : a.page < b.page;
+  });
+  auto at = [&](const PageEffect& e) -> Page& {
+    return area.pages[static_cast<std::size_t>(e.slot) * area.pages_per_slot + e.page];
+  };
+  // 1. Unmap every page whose chunk changes, in runs of adjacent pages.
+  for (std::size_t i = 0; i < sorted.size();) {
+    if (at(sorted[i]).serial == 0 || at(sorted[i]).serial == sorted[i].serial) {
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j + 1 < sorted.size() && sorted[j + 1].slot == sorted[i].slot && sorted[j + 1].page == sorted[j].page + 1 &&
+           at(sorted[j + 1]).serial != 0 && at(sorted[j + 1]).serial != sorted[j + 1].serial)
+      ++j;
+    UnmapRun(space, area, sorted[i].slot, sorted[i].page, j - i + 1);
+    i = j + 1;
+  }
+  // 2. Map the new chunks, one access change per run.
+  for (std::size_t i = 0; i < sorted.size();) {
+    if (sorted[i].serial == 0 || at(sorted[i]).serial == sorted[i].serial) {
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j + 1 < sorted.size() && sorted[j + 1].slot == sorted[i].slot && sorted[j + 1].page == sorted[j].page + 1 &&
+           sorted[j + 1].serial != 0 && at(sorted[j + 1]).serial != sorted[j + 1].serial)
+      ++j;
+    for (std::size_t k = i; k <= j; ++k) {
+      Imported& im = imports_.at(sorted[k].serial);
+      local_.MapPage(space, sorted[k].slot, sorted[k].page, ChunkRef{sorted[k].chunk, im.handle, sorted[k].serial});
+      if (im.maps++ == 0) idle_.erase(im.idle_pos);
+      at(sorted[k]) = Page{sorted[k].chunk, sorted[k].serial};
+    }
+    local_.SetAccess(space, sorted[i].slot, sorted[i].page, j - i + 1);
+    i = j + 1;
+  }
+  TrimIdle();
+}
+
+std::vector<ChunkId> ClientMapper::Pages(std::uint32_t space, int slot) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Area& area = FindArea(space);
+  if (slot < 0 || static_cast<std::size_t>(slot) >= area.slots) Throw(ErrorCode::kInvalidArgument, "bad slot");
+  std::vector<ChunkId> out;
+  for (std::size_t p = 0; p < area.pages_per_slot; ++p)
+    out.push_back(area.pages[static_cast<std::size_t>(slot) * area.pages_per_slot + p].chunk);
+  return out;
+}
+
+std::size_t ClientMapper::MappedPages(std::uint32_t space, int slot) const {
+  std::size_t n = 0;
+  for (ChunkId c : Pages(space, slot)) n += c != kNoChunk ? 1 : 0;
+  return n;
+}
+
+std::size_t ClientMapper::imports() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return imports_.size();
+}
+
+void ClientMapper::Close() {
+  std::vector<std::uint32_t> spaces;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [space, area] : areas_) spaces.push_back(space);
+  }
+  for (std::uint32_t space : spaces) {
+    try {
+      RemoveSpace(space);
+    } catch (const Error&) {
+      // An unmap failed: the range stays reserved under its mapping (see
+      // Reservation), which is all that can be done.
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [serial, im] : imports_) backend_->release_chunk(im.handle);
+  imports_.clear();
+  idle_.clear();
+}
+
+}  // namespace vtm
