@@ -114,7 +114,7 @@ class LLM:
             if cuda_graphs:
                 from flexinfer.cuda_graphs import DecodeGraphs
 
-                self._sink = self.kv_cache.create_sink()
+                self._sink = self.kv_cache.create(1)
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, max_num_seqs,
                                            [vt.slot for vt in self._sink])
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)

@@ -80,24 +80,14 @@ class KVCache:
 
     # -- vTensor operations over all groups ------------------------------
 
-    def create(self) -> list[vtm.VTensor]:
-        """An empty vTensor in every group (all or none)."""
+    def create(self, tokens: int = 0) -> list[vtm.VTensor]:
+        """A vTensor covering `tokens` rows in every group (all or none). The
+        engine's CUDA graphs keep a one-token one as the sink that padding rows
+        write into and no request reads (see cuda_graphs.py)."""
         made = []
         try:
             for space in self.spaces:
-                made.append(space.create(0).result())
-        except vtm.Error:
-            self.release(made)
-            raise
-        return made
-
-    def create_sink(self) -> list[vtm.VTensor]:
-        """A one-token vTensor in every group that no request reads: the rows
-        padding a CUDA-graph batch write their K/V there (see cuda_graphs.py)."""
-        made = []
-        try:
-            for space in self.spaces:
-                made.append(space.create(1).result())
+                made.append(space.create(tokens).result())
         except vtm.Error:
             self.release(made)
             raise

@@ -91,7 +91,9 @@ def part_rpc(args, folder):
 
     rows = []
     chunk = 2 * MiB
-    capacity = 512 * MiB
+    # The growing case adds a token to each of 32 vTensors per step: room for all of them.
+    pages = -(-(args.repeats + 12) * 46080 // chunk)
+    capacity = (32 * pages + 32) * chunk
     proc, address = start_broker(folder, capacity, chunk, args.backend)
     try:
         local = vtm.Manager(backend=args.backend, capacity_bytes=capacity, chunk_bytes=chunk)

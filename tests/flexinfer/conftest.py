@@ -68,3 +68,20 @@ def smollm2_hf_model():
     assert not result.unexpected_keys
     assert result.missing_keys == ["lm_head.weight"]  # tied to the embeddings
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_gpu_folder(tmp_path_factory, smollm2_hf_tokenizer):
+    """A tiny random Llama (3 layers, GQA 4/2, head_dim 32) saved as a Hugging Face folder, for GPU tests."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                      initializer_range=0.1)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-gpu")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    smollm2_hf_tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -31,31 +31,17 @@ gpu = pytest.mark.skipif(not (vtm.cuda_available() and torch.cuda.is_available()
                          reason="needs a CUDA driver, a device and a CUDA build of torch")
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, smollm2_hf_tokenizer):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                      initializer_range=0.1)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny-graphs")
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    smollm2_hf_tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_decode_matches_eager_kernels_and_sdpa(tiny_folder, dtype):
+def test_graph_decode_matches_eager_kernels_and_sdpa(tiny_gpu_folder, dtype):
     # Lengths that end at different steps, so batches shrink through the buckets (7 -> 1).
     prompts = [[1] + list(range(10 + i, 30 + 3 * i)) for i in range(7)]
     params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
     outs = {}
     for name, kwargs in {"graphs": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False),
                          "sdpa": dict(attention="sdpa")}.items():
-        with LLM(tiny_folder, dtype=dtype, backend="cuda", max_model_len=256, max_num_seqs=8, **kwargs) as llm:
+        with LLM(tiny_gpu_folder, dtype=dtype, backend="cuda", max_model_len=256, max_num_seqs=8, **kwargs) as llm:
             outs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             if name == "graphs":
                 again = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -20,29 +20,16 @@ from flexinfer import LLM, SamplingParams  # noqa: E402
 PROMPTS = [[1, 17, 42, 99, 7], [1] + list(range(200, 260)), [1, 5] * 20]
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, smollm2_hf_tokenizer):
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                      initializer_range=0.1)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny-gpu")
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    smollm2_hf_tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     return [o.token_ids for o in outs]
 
 
-def test_cuda_float32_sdpa_matches_cpu(tiny_folder):
-    cpu = LLM(tiny_folder, dtype="float32", backend="host", max_model_len=256, max_num_seqs=4)
+def test_cuda_float32_sdpa_matches_cpu(tiny_gpu_folder):
+    cpu = LLM(tiny_gpu_folder, dtype="float32", backend="host", max_model_len=256, max_num_seqs=4)
     expected = _greedy(cpu, PROMPTS)
     cpu.close()
-    gpu = LLM(tiny_folder, dtype="float32", backend="cuda", attention="sdpa", max_model_len=256, max_num_seqs=4)
+    gpu = LLM(tiny_gpu_folder, dtype="float32", backend="cuda", attention="sdpa", max_model_len=256, max_num_seqs=4)
     assert gpu.manager.backend == "cuda" and gpu.kv_cache.device.type == "cuda"
     assert _greedy(gpu, PROMPTS) == expected
     again = _greedy(gpu, [p + t for p, t in zip(PROMPTS, expected)])  # prefix reuse on the GPU
@@ -55,11 +42,11 @@ def test_cuda_float32_sdpa_matches_cpu(tiny_folder):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_flash_attn_matches_sdpa(tiny_folder, dtype):
+def test_flash_attn_matches_sdpa(tiny_gpu_folder, dtype):
     pytest.importorskip("flash_attn")
     outs = {}
     for attention in ("sdpa", "flash_attn"):
-        llm = LLM(tiny_folder, dtype=dtype, backend="cuda", attention=attention, max_model_len=256, max_num_seqs=4)
+        llm = LLM(tiny_gpu_folder, dtype=dtype, backend="cuda", attention=attention, max_model_len=256, max_num_seqs=4)
         outs[attention] = _greedy(llm, PROMPTS)
         llm.close()
     agree = sum(a == b for a, b in zip(outs["sdpa"], outs["flash_attn"]))
