@@ -12,9 +12,11 @@ How: decode steps of one batch size cost about the same, so the tuner times
 them. Every `interval` decode steps it probes: each candidate count runs
 `probe_steps` steps, candidates interleaved, and the count with the lowest
 median time per step wins until the next probe. A probe costs a few steps on
-a worse setting (under 5 % of steps with the defaults); a choice that wins
-again doubles the interval, up to `max_interval`, so a steady machine probes
-rarely. A change of load must not wait that long: when `slow_steps` decode
+a worse setting: 2 of every 128 or more with the defaults (with 3 per
+candidate every 64 steps, auto ran 3-6 % below a fixed count on an idle
+machine). When all cores win again the interval doubles, up to
+`max_interval`, so an idle machine probes rarely; a smaller count keeps the
+base interval, since only a probe can see the competing load leave. A change of load must not wait that long: when `slow_steps` decode
 steps in a row of the probe's batch size take over `slowdown` times the
 winner's probe median, the tuner probes at once. Prefill steps are not timed
 (their cost depends on prompt lengths) and do not advance the schedule.
@@ -32,8 +34,8 @@ import torch
 
 
 class ThreadTuner:
-    def __init__(self, max_threads: int | None = None, adaptive: bool = True, probe_steps: int = 3,
-                 interval: int = 64, max_interval: int = 1024, slowdown: float = 1.5, slow_steps: int = 3):
+    def __init__(self, max_threads: int | None = None, adaptive: bool = True, probe_steps: int = 2,
+                 interval: int = 128, max_interval: int = 2048, slowdown: float = 1.5, slow_steps: int = 3):
         self.saved = torch.get_num_threads()
         top = max_threads or self.saved
         # All cores, and fewer: halving down to one covers a busy neighbour on any core count.
@@ -90,7 +92,9 @@ class ThreadTuner:
             return
         medians = {c: statistics.median(self._samples[c]) for c in self.candidates}
         best = min(self.candidates, key=medians.__getitem__)
-        stable = bool(self.choices) and self.choices[-1] == best
+        # Back off only at the full count: below it, the load that made fewer
+        # threads faster may leave, and only a probe can tell.
+        stable = bool(self.choices) and self.choices[-1] == best and best == self.candidates[0]
         self.interval = min(self.max_interval, self.interval * 2) if stable else self.base_interval
         self.choices.append(best)
         self._reference = (self._probe_batch, medians[best])

@@ -93,3 +93,18 @@ def test_each_step_reasserts_its_count_against_another_engine():
     finally:
         fixed.close()
     assert torch.get_num_threads() == saved
+
+
+def test_fewer_threads_keep_probing_at_the_base_interval():
+    """Below the full count the tuner never backs off: the neighbour may leave."""
+    saved = torch.get_num_threads()
+    tuner = ThreadTuner(max_threads=2, probe_steps=2, interval=8, max_interval=64)
+    try:
+        busy = {2: 5.0, 1: 2.5}
+        drive(tuner, lambda n: busy[n], 4 + 3 * (8 + 4))
+        assert set(tuner.choices) == {1} and len(tuner.choices) == 4 and tuner.interval == 8
+        drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 8 + 4)  # the neighbour left: the next probe sees it
+        assert tuner.choices[-1] == 2 and tuner.current == 2
+    finally:
+        tuner.close()
+    assert torch.get_num_threads() == saved
