@@ -16,18 +16,26 @@ sequences are recorded so the next chat turn maps them.
 
 On a vtm broker (vtm.connect), a reclaim notice for a higher-priority client
 is answered the same way: the next step preempts running sequences until
-about the asked bytes are unmapped, and admits nobody in that step.
+about the asked bytes are unmapped, and nobody is admitted for RECLAIM_HOLD_S
+after it: re-admitting a preempted sequence at once would map its recorded
+chunks again before the asker's retry could take them.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import deque
 
 import vtm
 from flexinfer.kv_cache import KVCache
 from flexinfer.sequence import Sequence, Status
+
+# How long an engine that answered a broker's reclaim notice admits nobody:
+# the asker retries as soon as the freed pages are unmapped (within ms), well
+# inside this.
+RECLAIM_HOLD_S = 0.5
 
 
 def _weak_handler(method):
@@ -55,6 +63,7 @@ class Scheduler:
         # reclaim() on the client's notice thread, answered in schedule().
         self._reclaim_mu = threading.Lock()
         self._reclaim_request = None
+        self._admit_after = 0.0  # no admission before this time (after a reclaim)
         add_handler = getattr(self.manager, "add_reclaim_handler", None)
         if add_handler is not None:
             add_handler(_weak_handler(self.reclaim))
@@ -202,7 +211,9 @@ class Scheduler:
         """The batch of this step: (sequence, tokens to compute), memory mapped."""
         self._await_pending()
         self._reap_background()
-        reclaimed = self._answer_reclaim()
+        if self._answer_reclaim():
+            self._admit_after = time.monotonic() + RECLAIM_HOLD_S
+        reclaimed = time.monotonic() < self._admit_after
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         for seq in self.running:
