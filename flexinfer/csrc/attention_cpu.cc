@@ -102,7 +102,7 @@ thread_local Scratch scratch;
 // Partial results of a split decode context: running max, sum and the
 // unnormalised output per (request, query head, split).
 struct Partials {
-  int splits = 1, dim = 0, heads = 0;
+  int splits = 1, heads = 0;
   std::vector<float> m, l, acc;
   std::size_t Index(std::int64_t b, int h, int s) const {
     return (static_cast<std::size_t>(b) * heads + h) * splits + s;
@@ -384,7 +384,6 @@ void Attention(const AttentionArgs& a) {
   }
   const bool split = partials.splits > 1;
   if (split) {
-    partials.dim = a.head_dim;
     partials.heads = a.heads;
     const std::size_t n = static_cast<std::size_t>(a.batch) * a.heads * partials.splits;
     partials.m.assign(n, -std::numeric_limits<float>::infinity());

@@ -20,8 +20,9 @@
 //    std::invalid_argument and writes nothing.
 //
 // Softmax is computed online in float32 (K/V of any dtype are widened to
-// float32 as they are loaded). Work is split over (request, kv head, query
-// block) and, for long decode contexts, over key ranges that are merged
+// float32 as they are loaded). Work is split over (request, query block),
+// every head of a request in one item so that each page of its rows is
+// visited once, and, for long decode contexts, over key ranges merged
 // afterwards, so a single long request still occupies every thread.
 #pragma once
 
