@@ -1,8 +1,20 @@
 """FlexInfer: an LLM serving engine whose KV cache lives in vtm vTensors."""
 
-from flexinfer.engine import LLM, CompletionOutput, RequestOutput
-from flexinfer.errors import ChatTemplateError, FlexInferError, InvalidArgument, ModelLoadError
+from importlib import metadata as _metadata
+
+from flexinfer.engine import Engine
+from flexinfer.engine_loop import RequestStream
+from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
+                              ModelLoadError)
+from flexinfer.llm import LLM
+from flexinfer.outputs import CompletionOutput, RequestOutput, StreamEvent
 from flexinfer.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FlexInferError", "InvalidArgument",
-           "ModelLoadError", "ChatTemplateError"]
+try:  # flexinfer ships in the `vtm` distribution
+    __version__ = _metadata.version("vtm")
+except _metadata.PackageNotFoundError:  # an uninstalled source tree
+    __version__ = "0+unknown"
+
+__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamEvent", "RequestStream",
+           "FlexInferError", "InvalidArgument", "ModelLoadError", "ChatTemplateError", "EngineError",
+           "EngineClosed", "__version__"]

@@ -13,7 +13,7 @@ import time
 
 import vtm
 from flexinfer.attention import ATTENTION_BACKENDS
-from flexinfer.engine import LLM
+from flexinfer.llm import LLM
 from flexinfer.errors import FlexInferError
 from flexinfer.model.linear import LINEAR_KINDS
 from flexinfer.sampling import SamplingParams

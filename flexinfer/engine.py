@@ -1,66 +1,37 @@
-"""LLM: the user-facing engine. Loads a model, owns its KV cache space on a
-vtm manager (its own, or one shared with other engines), and runs the
-scheduler's steps until every request is done."""
+"""Engine: a model, its KV cache space on a vtm manager (its own, or one
+shared with other engines) and the scheduler, advanced one step at a time.
+
+Invariant: one thread drives an Engine (the EngineLoop's); nothing in it is
+locked. A failure inside a step fails the sequences it concerns, releases
+their memory and leaves the engine ready for the next step: no request can
+break the ones after it.
+"""
 
 from __future__ import annotations
 
-import itertools
+import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
 import vtm
 from flexinfer.attention import KernelAttention, make_attention
-from flexinfer.errors import InvalidArgument
+from flexinfer.errors import EngineError, InvalidArgument
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel
 from flexinfer.model.loader import load_model
-from flexinfer.sampling import SamplingParams, sample
+from flexinfer.sampling import NON_FINITE, sample
 from flexinfer.scheduler import Scheduler
-from flexinfer.sequence import RequestMetrics, Sequence
+from flexinfer.sequence import Sequence, Status
 from flexinfer.threads import ThreadTuner
+
+log = logging.getLogger("flexinfer")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class CompletionOutput:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    metrics: RequestMetrics
-    error: Exception | None = None
-
-
-@dataclass
-class RequestOutput:
-    """One request's result. `text`, `token_ids`, `metrics` are those of its first sample."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def metrics(self) -> RequestMetrics:
-        return self.outputs[0].metrics
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-
-class LLM:
+class Engine:
     def __init__(self, model: str, dtype: str = "float32", kv_capacity_bytes: int = 2 << 30,
                  manager: vtm.Manager | None = None, backend: str = "auto", device: str | None = None,
                  max_num_seqs: int = 32, max_model_len: int | None = None, max_batch_tokens: int = 1024,
@@ -69,9 +40,10 @@ class LLM:
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None):
         if dtype not in _DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens)):
-            if value < 1:
-                raise InvalidArgument(f"{name} must be >= 1, got {value}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens),
+                            ("kv_capacity_bytes", kv_capacity_bytes), ("max_model_len", max_model_len or 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
         if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise InvalidArgument(f"threads must be 'auto' or a positive int, got {threads!r}")
         self.dtype = _DTYPES[dtype]
@@ -105,6 +77,7 @@ class LLM:
             self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear,
                                     consume_weights=True)
             del loaded
+            # None: the model's own limit; more than it is capped there.
             self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                      self.config.max_position_embeddings)
             # With graphs, one more slot: the sink that padding rows write into.
@@ -132,61 +105,32 @@ class LLM:
             if self._own_manager:
                 manager.close()
             raise
-        self._ids = itertools.count()
 
-    # -- public API -----------------------------------------------------
+    # -- requests -----------------------------------------------------
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, priorities: list[int] | None = None) -> list[RequestOutput]:
-        """Complete each prompt (a string or a list of token ids)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidArgument("one SamplingParams per prompt, or a single one for all")
-        outputs: list[RequestOutput] = []
-        seqs: list[Sequence] = []
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            outputs.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids))
-            leader = None
-            for sample_index in range(p.n):
-                seq = Sequence(next(self._ids), index, sample_index, ids, p,
-                               priorities[index] if priorities else 0, self.config.eos_token_ids)
-                seq.leader = leader
-                leader = leader or seq
-                seqs.append(seq)
-                self._validate(seq)
-        for seq in seqs:
-            if seq.error is None:
-                self.scheduler.add(seq)
-        show = use_tqdm if use_tqdm is not None else len(seqs) > 1
-        with tqdm(total=len(seqs), desc="generate", disable=not show, unit="seq") as bar:
-            done = sum(seq.error is not None for seq in seqs)
-            bar.update(done)
-            while self.scheduler.has_work():
-                self.step()
-                now_done = sum(s.finish_reason is not None for s in seqs)
-                bar.update(now_done - done)
-                done = now_done
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (checked by the caller: see flexinfer.inputs)."""
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence, reason: str = "abort", error: Exception | None = None) -> None:
+        """Remove a sequence and release its KV (a cancel, or a failure)."""
+        self.scheduler.abort(seq, reason, error)
+        if seq.metrics.finish_s is None:
+            seq.metrics.finish_s = time.perf_counter()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def drain(self) -> None:
+        """Wait for every queued memory operation (when the engine goes idle)."""
         self.scheduler.drain()
-        for seq in seqs:
-            text = self._text(seq)
-            outputs[seq.request_index].outputs.append(
-                CompletionOutput(text, list(seq.output_ids), seq.finish_reason, seq.metrics, seq.error))
-        return outputs
 
-    def chat(self, conversations, sampling_params: SamplingParams | None = None, **kwargs):
-        """Apply the chat template and generate. One conversation (a list of
-        messages) gives one RequestOutput; a list of conversations, a list.
-        Earlier turns are mapped from the prefix cache, not recomputed."""
-        single = bool(conversations) and isinstance(conversations[0], dict)
-        convs = [conversations] if single else conversations
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
-                                         add_special_tokens=False) for c in convs]
-        outs = self.generate(prompts, sampling_params or SamplingParams(max_tokens=256, temperature=0.0), **kwargs)
-        return outs[0] if single else outs
+    def stats(self) -> dict:
+        """Counters for metrics; read from any thread (plain ints and list lengths)."""
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
+                "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
+                "vtm": self.manager.stats()}
 
     def close(self) -> None:
         """Release the KV space (and the manager, when this engine made it)."""
@@ -199,7 +143,7 @@ class LLM:
         if self._own_manager:
             self.manager.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -207,10 +151,36 @@ class LLM:
 
     # -- one step -------------------------------------------------------
 
-    def step(self) -> None:
-        plan = self.scheduler.schedule()
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that gained a token or finished.
+
+        A failure fails only what it concerns: an error in planning (vtm or the
+        broker failing) fails every sequence in the scheduler, an error in the
+        forward pass or sampling the sequences of this batch, a row of
+        non-finite logits its own sequence."""
+        # Sequences the scheduler failed (one that can never fit in memory).
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as exc:
+            log.exception("scheduling failed; failing every queued request")
+            failed += list(self.scheduler.running) + list(self.scheduler.waiting)
+            for seq in failed:
+                self.abort(seq, "error", _engine_error("scheduling failed", exc))
+            return failed
+        failed, self.scheduler.failed = failed + self.scheduler.failed, []
         if not plan:
-            return
+            return failed
+        try:
+            return failed + self._run(plan)
+        except Exception as exc:
+            log.exception("a step failed; failing its %d requests", len(plan))
+            broken = [seq for seq, _ in plan if seq.status is not Status.FINISHED]
+            for seq in broken:
+                self.abort(seq, "error", _engine_error("the model step failed", exc))
+            return failed + broken
+
+    def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
         ids = []
         for seq, n in plan:
             ids.extend(seq.tokens_between(seq.num_cached, seq.num_cached + n))
@@ -236,15 +206,21 @@ class LLM:
                 ready_rows.append(row)
                 ready.append(seq)
         if not ready:
-            return
+            return []
         rows = logits[ready_rows] if len(ready_rows) < len(plan) else logits
         params = [s.params for s in ready]
         # Greedy rows are chosen where the logits are; only sampled ones come to the host.
         if not all(p.greedy for p in params):
             rows = rows.cpu()
-        tokens = sample(rows, params, [s.generator for s in ready])
+        # Before min_tokens, no token may end the sequence.
+        banned = [sorted(s.stop_ids) if s.stop_ids and len(s.output_ids) < s.params.min_tokens else None
+                  for s in ready]
+        tokens = sample(rows, params, [s.generator for s in ready], banned)
         now = time.perf_counter()
         for seq, token in zip(ready, tokens):
+            if token == NON_FINITE:
+                self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
+                continue
             seq.output_ids.append(token)
             seq.metrics.output_tokens = len(seq.output_ids)
             if seq.metrics.first_token_s is None:
@@ -253,28 +229,16 @@ class LLM:
             if reason is not None:
                 seq.metrics.finish_s = now
                 self.scheduler.finish(seq, reason)
+        return ready
 
     # -- helpers --------------------------------------------------------
 
-    def _validate(self, seq: Sequence) -> None:
-        total = len(seq.prompt_ids) + seq.params.max_tokens
-        problem = None
-        if not seq.prompt_ids:
-            problem = "the prompt is empty"
-        elif total > self.max_model_len:
-            problem = (f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
-                       f"max_model_len {self.max_model_len}")
-        elif max(seq.prompt_ids) >= self.config.vocab_size or min(seq.prompt_ids) < 0:
-            problem = "a prompt token id is outside the vocabulary"
-        if problem:
-            seq.error = InvalidArgument(problem)
-            seq.finish_reason = "error"
-
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.stop_ids:
+        may_stop = len(seq.output_ids) >= seq.params.min_tokens
+        if may_stop and token in seq.stop_ids:
             return "stop"
-        if seq.params.stop:
-            # Decode only what the new token adds (constant cost per step).
+        if seq.params.stop and may_stop:
+            # Decode only what the new tokens add (constant cost per step).
             new_text, seq.prefix_offset, seq.read_offset = self.tokenizer.decode_incremental(
                 seq.output_ids, seq.prefix_offset, seq.read_offset)
             seq.text += new_text
@@ -284,10 +248,11 @@ class LLM:
             return "length"
         return None
 
-    def _text(self, seq: Sequence) -> str:
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        for stop in seq.params.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+
+def _engine_error(what: str, exc: Exception) -> Exception:
+    """Errors a caller can act on (no memory, a dead broker) keep their type."""
+    if isinstance(exc, (vtm.OutOfMemory, vtm.Unavailable, InvalidArgument)):
+        return exc
+    error = EngineError(f"{what}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error

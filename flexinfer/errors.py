@@ -23,3 +23,13 @@ class ModelLoadError(FlexInferError, ValueError):
 class ChatTemplateError(FlexInferError, ValueError):
     """A chat template is missing, or it rejected the conversation (its
     `raise_exception(...)` was called)."""
+
+
+class EngineError(FlexInferError):
+    """A request failed inside the engine: the model produced NaN or infinite
+    logits for it, or a step it was part of raised. It failed alone (with the
+    other requests of that step); the engine goes on serving."""
+
+
+class EngineClosed(FlexInferError):
+    """The engine was closed (or is closing): no request is accepted any more."""

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from flexinfer.errors import InvalidArgument
 
+# sample() gives this for a row whose logits are not all finite (NaN or inf):
+# no token can be chosen from it, and the engine fails that request alone.
+NON_FINITE = -1
+
 
 @dataclass
 class SamplingParams:
+    """How one request samples. Checked when built: a wrong type or value
+    raises flexinfer.InvalidArgument."""
+
     max_tokens: int = 64
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
@@ -20,38 +29,82 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    min_tokens: int = 0  # no end-of-sequence or stop token before this many tokens
 
     def __post_init__(self):
+        for name in ("max_tokens", "top_k", "n", "min_tokens"):
+            _require_int(name, getattr(self, name))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidArgument(f"stop must be a str or a list of non-empty str, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidArgument(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _require_int("a stop token id", token)
+        self.stop_token_ids = list(self.stop_token_ids)
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidArgument(f"top_k must be >= 0 (0: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
             raise InvalidArgument(f"n must be >= 1, got {self.n}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of logits [B, vocab] (float32)."""
+def _require_int(name: str, value) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be an int, got {value!r}")
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           banned: list[list[int] | None] | None = None) -> list[int]:
+    """One token per row of logits [B, vocab] (float32); NON_FINITE for a row
+    with a NaN or inf logit. `banned[i]`: token ids row i may not choose
+    (stop tokens before min_tokens)."""
+    banned = banned or [None] * len(params)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     tokens = [0] * len(params)
     if greedy_rows:
-        chosen = logits[greedy_rows].argmax(dim=-1).tolist()
+        rows = logits[greedy_rows] if len(greedy_rows) < len(params) else logits
+        # One transfer for the choice and the check: argmax alone would pick a NaN.
+        finite = torch.isfinite(rows).all(dim=-1)
+        if any(banned[i] for i in greedy_rows):
+            rows = rows.clone()
+            for r, i in enumerate(greedy_rows):
+                if banned[i]:
+                    rows[r, banned[i]] = float("-inf")
+        chosen = torch.where(finite, rows.argmax(dim=-1), NON_FINITE).tolist()
         for i, t in zip(greedy_rows, chosen):
             tokens[i] = t
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i] / p.temperature
+        row = logits[i]
+        if not bool(torch.isfinite(row).all()):
+            tokens[i] = NON_FINITE
+            continue
+        row = row / p.temperature
+        if banned[i]:
+            row[banned[i]] = float("-inf")
         if p.top_k > 0:
             kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

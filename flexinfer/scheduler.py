@@ -64,6 +64,12 @@ class Scheduler:
         self._reclaim_mu = threading.Lock()
         self._reclaim_request = None
         self._admit_after = 0.0  # no admission before this time (after a reclaim)
+        # Counters for metrics (tokens, like vLLM's): prompt tokens looked up in
+        # the prefix cache at admission, and those found there.
+        self.num_preemptions = 0
+        self.failed: list[Sequence] = []  # failed by schedule() (no memory), for the engine to report
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         add_handler = getattr(self.manager, "add_reclaim_handler", None)
         if add_handler is not None:
             add_handler(_weak_handler(self.reclaim))
@@ -131,6 +137,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = Status.WAITING
         seq.metrics.preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def reclaim(self, nbytes: int, timeout_s: float = 1.5) -> int:
@@ -156,15 +163,26 @@ class Scheduler:
         return True
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
+        self.abort(seq, "error", exc)
+        self.failed.append(seq)
+
+    def abort(self, seq: Sequence, reason: str = "abort", error: Exception | None = None) -> None:
+        """Remove `seq` wherever it is (cancelled, or failed with `error`) and
+        release its vTensors. What it computed is not recorded: a prompt's
+        prefix was recorded when its prefill ended."""
+        if seq.status is Status.FINISHED:
+            return
         if seq.vtensors:
+            # The pre-extend submitted last step may still target its vTensors.
+            self._await_pending()
             self._drop_vtensors(seq, record=False)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
-        seq.finish_reason = "error"
-        seq.error = exc
+        seq.finish_reason = reason
+        seq.error = error
 
     def _drop_vtensors(self, seq: Sequence, record: bool) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds
@@ -186,6 +204,7 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         try:
             if self.prefix_caching and seq.num_tokens > 1:
+                self.prefix_query_tokens += len(seq.prompt_ids)
                 vtensors, matched = self.kv.match(seq.token_ids)
                 if vtensors is not None:
                     seq.vtensors = vtensors
@@ -193,6 +212,7 @@ class Scheduler:
                     seq.extended = matched
                     seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens,
                                                         min(matched, len(seq.prompt_ids)))
+                    self.prefix_hit_tokens += min(matched, len(seq.prompt_ids))
             if not seq.vtensors:
                 seq.vtensors = self.kv.create()
         except vtm.OutOfMemory as exc:

@@ -189,8 +189,11 @@ class Tokenizer:
                 raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
-        return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              bos_token=bos or "", eos_token=eos or "")
+        try:
+            return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                  bos_token=bos or "", eos_token=eos or "")
+        except jinja2.TemplateError as exc:  # e.g. a message lacks a field the template reads
+            raise ChatTemplateError(f"the chat template rejected the conversation: {exc}") from exc
 
 
 def _raise_exception(message: str) -> None:

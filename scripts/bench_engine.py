@@ -160,19 +160,20 @@ def fragmentation(llm, quick):
                                      temperature=0.0))
     samples = []
     name = llm.kv_cache.space.name
-    step = llm.step
+    step = llm.engine.step
 
-    def sampled_step():
-        step()
+    def sampled_step():  # runs on the engine's thread
+        changed = step()
         sp = llm.manager.stats()["spaces"][name]
         if sp["used_bytes"]:
             samples.append((sp["used_bytes"], sp["mapped_bytes"]))
+        return changed
 
-    llm.step = sampled_step
+    llm.engine.step = sampled_step
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        llm.step = step
+        llm.engine.step = step
     used = sum(u for u, _ in samples)
     mapped = sum(m for _, m in samples)
     chunk = llm.manager.chunk_bytes

@@ -1,0 +1,71 @@
+"""Token ids to text: the whole output at the end of a request, or piece by
+piece while it streams.
+
+Stop strings: the text ends before the first stop string (the engine stops
+at the token that completes one, and the stop string itself is not part of
+the output, as in the OpenAI API). While streaming, text that could be the
+start of a stop string is held back until the next tokens show it is not,
+so a client never receives text that is later cut.
+"""
+
+from __future__ import annotations
+
+from flexinfer.tokenizer import Tokenizer
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """`text` before the earliest stop string, and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+def final_text(tokenizer: Tokenizer, ids: list[int], stop: list[str]) -> str:
+    return cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stop)[0]
+
+
+class IncrementalText:
+    """The text a stream of output tokens adds, one call per batch of tokens.
+
+    Invariant: the concatenation of everything `push` and `finish` return
+    equals final_text() of all the tokens pushed."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._ids: list[int] = []
+        self._prefix_offset = self._read_offset = 0
+        self._text = ""  # decoded so far
+        self._sent = 0  # characters of _text already returned
+        self._stopped = False
+
+    def push(self, token_ids: list[int]) -> str:
+        if self._stopped:
+            return ""
+        self._ids.extend(token_ids)
+        new, self._prefix_offset, self._read_offset = self._tokenizer.decode_incremental(
+            self._ids, self._prefix_offset, self._read_offset)
+        self._text += new
+        text, self._stopped = cut_at_stop(self._text, self._stop)
+        end = len(text) if self._stopped else len(text) - self._held_back(text)
+        return self._take(text, end)
+
+    def finish(self) -> str:
+        """What is left once the sample has ended (held-back text, a final partial character)."""
+        text = final_text(self._tokenizer, self._ids, self._stop)
+        return self._take(text, len(text))
+
+    def _take(self, text: str, end: int) -> str:
+        if end <= self._sent:
+            return ""
+        piece, self._sent = text[self._sent:end], end
+        return piece
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest end of `text` that starts some stop string."""
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,240 @@
+"""EngineLoop: the one thread that drives an Engine, and RequestStream, the
+handle a caller gets for each request it submits.
+
+Why a thread: a server takes requests from many threads (or an event loop)
+while steps run back to back; `LLM.generate` from two threads must not
+interleave two callers' steps; a caller interrupted by Ctrl-C must be able to
+take its request back. So one thread owns the engine and everything else
+talks to it through this file's thread-safe API: `submit`, `cancel`,
+`close`. Requests are added and cancelled between steps, never during one.
+
+Invariants: only the loop thread touches the Engine (and its Sequences until
+they finish); a RequestStream's sequences are read by other threads only
+after it is done (its `_done` event orders the two). Every stream ends: it
+finishes, fails, or is cancelled (also when the loop closes), and its
+sequences' KV is released before it is reported done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterator
+
+import torch
+
+from flexinfer.detokenizer import final_text
+from flexinfer.engine import Engine
+from flexinfer.errors import EngineClosed, EngineError, InvalidArgument
+from flexinfer.inputs import request_problem
+from flexinfer.outputs import CompletionOutput, RequestOutput, StreamEvent
+from flexinfer.sampling import SamplingParams
+from flexinfer.sequence import Sequence, Status
+
+log = logging.getLogger("flexinfer")
+
+# The end of a stream, after its last StreamEvent.
+_END = None
+
+
+class RequestStream:
+    """One submitted request (all `params.n` samples of one prompt).
+
+    Iterate it for StreamEvents as tokens are sampled (when submitted with
+    stream=True), call `result()` for the RequestOutput, `cancel()` to take it
+    back (its KV is released; unfinished samples end with "abort")."""
+
+    def __init__(self, loop: EngineLoop, request_id: int, prompt: str | None, prompt_ids: list[int],
+                 seqs: list[Sequence], stream: bool, deliver: Callable[[StreamEvent | None], None] | None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_ids
+        self.params = seqs[0].params
+        self._loop = loop
+        self._seqs = seqs
+        self._stream = stream
+        self._events: queue.SimpleQueue | None = None
+        if stream and deliver is None:
+            self._events = queue.SimpleQueue()
+            deliver = self._events.put
+        self._deliver = deliver
+        self._emitted = [0] * len(seqs)  # tokens already sent, per sample (loop thread)
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating; a no-op once done. Returns at once: `wait()` for the KV to be released."""
+        if not self._done.is_set():
+            self._loop._post("cancel", self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        if self._events is None:
+            raise InvalidArgument("this request was not submitted with stream=True (or delivers elsewhere)")
+        while (event := self._events.get()) is not _END:
+            yield event
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The RequestOutput, once every sample is done (TimeoutError otherwise)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} is not done after {timeout} s")
+        tokenizer = self._loop.engine.tokenizer
+        out = RequestOutput(self.prompt, self.prompt_token_ids)
+        for seq in self._seqs:
+            out.outputs.append(CompletionOutput(final_text(tokenizer, seq.output_ids, seq.params.stop),
+                                                list(seq.output_ids), seq.finish_reason, seq.metrics, seq.error,
+                                                seq.sample_index))
+        return out
+
+    # -- loop thread ----------------------------------------------------
+
+    def _publish(self, seq: Sequence) -> None:
+        """Send what `seq` gained since its last event; end the stream when every sample is done."""
+        i = seq.sample_index
+        if self._stream:
+            new = seq.output_ids[self._emitted[i]:]
+            if new or seq.finish_reason is not None:
+                self._emitted[i] = len(seq.output_ids)
+                self._deliver(StreamEvent(i, new, seq.finish_reason, seq.error, time.perf_counter()))
+
+    def _finish_if_done(self) -> bool:
+        if all(s.status is Status.FINISHED for s in self._seqs) and not self._done.is_set():
+            self._done.set()
+            if self._stream:
+                self._deliver(_END)
+            return True
+        return False
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple[str, RequestStream]] = deque()
+        self._closing = False
+        self._ids = itertools.count()
+        self._live: dict[Sequence, RequestStream] = {}  # loop thread only
+        self._thread = threading.Thread(target=self._run, name="flexinfer-engine", daemon=True)
+        self._thread.start()
+
+    # -- any thread -----------------------------------------------------
+
+    def submit(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+               stream: bool = False, deliver: Callable[[StreamEvent | None], None] | None = None) -> RequestStream:
+        """Queue one request. A request that cannot run (empty, too long for
+        max_model_len, a token outside the vocabulary) comes back already
+        done, its samples failed with InvalidArgument. `deliver` (called on
+        the loop thread, must not block) receives the StreamEvents and then
+        None; without it a streaming request is iterated."""
+        engine = self.engine
+        request_id = next(self._ids)
+        seqs, leader = [], None
+        for sample_index in range(params.n):
+            seq = Sequence(next(self._ids), request_id, sample_index, prompt_ids, params, priority,
+                           engine.config.eos_token_ids)
+            # Parallel samples fork from the first one's prompt by prefix match.
+            seq.leader = leader
+            leader = leader or seq
+            seqs.append(seq)
+        handle = RequestStream(self, request_id, prompt, list(prompt_ids), seqs, stream, deliver)
+        problem = request_problem(prompt_ids, params, engine.max_model_len, engine.config.vocab_size)
+        if problem:
+            for seq in seqs:
+                seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", InvalidArgument(problem)
+                handle._publish(seq)
+            handle._finish_if_done()
+            return handle
+        self._post("add", handle)
+        return handle
+
+    def close(self, timeout: float | None = None) -> None:
+        """Cancel what is still queued or running, then stop the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def _post(self, op: str, handle: RequestStream) -> None:
+        with self._cv:
+            if self._closing and op == "add":
+                raise EngineClosed("the engine is closed")
+            self._inbox.append((op, handle))
+            self._cv.notify()
+
+    # -- the loop thread ------------------------------------------------
+
+    def _run(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
+        idle = True
+        while True:
+            with self._cv:
+                # Sleep only when idle and drained (see below).
+                while not self._inbox and not self._closing and idle and not self.engine.has_work():
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, deque()
+                closing = self._closing
+            try:
+                for op, handle in inbox:
+                    if op == "add":
+                        self._add(handle)
+                    else:
+                        self._cancel(handle)
+                if closing:
+                    for handle in set(self._live.values()):
+                        self._cancel(handle, EngineClosed("the engine was closed before this request finished"))
+                    self.engine.drain()
+                    return
+                if self.engine.has_work():
+                    idle = False
+                    changed = self.engine.step()
+                    if not self.engine.has_work():
+                        # Going idle: finish queued memory work before anyone
+                        # is told their request is done.
+                        self.engine.drain()
+                    self._dispatch(changed)
+                elif not idle:
+                    idle = True
+                    self.engine.drain()
+            except Exception as exc:  # a bug in this loop: fail what is live, keep serving
+                log.exception("the engine loop failed; failing %d live requests", len(self._live))
+                for handle in set(self._live.values()):
+                    self._cancel(handle, EngineError(f"the engine loop failed: {type(exc).__name__}: {exc}"))
+
+    def _add(self, handle: RequestStream) -> None:
+        for seq in handle._seqs:
+            self._live[seq] = handle
+            self.engine.add(seq)
+
+    def _cancel(self, handle: RequestStream, error: Exception | None = None) -> None:
+        for seq in handle._seqs:
+            if seq.status is not Status.FINISHED:
+                self.engine.abort(seq, "error" if error else "abort", error)
+        self._dispatch(handle._seqs)
+
+    def _dispatch(self, seqs: list[Sequence]) -> None:
+        finished = []
+        for seq in seqs:
+            handle = self._live.get(seq)
+            if handle is None:
+                continue
+            handle._publish(seq)
+            if seq.status is Status.FINISHED:
+                del self._live[seq]
+                finished.append(handle)
+        for handle in finished:
+            handle._finish_if_done()

@@ -1,0 +1,136 @@
+"""LLM: the synchronous Python API. A thin wrapper over an Engine driven by
+its EngineLoop thread: `generate` and `chat` submit requests and wait for
+them, so any number of threads may call them at once, and a caller
+interrupted (Ctrl-C) takes its requests back before the exception goes on.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from tqdm import tqdm
+
+from flexinfer.engine import Engine
+from flexinfer.engine_loop import EngineLoop, RequestStream
+from flexinfer.inputs import check_conversation, check_params, check_priorities, check_prompt, check_prompts
+from flexinfer.outputs import RequestOutput
+from flexinfer.sampling import SamplingParams
+
+# How long a cancelled generate waits for its requests to let go of their memory.
+_CANCEL_WAIT_S = 30.0
+
+
+class LLM:
+    """An LLM on a vtm KV cache. `LLM(model, **options)`: the options are
+    Engine's (dtype, kv_capacity_bytes, manager, max_num_seqs, max_model_len,
+    enable_prefix_caching, attention, linear, threads, cuda_graphs, ...)."""
+
+    def __init__(self, model: str, **options):
+        self.engine = Engine(model, **options)
+        self._loop = EngineLoop(self.engine)
+        # Stop the thread and release the memory even if close() is never called.
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self.engine)
+
+    # What the engine holds, for callers and tests that look inside.
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    config = property(lambda self: self.engine.config)
+    model = property(lambda self: self.engine.model)
+    kv_cache = property(lambda self: self.engine.kv_cache)
+    manager = property(lambda self: self.engine.manager)
+    scheduler = property(lambda self: self.engine.scheduler)
+    attention = property(lambda self: self.engine.attention)
+    thread_tuner = property(lambda self: self.engine.thread_tuner)
+    device = property(lambda self: self.engine.device)
+    dtype = property(lambda self: self.engine.dtype)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+
+    # -- requests -------------------------------------------------------
+
+    def submit(self, prompt, sampling_params: SamplingParams | None = None, priority: int = 0,
+               stream: bool = True, deliver=None) -> RequestStream:
+        """Queue one prompt (a str or a list of token ids) and return its
+        handle at once: iterate it for StreamEvents, `result()` for the
+        RequestOutput, `cancel()` to stop it. Text for the events comes from
+        flexinfer.detokenizer.IncrementalText. `deliver(event)`, if given,
+        receives the events (then None) on the engine thread instead, and
+        must not block (AsyncLLM uses it)."""
+        prompt = check_prompt(prompt)
+        params = check_params(sampling_params, 1)[0]
+        priority = check_priorities([priority], 1)[0]
+        text, ids = self._encode(prompt)
+        return self._loop.submit(text, ids, params, priority, stream=stream, deliver=deliver)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None, priorities: list[int] | None = None) -> list[RequestOutput]:
+        """Complete each prompt (a string or a list of token ids). A request
+        that cannot run or fails comes back with `outputs[i].error` set; the
+        others are unaffected. Malformed arguments raise InvalidArgument
+        before anything runs."""
+        prompts = check_prompts(prompts)
+        params = check_params(sampling_params, len(prompts))
+        priorities = check_priorities(priorities, len(prompts))
+        encoded = [self._encode(p) for p in prompts]
+        handles: list[RequestStream] = []
+        try:
+            for (text, ids), p, priority in zip(encoded, params, priorities):
+                handles.append(self._loop.submit(text, ids, p, priority))
+            show = use_tqdm if use_tqdm is not None else len(handles) > 1
+            with tqdm(total=len(handles), desc="generate", disable=not show, unit="req") as bar:
+                for handle in handles:
+                    handle.wait()
+                    bar.update(1)
+            return [handle.result() for handle in handles]
+        except BaseException:
+            # Ctrl-C (or any error here): take the requests back, so that
+            # nothing of this call runs on or holds memory after it.
+            for handle in handles:
+                handle.cancel()
+            for handle in handles:
+                handle.wait(_CANCEL_WAIT_S)
+            raise
+
+    def chat(self, conversations, sampling_params: SamplingParams | None = None, **kwargs):
+        """Apply the chat template and generate. One conversation (a list of
+        messages) gives one RequestOutput; a list of conversations, a list.
+        Earlier turns are mapped from the prefix cache, not recomputed."""
+        single = isinstance(conversations, (list, tuple)) and bool(conversations) and isinstance(conversations[0], dict)
+        convs = [conversations] if single else conversations
+        if not isinstance(convs, (list, tuple)):
+            convs = [convs]  # check_conversation names the problem
+        prompts = [self.chat_prompt(c, i if not single else None) for i, c in enumerate(convs)]
+        outs = self.generate(prompts, sampling_params or SamplingParams(max_tokens=256, temperature=0.0), **kwargs)
+        return outs[0] if single else outs
+
+    def chat_prompt(self, conversation, index: int | None = None) -> list[int]:
+        """The token ids of a conversation under the model's chat template,
+        ending with the assistant's turn to answer."""
+        conversation = check_conversation(conversation, index)
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stats(self) -> dict:
+        """Scheduler counters and the vtm manager's stats, safe from any thread."""
+        return self.engine.stats()
+
+    # -- lifetime -------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel what is still running, stop the engine thread, release the
+        KV space (and the manager, when this engine made it)."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, prompt
+
+
+def _shutdown(loop: EngineLoop, engine: Engine) -> None:
+    loop.close()
+    engine.close()
