@@ -41,7 +41,7 @@ class Engine:
         if dtype not in _DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens),
-                            ("kv_capacity_bytes", kv_capacity_bytes), ("max_model_len", max_model_len or 1)):
+                            ("kv_capacity_bytes", kv_capacity_bytes), ("max_model_len", 1 if max_model_len is None else max_model_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
         if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):

@@ -16,6 +16,7 @@ from flexinfer.inputs import check_conversation, check_params, check_priorities,
 from flexinfer.outputs import RequestOutput
 from flexinfer.sampling import SamplingParams
 
+_POLL_S = 0.1
 # How long a cancelled generate waits for its requests to let go of their memory.
 _CANCEL_WAIT_S = 30.0
 
@@ -77,7 +78,9 @@ class LLM:
             show = use_tqdm if use_tqdm is not None else len(handles) > 1
             with tqdm(total=len(handles), desc="generate", disable=not show, unit="req") as bar:
                 for handle in handles:
-                    handle.wait()
+                    # In slices: a signal (Ctrl-C) is handled between them.
+                    while not handle.wait(_POLL_S):
+                        pass
                     bar.update(1)
             return [handle.result() for handle in handles]
         except BaseException:

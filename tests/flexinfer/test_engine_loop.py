@@ -1,0 +1,271 @@
+"""The engine thread and what it promises: no bad request, failed step,
+second thread or Ctrl-C breaks an LLM; streaming and cancellation; every
+failure releases its KV. Issue 10's reproductions, one test each."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flexinfer import LLM, EngineClosed, EngineError, InvalidArgument, SamplingParams  # noqa: E402
+from flexinfer.detokenizer import IncrementalText, final_text  # noqa: E402
+from test_engine import (Oracle, _build_tiny, assert_greedy_equal, greedy, random_prompts,  # noqa: E402
+                         run)
+
+POISON = 7  # token whose embedding is NaN in the poisoned model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_hf_tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-loop")
+    return str(folder), Oracle(_build_tiny(folder, "llama", smollm2_hf_tokenizer, 3))
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory, smollm2_hf_tokenizer):
+    """A model whose token POISON embeds to NaN: a prompt holding it gets NaN logits, others are fine."""
+    folder = tmp_path_factory.mktemp("tiny-nan")
+    model = _build_tiny(folder, "llama", smollm2_hf_tokenizer, 4)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[POISON] = float("nan")
+    model.save_pretrained(folder)
+    return str(folder), Oracle(model)
+
+
+def clean_prompts(lengths, seed):
+    return [[t if t != POISON else POISON + 1 for t in p] for p in random_prompts(lengths, seed)]
+
+
+def assert_idle_and_released(llm: LLM) -> None:
+    llm.manager.check()
+    assert not llm.scheduler.has_work()
+    assert llm.manager.stats()["spaces"][llm.kv_cache.space.name]["vtensors"] == 0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("call", [
+    lambda llm: llm.generate(["hi"], SamplingParams(temperature=float("nan"))),
+    lambda llm: llm.generate([[1.0, 2.0]]),
+    lambda llm: llm.generate([b"hello"]),
+    lambda llm: llm.generate([None]),
+    lambda llm: llm.generate(5),
+    lambda llm: llm.generate(["a", "b"], priorities=[1]),
+    lambda llm: llm.generate(["a"], priorities=["high"]),
+    lambda llm: llm.generate(["hello \udcff"]),
+    lambda llm: llm.generate(["a"], [SamplingParams(), SamplingParams()]),
+    lambda llm: llm.generate(["a"], "greedy"),
+    lambda llm: llm.chat([{"role": "user"}]),
+    lambda llm: llm.chat([{"role": "user", "content": 5}]),
+    lambda llm: llm.chat([[]]),
+    lambda llm: llm.submit(b"x"),
+], ids=["nan-temperature", "float-ids", "bytes", "none", "int", "priorities-length", "priorities-type",
+        "lone-surrogate", "params-length", "params-type", "message-without-content", "content-not-str",
+        "empty-conversation", "submit-bytes"])
+def test_bad_input_raises_invalid_argument_and_changes_nothing(tiny, call):
+    folder, oracle = tiny
+    prompts = clean_prompts([9, 14], seed=1)
+    with LLM(folder) as llm:
+        with pytest.raises(InvalidArgument):
+            call(llm)
+        assert_idle_and_released(llm)
+        assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(6)), 6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens="8"), dict(max_tokens=True), dict(temperature=float("inf")),
+                                    dict(top_p=float("nan")), dict(seed=1.5), dict(stop=[""]), dict(stop=5),
+                                    dict(stop_token_ids=["2"]), dict(ignore_eos=1), dict(n=0),
+                                    dict(min_tokens=9, max_tokens=8)])
+def test_sampling_params_check_types_and_values(kwargs):
+    with pytest.raises(InvalidArgument):
+        SamplingParams(**kwargs)
+
+
+def test_engine_options_are_checked_before_loading():
+    for kwargs in (dict(max_model_len=-1), dict(max_model_len=0), dict(kv_capacity_bytes=0), dict(max_num_seqs="4")):
+        with pytest.raises(InvalidArgument):
+            LLM("/nonexistent/model", **kwargs)
+
+
+# ----------------------------------------------------------------------------- failures stay alone
+
+def test_nan_logits_fail_their_request_alone(poisoned):
+    folder, oracle = poisoned
+    good = clean_prompts([6, 21, 12], seed=2)
+    bad = [3, 9, POISON, 11]
+    with LLM(folder) as llm:
+        for params in (greedy(5), SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True)):
+            outs = run(llm, [good[0], bad, good[1], good[2]], params)
+            assert outs[1].finish_reason == "error" and isinstance(outs[1].error, EngineError)
+            assert "NaN" in str(outs[1].error) and outs[1].token_ids == []
+            if params.greedy:
+                assert_greedy_equal(oracle, good, [outs[0], outs[2], outs[3]], 5)
+        # The engine serves the next request as if nothing happened.
+        assert_greedy_equal(oracle, good, run(llm, good, greedy(7)), 7)
+
+
+def test_a_step_that_raises_fails_its_batch_and_the_engine_goes_on(tiny, monkeypatch):
+    folder, oracle = tiny
+    prompts = clean_prompts([5, 18], seed=3)
+    with LLM(folder) as llm:
+        real = llm.engine.model.forward
+        calls = []
+
+        def broken(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # the first decode step
+                raise RuntimeError("injected kernel failure")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(llm.engine.model, "forward", broken)
+        outs = run(llm, prompts, greedy(6))
+        for out in outs:
+            assert out.finish_reason == "error" and isinstance(out.error, EngineError)
+            assert "injected kernel failure" in str(out.error)
+            assert len(out.token_ids) == 1  # the token the prefill sampled
+        assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(6)), 6)
+
+
+# ----------------------------------------------------------------------------- threads
+
+def test_two_threads_generating_at_once_get_their_own_outputs(tiny):
+    folder, oracle = tiny
+    sets = [clean_prompts([7, 30, 11], seed=10), clean_prompts([25, 4, 16, 9], seed=11)]
+    results: dict[int, list] = {}
+    errors = []
+    with LLM(folder) as llm:
+        def work(i):
+            try:
+                results[i] = llm.generate(sets[i], greedy(12), use_tqdm=False)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+        for i in range(2):
+            assert_greedy_equal(oracle, sets[i], results[i], 12)
+        assert_idle_and_released(llm)
+
+
+def test_ctrl_c_cancels_the_interrupted_generate(tiny):
+    folder, oracle = tiny
+    prompts = clean_prompts([10] * 8, seed=12)
+    with LLM(folder, max_num_seqs=2) as llm:
+        main = threading.main_thread().ident
+        timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))
+        timer.start()
+        started = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, greedy(240), use_tqdm=False)
+        assert time.perf_counter() - started < 20
+        timer.cancel()
+        # Nothing of the interrupted call is left to run or to hold memory.
+        assert_idle_and_released(llm)
+        assert_greedy_equal(oracle, prompts[:2], run(llm, prompts[:2], greedy(5)), 5)
+
+
+# ----------------------------------------------------------------------------- streaming and cancel
+
+def test_streamed_events_add_up_to_the_result(tiny):
+    folder, oracle = tiny
+    prompt = clean_prompts([13], seed=13)[0]
+    with LLM(folder) as llm:
+        handle = llm.submit(prompt, SamplingParams(max_tokens=9, temperature=0.7, seed=5, n=2, ignore_eos=True))
+        streamed = {0: [], 1: []}
+        finishes = {}
+        times = []
+        for event in handle:
+            streamed[event.sample_index] += event.token_ids
+            times.append(event.time_s)
+            if event.finish_reason:
+                finishes[event.sample_index] = event.finish_reason
+        out = handle.result()
+        assert [o.token_ids for o in out.outputs] == [streamed[0], streamed[1]]
+        assert finishes == {0: "length", 1: "length"} and times == sorted(times)
+        greedy_out = llm.submit(prompt, greedy(9))
+        assert [t for e in greedy_out for t in e.token_ids] == oracle.greedy(prompt, 9)
+        assert_idle_and_released(llm)
+
+
+def test_incremental_text_holds_back_stop_strings(tiny):
+    folder, _ = tiny
+    with LLM(folder) as llm:
+        tok = llm.tokenizer
+        ids = tok.encode("Hello there, general Kenobi. You are a bold one.")
+        for stop in ([], ["Kenobi"], ["bold one", "zzz"], ["."]):
+            text = IncrementalText(tok, stop)
+            pieces = [text.push([t]) for t in ids] + [text.finish()]
+            assert "".join(pieces) == final_text(tok, ids, stop)
+            for s in stop:
+                assert all(s not in p for p in pieces)
+
+
+def test_cancel_mid_stream_releases_the_kv(tiny):
+    folder, oracle = tiny
+    prompts = clean_prompts([12, 20], seed=14)
+    with LLM(folder) as llm:
+        handle = llm.submit(prompts[0], greedy(200))
+        got = []
+        for event in handle:
+            got += event.token_ids
+            if len(got) >= 3:
+                handle.cancel()
+        out = handle.result()
+        assert out.finish_reason == "abort" and out.error is None
+        assert 3 <= len(out.token_ids) < 200
+        assert out.token_ids == oracle.greedy(prompts[0], len(out.token_ids))
+        assert_idle_and_released(llm)
+        assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(4)), 4)
+
+
+def test_close_ends_running_requests_and_refuses_new_ones(tiny):
+    folder, _ = tiny
+    llm = LLM(folder)
+    handle = llm.submit(clean_prompts([8], seed=15)[0], greedy(240))
+    next(iter(handle))
+    llm.close()
+    out = handle.result(timeout=10)
+    assert out.finish_reason == "error" and isinstance(out.error, EngineClosed)
+    with pytest.raises(EngineClosed):
+        llm.submit([5, 6, 7])
+
+
+def test_min_tokens_defers_stop_tokens(tiny):
+    folder, oracle = tiny
+    prompt = clean_prompts([9], seed=16)[0]
+    first = oracle.greedy(prompt, 1)[0]
+    with LLM(folder) as llm:
+        stopped = run(llm, [prompt], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[first]))[0]
+        assert stopped.finish_reason == "stop" and stopped.token_ids == [first]
+        held = run(llm, [prompt], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[first],
+                                                 min_tokens=3))[0]
+        assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+
+
+def test_an_unclosed_llm_stops_its_thread_when_collected(tiny):
+    folder, _ = tiny
+    before = {t.ident for t in threading.enumerate()}
+    llm = LLM(folder)
+    run(llm, [[5, 6, 7]], greedy(2))
+    del llm
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if not [t for t in threading.enumerate() if t.name == "flexinfer-engine" and t.ident not in before]:
+            break
+        time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "flexinfer-engine" and t.ident not in before]
+    assert os.getpid()  # the process is intact
