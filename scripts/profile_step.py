@@ -36,12 +36,25 @@ def profile(llm: LLM, batch: int, new_tokens: int) -> dict:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
     llm.kv_cache.clear_prefixes()
+    # Steps run on the engine's thread, and cProfile profiles the thread that
+    # enables it: profile inside each step.
     prof = cProfile.Profile()
-    prof.enable()
-    llm.generate(prompts, params, use_tqdm=False)
-    prof.disable()
+    step = llm.engine.step
+
+    def profiled_step():
+        prof.enable()
+        try:
+            return step()
+        finally:
+            prof.disable()
+
+    llm.engine.step = profiled_step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.engine.step
     stats = pstats.Stats(prof)
-    total = max(v[3] for v in stats.stats.values())  # the generate call's cumulative time
+    total = sum(v[3] for (f, _, fn), v in stats.stats.items() if f.endswith("engine.py") and fn == "step")
     parts = {name: 0.0 for name in PARTS}
     for (filename, _, func), (_, _, _, cumtime, _) in stats.stats.items():
         for name, keys in PARTS.items():
