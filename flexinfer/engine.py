@@ -137,9 +137,14 @@ class Engine:
         if self.thread_tuner is not None:
             self.thread_tuner.close()
         self.graphs = None
-        self.kv_cache.release(self._sink)
-        self._sink = []
-        self.kv_cache.close()
+        try:
+            self.kv_cache.release(self._sink)
+            self._sink = []
+            self.kv_cache.close()
+        except vtm.Unavailable:
+            # The broker is gone, and with it this session: it released the
+            # space's memory when the connection dropped.
+            log.warning("closing the KV space: the vtm broker is unavailable")
         if self._own_manager:
             self.manager.close()
 

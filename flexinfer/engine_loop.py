@@ -223,7 +223,12 @@ class EngineLoop:
     def _cancel(self, handle: RequestStream, error: Exception | None = None) -> None:
         for seq in handle._seqs:
             if seq.status is not Status.FINISHED:
-                self.engine.abort(seq, "error" if error else "abort", error)
+                try:
+                    self.engine.abort(seq, "error" if error else "abort", error)
+                except Exception as exc:  # the sequence still ends: a stream must always end
+                    log.exception("aborting a sequence failed")
+                    seq.status, seq.finish_reason = Status.FINISHED, "error"
+                    seq.error = error or EngineError(f"cancelling failed: {type(exc).__name__}: {exc}")
         self._dispatch(handle._seqs)
 
     def _dispatch(self, seqs: list[Sequence]) -> None:

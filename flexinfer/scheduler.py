@@ -23,6 +23,7 @@ chunks again before the asker's retry could take them.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -31,6 +32,8 @@ from collections import deque
 import vtm
 from flexinfer.kv_cache import KVCache
 from flexinfer.sequence import Sequence, Status
+
+log = logging.getLogger("flexinfer")
 
 # How long an engine that answered a broker's reclaim notice admits nobody:
 # the asker retries as soon as the freed pages are unmapped (within ms), well
@@ -172,10 +175,6 @@ class Scheduler:
         prefix was recorded when its prefill ended."""
         if seq.status is Status.FINISHED:
             return
-        if seq.vtensors:
-            # The pre-extend submitted last step may still target its vTensors.
-            self._await_pending()
-            self._drop_vtensors(seq, record=False)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -183,6 +182,14 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        if seq.vtensors:
+            try:
+                # The pre-extend submitted last step may still target its vTensors.
+                self._await_pending()
+                self._drop_vtensors(seq, record=False)
+            except Exception:  # vtm failing (a dead broker): the sequence is gone all the same
+                log.exception("releasing the KV of a %s sequence failed", reason)
+                seq.reset_cache_state()
 
     def _drop_vtensors(self, seq: Sequence, record: bool) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds

@@ -107,3 +107,25 @@ def test_cli_manager_flag_reaches_the_broker(tmp_path, tiny_folder, capsys):
     dead = f"unix:{tmp_path}/nobody/sock"
     assert main(["generate", "--model", tiny_folder, "--manager", dead, "--prompt", "hi"]) == 2
     assert "no vtm broker answers" in capsys.readouterr().err
+
+
+def test_a_dead_broker_fails_requests_and_the_engine_lives_on(tiny_folder, broker):
+    """SIGKILL the broker mid-generate: every request ends with vtm.Unavailable
+    (no hang), the engine thread survives, and later calls fail promptly too."""
+    prompts = random_prompts(TINY_PROMPT_LENGTHS, seed=21)
+    manager = vtm.connect(broker.address, name="engine-orphan", timeout=2)
+    llm = LLM(tiny_folder, manager=manager)
+    try:
+        handle = llm.submit(prompts[0], greedy(200))
+        next(iter(handle))  # decoding
+        broker.kill()
+        started = time.monotonic()
+        out = handle.result(timeout=30)
+        assert out.finish_reason == "error" and isinstance(out.error, vtm.Unavailable), out.error
+        later = llm.generate(prompts[:2], greedy(4), use_tqdm=False)
+        assert all(isinstance(o.error, vtm.Unavailable) for o in later), [o.error for o in later]
+        assert time.monotonic() - started < 30
+        assert llm._loop._thread.is_alive()
+    finally:
+        llm.close()
+        manager.close()
