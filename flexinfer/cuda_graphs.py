@@ -108,6 +108,9 @@ class DecodeGraphs:
             self._forward(size)  # compiles the kernels outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # Thread-local capture: vtm's worker threads keep mapping pages (the
+        # pre-extend runs while this step computes), and under the default
+        # global mode their driver calls would be refused during a capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(size)
         self._graphs[size] = (graph, logits)

@@ -63,6 +63,7 @@ class RequestStream:
             deliver = self._events.put
         self._deliver = deliver
         self._emitted = [0] * len(seqs)  # tokens already sent, per sample (loop thread)
+        self._ended: set[int] = set()  # samples whose last event was sent (loop thread)
         self._done = threading.Event()
 
     @property
@@ -100,10 +101,12 @@ class RequestStream:
     def _publish(self, seq: Sequence) -> None:
         """Send what `seq` gained since its last event; end the stream when every sample is done."""
         i = seq.sample_index
-        if self._stream:
+        if self._stream and i not in self._ended:
             new = seq.output_ids[self._emitted[i]:]
             if new or seq.finish_reason is not None:
                 self._emitted[i] = len(seq.output_ids)
+                if seq.finish_reason is not None:
+                    self._ended.add(i)
                 self._deliver(StreamEvent(i, new, seq.finish_reason, seq.error, time.perf_counter()))
 
     def _finish_if_done(self) -> bool:
@@ -123,6 +126,10 @@ class EngineLoop:
         self._closing = False
         self._ids = itertools.count()
         self._live: dict[Sequence, RequestStream] = {}  # loop thread only
+        # The thread's CUDA device: the engine's, or the creating thread's current one.
+        self._cuda_index = None
+        if engine.device.type == "cuda":
+            self._cuda_index = engine.device.index if engine.device.index is not None else torch.cuda.current_device()
         self._thread = threading.Thread(target=self._run, name="flexinfer-engine", daemon=True)
         self._thread.start()
 
@@ -178,8 +185,20 @@ class EngineLoop:
     # -- the loop thread ------------------------------------------------
 
     def _run(self) -> None:
-        if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device)
+        try:
+            if self._cuda_index is not None:
+                torch.cuda.set_device(self._cuda_index)
+            self._serve()
+        except BaseException as exc:  # the thread cannot go on: end every stream, refuse new ones
+            log.exception("the engine thread stopped")
+            with self._cv:
+                self._closing = True
+                inbox, self._inbox = self._inbox, deque()
+            error = EngineError(f"the engine thread stopped: {type(exc).__name__}: {exc}")
+            for handle in set(self._live.values()) | {h for op, h in inbox if op == "add"}:
+                self._cancel(handle, error)
+
+    def _serve(self) -> None:
         idle = True
         while True:
             with self._cv:
@@ -195,10 +214,7 @@ class EngineLoop:
                     else:
                         self._cancel(handle)
                 if closing:
-                    for handle in set(self._live.values()):
-                        self._cancel(handle, EngineClosed("the engine was closed before this request finished"))
-                    self.engine.drain()
-                    return
+                    break
                 if self.engine.has_work():
                     idle = False
                     changed = self.engine.step()
@@ -214,6 +230,12 @@ class EngineLoop:
                 log.exception("the engine loop failed; failing %d live requests", len(self._live))
                 for handle in set(self._live.values()):
                     self._cancel(handle, EngineError(f"the engine loop failed: {type(exc).__name__}: {exc}"))
+        for handle in set(self._live.values()):
+            self._cancel(handle, EngineClosed("the engine was closed before this request finished"))
+        try:
+            self.engine.drain()
+        except Exception:
+            log.exception("waiting for vtm's queued work at close failed")
 
     def _add(self, handle: RequestStream) -> None:
         for seq in handle._seqs:
@@ -229,7 +251,10 @@ class EngineLoop:
                     log.exception("aborting a sequence failed")
                     seq.status, seq.finish_reason = Status.FINISHED, "error"
                     seq.error = error or EngineError(f"cancelling failed: {type(exc).__name__}: {exc}")
-        self._dispatch(handle._seqs)
+        for seq in handle._seqs:
+            self._live.pop(seq, None)
+            handle._publish(seq)
+        handle._finish_if_done()
 
     def _dispatch(self, seqs: list[Sequence]) -> None:
         finished = []

@@ -269,3 +269,28 @@ def test_an_unclosed_llm_stops_its_thread_when_collected(tiny):
         time.sleep(0.05)
     assert not [t for t in threading.enumerate() if t.name == "flexinfer-engine" and t.ident not in before]
     assert os.getpid()  # the process is intact
+
+
+def test_a_dead_engine_thread_ends_every_stream_and_refuses_new_requests(tiny, monkeypatch):
+    from flexinfer import engine_loop
+
+    folder, _ = tiny
+    started = threading.Event()
+    release = threading.Event()
+
+    def broken_serve(self):
+        started.set()
+        release.wait(10)
+        raise RuntimeError("injected: the thread cannot serve")
+
+    monkeypatch.setattr(engine_loop.EngineLoop, "_serve", broken_serve)
+    with LLM(folder) as llm:
+        started.wait(10)
+        handle = llm.submit([5, 6, 7], greedy(4))
+        release.set()
+        out = handle.result(timeout=10)
+        assert out.finish_reason == "error" and isinstance(out.error, EngineError)
+        assert "injected" in str(out.error)
+        llm._loop._thread.join(10)
+        with pytest.raises(EngineClosed):
+            llm.submit([5, 6, 7])
