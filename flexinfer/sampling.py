@@ -13,6 +13,8 @@ from flexinfer.errors import InvalidArgument
 # sample() gives this for a row whose logits are not all finite (NaN or inf):
 # no token can be chosen from it, and the engine fails that request alone.
 NON_FINITE = -1
+# Temperatures below this sample greedily (as vLLM does).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -21,7 +23,7 @@ class SamplingParams:
     raises flexinfer.InvalidArgument."""
 
     max_tokens: int = 64
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     seed: int | None = None
@@ -67,7 +69,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, sampling is greedy in all but name, and dividing the
+        # logits by the temperature could overflow them.
+        return self.temperature < GREEDY_BELOW
 
 
 def _require_int(name: str, value) -> None:
@@ -78,31 +82,32 @@ def _require_int(name: str, value) -> None:
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            banned: list[list[int] | None] | None = None) -> list[int]:
     """One token per row of logits [B, vocab] (float32); NON_FINITE for a row
-    with a NaN or inf logit. `banned[i]`: token ids row i may not choose
-    (stop tokens before min_tokens)."""
+    with a NaN or +inf logit (-inf is a token that cannot be chosen; a row of
+    nothing but -inf is non-finite too). `banned[i]`: token ids row i may not
+    choose (stop tokens before min_tokens)."""
     banned = banned or [None] * len(params)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     tokens = [0] * len(params)
     if greedy_rows:
         rows = logits[greedy_rows] if len(greedy_rows) < len(params) else logits
-        # One transfer for the choice and the check: argmax alone would pick a NaN.
-        finite = torch.isfinite(rows).all(dim=-1)
         if any(banned[i] for i in greedy_rows):
             rows = rows.clone()
             for r, i in enumerate(greedy_rows):
                 if banned[i]:
                     rows[r, banned[i]] = float("-inf")
-        chosen = torch.where(finite, rows.argmax(dim=-1), NON_FINITE).tolist()
+        # One pass and one transfer for the choice and the check: a row's max
+        # is NaN when any logit is NaN, +inf when any is +inf.
+        best, chosen = rows.max(dim=-1)
+        chosen = torch.where(torch.isfinite(best), chosen, NON_FINITE).tolist()
         for i, t in zip(greedy_rows, chosen):
             tokens[i] = t
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i]
-        if not bool(torch.isfinite(row).all()):
+        if not bool(torch.isfinite(logits[i].max())):
             tokens[i] = NON_FINITE
             continue
-        row = row / p.temperature
+        row = logits[i] / p.temperature
         if banned[i]:
             row[banned[i]] = float("-inf")
         if p.top_k > 0:
