@@ -294,3 +294,29 @@ def test_a_dead_engine_thread_ends_every_stream_and_refuses_new_requests(tiny, m
         llm._loop._thread.join(10)
         with pytest.raises(EngineClosed):
             llm.submit([5, 6, 7])
+
+
+def test_async_requests_stream_and_leaving_early_cancels(tiny):
+    import asyncio
+
+    from flexinfer.async_llm import AsyncLLM
+
+    folder, oracle = tiny
+    prompts = clean_prompts([11, 6], seed=17)
+
+    async def scenario(llm):
+        engine = AsyncLLM(llm)
+        full = engine.submit(prompts[0], greedy(8))
+        tokens = [t async for event in full for t in event.token_ids]
+        out = await full.result()
+        assert tokens == out.token_ids == oracle.greedy(prompts[0], 8)
+        early = engine.submit(prompts[1], greedy(200))
+        async for event in early:
+            if event.token_ids:
+                break  # a client that went away
+        await asyncio.wait_for(early.result(), 10)
+        assert early.handle.result().finish_reason == "abort"
+
+    with LLM(folder) as llm:
+        asyncio.run(scenario(llm))
+        assert_idle_and_released(llm)
