@@ -4,9 +4,10 @@
 
 It owns the physical pool, the page accounting and the prefix trees; clients
 (vtm.connect) map the chunks into their own address spaces. The gRPC socket
-lives at PATH, the fd side socket at PATH.fds; their folder must be private
-(0700, created so when missing). SIGTERM or SIGINT: stop admitting, let the
-calls in flight finish, release everything, remove both sockets.
+lives at PATH, the fd side socket at PATH.fds, the step socket (the fast path
+of the hot calls) at PATH.step; their folder must be private (0700, created
+so when missing). SIGTERM or SIGINT: stop admitting, let the calls in flight
+finish, release everything, remove the sockets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import vtm
 from vtm.broker.fd_channel import FdServer
 from vtm.broker.service import BrokerService
+from vtm.broker.step_channel import StepServer
 from vtm.proto.vtm.v1 import vtm_pb2_grpc
 
 SERVICE_NAME = "vtm.v1.Broker"
@@ -73,7 +75,7 @@ def _raise_fd_limit() -> None:
 
 
 class Broker:
-    """A running broker: the manager, the gRPC server and the fd socket."""
+    """A running broker: the manager, the gRPC server, the fd socket and the step socket."""
 
     def __init__(self, listen: str, backend: str = "auto", capacity_bytes: int = 1 << 30,
                  chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2):
@@ -81,6 +83,7 @@ class Broker:
         _private_folder(self.path)
         _clear_stale(self.path)
         _clear_stale(self.path + ".fds")
+        _clear_stale(self.path + ".step")
         _raise_fd_limit()
         # No slot cache: a released slot's pages go back to the pool at once,
         # so no operation of one client ever changes another client's
@@ -88,10 +91,12 @@ class Broker:
         self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
                                    workers=workers, granularity=granularity, slot_cache_bytes=0,
                                    record_mappings=True, export_chunks=True)
-        self.service = self.fds = None
+        self.service = self.fds = self.steps = None
         try:
             self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds")
             self.fds = FdServer(self.path + ".fds", self.service.lookup, self.manager._chunk_fd)
+            self.steps = StepServer(self.path + ".step", self.service, self.manager._chunk_fd)
+            self.service.step_socket = self.steps.path
             # Each connected client holds one thread for its Notices stream;
             # the rest serve calls.
             self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=_MAX_THREADS, thread_name_prefix="vtmd"))
@@ -105,6 +110,8 @@ class Broker:
             for name in ("", SERVICE_NAME):
                 self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         except BaseException:
+            if self.steps is not None:
+                self.steps.close()  # and its socket file
             if self.fds is not None:
                 self.fds.close()  # and its socket file
             if self.service is not None:
@@ -121,11 +128,12 @@ class Broker:
         self.health.enter_graceful_shutdown()
         self.service.stop_admitting()
         self.server.stop(_GRACE_S).wait()
+        self.steps.close()  # an op in flight there holds its session lock: close_all waits for it
         self.service.close_all()
         self.fds.close()
         self.manager.close()
         try:
-            os.unlink(self.path)  # the fd socket went with self.fds
+            os.unlink(self.path)  # the fd and step sockets went with their servers
         except FileNotFoundError:
             pass
 
