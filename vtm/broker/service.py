@@ -52,7 +52,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._sessions: dict[str, Session] = {}
         self._next_client = 1
         self._stopping = False
-        self.policy = Policy(self._open_sessions, manager.chunk_bytes)
+        self.policy = Policy(self._open_sessions, manager.chunk_bytes, self._free_bytes)
         self._reaper_stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="vtmd-reaper", daemon=True)
         self._reaper.start()
@@ -235,17 +235,29 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         chunk = self._chunk_bytes
         return (-(-num_tokens * row_bytes // chunk) + (current * row_bytes // -chunk)) * chunk
 
-    def _allocate(self, session: Session, extra_bytes: int, op):
+    def _free_bytes(self) -> int:
+        stats = self.manager.stats()
+        return stats["capacity_bytes"] - stats["chunks_held"] * self._chunk_bytes
+
+    def _allocate(self, session: Session, extra_bytes: int, op, gate_bytes: int | None = None):
         """Runs an allocating op under the policy: the client's limit and
-        debts first; on out of memory, reclaim from lower priorities and
-        retry once."""
+        debts first; memory reserved for another client's retry left alone
+        (`gate_bytes`, default extra_bytes: what the op may take); on out of
+        memory, reclaim from lower priorities, with what they free reserved
+        for this op, and retry once."""
         self.policy.admit(session, extra_bytes)
+        gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
         try:
-            return op()
+            with self.policy.gate(session, gate_bytes):
+                return op()
         except vtm.OutOfMemory:
-            if not self.policy.reclaim(session, extra_bytes):
+            if not self.policy.reclaim(session, extra_bytes, reserve_bytes=max(extra_bytes, gate_bytes)):
                 raise
-        return op()
+        try:
+            with self.policy.gate(session, gate_bytes):
+                return op()
+        finally:
+            self.policy.unreserve(session)
 
     # -- RPCs --------------------------------------------------------------
 
@@ -390,7 +402,9 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         def body(session):
             space = self._space(session, request.space_id)
             tokens = list(request.token_ids)
-            match = self._allocate(session, 0, lambda: space.prefix_match(tokens).result())
+            # A match maps recorded chunks and copies at most its partial last page.
+            match = self._allocate(session, 0, lambda: space.prefix_match(tokens).result(),
+                                   gate_bytes=self._chunk_bytes)
             if match.vtensor is None:
                 return self._reply(session, matched_tokens=0)
             mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes
