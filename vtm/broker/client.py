@@ -75,7 +75,11 @@ class RemoteManager:
         self._notices = None
         self._reclaim_handlers = []
         self.reclaim_notices = 0  # RECLAIM notices received
-        if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
+        if not address.startswith("unix:"):
+            # Chunks travel as fds: only a Unix socket carries them (a tcp:
+            # listener serves control calls only).
+            raise errors.InvalidArgument(f"vtm.connect needs a unix:PATH address, got {address!r}")
+        if not os.path.exists(address[len("unix:"):]):
             # Nothing listens there: say so now instead of after the timeout.
             raise errors.Unavailable(f"no vtm broker answers at {address} (no such socket)")
         self._channel = grpc.insecure_channel(address)
