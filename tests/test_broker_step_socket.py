@@ -161,7 +161,8 @@ def _malformed(rng: random.Random, own_space: int, other_space: int, own_vt: int
     if choice == 2:  # an unknown op (AUTH again included)
         return sc.encode_request(rng.choice([0, sc.AUTH, 6, 99, 2**32 - 1]), rid, [own_vt, 11])
     if choice == 3:  # one-pair ops with several pairs
-        return sc.encode_request(rng.choice([sc.CREATE, sc.EXTEND, sc.RELEASE]), rid, [own_vt, 11] * rng.choice([0, 2, 3]))
+        op = rng.choice([sc.CREATE, sc.EXTEND, sc.RELEASE])
+        return sc.encode_request(op, rid, [own_vt, 11] * rng.choice([0, 2, 3]))
     if choice == 4:
         return sc.encode_request(sc.CREATE, rid, [rng.choice([other_space, 0, 999, 2**32 - 1, 2**64 - 1]), 1])
     if choice == 5:
