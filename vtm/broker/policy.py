@@ -17,7 +17,9 @@ reservations of others waits (gate()); otherwise the victim's own next
 admission, or a third client, could take the freed chunks first and the
 asker's retry would fail anyway. A client that still owes memory is not
 held back: it may have to allocate (its engine's step already under way)
-before it gets to answer, and what it owes counts what it mapped since.
+before it gets to answer, and what it owes counts what it mapped since. Nor
+is another asker's retry (two retries waiting for each other's reservation
+would both stall until the reservations lapse).
 
 Invariants:
   * a session owes memory (owed_target is not None) only between a notice
@@ -86,7 +88,7 @@ class Policy:
             owes = session.owed_target is not None
         with self._gate:
             gated = (self._free_bytes is not None and extra_bytes > 0 and not owes
-                     and self._reserved_for_others(session) > 0)
+                     and session not in self._reserved and self._reserved_for_others(session) > 0)
             while gated:
                 others = self._reserved_for_others(session)
                 if others == 0 or self._free_bytes() - extra_bytes >= others:
