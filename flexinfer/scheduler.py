@@ -16,16 +16,15 @@ sequences are recorded so the next chat turn maps them.
 
 On a vtm broker (vtm.connect), a reclaim notice for a higher-priority client
 is answered the same way: the next step preempts running sequences until
-about the asked bytes are unmapped, and nobody is admitted for RECLAIM_HOLD_S
-after it: re-admitting a preempted sequence at once would map its recorded
-chunks again before the asker's retry could take them.
+about the asked bytes are unmapped, and admits nobody in that step. The
+broker reserves the freed memory for the asker's retry (an admission meanwhile
+waits there), so re-admitting a preempted sequence cannot take it first.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from collections import deque
 
@@ -34,11 +33,6 @@ from flexinfer.kv_cache import KVCache
 from flexinfer.sequence import Sequence, Status
 
 log = logging.getLogger("flexinfer")
-
-# How long an engine that answered a broker's reclaim notice admits nobody:
-# the asker retries as soon as the freed pages are unmapped (within ms), well
-# inside this.
-RECLAIM_HOLD_S = 0.5
 
 
 def _weak_handler(method):
@@ -66,7 +60,6 @@ class Scheduler:
         # reclaim() on the client's notice thread, answered in schedule().
         self._reclaim_mu = threading.Lock()
         self._reclaim_request = None
-        self._admit_after = 0.0  # no admission before this time (after a reclaim)
         # Counters for metrics (tokens, like vLLM's): prompt tokens looked up in
         # the prefix cache at admission, and those found there.
         self.num_preemptions = 0
@@ -238,9 +231,7 @@ class Scheduler:
         """The batch of this step: (sequence, tokens to compute), memory mapped."""
         self._await_pending()
         self._reap_background()
-        if self._answer_reclaim():
-            self._admit_after = time.monotonic() + RECLAIM_HOLD_S
-        reclaimed = time.monotonic() < self._admit_after
+        reclaimed = self._answer_reclaim()
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         for seq in self.running:

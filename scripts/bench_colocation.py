@@ -3,10 +3,12 @@
 Three parts, each a comparison within one run (DESIGN.md section 7):
 
 1. RPC round trip: a batched step over 32 vTensors through the broker
-   (vtm.connect over the Unix socket) against the same step on an in-process
-   vtm.Manager; two kinds of step: one that maps nothing (the pure round
-   trip) and one that grows every vTensor by a token (decode: a page mapped
-   now and then, fds fetched and imported once). Target: p50 <= 300 us.
+   (vtm.connect over the Unix socket: the step socket, its fast path) against
+   the same step on an in-process vtm.Manager, and against the same client
+   over gRPC only (fast_path=False), a second baseline; two kinds of step: one
+   that maps nothing (the pure round trip) and one that grows every vTensor
+   by a token (decode: a page mapped now and then, its fd sent with the
+   reply and imported once). Target: p50 <= 300 us.
 2. Bursty alternating load: two FlexInfer instances (two processes) share
    one broker pool while bursts alternate between them (one busy, the other
    idle), against a static 50/50 split of the same memory (each instance an
@@ -98,22 +100,29 @@ def part_rpc(args, folder):
     try:
         local = vtm.Manager(backend=args.backend, capacity_bytes=capacity, chunk_bytes=chunk)
         remote = vtm.connect(address, name="bench-rpc")
+        over_grpc = vtm.connect(address, name="bench-rpc-grpc", fast_path=False)
         for grow, label in ((False, "step, no mapping"), (True, "step, +1 token each")):
             base = time_steps(local, args.repeats, 32, 46080, grow)
             over = time_steps(remote, args.repeats, 32, 46080, grow)
+            grpc_only = time_steps(over_grpc, args.repeats, 32, 46080, grow)
             rows.append({"case": label, "batch": 32, "in_process_p50_us": pct(base, 50),
                          "in_process_p99_us": pct(base, 99), "broker_p50_us": pct(over, 50),
                          "broker_p99_us": pct(over, 99), "ratio_p50": pct(over, 50) / pct(base, 50),
-                         "target_p50_us": 300})
+                         "grpc_p50_us": pct(grpc_only, 50), "grpc_p99_us": pct(grpc_only, 99),
+                         "grpc_over_broker_p50": pct(grpc_only, 50) / pct(over, 50), "target_p50_us": 300})
+        over_grpc.close()
         remote.close()
         local.close()
     finally:
         stop_broker(proc)
-    print(f"\n1. batched step over 32 vTensors ({args.backend}, {args.repeats} repeats)")
-    print(f"{'case':<22} {'in-proc p50':>12} {'p99':>9} {'broker p50':>11} {'p99':>9} {'ratio':>7}")
+    print(f"\n1. batched step over 32 vTensors ({args.backend}, {args.repeats} repeats; "
+          f"broker = the step socket, gRPC = the same client over gRPC only)")
+    print(f"{'case':<22} {'in-proc p50':>12} {'p99':>9} {'broker p50':>11} {'p99':>9} {'ratio':>7} "
+          f"{'gRPC p50':>10} {'p99':>9} {'gRPC/broker':>12}")
     for r in rows:
         print(f"{r['case']:<22} {r['in_process_p50_us']:>10.1f}us {r['in_process_p99_us']:>7.1f}us "
-              f"{r['broker_p50_us']:>9.1f}us {r['broker_p99_us']:>7.1f}us {r['ratio_p50']:>6.1f}x")
+              f"{r['broker_p50_us']:>9.1f}us {r['broker_p99_us']:>7.1f}us {r['ratio_p50']:>6.1f}x "
+              f"{r['grpc_p50_us']:>8.1f}us {r['grpc_p99_us']:>7.1f}us {r['grpc_over_broker_p50']:>11.1f}x")
     return rows
 
 

@@ -23,8 +23,11 @@ START_TIMEOUT_S = 30.0
 
 
 class BrokerProcess:
-    def __init__(self, folder, capacity_chunks: int = 64, chunk_bytes: int = CHUNK, backend: str = "host"):
+    def __init__(self, folder, capacity_chunks: int = 64, chunk_bytes: int = CHUNK, backend: str = "host",
+                 control: str | None = None):
         self.backend = backend
+        self.control = control  # tcp:HOST:PORT for vtmd --control; control_address is where it listens
+        self.control_address = None
         self.folder = str(folder)
         self.path = os.path.join(self.folder, "vtmd", "sock")
         self.address = "unix:" + self.path
@@ -37,7 +40,8 @@ class BrokerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vtm.broker", "--listen", self.address, "--backend", self.backend,
              "--capacity-bytes", str(self.capacity_bytes), "--chunk-bytes", str(self.chunk_bytes)]
-            + (["--granularity", str(self.chunk_bytes)] if self.backend == "host" else []),
+            + (["--granularity", str(self.chunk_bytes)] if self.backend == "host" else [])
+            + (["--control", self.control] if self.control else []),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             cwd=self.folder)  # not the repository root, whose vtm/ lacks the built _core
         line = self.proc.stdout.readline()  # "vtmd: listening on ..." once serving
@@ -45,6 +49,8 @@ class BrokerProcess:
             rest = self.proc.stdout.read() if self.proc.poll() is not None else ""
             self.kill()
             raise RuntimeError(f"vtmd did not start: {line!r} {rest!r}")
+        if ", control on " in line:
+            self.control_address = line.rsplit(", control on ", 1)[1].strip()
         wait_serving(self.address, START_TIMEOUT_S)
 
     def terminate(self, timeout: float = 15.0) -> int:

@@ -65,8 +65,10 @@ def wait_until(predicate, timeout: float, step: float = 0.02, on_fail=None) -> f
     return time.monotonic() - t0
 
 
-def test_same_api_and_bytes_in_one_client(broker):
-    with vtm.connect(broker.address, name="solo") as mgr:
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
+def test_same_api_and_bytes_in_one_client(broker, fast_path):
+    with vtm.connect(broker.address, name="solo", fast_path=fast_path) as mgr:
+        assert (mgr._steps is not None) == fast_path
         assert (mgr.backend, mgr.chunk_bytes, mgr.capacity_bytes) == ("host", CHUNK, 16 * CHUNK)
         space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=3, name="kv")
         assert (space.name, space.row_bytes, space.max_slots, space.free_slots) == ("kv", ROW, 3, 3)
@@ -96,8 +98,9 @@ def test_same_api_and_bytes_in_one_client(broker):
         assert space.closed
 
 
-def test_errors_map_to_the_in_process_exceptions(broker):
-    with vtm.connect(broker.address) as mgr:
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
+def test_errors_map_to_the_in_process_exceptions(broker, fast_path):
+    with vtm.connect(broker.address, fast_path=fast_path) as mgr:
         space = mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1)
         with pytest.raises(vtm.InvalidArgument):
             mgr.create_space(row_bytes=0, max_tokens=10, max_slots=1)
@@ -243,7 +246,7 @@ def test_sigterm_releases_everything_and_a_restarted_broker_serves(broker):
     t0 = time.monotonic()
     assert broker.terminate() == 0
     assert time.monotonic() - t0 < 4.0  # no waiting out the grace period on the client's stream
-    assert not os.path.exists(broker.path) and not os.path.exists(broker.path + ".fds")
+    assert not any(os.path.exists(broker.path + suffix) for suffix in ("", ".fds", ".step"))
     with pytest.raises(vtm.Unavailable):
         space.create(1).result()
     old.close()
@@ -280,7 +283,7 @@ def test_vtmd_refuses_a_shared_socket_folder_and_bad_addresses(tmp_path):
         done = subprocess.run([sys.executable, "-m", "vtm.broker", "--listen", address, "--backend", "host"],
                               capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert done.returncode == 2 and message in done.stderr, done.stderr
-    assert not (shared / "sock").exists() and not (shared / "sock.fds").exists()
+    assert not any((shared / name).exists() for name in ("sock", "sock.fds", "sock.step"))
 
 
 def test_fd_socket_gives_only_leased_chunks(broker):

@@ -100,6 +100,78 @@ def test_a_client_ignoring_notices_gets_no_more_memory(broker):
         low.close()
 
 
+def test_memory_freed_for_a_notice_is_reserved_for_the_asker(broker):
+    # The victim frees 8 chunks for the asker, and in that very moment (from
+    # its reclaim handler) a third client asks for 6 of the 12 then free.
+    # Unreserved, the bystander would get them and the asker's retry would
+    # fail; reserved, the bystander waits for the asker's retry, then gets
+    # what is left (4 chunks: not enough).
+    low = vtm.connect(broker.address, name="victim", priority=0, guaranteed_bytes=4 * CHUNK)
+    high = vtm.connect(broker.address, name="asker", priority=10)
+    third = vtm.connect(broker.address, name="bystander", priority=10)
+    try:
+        space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=6)
+        vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(6)]  # 12 of 16 chunks
+        tspace = third.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        events = []
+
+        def give_back(nbytes):
+            freed = 0
+            while freed < nbytes and vts:
+                vts.pop().release().result()
+                freed += 2 * CHUNK
+            try:
+                tspace.create(6 * ROWS_PER_CHUNK).result()
+                events.append("bystander got memory")
+            except vtm.OutOfMemory:
+                events.append("bystander refused")
+            return freed
+
+        low.set_reclaim_handler(give_back)
+        hspace = high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        vt = hspace.create(8 * ROWS_PER_CHUNK).result()  # 4 free: needs 4 more, asks the victim for 8
+        events.append("asker got memory")
+        assert vt.mapped_bytes == 8 * CHUNK and low.reclaim_notices == 1
+        wait = time.monotonic() + 5
+        while len(events) < 2 and time.monotonic() < wait:
+            time.sleep(0.01)
+        assert sorted(events) == ["asker got memory", "bystander refused"]
+        assert held(high) == 12  # the victim's guaranteed 4 + the asker's 8
+        high.check()
+        # The reservation ended with the retry: the bystander takes what is free.
+        assert tspace.create(4 * ROWS_PER_CHUNK).result().mapped_bytes == 4 * CHUNK
+    finally:
+        third.close()
+        high.close()
+        low.close()
+
+
+def test_a_reservation_lapses_after_its_time():
+    from vtm.broker.policy import Policy
+    from vtm.broker.session import Session
+
+    free = [10]
+    policy = Policy(lambda: [], 1, free_bytes=lambda: free[0], reserve_s=0.3)
+    asker, other = Session(1, "asker", 5, 0, 0, 1), Session(2, "other", 0, 0, 0, 1)
+    victim = Session(3, "victim", 0, 0, 0, 1)
+    victim.pages = {(1, 0, p): (p, p + 1) for p in range(4)}  # maps 4 bytes: one may be asked for
+    policy._sessions = lambda: [asker, other, victim]
+    policy.wait_s = 0.0  # do not wait for the victim here
+    assert policy.reclaim(asker, 4, reserve_bytes=8)
+    with policy.gate(asker, 5):
+        pass  # the asker's own reservation does not hold it back
+    with policy.gate(other, 2):
+        pass  # 10 free - 2 >= 8 reserved
+    t0 = time.monotonic()
+    with policy.gate(other, 3):  # would leave 7 < 8: waits until the reservation lapses
+        waited = time.monotonic() - t0
+    assert 0.2 < waited < 2.0
+    policy.unreserve(asker)
+    t0 = time.monotonic()
+    with policy.gate(other, 10):
+        assert time.monotonic() - t0 < 0.1
+
+
 def test_vtmctl_stats_top_trim(broker, capsys):
     with vtm.connect(broker.address, name="shown") as mgr:
         vt = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1).create(2 * ROWS_PER_CHUNK).result()

@@ -9,6 +9,10 @@ vTensors' state and only then resolves the future. So, as in process, a
 caller may submit the next step's extend and compute meanwhile; the memory is
 mapped when its future resolves.
 
+The hot calls (create, extend, step, release) go over the broker's step
+socket when it advertises one (vtm/broker/step_channel.py: one datagram each
+way, the new chunks' fds attached), everything else over gRPC.
+
 A broker that dies or stops answering makes every pending and later call
 raise vtm.Unavailable within the call deadline; the session (and with it the
 client's memory) is lost, so the manager stays unusable: connect again.
@@ -33,7 +37,8 @@ import grpc
 
 from vtm import _core, errors
 from vtm.broker import status
-from vtm.broker.fd_channel import FdClient
+from vtm.broker.fd_channel import MAX_FDS, FdClient
+from vtm.broker import step_channel
 from vtm.broker.remote import RemoteFuture, RemoteMatch, RemoteSpace, RemoteVTensor
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 
@@ -57,7 +62,7 @@ def _count(n, what: str) -> int:
 
 class RemoteManager:
     def __init__(self, address: str, name: str | None = None, priority: int = 0, guaranteed_bytes: int = 0,
-                 limit_bytes: int | None = None, timeout: float = 10.0):
+                 limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True):
         self._timeout = float(timeout)
         self._broken: errors.Error | None = None
         self._closed = False
@@ -66,10 +71,15 @@ class RemoteManager:
         self._live: dict[int, RemoteVTensor] = {}
         self._mapper = None
         self._fds = None
+        self._steps = None
         self._notices = None
         self._reclaim_handlers = []
         self.reclaim_notices = 0  # RECLAIM notices received
-        if address.startswith("unix:") and not os.path.exists(address[len("unix:"):]):
+        if not address.startswith("unix:"):
+            # Chunks travel as fds: only a Unix socket carries them (a tcp:
+            # listener serves control calls only).
+            raise errors.InvalidArgument(f"vtm.connect needs a unix:PATH address, got {address!r}")
+        if not os.path.exists(address[len("unix:"):]):
             # Nothing listens there: say so now instead of after the timeout.
             raise errors.Unavailable(f"no vtm broker answers at {address} (no such socket)")
         self._channel = grpc.insecure_channel(address)
@@ -94,6 +104,13 @@ class RemoteManager:
                                               hello.granularity if hello.backend == "host" else 0, hello.device,
                                               _KEEP_IDLE_IMPORTS)
             self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
+            if fast_path and hello.step_socket:
+                try:
+                    self._steps = step_channel.StepClient(hello.step_socket, hello.lease, self._timeout)
+                except errors.Error:
+                    raise
+                except (OSError, ValueError) as exc:
+                    raise errors.Unavailable(f"the vtm broker's step socket failed: {exc}") from None
             # The session lives as long as this stream: the broker releases
             # everything of ours when it ends.
             self._notices = self._stub.Notices(vtm_pb2.NoticesRequest(), metadata=self._metadata)
@@ -116,6 +133,33 @@ class RemoteManager:
             if isinstance(error, errors.Unavailable):
                 self._broken = self._broken or error
             raise error from None
+
+    def _fast(self, what: str, op: int, pairs):
+        """Runs one op on the step socket and maps what it changed; the
+        reply (its vTensor fields) for the caller."""
+        try:
+            reply = self._steps.call(op, pairs)
+        except errors.Error:
+            raise  # the broker's answer (InvalidArgument is a ValueError too)
+        except (OSError, ValueError) as exc:
+            # Dead, hung or confused broker: the connection's state is
+            # unknown from here on, like a gRPC call past its deadline.
+            self._broken = self._broken or errors.Unavailable(f"the vtm broker did not answer {what}: {exc}")
+            raise type(self._broken)(str(self._broken)) from None
+        try:
+            received = dict(zip(reply.serials, reply.fds))
+            for space_id, effects in reply.groups:
+                missing = self._mapper.missing(effects)
+                if missing:
+                    for serial in missing:
+                        if serial in received:
+                            self._mapper.import_fd(serial, received[serial])
+                    self._import([s for s in missing if s not in received])
+                self._mapper.apply(space_id, effects)
+        finally:
+            for fd in reply.fds:
+                os.close(fd)
+        return reply.vtensor
 
     def _listen(self) -> None:
         """Consumes notices; the stream ending means the session is gone."""
@@ -190,18 +234,7 @@ class RemoteManager:
         """Maps the page changes of a reply and updates vTensor state."""
         for space_effects in reply.effects:
             effects = [(e.slot, e.page, e.chunk, e.serial) for e in space_effects.pages]
-            missing = self._mapper.missing(effects)
-            if missing:
-                try:
-                    fetched = self._fds.fetch(missing)
-                except (OSError, ValueError) as exc:
-                    raise errors.Unavailable(f"fetching chunk fds from the vtm broker failed: {exc}") from None
-                try:
-                    for serial, fd in fetched:
-                        self._mapper.import_fd(serial, fd)
-                finally:
-                    for _, fd in fetched:
-                        os.close(fd)
+            self._import(self._mapper.missing(effects))
             self._mapper.apply(space_effects.space_id, effects)
             if space_effects.closed:
                 self._mapper.remove_space(space_effects.space_id)
@@ -218,9 +251,28 @@ class RemoteManager:
             else:
                 vt._slot, vt._num_tokens = state.slot, state.num_tokens
 
+    def _import(self, serials) -> None:
+        """Imports chunks by serial through the fd socket, MAX_FDS at a time,
+        so this process never holds more fds than that (its RLIMIT_NOFILE
+        may be low; a large vTensor maps thousands of chunks)."""
+        for start in range(0, len(serials), MAX_FDS):
+            try:
+                fetched = self._fds.fetch(serials[start:start + MAX_FDS])
+            except (OSError, ValueError) as exc:
+                raise errors.Unavailable(f"fetching chunk fds from the vtm broker failed: {exc}") from None
+            try:
+                for serial, fd in fetched:
+                    self._mapper.import_fd(serial, fd)
+            finally:
+                for _, fd in fetched:
+                    os.close(fd)
+
     def _new_vtensor(self, space: RemoteSpace, reply) -> RemoteVTensor:
         state = next(s for s in reply.vtensors if s.vtensor_id == reply.vtensor_id)
-        vt = RemoteVTensor(self, space, reply.vtensor_id, state.slot, state.num_tokens)
+        return self._add_vtensor(space, reply.vtensor_id, state.slot, state.num_tokens)
+
+    def _add_vtensor(self, space: RemoteSpace, vt_id: int, slot: int, num_tokens: int) -> RemoteVTensor:
+        vt = RemoteVTensor(self, space, vt_id, slot, num_tokens)
         self._vtensors[vt.id] = vt
         self._live[vt.id] = vt
         return vt
@@ -238,6 +290,11 @@ class RemoteManager:
     def _create(self, space: RemoteSpace, n) -> RemoteFuture:
         n = _count(n, "num_tokens")
 
+        if self._steps is not None:
+            def fast():
+                vt_id, slot, num_tokens, _ = self._fast("create", step_channel.CREATE, (space.id, n))
+                return self._add_vtensor(space, vt_id, slot, num_tokens)
+            return self._submit(fast)
         request = _message(vtm_pb2.CreateRequest, "create", space_id=space.id, num_tokens=n)
 
         def run():
@@ -250,6 +307,11 @@ class RemoteManager:
     def _extend(self, vt: RemoteVTensor, n) -> RemoteFuture:
         n = _count(n, "num_tokens")
 
+        if self._steps is not None and n < 1 << 64:
+            def fast():
+                self._fast("extend", step_channel.EXTEND, (vt.id, n))
+                vt._num_tokens = max(vt._num_tokens, n)
+            return self._submit(fast)
         request = _message(vtm_pb2.ExtendRequest, "extend", vtensor_id=vt.id, num_tokens=n)
 
         def run():
@@ -259,6 +321,15 @@ class RemoteManager:
 
     def step(self, targets) -> RemoteFuture:
         sizes = [(self._own(vt, "step"), _count(n, "num_tokens")) for vt, n in targets.items()]
+        if self._steps is not None and len(sizes) <= step_channel.MAX_PAIRS and all(n < 1 << 64 for _, n in sizes):
+            pairs = [x for vt, n in sizes for x in (vt.id, n)]
+
+            def fast():
+                self._fast("step", step_channel.STEP, pairs)
+                for vt, n in sizes:
+                    if n > vt._num_tokens:
+                        vt._num_tokens = n
+            return self._submit(fast)
         request = _message(vtm_pb2.StepRequest, "step", targets=[
             vtm_pb2.ExtendRequest(vtensor_id=vt.id, num_tokens=n) for vt, n in sizes])
 
@@ -269,6 +340,13 @@ class RemoteManager:
         return self._submit(run)
 
     def _release(self, vt: RemoteVTensor) -> RemoteFuture:
+        if self._steps is not None:
+            def fast():
+                self._fast("release", step_channel.RELEASE, (vt.id, 0))
+                vt._released = True
+                self._live.pop(vt.id, None)
+            return self._submit(fast)
+
         def run():
             self._apply(self._rpc("release", self._stub.Release, vtm_pb2.VTensorRequest(vtensor_id=vt.id)))
         return self._submit(run)
@@ -390,6 +468,8 @@ class RemoteManager:
         self._channel.close()
         if self._fds is not None:
             self._fds.close()
+        if self._steps is not None:
+            self._steps.close()
         if self._mapper is not None:
             self._mapper.close()
 
@@ -404,8 +484,10 @@ class RemoteManager:
 
 
 def connect(address: str, name: str | None = None, priority: int = 0, guaranteed_bytes: int = 0,
-            limit_bytes: int | None = None, timeout: float = 10.0) -> RemoteManager:
+            limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True) -> RemoteManager:
     """A manager served by the vtm broker at `address` ("unix:PATH"), with
     vtm.Manager's API. Raises vtm.Unavailable when no broker answers within
-    `timeout` seconds, which is also the deadline of every later call."""
-    return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout)
+    `timeout` seconds, which is also the deadline of every later call.
+    fast_path=False sends every call over gRPC, even where the broker offers
+    its step socket (a baseline for scripts/bench_colocation.py)."""
+    return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path)

@@ -5,6 +5,8 @@
     vtmctl --address unix:PATH set-quota NAME BYTES [--guaranteed BYTES]
     vtmctl --address unix:PATH trim [--bytes N]
 
+--address may also be tcp:HOST:PORT, a broker's control listener (vtmd --control).
+
 Exit status 0 on success, 2 when the broker cannot be reached or refuses
 (one line on stderr).
 """
@@ -20,6 +22,7 @@ import grpc
 
 from vtm import errors
 from vtm.broker import status
+from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 
 
@@ -56,7 +59,7 @@ def _summary(stats: dict) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd).")
-    parser.add_argument("--address", required=True, help="unix:PATH of the broker")
+    parser.add_argument("--address", required=True, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
     parser.add_argument("--timeout", type=float, default=5.0)
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("stats", help="the pool, prefix trees and clients")
@@ -72,7 +75,16 @@ def main(argv=None) -> int:
     trim.add_argument("--bytes", type=int, default=None)
     args = parser.parse_args(argv)
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        if args.address.startswith("tcp:"):
+            try:
+                target = tcp_target(args.address)
+            except ValueError as exc:
+                raise errors.InvalidArgument(str(exc)) from None
+        elif args.address.startswith("unix:"):
+            target = args.address
+        else:
+            raise errors.InvalidArgument(f"--address must be unix:PATH or tcp:HOST:PORT, got {args.address!r}")
+        with grpc.insecure_channel(target) as channel:
             stub = vtm_pb2_grpc.BrokerStub(channel)
             if args.command == "stats":
                 stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats").json)

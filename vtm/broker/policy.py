@@ -10,14 +10,28 @@ deadline), waits briefly for them, and retries once; then it fails with
 RESOURCE_EXHAUSTED. A client that has not come down to what a notice asked
 by its deadline gets no more memory until it does.
 
+Memory freed in answer to a notice is reserved for the allocation that
+asked: from the notice until its retry has run (or reserve_s passed), an
+allocation of any other client that would leave less free than the
+reservations of others waits (gate()); otherwise the victim's own next
+admission, or a third client, could take the freed chunks first and the
+asker's retry would fail anyway. A client that still owes memory is not
+held back: it may have to allocate (its engine's step already under way)
+before it gets to answer, and what it owes counts what it mapped since. Nor
+is another asker's retry (two retries waiting for each other's reservation
+would both stall until the reservations lapse).
+
 Invariants:
   * a session owes memory (owed_target is not None) only between a notice
     and the moment its mapped bytes are at or below owed_target;
+  * _reserved holds, per asking session, the bytes its pending retry needs
+    and the deadline after which they are no longer reserved;
   * admit() never changes state: it only refuses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -27,13 +41,18 @@ from vtm.proto.vtm.v1 import vtm_pb2
 
 
 class Policy:
-    def __init__(self, sessions, chunk_bytes: int, notice_deadline_s: float = 2.0, wait_s: float = 1.0):
+    def __init__(self, sessions, chunk_bytes: int, free_bytes=None, notice_deadline_s: float = 2.0,
+                 wait_s: float = 1.0, reserve_s: float = 2.0):
         self._sessions = sessions  # () -> list of open sessions
         self.chunk_bytes = chunk_bytes
+        self._free_bytes = free_bytes  # () -> bytes of the pool no chunk holds (None: no reservations)
         self.notice_deadline_s = notice_deadline_s
         self.wait_s = wait_s
+        self.reserve_s = reserve_s
         self._ids = itertools.count(1)
         self._mu = threading.Lock()
+        self._gate = threading.Condition()
+        self._reserved = {}  # session -> (bytes, deadline), under _gate
 
     def admit(self, session, extra_bytes: int) -> None:
         """Refuses an allocation of `extra_bytes` more that the client may not make."""
@@ -53,9 +72,46 @@ class Policy:
             if session.owed_target is not None and session.mapped_bytes(self.chunk_bytes) <= session.owed_target:
                 session.owed_target = None
 
-    def reclaim(self, requester, need_bytes: int) -> bool:
+    def _reserved_for_others(self, session) -> int:
+        now = time.monotonic()
+        return sum(b for s, (b, deadline) in self._reserved.items() if s is not session and deadline > now)
+
+    @contextlib.contextmanager
+    def gate(self, session, extra_bytes: int):
+        """Runs an allocation of `extra_bytes` by `session` (the with-block)
+        so that it leaves the bytes reserved for others' retries free:
+        while it would not, it waits (until they retried or their
+        reservations expired). With no reservation of others, it runs at
+        once and concurrently with any other; otherwise gated allocations
+        run one at a time, so two of them cannot both pass the check."""
+        with self._mu:
+            owes = session.owed_target is not None
+        with self._gate:
+            gated = (self._free_bytes is not None and extra_bytes > 0 and not owes
+                     and session not in self._reserved and self._reserved_for_others(session) > 0)
+            while gated:
+                others = self._reserved_for_others(session)
+                if others == 0 or self._free_bytes() - extra_bytes >= others:
+                    break
+                now = time.monotonic()
+                deadlines = [d for s, (_, d) in self._reserved.items() if s is not session and d > now]
+                self._gate.wait(min(deadlines) - now if deadlines else 0)
+            if gated:
+                yield  # under the lock: the next gated allocation checks after this one
+                return
+        yield
+
+    def unreserve(self, session) -> None:
+        """The session's retry has run: others may take what it left."""
+        with self._gate:
+            if self._reserved.pop(session, None) is not None:
+                self._gate.notify_all()
+
+    def reclaim(self, requester, need_bytes: int, reserve_bytes: int = 0) -> bool:
         """Asks lower-priority clients above their guarantee for `need_bytes`
-        and waits up to wait_s for them; False when there was nobody to ask."""
+        and waits up to wait_s for them; False when there was nobody to ask.
+        When it asked, `reserve_bytes` stay reserved for the requester's
+        retry from before the first notice until unreserve() (or reserve_s)."""
         victims = sorted((s for s in self._sessions() if s is not requester and not s.closed
                           and s.priority < requester.priority
                           and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
@@ -67,6 +123,9 @@ class Policy:
             ask = min(mapped - victim.guaranteed_bytes, remaining)
             if ask <= 0:
                 continue
+            if not asked and reserve_bytes > 0 and self._free_bytes is not None:
+                with self._gate:
+                    self._reserved[requester] = (reserve_bytes, time.monotonic() + self.reserve_s)
             notice_id = next(self._ids)
             with self._mu:
                 target = mapped - ask if victim.owed_target is None else min(victim.owed_target, mapped - ask)

@@ -1,12 +1,16 @@
 """vtmd: the vtm broker daemon.
 
-    vtmd --listen unix:PATH [--backend host|cuda|auto] [--capacity-bytes N] [--chunk-bytes N]
+    vtmd --listen unix:PATH [--control tcp:HOST:PORT] [--backend host|cuda|auto] [--capacity-bytes N]
+         [--chunk-bytes N]
 
 It owns the physical pool, the page accounting and the prefix trees; clients
 (vtm.connect) map the chunks into their own address spaces. The gRPC socket
-lives at PATH, the fd side socket at PATH.fds; their folder must be private
-(0700, created so when missing). SIGTERM or SIGINT: stop admitting, let the
-calls in flight finish, release everything, remove both sockets.
+lives at PATH, the fd side socket at PATH.fds, the step socket (the fast path
+of the hot calls) at PATH.step; their folder must be private (0700, created
+so when missing). SIGTERM or SIGINT: stop admitting, let the calls in flight
+finish, release everything, remove the sockets. --control also serves the
+control calls (Stats, Trim, SetQuota) and health over TCP, and nothing else
+(vtm/broker/control.py).
 """
 
 from __future__ import annotations
@@ -25,19 +29,30 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import vtm
+from vtm.broker.control import ControlService
 from vtm.broker.fd_channel import FdServer
 from vtm.broker.service import BrokerService
+from vtm.broker.step_channel import StepServer
 from vtm.proto.vtm.v1 import vtm_pb2_grpc
 
 SERVICE_NAME = "vtm.v1.Broker"
 _GRACE_S = 5.0
 _MAX_THREADS = 256  # so up to ~200 clients
+_CONTROL_THREADS = 4
 
 
 def unix_path(address: str) -> str:
     if not address.startswith("unix:") or len(address) <= len("unix:"):
         raise ValueError(f"address must be unix:PATH, got {address!r}")
     return os.path.abspath(address[len("unix:"):])
+
+
+def tcp_target(address: str) -> str:
+    """The gRPC target HOST:PORT of a tcp:HOST:PORT address."""
+    host, sep, port = address[len("tcp:"):].rpartition(":")
+    if not address.startswith("tcp:") or not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address must be tcp:HOST:PORT, got {address!r}")
+    return f"{host}:{port}"
 
 
 def _private_folder(path: str) -> None:
@@ -73,14 +88,17 @@ def _raise_fd_limit() -> None:
 
 
 class Broker:
-    """A running broker: the manager, the gRPC server and the fd socket."""
+    """A running broker: the manager, the gRPC server, the fd socket and the step socket."""
 
     def __init__(self, listen: str, backend: str = "auto", capacity_bytes: int = 1 << 30,
-                 chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2):
+                 chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2,
+                 control: str | None = None):
         self.path = unix_path(listen)
+        control_target = tcp_target(control) if control else None
         _private_folder(self.path)
         _clear_stale(self.path)
         _clear_stale(self.path + ".fds")
+        _clear_stale(self.path + ".step")
         _raise_fd_limit()
         # No slot cache: a released slot's pages go back to the pool at once,
         # so no operation of one client ever changes another client's
@@ -88,10 +106,13 @@ class Broker:
         self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
                                    workers=workers, granularity=granularity, slot_cache_bytes=0,
                                    record_mappings=True, export_chunks=True)
-        self.service = self.fds = None
+        self.service = self.fds = self.steps = self.control = None
+        self.control_address = None
         try:
             self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds")
             self.fds = FdServer(self.path + ".fds", self.service.lookup, self.manager._chunk_fd)
+            self.steps = StepServer(self.path + ".step", self.service, self.manager._chunk_fd)
+            self.service.step_socket = self.steps.path
             # Each connected client holds one thread for its Notices stream;
             # the rest serve calls.
             self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=_MAX_THREADS, thread_name_prefix="vtmd"))
@@ -102,9 +123,23 @@ class Broker:
                 raise OSError(f"cannot listen at unix:{self.path}")
             os.chmod(self.path, 0o600)
             self.server.start()
+            if control_target is not None:
+                self.control = grpc.server(futures.ThreadPoolExecutor(max_workers=_CONTROL_THREADS,
+                                                                      thread_name_prefix="vtmd-control"))
+                vtm_pb2_grpc.add_BrokerServicer_to_server(ControlService(self.service), self.control)
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, self.control)
+                port = self.control.add_insecure_port(control_target)
+                if port == 0:
+                    raise OSError(f"cannot listen at {control}")
+                self.control_address = f"tcp:{control_target.rpartition(':')[0]}:{port}"
+                self.control.start()
             for name in ("", SERVICE_NAME):
                 self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         except BaseException:
+            if self.control is not None:
+                self.control.stop(None)
+            if self.steps is not None:
+                self.steps.close()  # and its socket file
             if self.fds is not None:
                 self.fds.close()  # and its socket file
             if self.service is not None:
@@ -120,12 +155,15 @@ class Broker:
         self._stopped = True
         self.health.enter_graceful_shutdown()
         self.service.stop_admitting()
+        if self.control is not None:
+            self.control.stop(_GRACE_S)
         self.server.stop(_GRACE_S).wait()
+        self.steps.close()  # an op in flight there holds its session lock: close_all waits for it
         self.service.close_all()
         self.fds.close()
         self.manager.close()
         try:
-            os.unlink(self.path)  # the fd socket went with self.fds
+            os.unlink(self.path)  # the fd and step sockets went with their servers
         except FileNotFoundError:
             pass
 
@@ -133,6 +171,9 @@ class Broker:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="vtmd", description="The vtm memory broker.")
     parser.add_argument("--listen", required=True, help="unix:PATH")
+    parser.add_argument("--control", default=None,
+                        help="tcp:HOST:PORT: also serve Stats, Trim, SetQuota and health there (no authentication: "
+                             "loopback or a trusted network only; port 0 picks one)")
     parser.add_argument("--backend", default="auto", choices=["host", "cuda", "auto"])
     parser.add_argument("--capacity-bytes", type=int, default=1 << 30)
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20)
@@ -144,12 +185,13 @@ def main(argv=None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
-                        args.workers)
+                        args.workers, args.control)
     except (vtm.Error, OSError, ValueError) as exc:
         print(f"vtmd: error: {exc}", file=sys.stderr)
         return 2
     print(f"vtmd: listening on unix:{broker.path} ({broker.manager.backend}, "
-          f"{broker.manager.capacity_bytes} bytes in chunks of {broker.manager.chunk_bytes})", flush=True)
+          f"{broker.manager.capacity_bytes} bytes in chunks of {broker.manager.chunk_bytes})"
+          + (f", control on {broker.control_address}" if broker.control_address else ""), flush=True)
     while not stop.wait(0.5):
         pass
     broker.stop()

@@ -41,16 +41,18 @@ def _count(value: int, what: str) -> int:
 
 
 class BrokerService(vtm_pb2_grpc.BrokerServicer):
-    def __init__(self, manager, backend: str, device: int, fd_socket: str):
+    def __init__(self, manager, backend: str, device: int, fd_socket: str, step_socket: str = ""):
         self.manager = manager
+        self._chunk_bytes = manager.chunk_bytes
         self._backend = backend
         self._device = device
         self._fd_socket = fd_socket
+        self.step_socket = step_socket  # advertised in Hello once its server listens
         self._mu = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._next_client = 1
         self._stopping = False
-        self.policy = Policy(self._open_sessions, manager.chunk_bytes)
+        self.policy = Policy(self._open_sessions, manager.chunk_bytes, self._free_bytes)
         self._reaper_stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="vtmd-reaper", daemon=True)
         self._reaper.start()
@@ -156,6 +158,22 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             context.set_trailing_metadata(((status.ERROR_KEY, "InvalidArgument"),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    def run_op(self, session: Session, body):
+        """Runs body() under the session lock for the step socket
+        (vtm/broker/step_channel.py), as _run does for gRPC: vtm errors
+        propagate; input the manager's binding rejected is InvalidArgument."""
+        if self._stopping:
+            raise vtm.Unavailable("the broker is stopping")
+        with session.lock:
+            if session.closed:
+                raise vtm.Unavailable("the session ended")
+            try:
+                return body()
+            except vtm.Error:
+                raise
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise vtm.InvalidArgument(str(exc)) from None
+
     def _space(self, session: Session, space_id: int):
         space = session.spaces.get(space_id)
         if space is None:
@@ -168,22 +186,32 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             raise vtm.FailedPrecondition(f"vTensor {vt_id} is not live (already released)")
         return vt
 
-    def _reply(self, session: Session, vtensors=(), closed=(), **fields) -> vtm_pb2.OpReply:
-        """An OpReply with the page states of the session's spaces the call
-        changed, and the state of the vTensors with ids `vtensors` (released
-        when the session no longer holds them)."""
-        reply = vtm_pb2.OpReply(**fields)
+    def collect(self, session: Session, vtensors=(), closed=()):
+        """What a call changed, for a transport to encode: (groups, states,
+        fresh). groups: (space id, closed, page effects) of the session's
+        spaces the call changed; states: (id, [space, slot, tokens] or None
+        when released) of the vTensors with ids `vtensors`; fresh: the
+        serials the client maps now and mapped nowhere before."""
+        groups, fresh = [], []
         for space_id in list(session.spaces) + list(closed):
             effects = self.manager._drain_effects(space_id)
             if not effects and space_id not in closed:
                 continue
-            session.note_effects(space_id, effects)
+            fresh += session.note_effects(space_id, effects)
             self.policy.settle(session)
+            groups.append((space_id, space_id in closed, effects))
+        states = [(vt_id, session.vt_state.get(vt_id)) for vt_id in vtensors]
+        return groups, states, [s for s in dict.fromkeys(fresh) if s in session.chunk_of]
+
+    def _reply(self, session: Session, vtensors=(), closed=(), **fields) -> vtm_pb2.OpReply:
+        """An OpReply with what the call changed (see collect)."""
+        reply = vtm_pb2.OpReply(**fields)
+        groups, states, _ = self.collect(session, vtensors, closed)
+        for space_id, is_closed, effects in groups:
             reply.effects.append(vtm_pb2.SpaceEffects(
-                space_id=space_id, closed=space_id in closed,
+                space_id=space_id, closed=is_closed,
                 pages=[vtm_pb2.PageEffect(slot=s, page=p, chunk=c, serial=n) for s, p, c, n in effects]))
-        for vt_id in vtensors:
-            state = session.vt_state.get(vt_id)
+        for vt_id, state in states:
             if state is None:
                 reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt_id, released=True))
             else:
@@ -192,30 +220,44 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         return reply
 
     def _pages_for(self, session: Session, space_id: int, num_tokens: int) -> int:
-        chunk = self.manager.chunk_bytes
-        return (num_tokens * session.geometry[space_id][0] + chunk - 1) // chunk
+        return -(-num_tokens * session.geometry[space_id][0] // self._chunk_bytes)
 
     def _missing_bytes(self, session: Session, vt_id: int, num_tokens: int) -> int:
         """Bytes an extend of a vTensor to `num_tokens` rows would map."""
         space_id, _, current = session.vt_state[vt_id]
-        if num_tokens > session.geometry[space_id][1]:
+        if num_tokens <= current:
+            return 0  # the common decode step: within what is mapped
+        row_bytes, max_tokens = session.geometry[space_id]
+        if num_tokens > max_tokens:
             return 0  # the manager refuses it with InvalidArgument
         # A live vTensor maps exactly the pages covering its rows (the broker
         # keeps no slot cache), so the difference is what it will map.
-        more = self._pages_for(session, space_id, num_tokens) - self._pages_for(session, space_id, current)
-        return max(0, more) * self.manager.chunk_bytes
+        chunk = self._chunk_bytes
+        return (-(-num_tokens * row_bytes // chunk) + (current * row_bytes // -chunk)) * chunk
 
-    def _allocate(self, session: Session, extra_bytes: int, op):
+    def _free_bytes(self) -> int:
+        stats = self.manager.stats()
+        return stats["capacity_bytes"] - stats["chunks_held"] * self._chunk_bytes
+
+    def _allocate(self, session: Session, extra_bytes: int, op, gate_bytes: int | None = None):
         """Runs an allocating op under the policy: the client's limit and
-        debts first; on out of memory, reclaim from lower priorities and
-        retry once."""
+        debts first; memory reserved for another client's retry left alone
+        (`gate_bytes`, default extra_bytes: what the op may take); on out of
+        memory, reclaim from lower priorities, with what they free reserved
+        for this op, and retry once."""
         self.policy.admit(session, extra_bytes)
+        gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
         try:
-            return op()
+            with self.policy.gate(session, gate_bytes):
+                return op()
         except vtm.OutOfMemory:
-            if not self.policy.reclaim(session, extra_bytes):
+            if not self.policy.reclaim(session, extra_bytes, reserve_bytes=max(extra_bytes, gate_bytes)):
                 raise
-        return op()
+        try:
+            with self.policy.gate(session, gate_bytes):
+                return op()
+        finally:
+            self.policy.unreserve(session)
 
     # -- RPCs --------------------------------------------------------------
 
@@ -231,7 +273,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             m = self.manager
             return vtm_pb2.HelloReply(lease=session.lease, client_id=client_id, backend=self._backend,
                                       device=self._device, chunk_bytes=m.chunk_bytes, capacity_bytes=m.capacity_bytes,
-                                      granularity=m.granularity, fd_socket=self._fd_socket, name=name)
+                                      granularity=m.granularity, fd_socket=self._fd_socket, name=name,
+                                      step_socket=self.step_socket)
         return self._run(context, body, session_required=False)
 
     def Notices(self, request, context):
@@ -283,46 +326,68 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             return self._reply(session, vtensors=gone, closed=(request.space_id,))
         return self._run(context, body)
 
+    # The hot ops, shared by the gRPC calls below and the step socket; each
+    # runs under the session lock and leaves its page effects to collect().
+
+    def create(self, session: Session, space_id: int, num_tokens: int) -> int:
+        space = self._space(session, space_id)
+        n = _count(num_tokens, "num_tokens")
+        extra = self._pages_for(session, space.id, min(n, session.geometry[space.id][1])) * self._chunk_bytes
+        vt = self._allocate(session, extra, lambda: space.create(n).result())
+        session.add_vtensor(vt)
+        return vt.id
+
+    def extend(self, session: Session, vt_id: int, num_tokens: int) -> None:
+        vt = self._vtensor(session, vt_id)
+        n = _count(num_tokens, "num_tokens")
+        self._allocate(session, self._missing_bytes(session, vt.id, n), lambda: vt.extend(n).result())
+        state = session.vt_state[vt.id]
+        state[2] = max(state[2], n)
+
+    def step(self, session: Session, targets) -> None:
+        """targets: (vTensor id, tokens) pairs; a vTensor named twice gets the larger size."""
+        wanted = {}
+        for vt_id, n in targets:
+            self._vtensor(session, vt_id)
+            n = _count(n, "num_tokens")
+            if n > wanted.get(vt_id, -1):
+                wanted[vt_id] = n
+        extra = sum(self._missing_bytes(session, vt_id, n) for vt_id, n in wanted.items())
+        vts = session.vtensors
+        self._allocate(session, extra, lambda: self.manager.step({vts[i]: n for i, n in wanted.items()}).result())
+        states = session.vt_state
+        for vt_id, n in wanted.items():
+            state = states[vt_id]
+            if n > state[2]:
+                state[2] = n
+
+    def release(self, session: Session, vt_id: int) -> None:
+        vt = self._vtensor(session, vt_id)
+        vt.release().result()
+        session.drop_vtensor(vt.id)
+
     def Create(self, request, context):
         def body(session):
-            space = self._space(session, request.space_id)
-            n = _count(request.num_tokens, "num_tokens")
-            extra = self._pages_for(session, space.id, min(n, session.geometry[space.id][1])) * self.manager.chunk_bytes
-            vt = self._allocate(session, extra, lambda: space.create(n).result())
-            session.add_vtensor(vt)
-            return self._reply(session, vtensors=[vt.id], vtensor_id=vt.id)
+            vt_id = self.create(session, request.space_id, request.num_tokens)
+            return self._reply(session, vtensors=[vt_id], vtensor_id=vt_id)
         return self._run(context, body)
 
     def Extend(self, request, context):
         def body(session):
-            vt = self._vtensor(session, request.vtensor_id)
-            n = _count(request.num_tokens, "num_tokens")
-            self._allocate(session, self._missing_bytes(session, vt.id, n), lambda: vt.extend(n).result())
-            state = session.vt_state[vt.id]
-            state[2] = max(state[2], n)
+            self.extend(session, request.vtensor_id, request.num_tokens)
             return self._reply(session)  # the client knows the new size: max(old, n)
         return self._run(context, body)
 
     def Step(self, request, context):
         def body(session):
-            targets = {}
-            for t in request.targets:
-                vt = self._vtensor(session, t.vtensor_id)
-                targets[vt] = max(targets.get(vt, 0), _count(t.num_tokens, "num_tokens"))
-            extra = sum(self._missing_bytes(session, vt.id, n) for vt, n in targets.items())
-            self._allocate(session, extra, lambda: self.manager.step(targets).result())
-            for vt, n in targets.items():
-                state = session.vt_state[vt.id]
-                state[2] = max(state[2], n)
+            self.step(session, [(t.vtensor_id, t.num_tokens) for t in request.targets])
             return self._reply(session)  # the client knows the new sizes: max(old, n)
         return self._run(context, body)
 
     def Release(self, request, context):
         def body(session):
-            vt = self._vtensor(session, request.vtensor_id)
-            vt.release().result()
-            session.drop_vtensor(vt.id)
-            return self._reply(session, vtensors=[vt.id])
+            self.release(session, request.vtensor_id)
+            return self._reply(session, vtensors=[request.vtensor_id])
         return self._run(context, body)
 
     def PrefixRecord(self, request, context):
@@ -337,11 +402,13 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         def body(session):
             space = self._space(session, request.space_id)
             tokens = list(request.token_ids)
-            match = self._allocate(session, 0, lambda: space.prefix_match(tokens).result())
+            # A match maps recorded chunks and copies at most its partial last page.
+            match = self._allocate(session, 0, lambda: space.prefix_match(tokens).result(),
+                                   gate_bytes=self._chunk_bytes)
             if match.vtensor is None:
                 return self._reply(session, matched_tokens=0)
-            mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self.manager.chunk_bytes
-            if session.limit_bytes and session.mapped_bytes(self.manager.chunk_bytes) + mapped > session.limit_bytes:
+            mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes
+            if session.limit_bytes and session.mapped_bytes(self._chunk_bytes) + mapped > session.limit_bytes:
                 match.vtensor.release().result()  # its effects cancel out in the drain
                 raise vtm.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes; "
                                       f"the match would map {mapped} more")

@@ -51,8 +51,10 @@ class Session:
         self.owed_target = None  # mapped bytes the client was asked to come down to
         self.owed_deadline = 0.0
 
-    def note_effects(self, space_id: int, effects) -> None:
-        """Record the page states the client is about to be told."""
+    def note_effects(self, space_id: int, effects) -> list:
+        """Record the page states the client is about to be told; returns the
+        serials the client did not map before (it may lack their fds)."""
+        fresh = []
         for slot, page, chunk, serial in effects:
             key = (space_id, slot, page)
             old = self.pages.pop(key, None)
@@ -63,8 +65,11 @@ class Session:
                     del self.chunk_of[old[1]]
             if serial != 0:
                 self.pages[key] = (chunk, serial)
+                if self.serial_refs[serial] == 0:
+                    fresh.append(serial)
                 self.serial_refs[serial] += 1
                 self.chunk_of[serial] = chunk
+        return fresh
 
     def add_vtensor(self, vt) -> None:
         self.vtensors[vt.id] = vt

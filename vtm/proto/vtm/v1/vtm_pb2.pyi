@@ -22,7 +22,7 @@ class HelloRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("lease", "client_id", "backend", "device", "chunk_bytes", "capacity_bytes", "granularity", "fd_socket", "name")
+    __slots__ = ("lease", "client_id", "backend", "device", "chunk_bytes", "capacity_bytes", "granularity", "fd_socket", "name", "step_socket")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class HelloReply(_message.Message):
     GRANULARITY_FIELD_NUMBER: _ClassVar[int]
     FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     lease: str
     client_id: int
     backend: str
@@ -41,7 +42,8 @@ class HelloReply(_message.Message):
     granularity: int
     fd_socket: str
     name: str
-    def __init__(self, lease: _Optional[str] = ..., client_id: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., granularity: _Optional[int] = ..., fd_socket: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    step_socket: str
+    def __init__(self, lease: _Optional[str] = ..., client_id: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., granularity: _Optional[int] = ..., fd_socket: _Optional[str] = ..., name: _Optional[str] = ..., step_socket: _Optional[str] = ...) -> None: ...
 
 class NoticesRequest(_message.Message):
     __slots__ = ()

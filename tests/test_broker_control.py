@@ -1,0 +1,75 @@
+"""vtmd --control tcp:HOST:PORT: the control calls (Stats, Trim, SetQuota)
+and health over TCP, and nothing else: no Hello, so no session, lease or data
+plane can be reached there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import vtm
+from broker_testing import CHUNK, ROW, BrokerProcess
+from vtm.broker import ctl
+from vtm.broker.server import tcp_target
+from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(tmp_path, capacity_chunks=16, control="tcp:127.0.0.1:0")
+    yield b
+    b.kill()
+
+
+def test_vtmctl_over_tcp_sees_and_steers_the_unix_clients(broker, capsys):
+    address = broker.control_address
+    assert address.startswith("tcp:127.0.0.1:") and not address.endswith(":0")
+    with vtm.connect(broker.address, name="app") as mgr:
+        vt = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(100).result()
+        assert ctl.main(["--address", address, "stats", "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert stats["chunks_held"] == 2 and [c["name"] for c in stats["clients"]] == ["app"]
+        assert ctl.main(["--address", address, "set-quota", "app", str(2 * CHUNK)]) == 0
+        assert "app: limit" in capsys.readouterr().out
+        with pytest.raises(vtm.OutOfMemory, match="limited to"):
+            vt.extend(200).result()  # 4 chunks > the limit set over TCP
+        vt.release().result()
+        assert ctl.main(["--address", address, "trim"]) == 0
+        assert capsys.readouterr().out == f"released {2 * CHUNK} bytes\n"
+        assert mgr.stats()["chunks_created"] == 0
+
+
+def test_tcp_serves_no_data_plane(broker):
+    target = tcp_target(broker.control_address)
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="vtm.v1.Broker"),
+                                                          timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = vtm_pb2_grpc.BrokerStub(channel)
+        for method, request in ((stub.Hello, vtm_pb2.HelloRequest(name="x", pid=1)),
+                                (stub.CreateSpace, vtm_pb2.CreateSpaceRequest(row_bytes=1, max_tokens=1, max_slots=1)),
+                                (stub.Create, vtm_pb2.CreateRequest(space_id=1, num_tokens=1)),
+                                (stub.Step, vtm_pb2.StepRequest()), (stub.Check, vtm_pb2.StatsRequest())):
+            with pytest.raises(grpc.RpcError) as err:
+                method(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert json.loads(stub.Stats(vtm_pb2.StatsRequest(), timeout=10).json)["clients"] == []
+    with pytest.raises(vtm.InvalidArgument, match="unix:PATH"):
+        vtm.connect(broker.control_address)
+
+
+def test_bad_control_addresses_are_refused(tmp_path, capsys):
+    for address in ("tcp:1234", "tcp:host:port", "unix:/x", "tcp::80"):
+        done = subprocess.run([sys.executable, "-m", "vtm.broker", "--listen", f"unix:{tmp_path}/b/sock",
+                               "--control", address, "--backend", "host"], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path)
+        assert done.returncode == 2 and "tcp:HOST:PORT" in done.stderr, (address, done.stderr)
+    assert ctl.main(["--address", "tcp:nohost", "stats"]) == 2
+    assert "tcp:HOST:PORT" in capsys.readouterr().err
+    assert ctl.main(["--address", "http://x", "stats"]) == 2
+    assert "unix:PATH or tcp:HOST:PORT" in capsys.readouterr().err
