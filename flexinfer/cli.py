@@ -19,17 +19,19 @@ import vtm
 from flexinfer import __version__
 from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
-from flexinfer.errors import EngineError, FlexInferError, InvalidArgument
+from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
+                              ModelLoadError)
 from flexinfer.llm import LLM
 from flexinfer.model.linear import LINEAR_KINDS
 from flexinfer.sampling import SamplingParams
 
 # Errors caused by the user's input or the machine's limits, not by a bug
-# (an EngineError among them means status 1, the others 2).
+# (an EngineError or EngineClosed among them means status 1, the others 2: a
+# broker that does not answer at start is a wrong address).
 _USER_ERRORS = (FlexInferError, vtm.InvalidArgument, vtm.OutOfMemory, vtm.Unavailable)
-# A request that failed with one of these was bad input or found no memory (2);
-# any other error of a request is a failure in the engine (1).
-_BAD_INPUT = (InvalidArgument, vtm.InvalidArgument, vtm.OutOfMemory)
+# A request (or chat turn) that failed with one of these was bad input or found
+# no memory (2); any other error of a request is a failure in the engine (1).
+_BAD_INPUT = (InvalidArgument, ModelLoadError, ChatTemplateError, vtm.InvalidArgument, vtm.OutOfMemory)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -135,7 +137,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="projection kernels: auto (timed at load per batch size), onednn (prepacked weights) "
                         "or torch (F.linear)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
-                   help="attention: kernel (one batched call per layer; auto) or sdpa (per request, the reference)")
+                   help="attention: kernel (one batched call per layer; what auto picks), sdpa (per request, the "
+                        "reference) or flash_attn (CUDA, where flash-attn is installed)")
     p.add_argument("--threads", default="auto", type=_threads,
                    help="CPU compute threads: auto (measured while decoding) or a number")
 
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except _USER_ERRORS as e:
         print(f"flexinfer: error: {e}", file=sys.stderr)
-        return EXIT_FAILED if isinstance(e, EngineError) else EXIT_BAD_INPUT
+        return EXIT_FAILED if isinstance(e, (EngineError, EngineClosed)) else EXIT_BAD_INPUT
     except KeyboardInterrupt:
         # LLM.generate has taken its requests back (and a chat its reply) before this.
         print("flexinfer: interrupted", file=sys.stderr)

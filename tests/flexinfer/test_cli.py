@@ -452,3 +452,22 @@ def test_chat_drops_its_oldest_turns_to_fit_max_model_len(monkeypatch, capsys, t
     for prompt in sent:
         assert "Be brief." in tokenizer.decode(prompt, skip_special_tokens=False)
     assert "Message number 0" not in tokenizer.decode(sent[-1], skip_special_tokens=False)
+
+
+def test_a_chat_turn_that_fails_is_reported_and_the_chat_goes_on(monkeypatch, capsys, tiny, tmp_path):
+    """A model without a chat template: every turn fails with one line, the chat
+    reads on to the end of input, and the status is bad input (2)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nHi again\n"))
+    assert main(["chat", *tiny_args(str(folder))]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("flexinfer: error: this model has no chat template\n") == 2
+    assert out.count("you> ") == 3 and out.endswith("you> \n")
