@@ -1,44 +1,100 @@
 """The `flexinfer` command: generate, chat, bench.
 
-Exit status: 0 on success; 1 when a request failed (its error is printed);
-2 for bad input or no memory (one line, `flexinfer: error: ...`). Anything
-else is a bug and keeps its traceback.
+Exit status: 0 on success; 1 when a request failed in the engine (say, NaN
+logits); 2 for bad input (a bad flag value; an empty, too long or non-UTF-8
+prompt; a model that cannot be loaded) or no memory; 130 when interrupted
+(Ctrl-C). With several prompts, every prompt's output or error is printed and
+the status is the worst of them. Errors are one line, `flexinfer: error: ...`
+on stderr. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
 import vtm
+from flexinfer import __version__
 from flexinfer.attention import ATTENTION_BACKENDS
+from flexinfer.cli_chat import ChatSession, utf8_problem
+from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
+                              ModelLoadError)
 from flexinfer.llm import LLM
-from flexinfer.errors import FlexInferError
 from flexinfer.model.linear import LINEAR_KINDS
 from flexinfer.sampling import SamplingParams
 
-# Errors caused by the user's input or the machine's limits, not by a bug.
+# Errors caused by the user's input or the machine's limits, not by a bug
+# (an EngineError or EngineClosed among them means status 1, the others 2: a
+# broker that does not answer at start is a wrong address).
 _USER_ERRORS = (FlexInferError, vtm.InvalidArgument, vtm.OutOfMemory, vtm.Unavailable)
+# A request (or chat turn) that failed with one of these was bad input or found
+# no memory (2); any other error of a request is a failure in the engine (1).
+_BAD_INPUT = (InvalidArgument, ModelLoadError, ChatTemplateError, vtm.InvalidArgument, vtm.OutOfMemory)
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+# One default for the tokens a request may generate, in every sub-command.
+DEFAULT_MAX_TOKENS = 128
+# The physical chunk size of an in-process pool: --kv-capacity-gib is rounded up to a multiple of it.
+CHUNK_BYTES = 2 << 20
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a Hugging Face folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-capacity-gib", type=float, default=2.0, help="physical KV memory the pool may use")
-    p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
-    p.add_argument("--manager", default=None, metavar="unix:PATH",
-                   help="use the vtm broker (vtmd) at this address instead of an in-process manager; "
-                        "--backend and --kv-capacity-gib are then the broker's")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--linear", default="auto", choices=LINEAR_KINDS,
-                   help="projection kernels: auto (timed at load per batch size), onednn (prepacked weights) "
-                        "or torch (F.linear) (default: %(default)s)")
-    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
-                   help="attention: kernel (one batched call per layer; auto) or sdpa (per request, the reference)")
-    p.add_argument("--threads", default="auto", type=_threads,
-                   help="CPU compute threads: auto (measured while decoding) or a number (default: %(default)s)")
+class _Parser(argparse.ArgumentParser):
+    """Shows every default in --help and reports a bad argument in one line
+    (status 2) like every other error. Sub-parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"flexinfer: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" to a flag's help, except where there is no
+    value to show (None, or off for an on/off switch)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return number
+
+
+def _number(low: float, high: float = math.inf, low_open: bool = False):
+    """A float type in [low, high] (or (low, high] when low_open)."""
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and (number > low if low_open else number >= low) and number <= high):
+            interval = ("(" if low_open else "[") + f"{low:g}, " + (f"{high:g}]" if math.isfinite(high) else "inf)")
+            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {value!r}")
+        return number
+    return parse
 
 
 def _threads(value: str):
@@ -53,12 +109,50 @@ def _threads(value: str):
     return count
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+def _text(value: str) -> str:
+    """Command-line text: argv bytes that are not UTF-8 are bad input, said at parse time."""
+    problem = utf8_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a Hugging Face folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache (float16: CUDA only)")
+    p.add_argument("--kv-capacity-gib", type=_number(0, low_open=True), default=2.0,
+                   help=f"physical KV memory the pool may use, in GiB, rounded up to a whole number of "
+                        f"{CHUNK_BYTES >> 20} MiB chunks")
+    p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"],
+                   help="where the KV cache and the model live: auto is cuda when a driver exists, else host")
+    p.add_argument("--manager", default=None, metavar="unix:PATH",
+                   help="use the vtm broker (vtmd) at this address instead of an in-process manager; "
+                        "--backend and --kv-capacity-gib are then the broker's")
+    p.add_argument("--max-model-len", type=_positive_int, default=4096,
+                   help="most tokens (prompt + output) of one request; capped at the model's own maximum")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt instead of mapping the KV of earlier requests")
+    p.add_argument("--linear", default="auto", choices=LINEAR_KINDS,
+                   help="projection kernels: auto (timed at load per batch size), onednn (prepacked weights) "
+                        "or torch (F.linear)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention: kernel (one batched call per layer; what auto picks), sdpa (per request, the "
+                        "reference) or flash_attn (CUDA, where flash-attn is installed)")
+    p.add_argument("--threads", default="auto", type=_threads,
+                   help="CPU compute threads: auto (measured while decoding) or a number")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS,
+                   help="most tokens to generate per reply")
+    p.add_argument("--temperature", type=_number(0), default=0.0,
+                   help="sampling temperature; 0 is greedy. The command line defaults to greedy (reproducible); "
+                        "SamplingParams in Python defaults to 1.0")
+    p.add_argument("--top-k", type=_non_negative_int, default=0, help="sample among the k likeliest tokens; 0: off")
+    p.add_argument("--top-p", type=_number(0, 1, low_open=True), default=1.0,
+                   help="sample among the likeliest tokens whose probabilities add up to p; 1: off")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a fresh one)")
 
 
 def _engine(args) -> LLM:
@@ -66,7 +160,8 @@ def _engine(args) -> LLM:
     if args.manager is not None:
         # Closed by main() after the command: an LLM never closes a manager it was given.
         manager = args.broker = vtm.connect(args.manager, name=f"flexinfer-{args.command}")
-    return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=int(args.kv_capacity_gib * (1 << 30)),
+    capacity = max(1, math.ceil(args.kv_capacity_gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
+    return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
                attention=args.attention, threads=args.threads)
@@ -77,53 +172,41 @@ def _params(args) -> SamplingParams:
                           top_p=args.top_p, seed=args.seed)
 
 
+def _status(error: Exception) -> int:
+    return EXIT_BAD_INPUT if isinstance(error, _BAD_INPUT) else EXIT_FAILED
+
+
 def cmd_generate(args) -> int:
     params = _params(args)  # before the model loads: a bad flag fails at once
     llm = _engine(args)
+    status = EXIT_OK
     try:
-        for out in llm.generate(args.prompt, params):
-            if out.outputs[0].error is not None:
-                print(f"flexinfer: error: {out.outputs[0].error}", file=sys.stderr)
-                return 1
-            m = out.metrics
-            print(out.prompt + out.text if args.echo else out.text)
-            rate = m.decode_tokens_per_s
-            print(f"[{m.output_tokens} tokens, TTFT {m.ttft_s * 1000:.0f} ms"
-                  + (f", {rate:.1f} tok/s" if rate else "") + f", finish: {out.finish_reason}]", file=sys.stderr)
+        outs = llm.generate(args.prompt, params)
     finally:
         llm.close()
-    return 0
+    several = len(outs) > 1
+    for i, out in enumerate(outs):
+        error = out.error
+        if error is not None:
+            print(f"flexinfer: error: {f'prompt {i}: ' if several else ''}{error}", file=sys.stderr)
+            status = max(status, _status(error))
+            continue
+        m = out.metrics
+        print(out.prompt + out.text if args.echo else out.text)
+        rate = m.decode_tokens_per_s
+        print(f"[{f'prompt {i}: ' if several else ''}{m.output_tokens} tokens, TTFT {m.ttft_s * 1000:.0f} ms"
+              + (f", {rate:.1f} tok/s" if rate else "") + f", finish: {out.finish_reason}]", file=sys.stderr)
+    return status
 
 
 def cmd_chat(args) -> int:
     params = _params(args)
     llm = _engine(args)
-    history: list[dict] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    print("flexinfer chat: type a message; an empty line or Ctrl-D ends.", file=sys.stderr)
     try:
-        while True:
-            try:
-                line = input("you> ").strip()
-            except EOFError:
-                break
-            if not line:
-                break
-            history.append({"role": "user", "content": line})
-            out = llm.chat(history, params)
-            if out.outputs[0].error is not None:  # e.g. the conversation outgrew max_model_len
-                print(f"flexinfer: error: {out.outputs[0].error}", file=sys.stderr)
-                return 1
-            history.append({"role": "assistant", "content": out.text})
-            m = out.metrics
-            print(f"assistant> {out.text}")
-            print(f"  [prompt {m.prompt_tokens} tokens, {m.prefix_hit_tokens} reused from the prefix cache, "
-                  f"TTFT {m.ttft_s * 1000:.0f} ms, {m.output_tokens} tokens"
-                  + (f" at {m.decode_tokens_per_s:.1f} tok/s" if m.decode_tokens_per_s else "") + "]")
+        errors = ChatSession(llm, params, args.system).run()
     finally:
         llm.close()
-    return 0
+    return max((_status(e) for e in errors), default=EXIT_OK)
 
 
 def cmd_bench(args) -> int:
@@ -139,35 +222,46 @@ def cmd_bench(args) -> int:
         print(f"batch {args.batch}: {generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tok/s")
     finally:
         llm.close()
-    return 0
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flexinfer", description="LLM serving on vtm vTensor KV caches")
+    parser = _Parser(prog="flexinfer", description="LLM serving on vtm vTensor KV caches. Exit status: 0 success, "
+                     "1 a request failed in the engine, 2 bad input or no memory, 130 interrupted.")
+    parser.add_argument("--version", action="version", version=f"flexinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one or more prompts")
     _add_engine_args(g)
-    _add_sampling_args(g, 64)
-    g.add_argument("--prompt", action="append", required=True, help="may be given several times")
+    _add_sampling_args(g)
+    g.add_argument("--prompt", action="append", required=True, type=_text,
+                   help="text to complete; may be given several times (each prompt's output or error is printed)")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.set_defaults(fn=cmd_generate)
-    c = sub.add_parser("chat", help="interactive multi-turn chat showing prefix reuse per turn")
+    c = sub.add_parser("chat", help="interactive multi-turn chat, streamed, showing prefix reuse per turn")
     _add_engine_args(c)
-    _add_sampling_args(c, 256)
-    c.add_argument("--system", default=None, help="a system message")
+    _add_sampling_args(c)
+    c.add_argument("--system", default=None, type=_text, help="a system message (kept when old turns are dropped)")
     c.set_defaults(fn=cmd_chat)
     b = sub.add_parser("bench", help="decode throughput of a batch")
     _add_engine_args(b)
-    b.add_argument("--batch", type=int, default=8)
-    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--batch", type=_positive_int, default=8, help="requests decoded together")
+    b.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens decoded per request (end-of-sequence ignored)")
     b.set_defaults(fn=cmd_bench)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version or a bad argument (already printed)
+        return exc.code
     args.broker = None
     try:
         return args.fn(args)
     except _USER_ERRORS as e:
         print(f"flexinfer: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_FAILED if isinstance(e, (EngineError, EngineClosed)) else EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        # LLM.generate has taken its requests back (and a chat its reply) before this.
+        print("flexinfer: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         if args.broker is not None:
             args.broker.close()

