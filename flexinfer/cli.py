@@ -1,4 +1,4 @@
-"""The `flexinfer` command: generate, chat, bench.
+"""The `flexinfer` command: generate, chat, bench, serve.
 
 Exit status: 0 on success; 1 when a request failed (its error is printed);
 2 for bad input or no memory (one line, `flexinfer: error: ...`). Anything
@@ -17,6 +17,7 @@ from flexinfer.llm import LLM
 from flexinfer.errors import FlexInferError
 from flexinfer.model.linear import LINEAR_KINDS
 from flexinfer.sampling import SamplingParams
+from flexinfer.server.main import add_serve_args, serve
 
 # Errors caused by the user's input or the machine's limits, not by a bug.
 _USER_ERRORS = (FlexInferError, vtm.InvalidArgument, vtm.OutOfMemory, vtm.Unavailable)
@@ -142,6 +143,10 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    return serve(args, lambda: _engine(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flexinfer", description="LLM serving on vtm vTensor KV caches")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--max-tokens", type=int, default=128)
     b.set_defaults(fn=cmd_bench)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
+    _add_engine_args(s)
+    add_serve_args(s)
+    s.set_defaults(fn=cmd_serve)
     args = parser.parse_args(argv)
     args.broker = None
     try:
