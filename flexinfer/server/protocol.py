@@ -68,7 +68,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     # Text, token ids, or a list of either (one choice per prompt and sample).
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # the OpenAI default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions; null: up to the context length
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

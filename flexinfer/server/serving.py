@@ -49,7 +49,10 @@ class Serving:
         arrival = time.perf_counter()
         self._check_common(body)
         prompts = self._completion_prompts(body.prompt)
-        params = _sampling_params(body, body.max_tokens)
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # an explicit null: up to the context length (of the longest prompt)
+            max_tokens = max(1, self.llm.max_model_len - max(map(len, prompts)))
+        params = _sampling_params(body, max_tokens)
         for ids in prompts:
             self._check_fits(ids, params, "prompt")
         generation = self._start(prompts, params, arrival)
@@ -184,7 +187,7 @@ class Serving:
         return True
 
 
-def _sampling_params(body: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+def _sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:
     top_k = body.top_k or 0
     try:
         return SamplingParams(

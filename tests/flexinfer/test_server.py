@@ -217,6 +217,12 @@ def test_second_chat_turn_is_served_from_the_prefix_cache(client):
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
 
 
+def test_null_max_tokens_means_up_to_the_context_length(server):
+    out = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": "Hi", "max_tokens": None, "temperature": 0.0, "ignore_eos": True}).json()
+    assert out["usage"]["total_tokens"] == MAX_MODEL_LEN and out["choices"][0]["finish_reason"] == "length"
+
+
 # -- metrics -----------------------------------------------------------------
 
 
@@ -238,8 +244,10 @@ def test_metrics(server, client):
                        ("vtm_capacity_bytes", "gauge"), ("vtm_chunk_bytes", "gauge"), ("vtm_evictions", "counter"),
                        ("vtm_space_vtensors", "gauge")]:
         assert families.get(name) == kind, name
+
     def delta(name):
         return after[name] - before.get(name, 0.0)
+
     assert delta("flexinfer_time_to_first_token_seconds_count") == 2
     assert delta("flexinfer_e2e_request_latency_seconds_count") == 2
     assert delta("flexinfer_inter_token_latency_seconds_count") == 2 * 4
