@@ -24,6 +24,12 @@ Modes:
                                 through `flexinfer serve` over HTTP versus
                                 LLM.generate in this process (target >= 0.9x)
 
+vLLM on CPU caches prefixes in whole blocks of 128 tokens (its CPU default),
+so it reports hits only past 128 shared tokens: the default load's opening
+messages (300 words) are past that; a smoke load with short ones shows none.
+vLLM is started eager (--vllm-args) with its compute threads bound to every
+core (VLLM_CPU_OMP_THREADS_BIND, unless set), like FlexInfer's.
+
 Ratios compare runs of the same invocation (same machine, same load). Table
 on stdout, --json PATH for everything, --plot PATH.png for TTFT and
 inter-token latency per server (needs matplotlib).
