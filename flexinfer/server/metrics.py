@@ -12,12 +12,15 @@ counters.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+log = logging.getLogger("flexinfer.server")
 
 # Seconds: from a few ms (a cached prefix on a tiny model) to minutes (a long queue on CPU).
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -80,7 +83,11 @@ class _EngineCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
+        try:
+            stats = self._stats()
+        except Exception:  # a broker gone away (vtm.Unavailable): still expose the server's own metrics
+            log.warning("no engine metrics in this scrape: stats() failed", exc_info=True)
+            return
         if stats is None:
             return
         yield _gauge("flexinfer_num_requests_running", "Sequences in the running batch", stats["running"])

@@ -261,6 +261,18 @@ def test_metrics(server, client):
     assert after["vtm_capacity_bytes"] == 64 << 20 and after["vtm_chunks_held"] > 0  # the prefix tree's
 
 
+def test_metrics_survive_a_failing_stats_source():
+    """A broker gone away makes stats() raise: a scrape still gives the server's own metrics."""
+    import vtm
+    from flexinfer.server.metrics import ServerMetrics
+
+    def stats():
+        raise vtm.Unavailable("the broker is gone")
+
+    names = {f.name for f in text_string_to_metric_families(ServerMetrics(stats).render().decode())}
+    assert "flexinfer_time_to_first_token_seconds" in names and "flexinfer_num_requests_running" not in names
+
+
 # -- errors ------------------------------------------------------------------
 
 
@@ -401,6 +413,27 @@ def test_bench_serving_load_against_the_server(server, monkeypatch):
     assert all(t["output_tokens"] == 6 for t in run["turns"])
     assert all(t["ttft_s"] > 0 and t["e2e_s"] >= t["ttft_s"] for t in run["turns"])
     assert summary["prefix_hit_rate_later"] > 0.5 and summary["ttft_later_p50_s"] is not None
+
+
+def test_serving_on_a_vtm_broker(tiny_chat, tmp_path, reference):
+    """--manager unix:PATH: the KV lives in the broker's pool, outputs are the same, and /metrics shows the pool."""
+    from broker_testing import BrokerProcess
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=2048, chunk_bytes=4096)
+    process = None
+    try:
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process.wait_ready()
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0.0)
+        assert out.choices[0].text == reference.generate([PROMPTS[0]], greedy(12), use_tqdm=False)[0].text
+        m = wait_idle(process)
+        assert m["vtm_capacity_bytes"] == broker.capacity_bytes and m["vtm_chunk_bytes"] == 4096
+        assert m["vtm_chunks_held"] > 0  # the prompt the prefix tree keeps
+    finally:
+        if process is not None:
+            assert process.stop() == 0, process.log()
+        broker.kill()
 
 
 # -- lifetime, in this process --------------------------------------------------
