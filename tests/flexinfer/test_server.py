@@ -517,3 +517,11 @@ def test_serve_on_a_port_in_use_is_one_line_and_status_2(tiny_chat, capsys):
         assert main(["serve", "--model", tiny_chat, "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("flexinfer: error: cannot listen on 127.0.0.1:") and err.count("\n") == 1
+
+
+def test_serve_a_model_that_fails_to_load_is_status_2(tmp_path, capsys):
+    from flexinfer.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "0", "--log-level", "critical"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("flexinfer: error: the model failed to load: ") and "missing" in err[-1]
