@@ -30,7 +30,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are "
                         "cancelled (default: %(default)s)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log verbosity (default: %(default)s)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
 
