@@ -280,6 +280,7 @@ def test_metrics_survive_a_failing_stats_source():
     ("completions", {"prompt": "Hi", "temperature": "hot"}, 400, "temperature", None),
     ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", None),
     ("completions", {"prompt": "Hi", "n": True}, 400, "n", None),
+    ("completions", {"prompt": "Hi", "n": 129}, 400, "n", None),
     ("completions", {"prompt": "Hi", "top_p": 2}, 400, "top_p", None),
     ("completions", {"prompt": "Hi", "top_k": -2}, 400, "top_k", None),
     ("completions", {"prompt": [1.5, 2]}, 400, "prompt", None),
