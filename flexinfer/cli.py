@@ -1,4 +1,4 @@
-"""The `flexinfer` command: generate, chat, bench.
+"""The `flexinfer` command: generate, chat, bench, serve.
 
 Exit status: 0 on success; 1 when a request failed in the engine (say, NaN
 logits); 2 for bad input (a bad flag value; an empty, too long or non-UTF-8
@@ -24,6 +24,7 @@ from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, Flex
 from flexinfer.llm import LLM
 from flexinfer.model.linear import LINEAR_KINDS
 from flexinfer.sampling import SamplingParams
+from flexinfer.server.main import add_serve_args, serve
 
 # Errors caused by the user's input or the machine's limits, not by a bug
 # (an EngineError or EngineClosed among them means status 1, the others 2: a
@@ -225,6 +226,10 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args) -> int:
+    return serve(args, lambda: _engine(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="flexinfer", description="LLM serving on vtm vTensor KV caches. Exit status: 0 success, "
                      "1 a request failed in the engine, 2 bad input or no memory, 130 interrupted.")
@@ -248,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS,
                    help="tokens decoded per request (end-of-sequence ignored)")
     b.set_defaults(fn=cmd_bench)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
+    _add_engine_args(s)
+    add_serve_args(s)
+    s.set_defaults(fn=cmd_serve)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version or a bad argument (already printed)

@@ -1,0 +1,127 @@
+"""The FastAPI application: routes, and the server's lifetime around one LLM.
+
+Lifetime: the app starts answering at once while the model loads in a
+thread (requests and /health get 503 until it is ready, so a client or a
+load balancer can tell "loading" from "down"); SIGTERM (see main.py) marks
+it shutting down (503 again, for anything that still arrives) while uvicorn
+lets in-flight requests finish; at the end the LLM is closed, which cancels
+whatever still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from flexinfer.llm import LLM
+from flexinfer.server.errors import install_error_handlers, unavailable
+from flexinfer.server.metrics import ServerMetrics
+from flexinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from flexinfer.server.serving import Serving
+
+log = logging.getLogger("flexinfer.server")
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerState:
+    """Phases: "loading" -> "ready" -> "shutting_down" (or "loading" ->
+    "failed" when the model cannot be loaded). Invariant: `serving` is set
+    exactly when the LLM loaded, and stays set until the LLM is closed."""
+
+    def __init__(self, load: Callable[[], LLM], model_name: str,
+                 on_load_error: Callable[[BaseException], None] | None):
+        self.load = load
+        self.model_name = model_name
+        self.on_load_error = on_load_error
+        self.phase = "loading"
+        self.load_error: BaseException | None = None
+        self.serving: Serving | None = None
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(lambda: self.serving.llm.stats() if self.serving is not None else None)
+
+    def begin_shutdown(self) -> None:
+        if self.phase in ("loading", "ready"):
+            self.phase = "shutting_down"
+
+    def ready(self) -> Serving:
+        """The serving endpoints, or the 503 that says why there are none."""
+        if self.phase == "ready" and self.serving is not None:
+            return self.serving
+        if self.phase == "loading":
+            raise unavailable("the model is still loading")
+        if self.phase == "failed":
+            raise unavailable(f"the model failed to load: {self.load_error}")
+        raise unavailable("the server is shutting down")
+
+    async def run_load(self) -> None:
+        try:
+            llm = await asyncio.to_thread(self.load)
+        except BaseException as exc:  # reported, and the server told to stop
+            self.phase, self.load_error = "failed", exc
+            log.error("the model failed to load: %s: %s", type(exc).__name__, exc)
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+            return
+        self.serving = Serving(llm, self.model_name, self.metrics)
+        if self.phase == "loading":
+            self.phase = "ready"
+            log.info("model %s loaded: ready", self.model_name)
+
+    async def close(self, loading: asyncio.Task) -> None:
+        self.begin_shutdown()
+        # A load in progress cannot be interrupted: wait for it, then close what it made.
+        await loading
+        if self.serving is not None:
+            await asyncio.to_thread(self.serving.llm.close)
+
+
+def create_app(load: Callable[[], LLM], model_name: str,
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """An app serving the LLM that `load()` returns (called once, in a thread,
+    at startup). `on_load_error(exc)` is told when it fails."""
+    state = ServerState(load, model_name, on_load_error)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(state.run_load())
+        try:
+            yield
+        finally:
+            await state.close(loading)
+
+    app = FastAPI(title="FlexInfer", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.ready()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        serving = state.ready()
+        return ModelList(data=[ModelCard(id=model_name, created=state.created,
+                                         max_model_len=serving.llm.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await state.ready().completions(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await state.ready().chat(request, body)
+
+    return app
+

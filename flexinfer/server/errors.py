@@ -1,0 +1,81 @@
+"""OpenAI-style errors: every failure the server answers is a JSON body
+{"error": {"message", "type", "param", "code"}} with its HTTP status.
+
+APIError is what handlers raise; `install_error_handlers` makes FastAPI
+answer it, its own request validation errors (422 there, 400 here, as the
+OpenAI API does), unknown routes, and any bug (500, without a traceback in
+the body) in that shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flexinfer.server.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("flexinfer.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.info)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable", None, "service_unavailable")
+
+
+def error_response(status: int, info: ErrorInfo) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line from pydantic's errors, and the top-level field they concern."""
+    parts, param = [], None
+    for error in exc.errors():
+        if error.get("type") == "json_invalid":  # loc is ("body", character position)
+            return f"the body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+        # loc is ("body", field, ...)
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if param is None and loc:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
+    # A union reports every alternative; keep the message short.
+    return "; ".join(parts[:4]) + (f" (and {len(parts) - 4} more)" if len(parts) > 4 else ""), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error serving %s", request.url.path)
+        return error_response(500, ErrorInfo(message=f"internal error: {type(exc).__name__}",
+                                             type="internal_server_error"))

@@ -1,0 +1,97 @@
+"""`flexinfer serve`: the server's command-line flags and its main loop
+(uvicorn, one process, one event loop; the engine runs in its own thread).
+
+Signals: SIGTERM or Ctrl-C starts a graceful shutdown (graceful.py): new
+requests get 503 and the listening socket closes, in-flight requests may
+finish for --shutdown-timeout seconds and are then cancelled, the LLM is
+closed, and the process exits with status 0.
+
+This module imports FastAPI and uvicorn only inside `serve`, so the other
+`flexinfer` commands do not pay for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from typing import Callable
+
+from flexinfer.errors import FlexInferError
+from flexinfer.llm import LLM
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the --model value)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are "
+                        "cancelled (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log verbosity (default: %(default)s)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
+    """Serve until SIGTERM / Ctrl-C. `load()` builds the LLM (in a thread,
+    while the server already answers 503). Returns the exit status: 0, or 2
+    when the model failed to load."""
+    import uvicorn
+
+    from flexinfer.server.app import create_app
+    from flexinfer.server.graceful import GracefulServer
+
+    if args.shutdown_timeout < 0:
+        raise FlexInferError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    # Bound before the model loads: a port in use fails at once, with a clear message.
+    sock = _listen(args.host, args.port)
+    name = args.served_model_name or args.model
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+
+    def on_load_error(exc: BaseException) -> None:  # on the event loop, after `server` exists
+        server.should_exit = True
+
+    app = create_app(load, name, on_load_error)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, lifespan="on",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    server = GracefulServer(config, app.state.server.begin_shutdown)
+    host, port = sock.getsockname()[:2]
+    print(f"flexinfer: serving {name} on http://{_url_host(host)}:{port} (model loading; /health answers "
+          f"200 once ready)", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    error = app.state.server.load_error
+    if error is not None:
+        print(f"flexinfer: error: the model failed to load: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise FlexInferError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise FlexInferError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError as exc:
+        sock.close()
+        raise FlexInferError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+

@@ -1,0 +1,138 @@
+"""The server's Prometheus metrics, in a registry of its own (two servers in
+one process, as in the tests, never share counters).
+
+Two sources. Latencies are histograms observed by the request handlers as
+tokens reach them (so they include queueing and detokenisation, what a
+client sees minus the network). Engine and memory figures are read from
+`llm.stats()` at scrape time by a collector: gauges and counters that
+always agree with the engine, with nothing to keep in sync. Names follow
+DESIGN §7: `flexinfer_` / `vtm_` prefixes, base units, `_total` on
+counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("flexinfer.server")
+
+# Seconds: from a few ms (a cached prefix on a tiny model) to minutes (a long queue on CPU).
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0)
+
+# Per-space figures of vtm's stats()["spaces"], exposed as vtm_space_<key>{space="..."}.
+_SPACE_GAUGES = ("vtensors", "slots_free", "max_slots", "used_tokens", "used_bytes", "mapped_bytes",
+                 "cached_bytes")
+
+
+class ServerMetrics:
+    """Invariant: every metric lives in `self.registry`; engine figures are
+    produced only at scrape time, from `stats()` (None while no engine is
+    loaded: then only the server's own metrics are exposed)."""
+
+    def __init__(self, stats: Callable[[], dict | None]):
+        self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "flexinfer_time_to_first_token_seconds", "From the request's arrival to its first output token",
+            buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram(
+            "flexinfer_inter_token_latency_seconds", "Between successive output tokens of one sample",
+            buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e_request_latency = Histogram(
+            "flexinfer_e2e_request_latency_seconds", "From a request's arrival to its last token (finished requests)",
+            buckets=_E2E_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "flexinfer_requests", "Samples ended, by finish reason (stop, length, abort, error)",
+            ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("flexinfer_prompt_tokens", "Prompt tokens of admitted requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("flexinfer_generation_tokens", "Output tokens sent",
+                                         registry=self.registry)
+        self.registry.register(_EngineCollector(stats))
+
+    def observe_tokens(self, count: int, first: bool, since_s: float) -> None:
+        """`count` new tokens of one sample, `since_s` after its arrival (first) or its previous tokens."""
+        if count <= 0:
+            return
+        self.generation_tokens.inc(count)
+        if first:
+            self.time_to_first_token.observe(since_s)
+            # Tokens that came with the first one came no time after it.
+            gaps = [0.0] * (count - 1)
+        else:
+            gaps = [since_s / count] * count
+        for gap in gaps:
+            self.inter_token_latency.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict | None]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:  # a broker gone away (vtm.Unavailable): still expose the server's own metrics
+            log.warning("no engine metrics in this scrape: stats() failed", exc_info=True)
+            return
+        if stats is None:
+            return
+        yield _gauge("flexinfer_num_requests_running", "Sequences in the running batch", stats["running"])
+        yield _gauge("flexinfer_num_requests_waiting", "Sequences queued for admission", stats["waiting"])
+        yield _counter("flexinfer_num_preemptions", "Sequences preempted to free memory", stats["preemptions"])
+        yield _counter("flexinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                       stats["prefix_query_tokens"])
+        yield _counter("flexinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache (not recomputed)",
+                       stats["prefix_hit_tokens"])
+        vtm_stats = stats["vtm"]
+        yield _gauge("flexinfer_kv_cache_usage_ratio",
+                     "Share of the KV pool's capacity mapped by live requests (reclaimable cached and "
+                     "prefix-tree chunks not counted)", kv_cache_usage(vtm_stats))
+        yield from _vtm_metrics(vtm_stats)
+
+
+def kv_cache_usage(vtm_stats: dict) -> float:
+    """Chunks mapped in live slots (mapped minus those mapped only in released
+    slots) over the chunks the capacity allows."""
+    capacity_chunks = vtm_stats["capacity_bytes"] // vtm_stats["chunk_bytes"]
+    live = vtm_stats["chunks_mapped"] - vtm_stats["chunks_cached"]
+    return live / capacity_chunks if capacity_chunks else 0.0
+
+
+def _vtm_metrics(vtm_stats: dict) -> Iterator[Metric]:
+    """Every number of vtm's stats(): `*_total` keys as counters, the rest as gauges."""
+    for key, value in vtm_stats.items():
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            continue  # "backend" (a name), "spaces", "ops", a broker's "clients"
+        if key.endswith("_total"):
+            yield _counter(f"vtm_{key[:-len('_total')]}", f"vtm stats() {key}", value)
+        else:
+            yield _gauge(f"vtm_{key}", f"vtm stats() {key}", value)
+    spaces = vtm_stats.get("spaces", {})
+    for key in _SPACE_GAUGES:
+        family = GaugeMetricFamily(f"vtm_space_{key}", f"vtm stats() spaces[...][{key!r}]", labels=["space"])
+        for name, space in spaces.items():
+            if key in space:
+                family.add_metric([name], space[key])
+        yield family
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,233 @@
+"""The OpenAI API's request and response bodies, as pydantic models.
+
+Requests are validated strictly (a string where a number belongs, a float
+token id, a bool for an int is a 400, never silently converted). Fields
+other servers accept and this one does not implement (logprobs, echo,
+penalties, tools, ...) are declared so that a request using them is told so
+(400) rather than served as if they had been honoured; fields nobody
+declares are ignored, as the OpenAI and vLLM servers do. The vLLM extras
+(top_k, min_tokens, ignore_eos, stop_token_ids, return_token_ids) are
+accepted in the body (`extra_body` in the openai client).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def _omit_none(value) -> bool:
+    return value is None
+
+
+# -- requests ------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    n: int = Field(default=1, le=128)  # OpenAI's limit: each sample is a sequence in the engine
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras.
+    top_k: int | None = None  # 0 or -1: off
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False  # choices carry `token_ids`, the response `prompt_token_ids`
+    # Accepted by OpenAI, not implemented here: a request that sets them gets a 400.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not implement."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                return name
+        if self.logit_bias:
+            return "logit_bias"
+        return None
+
+
+class CompletionRequest(SamplingRequest):
+    # Text, token ids, or a list of either (one choice per prompt and sample).
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions; null: up to the context length
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.suffix:
+            return "suffix"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        return super().unsupported()
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str
+    # Required, but may be null (an assistant turn that only called tools).
+    content: str | list[TextPart] | None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined), as chat templates read it."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    # None: up to the context length. max_completion_tokens is the newer name; it wins.
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs:
+            return "logprobs"
+        if self.top_logprobs is not None:
+            return "top_logprobs"
+        if self.tools:
+            return "tools"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        return super().unsupported()
+
+
+# -- responses -----------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    # In a stream: null on every chunk but the last, with stream_options.include_usage.
+    usage: Usage | None = None
+    prompt_token_ids: list[list[int]] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
+    content: str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "flexinfer"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

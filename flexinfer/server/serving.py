@@ -1,0 +1,219 @@
+"""/v1/completions and /v1/chat/completions: from a validated request body
+to engine requests (SamplingParams, prompt token ids), and from their
+updates to OpenAI responses, whole or as server-sent events.
+
+Every check that can fail is done before anything is submitted, so a bad
+request (a 400) leaves the engine untouched. Streams send nothing a later
+chunk would contradict: text that may still become a stop string is held
+back (IncrementalText), and usage comes last.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from flexinfer.errors import ChatTemplateError, EngineClosed, InvalidArgument
+from flexinfer.inputs import check_prompt, request_problem
+from flexinfer.llm import LLM
+from flexinfer.sampling import SamplingParams
+from flexinfer.server.disconnect import EventStreamResponse, unless_disconnected
+from flexinfer.server.errors import APIError, bad_request, unavailable
+from flexinfer.server.generation import Generation
+from flexinfer.server.metrics import ServerMetrics
+from flexinfer.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                       ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionRequest,
+                                       CompletionResponse, Delta, ErrorResponse, SamplingRequest)
+
+_DONE = b"data: [DONE]\n\n"
+# SamplingParams names the field first in its messages ("top_p must be in (0, 1], ...").
+_PARAM_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "n",
+                 "min_tokens", "ignore_eos"}
+
+
+class Serving:
+    """The two generation endpoints over one loaded LLM."""
+
+    def __init__(self, llm: LLM, model_name: str, metrics: ServerMetrics):
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = metrics
+
+    # -- /v1/completions ------------------------------------------------
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        arrival = time.perf_counter()
+        self._check_common(body)
+        prompts = self._completion_prompts(body.prompt)
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # an explicit null: up to the context length (of the longest prompt)
+            max_tokens = max(1, self.llm.max_model_len - max(map(len, prompts)))
+        params = _sampling_params(body, max_tokens)
+        for ids in prompts:
+            self._check_fits(ids, params, "prompt")
+        generation = self._start(prompts, params, arrival)
+        response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return EventStreamResponse(self._completion_events(generation, body, response_id, created))
+        if not await self._finish(request, generation):
+            return Response(status_code=499)  # nobody is listening
+        choices = [CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason,
+                                    token_ids=c.token_ids if body.return_token_ids else None)
+                   for c in generation.choices]
+        out = CompletionResponse(id=response_id, created=created, model=self.model_name, choices=choices,
+                                 usage=generation.usage(),
+                                 prompt_token_ids=prompts if body.return_token_ids else None)
+        return JSONResponse(out.model_dump(mode="json"))
+
+    async def _completion_events(self, generation: Generation, body: CompletionRequest, response_id: str,
+                                 created: int) -> AsyncIterator[bytes]:
+        def chunk(choices, usage=None) -> bytes:
+            return _event(CompletionResponse(id=response_id, created=created, model=self.model_name,
+                                             choices=choices, usage=usage))
+
+        async for update in generation.updates():
+            if update.choice.error is not None:
+                yield _error_event(update.choice.error)
+                return
+            if update.text or update.finish_reason or (body.return_token_ids and update.token_ids):
+                yield chunk([CompletionChoice(index=update.choice.index, text=update.text,
+                                              finish_reason=update.finish_reason,
+                                              token_ids=update.token_ids if body.return_token_ids else None)])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], generation.usage())
+        yield _DONE
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        """Text, token ids, or a list of either, as lists of token ids."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        prompts = []
+        for i, p in enumerate(prompt):
+            try:
+                p = check_prompt(p, i)
+            except InvalidArgument as exc:
+                raise bad_request(str(exc), "prompt") from None
+            prompts.append(self.llm.tokenizer.encode(p) if isinstance(p, str) else p)
+        return prompts
+
+    # -- /v1/chat/completions -------------------------------------------
+
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        arrival = time.perf_counter()
+        self._check_common(body)
+        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = self.llm.chat_prompt(conversation)
+        except (InvalidArgument, ChatTemplateError) as exc:
+            raise bad_request(str(exc), "messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            # Up to the context length, as OpenAI and vLLM do; at least 1 so that
+            # a prompt that fills the context is reported as too long.
+            max_tokens = max(1, self.llm.max_model_len - len(ids))
+        params = _sampling_params(body, max_tokens)
+        self._check_fits(ids, params, "messages")
+        generation = self._start([ids], params, arrival)
+        response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return EventStreamResponse(self._chat_events(generation, body, response_id, created))
+        if not await self._finish(request, generation):
+            return Response(status_code=499)
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content="".join(c.text)),
+                              finish_reason=c.finish_reason,
+                              token_ids=c.token_ids if body.return_token_ids else None)
+                   for c in generation.choices]
+        out = ChatCompletionResponse(id=response_id, created=created, model=self.model_name, choices=choices,
+                                     usage=generation.usage(), prompt_token_ids=ids if body.return_token_ids else None)
+        return JSONResponse(out.model_dump(mode="json"))
+
+    async def _chat_events(self, generation: Generation, body: ChatCompletionRequest, response_id: str,
+                           created: int) -> AsyncIterator[bytes]:
+        def chunk(choices, usage=None) -> bytes:
+            return _event(ChatCompletionChunk(id=response_id, created=created, model=self.model_name,
+                                              choices=choices, usage=usage))
+
+        # The role first, for every choice, as OpenAI's server does.
+        for choice in generation.choices:
+            yield chunk([ChatStreamChoice(index=choice.index, delta=Delta(role="assistant", content=""))])
+        async for update in generation.updates():
+            if update.choice.error is not None:
+                yield _error_event(update.choice.error)
+                return
+            if update.text or update.finish_reason or (body.return_token_ids and update.token_ids):
+                yield chunk([ChatStreamChoice(index=update.choice.index, delta=Delta(content=update.text or None),
+                                              finish_reason=update.finish_reason,
+                                              token_ids=update.token_ids if body.return_token_ids else None)])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], generation.usage())
+        yield _DONE
+
+    # -- shared ---------------------------------------------------------
+
+    def _check_common(self, body: SamplingRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
+                                f"`{self.model_name}`).", "not_found_error", "model", "model_not_found")
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            raise bad_request(f"{unsupported} is not supported by this server", unsupported)
+
+    def _check_fits(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        problem = request_problem(ids, params, self.llm.max_model_len, self.llm.config.vocab_size)
+        if problem is not None:
+            too_long = len(ids) + params.max_tokens > self.llm.max_model_len
+            raise bad_request(problem, param, "context_length_exceeded" if too_long else None)
+
+    def _start(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> Generation:
+        try:
+            return Generation(self.llm, prompts, params, self.metrics, arrival)
+        except EngineClosed:
+            raise unavailable("the server is shutting down") from None
+
+    async def _finish(self, request: Request, generation: Generation) -> bool:
+        """Run a generation that is not streamed to its end; False if the client left first.
+        A failed choice fails the call with the status its error calls for."""
+        if not await unless_disconnected(request, generation.run()):
+            return False
+        error = generation.first_error()
+        if error is not None:
+            raise _api_error(error)
+        return True
+
+
+def _sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:
+    top_k = body.top_k or 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=0 if top_k == -1 else top_k,  # vLLM's -1: off
+            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, n=body.n,
+            min_tokens=body.min_tokens)
+    except InvalidArgument as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), field if field in _PARAM_FIELDS else None) from None
+
+
+def _api_error(error: Exception) -> APIError:
+    if isinstance(error, EngineClosed):
+        return unavailable(str(error))
+    if isinstance(error, InvalidArgument):
+        return bad_request(str(error))
+    return APIError(500, f"{type(error).__name__}: {error}", "internal_server_error")
+
+
+def _event(model) -> bytes:
+    return b"data: " + model.model_dump_json().encode() + b"\n\n"
+
+
+def _error_event(error: Exception) -> bytes:
+    """An error after the stream began (the status line is already sent): one
+    event with the OpenAI error body, then the end of the stream."""
+    return _event(ErrorResponse(error=_api_error(error).info)) + _DONE

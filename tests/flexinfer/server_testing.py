@@ -1,0 +1,124 @@
+"""Helpers for the server tests: a tiny chat model built on the spot, and a
+real `flexinfer serve` process on a free port.
+
+The model: a random 2-layer Llama whose vocabulary is a byte-level BPE
+trained here on a few sentences (about 400 tokens, with ChatML's special
+tokens and template), so that any text, and any chat, tokenizes inside it.
+Built in well under a second: no download, no GGUF conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Write a short story about a robot who learns to paint.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Hello! How are you today? I am fine, thank you. What is 2 + 2? It is 4.",
+    "system user assistant: you are a helpful assistant; answer briefly.",
+]
+
+
+def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        bos_token_id=None, eos_token_id=2, initializer_range=0.1, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The server process (run outside the repository, whose vtm/ lacks the compiled
+# core) imports flexinfer from where the test process did: the
+# working tree, with the installed package's compiled parts (tests/flexinfer/conftest.py).
+_LAUNCH = """
+import os, sys
+import vtm
+paths = os.environ["FLEXINFER_TEST_PATH"].split(os.pathsep)
+sys.path.insert(0, os.path.dirname(paths[0]))
+import flexinfer
+flexinfer.__path__[:] = paths
+from flexinfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class ServerProcess:
+    """`flexinfer serve` in a subprocess. Invariant: once constructed, the
+    process is ended by `stop()` (SIGTERM, then SIGKILL), which every user
+    calls in a finally."""
+
+    def __init__(self, model: str, log_path: Path, *extra: str, name: str = "tiny"):
+        import flexinfer
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = name
+        self.log_path = log_path
+        env = dict(os.environ, FLEXINFER_TEST_PATH=os.pathsep.join(flexinfer.__path__))
+        argv = ["serve", "--model", model, "--served-model-name", name, "--port", str(self.port),
+                "--log-level", "warning", *extra]
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen([sys.executable, "-c", _LAUNCH, *argv], stdout=self._log,
+                                        stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"the server is not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode

@@ -1,0 +1,528 @@
+"""`flexinfer serve` end to end: a real server process on a tiny random chat
+model (server_testing.py), driven by the official `openai` client and by
+raw HTTP (httpx), checked against LLM.generate / LLM.chat in this process on
+the same weights: greedy outputs token for token, streamed and not, alone
+and with 8 concurrent clients; /metrics parsed with prometheus-client's
+parser; errors as OpenAI error bodies; a client leaving mid-stream has its
+request cancelled and its KV released; SIGTERM lets a stream finish.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")  # builds the tiny model's weights
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from server_testing import ServerProcess, build_tiny_chat_model, free_port  # noqa: E402
+
+from flexinfer import LLM, ModelLoadError, SamplingParams  # noqa: E402
+
+MAX_MODEL_LEN = 1024
+SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-capacity-gib", "0.0625", "--linear", "torch",
+                "--threads", "1"]
+ENGINE_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
+PROMPTS = ["The capital of France is", "Write a short story about a robot", "def fibonacci(n):",
+           "Hello! How are you today?", "What is 2 + 2?", "The capital of Italy is", "you are a helpful assistant",
+           "Paris. Rome. Paris."]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tmp_path_factory):
+    process = ServerProcess(tiny_chat, tmp_path_factory.mktemp("server") / "server.log", *SERVER_FLAGS)
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat):
+    with LLM(tiny_chat, **ENGINE_OPTIONS) as llm:
+        yield llm
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics, by name and labels: {"name{k=v}": value}."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def wait_idle(server, timeout: float = 15.0) -> dict[str, float]:
+    """/metrics once nothing runs or waits and no vTensor is alive (the KV of every request released)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        vtensors = sum(v for k, v in m.items() if k.startswith("vtm_space_vtensors"))
+        if m["flexinfer_num_requests_running"] == 0 and m["flexinfer_num_requests_waiting"] == 0 and vtensors == 0:
+            return m
+        assert time.monotonic() < deadline, f"still busy after {timeout} s: {m}"
+        time.sleep(0.05)
+
+
+def collect_stream(chunks) -> tuple[dict, dict, dict, object]:
+    """Text, token ids and finish reason per choice index, and the usage, from streamed chunks."""
+    texts, ids, finish, usage = {}, {}, {}, None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            texts[choice.index] = texts.get(choice.index, "") + piece
+            ids.setdefault(choice.index, []).extend(getattr(choice, "token_ids", None) or [])
+            if choice.finish_reason is not None:
+                finish[choice.index] = choice.finish_reason
+    return texts, ids, finish, usage
+
+
+# -- outputs ---------------------------------------------------------------
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", ["text", "token ids"])
+def test_completions_equal_generate(client, reference, stream, kind):
+    prompts = PROMPTS[:3] if kind == "text" else [reference.tokenizer.encode(p) for p in PROMPTS[3:5]]
+    want = reference.generate(prompts, greedy(16), use_tqdm=False)
+    request = dict(model="tiny", prompt=prompts, max_tokens=16, temperature=0.0,
+                   extra_body={"return_token_ids": True})
+    if stream:
+        chunks = client.completions.create(stream=True, stream_options={"include_usage": True}, **request)
+        texts, ids, finish, usage = collect_stream(chunks)
+    else:
+        response = client.completions.create(**request)
+        texts = {c.index: c.text for c in response.choices}
+        ids = {c.index: c.token_ids for c in response.choices}
+        finish = {c.index: c.finish_reason for c in response.choices}
+        usage = response.usage
+        assert response.prompt_token_ids == [w.prompt_token_ids for w in want]
+    assert sorted(texts) == list(range(len(prompts)))
+    for i, w in enumerate(want):
+        assert ids[i] == w.token_ids and texts[i] == w.text and finish[i] == w.finish_reason
+    assert usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_llm_chat(client, reference, stream):
+    messages = [{"role": "system", "content": "you are a helpful assistant"},
+                {"role": "user", "content": f"What is 2 + 2? ({'streamed' if stream else 'whole'})"}]
+    want = reference.chat(messages, greedy(20))
+    request = dict(model="tiny", messages=messages, max_completion_tokens=20, temperature=0.0,
+                   extra_body={"return_token_ids": True})
+    if stream:
+        texts, ids, finish, usage = collect_stream(
+            client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **request))
+        text, token_ids, finish_reason = texts[0], ids[0], finish[0]
+    else:
+        response = client.chat.completions.create(**request)
+        choice = response.choices[0]
+        text, token_ids, finish_reason, usage = choice.message.content, choice.token_ids, choice.finish_reason, \
+            response.usage
+        assert choice.message.role == "assistant" and response.prompt_token_ids == want.prompt_token_ids
+    assert token_ids == want.token_ids and text == want.text and finish_reason == want.finish_reason
+    assert usage.prompt_tokens == len(want.prompt_token_ids) and usage.completion_tokens == len(want.token_ids)
+
+
+def test_chat_content_parts_n_stop_and_extras(client, reference):
+    """Text content parts read as one string; n samples; a stop string cuts the text; vLLM's extras reach the engine."""
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]
+    want = reference.chat([{"role": "user", "content": "What is 2 + 2?"}], greedy(12, ignore_eos=True, min_tokens=12))
+    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                              max_tokens=12, temperature=0.0, n=2,
+                                              extra_body={"ignore_eos": True, "min_tokens": 12, "top_k": -1})
+    assert [c.index for c in response.choices] == [0, 1]
+    assert all(c.message.content == want.text and c.finish_reason == "length" for c in response.choices)
+    # A stop string taken from the greedy text: the reply ends right before it.
+    stop = want.text[4:7]
+    assert stop and want.text.find(stop) >= 0
+    cut = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2 + 2?"}],
+                                         max_tokens=12, temperature=0.0, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].message.content == want.text[:want.text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    # Seeded sampling is reproducible through the server.
+    seeded = [client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=1.0, seed=7,
+                                        top_p=0.9, extra_body={"top_k": 50}).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_eight_concurrent_streaming_clients_equal_sequential_runs(server, reference):
+    tokens = 200  # long enough for the eight streams to overlap
+    want = [reference.generate([p], greedy(tokens, ignore_eos=True), use_tqdm=False)[0] for p in PROMPTS]
+
+    def stream_one(prompt: str):
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens, temperature=0.0,
+                                           stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+        first = next(iter(chunks))
+        started = time.monotonic()
+        texts, ids, finish, _ = collect_stream([first, *chunks])
+        return (texts[0], ids[0], finish[0]), started, time.monotonic()
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(stream_one, PROMPTS))
+    assert [(w.text, w.token_ids, "length") for w in want] == [r[0] for r in results]
+    # Every stream had begun before any ended: all eight ran at once.
+    assert max(r[1] for r in results) < min(r[2] for r in results)
+    wait_idle(server)
+
+
+def test_second_chat_turn_is_served_from_the_prefix_cache(client):
+    history = [{"role": "system", "content": "you are a helpful assistant; answer briefly."},
+               {"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+    first = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0.0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And what is 2 + 2?"}]
+    second = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0.0)
+    # The first turn may share the template's opening with earlier requests, not more.
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens // 2
+    # The second: at least the whole first prompt (the reply's text may tokenize differently from the ids generated).
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
+def test_null_max_tokens_means_up_to_the_context_length(server):
+    out = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": "Hi", "max_tokens": None, "temperature": 0.0, "ignore_eos": True}).json()
+    assert out["usage"]["total_tokens"] == MAX_MODEL_LEN and out["choices"][0]["finish_reason"] == "length"
+
+
+# -- metrics -----------------------------------------------------------------
+
+
+def test_metrics(server, client):
+    before = metrics(server)
+    client.completions.create(model="tiny", prompt="Hello! How are you?", max_tokens=5, temperature=0.0,
+                              extra_body={"ignore_eos": True})
+    client.completions.create(model="tiny", prompt="Hello! How are you?", max_tokens=5, temperature=0.0,
+                              extra_body={"ignore_eos": True})
+    after = wait_idle(server)
+    text = httpx.get(f"{server.url}/metrics").text
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for name, kind in [("flexinfer_num_requests_running", "gauge"), ("flexinfer_num_requests_waiting", "gauge"),
+                       ("flexinfer_kv_cache_usage_ratio", "gauge"), ("flexinfer_prefix_cache_queries", "counter"),
+                       ("flexinfer_prefix_cache_hits", "counter"), ("flexinfer_num_preemptions", "counter"),
+                       ("flexinfer_time_to_first_token_seconds", "histogram"),
+                       ("flexinfer_inter_token_latency_seconds", "histogram"),
+                       ("flexinfer_e2e_request_latency_seconds", "histogram"), ("vtm_chunks_held", "gauge"),
+                       ("vtm_capacity_bytes", "gauge"), ("vtm_chunk_bytes", "gauge"), ("vtm_evictions", "counter"),
+                       ("vtm_space_vtensors", "gauge")]:
+        assert families.get(name) == kind, name
+
+    def delta(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("flexinfer_time_to_first_token_seconds_count") == 2
+    assert delta("flexinfer_e2e_request_latency_seconds_count") == 2
+    assert delta("flexinfer_inter_token_latency_seconds_count") == 2 * 4
+    assert delta("flexinfer_generation_tokens_total") == 10
+    assert delta("flexinfer_requests_total{finish_reason=length}") == 2
+    # The second request found the first one's prompt in the prefix cache.
+    assert delta("flexinfer_prefix_cache_hits_total") > 0
+    assert after["flexinfer_prefix_cache_hits_total"] <= after["flexinfer_prefix_cache_queries_total"]
+    assert after["flexinfer_kv_cache_usage_ratio"] == 0  # nothing runs
+    assert after["vtm_capacity_bytes"] == 64 << 20 and after["vtm_chunks_held"] > 0  # the prefix tree's
+
+
+def test_metrics_survive_a_failing_stats_source():
+    """A broker gone away makes stats() raise: a scrape still gives the server's own metrics."""
+    import vtm
+    from flexinfer.server.metrics import ServerMetrics
+
+    def stats():
+        raise vtm.Unavailable("the broker is gone")
+
+    names = {f.name for f in text_string_to_metric_families(ServerMetrics(stats).render().decode())}
+    assert "flexinfer_time_to_first_token_seconds" in names and "flexinfer_num_requests_running" not in names
+
+
+# -- errors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("completions", {"prompt": "Hi", "temperature": "hot"}, 400, "temperature", None),
+    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ("completions", {"prompt": "Hi", "n": True}, 400, "n", None),
+    ("completions", {"prompt": "Hi", "n": 129}, 400, "n", None),
+    ("completions", {"prompt": "Hi", "top_p": 2}, 400, "top_p", None),
+    ("completions", {"prompt": "Hi", "top_k": -2}, 400, "top_k", None),
+    ("completions", {"prompt": [1.5, 2]}, 400, "prompt", None),
+    ("completions", {"prompt": []}, 400, "prompt", None),
+    ("completions", {"prompt": [100000]}, 400, "prompt", None),
+    ("completions", {"max_tokens": 4}, 400, "prompt", None),
+    ("completions", {"prompt": "Hi", "logprobs": 1}, 400, "logprobs", None),
+    ("completions", {"prompt": "Hi", "stream_options": {"include_usage": "yes"}}, 400, "stream_options", None),
+    ("completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("completions", {"prompt": "Hi " * 1100}, 400, "prompt", "context_length_exceeded"),
+    ("completions", {"prompt": "Hi", "max_tokens": MAX_MODEL_LEN}, 400, "prompt", "context_length_exceeded"),
+    ("chat/completions", {"messages": []}, 400, "messages", None),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, None, None),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages", None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi " * 1100}]}, 400, "messages",
+     "context_length_exceeded"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, 400,
+     "tools", None),
+])
+def test_bad_requests_get_openai_error_bodies(server, path, body, status, param, code):
+    response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param, error
+    assert error["code"] == code
+
+
+def test_malformed_bodies_and_routes(server, client):
+    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json", timeout=10,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    response = httpx.get(f"{server.url}/v1/nothing-here", timeout=10)
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=MAX_MODEL_LEN)
+    assert info.value.code == "context_length_exceeded"
+    # None of it touched the engine, which serves the next request.
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0.0).choices[0].text \
+        is not None
+    wait_idle(server)
+
+
+# -- cancellation and shutdown -----------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_cancels_its_request_and_releases_its_kv(server, stream):
+    before = metrics(server)
+    # Four samples of 1000 tokens: over a second on the tiny model, several times the 0.3 s a client waits.
+    body = {"prompt": "Write a short story", "max_tokens": 1000, "temperature": 0.0, "ignore_eos": True, "n": 4,
+            "stream": stream}
+    with httpx.Client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                        break  # tokens are flowing: hang up
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+    after = wait_idle(server)
+    assert after["flexinfer_requests_total{finish_reason=abort}"] - before.get(
+        "flexinfer_requests_total{finish_reason=abort}", 0) == 4
+    assert after["flexinfer_generation_tokens_total"] - before["flexinfer_generation_tokens_total"] < 4 * 1000
+
+
+@pytest.mark.parametrize("grace", ["long", "short"])
+def test_sigterm_lets_a_stream_finish_or_cuts_it_then_exits_0(tiny_chat, tmp_path, grace):
+    """SIGTERM: the stream in flight finishes within --shutdown-timeout, or is
+    cancelled when that runs out; either way the process exits with 0."""
+    timeout = "30" if grace == "long" else "0.2"
+    tokens = 120 if grace == "long" else 1000
+    process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--shutdown-timeout", timeout)
+    try:
+        process.wait_ready()
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{process.url}/v1/completions", json={
+                    "prompt": "Hello", "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
+                    "stream": True, "return_token_ids": True}) as response:
+                lines = response.iter_lines()
+                received = len(json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+                               ["choices"][0]["token_ids"])
+                process.process.send_signal(signal.SIGTERM)
+                done = False
+                try:
+                    for line in lines:
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            received += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                except httpx.RemoteProtocolError:  # the server cut the stream
+                    pass
+        if grace == "long":
+            assert done and received == tokens
+        else:
+            assert not done and received < tokens
+        # New connections are refused (or told 503) while it shuts down.
+        try:
+            assert httpx.get(f"{process.url}/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass
+        assert process.process.wait(20) == 0, process.log()
+    finally:
+        process.stop()
+
+
+def test_bench_serving_load_against_the_server(server, monkeypatch):
+    """scripts/bench_serving.py's multi-turn load, small, against this server: every turn answered with
+    exactly max_tokens tokens, and turns >= 2 served mostly from the prefix cache."""
+    import argparse
+    import asyncio
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serving", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(users=3, turns=3, rate=0.0, think_s=0.0, max_tokens=6, first_words=60, words=10,
+                              seed=1, request_timeout=60.0)
+    run = asyncio.run(bench.run_load(server.url, "tiny", args))
+    summary = bench.summarize(run)
+    assert summary["requests"] == 9 and summary["errors"] == 0, summary["first_error"]
+    assert all(t["output_tokens"] == 6 for t in run["turns"])
+    assert all(t["ttft_s"] > 0 and t["e2e_s"] >= t["ttft_s"] for t in run["turns"])
+    assert summary["prefix_hit_rate_later"] > 0.5 and summary["ttft_later_p50_s"] is not None
+
+
+def test_serving_on_a_vtm_broker(tiny_chat, tmp_path, reference):
+    """--manager unix:PATH: the KV lives in the broker's pool, outputs are the same, and /metrics shows the pool."""
+    from broker_testing import BrokerProcess
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=2048, chunk_bytes=4096)
+    process = None
+    try:
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process.wait_ready()
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0.0)
+        assert out.choices[0].text == reference.generate([PROMPTS[0]], greedy(12), use_tqdm=False)[0].text
+        m = wait_idle(process)
+        assert m["vtm_capacity_bytes"] == broker.capacity_bytes and m["vtm_chunk_bytes"] == 4096
+        assert m["vtm_chunks_held"] > 0  # the prompt the prefix tree keeps
+    finally:
+        if process is not None:
+            assert process.stop() == 0, process.log()
+        broker.kill()
+
+
+# -- lifetime, in this process --------------------------------------------------
+
+
+def _start_in_thread(app):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{server.config.port}"
+
+
+def test_503_while_loading_then_serves(tiny_chat):
+    from flexinfer.server.app import create_app
+
+    release = threading.Event()
+    loaded: list[LLM] = []
+
+    def load() -> LLM:
+        release.wait(30)
+        loaded.append(LLM(tiny_chat, **ENGINE_OPTIONS))
+        return loaded[0]
+
+    server, thread, url = _start_in_thread(create_app(load, "tiny"))
+    try:
+        for response in (httpx.get(f"{url}/health"), httpx.get(f"{url}/v1/models"),
+                         httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"})):
+            assert response.status_code == 503
+            assert "loading" in response.json()["error"]["message"]
+        assert httpx.get(f"{url}/metrics").status_code == 200  # the server's own metrics, no engine yet
+        release.set()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        out = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30).json()
+        assert out["usage"]["completion_tokens"] >= 1
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+    # Shutting down closed the LLM: its engine takes nothing more.
+    assert not thread.is_alive() and loaded[0]._loop.closed
+
+
+def test_a_model_that_fails_to_load_is_reported(tmp_path):
+    from flexinfer.server.app import create_app
+
+    told: list[BaseException] = []
+
+    def load() -> LLM:
+        return LLM(str(tmp_path / "missing"))
+
+    server, thread, url = _start_in_thread(create_app(load, "tiny", told.append))
+    try:
+        deadline = time.monotonic() + 10
+        while not told:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert isinstance(told[0], ModelLoadError)
+        response = httpx.get(f"{url}/health")
+        assert response.status_code == 503 and "failed to load" in response.json()["error"]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_serve_on_a_port_in_use_is_one_line_and_status_2(tiny_chat, capsys):
+    from flexinfer.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", tiny_chat, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flexinfer: error: cannot listen on 127.0.0.1:") and err.count("\n") == 1
+
+
+def test_serve_a_model_that_fails_to_load_is_status_2(tmp_path, capsys):
+    from flexinfer.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "0", "--log-level", "critical"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("flexinfer: error: the model failed to load: ") and "missing" in err[-1]
