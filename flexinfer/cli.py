@@ -132,6 +132,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--backend and --kv-capacity-gib are then the broker's")
     p.add_argument("--max-model-len", type=_positive_int, default=4096,
                    help="most tokens (prompt + output) of one request; capped at the model's own maximum")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=32,
+                   help="most sequences decoded together in one step (continuous batching)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of mapping the KV of earlier requests")
     p.add_argument("--linear", default="auto", choices=LINEAR_KINDS,
@@ -165,7 +167,7 @@ def _engine(args) -> LLM:
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
-               attention=args.attention, threads=args.threads)
+               attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs)
 
 
 def _params(args) -> SamplingParams:

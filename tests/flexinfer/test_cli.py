@@ -194,7 +194,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 # ----------------------------------------------------------------------------- --help, --version, python -m
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "serve"])
 def test_help_gives_every_flag_a_text_and_shows_defaults(capsys, command):
     assert main([command, "--help"]) == 0
     text = capsys.readouterr().out
@@ -205,9 +205,12 @@ def test_help_gives_every_flag_a_text_and_shows_defaults(capsys, command):
             has_help = len(flag_and_help) == 2 or (i + 1 < len(options) and options[i + 1].startswith(" " * 10))
             assert has_help, f"{command}: {line.strip()} has no help text"
     flat = " ".join(text.split())
-    assert "--max-tokens MAX_TOKENS" in flat and "(default: 128)" in flat
+    if command == "serve":
+        assert "(default: 8000)" in flat and "(default: 127.0.0.1)" in flat
+    else:
+        assert "--max-tokens MAX_TOKENS" in flat and "(default: 128)" in flat
     assert "(default: smollm2)" in flat and "(default: 4096)" in flat and "(default: 2.0)" in flat
-    if command != "bench":
+    if command in ("generate", "chat"):
         assert "(default: 0.0)" in flat and "SamplingParams in Python defaults to 1.0" in flat
     assert "(default: None)" not in flat and "(default: False)" not in flat
 
