@@ -49,8 +49,9 @@ class Engine:
         self.dtype = _DTYPES[dtype]
         self._own_manager = manager is None
         if manager is None:
+            # On the GPU this engine computes on: vtm's own default is device 0.
             manager = vtm.Manager(backend=backend, capacity_bytes=kv_capacity_bytes, chunk_bytes=chunk_bytes,
-                                  workers=workers, prealloc_chunks=4)
+                                  workers=workers, prealloc_chunks=4, device=_cuda_index(device, backend))
         self.manager = manager
         self.kv_cache = None
         self.graphs = None
@@ -80,14 +81,29 @@ class Engine:
             # None: the model's own limit; more than it is capped there.
             self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                      self.config.max_position_embeddings)
-            # With graphs, one more slot: the sink that padding rows write into.
+            # The Triton kernels on CUDA get one more slot: the sink, a one-token
+            # vTensor held for the engine's life. It is the first vTensor of a
+            # new space, so it takes slot 0 and keeps mapped the first page,
+            # where every layer's K and V views begin: Triton's launcher checks
+            # each tensor argument's data_ptr() with cuPointerGetAttribute and
+            # raises ValueError when the driver answers CUDA_ERROR_INVALID_VALUE,
+            # which a reserved range with nothing mapped may give (not yet seen
+            # on a GPU); eager steps run while no request holds slot 0 too.
+            # CUDA-graph padding rows write into it.
+            keep_sink = self.device.type == "cuda" and isinstance(self.attention, KernelAttention)
             self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len,
-                                    max_num_seqs + (1 if cuda_graphs else 0),
+                                    max_num_seqs + (1 if keep_sink else 0),
                                     namespace=namespace or f"{model}:{dtype}", layer_groups=layer_groups)
+            if self.device.type == "cuda" and self.kv_cache.device.index != _cuda_index(self.device, "cuda"):
+                # Kernels would index one GPU's memory from another (a shared
+                # manager opened on another device).
+                raise InvalidArgument(f"the vtm manager's memory is on {self.kv_cache.device} but the engine "
+                                      f"computes on cuda:{_cuda_index(self.device, 'cuda')}")
+            if keep_sink:
+                self._sink = self.kv_cache.create(1)
             if cuda_graphs:
                 from flexinfer.cuda_graphs import DecodeGraphs
 
-                self._sink = self.kv_cache.create(1)
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, max_num_seqs,
                                            [vt.slot for vt in self._sink])
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
@@ -252,6 +268,18 @@ class Engine:
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"
         return None
+
+
+def _cuda_index(device, backend: str) -> int:
+    """The CUDA device index an engine on `device` computes on: the one it
+    names, else torch's current device (an index-less "cuda", or no device
+    with a backend that may be cuda); 0 where no CUDA device is involved."""
+    device = None if device is None else torch.device(device)
+    if backend == "host" or (device is not None and device.type != "cuda"):
+        return 0
+    if device is not None and device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def _engine_error(what: str, exc: Exception) -> Exception:

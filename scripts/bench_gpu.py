@@ -60,6 +60,13 @@ def build_tokenizer(vocab_size: int):
     return tokenizer
 
 
+def save_tokenizer(folder: Path, vocab_size: int) -> None:
+    """tokenizer.json + tokenizer_config.json of build_tokenizer (also the GPU tests' tiny model's)."""
+    build_tokenizer(vocab_size).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "unk_token": SPECIAL_TOKENS[0]}))
+
+
 def build_model_folder(folder: Path, shape: dict, seed: int = 0) -> None:
     """config.json + model.safetensors (bfloat16) + tokenizer.json + tokenizer_config.json."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,9 +76,7 @@ def build_model_folder(folder: Path, shape: dict, seed: int = 0) -> None:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16)
     model.save_pretrained(folder)
-    build_tokenizer(shape["vocab_size"]).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "unk_token": SPECIAL_TOKENS[0]}))
+    save_tokenizer(folder, shape["vocab_size"])
 
 
 def make_prompts(batch: int, length: int, vocab: int) -> list[list[int]]:

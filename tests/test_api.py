@@ -574,6 +574,11 @@ def test_view_outlives_its_closed_space(make_manager):
     slot = a.slot
     view[slot, :1000] = 3
     kept[b.slot, :1000] = 5
+    if view.device.type == "cuda":
+        # The writes finish before close unmaps their pages: a kernel still
+        # writing there would take an illegal-address error, sticky for the
+        # whole process (every later CUDA test in this file would fail).
+        torch.cuda.synchronize()
     sp.close()
     assert a.released
     st = assert_pool_consistent(mgr)
@@ -582,6 +587,8 @@ def test_view_outlives_its_closed_space(make_manager):
     assert int(kept[b.slot, :1000].sum()) == 5 * 1000, "other spaces are untouched"
     c = other.create(60).result()  # the chunks the closed space returned are reused
     kept[c.slot, :10] = 1
+    if kept.device.type == "cuda":
+        torch.cuda.synchronize()  # before the teardown closes the manager under the write
     del view
     gc.collect()
 

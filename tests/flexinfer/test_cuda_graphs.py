@@ -46,9 +46,18 @@ def test_graph_decode_matches_eager_kernels_and_sdpa(tiny_gpu_folder, dtype):
             if name == "graphs":
                 again = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                 assert again == outs[name]  # replays after prefix hits and slot reuse
+            if name != "sdpa":
+                # Both Triton engines keep the sink in slot 0, mapping the page
+                # where the K/V views begin (Triton checks that address at launch).
+                assert [vt.slot for vt in llm.engine._sink] == [0] and llm.engine._sink[0].mapped_bytes > 0
                 llm.kv_cache.clear_prefixes()
                 llm.manager.trim()
                 assert llm.manager.stats()["chunks_held"] == 1  # only the sink
+                # Steps with every other page of the space unmapped (batch 1:
+                # other kernel splits, so tokens may differ from the batch's).
+                alone = llm.generate([prompts[3]], [params[3]], use_tqdm=False)[0]
+                assert alone.finish_reason == "length", alone.error
+                assert len(alone.token_ids) == params[3].max_tokens
     assert outs["graphs"] == outs["eager"]
     if dtype == "float32":
         assert outs["graphs"] == outs["sdpa"]

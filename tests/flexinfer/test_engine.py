@@ -824,6 +824,25 @@ def test_failed_constructor_leaves_nothing_behind(tiny_llama, tmp_path, monkeypa
     assert len(closed) == 1
 
 
+def test_own_manager_opens_the_engines_cuda_device(tiny_llama, monkeypatch):
+    """An engine's own manager maps KV on the GPU the engine computes on, not
+    on vtm's default device 0 (on a multi-GPU machine the model and its KV
+    would sit on two devices)."""
+    folder, _ = tiny_llama
+    devices = []
+
+    class RecordingManager(vtm.Manager):
+        def __init__(self, *args, **kwargs):
+            devices.append(kwargs.get("device"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(vtm, "Manager", RecordingManager)
+    with pytest.raises(vtm.Unavailable):  # no driver here; no 4th device on a GPU machine with fewer
+        LLM(folder, backend="cuda", device="cuda:3")
+    LLM(folder, backend="host").close()
+    assert devices == [3, 0]
+
+
 # ----------------------------------------------------------------------------- layer groups
 
 

@@ -114,6 +114,17 @@ def test_kernels_read_only_mapped_pages(dtype):
         assert err <= TOLERANCE[getattr(torch, dtype)], (name, err)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_index_slots_past_2_31_elements(dtype):
+    """A space of max_slots * max_tokens * row_bytes can exceed 2**31 elements
+    (here: requests in slots of 2 GiB each past it): the kernels' K/V offsets
+    are 64-bit, so they read the right rows, and nothing else is mapped there."""
+    errors = _last_json(_child("far", dtype))
+    assert set(errors) == {"decode", "decode_split", "prefill"}
+    for name, err in errors.items():
+        assert err <= TOLERANCE[getattr(torch, dtype)], (name, err)
+
+
 def test_the_harness_catches_an_over_read():
     """The negative control: one row past a page-aligned length, read with plain
     torch in the same setup, kills the child with SIGSEGV."""

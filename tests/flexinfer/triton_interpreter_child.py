@@ -14,6 +14,10 @@ before the import, and never in the pytest process.
                                              kernels' errors against SDPA as JSON
     triton_interpreter_child.py torch DTYPE  the negative control: the same setup, then one row past a
                                              page-aligned length read with plain torch (must die)
+    triton_interpreter_child.py far DTYPE    requests in slots whose K/V lie more than 2**31 elements
+                                             past the views' base (a space of 2 GiB slots, only reserved):
+                                             an offset computed in int32 would wrap to another address.
+                                             Prints the kernels' errors against SDPA as JSON
 """
 
 from __future__ import annotations
@@ -108,8 +112,50 @@ def on_vtm_memory(mode: str, dtype_name: str) -> None:
     mgr.close()
 
 
+def on_far_slots(dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
+    row_bytes = LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
+    max_tokens = (2 << 30) // row_bytes  # slots of about 2 GiB: VA only, nothing is mapped but the rows used
+    first_far = -(-(2**31) * dtype.itemsize // (max_tokens * row_bytes))  # the first slot past 2**31 elements
+    seq_lens = [300, 1, 77]  # the first long enough for several splits at batch 1
+    mgr = vtm.Manager(backend="host", capacity_bytes=64 * PAGE, chunk_bytes=PAGE, granularity=PAGE)
+    space = mgr.create_space(row_bytes=row_bytes, max_tokens=max_tokens, max_slots=first_far + len(seq_lens))
+    empty = [space.create(0).result() for _ in range(first_far)]  # slots below the far ones, mapping nothing
+    vts = [space.create(n).result() for n in seq_lens]
+    assert [vt.slot for vt in vts] == list(range(first_far, first_far + len(seq_lens)))
+    rows, k, v = kv_views(space.tensor(dtype), max_tokens, LAYERS, KV_HEADS, HEAD_DIM, LAYER)
+    assert vts[0].slot * k.stride(0) >= 2**31
+    gen = torch.Generator().manual_seed(0)
+    for vt, n in zip(vts, seq_lens):
+        fill_rows(rows, vt.slot, 0, n, gen)
+    slots = [vt.slot for vt in vts]
+
+    from flexinfer.kernels.triton_attention import decode_attention, prefill_attention
+
+    i32 = dict(dtype=torch.int32)
+    errors = {}
+    q = torch.randn(len(slots), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    out = decode_attention(q, k, v, torch.tensor(slots, **i32), torch.tensor(seq_lens, **i32))
+    errors["decode"] = scaled_error(out, sdpa_decode(q, k, v, slots, seq_lens))
+    out = decode_attention(q[:1], k, v, torch.tensor(slots[:1], **i32), torch.tensor(seq_lens[:1], **i32))
+    errors["decode_split"] = scaled_error(out, sdpa_decode(q[:1], k, v, slots[:1], seq_lens[:1]))
+    news = [40, 1, 77]
+    cu = cu_seqlens(news)
+    q = torch.randn(cu[-1], HEADS, HEAD_DIM, generator=gen).to(dtype)
+    out = prefill_attention(q, k, v, torch.tensor(cu, **i32), torch.tensor(slots, **i32),
+                            torch.tensor(seq_lens, **i32), max_q_len=max(news))
+    errors["prefill"] = scaled_error(out, sdpa_prefill(q, k, v, cu, slots, seq_lens))
+    print(json.dumps(errors), flush=True)
+    del rows, k, v, q, out
+    for vt in vts + empty:
+        vt.release().result()
+    mgr.close()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "cases":
         run_cases()
+    elif sys.argv[1] == "far":
+        on_far_slots(sys.argv[2])
     else:
         on_vtm_memory(sys.argv[1], sys.argv[2])
