@@ -34,6 +34,7 @@ from flexinfer.inputs import request_problem
 from flexinfer.outputs import CompletionOutput, RequestOutput, StreamEvent
 from flexinfer.sampling import SamplingParams
 from flexinfer.sequence import Sequence, Status
+from flexinfer.threads import release_openmp_pool
 
 log = logging.getLogger("flexinfer")
 
@@ -119,19 +120,32 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    """Builds its Engine on its own thread (`make_engine()`; an exception
+    there is raised by the constructor) so that the loading, the kernel
+    timings and every step run on one thread: one OpenMP pool for the
+    engine's whole life (see threads.release_openmp_pool)."""
+
+    def __init__(self, make_engine: Callable[[], Engine]):
+        self.engine: Engine | None = None
         self._cv = threading.Condition()
         self._inbox: deque[tuple[str, RequestStream]] = deque()
         self._closing = False
         self._ids = itertools.count()
         self._live: dict[Sequence, RequestStream] = {}  # loop thread only
-        # The thread's CUDA device: the engine's, or the creating thread's current one.
-        self._cuda_index = None
-        if engine.device.type == "cuda":
-            self._cuda_index = engine.device.index if engine.device.index is not None else torch.cuda.current_device()
-        self._thread = threading.Thread(target=self._run, name="flexinfer-engine", daemon=True)
+        # torch's current CUDA device is per thread: the engine thread starts on the creator's.
+        self._cuda_index = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._ready = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="flexinfer-engine", daemon=True)
         self._thread.start()
+        try:
+            self._ready.wait()
+        except BaseException:  # Ctrl-C while loading: the thread closes what it built
+            self.close()
+            raise
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
 
     # -- any thread -----------------------------------------------------
 
@@ -164,7 +178,7 @@ class EngineLoop:
         return handle
 
     def close(self, timeout: float | None = None) -> None:
-        """Cancel what is still queued or running, then stop the thread."""
+        """Cancel what is still queued or running, stop the thread and close the engine."""
         with self._cv:
             self._closing = True
             self._cv.notify()
@@ -184,10 +198,19 @@ class EngineLoop:
 
     # -- the loop thread ------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, make_engine: Callable[[], Engine]) -> None:
         try:
             if self._cuda_index is not None:
                 torch.cuda.set_device(self._cuda_index)
+            self.engine = make_engine()
+            if self.engine.device.type == "cuda" and self.engine.device.index is not None:
+                torch.cuda.set_device(self.engine.device)
+        except BaseException as exc:  # handed to the constructor
+            self._build_error = exc
+            return
+        finally:
+            self._ready.set()
+        try:
             self._serve()
         except BaseException as exc:  # the thread cannot go on: end every stream, refuse new ones
             log.exception("the engine thread stopped")
@@ -197,6 +220,12 @@ class EngineLoop:
             error = EngineError(f"the engine thread stopped: {type(exc).__name__}: {exc}")
             for handle in set(self._live.values()) | {h for op, h in inbox if op == "add"}:
                 self._cancel(handle, error)
+        finally:
+            # The KV space (and the pool the engine made) go with the thread.
+            try:
+                self.engine.close()
+            except Exception:
+                log.exception("closing the engine failed")
 
     def _serve(self) -> None:
         idle = True
@@ -226,6 +255,7 @@ class EngineLoop:
                 elif not idle:
                     idle = True
                     self.engine.drain()
+                    release_openmp_pool()
             except Exception as exc:  # a bug in this loop: fail what is live, keep serving
                 log.exception("the engine loop failed; failing %d live requests", len(self._live))
                 for handle in set(self._live.values()):

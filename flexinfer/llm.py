@@ -27,10 +27,10 @@ class LLM:
     enable_prefix_caching, attention, linear, threads, cuda_graphs, ...)."""
 
     def __init__(self, model: str, **options):
-        self.engine = Engine(model, **options)
-        self._loop = EngineLoop(self.engine)
+        self._loop = EngineLoop(lambda: Engine(model, **options))
+        self.engine = self._loop.engine
         # Stop the thread and release the memory even if close() is never called.
-        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self.engine)
+        self._finalizer = weakref.finalize(self, self._loop.close)
 
     # What the engine holds, for callers and tests that look inside.
     tokenizer = property(lambda self: self.engine.tokenizer)
@@ -132,8 +132,3 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         return None, prompt
-
-
-def _shutdown(loop: EngineLoop, engine: Engine) -> None:
-    loop.close()
-    engine.close()
