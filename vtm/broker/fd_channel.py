@@ -15,70 +15,35 @@ from __future__ import annotations
 import json
 import os
 import socket
-import struct
 import threading
+
+from vtm.broker.seqpacket import SeqpacketServer
 
 MAX_FDS = 200  # below the kernel's SCM_MAX_FD (253)
 _MAX_MSG = 1 << 16
 
 
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of `conn`."""
-    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
-
-
-class FdServer:
+class FdServer(SeqpacketServer):
     """Serves chunk fds to sessions. `lookup(lease)` gives the live session or
     None; `dup_fd(chunk, serial)` a new fd for a chunk (closed here after
     sending)."""
 
     def __init__(self, path: str, lookup, dup_fd):
-        self.path = path
         self._lookup = lookup
         self._dup_fd = dup_fd
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.bind(path)
-        os.chmod(path, 0o600)
-        self._sock.listen(64)
-        self._stopping = False
-        self._conns = set()
-        self._mu = threading.Lock()
-        self._thread = threading.Thread(target=self._accept_loop, name="vtmd-fds", daemon=True)
-        self._thread.start()
+        super().__init__(path, "vtmd-fds")
 
-    def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
+    def _handle(self, conn: socket.socket, pid: int, uid: int) -> None:
+        while True:
+            data = conn.recv(_MAX_MSG)
+            if not data:
                 return
-            with self._mu:
-                if self._stopping:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="vtmd-fds-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            pid, uid, _ = peer_credentials(conn)
-            while True:
-                data = conn.recv(_MAX_MSG)
-                if not data:
-                    return
-                header, fds = self._answer(data, pid, uid)
-                try:
-                    socket.send_fds(conn, [json.dumps(header).encode()], fds)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-        except OSError:
-            return
-        finally:
-            with self._mu:
-                self._conns.discard(conn)
-            conn.close()
+            header, fds = self._answer(data, pid, uid)
+            try:
+                socket.send_fds(conn, [json.dumps(header).encode()], fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
     def _answer(self, data: bytes, pid: int, uid: int):
         try:
@@ -110,26 +75,6 @@ class FdServer:
                     os.close(fd)
                 return {"error": f"export failed: {exc}"}, []
         return {"serials": serials}, fds
-
-    def close(self) -> None:
-        with self._mu:
-            self._stopping = True
-            conns = list(self._conns)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(timeout=5)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class FdClient:

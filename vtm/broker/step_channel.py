@@ -42,11 +42,11 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import threading
 
 import vtm
 from vtm import errors
-from vtm.broker.fd_channel import MAX_FDS, peer_credentials
+from vtm.broker.fd_channel import MAX_FDS
+from vtm.broker.seqpacket import SeqpacketServer
 
 AUTH, CREATE, EXTEND, STEP, RELEASE = 1, 2, 3, 4, 5
 OP_NAMES = {CREATE: "create", EXTEND: "extend", STEP: "step", RELEASE: "release"}
@@ -160,7 +160,7 @@ def error_named(name: str, message: str) -> errors.Error:
     return cls(message)
 
 
-class StepServer:
+class StepServer(SeqpacketServer):
     """Serves the step socket: one thread per connection, each bound to one
     session after its AUTH frame. `service` is the BrokerService (its ops run
     under the session lock, as the gRPC calls do); `dup_fd(chunk, serial)`
@@ -171,65 +171,31 @@ class StepServer:
     InvalidArgument reply and changes nothing."""
 
     def __init__(self, path: str, service, dup_fd):
-        self.path = path
         self._service = service
         self._dup_fd = dup_fd
         self._ops = {CREATE: self._create, EXTEND: self._extend, STEP: self._step, RELEASE: self._release}
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._sock.bind(path)
-            os.chmod(path, 0o600)
-            self._sock.listen(64)
-        except BaseException:
-            self._sock.close()
-            raise
-        self._stopping = False
-        self._conns = set()
-        self._mu = threading.Lock()
-        self._thread = threading.Thread(target=self._accept_loop, name="vtmd-steps", daemon=True)
-        self._thread.start()
+        super().__init__(path, "vtmd-steps")
 
-    def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
+    def _handle(self, conn: socket.socket, pid: int, uid: int) -> None:
+        session = None
+        while True:
+            data = conn.recv(MAX_REQUEST + 1)
+            if not data:
                 return
-            with self._mu:
-                if self._stopping:
-                    conn.close()
+            if session is None:
+                session, error = self._authenticate(data, pid, uid)
+                rid = REQUEST.unpack_from(data)[2] if len(data) >= REQUEST.size else 0
+                if error is not None:
+                    conn.send(encode_error(rid, error))
                     return
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="vtmd-steps-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            pid, uid, _ = peer_credentials(conn)
-            session = None
-            while True:
-                data = conn.recv(MAX_REQUEST + 1)
-                if not data:
-                    return
-                if session is None:
-                    session, error = self._authenticate(data, pid, uid)
-                    rid = REQUEST.unpack_from(data)[2] if len(data) >= REQUEST.size else 0
-                    if error is not None:
-                        conn.send(encode_error(rid, error))
-                        return
-                    conn.send(encode_ok(rid, (0, 0, 0, 0), [], []))
-                    continue
-                payload, fds = self._answer(session, data)
-                try:
-                    send_reply(conn, payload, fds)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-        except OSError:
-            return
-        finally:
-            with self._mu:
-                self._conns.discard(conn)
-            conn.close()
+                conn.send(encode_ok(rid, (0, 0, 0, 0), [], []))
+                continue
+            payload, fds = self._answer(session, data)
+            try:
+                send_reply(conn, payload, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
     def _authenticate(self, data: bytes, pid: int, uid: int):
         """(session, None) or (None, the error to report)."""
@@ -306,26 +272,6 @@ class StepServer:
     def _release(self, session, pairs):
         self._service.release(session, pairs[0])
         return pairs[0], 0, 0, 1
-
-    def close(self) -> None:
-        with self._mu:
-            self._stopping = True
-            conns = list(self._conns)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(timeout=5)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class StepClient:
