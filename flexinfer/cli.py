@@ -64,24 +64,21 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
+def _int_at_least(low: int, what: str):
+    """An int type >= low; `what` names it in the error."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = low - 1
+        if number < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+        return number
+    return parse
 
 
-def _non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return number
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _number(low: float, high: float = math.inf, low_open: bool = False):
@@ -99,15 +96,7 @@ def _number(low: float, high: float = math.inf, low_open: bool = False):
 
 
 def _threads(value: str):
-    if value == "auto":
-        return value
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number, got {value!r}")
-    return count
+    return value if value == "auto" else _int_at_least(1, "'auto' or a positive number")(value)
 
 
 def _text(value: str) -> str:
