@@ -15,6 +15,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 KiB = 1024
 CHUNK = 64 * KiB
@@ -190,3 +191,16 @@ def child_extend_forever(address, q):
         n = min(n + 300, 60000)
         vt.extend(n).result()
         q.put(n)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A broker process with a 16-chunk pool, killed after the test (import
+    it into a test module to use it)."""
+    b = BrokerProcess(tmp_path, capacity_chunks=16)
+    yield b
+    b.kill()
+
+
+def held(mgr) -> int:
+    return mgr.stats()["chunks_held"]

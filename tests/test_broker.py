@@ -19,16 +19,10 @@ import pytest
 
 import vtm
 from broker_testing import (CHUNK, ROW, BrokerProcess, RowView, child_allocate, child_extend_forever, child_record,
-                            pattern, run_child)
+                            held, pattern, run_child)
+from broker_testing import broker  # noqa: F401 (a fixture)
 
 CTX = multiprocessing.get_context("spawn")
-
-
-@pytest.fixture
-def broker(tmp_path):
-    b = BrokerProcess(tmp_path, capacity_chunks=16)
-    yield b
-    b.kill()
 
 
 @pytest.fixture
@@ -49,10 +43,6 @@ def spawn():
         if p.is_alive():
             p.kill()
         p.join(10)
-
-
-def held(mgr) -> int:
-    return mgr.stats()["chunks_held"]
 
 
 def wait_until(predicate, timeout: float, step: float = 0.02, on_fail=None) -> float:

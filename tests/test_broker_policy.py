@@ -12,22 +12,12 @@ import grpc
 import pytest
 
 import vtm
-from broker_testing import CHUNK, ROW, BrokerProcess
+from broker_testing import CHUNK, ROW, held
+from broker_testing import broker  # noqa: F401 (a fixture)
 from vtm.broker import ctl, status
 from vtm.proto.vtm.v1 import vtm_pb2
 
 ROWS_PER_CHUNK = CHUNK // ROW  # 65 rows fit in one chunk: n * 65 rows need n chunks
-
-
-@pytest.fixture
-def broker(tmp_path):
-    b = BrokerProcess(tmp_path, capacity_chunks=16)
-    yield b
-    b.kill()
-
-
-def held(mgr) -> int:
-    return mgr.stats()["chunks_held"]
 
 
 def test_limit_refuses_and_set_quota_lifts_it(broker, capsys):

@@ -19,19 +19,9 @@ import numpy as np
 import pytest
 
 import vtm
-from broker_testing import ROW, BrokerProcess, pattern
+from broker_testing import ROW, BrokerProcess, held, pattern
+from broker_testing import broker  # noqa: F401 (a fixture)
 from vtm.broker import step_channel as sc
-
-
-@pytest.fixture
-def broker(tmp_path):
-    b = BrokerProcess(tmp_path, capacity_chunks=16)
-    yield b
-    b.kill()
-
-
-def held(mgr) -> int:
-    return mgr.stats()["chunks_held"]
 
 
 def raw_connection(broker, lease=None) -> socket.socket:
