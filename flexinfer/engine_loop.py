@@ -110,13 +110,11 @@ class RequestStream:
                     self._ended.add(i)
                 self._deliver(StreamEvent(i, new, seq.finish_reason, seq.error, time.perf_counter()))
 
-    def _finish_if_done(self) -> bool:
+    def _finish_if_done(self) -> None:
         if all(s.status is Status.FINISHED for s in self._seqs) and not self._done.is_set():
             self._done.set()
             if self._stream:
                 self._deliver(_END)
-            return True
-        return False
 
 
 class EngineLoop:
@@ -184,10 +182,6 @@ class EngineLoop:
             self._cv.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-
-    @property
-    def closed(self) -> bool:
-        return self._closing
 
     def _post(self, op: str, handle: RequestStream) -> None:
         with self._cv:

@@ -4,7 +4,7 @@ failure releases its KV. Issue 10's reproductions, one test each."""
 
 from __future__ import annotations
 
-import os
+import gc
 import signal
 import threading
 import time
@@ -259,8 +259,6 @@ def test_an_unclosed_llm_stops_its_thread_when_collected(tiny):
     llm = LLM(folder)
     run(llm, [[5, 6, 7]], greedy(2))
     del llm
-    import gc
-
     gc.collect()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -268,7 +266,6 @@ def test_an_unclosed_llm_stops_its_thread_when_collected(tiny):
             break
         time.sleep(0.05)
     assert not [t for t in threading.enumerate() if t.name == "flexinfer-engine" and t.ident not in before]
-    assert os.getpid()  # the process is intact
 
 
 def test_a_dead_engine_thread_ends_every_stream_and_refuses_new_requests(tiny, monkeypatch):
