@@ -483,7 +483,7 @@ def test_503_while_loading_then_serves(tiny_chat):
         server.should_exit = True
         thread.join(30)
     # Shutting down closed the LLM: its engine takes nothing more.
-    assert not thread.is_alive() and loaded[0]._loop.closed
+    assert not thread.is_alive() and not loaded[0]._loop._thread.is_alive()
 
 
 def test_a_model_that_fails_to_load_is_reported(tmp_path):
