@@ -1,5 +1,7 @@
 #include "attention_cpu.h"
 
+#include "cpu_numeric.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -33,27 +35,6 @@ struct WorkItem {
   std::int64_t key_lo, key_hi;
 };
 
-float Widen(float x) { return x; }
-float Widen(std::uint16_t bits) {  // bfloat16
-  std::uint32_t u = static_cast<std::uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-float Widen(_Float16 x) { return static_cast<float>(x); }
-
-void Narrow(float x, float* dst) { *dst = x; }
-void Narrow(float x, std::uint16_t* dst) {  // to bfloat16, round to nearest even
-  std::uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) {
-    *dst = static_cast<std::uint16_t>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7FFF + ((u >> 16) & 1);
-  *dst = static_cast<std::uint16_t>(u >> 16);
-}
-void Narrow(float x, _Float16* dst) { *dst = static_cast<_Float16>(x); }
 
 // e^x for x <= 0 (scores minus their running maximum), written so that the
 // compiler vectorises a loop of it: range reduction x = n ln2 + r with

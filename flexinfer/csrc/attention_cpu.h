@@ -28,9 +28,9 @@
 
 #include <cstdint>
 
-namespace flexinfer {
+#include "cpu_numeric.h"
 
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+namespace flexinfer {
 
 struct AttentionArgs {
   // Queries [T, heads, head_dim] and the output of the same shape; strides in

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "attention_cpu.h"
+#include "linear_cpu.h"
 
 namespace py = pybind11;
 
@@ -16,6 +17,11 @@ namespace flexinfer {
 namespace {
 
 const void* Ptr(std::uintptr_t address) { return reinterpret_cast<const void*>(address); }
+
+DType ToDType(int code) {
+  if (code < 0 || code > 2) throw std::invalid_argument("unknown dtype code");
+  return static_cast<DType>(code);
+}
 
 }  // namespace
 
@@ -51,14 +57,51 @@ PYBIND11_MODULE(_kernels, m) {
         a.heads = heads;
         a.kv_heads = kv_heads;
         a.head_dim = head_dim;
-        if (dtype < 0 || dtype > 2) throw std::invalid_argument("unknown dtype code");
-        a.dtype = static_cast<DType>(dtype);
+        a.dtype = ToDType(dtype);
         a.scale = scale;
         a.threads = threads;
         py::gil_scoped_release release;
         Attention(a);
       },
       "Batched attention over per-layer K/V views (see attention_cpu.h).");
+  m.def(
+      "packed_linear_size",
+      [](std::int64_t n, std::int64_t k, int dtype) { return PackedLinearSize(n, k, ToDType(dtype)); },
+      "Elements of a [n, k] weight packed for `linear` (see linear_cpu.h).");
+  m.def(
+      "pack_linear_weight",
+      [](std::uintptr_t w, std::int64_t w_stride, std::int64_t n, std::int64_t k, int dtype, std::uintptr_t packed) {
+        const DType type = ToDType(dtype);
+        py::gil_scoped_release release;
+        PackLinearWeight(Ptr(w), w_stride, n, k, type, reinterpret_cast<void*>(packed));
+      },
+      "Packs a [n, k] weight into the slab layout of linear_cpu.h.");
+  m.def(
+      "linear",
+      [](std::uintptr_t x, std::int64_t x_stride, std::uintptr_t packed, std::uintptr_t bias,
+         std::uintptr_t residual, std::int64_t residual_stride, std::uintptr_t y, std::int64_t y_stride,
+         std::int64_t rows, std::int64_t n, std::int64_t k, int dtype, int threads, bool portable) {
+        LinearArgs a;
+        a.x = Ptr(x);
+        a.x_stride = x_stride;
+        a.packed = Ptr(packed);
+        a.bias = Ptr(bias);
+        a.residual = Ptr(residual);
+        a.residual_stride = residual_stride;
+        a.y = reinterpret_cast<void*>(y);
+        a.y_stride = y_stride;
+        a.m = rows;
+        a.n = n;
+        a.k = k;
+        a.dtype = ToDType(dtype);
+        a.threads = threads;
+        a.portable = portable;
+        py::gil_scoped_release release;
+        PackedLinear(a);
+      },
+      "y = x @ W.T (+ bias) (+ residual) with W packed (see linear_cpu.h).");
+  m.def("has_bf16_dot_product", &HasBF16DotProduct,
+        "Whether bfloat16 linear calls use the CPU's AVX512-BF16 dot product.");
 }
 
 }  // namespace flexinfer

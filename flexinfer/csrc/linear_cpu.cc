@@ -1,0 +1,351 @@
+#include "linear_cpu.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace flexinfer {
+namespace {
+
+#define FLEXINFER_INLINE inline __attribute__((always_inline))
+
+// One vector of 16 floats (or their bits): GCC's vector extension compiles it
+// to one AVX-512 register, two AVX2 or four SSE registers, whichever the clone
+// targets.
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef std::uint32_t Bits16 __attribute__((vector_size(64)));
+typedef std::uint16_t Half16 __attribute__((vector_size(32)));
+
+template <class V, class T>
+FLEXINFER_INLINE V Load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// 16 consecutive elements as float32.
+FLEXINFER_INLINE Vec16 Widen16(const float* p) { return Load<Vec16>(p); }
+FLEXINFER_INLINE Vec16 Widen16(const std::uint16_t* p) {
+  return reinterpret_cast<Vec16>(__builtin_convertvector(Load<Half16>(p), Bits16) << 16);
+}
+
+// 16 float32 sums rounded to the output type (bfloat16: to nearest even, as
+// Narrow does one at a time).
+FLEXINFER_INLINE void Narrow16(Vec16 v, float* dst) { std::memcpy(dst, &v, sizeof v); }
+FLEXINFER_INLINE void Narrow16(Vec16 v, std::uint16_t* dst) {
+  const Bits16 u = reinterpret_cast<Bits16>(v);
+  const Bits16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const Bits16 quiet_nan = (u >> 16) | 0x40u;
+  const Bits16 bits = v != v ? quiet_nan : rounded;
+  const Half16 h = __builtin_convertvector(bits, Half16);
+  std::memcpy(dst, &h, sizeof h);
+}
+
+std::int64_t PaddedK(std::int64_t k, DType dtype) { return dtype == DType::kBFloat16 ? k + k % 2 : k; }
+std::int64_t SlabCount(std::int64_t n) { return (n + kSlabColumns - 1) / kSlabColumns; }
+
+// The epilogue of one row tile: y[row0 + r][n0 + c] = sums[r][c] + bias[n0 + c]
+// + residual[row0 + r][n0 + c], for the slab's columns that exist.
+template <class T>
+FLEXINFER_INLINE void Finish(const LinearArgs& a, std::int64_t row0, int rows, std::int64_t n0,
+                             const float* sums) {
+  const int valid = static_cast<int>(std::min<std::int64_t>(kSlabColumns, a.n - n0));
+  const T* bias = a.bias ? static_cast<const T*>(a.bias) + n0 : nullptr;
+  for (int r = 0; r < rows; ++r) {
+    const float* s = sums + r * kSlabColumns;
+    T* y = static_cast<T*>(a.y) + (row0 + r) * a.y_stride + n0;
+    const T* res = a.residual ? static_cast<const T*>(a.residual) + (row0 + r) * a.residual_stride + n0 : nullptr;
+    if (valid == kSlabColumns) {
+      for (int half = 0; half < kSlabColumns; half += 16) {
+        Vec16 v = Load<Vec16>(s + half);
+        if (bias) v += Widen16(bias + half);
+        if (res) v += Widen16(res + half);
+        Narrow16(v, y + half);
+      }
+    } else {
+      for (int c = 0; c < valid; ++c) {
+        float v = s[c];
+        if (bias) v += Widen(bias[c]);
+        if (res) v += Widen(res[c]);
+        Narrow(v, &y[c]);
+      }
+    }
+  }
+}
+
+// Sums of R rows of x against one float32 slab ([k][32]): each k loads the
+// slab's 32 weights once for all R rows.
+template <int R>
+FLEXINFER_INLINE void TileF32(const float* x, std::int64_t x_stride, const float* slab, std::int64_t k,
+                              float* sums) {
+  Vec16 acc[R][2] = {};
+  for (std::int64_t kk = 0; kk < k; ++kk) {
+    const Vec16 w0 = Load<Vec16>(slab + kk * kSlabColumns), w1 = Load<Vec16>(slab + kk * kSlabColumns + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * x_stride + kk];
+      acc[r][0] += w0 * xs;
+      acc[r][1] += w1 * xs;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(sums + r * kSlabColumns, &acc[r][0], sizeof(Vec16));
+    std::memcpy(sums + r * kSlabColumns + 16, &acc[r][1], sizeof(Vec16));
+  }
+}
+
+// The same for a bfloat16 slab ([k/2][32][2]), widening each pair of k to
+// two float32 vectors: the low half of a 32-bit lane is the even k.
+template <int R>
+FLEXINFER_INLINE void TileBF16(const std::uint16_t* x, std::int64_t x_stride, const std::uint16_t* slab,
+                               std::int64_t k, float* sums) {
+  Vec16 acc[R][2] = {};
+  const std::int64_t pairs = (k + 1) / 2;
+  for (std::int64_t p = 0; p < pairs; ++p) {
+    const Bits16 b0 = Load<Bits16>(slab + p * 2 * kSlabColumns), b1 = Load<Bits16>(slab + p * 2 * kSlabColumns + 32);
+    const Vec16 even0 = reinterpret_cast<Vec16>(b0 << 16), odd0 = reinterpret_cast<Vec16>(b0 & 0xFFFF0000u);
+    const Vec16 even1 = reinterpret_cast<Vec16>(b1 << 16), odd1 = reinterpret_cast<Vec16>(b1 & 0xFFFF0000u);
+    const bool has_odd = 2 * p + 1 < k;  // an odd k's last pair has no second element to read
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const std::uint16_t* xr = x + r * x_stride + 2 * p;
+      const float x0 = Widen(xr[0]), x1 = has_odd ? Widen(xr[1]) : 0.0f;
+      acc[r][0] += even0 * x0;
+      acc[r][1] += even1 * x0;
+      acc[r][0] += odd0 * x1;
+      acc[r][1] += odd1 * x1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(sums + r * kSlabColumns, &acc[r][0], sizeof(Vec16));
+    std::memcpy(sums + r * kSlabColumns + 16, &acc[r][1], sizeof(Vec16));
+  }
+}
+
+template <class T, int R>
+FLEXINFER_INLINE void Tile(const T* x, std::int64_t x_stride, const T* slab, std::int64_t k, float* sums) {
+  if constexpr (std::is_same_v<T, float>) {
+    TileF32<R>(x, x_stride, slab, k, sums);
+  } else {
+    TileBF16<R>(x, x_stride, slab, k, sums);
+  }
+}
+
+// Slabs [s0, s1) for every row, in row tiles of up to kRowTile: a slab is
+// read from memory by the first tile and from cache by the others.
+template <class T>
+FLEXINFER_INLINE void PortableSlabs(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  alignas(64) float sums[kRowTile * kSlabColumns];
+  const T* x = static_cast<const T*>(a.x);
+  const std::int64_t slab_size = PaddedK(a.k, a.dtype) * kSlabColumns;
+  for (std::int64_t s = s0; s < s1; ++s) {
+    const T* slab = static_cast<const T*>(a.packed) + s * slab_size;
+    for (std::int64_t row0 = 0; row0 < a.m; row0 += kRowTile) {
+      const int rows = static_cast<int>(std::min<std::int64_t>(kRowTile, a.m - row0));
+      const T* xr = x + row0 * a.x_stride;
+      switch (rows) {
+        case 1: Tile<T, 1>(xr, a.x_stride, slab, a.k, sums); break;
+        case 2: Tile<T, 2>(xr, a.x_stride, slab, a.k, sums); break;
+        case 3: Tile<T, 3>(xr, a.x_stride, slab, a.k, sums); break;
+        case 4: Tile<T, 4>(xr, a.x_stride, slab, a.k, sums); break;
+        case 5: Tile<T, 5>(xr, a.x_stride, slab, a.k, sums); break;
+        case 6: Tile<T, 6>(xr, a.x_stride, slab, a.k, sums); break;
+        case 7: Tile<T, 7>(xr, a.x_stride, slab, a.k, sums); break;
+        default: Tile<T, 8>(xr, a.x_stride, slab, a.k, sums); break;
+      }
+      Finish<T>(a, row0, rows, s * kSlabColumns, sums);
+    }
+  }
+  static_assert(kRowTile == 8, "the switch above covers 1..kRowTile rows");
+}
+
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define FLEXINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FLEXINFER_CLONES
+#endif
+
+FLEXINFER_CLONES void PortableSlabsF32(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  PortableSlabs<float>(a, s0, s1);
+}
+FLEXINFER_CLONES void PortableSlabsBF16(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  PortableSlabs<std::uint16_t>(a, s0, s1);
+}
+
+#if defined(__x86_64__)
+#define FLEXINFER_HAVE_BF16_DOT 1
+// AVX512-BF16: vdpbf16ps adds two bfloat16 products per float32 lane, so one
+// instruction consumes a whole [32 bf16] pair row of a slab half. Compiled
+// for that ISA only and called only where the CPU reports it.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16")
+
+template <int R>
+FLEXINFER_INLINE void DotTileBF16(const std::uint16_t* x, std::int64_t x_stride, const std::uint16_t* slab,
+                                  std::int64_t k, float* sums) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const std::int64_t full_pairs = k / 2;
+  for (std::int64_t p = 0; p < full_pairs; ++p) {
+    const __m512i w0 = _mm512_loadu_si512(slab + p * 2 * kSlabColumns);
+    const __m512i w1 = _mm512_loadu_si512(slab + p * 2 * kSlabColumns + 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      std::uint32_t pair;
+      std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof pair);
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)xv, (__m512bh)w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)xv, (__m512bh)w1);
+    }
+  }
+  if (k % 2) {  // the last k alone: its pair's second weight is the zero pad
+    const __m512i w0 = _mm512_loadu_si512(slab + full_pairs * 2 * kSlabColumns);
+    const __m512i w1 = _mm512_loadu_si512(slab + full_pairs * 2 * kSlabColumns + 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * x_stride + k - 1]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)xv, (__m512bh)w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)xv, (__m512bh)w1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(sums + r * kSlabColumns, acc[r][0]);
+    _mm512_storeu_ps(sums + r * kSlabColumns + 16, acc[r][1]);
+  }
+}
+
+void DotSlabsBF16(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  alignas(64) float sums[kRowTile * kSlabColumns];
+  const std::uint16_t* x = static_cast<const std::uint16_t*>(a.x);
+  const std::int64_t slab_size = PaddedK(a.k, a.dtype) * kSlabColumns;
+  for (std::int64_t s = s0; s < s1; ++s) {
+    const std::uint16_t* slab = static_cast<const std::uint16_t*>(a.packed) + s * slab_size;
+    for (std::int64_t row0 = 0; row0 < a.m; row0 += kRowTile) {
+      const int rows = static_cast<int>(std::min<std::int64_t>(kRowTile, a.m - row0));
+      const std::uint16_t* xr = x + row0 * a.x_stride;
+      switch (rows) {
+        case 1: DotTileBF16<1>(xr, a.x_stride, slab, a.k, sums); break;
+        case 2: DotTileBF16<2>(xr, a.x_stride, slab, a.k, sums); break;
+        case 3: DotTileBF16<3>(xr, a.x_stride, slab, a.k, sums); break;
+        case 4: DotTileBF16<4>(xr, a.x_stride, slab, a.k, sums); break;
+        case 5: DotTileBF16<5>(xr, a.x_stride, slab, a.k, sums); break;
+        case 6: DotTileBF16<6>(xr, a.x_stride, slab, a.k, sums); break;
+        case 7: DotTileBF16<7>(xr, a.x_stride, slab, a.k, sums); break;
+        default: DotTileBF16<8>(xr, a.x_stride, slab, a.k, sums); break;
+      }
+      Finish<std::uint16_t>(a, row0, rows, s * kSlabColumns, sums);
+    }
+  }
+}
+
+#pragma GCC pop_options
+#endif
+
+[[noreturn]] void Invalid(const std::string& message) { throw std::invalid_argument(message); }
+
+void CheckShape(std::int64_t n, std::int64_t k, DType dtype) {
+  if (n < 0 || k < 0) Invalid("negative weight shape");
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16)
+    Invalid("the packed linear kernel takes float32 or bfloat16");
+}
+
+void Validate(const LinearArgs& a) {
+  CheckShape(a.n, a.k, a.dtype);
+  if (a.m < 0) Invalid("negative row count");
+  if (a.m == 0 || a.n == 0) return;
+  if (a.x == nullptr || a.y == nullptr || (a.k > 0 && a.packed == nullptr)) Invalid("null x, y or weight");
+  if (a.x_stride < a.k) Invalid("x's row stride is shorter than a row");
+  if (a.y_stride < a.n) Invalid("y's row stride is shorter than a row");
+  if (a.residual != nullptr && a.residual_stride < a.n) Invalid("residual's row stride is shorter than a row");
+}
+
+}  // namespace
+
+std::int64_t PackedLinearSize(std::int64_t n, std::int64_t k, DType dtype) {
+  CheckShape(n, k, dtype);
+  return SlabCount(n) * kSlabColumns * PaddedK(k, dtype);
+}
+
+namespace {
+
+template <class T>
+void Pack(const T* w, std::int64_t w_stride, std::int64_t n, std::int64_t k, T* packed) {
+  const std::int64_t slabs = SlabCount(n);
+  const std::int64_t slab_size = PaddedK(k, sizeof(T) == 2 ? DType::kBFloat16 : DType::kFloat32) * kSlabColumns;
+  // Padding columns (and bfloat16's odd-k pad) are zeros.
+  std::memset(packed, 0, sizeof(T) * slabs * slab_size);
+  for (std::int64_t row = 0; row < n; ++row) {
+    T* slab = packed + (row / kSlabColumns) * slab_size;
+    const std::int64_t c = row % kSlabColumns;
+    const T* src = w + row * w_stride;
+    for (std::int64_t kk = 0; kk < k; ++kk) {
+      if constexpr (sizeof(T) == 2) {
+        slab[(kk / 2) * 2 * kSlabColumns + c * 2 + kk % 2] = src[kk];
+      } else {
+        slab[kk * kSlabColumns + c] = src[kk];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void PackLinearWeight(const void* w, std::int64_t w_stride, std::int64_t n, std::int64_t k, DType dtype,
+                      void* packed) {
+  CheckShape(n, k, dtype);
+  if (n > 0 && k > 0 && (w == nullptr || packed == nullptr)) Invalid("null weight");
+  if (n > 1 && w_stride < k) Invalid("the weight's row stride is shorter than a row");
+  if (dtype == DType::kFloat32) {
+    Pack(static_cast<const float*>(w), w_stride, n, k, static_cast<float*>(packed));
+  } else {
+    Pack(static_cast<const std::uint16_t*>(w), w_stride, n, k, static_cast<std::uint16_t*>(packed));
+  }
+}
+
+bool HasBF16DotProduct() {
+#if defined(FLEXINFER_HAVE_BF16_DOT)
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+void PackedLinear(const LinearArgs& a) {
+  Validate(a);
+  if (a.m == 0 || a.n == 0) return;
+  const std::int64_t slabs = SlabCount(a.n);
+  const bool dot = a.dtype == DType::kBFloat16 && !a.portable && HasBF16DotProduct();
+  auto run = [&a, dot](std::int64_t s0, std::int64_t s1) {
+    if (a.dtype == DType::kFloat32) {
+      PortableSlabsF32(a, s0, s1);
+#if defined(FLEXINFER_HAVE_BF16_DOT)
+    } else if (dot) {
+      DotSlabsBF16(a, s0, s1);
+#endif
+    } else {
+      PortableSlabsBF16(a, s0, s1);
+    }
+  };
+  // Each worker streams its own contiguous run of slabs. Below this much work
+  // a parallel region costs more than it saves.
+  const int workers = static_cast<int>(std::min<std::int64_t>(std::max(1, a.threads), slabs));
+  if (workers == 1 || a.m * a.n * std::max<std::int64_t>(a.k, 1) < (std::int64_t{1} << 16)) {
+    run(0, slabs);
+    return;
+  }
+#pragma omp parallel num_threads(workers)
+  {
+    const std::int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+    run(slabs * t / count, slabs * (t + 1) / count);
+  }
+}
+
+}  // namespace flexinfer
