@@ -17,6 +17,7 @@ import torch
 import vtm
 from flexinfer.attention import KernelAttention, make_attention
 from flexinfer.errors import EngineError, InvalidArgument
+from flexinfer.host_memory import keep_freed_memory
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel
@@ -112,6 +113,7 @@ class Engine:
             if self.device.type == "cpu":
                 self.thread_tuner = (ThreadTuner() if threads == "auto"
                                      else ThreadTuner(max_threads=threads, adaptive=False))
+                keep_freed_memory()  # activations reuse the heap instead of faulting pages in (host_memory.py)
         except BaseException:
             # A failed constructor leaves nothing behind: no space on a shared
             # manager, no manager of its own.

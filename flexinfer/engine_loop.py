@@ -34,6 +34,7 @@ from flexinfer.inputs import request_problem
 from flexinfer.outputs import CompletionOutput, RequestOutput, StreamEvent
 from flexinfer.sampling import SamplingParams
 from flexinfer.sequence import Sequence, Status
+from flexinfer.host_memory import keep_freed_memory
 from flexinfer.threads import release_openmp_pool
 
 log = logging.getLogger("flexinfer")
@@ -134,6 +135,8 @@ class EngineLoop:
         self._cuda_index = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
+        # Before the thread starts, so that it shares malloc's main arena (host_memory.py).
+        keep_freed_memory()
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="flexinfer-engine", daemon=True)
         self._thread.start()
         try:
