@@ -37,7 +37,7 @@ import time
 import torch
 
 import vtm
-from flexinfer import LLM, SamplingParams
+from flexinfer import LLM, SamplingParams, host_memory
 from flexinfer.attention import SdpaAttention
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.llama import ForwardBatch
@@ -128,6 +128,12 @@ def peer_vllm(vllm_python, hf, rows, new_tokens, repeats, dtype):
     cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}")
+    # The glibc malloc settings FlexInfer gives its own process (flexinfer/host_memory.py; transformers
+    # shares them here), as environment variables: no engine saves page faults the other pays.
+    if host_memory.keep_freed_memory():
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(host_memory.MMAP_THRESHOLD))
+        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(host_memory.TRIM_THRESHOLD))
+        env.setdefault("MALLOC_ARENA_MAX", "1")
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
         out = os.path.join(folder, "vllm.json")
@@ -139,7 +145,8 @@ def peer_vllm(vllm_python, hf, rows, new_tokens, repeats, dtype):
             raise RuntimeError(f"{script} failed with status {proc.returncode}:\n{proc.stderr[-4000:]}")
         with open(out) as f:
             peer = json.load(f)
-    print(f"  VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}")
+    print("  " + " ".join(f"{key}={env[key]}" for key in ("VLLM_CPU_OMP_THREADS_BIND", "MALLOC_MMAP_THRESHOLD_",
+                                                          "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX") if key in env))
     for row, theirs in zip(rows, peer["throughput"]):
         row["vllm_tok_s"] = theirs["tokens_per_s"]
         row["vllm_all"] = theirs["samples"]
@@ -278,6 +285,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--throughput-only", action="store_true", help="section 1 (and 1b) only")
     args = parser.parse_args()
+    # What every FlexInfer engine applies to its process, from the start, so
+    # that transformers runs under the same malloc settings.
+    host_memory.keep_freed_memory()
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 4] if args.quick else [1, 8, 32])
     new_tokens = 16 if args.quick else 128

@@ -62,11 +62,23 @@ inline __attribute__((always_inline)) float ExpNonPositive(float x) {
 }
 
 // Row `t` of a K or V head as float32: the row itself for float32 caches, a
-// widened copy in `buf` otherwise.
-template <class T>
+// widened copy in `buf` otherwise (once per tile, for every query head of its
+// group). kVecs = head_dim / 16 when known (bfloat16 then widens 16 lanes at
+// a time by shifting), 0 for any head_dim.
+template <int kVecs, class T>
 inline __attribute__((always_inline)) const float* LoadRow(const T* src, float* buf, int dim) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
+  } else if constexpr (std::is_same_v<T, std::uint16_t> && kVecs > 0) {
+    typedef std::uint16_t Half16 __attribute__((vector_size(32)));
+    typedef std::uint32_t Bits16 __attribute__((vector_size(64)));
+    for (int i = 0; i < kVecs; ++i) {
+      Half16 h;
+      std::memcpy(&h, src + 16 * i, sizeof h);
+      const Bits16 bits = __builtin_convertvector(h, Bits16) << 16;
+      std::memcpy(buf + 16 * i, &bits, sizeof bits);
+    }
+    return buf;
   } else {
     for (int d = 0; d < dim; ++d) buf[d] = Widen(src[d]);
     return buf;
@@ -110,9 +122,38 @@ inline __attribute__((always_inline)) float Sum(Vec16 v) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-// Scores of one query row against `n` key rows, written to `scores`; returns
-// their maximum. kVecs = head_dim / 16 when known at compile time (the query
-// row then lives in registers), 0 for any head_dim.
+// The sums of 16 vectors, lane i holding the sum of p[kTreeOrder[i]]: four
+// rounds of pairwise shuffles and adds (45 operations) instead of 16
+// horizontal sums (~8 each). The order is an involution, so feeding the
+// vectors in kTreeOrder (4-bit reversal) gives the sums in natural order.
+constexpr int kTreeOrder[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline __attribute__((always_inline)) Vec16 SumSixteen(const Vec16 (&p)[16]) {
+  Vec16 r[8], s4[4], u[2];
+  for (int j = 0; j < 8; ++j) {
+    r[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * j], p[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                   30, 31);
+  }
+  for (int j = 0; j < 4; ++j) {
+    s4[j] = __builtin_shufflevector(r[2 * j], r[2 * j + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                                    27) +
+            __builtin_shufflevector(r[2 * j], r[2 * j + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                    31);
+  }
+  for (int j = 0; j < 2; ++j) {
+    u[j] = __builtin_shufflevector(s4[2 * j], s4[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                   29) +
+           __builtin_shufflevector(s4[2 * j], s4[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                   31);
+  }
+  return __builtin_shufflevector(u[0], u[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(u[0], u[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// Scores of one query row against `n` key rows (float32), written to
+// `scores`; returns their maximum. kVecs = head_dim / 16 when known at compile
+// time (the query row then lives in registers and keys go 16 at a time), 0
+// for any head_dim.
 template <int kVecs>
 inline __attribute__((always_inline)) float Scores(const float* q, const float* const* keys, int n, int dim,
                                                    float* scores) {
@@ -120,10 +161,25 @@ inline __attribute__((always_inline)) float Scores(const float* q, const float* 
   if constexpr (kVecs > 0) {
     Vec16 qv[kVecs];
     for (int i = 0; i < kVecs; ++i) qv[i] = LoadVec(q + 16 * i);
-    for (int t = 0; t < n; ++t) {
-      Vec16 dot = qv[0] * LoadVec(keys[t]);
-      for (int i = 1; i < kVecs; ++i) dot += qv[i] * LoadVec(keys[t] + 16 * i);
-      scores[t] = Sum(dot);
+    auto partial = [&](const float* key) {
+      Vec16 dot = qv[0] * LoadVec(key);
+      for (int i = 1; i < kVecs; ++i) dot += qv[i] * LoadVec(key + 16 * i);
+      return dot;
+    };
+    int t = 0;
+    if (n >= 16) {
+      Vec16 block_max = Vec16{} - std::numeric_limits<float>::infinity();
+      for (; t + 16 <= n; t += 16) {
+        Vec16 p[16];
+        for (int i = 0; i < 16; ++i) p[i] = partial(keys[t + kTreeOrder[i]]);
+        const Vec16 block = SumSixteen(p);
+        StoreVec(scores + t, block);
+        block_max = block > block_max ? block : block_max;
+      }
+      for (int i = 0; i < 16; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
+    }
+    for (; t < n; ++t) {
+      scores[t] = Sum(partial(keys[t]));
       tile_max = scores[t] > tile_max ? scores[t] : tile_max;
     }
   } else {
@@ -138,17 +194,29 @@ inline __attribute__((always_inline)) float Scores(const float* q, const float* 
 }
 
 // acc = acc * correction + sum_t weights[t] * values[t], keeping acc in
-// registers across the tile when head_dim is known.
+// registers across the tile when head_dim is known: two sets of
+// accumulators, even and odd keys, so consecutive keys' FMAs do not wait on
+// each other.
 template <int kVecs>
 inline __attribute__((always_inline)) void Accumulate(float* acc, float correction, const float* weights,
                                                       const float* const* values, int n, int dim) {
   if constexpr (kVecs > 0) {
-    Vec16 av[kVecs];
-    for (int i = 0; i < kVecs; ++i) av[i] = LoadVec(acc + 16 * i) * correction;
-    for (int t = 0; t < n; ++t) {
-      for (int i = 0; i < kVecs; ++i) av[i] += weights[t] * LoadVec(values[t] + 16 * i);
+    Vec16 even[kVecs], odd[kVecs];
+    for (int i = 0; i < kVecs; ++i) {
+      even[i] = LoadVec(acc + 16 * i) * correction;
+      odd[i] = Vec16{};
     }
-    for (int i = 0; i < kVecs; ++i) StoreVec(acc + 16 * i, av[i]);
+    int t = 0;
+    for (; t + 2 <= n; t += 2) {
+      for (int i = 0; i < kVecs; ++i) {
+        even[i] += weights[t] * LoadVec(values[t] + 16 * i);
+        odd[i] += weights[t + 1] * LoadVec(values[t + 1] + 16 * i);
+      }
+    }
+    if (t < n) {
+      for (int i = 0; i < kVecs; ++i) even[i] += weights[t] * LoadVec(values[t] + 16 * i);
+    }
+    for (int i = 0; i < kVecs; ++i) StoreVec(acc + 16 * i, even[i] + odd[i]);
   } else {
     for (int d = 0; d < dim; ++d) acc[d] *= correction;
     for (int t = 0; t < n; ++t) {
@@ -220,8 +288,8 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
       for (int kvh = 0; kvh < kv_heads; ++kvh) {
         const std::int64_t offset = (t0 + t) * a.kv_stride_token + kvh * a.kv_stride_head;
         const std::size_t slot = static_cast<std::size_t>(kvh) * kKeyTile + t;
-        key_rows[slot] = LoadRow(kbase + offset, &s.keys[slot * dim], dim);
-        value_rows[slot] = LoadRow(vbase + offset, &s.values[slot * dim], dim);
+        key_rows[slot] = LoadRow<kVecs>(kbase + offset, &s.keys[slot * dim], dim);
+        value_rows[slot] = LoadRow<kVecs>(vbase + offset, &s.values[slot * dim], dim);
       }
     }
     for (int j = 0; j < nq; ++j) {

@@ -1,18 +1,23 @@
 """Linear layers with their weights prepared once for the kernel that runs them.
 
-Two kernels exist on CPU: `torch` (F.linear: MKL's sgemm for float32) and
+Three kernels exist on CPU: `torch` (F.linear: MKL's sgemm for float32),
 `onednn` (oneDNN's matmul with each weight reordered once, at load, into its
-blocked layout). Which is faster depends on the processor and the row count,
-and the difference is large both ways: on the 2-core AMD EPYC dev machine
-sgemm takes a generic path and oneDNN needs 0.41x the time at one row and
-0.34x at eight (scripts/bench_linear.py); on an Intel Xeon oneDNN was slower
-at one row (22.9 vs 29.5 tok/s end to end) and faster at eight. So nothing is
-chosen by vendor: `kind="auto"` times both kernels at load on the model's own
-first-layer shapes at each row bucket (1, 8, 32 rows; a few ms) and each layer
-then runs the winner of the bucket a call's row count falls in. When different
-buckets pick different kernels, a layer holds its weight in both formats
-(twice the projection memory); force one with `kind="torch"` or `"onednn"` to
-avoid that. The engine's load frees each original weight as it goes.
+blocked layout; AMX for bfloat16 where the CPU has it) and `packed`
+(FlexInfer's own kernel for few rows, flexinfer/csrc/linear_cpu.h: weights
+packed into column slabs, each element read once per call for every row).
+Which is fastest depends on the processor, the dtype and the row count, and
+the differences are large both ways: on the 2-core AMD EPYC dev machine sgemm
+takes a generic path and oneDNN needs 0.41x its time at one row; on an Intel
+Xeon oneDNN was slower than sgemm at one float32 row and far faster at 32
+bfloat16 rows, where `packed` is slow but fastest at one bfloat16 row
+(scripts/bench_linear.py). So nothing is chosen by vendor: `kind="auto"`
+times the kernels at load on the model's own first-layer shapes at each row
+bucket (1, 8, 32 rows and 128 for prefill chunks; well under a second) and
+each layer then runs the winner of the bucket a call's row count falls in.
+When different buckets pick different kernels, a layer holds its weight in
+each format (up to three times the projection memory); force one with
+`kind="torch"`, `"onednn"` or `"packed"` to avoid that. The engine's load
+frees each original weight as it goes.
 
 On CUDA only `torch` exists (cuBLAS needs no help).
 """
@@ -27,13 +32,13 @@ import torch.nn.functional as F
 
 from flexinfer.errors import InvalidArgument
 
-LINEAR_KINDS = ("auto", "onednn", "torch")
+LINEAR_KINDS = ("auto", "onednn", "packed", "torch")
 
 # The row count oneDNN tunes its blocked layout for; decode batches are this small.
 _ROWS_HINT = 8
 # Row buckets timed by `measure_kinds`: a call with r rows uses the choice of
 # the smallest bucket >= r (the last bucket beyond it).
-ROW_BUCKETS = (1, 8, 32)
+ROW_BUCKETS = (1, 8, 32, 128)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -47,11 +52,23 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def packed_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+
+
+def available_kinds(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The kernels that can run this device and dtype, F.linear first."""
+    return (["torch"] + (["onednn"] if onednn_available(device, dtype) else [])
+            + (["packed"] if packed_available(device, dtype) else []))
+
+
 def resolve_linear_kind(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     if kind not in LINEAR_KINDS:
         raise InvalidArgument(f"linear must be one of {LINEAR_KINDS}, got {kind!r}")
     if kind == "auto":
-        return "auto" if onednn_available(device, dtype) else "torch"
+        return "auto" if len(available_kinds(device, dtype)) > 1 else "torch"
+    if kind == "packed" and not packed_available(device, dtype):
+        raise InvalidArgument(f"the packed linear kernel runs float32 or bfloat16 on the CPU, not {device.type}/{dtype}")
     if kind == "onednn" and not onednn_available(device, dtype):
         raise InvalidArgument(f"the onednn linear kernel needs a CPU torch with oneDNN and float32 or bfloat16, "
                               f"not {device.type}/{dtype}")
@@ -83,7 +100,7 @@ def measure_kinds(weights: list[torch.Tensor], repeats: int = 7) -> dict[int, st
 
 
 def _measure(weights: list[torch.Tensor], repeats: int) -> dict[int, str]:
-    kinds = ("torch", "onednn")
+    kinds = available_kinds(weights[0].device, weights[0].dtype)
     layers = {kind: [Linear(w, None, kind) for w in weights] for kind in kinds}
     choice = {}
     for rows in ROW_BUCKETS:
@@ -116,6 +133,11 @@ class Linear:
         for k in set(self.kinds.values()):
             if k == "onednn":
                 self.weights[k] = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ROWS_HINT)
+            elif k == "packed":
+                # Imported here: the compiled extension must not load with `import flexinfer`.
+                from flexinfer.kernels.cpu_linear import PackedWeight
+
+                self.weights[k] = PackedWeight(weight)
             else:
                 self.weights[k] = weight
 
@@ -124,6 +146,8 @@ class Linear:
         matmul writes its output, saving a pass over the result."""
         kind = self.kinds[bucket_of(x.numel() // self.in_features)] if self.kind == "mixed" else self.kind
         weight = self.weights[kind]
+        if kind == "packed":
+            return weight(x, self.bias, residual)
         if kind == "onednn":
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, self.bias, "add")

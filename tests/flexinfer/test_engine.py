@@ -31,15 +31,15 @@ from flexinfer import engine as engine_module  # noqa: E402
 from flexinfer.attention import SdpaAttention  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
 from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
-from flexinfer.model.linear import onednn_available  # noqa: E402
+from flexinfer.model.linear import available_kinds  # noqa: E402
 from flexinfer.model.loader import load_model  # noqa: E402
 
 TINY_VOCAB = 512
 TINY_ROW_BYTES = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv_heads * head_dim * float32
 SMALL_CHUNK = 4096  # 8 tiny rows a page: prompts span several pages, some straddle
 LOGITS_ATOL = 1e-4
-# Every linear kernel this machine can run: the torch reference, and oneDNN's where present.
-LINEAR_KINDS_HERE = ["torch"] + (["onednn"] if onednn_available(torch.device("cpu"), torch.float32) else [])
+# Every linear kernel this machine can run: the torch reference, oneDNN's where present, and ours.
+LINEAR_KINDS_HERE = available_kinds(torch.device("cpu"), torch.float32)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
