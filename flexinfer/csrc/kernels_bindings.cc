@@ -10,6 +10,7 @@
 
 #include "attention_cpu.h"
 #include "linear_cpu.h"
+#include "sampling_cpu.h"
 
 namespace py = pybind11;
 
@@ -100,6 +101,15 @@ PYBIND11_MODULE(_kernels, m) {
         PackedLinear(a);
       },
       "y = x @ W.T (+ bias) (+ residual) with W packed (see linear_cpu.h).");
+  m.def(
+      "greedy_pick",
+      [](std::uintptr_t logits, std::int64_t rows, std::int64_t vocab, std::int64_t stride, int threads,
+         std::uintptr_t out) {
+        py::gil_scoped_release release;
+        GreedyPick(static_cast<const float*>(Ptr(logits)), rows, vocab, stride, threads,
+                   reinterpret_cast<std::int64_t*>(out));
+      },
+      "Per row of float32 logits: the index of its first maximum, -1 where the row is not finite.");
   m.def("has_bf16_dot_product", &HasBF16DotProduct,
         "Whether bfloat16 linear calls use the CPU's AVX512-BF16 dot product.");
 }
