@@ -126,8 +126,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of mapping the KV of earlier requests")
     p.add_argument("--linear", default="auto", choices=LINEAR_KINDS,
-                   help="projection kernels: auto (timed at load per batch size), onednn (prepacked weights) "
-                        "or torch (F.linear)")
+                   help="projection kernels: auto (timed at load per batch size), onednn (prepacked weights), "
+                        "packed (FlexInfer's kernel for few rows) or torch (F.linear)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention: kernel (one batched call per layer; what auto picks), sdpa (per request, the "
                         "reference) or flash_attn (CUDA, where flash-attn is installed)")
