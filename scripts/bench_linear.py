@@ -4,7 +4,8 @@ A decode step multiplies a few rows by every weight matrix (QKV, O, gate/up and
 down in each of the 30 layers, then the LM head), so it streams all 538 MB of
 float32 weights once. This runs that sequence of 121 matmuls with random weights
 of SmolLM2's shapes through `flexinfer.model.linear.Linear` for each kernel kind
-(`torch` = F.linear, the baseline; `onednn` = weights reordered once), at several
+(`torch` = F.linear, the baseline; `onednn` = weights reordered once; `packed` =
+FlexInfer's kernel for few rows, flexinfer/csrc/linear_cpu.h), at several
 row counts, in float32 (or --dtype bfloat16), and reports the medians, the weight bytes streamed per second, and
 the ratio to the baseline. For scale, it first measures what the machine streams
 (a copy and a sum of 512 MB).
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from flexinfer.model.linear import Linear, onednn_available
+from flexinfer.model.linear import Linear, available_kinds
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query + 3 KV heads of 64, vocab 49152, 30 layers.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: (out, in)
@@ -57,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     cpu = torch.device("cpu")
     dtype = getattr(torch, args.dtype)
-    kinds = ["torch"] + (["onednn"] if onednn_available(cpu, dtype) else [])
+    kinds = available_kinds(cpu, dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     bandwidth = memory_bandwidth(args.repeats)
     print(f"memory: copy {bandwidth['copy_gb_s']:.1f} GB/s (read + write), sum {bandwidth['sum_gb_s']:.1f} GB/s")
