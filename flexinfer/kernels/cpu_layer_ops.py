@@ -22,14 +22,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int | N
     code = _code(x)
     if x.dim() != 2 or x.stride(1) != 1:
         raise InvalidArgument("rms_norm takes x [T, D] with D contiguous")
-    if weight.dtype != x.dtype or weight.shape != (x.shape[1],) or weight.stride(0) != 1 or weight.device != x.device:
-        raise InvalidArgument("rms_norm's weight must be a contiguous [D] tensor of x's dtype and device")
-    out = torch.empty(x.shape, dtype=x.dtype)
-    if x.shape[0] == 0:
-        return out
+    if weight.dtype is not x.dtype or weight.shape != x.shape[1:] or weight.stride(0) != 1 or not weight.is_cpu:
+        raise InvalidArgument("rms_norm's weight must be a contiguous [D] CPU tensor of x's dtype")
+    out = torch.empty_like(x)  # row-major like x (x is dense, or a slice and out contiguous)
     try:
-        _kernels.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
-                          x.shape[0], x.shape[1], eps, code, _threads(threads))
+        _kernels.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0],
+                          x.shape[1], eps, code, torch.get_num_threads() if threads is None else threads)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
     return out
@@ -40,13 +38,11 @@ def silu_mul(gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     code = _code(gate_up)
     if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2 != 0:
         raise InvalidArgument("silu_mul takes gate_up [T, 2I] with its last dimension contiguous")
-    inter = gate_up.shape[1] // 2
-    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
-    if gate_up.shape[0] == 0:
-        return out
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
     try:
-        _kernels.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), gate_up.shape[0],
-                          inter, code, _threads(threads))
+        _kernels.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter, code,
+                          torch.get_num_threads() if threads is None else threads)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
     return out
@@ -69,31 +65,29 @@ def rotary_kv_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch
     if rows != heads + 2 * kv_heads or kv_dim != head_dim:
         raise InvalidArgument(f"qkv has {rows} heads of {head_dim}; the cache wants {heads} + 2 x {kv_heads} "
                               f"heads of {kv_dim}")
+    table = (tokens, head_dim)
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != qkv.dtype or t.shape != (tokens, head_dim) or t.stride(1) != 1 or t.device != qkv.device:
-            raise InvalidArgument(f"{name} must be [T, head_dim] of qkv's dtype, head_dim contiguous")
-    if kv.dtype != qkv.dtype or kv.device != qkv.device or qkv.stride(2) != 1 or kv.stride(4) != 1:
-        raise InvalidArgument("qkv and kv must share a dtype and device, head_dim contiguous")
+        if t.dtype is not qkv.dtype or t.shape != table or t.stride(1) != 1 or not t.is_cpu:
+            raise InvalidArgument(f"{name} must be a [T, head_dim] CPU tensor of qkv's dtype, head_dim contiguous")
+    q_strides, kv_strides = qkv.stride(), kv.stride()
+    if kv.dtype is not qkv.dtype or not kv.is_cpu or q_strides[2] != 1 or kv_strides[4] != 1:
+        raise InvalidArgument("qkv and kv must share a dtype and the CPU, head_dim contiguous")
     for name, t in (("slot_index", slot_index), ("positions", positions)):
-        if t.dtype != torch.int64 or t.shape != (tokens,) or t.device.type != "cpu":
+        if t.dtype is not torch.int64 or t.shape != (tokens,) or not t.is_cpu:
             raise InvalidArgument(f"{name} must be a [T] int64 CPU tensor")
     slot_index, positions = slot_index.contiguous(), positions.contiguous()
     try:
-        _kernels.rotary_kv_write(qkv.data_ptr(), qkv.stride(0), qkv.stride(1), cos.data_ptr(), cos.stride(0),
-                                 sin.data_ptr(), sin.stride(0), kv.data_ptr(), kv.stride(0), kv.stride(1),
-                                 kv.stride(2), kv.stride(3), max_slots, max_tokens, slot_index.data_ptr(),
+        _kernels.rotary_kv_write(qkv.data_ptr(), q_strides[0], q_strides[1], cos.data_ptr(), cos.stride(0),
+                                 sin.data_ptr(), sin.stride(0), kv.data_ptr(), kv_strides[0], kv_strides[1],
+                                 kv_strides[2], kv_strides[3], max_slots, max_tokens, slot_index.data_ptr(),
                                  positions.data_ptr(), tokens, heads, kv_heads, head_dim, code,
-                                 _threads(threads))
+                                 torch.get_num_threads() if threads is None else threads)
     except ValueError as exc:  # the kernel's own checks (head_dim, slots, positions)
         raise InvalidArgument(str(exc)) from None
 
 
 def _code(t: torch.Tensor) -> int:
     code = _DTYPE_CODES.get(t.dtype)
-    if code is None or t.device.type != "cpu":
+    if code is None or not t.is_cpu:
         raise InvalidArgument(f"the CPU layer ops take float32 or bfloat16 CPU tensors, got {t.dtype} on {t.device}")
     return code
-
-
-def _threads(threads: int | None) -> int:
-    return torch.get_num_threads() if threads is None else threads
