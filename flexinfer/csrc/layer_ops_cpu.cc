@@ -55,8 +55,9 @@ inline __attribute__((always_inline)) VecD SquaresHigh(VecF v) {
 template <class T>
 inline __attribute__((always_inline)) void RmsNormRow(const T* x, const T* w, T* out, std::int64_t dim,
                                                       float eps) {
-  // Squares of float32 values are exact in double and their sum is far more
-  // precise than float32, so var below is the correctly rounded mean.
+  // Squares of float32 values are exact in double and their sum is precise to
+  // ~1e-16, so var below is, in effect, the correctly rounded mean whatever
+  // the order of the sum.
   VecD acc_lo = {}, acc_hi = {};
   std::int64_t d = 0;
   for (; d + kLanes <= dim; d += kLanes) {

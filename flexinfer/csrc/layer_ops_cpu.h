@@ -11,8 +11,8 @@
 //  * RmsNorm: var = mean(x^2), h = x * (1 / sqrt(var + eps)) in float32;
 //    out = weight * h, where bfloat16 rounds h to bfloat16 first. The sum of
 //    squares is accumulated in double precision and var rounded once to
-//    float32, so var is the correctly rounded float32 mean (the reference's
-//    float32 sum may differ from it in its last bits);
+//    float32: in effect the correctly rounded mean, whatever the summation
+//    order (transformers' float32 sum may differ from it in its last bits);
 //  * SiluMul: s = g / (1 + exp(-g)) in float32, rounded to bfloat16 for
 //    bfloat16, then out = s * up, rounded;
 //  * RotaryKVWrite: x * cos + rotate_half(x) * sin with each product and the
