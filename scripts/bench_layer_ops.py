@@ -10,7 +10,12 @@ burst of calls, Python wrappers included (they are part of what a step pays).
 The step estimate weighs each op by its calls per SmolLM2 step: 61 norms
 (2 per layer + the final one), 30 SiLU*up, 30 rotary + K/V writes.
 
-Usage: python scripts/bench_layer_ops.py [--rows 1,32] [--dtypes float32,bfloat16] [--repeats 7] [--json PATH]
+Both sides use torch's thread count (--threads sets it); on a machine shared with
+other processes, two-thread OpenMP regions stall when a thread is descheduled, so
+use --threads 1 there.
+
+Usage: python scripts/bench_layer_ops.py [--rows 1,32] [--dtypes float32,bfloat16] [--threads N] [--repeats 7]
+                                         [--json PATH]
 """
 
 from __future__ import annotations
@@ -122,8 +127,11 @@ def main() -> None:
     parser.add_argument("--rows", default="1,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     results, steps = [], []
     with vtm.Manager(backend="host", capacity_bytes=1 << 30, chunk_bytes=2 << 20) as manager:
