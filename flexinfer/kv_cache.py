@@ -76,7 +76,11 @@ class KVCache:
     def write(self, layer: int, batch, kv: torch.Tensor) -> None:
         """Store the new tokens' K and V ([T, 2, kv_heads, head_dim]) at their slots and positions.
         K and V of a layer are adjacent in a row, so one scatter writes both."""
-        self.kv[layer].index_put_((batch.slot_index[self.group_of[layer]], batch.positions), kv)
+        self.kv[layer].index_put_((self.slot_index(layer, batch), batch.positions), kv)
+
+    def slot_index(self, layer: int, batch) -> torch.Tensor:
+        """[T] the slot in `layer`'s view that each new token of `batch` is written to."""
+        return batch.slot_index[self.group_of[layer]]
 
     # -- vTensor operations over all groups ------------------------------
 

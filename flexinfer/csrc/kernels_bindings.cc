@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "attention_cpu.h"
+#include "layer_ops_cpu.h"
 #include "linear_cpu.h"
 #include "sampling_cpu.h"
 
@@ -110,6 +111,77 @@ PYBIND11_MODULE(_kernels, m) {
                    reinterpret_cast<std::int64_t*>(out));
       },
       "Per row of float32 logits: the index of its first maximum, -1 where the row is not finite.");
+  m.def(
+      "rms_norm",
+      [](std::uintptr_t x, std::int64_t x_stride, std::uintptr_t weight, std::uintptr_t out, std::int64_t out_stride,
+         std::int64_t rows, std::int64_t dim, float eps, int dtype, int threads) {
+        RmsNormArgs a;
+        a.x = Ptr(x);
+        a.x_stride = x_stride;
+        a.weight = Ptr(weight);
+        a.out = reinterpret_cast<void*>(out);
+        a.out_stride = out_stride;
+        a.rows = rows;
+        a.dim = dim;
+        a.eps = eps;
+        a.dtype = ToDType(dtype);
+        a.threads = threads;
+        py::gil_scoped_release release;
+        RmsNorm(a);
+      },
+      "out = rms_norm(x) * weight per row (see layer_ops_cpu.h).");
+  m.def(
+      "silu_mul",
+      [](std::uintptr_t gate_up, std::int64_t gate_up_stride, std::uintptr_t out, std::int64_t out_stride,
+         std::int64_t rows, std::int64_t inter, int dtype, int threads) {
+        SiluMulArgs a;
+        a.gate_up = Ptr(gate_up);
+        a.gate_up_stride = gate_up_stride;
+        a.out = reinterpret_cast<void*>(out);
+        a.out_stride = out_stride;
+        a.rows = rows;
+        a.inter = inter;
+        a.dtype = ToDType(dtype);
+        a.threads = threads;
+        py::gil_scoped_release release;
+        SiluMul(a);
+      },
+      "out = silu(gate) * up per row of [gate | up] (see layer_ops_cpu.h).");
+  m.def(
+      "rotary_kv_write",
+      [](std::uintptr_t qkv, std::int64_t qkv_stride_token, std::int64_t qkv_stride_head, std::uintptr_t cos,
+         std::int64_t cos_stride, std::uintptr_t sin, std::int64_t sin_stride, std::uintptr_t kv,
+         std::int64_t kv_stride_slot, std::int64_t kv_stride_token, std::int64_t kv_stride_kv,
+         std::int64_t kv_stride_head, std::int64_t max_slots, std::int64_t max_tokens, std::uintptr_t slots,
+         std::uintptr_t positions, std::int64_t tokens, int heads, int kv_heads, int head_dim, int dtype,
+         int threads) {
+        RotaryKVWriteArgs a;
+        a.qkv = reinterpret_cast<void*>(qkv);
+        a.qkv_stride_token = qkv_stride_token;
+        a.qkv_stride_head = qkv_stride_head;
+        a.cos = Ptr(cos);
+        a.cos_stride = cos_stride;
+        a.sin = Ptr(sin);
+        a.sin_stride = sin_stride;
+        a.kv = reinterpret_cast<void*>(kv);
+        a.kv_stride_slot = kv_stride_slot;
+        a.kv_stride_token = kv_stride_token;
+        a.kv_stride_kv = kv_stride_kv;
+        a.kv_stride_head = kv_stride_head;
+        a.max_slots = max_slots;
+        a.max_tokens = max_tokens;
+        a.slots = static_cast<const std::int64_t*>(Ptr(slots));
+        a.positions = static_cast<const std::int64_t*>(Ptr(positions));
+        a.tokens = tokens;
+        a.heads = heads;
+        a.kv_heads = kv_heads;
+        a.head_dim = head_dim;
+        a.dtype = ToDType(dtype);
+        a.threads = threads;
+        py::gil_scoped_release release;
+        RotaryKVWrite(a);
+      },
+      "Rotates q and k of qkv in place and writes k and v into a layer's cache view (see layer_ops_cpu.h).");
   m.def("has_bf16_dot_product", &HasBF16DotProduct,
         "Whether bfloat16 linear calls use the CPU's AVX512-BF16 dot product.");
 }

@@ -7,7 +7,10 @@ asks the attention backend to attend over the cached rows, which it reads as
 strided views (no past KV is ever copied). Q/K/V and gate/up weights are
 fused into one matrix each so a layer costs few, large matmuls, and every
 projection runs through `Linear`, which prepares its weight once for the
-fastest kernel on the device (see linear.py).
+fastest kernel on the device (see linear.py). On the CPU in float32 and bfloat16
+the norms, SiLU(gate)*up and the rotary embedding with the K/V write run as
+fused C++ loops (kernels/cpu_layer_ops.py), rounded as transformers rounds them;
+elsewhere they are torch ops.
 """
 
 from __future__ import annotations
@@ -159,13 +162,21 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.inv_freq = rope_inv_freq(c).to(self.device)
+        # The fused CPU layer ops where they apply (None: torch ops). Imported
+        # here, as attention.py imports its kernels: only a CPU model loads the
+        # compiled extension.
+        self.layer_ops = None
+        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            from flexinfer.kernels import cpu_layer_ops
+
+            self.layer_ops = cpu_layer_ops
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim] for `_rotate_`; sin's first half negated."""
+        """cos and sin [T, head_dim] of each token's position; sin's first half negated."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
         sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
-        return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     @staticmethod
     def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -177,7 +188,29 @@ class LlamaModel:
         x.mul_(cos).add_(swapped.mul_(sin))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.layer_ops is not None:
+            return self.layer_ops.rms_norm(x, weight, self.config.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up [T, 2I] = [gate | up]."""
+        if self.layer_ops is not None:
+            return self.layer_ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _rotary_kv_write(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch,
+                         kv_cache) -> None:
+        """Rotates q and k of qkv [T, q heads | k heads | v heads, head_dim] in
+        place with `_rope`'s tables, then stores K and V (one adjacent block) in
+        the layer's cache."""
+        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+        if self.layer_ops is not None:
+            self.layer_ops.rotary_kv_write(qkv, heads, cos, sin, kv_cache.kv[layer], kv_cache.slot_index(layer, batch),
+                                           batch.positions)
+            return
+        self._rotate_(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])
+        kv_cache.write(layer, batch, qkv[:, heads:].view(qkv.shape[0], 2, kv_heads, qkv.shape[2]))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache, attention) -> torch.Tensor:
@@ -190,15 +223,11 @@ class LlamaModel:
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer["input_norm"])
-            # [T, q heads | k heads | v heads, head_dim]: rotate q and k together,
-            # in place, then K and V are one adjacent block for the cache.
             qkv = layer["qkv"](x).view(t, heads + 2 * kv_heads, c.head_dim)
-            self._rotate_(qkv[:, : heads + kv_heads], cos, sin)
-            kv_cache.write(i, batch, qkv[:, heads:].view(t, 2, kv_heads, c.head_dim))
+            self._rotary_kv_write(i, qkv, cos, sin, batch, kv_cache)
             attn = attention.forward(i, qkv[:, :heads], batch, kv_cache)
             hidden = layer["o"](attn.reshape(t, self.q_size), residual=hidden)
             x = self._rms_norm(hidden, layer["post_norm"])
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            hidden = layer["down"](F.silu(gate) * up, residual=hidden)
+            hidden = layer["down"](self._silu_mul(layer["gate_up"](x)), residual=hidden)
         last = self._rms_norm(hidden.index_select(0, batch.last_index), self.norm)
         return self.lm_head(last).float()
