@@ -49,6 +49,16 @@ FLEXINFER_INLINE void Narrow16(Vec16 v, std::uint16_t* dst) {
   std::memcpy(dst, &h, sizeof h);
 }
 
+// Requests the 128 bytes (two lines) at `base` + `offset` where `base` is set:
+// one k row of the next slab per k row of this one.
+FLEXINFER_INLINE void Prefetch(const void* base, std::size_t offset) {
+  if (base != nullptr) {
+    const char* p = static_cast<const char*>(base) + offset;
+    __builtin_prefetch(p);
+    __builtin_prefetch(p + 64);
+  }
+}
+
 std::int64_t PaddedK(std::int64_t k, DType dtype) { return dtype == DType::kBFloat16 ? k + k % 2 : k; }
 std::int64_t SlabCount(std::int64_t n) { return (n + kSlabColumns - 1) / kSlabColumns; }
 
@@ -85,9 +95,10 @@ FLEXINFER_INLINE void Finish(const LinearArgs& a, std::int64_t row0, int rows, s
 // slab's 32 weights once for all R rows.
 template <int R>
 FLEXINFER_INLINE void TileF32(const float* x, std::int64_t x_stride, const float* slab, std::int64_t k,
-                              float* sums) {
+                              const float* next, float* sums) {
   Vec16 acc[R][2] = {};
   for (std::int64_t kk = 0; kk < k; ++kk) {
+    Prefetch(next, kk * kSlabColumns * sizeof(float));
     const Vec16 w0 = Load<Vec16>(slab + kk * kSlabColumns), w1 = Load<Vec16>(slab + kk * kSlabColumns + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -106,10 +117,11 @@ FLEXINFER_INLINE void TileF32(const float* x, std::int64_t x_stride, const float
 // two float32 vectors: the low half of a 32-bit lane is the even k.
 template <int R>
 FLEXINFER_INLINE void TileBF16(const std::uint16_t* x, std::int64_t x_stride, const std::uint16_t* slab,
-                               std::int64_t k, float* sums) {
+                               std::int64_t k, const std::uint16_t* next, float* sums) {
   Vec16 acc[R][2] = {};
   const std::int64_t pairs = (k + 1) / 2;
   for (std::int64_t p = 0; p < pairs; ++p) {
+    Prefetch(next, p * 2 * kSlabColumns * sizeof(std::uint16_t));
     const Bits16 b0 = Load<Bits16>(slab + p * 2 * kSlabColumns), b1 = Load<Bits16>(slab + p * 2 * kSlabColumns + 32);
     const Vec16 even0 = reinterpret_cast<Vec16>(b0 << 16), odd0 = reinterpret_cast<Vec16>(b0 & 0xFFFF0000u);
     const Vec16 even1 = reinterpret_cast<Vec16>(b1 << 16), odd1 = reinterpret_cast<Vec16>(b1 & 0xFFFF0000u);
@@ -131,11 +143,12 @@ FLEXINFER_INLINE void TileBF16(const std::uint16_t* x, std::int64_t x_stride, co
 }
 
 template <class T, int R>
-FLEXINFER_INLINE void Tile(const T* x, std::int64_t x_stride, const T* slab, std::int64_t k, float* sums) {
+FLEXINFER_INLINE void Tile(const T* x, std::int64_t x_stride, const T* slab, std::int64_t k, const T* next,
+                           float* sums) {
   if constexpr (std::is_same_v<T, float>) {
-    TileF32<R>(x, x_stride, slab, k, sums);
+    TileF32<R>(x, x_stride, slab, k, next, sums);
   } else {
-    TileBF16<R>(x, x_stride, slab, k, sums);
+    TileBF16<R>(x, x_stride, slab, k, next, sums);
   }
 }
 
@@ -148,18 +161,21 @@ FLEXINFER_INLINE void PortableSlabs(const LinearArgs& a, std::int64_t s0, std::i
   const std::int64_t slab_size = PaddedK(a.k, a.dtype) * kSlabColumns;
   for (std::int64_t s = s0; s < s1; ++s) {
     const T* slab = static_cast<const T*>(a.packed) + s * slab_size;
-    for (std::int64_t row0 = 0; row0 < a.m; row0 += kRowTile) {
+    // The first row tile streams this slab from memory while it requests
+    // the next one; later tiles read this slab from cache.
+    const T* next = s + 1 < s1 ? slab + slab_size : nullptr;
+    for (std::int64_t row0 = 0; row0 < a.m; row0 += kRowTile, next = nullptr) {
       const int rows = static_cast<int>(std::min<std::int64_t>(kRowTile, a.m - row0));
       const T* xr = x + row0 * a.x_stride;
       switch (rows) {
-        case 1: Tile<T, 1>(xr, a.x_stride, slab, a.k, sums); break;
-        case 2: Tile<T, 2>(xr, a.x_stride, slab, a.k, sums); break;
-        case 3: Tile<T, 3>(xr, a.x_stride, slab, a.k, sums); break;
-        case 4: Tile<T, 4>(xr, a.x_stride, slab, a.k, sums); break;
-        case 5: Tile<T, 5>(xr, a.x_stride, slab, a.k, sums); break;
-        case 6: Tile<T, 6>(xr, a.x_stride, slab, a.k, sums); break;
-        case 7: Tile<T, 7>(xr, a.x_stride, slab, a.k, sums); break;
-        default: Tile<T, 8>(xr, a.x_stride, slab, a.k, sums); break;
+        case 1: Tile<T, 1>(xr, a.x_stride, slab, a.k, next, sums); break;
+        case 2: Tile<T, 2>(xr, a.x_stride, slab, a.k, next, sums); break;
+        case 3: Tile<T, 3>(xr, a.x_stride, slab, a.k, next, sums); break;
+        case 4: Tile<T, 4>(xr, a.x_stride, slab, a.k, next, sums); break;
+        case 5: Tile<T, 5>(xr, a.x_stride, slab, a.k, next, sums); break;
+        case 6: Tile<T, 6>(xr, a.x_stride, slab, a.k, next, sums); break;
+        case 7: Tile<T, 7>(xr, a.x_stride, slab, a.k, next, sums); break;
+        default: Tile<T, 8>(xr, a.x_stride, slab, a.k, next, sums); break;
       }
       Finish<T>(a, row0, rows, s * kSlabColumns, sums);
     }
