@@ -182,6 +182,7 @@ PYBIND11_MODULE(_kernels, m) {
         RotaryKVWrite(a);
       },
       "Rotates q and k of qkv in place and writes k and v into a layer's cache view (see layer_ops_cpu.h).");
+  m.def("has_amx_bf16", &HasAmxBF16, "Whether bfloat16 linear calls with k % 32 == 0 use AMX tiles.");
   m.def("has_bf16_dot_product", &HasBF16DotProduct,
         "Whether bfloat16 linear calls use the CPU's AVX512-BF16 dot product.");
 }

@@ -9,7 +9,10 @@
 #include <type_traits>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace flexinfer {
@@ -262,6 +265,95 @@ void DotSlabsBF16(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
 }
 
 #pragma GCC pop_options
+
+// AMX: tdpbf16ps multiplies a tile of up to 16 x rows by 32 k (64 bytes per
+// row) with a tile of 16 k pairs x 16 columns, into 16 x 16 float32 sums.
+// The bfloat16 slab layout is already AMX's: a k-pair row of a slab is 32
+// columns x 2, so columns [0, 16) and [16, 32) are two B tiles 128 bytes
+// apart per row. Up to 32 rows at once: C tiles 0-3 (row half x column
+// half), A tiles 4-5, B tiles 6-7. Taken for k a multiple of 32.
+#pragma GCC push_options
+#pragma GCC target("avx512f,amx-tile,amx-bf16")
+
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+// Tiles for a block of `rows` (1..32) x rows.
+void ConfigureTiles(int rows) {
+  TileConfig config;
+  const int upper = std::min(rows, 16), lower = rows - upper;
+  for (int t : {0, 1, 4}) {  // C of the first 16 rows, A of them
+    config.rows[t] = static_cast<std::uint8_t>(upper);
+    config.colsb[t] = 64;
+  }
+  for (int t : {2, 3, 5}) {  // the same for rows 16..31 (unused below 17 rows)
+    config.rows[t] = static_cast<std::uint8_t>(lower > 0 ? lower : 1);
+    config.colsb[t] = 64;
+  }
+  for (int t : {6, 7}) {  // B: 16 k pairs x 16 columns
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+void AmxSlabsBF16(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  constexpr int kBlockRows = 32;
+  alignas(64) float sums[kBlockRows * kSlabColumns];
+  const std::uint16_t* x = static_cast<const std::uint16_t*>(a.x);
+  const std::int64_t slab_size = a.k * kSlabColumns;
+  const std::int64_t x_bytes = a.x_stride * static_cast<std::int64_t>(sizeof(std::uint16_t));
+  int configured = 0;
+  for (std::int64_t s = s0; s < s1; ++s) {
+    const std::uint16_t* slab = static_cast<const std::uint16_t*>(a.packed) + s * slab_size;
+    const std::uint16_t* next = s + 1 < s1 ? slab + slab_size : nullptr;
+    for (std::int64_t row0 = 0; row0 < a.m; row0 += kBlockRows, next = nullptr) {
+      const int rows = static_cast<int>(std::min<std::int64_t>(kBlockRows, a.m - row0));
+      if (rows != configured) {
+        ConfigureTiles(rows);
+        configured = rows;
+      }
+      const std::uint16_t* xr = x + row0 * a.x_stride;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (std::int64_t kk = 0; kk < a.k; kk += 32) {
+        // 16 k pairs of the slab: 16 rows of 128 bytes.
+        const std::uint16_t* b = slab + kk * kSlabColumns;
+        if (next != nullptr) {
+          const char* ahead = reinterpret_cast<const char*>(next + kk * kSlabColumns);
+          for (int line = 0; line < 32; ++line) __builtin_prefetch(ahead + 64 * line);
+        }
+        _tile_loadd(6, b, 128);
+        _tile_loadd(7, b + 32, 128);
+        _tile_loadd(4, xr + kk, x_bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows > 16) {
+          _tile_loadd(5, xr + 16 * a.x_stride + kk, x_bytes);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, sums, kSlabColumns * sizeof(float));
+      _tile_stored(1, sums + 16, kSlabColumns * sizeof(float));
+      if (rows > 16) {
+        _tile_stored(2, sums + 16 * kSlabColumns, kSlabColumns * sizeof(float));
+        _tile_stored(3, sums + 16 * kSlabColumns + 16, kSlabColumns * sizeof(float));
+      }
+      Finish<std::uint16_t>(a, row0, rows, s * kSlabColumns, sums);
+    }
+  }
+  if (configured) _tile_release();
+}
+
+#pragma GCC pop_options
 #endif
 
 [[noreturn]] void Invalid(const std::string& message) { throw std::invalid_argument(message); }
@@ -325,6 +417,26 @@ void PackLinearWeight(const void* w, std::int64_t w_stride, std::int64_t n, std:
   }
 }
 
+bool HasAmxBF16() {
+#if defined(FLEXINFER_HAVE_BF16_DOT)
+  static const bool has = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool cpu = (edx >> 22 & 1) && (edx >> 24 & 1);  // AMX-BF16, AMX-TILE
+    if (!cpu || !(ecx >> 27 & 1)) return false;             // and OSXSAVE for xgetbv
+    std::uint32_t lo, hi;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo >> 17 & 3) != 3) return false;  // the OS saves tile state (XTILECFG, XTILEDATA)
+    // Linux hands out the tile state only on request, once per process.
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 bool HasBF16DotProduct() {
 #if defined(FLEXINFER_HAVE_BF16_DOT)
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
@@ -338,11 +450,15 @@ void PackedLinear(const LinearArgs& a) {
   Validate(a);
   if (a.m == 0 || a.n == 0) return;
   const std::int64_t slabs = SlabCount(a.n);
-  const bool dot = a.dtype == DType::kBFloat16 && !a.portable && HasBF16DotProduct();
-  auto run = [&a, dot](std::int64_t s0, std::int64_t s1) {
+  const bool native = a.dtype == DType::kBFloat16 && !a.portable;
+  const bool amx = native && a.k % 32 == 0 && HasAmxBF16();
+  const bool dot = native && HasBF16DotProduct();
+  auto run = [&a, amx, dot](std::int64_t s0, std::int64_t s1) {
     if (a.dtype == DType::kFloat32) {
       PortableSlabsF32(a, s0, s1);
 #if defined(FLEXINFER_HAVE_BF16_DOT)
+    } else if (amx) {
+      AmxSlabsBF16(a, s0, s1);
     } else if (dot) {
       DotSlabsBF16(a, s0, s1);
 #endif

@@ -25,9 +25,10 @@
 //  * every output is a float32 sum, rounded once to the output dtype;
 //  * arguments are checked before anything is read; a bad one throws
 //    std::invalid_argument.
-// Kernels are picked at run time by the CPU's features (never by vendor): an
-// AVX512-BF16 dot product for bfloat16 where the CPU has it, vector code
-// compiled for AVX-512, AVX2 and baseline x86-64 otherwise.
+// Kernels are picked at run time by the CPU's features (never by vendor): for
+// bfloat16 AMX tiles (k a multiple of 32) or the AVX512-BF16 dot product where
+// the CPU has them, vector code compiled for AVX-512, AVX2 and baseline
+// x86-64 otherwise.
 #pragma once
 
 #include <cstdint>
@@ -69,5 +70,9 @@ void PackedLinear(const LinearArgs& args);
 
 // Whether bfloat16 calls use the CPU's AVX512-BF16 dot product.
 bool HasBF16DotProduct();
+
+// Whether bfloat16 calls with k a multiple of 32 use AMX tiles (the CPU has
+// AMX-BF16 and the kernel granted this process the tile state).
+bool HasAmxBF16();
 
 }  // namespace flexinfer

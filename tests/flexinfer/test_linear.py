@@ -135,7 +135,7 @@ def _bf16_reference(x, weight, bias=None, residual=None):
 
 
 @pytest.mark.parametrize("n,k", PACKED_SHAPES)
-@pytest.mark.parametrize("rows", [1, 8, 9, 33])
+@pytest.mark.parametrize("rows", [1, 8, 9, 20, 33, 70])
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_packed_bfloat16_rounds_a_float32_sum_once(n, k, rows, portable):
     gen = torch.Generator().manual_seed(n * 1000 + k + rows)
@@ -149,8 +149,9 @@ def test_packed_bfloat16_rounds_a_float32_sum_once(n, k, rows, portable):
 
 
 def test_packed_bfloat16_paths_agree():
-    """The AVX512-BF16 dot product (where the CPU has it) and the portable
-    widening code give the same values up to float32 summation order."""
+    """AMX tiles (k a multiple of 32) or the AVX512-BF16 dot product, where
+    the CPU has them, and the portable widening code give the same values up
+    to float32 summation order."""
     gen = torch.Generator().manual_seed(8)
     weight = torch.randn(200, 96, generator=gen).bfloat16()
     x = torch.randn(12, 96, generator=gen).bfloat16()
