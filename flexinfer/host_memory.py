@@ -6,17 +6,19 @@ and frees them at its end. glibc's malloc serves requests above its mmap
 threshold (128 KiB, raised only as such blocks are freed) with fresh mappings
 and returns a heap's free top to the kernel once it exceeds the trim
 threshold, so the next pass touches new pages, and each first touch is a page
-fault. On a VM the fault is dear (the hypervisor backs the page anew): on the
-2-core Xeon VM (family 6 model 207) a bfloat16 prefill of 32 prompts x 32
-tokens on SmolLM2-135M took 2.8-3.2 s with 56,000 faults, and 0.3-0.8 s with
-the memory kept (docs/benchmarks.md). So a CPU engine raises the mmap
-threshold to glibc's maximum (32 MiB) and stops trimming: what a pass frees
-stays on malloc's free lists and the next pass reuses it, as torch's CUDA
-caching allocator does for device memory. Threads that start after the
-setting share the main arena (M_ARENA_MAX = 1): a thread's own arena grows in
-64 MiB heaps and unmaps a heap as soon as it is empty, whatever the trim
-threshold, and the engine computes on a thread of its own. So the setting is
-applied before the engine thread starts (EngineLoop) as well as by the Engine.
+fault. On a VM the fault is dear (the hypervisor backs the page anew). On
+the 2-core Xeon VM (family 6 model 207), idle, a bfloat16 prefill of 32
+prompts x 32 tokens on SmolLM2-135M took 0.54-0.64 s with glibc's defaults
+and 0.39-0.53 s with the memory kept; with another process busy, and before
+the norms and SiLU were fused (more temporaries), 1.3-5.9 s against 0.6 s
+(docs/benchmarks.md). So a CPU engine raises the mmap threshold to glibc's
+maximum (32 MiB) and stops trimming: what a pass frees stays on malloc's
+free lists and the next pass reuses it, as torch's CUDA caching allocator
+does for device memory. Threads that start after the setting share the main
+arena (M_ARENA_MAX = 1): a thread's own arena grows in 64 MiB heaps and
+unmaps a heap as soon as it is empty, whatever the trim threshold, and the
+engine computes on a thread of its own. So the setting is applied before the
+engine thread starts (EngineLoop) as well as by the Engine.
 
 Cost: the process keeps its peak heap (a step's activations: tens of MiB for
 1,024 tokens) instead of returning it between steps. The setting is
