@@ -6,14 +6,17 @@ blocked layout; AMX for bfloat16 where the CPU has it) and `packed`
 (FlexInfer's own kernel for few rows, flexinfer/csrc/linear_cpu.h: weights
 packed into column slabs, each element read once per call for every row).
 Which is fastest depends on the processor, the dtype and the row count, and
-the differences are large both ways: on the 2-core AMD EPYC dev machine sgemm
-takes a generic path and oneDNN needs 0.41x its time at one row; on an Intel
-Xeon oneDNN was slower than sgemm at one float32 row and far faster at 32
-bfloat16 rows, where `packed` is slow but fastest at one bfloat16 row
-(scripts/bench_linear.py). So nothing is chosen by vendor: `kind="auto"`
-times the kernels at load on the model's own first-layer shapes at each row
-bucket (1, 8, 32 rows and 128 for prefill chunks; well under a second) and
-each layer then runs the winner of the bucket a call's row count falls in.
+the differences are large both ways (scripts/bench_linear.py, SmolLM2's 121
+projections): on the 2-core AMD EPYC dev machine sgemm takes a generic path
+and oneDNN needs 0.41x its time at one row; on an Intel Xeon with AMX sgemm
+is fastest at one float32 row, `packed` at 8 and 32 (0.7-0.9x oneDNN's time),
+and in bfloat16 `packed` runs on AMX tiles in half oneDNN's time at 32 rows.
+So nothing is chosen by vendor: `kind="auto"` times the kernels at load on
+the model's own first-layer shapes at each row bucket (1, 8, 32 rows and 128
+for prefill chunks) and each layer then runs the winner of the bucket a
+call's row count falls in. One layer's weights fit in cache where a whole
+step's stream from memory, so a close call can go either way; the
+differences that matter are the large ones.
 When different buckets pick different kernels, a layer holds its weight in
 each format (up to three times the projection memory); force one with
 `kind="torch"`, `"onednn"` or `"packed"` to avoid that. The engine's load
