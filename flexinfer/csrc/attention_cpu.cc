@@ -1,7 +1,5 @@
 #include "attention_cpu.h"
 
-#include "cpu_numeric.h"
-
 #include <omp.h>
 
 #include <algorithm>
@@ -11,6 +9,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "cpu_vec.h"
 
 namespace flexinfer {
 namespace {
@@ -64,20 +64,13 @@ inline __attribute__((always_inline)) float ExpNonPositive(float x) {
 // Row `t` of a K or V head as float32: the row itself for float32 caches, a
 // widened copy in `buf` otherwise (once per tile, for every query head of its
 // group). kVecs = head_dim / 16 when known (bfloat16 then widens 16 lanes at
-// a time by shifting), 0 for any head_dim.
+// a time), 0 for any head_dim.
 template <int kVecs, class T>
 inline __attribute__((always_inline)) const float* LoadRow(const T* src, float* buf, int dim) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else if constexpr (std::is_same_v<T, std::uint16_t> && kVecs > 0) {
-    typedef std::uint16_t Half16 __attribute__((vector_size(32)));
-    typedef std::uint32_t Bits16 __attribute__((vector_size(64)));
-    for (int i = 0; i < kVecs; ++i) {
-      Half16 h;
-      std::memcpy(&h, src + 16 * i, sizeof h);
-      const Bits16 bits = __builtin_convertvector(h, Bits16) << 16;
-      std::memcpy(buf + 16 * i, &bits, sizeof bits);
-    }
+    for (int i = 0; i < kVecs; ++i) Store(Load(src + 16 * i), buf + 16 * i);
     return buf;
   } else {
     for (int d = 0; d < dim; ++d) buf[d] = Widen(src[d]);
@@ -102,21 +95,10 @@ struct Partials {
   }
 };
 
-// 16 floats: GCC's vector extension compiles to one AVX-512 register, two
-// AVX2 or four SSE registers, whichever the clone targets.
-typedef float Vec16 __attribute__((vector_size(64)));
-
-inline __attribute__((always_inline)) Vec16 LoadVec(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline __attribute__((always_inline)) void StoreVec(float* p, Vec16 v) { std::memcpy(p, &v, sizeof v); }
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
 // A horizontal sum by halving (4 shuffle + add steps, not 15 lane extracts).
-inline __attribute__((always_inline)) float Sum(Vec16 v) {
-  const Vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+inline __attribute__((always_inline)) float Sum(VecF v) {
+  typedef float Vec4 __attribute__((vector_size(16)));
+  const VecF8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const Vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
@@ -127,8 +109,8 @@ inline __attribute__((always_inline)) float Sum(Vec16 v) {
 // horizontal sums (~8 each). The order is an involution, so feeding the
 // vectors in kTreeOrder (4-bit reversal) gives the sums in natural order.
 constexpr int kTreeOrder[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-inline __attribute__((always_inline)) Vec16 SumSixteen(const Vec16 (&p)[16]) {
-  Vec16 r[8], s4[4], u[2];
+inline __attribute__((always_inline)) VecF SumSixteen(const VecF (&p)[16]) {
+  VecF r[8], s4[4], u[2];
   for (int j = 0; j < 8; ++j) {
     r[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(p[2 * j], p[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
@@ -159,21 +141,21 @@ inline __attribute__((always_inline)) float Scores(const float* q, const float* 
                                                    float* scores) {
   float tile_max = -std::numeric_limits<float>::infinity();
   if constexpr (kVecs > 0) {
-    Vec16 qv[kVecs];
-    for (int i = 0; i < kVecs; ++i) qv[i] = LoadVec(q + 16 * i);
+    VecF qv[kVecs];
+    for (int i = 0; i < kVecs; ++i) qv[i] = Load(q + 16 * i);
     auto partial = [&](const float* key) {
-      Vec16 dot = qv[0] * LoadVec(key);
-      for (int i = 1; i < kVecs; ++i) dot += qv[i] * LoadVec(key + 16 * i);
+      VecF dot = qv[0] * Load(key);
+      for (int i = 1; i < kVecs; ++i) dot += qv[i] * Load(key + 16 * i);
       return dot;
     };
     int t = 0;
     if (n >= 16) {
-      Vec16 block_max = Vec16{} - std::numeric_limits<float>::infinity();
+      VecF block_max = VecF{} - std::numeric_limits<float>::infinity();
       for (; t + 16 <= n; t += 16) {
-        Vec16 p[16];
+        VecF p[16];
         for (int i = 0; i < 16; ++i) p[i] = partial(keys[t + kTreeOrder[i]]);
-        const Vec16 block = SumSixteen(p);
-        StoreVec(scores + t, block);
+        const VecF block = SumSixteen(p);
+        Store(block, scores + t);
         block_max = block > block_max ? block : block_max;
       }
       for (int i = 0; i < 16; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
@@ -201,22 +183,22 @@ template <int kVecs>
 inline __attribute__((always_inline)) void Accumulate(float* acc, float correction, const float* weights,
                                                       const float* const* values, int n, int dim) {
   if constexpr (kVecs > 0) {
-    Vec16 even[kVecs], odd[kVecs];
+    VecF even[kVecs], odd[kVecs];
     for (int i = 0; i < kVecs; ++i) {
-      even[i] = LoadVec(acc + 16 * i) * correction;
-      odd[i] = Vec16{};
+      even[i] = Load(acc + 16 * i) * correction;
+      odd[i] = VecF{};
     }
     int t = 0;
     for (; t + 2 <= n; t += 2) {
       for (int i = 0; i < kVecs; ++i) {
-        even[i] += weights[t] * LoadVec(values[t] + 16 * i);
-        odd[i] += weights[t + 1] * LoadVec(values[t + 1] + 16 * i);
+        even[i] += weights[t] * Load(values[t] + 16 * i);
+        odd[i] += weights[t + 1] * Load(values[t + 1] + 16 * i);
       }
     }
     if (t < n) {
-      for (int i = 0; i < kVecs; ++i) even[i] += weights[t] * LoadVec(values[t] + 16 * i);
+      for (int i = 0; i < kVecs; ++i) even[i] += weights[t] * Load(values[t] + 16 * i);
     }
-    for (int i = 0; i < kVecs; ++i) StoreVec(acc + 16 * i, even[i] + odd[i]);
+    for (int i = 0; i < kVecs; ++i) Store(even[i] + odd[i], acc + 16 * i);
   } else {
     for (int d = 0; d < dim; ++d) acc[d] *= correction;
     for (int t = 0; t < n; ++t) {
@@ -338,14 +320,6 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
   }
 }
 
-// One entry point per dtype, compiled for several instruction sets and picked
-// at load time by the CPU's features (never by vendor).
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define FLEXINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FLEXINFER_CLONES
-#endif
-
 template <class T>
 inline __attribute__((always_inline)) void RunItemAnyDim(const AttentionArgs& a, const WorkItem& w,
                                                          Partials* p) {
@@ -356,6 +330,8 @@ inline __attribute__((always_inline)) void RunItemAnyDim(const AttentionArgs& a,
   }
 }
 
+// One entry point per dtype, compiled for several instruction sets and picked
+// at load time by the CPU's features (never by vendor; cpu_vec.h).
 FLEXINFER_CLONES void RunItemF32(const AttentionArgs& a, const WorkItem& w, Partials* p) {
   RunItemAnyDim<float>(a, w, p);
 }
@@ -384,8 +360,6 @@ void MergeSplits(const AttentionArgs& a, const Partials& p, std::int64_t b, int 
   T* dst = static_cast<T*>(a.out) + b * a.out_stride_token + h * a.out_stride_head;
   for (int d = 0; d < dim; ++d) Narrow(acc[d] * inv, &dst[d]);
 }
-
-[[noreturn]] void Invalid(const std::string& message) { throw std::invalid_argument(message); }
 
 void Validate(const AttentionArgs& a) {
   if (a.batch < 0 || a.num_queries < 0) Invalid("negative batch or query count");

@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "layer_ops_vec.h"
+#include "cpu_vec.h"
 
 namespace flexinfer {
 namespace {

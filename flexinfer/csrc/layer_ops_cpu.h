@@ -2,8 +2,7 @@
 // instead of several torch ops: RMSNorm, SiLU(gate) * up, and the rotary
 // embedding of q and k together with the K/V cache write. RmsNorm and
 // SiluMul are in layer_ops_cpu.cc, RotaryKVWrite in rotary_kv_write_cpu.cc
-// (built without FMA contraction), their shared vector code in
-// layer_ops_vec.h.
+// (built without FMA contraction), their vector code in cpu_vec.h.
 //
 // Every op rounds as Hugging Face transformers' Llama does, step by step
 // (bfloat16 results are rounded to bfloat16 wherever transformers rounds

@@ -1,10 +1,7 @@
 #include "linear_cpu.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -15,42 +12,12 @@
 #include <unistd.h>
 #endif
 
+#include "cpu_vec.h"
+
 namespace flexinfer {
 namespace {
 
 #define FLEXINFER_INLINE inline __attribute__((always_inline))
-
-// One vector of 16 floats (or their bits): GCC's vector extension compiles it
-// to one AVX-512 register, two AVX2 or four SSE registers, whichever the clone
-// targets.
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef std::uint32_t Bits16 __attribute__((vector_size(64)));
-typedef std::uint16_t Half16 __attribute__((vector_size(32)));
-
-template <class V, class T>
-FLEXINFER_INLINE V Load(const T* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// 16 consecutive elements as float32.
-FLEXINFER_INLINE Vec16 Widen16(const float* p) { return Load<Vec16>(p); }
-FLEXINFER_INLINE Vec16 Widen16(const std::uint16_t* p) {
-  return reinterpret_cast<Vec16>(__builtin_convertvector(Load<Half16>(p), Bits16) << 16);
-}
-
-// 16 float32 sums rounded to the output type (bfloat16: to nearest even, as
-// Narrow does one at a time).
-FLEXINFER_INLINE void Narrow16(Vec16 v, float* dst) { std::memcpy(dst, &v, sizeof v); }
-FLEXINFER_INLINE void Narrow16(Vec16 v, std::uint16_t* dst) {
-  const Bits16 u = reinterpret_cast<Bits16>(v);
-  const Bits16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const Bits16 quiet_nan = (u >> 16) | 0x40u;
-  const Bits16 bits = v != v ? quiet_nan : rounded;
-  const Half16 h = __builtin_convertvector(bits, Half16);
-  std::memcpy(dst, &h, sizeof h);
-}
 
 // Requests the 128 bytes (two lines) at `base` + `offset` where `base` is set:
 // one k row of the next slab per k row of this one.
@@ -78,10 +45,10 @@ FLEXINFER_INLINE void Finish(const LinearArgs& a, std::int64_t row0, int rows, s
     const T* res = a.residual ? static_cast<const T*>(a.residual) + (row0 + r) * a.residual_stride + n0 : nullptr;
     if (valid == kSlabColumns) {
       for (int half = 0; half < kSlabColumns; half += 16) {
-        Vec16 v = Load<Vec16>(s + half);
-        if (bias) v += Widen16(bias + half);
-        if (res) v += Widen16(res + half);
-        Narrow16(v, y + half);
+        VecF v = Load(s + half);
+        if (bias) v += Load(bias + half);
+        if (res) v += Load(res + half);
+        Store(v, y + half);
       }
     } else {
       for (int c = 0; c < valid; ++c) {
@@ -99,10 +66,10 @@ FLEXINFER_INLINE void Finish(const LinearArgs& a, std::int64_t row0, int rows, s
 template <int R>
 FLEXINFER_INLINE void TileF32(const float* x, std::int64_t x_stride, const float* slab, std::int64_t k,
                               const float* next, float* sums) {
-  Vec16 acc[R][2] = {};
+  VecF acc[R][2] = {};
   for (std::int64_t kk = 0; kk < k; ++kk) {
     Prefetch(next, kk * kSlabColumns * sizeof(float));
-    const Vec16 w0 = Load<Vec16>(slab + kk * kSlabColumns), w1 = Load<Vec16>(slab + kk * kSlabColumns + 16);
+    const VecF w0 = Load(slab + kk * kSlabColumns), w1 = Load(slab + kk * kSlabColumns + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * x_stride + kk];
@@ -111,8 +78,8 @@ FLEXINFER_INLINE void TileF32(const float* x, std::int64_t x_stride, const float
     }
   }
   for (int r = 0; r < R; ++r) {
-    std::memcpy(sums + r * kSlabColumns, &acc[r][0], sizeof(Vec16));
-    std::memcpy(sums + r * kSlabColumns + 16, &acc[r][1], sizeof(Vec16));
+    Store(acc[r][0], sums + r * kSlabColumns);
+    Store(acc[r][1], sums + r * kSlabColumns + 16);
   }
 }
 
@@ -121,13 +88,15 @@ FLEXINFER_INLINE void TileF32(const float* x, std::int64_t x_stride, const float
 template <int R>
 FLEXINFER_INLINE void TileBF16(const std::uint16_t* x, std::int64_t x_stride, const std::uint16_t* slab,
                                std::int64_t k, const std::uint16_t* next, float* sums) {
-  Vec16 acc[R][2] = {};
+  VecF acc[R][2] = {};
   const std::int64_t pairs = (k + 1) / 2;
   for (std::int64_t p = 0; p < pairs; ++p) {
     Prefetch(next, p * 2 * kSlabColumns * sizeof(std::uint16_t));
-    const Bits16 b0 = Load<Bits16>(slab + p * 2 * kSlabColumns), b1 = Load<Bits16>(slab + p * 2 * kSlabColumns + 32);
-    const Vec16 even0 = reinterpret_cast<Vec16>(b0 << 16), odd0 = reinterpret_cast<Vec16>(b0 & 0xFFFF0000u);
-    const Vec16 even1 = reinterpret_cast<Vec16>(b1 << 16), odd1 = reinterpret_cast<Vec16>(b1 & 0xFFFF0000u);
+    VecU b0, b1;
+    std::memcpy(&b0, slab + p * 2 * kSlabColumns, sizeof b0);
+    std::memcpy(&b1, slab + p * 2 * kSlabColumns + 32, sizeof b1);
+    const VecF even0 = reinterpret_cast<VecF>(b0 << 16), odd0 = reinterpret_cast<VecF>(b0 & 0xFFFF0000u);
+    const VecF even1 = reinterpret_cast<VecF>(b1 << 16), odd1 = reinterpret_cast<VecF>(b1 & 0xFFFF0000u);
     const bool has_odd = 2 * p + 1 < k;  // an odd k's last pair has no second element to read
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -140,8 +109,8 @@ FLEXINFER_INLINE void TileBF16(const std::uint16_t* x, std::int64_t x_stride, co
     }
   }
   for (int r = 0; r < R; ++r) {
-    std::memcpy(sums + r * kSlabColumns, &acc[r][0], sizeof(Vec16));
-    std::memcpy(sums + r * kSlabColumns + 16, &acc[r][1], sizeof(Vec16));
+    Store(acc[r][0], sums + r * kSlabColumns);
+    Store(acc[r][1], sums + r * kSlabColumns + 16);
   }
 }
 
@@ -185,12 +154,6 @@ FLEXINFER_INLINE void PortableSlabs(const LinearArgs& a, std::int64_t s0, std::i
   }
   static_assert(kRowTile == 8, "the switch above covers 1..kRowTile rows");
 }
-
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define FLEXINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FLEXINFER_CLONES
-#endif
 
 FLEXINFER_CLONES void PortableSlabsF32(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
   PortableSlabs<float>(a, s0, s1);
@@ -356,8 +319,6 @@ void AmxSlabsBF16(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
 #pragma GCC pop_options
 #endif
 
-[[noreturn]] void Invalid(const std::string& message) { throw std::invalid_argument(message); }
-
 void CheckShape(std::int64_t n, std::int64_t k, DType dtype) {
   if (n < 0 || k < 0) Invalid("negative weight shape");
   if (dtype != DType::kFloat32 && dtype != DType::kBFloat16)
@@ -466,18 +427,9 @@ void PackedLinear(const LinearArgs& a) {
       PortableSlabsBF16(a, s0, s1);
     }
   };
-  // Each worker streams its own contiguous run of slabs. Below this much work
-  // a parallel region costs more than it saves.
-  const int workers = static_cast<int>(std::min<std::int64_t>(std::max(1, a.threads), slabs));
-  if (workers == 1 || a.m * a.n * std::max<std::int64_t>(a.k, 1) < (std::int64_t{1} << 16)) {
-    run(0, slabs);
-    return;
-  }
-#pragma omp parallel num_threads(workers)
-  {
-    const std::int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-    run(slabs * t / count, slabs * (t + 1) / count);
-  }
+  // Each worker streams its own contiguous run of slabs. Below 64K
+  // multiply-adds a parallel region costs more than it saves.
+  ForRows(slabs, a.m * a.n * std::max<std::int64_t>(a.k, 1), a.threads, run, std::int64_t{1} << 16);
 }
 
 }  // namespace flexinfer

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "layer_ops_cpu.h"
-#include "layer_ops_vec.h"
+#include "cpu_vec.h"
 
 namespace flexinfer {
 namespace {

@@ -1,7 +1,8 @@
-// What the CPU layer ops' source files share (layer_ops_cpu.cc,
-// rotary_kv_write_cpu.cc): 16-lane float vectors with float32 and bfloat16
-// loads, stores and rounding, and the row-parallel loop. Header-only, inline,
-// in an unnamed namespace: each file compiles it for its own clones.
+// What FlexInfer's CPU kernels share (attention, linear, sampling and the
+// layer ops): 16-lane float vectors with float32 and bfloat16 loads, stores
+// and rounding, the instruction-set clones, and the range-parallel loop.
+// Header-only, inline, in an unnamed namespace: each file compiles it for its
+// own clones.
 #pragma once
 
 #include <omp.h>
@@ -18,7 +19,7 @@
 namespace flexinfer {
 namespace {
 
-// One entry point per op and dtype, compiled for several instruction sets and
+// One entry point per kernel and dtype, compiled for several instruction sets and
 // picked at load time by the CPU's features (never by vendor).
 #if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define FLEXINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -105,17 +106,19 @@ inline __attribute__((always_inline)) void StorePartial(VecF v, T* p, std::int64
   std::memcpy(p, buf, sizeof(T) * n);
 }
 
-// Below this many elements per call a parallel region costs more than it
-// saves (measured: a bfloat16 norm of 32 x 576 runs ~1.5x faster on two
-// threads, one of 8 x 576 no faster).
+// Below this many elements per call an elementwise op's parallel region costs
+// more than it saves (measured: a bfloat16 norm of 32 x 576 runs ~1.5x faster
+// on two threads, one of 8 x 576 no faster).
 constexpr std::int64_t kParallelElements = std::int64_t{1} << 14;
 
 // Runs body(begin, end) over [0, rows): split into one contiguous range per
-// thread when the call has `elements` enough to pay for a parallel region.
+// thread when the call has `work` enough (at least `min_work`) to pay for a
+// parallel region.
 template <class Body>
-void ForRows(std::int64_t rows, std::int64_t elements, int threads, Body body) {
+void ForRows(std::int64_t rows, std::int64_t work, int threads, Body body,
+             std::int64_t min_work = kParallelElements) {
   const int workers = static_cast<int>(std::min<std::int64_t>(std::max(threads, 1), rows));
-  if (workers <= 1 || elements < kParallelElements) {
+  if (workers <= 1 || work < min_work) {
     body(std::int64_t{0}, rows);
     return;
   }
