@@ -47,30 +47,35 @@ class PackedWeight:
         the output's shape; not written). `portable` forces the vector code
         where the AVX512-BF16 path would run."""
         n, k = self.out_features, self.in_features
-        if x.dtype != self.dtype or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] != k:
+        if x.dtype is not self.dtype or not x.is_cpu or x.dim() == 0 or x.shape[-1] != k:
             raise InvalidArgument(f"x must be a {self.dtype} CPU tensor [..., {k}], got "
                                   f"{tuple(x.shape)} {x.dtype} on {x.device}")
-        rows = x.reshape(-1, k)
-        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-            rows = rows.contiguous()
+        # The engine passes dense 2-D rows: no reshape or copy for them.
+        rows = x if x.dim() == 2 else x.reshape(-1, k)
         m = rows.shape[0]
-        if bias is not None and (bias.shape != (n,) or bias.dtype != self.dtype or bias.device.type != "cpu"
+        x_stride, k_stride = rows.stride()
+        if k_stride != 1 or (m > 1 and x_stride < k):
+            rows = rows.contiguous()
+            x_stride = k
+        if bias is not None and (bias.shape != (n,) or bias.dtype is not self.dtype or not bias.is_cpu
                                  or bias.stride(0) != 1):
             raise InvalidArgument(f"bias must be a contiguous {self.dtype} CPU tensor [{n}]")
         res_rows, res_stride = None, 0
         if residual is not None:
-            if residual.shape != x.shape[:-1] + (n,) or residual.dtype != self.dtype or residual.device.type != "cpu":
+            if residual.shape != x.shape[:-1] + (n,) or residual.dtype is not self.dtype or not residual.is_cpu:
                 raise InvalidArgument(f"residual must be a {self.dtype} CPU tensor {tuple(x.shape[:-1]) + (n,)}")
-            res_rows = residual.reshape(-1, n)
-            if res_rows.stride(1) != 1 or (m > 1 and res_rows.stride(0) < n):
+            res_rows = residual if residual.dim() == 2 else residual.reshape(-1, n)
+            res_stride, n_stride = res_rows.stride()
+            if n_stride != 1 or (m > 1 and res_stride < n):
                 res_rows = res_rows.contiguous()
-            res_stride = res_rows.stride(0) if m > 1 else n
+                res_stride = n
         y = torch.empty(m, n, dtype=self.dtype)
         try:
-            _kernels.linear(rows.data_ptr(), rows.stride(0) if m > 1 else k, self.data.data_ptr(),
+            _kernels.linear(rows.data_ptr(), x_stride if m > 1 else k, self.data.data_ptr(),
                             0 if bias is None else bias.data_ptr(),
-                            0 if res_rows is None else res_rows.data_ptr(), res_stride, y.data_ptr(), n, m, n, k,
-                            self._code, torch.get_num_threads() if threads is None else threads, portable)
+                            0 if res_rows is None else res_rows.data_ptr(), res_stride if m > 1 else n,
+                            y.data_ptr(), n, m, n, k, self._code,
+                            torch.get_num_threads() if threads is None else threads, portable)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        return y.view(*x.shape[:-1], n)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
