@@ -26,15 +26,11 @@ from flexinfer.attention import KernelAttention, SdpaAttention
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.config import ModelConfig
 from flexinfer.model.llama import ForwardBatch
+from machine import cpu_model
 
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def per_call_us(fn, calls: int, repeats: int) -> float:

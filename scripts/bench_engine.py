@@ -43,6 +43,7 @@ from flexinfer.kv_cache import KVCache
 from flexinfer.model.llama import ForwardBatch
 from flexinfer.model.loader import load_model
 from flexinfer.threads import release_openmp_pool
+from machine import cpu_model
 
 
 def hf_model(config, weights, dtype=torch.float32):
@@ -59,11 +60,6 @@ def hf_model(config, weights, dtype=torch.float32):
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return model.to(dtype)
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def make_prompts(batch: int, length: int) -> list[list[int]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -35,6 +34,7 @@ from flexinfer.kernels import cpu_layer_ops
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.config import ModelConfig
 from flexinfer.model.llama import LlamaModel
+from machine import cpu_model
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query + 3 KV heads of 64, 30 layers.
 CONFIG = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -56,17 +56,6 @@ def median_us(fn, repeats: int) -> float:
             fn()
         samples.append((time.perf_counter() - start) / CALLS_PER_SAMPLE)
     return statistics.median(samples) * 1e6
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class Batch:

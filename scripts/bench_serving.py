@@ -61,6 +61,8 @@ from pathlib import Path
 
 import httpx
 
+from machine import cpu_model
+
 _WORDS = ("the of and to in is was for on that with as by at from his her an which or be this are have had "
           "not but one all were they we their been has there more when will would who so if no out up about "
           "time can into only other new some could these two may first then do any like my now over such our "
@@ -434,11 +436,6 @@ def plot(results: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def main() -> None:

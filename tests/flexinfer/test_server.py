@@ -401,8 +401,9 @@ def test_bench_serving_load_against_the_server(server, monkeypatch):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))  # its sibling modules (machine.py)
+    spec = importlib.util.spec_from_file_location("bench_serving", scripts / "bench_serving.py")
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_serving", bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
