@@ -36,31 +36,6 @@ struct WorkItem {
 };
 
 
-// e^x for x <= 0 (scores minus their running maximum), written so that the
-// compiler vectorises a loop of it: range reduction x = n ln2 + r with
-// |r| <= ln2/2 and a degree-7 Taylor polynomial (relative error < 1e-8),
-// scaled by 2^n built in the exponent bits. Below -87 the result flushes to
-// 0 as the true value is under float's normal range; NaN stays NaN.
-inline __attribute__((always_inline)) float ExpNonPositive(float x) {
-  const float clamped = x < -87.0f ? -87.0f : x;
-  // Round to nearest by adding and subtracting 1.5 * 2^23 (vectorises on any
-  // ISA, unlike roundf).
-  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (clamped - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
 // Row `t` of a K or V head as float32: the row itself for float32 caches, a
 // widened copy in `buf` otherwise (once per tile, for every query head of its
 // group). kVecs = head_dim / 16 when known (bfloat16 then widens 16 lanes at
@@ -286,11 +261,20 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
         const float tile_max = Scores<kVecs>(qr, krows, n, dim, scores);
         const float m_new = std::max(s.m[row], tile_max);
         const float correction = std::exp(s.m[row] - m_new);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < n; ++t) {
-          scores[t] = ExpNonPositive(scores[t] - m_new);
-          sum += scores[t];
+        // The weights e^(score - max), in place, 16 at a time; a zero-padded
+        // tail is computed whole but only its n lanes are kept and summed.
+        VecF lanes = {};
+        int t = 0;
+        for (; t + kLanes <= n; t += kLanes) {
+          const VecF e = Exp(Load(scores + t) - m_new);
+          Store(e, scores + t);
+          lanes += e;
+        }
+        float sum = Sum(lanes);
+        if (t < n) {
+          const VecF e = Exp(LoadPartial(scores + t, n - t) - m_new);
+          StorePartial(e, scores + t, n - t);
+          for (int i = 0; i < n - t; ++i) sum += e[i];
         }
         Accumulate<kVecs>(&s.acc[static_cast<std::size_t>(row) * dim], correction, scores, vrows, n, dim);
         s.m[row] = m_new;

@@ -106,6 +106,35 @@ inline __attribute__((always_inline)) void StorePartial(VecF v, T* p, std::int64
   std::memcpy(p, buf, sizeof(T) * n);
 }
 
+// e^x over all of float's range, to within ~2 ulp: x = n ln2 + r with
+// |r| <= ln2/2 and a degree-7 Taylor polynomial; 2^n is applied as two
+// factors so that results near overflow (x up to 88.7) and subnormal ones
+// (down to -103) stay exact in their exponent. Beyond those, inf and 0; NaN
+// stays NaN.
+inline __attribute__((always_inline)) VecF Exp(VecF x) {
+  const VecF lo = Splat(-104.0f), hi = Splat(89.0f);
+  VecF c = x > lo ? x : lo;  // NaN becomes lo: the integer conversion below sees no NaN
+  c = c < hi ? c : hi;
+  // Round to nearest by adding and subtracting 1.5 * 2^23.
+  const VecF n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const VecF r = (c - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  VecF p = Splat(1.0f / 5040);
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const VecI ni = __builtin_convertvector(n, VecI);
+  const VecI half = ni >> 1;
+  const VecF scale1 = reinterpret_cast<VecF>((half + 127) << 23);
+  const VecF scale2 = reinterpret_cast<VecF>((ni - half + 127) << 23);
+  VecF e = p * scale1 * scale2;
+  e = x < lo ? Splat(0.0f) : e;
+  return x != x ? x : e;
+}
+
 // Below this many elements per call an elementwise op's parallel region costs
 // more than it saves (measured: a bfloat16 norm of 32 x 576 runs ~1.5x faster
 // on two threads, one of 8 x 576 no faster).
