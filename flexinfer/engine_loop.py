@@ -30,11 +30,11 @@ import torch
 from flexinfer.detokenizer import final_text
 from flexinfer.engine import Engine
 from flexinfer.errors import EngineClosed, EngineError, InvalidArgument
+from flexinfer.host_memory import keep_freed_memory
 from flexinfer.inputs import request_problem
 from flexinfer.outputs import CompletionOutput, RequestOutput, StreamEvent
 from flexinfer.sampling import SamplingParams
 from flexinfer.sequence import Sequence, Status
-from flexinfer.host_memory import keep_freed_memory
 from flexinfer.threads import release_openmp_pool
 
 log = logging.getLogger("flexinfer")

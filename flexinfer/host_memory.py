@@ -44,6 +44,8 @@ _M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 << 20
 # mallopt's largest value, above any heap top a step leaves free: never trim.
 TRIM_THRESHOLD = 2**31 - 1
+# Threads started after the setting share the main arena (see above).
+ARENA_MAX = 1
 
 _applied: bool | None = None
 
@@ -67,7 +69,7 @@ def _apply() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     if (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1
-            or mallopt(_M_ARENA_MAX, 1) != 1):
+            or mallopt(_M_ARENA_MAX, ARENA_MAX) != 1):
         log.debug("mallopt refused the settings; host memory is returned to the kernel as usual")
         return False
     return True

@@ -129,7 +129,7 @@ def peer_vllm(vllm_python, hf, rows, new_tokens, repeats, dtype):
     if host_memory.keep_freed_memory():
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(host_memory.MMAP_THRESHOLD))
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(host_memory.TRIM_THRESHOLD))
-        env.setdefault("MALLOC_ARENA_MAX", "1")
+        env.setdefault("MALLOC_ARENA_MAX", str(host_memory.ARENA_MAX))
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
         out = os.path.join(folder, "vllm.json")

@@ -61,8 +61,8 @@ struct LinearArgs {
   std::int64_t m = 0, n = 0, k = 0;
   DType dtype = DType::kFloat32;  // of x, the weight, bias, residual and y alike
   int threads = 1;  // parallel workers (OpenMP); 1 runs on the calling thread
-  // Forces the vector code where the bfloat16 dot product would run (tests
-  // compare the two).
+  // Forces the portable vector code where AMX or the bfloat16 dot product
+  // would run (tests compare them).
   bool portable = false;
 };
 

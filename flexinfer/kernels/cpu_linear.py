@@ -17,6 +17,12 @@ from flexinfer.errors import InvalidArgument
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def has_amx_bf16() -> bool:
+    """Whether bfloat16 calls with in_features a multiple of 32 run on AMX
+    tiles (the CPU has AMX-BF16 and Linux granted this process the tile state)."""
+    return _kernels.has_amx_bf16()
+
+
 def has_bf16_dot_product() -> bool:
     """Whether bfloat16 calls run on the CPU's AVX512-BF16 dot product
     (otherwise on vector code that widens the weights to float32)."""
@@ -44,8 +50,8 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  threads: int | None = None, portable: bool = False) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] (+ bias) (+ residual, of
-        the output's shape; not written). `portable` forces the vector code
-        where the AVX512-BF16 path would run."""
+        the output's shape; not written). `portable` forces the portable
+        vector code where AMX or the AVX512-BF16 dot product would run."""
         n, k = self.out_features, self.in_features
         if x.dtype is not self.dtype or not x.is_cpu or x.dim() == 0 or x.shape[-1] != k:
             raise InvalidArgument(f"x must be a {self.dtype} CPU tensor [..., {k}], got "
