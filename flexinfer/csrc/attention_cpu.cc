@@ -345,7 +345,9 @@ void MergeSplits(const AttentionArgs& a, const Partials& p, std::int64_t b, int 
   for (int d = 0; d < dim; ++d) Narrow(acc[d] * inv, &dst[d]);
 }
 
-void Validate(const AttentionArgs& a) {
+}  // namespace
+
+void CheckAttention(const AttentionArgs& a) {
   if (a.batch < 0 || a.num_queries < 0) Invalid("negative batch or query count");
   if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads != 0)
     Invalid("heads must be a positive multiple of kv_heads, got " + std::to_string(a.heads) + " and " +
@@ -371,10 +373,8 @@ void Validate(const AttentionArgs& a) {
   }
 }
 
-}  // namespace
-
 void Attention(const AttentionArgs& a) {
-  Validate(a);
+  CheckAttention(a);
   const int group = a.heads / a.kv_heads;
   const bool decode = a.cu_q == nullptr;
   const int threads = std::max(1, a.threads);

@@ -60,4 +60,8 @@ struct AttentionArgs {
 // arguments (before reading any K/V).
 void Attention(const AttentionArgs& args);
 
+// The checks Attention runs first, for callers that must reject a whole
+// sequence of calls before making the first.
+void CheckAttention(const AttentionArgs& args);
+
 }  // namespace flexinfer

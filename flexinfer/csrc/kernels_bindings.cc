@@ -7,8 +7,10 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "attention_cpu.h"
+#include "decoder_cpu.h"
 #include "layer_ops_cpu.h"
 #include "linear_cpu.h"
 #include "sampling_cpu.h"
@@ -182,6 +184,67 @@ PYBIND11_MODULE(_kernels, m) {
         RotaryKVWrite(a);
       },
       "Rotates q and k of qkv in place and writes k and v into a layer's cache view (see layer_ops_cpu.h).");
+  m.def(
+      "decoder_layers",
+      [](std::int64_t layers, std::int64_t hidden_size, std::int64_t intermediate_size, int heads, int kv_heads,
+         int head_dim, float eps, float scale, int dtype, std::uintptr_t weight_table, std::uintptr_t cache_table,
+         std::int64_t groups, std::int64_t max_slots, std::int64_t max_tokens,
+         std::int64_t tokens, std::int64_t batch, std::uintptr_t hidden, std::uintptr_t cos, std::uintptr_t sin,
+         std::uintptr_t positions, std::uintptr_t slot_index_table, std::uintptr_t slots_table,
+         std::uintptr_t seq_lens, std::uintptr_t cu_q, int threads) {
+        // The tables are int64 arrays: [layers][7] weight addresses (in
+        // DecoderLayerWeights' order), [layers][6] cache views (address, four
+        // strides, group: DecoderLayerCache's order), and the addresses of
+        // the [groups] per-group vectors.
+        if (layers < 0 || groups < 1) throw std::invalid_argument("negative layer count or no layer group");
+        const auto* w = static_cast<const std::int64_t*>(Ptr(weight_table));
+        const auto* cache = static_cast<const std::int64_t*>(Ptr(cache_table));
+        const auto* slot_index = static_cast<const std::int64_t*>(Ptr(slot_index_table));
+        const auto* slots = static_cast<const std::int64_t*>(Ptr(slots_table));
+        std::vector<DecoderLayerWeights> weights(layers);
+        std::vector<DecoderLayerCache> views(layers);
+        for (std::int64_t l = 0; l < layers; ++l) {
+          const std::int64_t* row = w + 7 * l;
+          weights[l] = {Ptr(row[0]), Ptr(row[1]), Ptr(row[2]), Ptr(row[3]), Ptr(row[4]), Ptr(row[5]), Ptr(row[6])};
+          const std::int64_t* c = cache + 6 * l;
+          views[l] = {reinterpret_cast<void*>(c[0]), c[1], c[2], c[3], c[4], c[5]};
+        }
+        std::vector<const std::int64_t*> group_slot_index(groups);
+        std::vector<const std::int32_t*> group_slots(groups);
+        for (std::int64_t g = 0; g < groups; ++g) {
+          group_slot_index[g] = static_cast<const std::int64_t*>(Ptr(slot_index[g]));
+          group_slots[g] = static_cast<const std::int32_t*>(Ptr(slots[g]));
+        }
+        DecoderArgs a;
+        a.layers = layers;
+        a.hidden_size = hidden_size;
+        a.intermediate_size = intermediate_size;
+        a.heads = heads;
+        a.kv_heads = kv_heads;
+        a.head_dim = head_dim;
+        a.eps = eps;
+        a.scale = scale;
+        a.dtype = ToDType(dtype);
+        a.weights = weights.data();
+        a.cache = views.data();
+        a.groups = groups;
+        a.max_slots = max_slots;
+        a.max_tokens = max_tokens;
+        a.tokens = tokens;
+        a.batch = batch;
+        a.hidden = reinterpret_cast<void*>(hidden);
+        a.cos = Ptr(cos);
+        a.sin = Ptr(sin);
+        a.positions = static_cast<const std::int64_t*>(Ptr(positions));
+        a.slot_index = group_slot_index.data();
+        a.slots = group_slots.data();
+        a.seq_lens = static_cast<const std::int32_t*>(Ptr(seq_lens));
+        a.cu_q = static_cast<const std::int32_t*>(Ptr(cu_q));
+        a.threads = threads;
+        py::gil_scoped_release release;
+        DecoderLayers(a);
+      },
+      "Every decoder layer of a forward pass in one call (see decoder_cpu.h).");
   m.def("has_amx_bf16", &HasAmxBF16, "Whether bfloat16 linear calls with k % 32 == 0 use AMX tiles.");
   m.def("has_bf16_dot_product", &HasBF16DotProduct,
         "Whether bfloat16 linear calls use the CPU's AVX512-BF16 dot product.");

@@ -92,4 +92,8 @@ struct RotaryKVWriteArgs {
 // v heads into the cache at (slots[t], positions[t]).
 void RotaryKVWrite(const RotaryKVWriteArgs& args);
 
+// The checks RotaryKVWrite runs first, for callers that must reject a whole
+// sequence of calls before making the first.
+void CheckRotaryKVWrite(const RotaryKVWriteArgs& args);
+
 }  // namespace flexinfer

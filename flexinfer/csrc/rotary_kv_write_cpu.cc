@@ -62,7 +62,7 @@ FLEXINFER_CLONES void RotaryKVWriteBF16(const RotaryKVWriteArgs& a, std::int64_t
 
 }  // namespace
 
-void RotaryKVWrite(const RotaryKVWriteArgs& a) {
+void CheckRotaryKVWrite(const RotaryKVWriteArgs& a) {
   CheckDType(a.dtype);
   if (a.tokens < 0 || a.heads <= 0 || a.kv_heads <= 0)
     Invalid("rotary_kv_write needs tokens >= 0 and positive head counts");
@@ -78,6 +78,10 @@ void RotaryKVWrite(const RotaryKVWriteArgs& a) {
       Invalid("position " + std::to_string(position) + " of token " + std::to_string(t) + " is outside [0, " +
               std::to_string(a.max_tokens) + ")");
   }
+}
+
+void RotaryKVWrite(const RotaryKVWriteArgs& a) {
+  CheckRotaryKVWrite(a);
   const bool f32 = a.dtype == DType::kFloat32;
   const std::int64_t elements = a.tokens * (a.heads + 2 * a.kv_heads) * a.head_dim;
   ForRows(a.tokens, elements, a.threads, [&](std::int64_t begin, std::int64_t end) {

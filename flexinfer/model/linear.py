@@ -91,18 +91,37 @@ def bucket_of(rows: int) -> int:
 _measured: dict[tuple, dict[int, str]] = {}
 
 
-def measure_kinds(weights: list[torch.Tensor], repeats: int = 7) -> dict[int, str]:
+# Kernels whose medians are within this factor of the fastest tie: timings of
+# one cache-hot layer do not separate them (a close call flipped between
+# runs), and `prefer` then decides.
+TIE = 1.10
+
+
+def measure_kinds(weights: list[torch.Tensor], repeats: int = 7, prefer: str | None = None) -> dict[int, str]:
     """The faster kernel per row bucket for this chain of projections (one
     layer's weights, [out, in] each): the median of `repeats` interleaved
-    timings of running every projection once per kernel. Measured once per
-    process for a given set of shapes, dtype and thread count."""
-    key = (tuple(tuple(w.shape) for w in weights), weights[0].dtype, torch.get_num_threads())
+    timings of running every projection once per kernel. Among kernels that
+    tie with the fastest (within TIE), `prefer` wins: a model that runs its
+    layers in one C++ call when they use `packed` (kernels/cpu_decoder.py)
+    prefers it, since that call saves about as much as TIE allows (float32,
+    one row: 25.7 ms a step against 28.1 through the Python loop). Measured
+    once per process for a given set of shapes, dtype, thread count and
+    preference."""
+    key = (tuple(tuple(w.shape) for w in weights), weights[0].dtype, torch.get_num_threads(), prefer)
     if key not in _measured:
-        _measured[key] = _measure(weights, repeats)
+        _measured[key] = _measure(weights, repeats, prefer)
     return dict(_measured[key])
 
 
-def _measure(weights: list[torch.Tensor], repeats: int) -> dict[int, str]:
+def choose_kind(medians: dict[str, float], prefer: str | None = None) -> str:
+    """The fastest kernel by median seconds, or `prefer` where it ties (TIE)."""
+    fastest = min(medians, key=medians.get)
+    if prefer in medians and medians[prefer] <= TIE * medians[fastest]:
+        return prefer
+    return fastest
+
+
+def _measure(weights: list[torch.Tensor], repeats: int, prefer: str | None) -> dict[int, str]:
     kinds = available_kinds(weights[0].device, weights[0].dtype)
     layers = {kind: [Linear(w, None, kind) for w in weights] for kind in kinds}
     choice = {}
@@ -116,7 +135,7 @@ def _measure(weights: list[torch.Tensor], repeats: int) -> dict[int, str]:
                     layer(x)
                 if rep:  # the first round warms caches and kernels up
                     times[kind].append(time.perf_counter() - start)
-        choice[rows] = min(kinds, key=lambda kind: statistics.median(times[kind]))
+        choice[rows] = choose_kind({kind: statistics.median(times[kind]) for kind in kinds}, prefer)
     return choice
 
 
@@ -144,10 +163,14 @@ class Linear:
             else:
                 self.weights[k] = weight
 
+    def kind_for(self, rows: int) -> str:
+        """The kernel a call with `rows` rows runs."""
+        return self.kinds[bucket_of(rows)] if self.kind == "mixed" else self.kind
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """With `residual`, returns residual + linear(x); oneDNN adds it as the
         matmul writes its output, saving a pass over the result."""
-        kind = self.kinds[bucket_of(x.numel() // self.in_features)] if self.kind == "mixed" else self.kind
+        kind = self.kind_for(x.numel() // self.in_features)
         weight = self.weights[kind]
         if kind == "packed":
             return weight(x, self.bias, residual)

@@ -10,7 +10,10 @@ projection runs through `Linear`, which prepares its weight once for the
 fastest kernel on the device (see linear.py). On the CPU in float32 and bfloat16
 the norms, SiLU(gate)*up and the rotary embedding with the K/V write run as
 fused C++ loops (kernels/cpu_layer_ops.py), rounded as transformers rounds them;
-elsewhere they are torch ops.
+elsewhere they are torch ops. There, when a pass's projections run the
+`packed` kernel and attention is the batched kernel, all its layers run as
+one C++ call (kernels/cpu_decoder.py) that makes the loop's kernel calls in
+the loop's order: the same bits without ~9 Python calls per layer.
 """
 
 from __future__ import annotations
@@ -128,7 +131,17 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return take(name).to(device=self.device, dtype=dtype)
 
-        # "auto" on CPU: time the kernels on this model's first layer (see linear.py).
+        # The fused CPU layer ops where they apply (None: torch ops). Imported
+        # here, as attention.py imports its kernels: only a CPU model loads the
+        # compiled extension.
+        self.layer_ops = None
+        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            from flexinfer.kernels import cpu_layer_ops
+
+            self.layer_ops = cpu_layer_ops
+        # "auto" on CPU: time the kernels on this model's first layer (see
+        # linear.py); `packed` wins ties where it lets the layers run in one
+        # C++ call.
         self.linear_kind = resolve_linear_kind(linear, self.device, dtype)
         if self.linear_kind == "auto":
             p = "model.layers.0."
@@ -136,7 +149,8 @@ class LlamaModel:
                       weights[p + "self_attn.o_proj.weight"],
                       torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
                       weights[p + "mlp.down_proj.weight"]]
-            self.linear_kind = measure_kinds([t.to(dtype=dtype).contiguous() for t in sample])
+            self.linear_kind = measure_kinds([t.to(dtype=dtype).contiguous() for t in sample],
+                                             prefer="packed" if self.layer_ops is not None else None)
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, self.linear_kind)
@@ -162,14 +176,13 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.inv_freq = rope_inv_freq(c).to(self.device)
-        # The fused CPU layer ops where they apply (None: torch ops). Imported
-        # here, as attention.py imports its kernels: only a CPU model loads the
-        # compiled extension.
-        self.layer_ops = None
-        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            from flexinfer.kernels import cpu_layer_ops
+        # Where the projections run the packed kernel, all layers of a pass
+        # in one C++ call (kernels/cpu_decoder.py); None: the loop below.
+        self.decoder = None
+        if self.layer_ops is not None and "packed" in self.layers[0]["qkv"].weights:
+            from flexinfer.kernels.cpu_decoder import CpuDecoder
 
-            self.layer_ops = cpu_layer_ops
+            self.decoder = CpuDecoder(self)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, head_dim] of each token's position; sin's first half negated."""
@@ -219,6 +232,9 @@ class LlamaModel:
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self._rope(batch.positions)
+        if self._runs_decoder(t, attention):
+            self.decoder.run(hidden, cos, sin, batch, kv_cache)
+            return self._logits(hidden, batch)
         attention.prepare(batch, kv_cache)
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         for i, layer in enumerate(self.layers):
@@ -229,5 +245,15 @@ class LlamaModel:
             hidden = layer["o"](attn.reshape(t, self.q_size), residual=hidden)
             x = self._rms_norm(hidden, layer["post_norm"])
             hidden = layer["down"](self._silu_mul(layer["gate_up"](x)), residual=hidden)
+        return self._logits(hidden, batch)
+
+    def _runs_decoder(self, tokens: int, attention) -> bool:
+        """Whether this pass runs as one C++ call: the projections' kernel for
+        its row count is `packed` and attention the batched CPU kernel (the
+        decoder calls both itself)."""
+        return (self.decoder is not None and attention.name == "kernel"
+                and self.layers[0]["qkv"].kind_for(tokens) == "packed")
+
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         last = self._rms_norm(hidden.index_select(0, batch.last_index), self.norm)
         return self.lm_head(last).float()

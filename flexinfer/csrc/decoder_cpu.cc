@@ -1,0 +1,222 @@
+#include "decoder_cpu.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attention_cpu.h"
+#include "cpu_vec.h"
+#include "layer_ops_cpu.h"
+#include "linear_cpu.h"
+
+namespace flexinfer {
+namespace {
+
+// The pass's intermediate tensors, each [tokens, width] and dense, in one
+// allocation (each start 64-byte aligned).
+struct Scratch {
+  void* x;        // a norm's output, [hidden]
+  void* qkv;      // [(heads + 2 kv_heads) head_dim]
+  void* attended;  // [heads head_dim]
+  void* mid;      // the residual stream after attention, [hidden]
+  void* gate_up;  // [2 inter]
+  void* act;      // [inter]
+  std::unique_ptr<float[]> storage;
+};
+
+Scratch Allocate(const DecoderArgs& a, std::int64_t qkv_width, std::int64_t q_width) {
+  const std::int64_t element = a.dtype == DType::kFloat32 ? 4 : 2;
+  const std::int64_t widths[] = {a.hidden_size, qkv_width, q_width, a.hidden_size, 2 * a.intermediate_size,
+                                 a.intermediate_size};
+  std::int64_t offsets[6], bytes = 0;
+  for (int i = 0; i < 6; ++i) {
+    offsets[i] = bytes;
+    bytes += (a.tokens * widths[i] * element + 63) / 64 * 64;
+  }
+  Scratch s;
+  s.storage.reset(new float[bytes / 4 + 16]);  // std::bad_alloc when out of memory
+  char* base = reinterpret_cast<char*>(s.storage.get());
+  base += (64 - reinterpret_cast<std::uintptr_t>(base) % 64) % 64;
+  void** fields[] = {&s.x, &s.qkv, &s.attended, &s.mid, &s.gate_up, &s.act};
+  for (int i = 0; i < 6; ++i) *fields[i] = base + offsets[i];
+  return s;
+}
+
+RmsNormArgs Norm(const DecoderArgs& a, const void* x, const void* weight, void* out) {
+  RmsNormArgs n;
+  n.x = x;
+  n.x_stride = a.hidden_size;
+  n.weight = weight;
+  n.out = out;
+  n.out_stride = a.hidden_size;
+  n.rows = a.tokens;
+  n.dim = a.hidden_size;
+  n.eps = a.eps;
+  n.dtype = a.dtype;
+  n.threads = a.threads;
+  return n;
+}
+
+LinearArgs Projection(const DecoderArgs& a, const void* x, std::int64_t k, const void* packed, const void* bias,
+                      const void* residual, void* y, std::int64_t n) {
+  LinearArgs l;
+  l.x = x;
+  l.x_stride = k;
+  l.packed = packed;
+  l.bias = bias;
+  l.residual = residual;
+  l.residual_stride = n;
+  l.y = y;
+  l.y_stride = n;
+  l.m = a.tokens;
+  l.n = n;
+  l.k = k;
+  l.dtype = a.dtype;
+  l.threads = a.threads;
+  return l;
+}
+
+// One layer's calls, built before any runs so that all are checked first.
+struct LayerCalls {
+  RmsNormArgs input_norm;
+  LinearArgs qkv;
+  RotaryKVWriteArgs rotary;
+  AttentionArgs attention;
+  LinearArgs o;
+  RmsNormArgs post_norm;
+  LinearArgs gate_up;
+  SiluMulArgs silu_mul;
+  LinearArgs down;
+};
+
+LayerCalls Calls(const DecoderArgs& a, std::int64_t l, const Scratch& s) {
+  const DecoderLayerWeights& w = a.weights[l];
+  const std::int64_t hd = a.head_dim, q_width = a.heads * hd, qkv_width = (a.heads + 2 * a.kv_heads) * hd;
+  const std::int64_t inter = a.intermediate_size;
+  const DecoderLayerCache& cache = a.cache[l];
+  LayerCalls c;
+  c.input_norm = Norm(a, a.hidden, w.input_norm, s.x);
+  c.qkv = Projection(a, s.x, a.hidden_size, w.qkv, w.qkv_bias, nullptr, s.qkv, qkv_width);
+
+  RotaryKVWriteArgs& r = c.rotary;
+  r.qkv = s.qkv;
+  r.qkv_stride_token = qkv_width;
+  r.qkv_stride_head = hd;
+  r.cos = a.cos;
+  r.sin = a.sin;
+  r.cos_stride = r.sin_stride = hd;
+  r.kv = cache.kv;
+  r.kv_stride_slot = cache.stride_slot;
+  r.kv_stride_token = cache.stride_token;
+  r.kv_stride_kv = cache.stride_kv;
+  r.kv_stride_head = cache.stride_head;
+  r.max_slots = a.max_slots;
+  r.max_tokens = a.max_tokens;
+  r.slots = a.slot_index[cache.group];
+  r.positions = a.positions;
+  r.tokens = a.tokens;
+  r.heads = a.heads;
+  r.kv_heads = a.kv_heads;
+  r.head_dim = a.head_dim;
+  r.dtype = a.dtype;
+  r.threads = a.threads;
+
+  AttentionArgs& t = c.attention;
+  const std::int64_t element = a.dtype == DType::kFloat32 ? 4 : 2;
+  t.q = s.qkv;
+  t.q_stride_token = qkv_width;
+  t.q_stride_head = hd;
+  t.out = s.attended;
+  t.out_stride_token = q_width;
+  t.out_stride_head = hd;
+  t.k = cache.kv;
+  t.v = static_cast<const char*>(cache.kv) + cache.stride_kv * element;
+  t.kv_stride_slot = cache.stride_slot;
+  t.kv_stride_token = cache.stride_token;
+  t.kv_stride_head = cache.stride_head;
+  t.max_slots = a.max_slots;
+  t.max_tokens = a.max_tokens;
+  t.slots = a.slots[cache.group];
+  t.seq_lens = a.seq_lens;
+  t.cu_q = a.cu_q;
+  t.batch = a.batch;
+  t.num_queries = a.tokens;
+  t.heads = a.heads;
+  t.kv_heads = a.kv_heads;
+  t.head_dim = a.head_dim;
+  t.dtype = a.dtype;
+  t.scale = a.scale;
+  t.threads = a.threads;
+
+  c.o = Projection(a, s.attended, q_width, w.o, nullptr, a.hidden, s.mid, a.hidden_size);
+  c.post_norm = Norm(a, s.mid, w.post_norm, s.x);
+  c.gate_up = Projection(a, s.x, a.hidden_size, w.gate_up, nullptr, nullptr, s.gate_up, 2 * inter);
+
+  SiluMulArgs& m = c.silu_mul;
+  m.gate_up = s.gate_up;
+  m.gate_up_stride = 2 * inter;
+  m.out = s.act;
+  m.out_stride = inter;
+  m.rows = a.tokens;
+  m.inter = inter;
+  m.dtype = a.dtype;
+  m.threads = a.threads;
+
+  // The down projection adds the attention's residual and writes the
+  // stream back into `hidden` (mid was read from it, never aliased).
+  c.down = Projection(a, s.act, inter, w.down, nullptr, s.mid, a.hidden, a.hidden_size);
+  return c;
+}
+
+void CheckShapes(const DecoderArgs& a) {
+  if (a.dtype != DType::kFloat32 && a.dtype != DType::kBFloat16) Invalid("the decoder takes float32 or bfloat16");
+  if (a.layers < 0 || a.tokens < 0 || a.batch < 0) Invalid("negative layer, token or request count");
+  if (a.hidden_size <= 0 || a.intermediate_size <= 0) Invalid("hidden and intermediate sizes must be positive");
+  if (a.groups < 1) Invalid("the cache needs at least one layer group");
+  if (a.layers == 0 || a.tokens == 0) return;
+  if (a.hidden == nullptr || a.cos == nullptr || a.sin == nullptr || a.positions == nullptr ||
+      a.slot_index == nullptr || a.slots == nullptr || a.seq_lens == nullptr || a.weights == nullptr ||
+      a.cache == nullptr)
+    Invalid("a null decoder argument");
+  for (std::int64_t g = 0; g < a.groups; ++g) {
+    if (a.slot_index[g] == nullptr || a.slots[g] == nullptr) Invalid("null slots of layer group " + std::to_string(g));
+  }
+  for (std::int64_t l = 0; l < a.layers; ++l) {
+    const DecoderLayerWeights& w = a.weights[l];
+    const DecoderLayerCache& c = a.cache[l];
+    if (!w.input_norm || !w.qkv || !w.o || !w.post_norm || !w.gate_up || !w.down || !c.kv)
+      Invalid("layer " + std::to_string(l) + " has a null weight or cache view");
+    if (c.group < 0 || c.group >= a.groups)
+      Invalid("layer " + std::to_string(l) + " is in group " + std::to_string(c.group) + " of " +
+              std::to_string(a.groups));
+  }
+}
+
+}  // namespace
+
+void DecoderLayers(const DecoderArgs& a) {
+  CheckShapes(a);
+  if (a.layers == 0 || a.tokens == 0) return;
+  const std::int64_t q_width = std::int64_t{a.heads} * a.head_dim;
+  const Scratch scratch = Allocate(a, (std::int64_t{a.heads} + 2 * a.kv_heads) * a.head_dim, q_width);
+  std::vector<LayerCalls> calls;
+  calls.reserve(a.layers);
+  for (std::int64_t l = 0; l < a.layers; ++l) {
+    calls.push_back(Calls(a, l, scratch));
+    CheckRotaryKVWrite(calls.back().rotary);
+    CheckAttention(calls.back().attention);
+  }
+  for (const LayerCalls& c : calls) {
+    RmsNorm(c.input_norm);
+    PackedLinear(c.qkv);
+    RotaryKVWrite(c.rotary);
+    Attention(c.attention);
+    PackedLinear(c.o);
+    RmsNorm(c.post_norm);
+    PackedLinear(c.gate_up);
+    SiluMul(c.silu_mul);
+    PackedLinear(c.down);
+  }
+}
+
+}  // namespace flexinfer

@@ -1,0 +1,206 @@
+"""The one-call CPU decoder (flexinfer/csrc/decoder_cpu.h) against the model's
+Python loop over the same kernels: logits and every cache byte equal, bit for
+bit, through prefill, decode and chunks that continue a cached prefix, in
+float32 and bfloat16, with q/k/v biases and with layer groups whose rows
+differ in length. Bad slots and positions change nothing. Runs on vtm's host
+backend, whose unmapped pages fault on an over-read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vtm
+from flexinfer.attention import KernelAttention, SdpaAttention
+from flexinfer.errors import InvalidArgument
+from flexinfer.kv_cache import KVCache
+from flexinfer.model.config import ModelConfig
+from flexinfer.model.linear import TIE, choose_kind
+from flexinfer.model.llama import ForwardBatch, LlamaModel
+
+CPU = torch.device("cpu")
+PAGE = 4096
+
+
+def tiny_config(layers: int = 3, bias: bool = False) -> ModelConfig:
+    return ModelConfig(architecture="qwen2" if bias else "llama", vocab_size=96, hidden_size=48,
+                       intermediate_size=80, num_hidden_layers=layers, num_attention_heads=6, num_key_value_heads=2,
+                       head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, max_position_embeddings=128,
+                       tie_word_embeddings=False, attention_bias=bias, bos_token_id=1, eos_token_ids=(2,))
+
+
+def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+
+    def t(*shape):
+        return torch.randn(*shape, generator=gen) * (0.3 if len(shape) == 2 else 1.0)
+
+    weights = {"model.embed_tokens.weight": t(c.vocab_size, c.hidden_size), "model.norm.weight": t(c.hidden_size),
+               "lm_head.weight": t(c.vocab_size, c.hidden_size)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": t(c.hidden_size), p + "post_attention_layernorm.weight": t(c.hidden_size),
+            p + "self_attn.q_proj.weight": t(q, c.hidden_size), p + "self_attn.k_proj.weight": t(kv, c.hidden_size),
+            p + "self_attn.v_proj.weight": t(kv, c.hidden_size), p + "self_attn.o_proj.weight": t(c.hidden_size, q),
+            p + "mlp.gate_proj.weight": t(c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": t(c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": t(c.hidden_size, c.intermediate_size)})
+        if c.attention_bias:
+            weights.update({p + "self_attn.q_proj.bias": t(q), p + "self_attn.k_proj.bias": t(kv),
+                            p + "self_attn.v_proj.bias": t(kv)})
+    return weights
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as integers: equal bits compare equal, NaNs included."""
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+class Runner:
+    """One model, two caches of the same layout: the fused decoder writes one,
+    the loop the other; every pass compares the logits and every cached row."""
+
+    def __init__(self, manager, config, dtype, layer_groups, requests):
+        self.model = LlamaModel(config, random_weights(config, seed=3), dtype, linear="packed")
+        assert self.model.decoder is not None
+        self.attention = KernelAttention(CPU)
+        self.manager = manager
+        self.caches = [KVCache(manager, config, dtype, max_tokens=64, max_slots=requests + 2,
+                               layer_groups=layer_groups) for _ in range(2)]
+        # A vTensor in each cache's first slot, outside the batch: no pass may touch its rows.
+        self.bystanders = [cache.create(3) for cache in self.caches]
+        self.bystander_rows = [self.rows(0, self.bystanders[0], 3)]
+        # One more slot taken in the last group only: each group's slots differ.
+        self.offsets = [cache.spaces[-1].create(0).result() if layer_groups > 1 else None for cache in self.caches]
+        self.vts = [[cache.create(0) for _ in range(requests)] for cache in self.caches]
+        self.lengths = [0] * requests
+
+    def rows(self, cache: int, vts, length: int) -> list[torch.Tensor]:
+        """The first `length` cached rows of one request (its vTensor per group) in every layer."""
+        c = self.caches[cache]
+        return [raw(c.kv[layer][vts[c.group_of[layer]].slot, :length]).clone() for layer in range(len(c.kv))]
+
+    def slots(self, cache: int) -> list[tuple[int, ...]]:
+        return [tuple(vt.slot for vt in group) for group in self.vts[cache]]
+
+    def forward(self, cache: int, ids: torch.Tensor, new_lens: list[int], fused: bool) -> torch.Tensor:
+        batch = ForwardBatch.build(self.slots(cache), self.lengths, new_lens, CPU)
+        decoder = self.model.decoder
+        self.model.decoder = decoder if fused else None
+        try:
+            return self.model.forward(ids, batch, self.caches[cache], self.attention)
+        finally:
+            self.model.decoder = decoder
+
+    def step(self, new_lens: list[int], seed: int) -> torch.Tensor:
+        """One pass of `new_lens[i]` new tokens per request through both paths."""
+        for cache in range(2):
+            self.manager.step({vt: length + n for group, length, n in zip(self.vts[cache], self.lengths, new_lens)
+                               for vt in group}).result()
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, self.model.config.vocab_size, (sum(new_lens),), generator=gen)
+        fused, loop = (self.forward(cache, ids, new_lens, fused) for cache, fused in ((0, True), (1, False)))
+        assert torch.equal(raw(fused), raw(loop)) and torch.isfinite(fused).all()
+        self.lengths = [length + n for length, n in zip(self.lengths, new_lens)]
+        for a, b, length in zip(self.vts[0], self.vts[1], self.lengths):
+            for got, want in zip(self.rows(0, a, length), self.rows(1, b, length)):
+                assert torch.equal(got, want)
+        for got, want in zip(self.rows(0, self.bystanders[0], 3), self.bystander_rows[0]):
+            assert torch.equal(got, want)
+        return fused
+
+    def close(self) -> None:
+        for cache, bystander, vts, offset in zip(self.caches, self.bystanders, self.vts, self.offsets):
+            cache.release([vt for group in vts for vt in group] + bystander + [offset])
+            cache.close()
+
+
+def host_manager() -> vtm.Manager:
+    return vtm.Manager(backend="host", capacity_bytes=256 * PAGE, chunk_bytes=PAGE, granularity=PAGE)
+
+
+# Prefill of unequal prompts, decode, then chunks continuing cached prefixes
+# mixed with decode rows, and a pass with a request that adds nothing.
+SCHEDULE = [[5, 11, 2], [1, 1, 1], [1, 1, 1], [7, 1, 3], [1, 9, 1], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qkv-bias"])
+@pytest.mark.parametrize("layer_groups", [1, 2])
+def test_fused_layers_equal_the_loop_bit_for_bit(dtype, bias, layer_groups):
+    with host_manager() as manager:
+        runner = Runner(manager, tiny_config(bias=bias), dtype, layer_groups, requests=3)
+        for seed, new_lens in enumerate(SCHEDULE):
+            runner.step(new_lens, seed)
+        runner.close()
+        manager.check()
+
+
+def test_model_runs_the_decoder_only_with_packed_projections_and_the_kernel_attention(monkeypatch):
+    config = tiny_config()
+    assert LlamaModel(config, random_weights(config, 1), torch.float32, linear="torch").decoder is None
+    model = LlamaModel(config, random_weights(config, 1), torch.float32, linear="packed")
+    calls = []
+    monkeypatch.setattr(model.decoder, "run", lambda *args: calls.append(args) or pytest.fail("fused"))
+    assert not model._runs_decoder(1, SdpaAttention())
+    assert model._runs_decoder(1, KernelAttention(CPU))
+    model.layers[0]["qkv"].kinds = {1: "torch", 8: "packed", 32: "packed", 128: "packed"}
+    model.layers[0]["qkv"].kind = "mixed"
+    assert not model._runs_decoder(1, KernelAttention(CPU)) and model._runs_decoder(2, KernelAttention(CPU))
+
+
+@pytest.mark.parametrize("bad", ["slot", "position", "seq_len"])
+def test_bad_slot_or_position_changes_nothing(bad):
+    config = tiny_config()
+    with host_manager() as manager:
+        runner = Runner(manager, config, torch.float32, layer_groups=2, requests=2)
+        runner.step([4, 6], seed=0)
+        for cache in range(2):
+            manager.step({vt: length + 1 for group, length in zip(runner.vts[cache], runner.lengths)
+                          for vt in group}).result()
+        batch = ForwardBatch.build(runner.slots(0), runner.lengths, [1, 1], CPU)
+        if bad == "slot":  # the second group's slot of the last request, past the space
+            batch.slot_index[1][1] = runner.caches[0].max_slots
+        elif bad == "position":
+            batch.positions[1] = runner.caches[0].max_tokens
+        else:
+            batch.seq_lens[0] = runner.caches[0].max_tokens + 1
+        before = [runner.rows(0, vts, length + 1) for vts, length in zip(runner.vts[0], runner.lengths)]
+        hidden = torch.randn(2, config.hidden_size)
+        kept = hidden.clone()
+        cos, sin = runner.model._rope(batch.positions.clamp(max=63))
+        with pytest.raises(InvalidArgument, match="outside"):
+            runner.model.decoder.run(hidden, cos, sin, batch, runner.caches[0])
+        assert torch.equal(hidden, kept)
+        after = [runner.rows(0, vts, length + 1) for vts, length in zip(runner.vts[0], runner.lengths)]
+        for rows_before, rows_after in zip(before, after):
+            assert all(torch.equal(x, y) for x, y in zip(rows_before, rows_after))
+        runner.close()
+        manager.check()
+
+
+def test_decoder_refuses_inputs_of_the_wrong_shape_or_dtype():
+    config = tiny_config()
+    with host_manager() as manager:
+        runner = Runner(manager, config, torch.float32, layer_groups=1, requests=1)
+        runner.step([3], seed=0)
+        batch = ForwardBatch.build(runner.slots(0), [0], [3], CPU)
+        cos, sin = runner.model._rope(batch.positions)
+        decoder, cache = runner.model.decoder, runner.caches[0]
+        for hidden in (torch.zeros(3, config.hidden_size, dtype=torch.bfloat16), torch.zeros(3, 7),
+                       torch.zeros(config.hidden_size, 3).t()):
+            with pytest.raises(InvalidArgument, match="hidden"):
+                decoder.run(hidden, cos, sin, batch, cache)
+        with pytest.raises(InvalidArgument, match="cos"):
+            decoder.run(torch.zeros(3, config.hidden_size), cos[:2], sin, batch, cache)
+        runner.close()
+
+
+def test_ties_go_to_the_preferred_kernel():
+    assert choose_kind({"torch": 1.0, "packed": 1.05}) == "torch"
+    assert choose_kind({"torch": 1.0, "packed": 1.05}, prefer="packed") == "packed"
+    assert choose_kind({"torch": 1.0, "packed": TIE * 1.01}, prefer="packed") == "torch"
+    assert choose_kind({"torch": 1.0, "onednn": 0.9}, prefer="packed") == "onednn"
