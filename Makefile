@@ -10,7 +10,13 @@ TORCH_VERSION := 2.13.0
 
 SOURCES := $(shell find vtm flexinfer -name '*.cc' -o -name '*.h' -o -name '*.py' -o -name '*.pyi') CMakeLists.txt pyproject.toml
 
-.PHONY: all demo test test-py test-sanitize bench bench-engine clean
+ISA_DIR := build/isa
+# The CPU kernels' tests, rerun on builds for one instruction set each (test-isa).
+KERNEL_TESTS := tests/flexinfer/test_cpu_attention.py tests/flexinfer/test_linear.py \
+	tests/flexinfer/test_cpu_layer_ops.py tests/flexinfer/test_sampling.py tests/flexinfer/test_cpu_decoder.py
+KERNEL_ARCHS := x86-64-v3 x86-64
+
+.PHONY: all demo test test-py test-sanitize test-isa bench bench-engine clean
 
 all: $(STAMP)
 
@@ -43,7 +49,12 @@ demo: $(STAMP)
 	$(PY) scripts/demo_vtm.py
 	$(PY) scripts/demo_chat.py
 
+# test-isa builds x86-64 variants: elsewhere the clones are not x86's either.
+ifeq ($(shell uname -m),x86_64)
+test: test-py test-sanitize test-isa
+else
 test: test-py test-sanitize
+endif
 
 test-py: $(STAMP)
 	$(VENV)/bin/pytest -q
@@ -64,6 +75,25 @@ test-sanitize: $(SAN_DIR)/vtm/_core.so
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/flexinfer tests
+
+# The CPU kernels built for AVX2 and for baseline x86-64 instead of the
+# clones the CPU picks at load, and their tests run on each: a machine with
+# AVX-512 then also runs the code other CPUs take. A CPU without AVX2 cannot
+# run the x86-64-v3 build: it is skipped there, and says so.
+$(ISA_DIR)/%/flexinfer/_kernels.so: $(VENV)/.deps $(SOURCES)
+	mkdir -p $(ISA_DIR)/$*/flexinfer
+	cmake -S . -B $(ISA_DIR)/$*/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXINFER_KERNEL_ARCH=$* \
+		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
+	cmake --build $(ISA_DIR)/$*/cmake --target _kernels
+	cp $(ISA_DIR)/$*/cmake/_kernels*.so $@
+
+test-isa: $(STAMP) $(foreach arch,$(KERNEL_ARCHS),$(ISA_DIR)/$(arch)/flexinfer/_kernels.so)
+	for arch in $(KERNEL_ARCHS); do \
+		if [ $$arch = x86-64-v3 ] && ! grep -qw avx2 /proc/cpuinfo; then \
+			echo "test-isa: this CPU has no AVX2; not running the $$arch build"; continue; fi; \
+		FLEXINFER_KERNELS_DIR=$(abspath $(ISA_DIR))/$$arch/flexinfer $(VENV)/bin/pytest -q -p no:cacheprovider \
+			$(KERNEL_TESTS) || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(PY) scripts/bench_vtm.py --json bench-results/bench_vtm.json

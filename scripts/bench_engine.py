@@ -4,8 +4,11 @@
    (greedy, 128 new tokens, ignore EOS) at several batch sizes, in float32 or
    (--dtype) bfloat16; tokens/s and the ratio. Also FlexInfer with
    `attention="sdpa"` (one SDPA call per request and layer, the path before
-   the batched kernels), which separates what the kernels bring. All run in
-   this process, alternating, each repeated; medians.
+   the batched kernels), which separates what the kernels bring, and, where
+   the CPU model runs its layers as one C++ call, the same engine with its
+   Python layer loop instead (the same kernels, one call each), which
+   separates what that call brings. All run in this process, alternating,
+   each repeated; medians.
 2. Fragmentation: a mixed-length workload; KV bytes mapped versus bytes used,
    sampled every step.
 3. Multi-turn chat (5 turns, growing history): time to first token per turn
@@ -93,15 +96,29 @@ def run_flexinfer(llm, prompts, new_tokens, outputs=None) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
+def run_layer_loop(llm, prompts, new_tokens) -> float:
+    """run_flexinfer with the model's Python layer loop instead of its one-call decoder."""
+    decoder, llm.model.decoder = llm.model.decoder, None
+    try:
+        return run_flexinfer(llm, prompts, new_tokens)
+    finally:
+        llm.model.decoder = decoder
+
+
 def throughput(llm, llm_sdpa, hf, batches, new_tokens, prompt_len, repeats):
     rows = []
+    fused = llm.model.decoder is not None
     for batch in batches:
         prompts = make_prompts(batch, prompt_len)
-        ours, plain, theirs, token_ids = [], [], [], []
+        ours, plain, looped, theirs, token_ids = [], [], [], [], []
+        runs = [(llm, ours, lambda: run_flexinfer(llm, prompts, new_tokens, token_ids)),
+                (llm_sdpa, plain, lambda: run_flexinfer(llm_sdpa, prompts, new_tokens))]
+        if fused:
+            runs.append((llm, looped, lambda: run_layer_loop(llm, prompts, new_tokens)))
         for _ in range(repeats):
             theirs.append(run_hf(hf, prompts, new_tokens))
-            for engine, results in ((llm, ours), (llm_sdpa, plain)):
-                results.append(run_flexinfer(engine, prompts, new_tokens, token_ids if engine is llm else None))
+            for engine, results, run in runs:
+                results.append(run())
                 engine.kv_cache.space.clear_prefixes()  # no cross-repeat reuse: measure compute
         row = dict(batch=batch, prompt_tokens=prompt_len, new_tokens=new_tokens,
                    flexinfer_tok_s=statistics.median(ours), hf_tok_s=statistics.median(theirs),
@@ -109,10 +126,15 @@ def throughput(llm, llm_sdpa, hf, batches, new_tokens, prompt_len, repeats):
                    flexinfer_all=ours, hf_all=theirs, flexinfer_sdpa_all=plain, token_ids=token_ids)
         row["ratio"] = row["flexinfer_tok_s"] / row["hf_tok_s"]
         row["ratio_sdpa"] = row["flexinfer_sdpa_tok_s"] / row["hf_tok_s"]
+        loop_note = ""
+        if fused:
+            row.update(flexinfer_loop_tok_s=statistics.median(looped), flexinfer_loop_all=looped)
+            row["ratio_loop"] = row["flexinfer_loop_tok_s"] / row["hf_tok_s"]
+            loop_note = f"; Python layer loop {row['flexinfer_loop_tok_s']:7.1f} tok/s, {row['ratio_loop']:.2f}x"
         rows.append(row)
         print(f"  batch {batch:>3}: FlexInfer {row['flexinfer_tok_s']:7.1f} tok/s   HF {row['hf_tok_s']:7.1f} tok/s"
-              f"   ratio {row['ratio']:.2f}x   (FlexInfer with per-request SDPA {row['flexinfer_sdpa_tok_s']:7.1f}"
-              f" tok/s, {row['ratio_sdpa']:.2f}x)", flush=True)
+              f"   ratio {row['ratio']:.2f}x   (per-request SDPA {row['flexinfer_sdpa_tok_s']:7.1f}"
+              f" tok/s, {row['ratio_sdpa']:.2f}x{loop_note})", flush=True)
     return rows
 
 

@@ -20,8 +20,13 @@ namespace flexinfer {
 namespace {
 
 // One entry point per kernel and dtype, compiled for several instruction sets and
-// picked at load time by the CPU's features (never by vendor).
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+// picked at load time by the CPU's features (never by vendor). A build with
+// FLEXINFER_KERNEL_ARCH set (`make test-isa`) compiles them for that one
+// instruction set instead, so that a machine with AVX-512 also tests the code
+// an AVX2-only or a baseline x86-64 CPU would pick.
+#if defined(FLEXINFER_KERNEL_ARCH)
+#define FLEXINFER_CLONES __attribute__((target("arch=" FLEXINFER_KERNEL_ARCH)))
+#elif defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define FLEXINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define FLEXINFER_CLONES

@@ -9,6 +9,7 @@ this folder itself under the name `flexinfer` and shadow the real package.
 """
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,19 @@ if _spec is None or _spec.origin is None or Path(_spec.origin).resolve().parent 
 
     if _spec is not None and _spec.submodule_search_locations:
         flexinfer.__path__.extend(_spec.submodule_search_locations)
+
+# `make test-isa`: the kernels from a build for one instruction set, found
+# before the installed ones, and checked to be the ones loaded.
+_KERNELS_DIR = os.environ.get("FLEXINFER_KERNELS_DIR")
+if _KERNELS_DIR:
+    import flexinfer  # noqa: E402
+
+    flexinfer.__path__.insert(0, _KERNELS_DIR)
+    import flexinfer._kernels  # noqa: E402
+
+    if Path(flexinfer._kernels.__file__).resolve().parent != Path(_KERNELS_DIR).resolve():
+        raise RuntimeError(f"FLEXINFER_KERNELS_DIR={_KERNELS_DIR} is set but flexinfer._kernels loaded from "
+                           f"{flexinfer._kernels.__file__}")
 
 
 # ----------------------------------------------------------------------------- SmolLM2 oracle
