@@ -21,8 +21,12 @@ from flexinfer import LLM, SamplingParams
 # Python functions (file, name) whose cumulative time makes up each part of a
 # step; none of them calls another's, so the parts add up.
 PARTS = {
-    "linear": (("linear.py", "__call__"),),
-    "attention": (("attention.py", "forward"), ("attention.py", "prepare")),
+    # Where a CPU model runs every layer as one C++ call (kernels/cpu_decoder.py),
+    # the layers' projections, norms, rotary and attention are all in this part,
+    # and "linear" is the LM head alone.
+    "layers, one call": (("cpu_decoder.py", "run"),),
+    "linear": (("model/linear.py", "__call__"),),
+    "attention": (("flexinfer/attention.py", "forward"), ("flexinfer/attention.py", "prepare")),
     "norms": (("llama.py", "_rms_norm"),),
     "silu * up": (("llama.py", "_silu_mul"),),
     "rotary + KV write": (("llama.py", "_rope"), ("llama.py", "_rotary_kv_write")),
