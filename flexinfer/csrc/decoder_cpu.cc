@@ -15,12 +15,12 @@ namespace {
 // The pass's intermediate tensors, each [tokens, width] and dense, in one
 // allocation (each start 64-byte aligned).
 struct Scratch {
-  void* x;        // a norm's output, [hidden]
-  void* qkv;      // [(heads + 2 kv_heads) head_dim]
+  void* x;         // a norm's output, [hidden]
+  void* qkv;       // [(heads + 2 kv_heads) head_dim]
   void* attended;  // [heads head_dim]
-  void* mid;      // the residual stream after attention, [hidden]
-  void* gate_up;  // [2 inter]
-  void* act;      // [inter]
+  void* mid;       // the residual stream after attention, [hidden]
+  void* gate_up;   // [2 inter]
+  void* act;       // [inter]
   std::unique_ptr<float[]> storage;
 };
 
