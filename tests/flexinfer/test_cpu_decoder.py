@@ -63,12 +63,12 @@ class Runner:
     """One model, two caches of the same layout: the fused decoder writes one,
     the loop the other; every pass compares the logits and every cached row."""
 
-    def __init__(self, manager, config, dtype, layer_groups, requests):
+    def __init__(self, manager, config, dtype, layer_groups, requests, max_tokens=64):
         self.model = LlamaModel(config, random_weights(config, seed=3), dtype, linear="packed")
         assert self.model.decoder is not None
         self.attention = KernelAttention(CPU)
         self.manager = manager
-        self.caches = [KVCache(manager, config, dtype, max_tokens=64, max_slots=requests + 2,
+        self.caches = [KVCache(manager, config, dtype, max_tokens=max_tokens, max_slots=requests + 2,
                                layer_groups=layer_groups) for _ in range(2)]
         # A vTensor in each cache's first slot, outside the batch: no pass may touch its rows.
         self.bystanders = [cache.create(3) for cache in self.caches]
@@ -134,6 +134,20 @@ def test_fused_layers_equal_the_loop_bit_for_bit(dtype, bias, layer_groups):
     with host_manager() as manager:
         runner = Runner(manager, tiny_config(bias=bias), dtype, layer_groups, requests=3)
         for seed, new_lens in enumerate(SCHEDULE):
+            runner.step(new_lens, seed)
+        runner.close()
+        manager.check()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_long_context_splits_equal_the_loop(dtype, monkeypatch):
+    """A 600-token prompt (many query blocks), then decode steps long enough
+    that the attention kernel splits each context over two threads and
+    merges the pieces, beside a request of a few tokens."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with host_manager() as manager:
+        runner = Runner(manager, tiny_config(), dtype, layer_groups=1, requests=2, max_tokens=640)
+        for seed, new_lens in enumerate([[600, 3], [1, 1], [1, 1], [5, 1]]):
             runner.step(new_lens, seed)
         runner.close()
         manager.check()
