@@ -76,10 +76,12 @@ test-sanitize: $(SAN_DIR)/vtm/_core.so
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/flexinfer tests
 
-# The CPU kernels built for AVX2 and for baseline x86-64 instead of the
-# clones the CPU picks at load, and their tests run on each: a machine with
-# AVX-512 then also runs the code other CPUs take. A CPU without AVX2 cannot
-# run the x86-64-v3 build: it is skipped there, and says so.
+# The CPU kernels' vector code built for AVX2 and for baseline x86-64 instead
+# of the clones the CPU picks at load, and their tests run on each: a machine
+# with AVX-512 then also runs the code other CPUs take. (The AMX and
+# AVX512-BF16 linear paths are picked at run time in every build; the tests
+# reach the portable bfloat16 code with `portable=True`.) A CPU without AVX2
+# cannot run the x86-64-v3 build: it is skipped there, and says so.
 $(ISA_DIR)/%/flexinfer/_kernels.so: $(VENV)/.deps $(SOURCES)
 	mkdir -p $(ISA_DIR)/$*/flexinfer
 	cmake -S . -B $(ISA_DIR)/$*/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLEXINFER_KERNEL_ARCH=$* \
@@ -91,7 +93,7 @@ test-isa: $(STAMP) $(foreach arch,$(KERNEL_ARCHS),$(ISA_DIR)/$(arch)/flexinfer/_
 	for arch in $(KERNEL_ARCHS); do \
 		if [ $$arch = x86-64-v3 ] && ! grep -qw avx2 /proc/cpuinfo; then \
 			echo "test-isa: this CPU has no AVX2; not running the $$arch build"; continue; fi; \
-		FLEXINFER_KERNELS_DIR=$(abspath $(ISA_DIR))/$$arch/flexinfer $(VENV)/bin/pytest -q -p no:cacheprovider \
+		FLEXINFER_KERNEL_ARCH=$$arch FLEXINFER_KERNELS_DIR=$(abspath $(ISA_DIR))/$$arch/flexinfer $(VENV)/bin/pytest -q -p no:cacheprovider \
 			$(KERNEL_TESTS) || exit 1; \
 	done
 

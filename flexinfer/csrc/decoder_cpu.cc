@@ -1,5 +1,6 @@
 #include "decoder_cpu.h"
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -162,8 +163,9 @@ LayerCalls Calls(const DecoderArgs& a, std::int64_t l, const Scratch& s) {
   m.dtype = a.dtype;
   m.threads = a.threads;
 
-  // The down projection adds the attention's residual and writes the
-  // stream back into `hidden` (mid was read from it, never aliased).
+  // The down projection adds the attention's residual (mid, which o wrote
+  // from `hidden` and its own output) and writes the stream back into
+  // `hidden`: no call's output is one of its inputs.
   c.down = Projection(a, s.act, inter, w.down, nullptr, s.mid, a.hidden, a.hidden_size);
   return c;
 }
@@ -172,6 +174,10 @@ void CheckShapes(const DecoderArgs& a) {
   if (a.dtype != DType::kFloat32 && a.dtype != DType::kBFloat16) Invalid("the decoder takes float32 or bfloat16");
   if (a.layers < 0 || a.tokens < 0 || a.batch < 0) Invalid("negative layer, token or request count");
   if (a.hidden_size <= 0 || a.intermediate_size <= 0) Invalid("hidden and intermediate sizes must be positive");
+  // What the kernels would otherwise check only at their first call, and the
+  // scratch size needs before that.
+  if (a.heads <= 0 || a.kv_heads <= 0 || a.head_dim <= 0) Invalid("head counts and head_dim must be positive");
+  if (!(a.eps >= 0.0f) || std::isinf(a.eps)) Invalid("the norms' eps must be finite and >= 0");
   if (a.groups < 1) Invalid("the cache needs at least one layer group");
   if (a.layers == 0 || a.tokens == 0) return;
   if (a.hidden == nullptr || a.cos == nullptr || a.sin == nullptr || a.positions == nullptr ||

@@ -25,7 +25,9 @@
 //    (slot_index[t], positions[t]) are written and attention reads no token
 //    at or past a request's length;
 //  * scratch is allocated per call and freed on every path; running out of
-//    memory throws std::bad_alloc.
+//    memory for it throws std::bad_alloc before anything is written. (The
+//    attention kernel's own per-thread buffers grow inside its parallel
+//    region, where a failed allocation cannot be caught: as in a direct call.)
 #pragma once
 
 #include <cstdint>

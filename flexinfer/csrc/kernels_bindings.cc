@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "attention_cpu.h"
@@ -245,6 +246,16 @@ PYBIND11_MODULE(_kernels, m) {
         DecoderLayers(a);
       },
       "Every decoder layer of a forward pass in one call (see decoder_cpu.h).");
+  m.def(
+      "kernel_arch",
+      [] {
+#if defined(FLEXINFER_KERNEL_ARCH)
+        return std::string(FLEXINFER_KERNEL_ARCH);
+#else
+        return std::string("clones");
+#endif
+      },
+      "The -march the vector code was built for, or 'clones' (picked per CPU at load; `make test-isa` builds the others).");
   m.def("has_amx_bf16", &HasAmxBF16, "Whether bfloat16 linear calls with k % 32 == 0 use AMX tiles.");
   m.def("has_bf16_dot_product", &HasBF16DotProduct,
         "Whether bfloat16 linear calls use the CPU's AVX512-BF16 dot product.");

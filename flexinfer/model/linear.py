@@ -17,8 +17,8 @@ for prefill chunks) and each layer then runs the winner of the bucket a
 call's row count falls in. One layer's weights fit in cache where a whole
 step's stream from memory, so a close call can go either way; the
 differences that matter are the large ones. Where a CPU model can run its
-layers as one C++ call, which needs `packed`, a tie (within TIE) goes to
-`packed`.
+layers as one C++ call, which needs `packed`, a tie (within TIE) at decode
+row counts goes to `packed`.
 When different buckets pick different kernels, a layer holds its weight in
 each format (up to three times the projection memory); force one with
 `kind="torch"`, `"onednn"` or `"packed"` to avoid that. The engine's load
@@ -96,8 +96,11 @@ _measured: dict[tuple, dict[int, str]] = {}
 # Kernels whose medians are within this factor of the fastest tie, and
 # `prefer` then decides: timings of one cache-hot layer do not separate them
 # (a close call flipped between runs), and the preferred kernel saves more
-# than the timing sees (see measure_kinds).
+# than the timing sees (see measure_kinds). Only up to PREFER_MAX_ROWS rows:
+# that saving is a fixed time per layer, which stops covering TIE's margin
+# once the projections take milliseconds (prefill chunks).
 TIE = 1.15
+PREFER_MAX_ROWS = 32
 
 
 def measure_kinds(weights: list[torch.Tensor], repeats: int = 7, prefer: str | None = None) -> dict[int, str]:
@@ -117,10 +120,11 @@ def measure_kinds(weights: list[torch.Tensor], repeats: int = 7, prefer: str | N
     return dict(_measured[key])
 
 
-def choose_kind(medians: dict[str, float], prefer: str | None = None) -> str:
-    """The fastest kernel by median seconds, or `prefer` where it ties (TIE)."""
+def choose_kind(medians: dict[str, float], prefer: str | None = None, rows: int = 1) -> str:
+    """The fastest kernel by median seconds, or `prefer` where it ties (TIE)
+    at up to PREFER_MAX_ROWS rows."""
     fastest = min(medians, key=medians.get)
-    if prefer in medians and medians[prefer] <= TIE * medians[fastest]:
+    if prefer in medians and rows <= PREFER_MAX_ROWS and medians[prefer] <= TIE * medians[fastest]:
         return prefer
     return fastest
 
@@ -139,7 +143,7 @@ def _measure(weights: list[torch.Tensor], repeats: int, prefer: str | None) -> d
                     layer(x)
                 if rep:  # the first round warms caches and kernels up
                     times[kind].append(time.perf_counter() - start)
-        choice[rows] = choose_kind({kind: statistics.median(times[kind]) for kind in kinds}, prefer)
+        choice[rows] = choose_kind({kind: statistics.median(times[kind]) for kind in kinds}, prefer, rows)
     return choice
 
 

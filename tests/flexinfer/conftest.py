@@ -24,8 +24,9 @@ if _spec is None or _spec.origin is None or Path(_spec.origin).resolve().parent 
     if _spec is not None and _spec.submodule_search_locations:
         flexinfer.__path__.extend(_spec.submodule_search_locations)
 
-# `make test-isa`: the kernels from a build for one instruction set, found
-# before the installed ones, and checked to be the ones loaded.
+# `make test-isa`: the kernels from a build for one instruction set
+# (FLEXINFER_KERNEL_ARCH), found before the installed ones, and checked to be
+# the ones loaded and built for that instruction set.
 _KERNELS_DIR = os.environ.get("FLEXINFER_KERNELS_DIR")
 if _KERNELS_DIR:
     import flexinfer  # noqa: E402
@@ -33,9 +34,11 @@ if _KERNELS_DIR:
     flexinfer.__path__.insert(0, _KERNELS_DIR)
     import flexinfer._kernels  # noqa: E402
 
-    if Path(flexinfer._kernels.__file__).resolve().parent != Path(_KERNELS_DIR).resolve():
-        raise RuntimeError(f"FLEXINFER_KERNELS_DIR={_KERNELS_DIR} is set but flexinfer._kernels loaded from "
-                           f"{flexinfer._kernels.__file__}")
+    _loaded = (Path(flexinfer._kernels.__file__).resolve().parent, flexinfer._kernels.kernel_arch())
+    _wanted = (Path(_KERNELS_DIR).resolve(), os.environ.get("FLEXINFER_KERNEL_ARCH"))
+    if _loaded != _wanted:
+        raise RuntimeError(f"FLEXINFER_KERNELS_DIR and FLEXINFER_KERNEL_ARCH ask for {_wanted}, but "
+                           f"flexinfer._kernels is {_loaded}")
 
 
 # ----------------------------------------------------------------------------- SmolLM2 oracle

@@ -7,6 +7,9 @@ backend, whose unmapped pages fault on an over-read."""
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -87,13 +90,22 @@ class Runner:
         return [tuple(vt.slot for vt in group) for group in self.vts[cache]]
 
     def forward(self, cache: int, ids: torch.Tensor, new_lens: list[int], fused: bool) -> torch.Tensor:
+        """A pass through the one call (which must run) or through the loop."""
         batch = ForwardBatch.build(self.slots(cache), self.lengths, new_lens, CPU)
         decoder = self.model.decoder
-        self.model.decoder = decoder if fused else None
+        calls = []
+
+        def counted(*args):
+            calls.append(args)
+            return decoder.run(*args)
+
+        self.model.decoder = SimpleNamespace(run=counted) if fused else None
         try:
-            return self.model.forward(ids, batch, self.caches[cache], self.attention)
+            logits = self.model.forward(ids, batch, self.caches[cache], self.attention)
         finally:
             self.model.decoder = decoder
+        assert len(calls) == (1 if fused else 0)
+        return logits
 
     def step(self, new_lens: list[int], seed: int) -> torch.Tensor:
         """One pass of `new_lens[i]` new tokens per request through both paths."""
@@ -123,8 +135,9 @@ def host_manager() -> vtm.Manager:
 
 
 # Prefill of unequal prompts, decode, then chunks continuing cached prefixes
-# mixed with decode rows, and a pass with a request that adds nothing.
-SCHEDULE = [[5, 11, 2], [1, 1, 1], [1, 1, 1], [7, 1, 3], [1, 9, 1], [1, 1, 1]]
+# mixed with decode rows, and a pass where a request adds nothing (an idle
+# row; not the first, whose last token would not exist).
+SCHEDULE = [[5, 11, 2], [1, 1, 1], [1, 1, 1], [7, 1, 3], [1, 9, 1], [1, 0, 1], [1, 1, 1]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -153,12 +166,62 @@ def test_long_context_splits_equal_the_loop(dtype, monkeypatch):
         manager.check()
 
 
-def test_model_runs_the_decoder_only_with_packed_projections_and_the_kernel_attention(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_one_request_equals_the_loop(dtype):
+    with host_manager() as manager:
+        runner = Runner(manager, tiny_config(bias=True), dtype, layer_groups=2, requests=1)
+        for seed, new_lens in enumerate([[9], [1], [1], [4], [1]]):
+            runner.step(new_lens, seed)
+        runner.close()
+        manager.check()
+
+
+def test_decoder_follows_the_cache_it_is_given_and_refuses_a_closed_or_foreign_one():
+    """Two caches in turn (the cache table is rebuilt for each), then a closed
+    cache and one of another geometry: InvalidArgument, nothing written."""
+    config = tiny_config()
+    with host_manager() as manager:
+        runner = Runner(manager, config, torch.float32, layer_groups=2, requests=2)
+        runner.step([4, 6], seed=0)
+        # Both caches through the one call now, alternating: the loop's cache
+        # (1) gets the same tokens, so both must keep giving equal logits.
+        for seed in range(1, 4):
+            for cache in range(2):
+                manager.step({vt: length + 1 for group, length in zip(runner.vts[cache], runner.lengths)
+                              for vt in group}).result()
+            gen = torch.Generator().manual_seed(seed)
+            ids = torch.randint(3, config.vocab_size, (2,), generator=gen)
+            a, b = (runner.forward(cache, ids, [1, 1], fused=True) for cache in range(2))
+            assert torch.equal(raw(a), raw(b))
+            runner.lengths = [length + 1 for length in runner.lengths]
+            # Each cache got its own rows (a stale table would have written cache 0 twice).
+            for vts_a, vts_b, length in zip(runner.vts[0], runner.vts[1], runner.lengths):
+                for got, want in zip(runner.rows(0, vts_a, length), runner.rows(1, vts_b, length)):
+                    assert torch.equal(got, want)
+        decoder = runner.model.decoder
+        other = KVCache(manager, dataclasses.replace(config, num_key_value_heads=1), torch.float32, max_tokens=64,
+                        max_slots=4)
+        closed = KVCache(manager, config, torch.float32, max_tokens=64, max_slots=4, layer_groups=2)
+        closed.close()
+        batch = ForwardBatch.build(runner.slots(0), runner.lengths, [1, 1], CPU)
+        cos, sin = runner.model._rope(batch.positions)
+        for cache, message in ((closed, "layers"), (other, "cache view")):
+            hidden = torch.randn(2, config.hidden_size)
+            kept = hidden.clone()
+            with pytest.raises(InvalidArgument, match=message):
+                decoder.run(hidden, cos, sin, ForwardBatch.build([(0,)] * 2 if cache is other else
+                                                                 runner.slots(0), runner.lengths, [1, 1], CPU),
+                            cache)
+            assert torch.equal(hidden, kept)
+        other.close()
+        runner.close()
+        manager.check()
+
+
+def test_model_runs_the_decoder_only_with_packed_projections_and_the_kernel_attention():
     config = tiny_config()
     assert LlamaModel(config, random_weights(config, 1), torch.float32, linear="torch").decoder is None
     model = LlamaModel(config, random_weights(config, 1), torch.float32, linear="packed")
-    calls = []
-    monkeypatch.setattr(model.decoder, "run", lambda *args: calls.append(args) or pytest.fail("fused"))
     assert not model._runs_decoder(1, SdpaAttention())
     assert model._runs_decoder(1, KernelAttention(CPU))
     model.layers[0]["qkv"].kinds = {1: "torch", 8: "packed", 32: "packed", 128: "packed"}
@@ -218,3 +281,6 @@ def test_ties_go_to_the_preferred_kernel():
     assert choose_kind({"torch": 1.0, "packed": 1.05}, prefer="packed") == "packed"
     assert choose_kind({"torch": 1.0, "packed": TIE * 1.01}, prefer="packed") == "torch"
     assert choose_kind({"torch": 1.0, "onednn": 0.9}, prefer="packed") == "onednn"
+    # Beyond decode sizes the preference's fixed saving no longer covers the margin.
+    assert choose_kind({"torch": 1.0, "packed": 1.05}, prefer="packed", rows=128) == "torch"
+    assert choose_kind({"torch": 1.0, "packed": 0.9}, prefer="packed", rows=128) == "packed"
