@@ -13,8 +13,8 @@ import torch
 
 from flexinfer import _kernels
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import DTYPE_CODES as _DTYPE_CODES
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class Plan:

@@ -16,8 +16,8 @@ import torch
 
 from flexinfer import _kernels
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import FLOAT32_BFLOAT16_CODES as _DTYPE_CODES
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
