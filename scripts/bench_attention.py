@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
@@ -26,22 +24,11 @@ from flexinfer.attention import KernelAttention, SdpaAttention
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.config import ModelConfig
 from flexinfer.model.llama import ForwardBatch
-from machine import cpu_model
+from machine import cpu_model, median_per_call_s
 
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
-
-
-def per_call_us(fn, calls: int, repeats: int) -> float:
-    fn()
-    rounds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(rounds)
 
 
 def main() -> None:
@@ -81,8 +68,8 @@ def main() -> None:
             q = torch.randn(batch, config.num_attention_heads, config.head_dim).to(dtype)
             kernel.prepare(fb, cache)
             sdpa.prepare(fb, cache)
-            ours = per_call_us(lambda: kernel.forward(layer, q, fb, cache), args.calls, args.repeats)
-            theirs = per_call_us(lambda: sdpa.forward(layer, q, fb, cache), args.calls, args.repeats)
+            ours = median_per_call_s(lambda: kernel.forward(layer, q, fb, cache), args.repeats, args.calls) * 1e6
+            theirs = median_per_call_s(lambda: sdpa.forward(layer, q, fb, cache), args.repeats, args.calls) * 1e6
             rows.append(dict(batch=batch, context=context, kernel_us=ours, sdpa_us=theirs, ratio=theirs / ours))
             print(f"{batch:>5} {context:>7} {ours:>10.1f} {theirs:>10.1f} {theirs / ours:>11.2f}x", flush=True)
     if args.json:

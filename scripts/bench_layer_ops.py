@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +32,7 @@ from flexinfer.kernels import cpu_layer_ops
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.config import ModelConfig
 from flexinfer.model.llama import LlamaModel
-from machine import cpu_model
+from machine import cpu_model, median_per_call_s
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query + 3 KV heads of 64, 30 layers.
 CONFIG = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -44,18 +42,6 @@ CONFIG = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, in
 CALLS_PER_STEP = {"rms_norm": 61, "silu_mul": 30, "rotary_kv_write": 30}
 MAX_TOKENS = 64
 CALLS_PER_SAMPLE = 50
-
-
-def median_us(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(CALLS_PER_SAMPLE):
-            fn()
-        samples.append((time.perf_counter() - start) / CALLS_PER_SAMPLE)
-    return statistics.median(samples) * 1e6
 
 
 class Batch:
@@ -103,7 +89,7 @@ def bench_dtype(dtype, rows: int, manager, repeats: int) -> list[dict]:
     results = []
     with torch.inference_mode():
         for op, (baseline, fused) in cases.items():
-            t_torch, t_fused = median_us(baseline, repeats), median_us(fused, repeats)
+            t_torch, t_fused = (median_per_call_s(f, repeats, CALLS_PER_SAMPLE, warmup=3) * 1e6 for f in (baseline, fused))
             results.append(dict(op=op, dtype=str(dtype).replace("torch.", ""), rows=rows, torch_us=t_torch,
                                 fused_us=t_fused, ratio=t_fused / t_torch))
     kv.release(vts)

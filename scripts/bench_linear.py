@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
 from flexinfer.model.linear import Linear, available_kinds
+from machine import cpu_model, median_per_call_s
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query + 3 KV heads of 64, vocab 49152, 30 layers.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: (out, in)
@@ -31,21 +30,11 @@ LM_HEAD = (49152, 576)
 LAYERS = 30
 
 
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def memory_bandwidth(repeats: int) -> dict:
     src = torch.randn(128 << 20)  # 512 MB
     dst = torch.empty_like(src)
-    copy = median_s(lambda: dst.copy_(src), repeats)
-    total = median_s(lambda: src.sum(), repeats)
+    copy = median_per_call_s(lambda: dst.copy_(src), repeats)
+    total = median_per_call_s(lambda: src.sum(), repeats)
     return dict(copy_gb_s=2 * src.nbytes / copy / 1e9, sum_gb_s=src.nbytes / total / 1e9)
 
 
@@ -59,7 +48,7 @@ def main() -> None:
     cpu = torch.device("cpu")
     dtype = getattr(torch, args.dtype)
     kinds = available_kinds(cpu, dtype)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, {cpu_model()}")
     bandwidth = memory_bandwidth(args.repeats)
     print(f"memory: copy {bandwidth['copy_gb_s']:.1f} GB/s (read + write), sum {bandwidth['sum_gb_s']:.1f} GB/s")
 
@@ -79,7 +68,7 @@ def main() -> None:
                 for layer in layers:
                     layer(inputs[layer.in_features])
 
-            times[kind] = median_s(step, args.repeats)
+            times[kind] = median_per_call_s(step, args.repeats)
             del layers
         for kind in kinds:
             row = dict(rows=n, kind=kind, ms=times[kind] * 1e3, gb_s=weight_bytes / times[kind] / 1e9,
@@ -91,8 +80,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(dict(memory=bandwidth, dtype=args.dtype, weight_bytes=weight_bytes, rows=rows,
-                           torch=torch.__version__,
-                           threads=torch.get_num_threads()), f, indent=2)
+                           torch=torch.__version__, threads=torch.get_num_threads(), cpu=cpu_model()), f,
+                      indent=2)
 
 
 if __name__ == "__main__":

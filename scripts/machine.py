@@ -1,8 +1,10 @@
-"""What the benchmark scripts say about the machine they ran on."""
+"""What the benchmark scripts share: the machine they ran on, and how they time a call."""
 
 from __future__ import annotations
 
 import platform
+import statistics
+import time
 
 
 def cpu_model() -> str:
@@ -15,3 +17,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def median_per_call_s(fn, repeats: int, calls: int = 1, warmup: int = 1) -> float:
+    """Seconds per call of fn: the median over `repeats` samples, each timing
+    `calls` back-to-back calls, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
