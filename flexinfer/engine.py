@@ -25,7 +25,7 @@ from flexinfer.model.loader import load_model
 from flexinfer.sampling import NON_FINITE, sample
 from flexinfer.scheduler import Scheduler
 from flexinfer.sequence import Sequence, Status
-from flexinfer.threads import ThreadTuner
+from flexinfer.threads import NeighbourLoad, ThreadTuner
 
 log = logging.getLogger("flexinfer")
 
@@ -111,7 +111,7 @@ class Engine:
             # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
             self.thread_tuner = None
             if self.device.type == "cpu":
-                self.thread_tuner = (ThreadTuner() if threads == "auto"
+                self.thread_tuner = (ThreadTuner(monitor=NeighbourLoad.open()) if threads == "auto"
                                      else ThreadTuner(max_threads=threads, adaptive=False))
                 keep_freed_memory()  # activations reuse the heap instead of faulting pages in (host_memory.py)
         except BaseException:

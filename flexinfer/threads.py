@@ -21,22 +21,48 @@ steps in a row of the probe's batch size take over `slowdown` times the
 winner's probe median, the tuner probes at once. Prefill steps are not timed
 (their cost depends on prompt lengths) and do not advance the schedule.
 
+What step times cannot show, the neighbours' CPU time can. At a reduced
+count a step costs the same whether or not the neighbour is still there (it
+never shared our remaining cores), so a periodic probe was the only way to
+see it leave: up to `interval` steps, seconds at ~60 % speed. With a
+`NeighbourLoad` monitor (the engine passes one where /proc/stat is readable)
+the tuner reads, every window of wall time, how many cores other processes
+kept busy; a change of `LOAD_CHANGE` cores or more since the window after the
+last probe starts a probe at once, in either direction. The periodic probes
+then back off at any count while the winner repeats (a probe decides on a
+few noisy steps, so a neighbour's presence is re-checked, less and less
+often), and a quiet machine at the full count is probed only every
+`max_interval` steps, as a safety net.
+
 Invariant: `torch.get_num_threads()` equals `current` whenever the engine
-runs a step (the setting is process-wide, so each step re-asserts it), and
-the thread count found at construction is restored on `close()`.
+runs a step (the setting is process-wide, so each step re-asserts it). The
+count torch had when no tuner was open is every tuner's default maximum and
+is restored on `close()`: a second engine in a process must not take the
+first one's current (perhaps reduced) setting for the machine's.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import threading
+import time
 
 import torch
+
+# A change of neighbour load that starts a probe, in cores. Measured on the
+# 2-core Xeon VM over 0.3 s windows: alone 0.00 +- 0.04; beside one busy loop
+# 0.61-0.77 while we run two threads (it gets a share of our second core) and
+# 0.99-1.01 while we run one.
+LOAD_CHANGE = 0.4
 
 
 class ThreadTuner:
     def __init__(self, max_threads: int | None = None, adaptive: bool = True, probe_steps: int = 2,
-                 interval: int = 128, max_interval: int = 2048, slowdown: float = 1.5, slow_steps: int = 3):
-        self.saved = torch.get_num_threads()
+                 interval: int = 128, max_interval: int = 2048, slowdown: float = 1.5, slow_steps: int = 3,
+                 monitor: "NeighbourLoad | None" = None):
+        self.saved = _open_tuner()
+        self._closed = False
         top = max_threads or self.saved
         # All cores, and fewer: halving down to one covers a busy neighbour on any core count.
         self.candidates = [top]
@@ -54,6 +80,8 @@ class ThreadTuner:
         self._reference = None  # (batch size, median seconds) of the last winner
         self._slow = 0
         self.choices: list[int] = []  # the winner of each probe, for tests and stats
+        self.monitor = monitor if len(self.candidates) > 1 else None
+        self._load_reference = None  # neighbour cores in the first window after the last probe
         torch.set_num_threads(self.current)
 
     def before_step(self, decode_batch: int | None) -> None:
@@ -86,6 +114,17 @@ class ThreadTuner:
                     self._slow = 0
                     self._until_probe = 0
                     self.interval = self.base_interval
+            if self.monitor is not None and self._until_probe > 0:
+                load = self.monitor.poll()
+                if load is not None:
+                    if self._load_reference is None:
+                        self._load_reference = load
+                        if load < LOAD_CHANGE and self.current == self.candidates[0]:
+                            # A quiet machine at the full count: nothing for a probe to find
+                            # until the monitor sees a neighbour arrive.
+                            self.interval = self._until_probe = self.max_interval
+                    elif abs(load - self._load_reference) >= LOAD_CHANGE:  # a neighbour came or left
+                        self._until_probe = 0
             return
         self._samples[self._probe.pop(0)].append(seconds)
         if self._probe:
@@ -94,20 +133,114 @@ class ThreadTuner:
         best = min(self.candidates, key=medians.__getitem__)
         # Back off only at the full count: below it, the load that made fewer
         # threads faster may leave, and only a probe can tell.
-        stable = bool(self.choices) and self.choices[-1] == best and best == self.candidates[0]
-        self.interval = min(self.max_interval, self.interval * 2) if stable else self.base_interval
+        # Back off while the winner repeats. Without a monitor, only at the
+        # full count: below it only a probe can see the load that made fewer
+        # threads faster leave; the monitor sees that without probing.
+        repeated = bool(self.choices) and self.choices[-1] == best
+        backs_off = repeated and (self.monitor is not None or best == self.candidates[0])
+        self.interval = min(self.max_interval, self.interval * 2) if backs_off else self.base_interval
+        if self.monitor is not None:
+            self.monitor.restart()  # the probe's window mixed thread counts
+            self._load_reference = None
         self.choices.append(best)
         self._reference = (self._probe_batch, medians[best])
         self._until_probe = self.interval
         self._set(best)
 
     def close(self) -> None:
-        torch.set_num_threads(self.saved)
+        if not self._closed:
+            self._closed = True
+            _close_tuner()
+            torch.set_num_threads(self.saved)
 
     def _set(self, count: int) -> None:
         if count != self.current:
             torch.set_num_threads(count)
             self.current = count
+
+
+_tuners_lock = threading.Lock()
+_open_tuners = 0
+_outside_threads = 0  # torch's count when the first open tuner was made
+
+
+def _open_tuner() -> int:
+    """Counts a new tuner; returns torch's thread count from before any open tuner changed it."""
+    global _open_tuners, _outside_threads
+    with _tuners_lock:
+        if _open_tuners == 0:
+            _outside_threads = torch.get_num_threads()
+        _open_tuners += 1
+        return _outside_threads
+
+
+def _close_tuner() -> None:
+    global _open_tuners
+    with _tuners_lock:
+        _open_tuners -= 1
+
+
+class NeighbourLoad:
+    """How many cores other processes keep busy: the busy time /proc/stat
+    counts on the CPUs this process may run on (its affinity), less this
+    process's own CPU time, per second of wall time over a window.
+
+    Why this and not the load average: it answers within a window (0.3 s by
+    default) instead of a minute, and subtracts our own threads, including
+    OpenMP's spinning ones, which the load average cannot tell apart. Steal
+    and I/O wait are not counted as busy: they are not a neighbour on our
+    cores. Restricted to the affinity CPUs, a container pinned to a cpuset
+    sees only its own cores' neighbours.
+
+    A window that spans a long pause (over `max_window_s`, e.g. the engine
+    idle between requests) is dropped: its average says nothing about now."""
+
+    def __init__(self, window_s: float = 0.3, max_window_s: float = 3.0, stat_path: str = "/proc/stat"):
+        self.window_s, self.max_window_s, self.stat_path = window_s, max_window_s, stat_path
+        self._ticks_per_s = os.sysconf("SC_CLK_TCK")
+        self.restart()
+
+    @classmethod
+    def open(cls, **kwargs) -> "NeighbourLoad | None":
+        """A monitor, or None where /proc/stat or the affinity cannot be read
+        (not Linux): the tuner then keeps probing periodically."""
+        try:
+            return cls(**kwargs)
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def restart(self) -> None:
+        self._start = (time.perf_counter(), self._busy_s(), time.process_time())
+
+    def poll(self) -> float | None:
+        """The neighbours' cores over the window just ended, or None while
+        it runs (one clock read: cheap enough for every step)."""
+        wall = time.perf_counter()
+        elapsed = wall - self._start[0]
+        if elapsed < self.window_s:
+            return None
+        if elapsed > self.max_window_s:
+            self.restart()
+            return None
+        busy, own = self._busy_s(), time.process_time()
+        load = ((busy - self._start[1]) - (own - self._start[2])) / elapsed
+        self._start = (wall, busy, own)
+        return max(0.0, load)
+
+    def _busy_s(self) -> float:
+        cpus = os.sched_getaffinity(0)
+        ticks = 0
+        with open(self.stat_path) as f:
+            for line in f:
+                if not line.startswith("cpu"):
+                    break
+                name, *fields = line.split()
+                if name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                # user nice system idle iowait irq softirq steal ...: busy is user, nice, system, irq, softirq.
+                user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
+                ticks += user + nice + system + irq + softirq
+        return ticks / self._ticks_per_s
 
 
 def release_openmp_pool() -> bool:

@@ -1,8 +1,15 @@
 """The thread tuner: probes candidates on decode steps, keeps the fastest, restores torch's setting."""
 
+import os
+import subprocess
+import sys
+import time
+
+import pytest
 import torch
 
-from flexinfer.threads import ThreadTuner
+from flexinfer import threads
+from flexinfer.threads import NeighbourLoad, ThreadTuner
 
 
 def drive(tuner, cost, steps, batch=8):
@@ -15,13 +22,12 @@ def drive(tuner, cost, steps, batch=8):
 
 def test_candidates_halve_down_to_one():
     saved = torch.get_num_threads()
-    try:
-        assert ThreadTuner(max_threads=8).candidates == [8, 4, 2, 1]
-        assert ThreadTuner(max_threads=6).candidates == [6, 3, 1]
-        assert ThreadTuner(max_threads=1).candidates == [1]
-        assert ThreadTuner(max_threads=4, adaptive=False).candidates == [4]
-    finally:
-        torch.set_num_threads(saved)
+    for kwargs, candidates in ((dict(max_threads=8), [8, 4, 2, 1]), (dict(max_threads=6), [6, 3, 1]),
+                               (dict(max_threads=1), [1]), (dict(max_threads=4, adaptive=False), [4])):
+        tuner = ThreadTuner(**kwargs)
+        tuner.close()
+        assert tuner.candidates == candidates
+    assert torch.get_num_threads() == saved
 
 
 def test_picks_the_fastest_count_and_follows_a_change_of_load():
@@ -108,3 +114,131 @@ def test_fewer_threads_keep_probing_at_the_base_interval():
     finally:
         tuner.close()
     assert torch.get_num_threads() == saved
+
+
+class FakeLoad:
+    """A NeighbourLoad whose windows read the cores in `load` (None: the window is still open)."""
+
+    def __init__(self, load=0.0):
+        self.load, self.restarts = load, 0
+
+    def restart(self):
+        self.restarts += 1
+
+    def poll(self):
+        return self.load
+
+
+def test_a_neighbour_leaving_is_seen_at_once_not_at_the_next_probe():
+    saved = torch.get_num_threads()
+    monitor = FakeLoad(1.0)
+    tuner = ThreadTuner(max_threads=2, probe_steps=2, interval=8, max_interval=1000, monitor=monitor)
+    try:
+        # A steady neighbour: probes back off (8, 16, 32, 64 steps apart), unlike without a monitor.
+        drive(tuner, lambda n: {2: 5.0, 1: 2.5}[n], 5 * 4 + 8 + 16 + 32 + 64 + 1)  # +1: the window after
+        assert tuner.choices == [1] * 5 and tuner.interval == 128 and monitor.restarts == 5
+        monitor.load = 0.05  # it left; one thread costs what it did, only the monitor can tell
+        drive(tuner, lambda n: {2: 1.0, 1: 2.5}[n], 1 + 4)
+        assert tuner.choices == [1] * 5 + [2] and tuner.current == 2 and monitor.restarts == 6
+        drive(tuner, lambda n: {2: 1.0, 1: 2.5}[n], 500)  # quiet at the full count: the safety net only
+        assert tuner.choices == [1] * 5 + [2]
+    finally:
+        tuner.close()
+    assert torch.get_num_threads() == saved
+
+
+def test_with_a_monitor_an_idle_machine_is_probed_only_as_a_safety_net():
+    idle = {2: 1.0, 1: 1.8}
+    with_monitor = ThreadTuner(max_threads=2, probe_steps=2, interval=8, max_interval=256, monitor=FakeLoad(0.0))
+    periodic = ThreadTuner(max_threads=2, probe_steps=2, interval=8, max_interval=256)
+    try:
+        drive(with_monitor, lambda n: idle[n], 300)
+        drive(periodic, lambda n: idle[n], 300)
+        assert with_monitor.choices == [2, 2]  # the first probe, then one after max_interval
+        assert len(periodic.choices) == 6  # 8, 16, 32, 64, 128 steps apart
+    finally:
+        with_monitor.close()
+        periodic.close()
+
+
+def test_load_changes_below_the_threshold_or_open_windows_do_not_probe():
+    monitor = FakeLoad(0.0)
+    tuner = ThreadTuner(max_threads=2, probe_steps=2, interval=8, max_interval=1000, monitor=monitor)
+    try:
+        drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 4 + 2)
+        for load in (0.3, None, 0.2, None, 0.35):
+            monitor.load = load
+            drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 20)
+        assert tuner.choices == [2]
+        monitor.load = 0.7  # a neighbour arrived: a probe, though our steps got no slower
+        drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 1 + 4)
+        assert tuner.choices == [2, 2]
+    finally:
+        tuner.close()
+
+
+def write_stat(path, busy_ticks, foreign_ticks):
+    """A /proc/stat whose allowed CPUs have `busy_ticks` of user time each, and
+    a CPU this process may not run on `foreign_ticks`."""
+    lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
+    for cpu in sorted(os.sched_getaffinity(0)):
+        lines.append(f"cpu{cpu} {busy_ticks} 0 0 1000 50 0 0 70 0 0")
+    lines.append(f"cpu{max(os.sched_getaffinity(0)) + 1} {foreign_ticks} 0 0 0 0 0 0 0 0 0")
+    lines.append("intr 12345")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_neighbour_load_counts_busy_time_on_our_cpus_minus_our_own(tmp_path, monkeypatch):
+    clock = {"wall": 100.0, "own": 5.0}
+    monkeypatch.setattr(threads.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(threads.time, "process_time", lambda: clock["own"])
+    hz = os.sysconf("SC_CLK_TCK")
+    cpus = len(os.sched_getaffinity(0))
+    stat = tmp_path / "stat"
+    write_stat(stat, 0, 0)
+    monitor = NeighbourLoad(window_s=0.5, max_window_s=4.0, stat_path=str(stat))
+    # Two seconds: every allowed CPU busy 1.5 s, we used 1.0 s; the foreign CPU's time is not ours to count.
+    write_stat(stat, int(1.5 * hz), 99 * hz)
+    clock["wall"] += 0.25
+    assert monitor.poll() is None  # the window is still open
+    clock["wall"] += 1.75
+    clock["own"] += 1.0
+    assert monitor.poll() == pytest.approx((1.5 * cpus - 1.0) / 2.0)
+    # A window that spans a long pause is dropped, and the next one starts then.
+    clock["wall"] += 10.0
+    assert monitor.poll() is None
+    clock["wall"] += 1.0
+    assert monitor.poll() == 0.0
+    assert NeighbourLoad.open(stat_path=str(tmp_path / "missing")) is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc/stat")
+def test_neighbour_load_sees_a_real_busy_process():
+    monitor = NeighbourLoad(window_s=0.5)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # the child starts
+        monitor.restart()
+        time.sleep(0.6)
+        load = monitor.poll()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert load is not None and load >= 0.5  # one core, less what CI's own noise may take
+
+
+def test_a_second_engine_starts_from_the_machine_setting_not_the_first_ones():
+    first = ThreadTuner(max_threads=1, adaptive=False)  # sets torch to 1 while it is open
+    machine = first.saved
+    try:
+        assert torch.get_num_threads() == 1
+        second = ThreadTuner()
+        try:
+            assert second.candidates[0] == machine and second.saved == machine
+        finally:
+            second.close()
+            second.close()  # closing twice is harmless
+        assert torch.get_num_threads() == machine
+    finally:
+        first.close()
+    assert torch.get_num_threads() == machine
