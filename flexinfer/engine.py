@@ -33,14 +33,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Engine:
-    def __init__(self, model: str, dtype: str = "float32", kv_capacity_bytes: int = 2 << 30,
+    def __init__(self, model: str, dtype: str | torch.dtype = "float32", kv_capacity_bytes: int = 2 << 30,
                  manager: vtm.Manager | None = None, backend: str = "auto", device: str | None = None,
                  max_num_seqs: int = 32, max_model_len: int | None = None, max_batch_tokens: int = 1024,
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None):
-        if dtype not in _DTYPES:
-            raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        # A torch dtype names the same thing as its string: the name is what the namespace records.
+        names = {value: name for name, value in _DTYPES.items()}
+        if isinstance(dtype, torch.dtype) and dtype in names:
+            dtype = names[dtype]
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)} or the torch dtype, got {dtype!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("kv_capacity_bytes", kv_capacity_bytes), ("max_model_len", 1 if max_model_len is None else max_model_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -782,8 +782,9 @@ def test_request_that_never_fits_in_memory_fails_alone(tiny_llama, tiny_prompts)
 
 def test_bad_engine_arguments(tiny_llama):
     folder, _ = tiny_llama
-    with pytest.raises(InvalidArgument, match="dtype"):
-        LLM(folder, dtype="int8")
+    for dtype in ("int8", torch.int8, ["float32"], None):
+        with pytest.raises(InvalidArgument, match="dtype"):
+            LLM(folder, dtype=dtype)
     with pytest.raises(InvalidArgument, match="float16"):
         LLM(folder, dtype="float16")
     with pytest.raises(InvalidArgument):
@@ -798,6 +799,8 @@ def test_bad_engine_arguments(tiny_llama):
     with pytest.raises(ValueError, match="one SamplingParams per prompt"):  # InvalidArgument is a ValueError
         llm.generate([[5, 6], [7, 8]], [greedy(2)] * 3)
     llm.close()
+    with LLM(folder, dtype=torch.bfloat16) as llm:  # the torch dtype names the same thing as its string
+        assert llm.dtype is torch.bfloat16 and llm.kv_cache.space.namespace.endswith(":bfloat16")
 
 
 def test_failed_constructor_leaves_nothing_behind(tiny_llama, tmp_path, monkeypatch):
