@@ -131,8 +131,6 @@ class ThreadTuner:
             return
         medians = {c: statistics.median(self._samples[c]) for c in self.candidates}
         best = min(self.candidates, key=medians.__getitem__)
-        # Back off only at the full count: below it, the load that made fewer
-        # threads faster may leave, and only a probe can tell.
         # Back off while the winner repeats. Without a monitor, only at the
         # full count: below it only a probe can see the load that made fewer
         # threads faster leave; the monitor sees that without probing.
@@ -190,7 +188,8 @@ class NeighbourLoad:
     OpenMP's spinning ones, which the load average cannot tell apart. Steal
     and I/O wait are not counted as busy: they are not a neighbour on our
     cores. Restricted to the affinity CPUs, a container pinned to a cpuset
-    sees only its own cores' neighbours.
+    sees only its own cores' neighbours. Another engine in this process
+    counts as ours; its arrival shows in step times instead.
 
     A window that spans a long pause (over `max_window_s`, e.g. the engine
     idle between requests) is dropped: its average says nothing about now."""
