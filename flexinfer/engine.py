@@ -10,6 +10,7 @@ break the ones after it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -30,6 +31,9 @@ from flexinfer.threads import NeighbourLoad, ThreadTuner
 log = logging.getLogger("flexinfer")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {value: name for name, value in _DTYPES.items()}
+# More threads than this per CPU is a mistake, not a setting (torch would try to start them all).
+_MAX_THREADS_PER_CPU = 8
 
 
 class Engine:
@@ -40,17 +44,19 @@ class Engine:
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
-        names = {value: name for name, value in _DTYPES.items()}
-        if isinstance(dtype, torch.dtype) and dtype in names:
-            dtype = names[dtype]
+        if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
+            dtype = _DTYPE_NAMES[dtype]
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)} or the torch dtype, got {dtype!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("kv_capacity_bytes", kv_capacity_bytes), ("max_model_len", 1 if max_model_len is None else max_model_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
-        if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise InvalidArgument(f"threads must be 'auto' or a positive int, got {threads!r}")
+        max_threads = _MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+        if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int)
+                                  or not 1 <= threads <= max_threads):
+            raise InvalidArgument(f"threads must be 'auto' or an int from 1 to {max_threads} "
+                                  f"({_MAX_THREADS_PER_CPU} per CPU), got {threads!r}")
         self.dtype = _DTYPES[dtype]
         self._own_manager = manager is None
         if manager is None:
@@ -60,6 +66,7 @@ class Engine:
         self.manager = manager
         self.kv_cache = None
         self.graphs = None
+        self.thread_tuner = None
         self._sink = []
         try:
             if device is None:
@@ -113,14 +120,15 @@ class Engine:
                                            [vt.slot for vt in self._sink])
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
             # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
-            self.thread_tuner = None
             if self.device.type == "cpu":
                 self.thread_tuner = (ThreadTuner(monitor=NeighbourLoad.open()) if threads == "auto"
                                      else ThreadTuner(max_threads=threads, adaptive=False))
                 keep_freed_memory()  # activations reuse the heap instead of faulting pages in (host_memory.py)
         except BaseException:
             # A failed constructor leaves nothing behind: no space on a shared
-            # manager, no manager of its own.
+            # manager, no manager of its own, torch's thread count as it was.
+            if self.thread_tuner is not None:
+                self.thread_tuner.close()
             if self.kv_cache is not None:
                 self.kv_cache.release(self._sink)
                 self.kv_cache.close()

@@ -15,10 +15,11 @@ median time per step wins until the next probe. A probe costs a few steps on
 a worse setting: 2 of every 128 or more with the defaults (with 3 per
 candidate every 64 steps, auto ran 3-6 % below a fixed count on an idle
 machine). When all cores win again the interval doubles, up to
-`max_interval`, so an idle machine probes rarely; a smaller count keeps the
-base interval, since only a probe can see the competing load leave. A change of load must not wait that long: when `slow_steps` decode
-steps in a row of the probe's batch size take over `slowdown` times the
-winner's probe median, the tuner probes at once. Prefill steps are not timed
+`max_interval`, so an idle machine probes rarely; without a monitor (below)
+a smaller count keeps the base interval, since only a probe can see the
+competing load leave. A change of load must not wait that long: when
+`slow_steps` decode steps in a row of the probe's batch size take over
+`slowdown` times the winner's probe median, the tuner probes at once. Prefill steps are not timed
 (their cost depends on prompt lengths) and do not advance the schedule.
 
 What step times cannot show, the neighbours' CPU time can. At a reduced
@@ -28,11 +29,14 @@ see it leave: up to `interval` steps, seconds at ~60 % speed. With a
 `NeighbourLoad` monitor (the engine passes one where /proc/stat is readable)
 the tuner reads, every window of wall time, how many cores other processes
 kept busy; a change of `LOAD_CHANGE` cores or more since the window after the
-last probe starts a probe at once, in either direction. The periodic probes
+last probe, in two windows in a row (one noisy window is not a neighbour),
+starts a probe at once, in either direction. The periodic probes
 then back off at any count while the winner repeats (a probe decides on a
 few noisy steps, so a neighbour's presence is re-checked, less and less
 often), and a quiet machine at the full count is probed only every
-`max_interval` steps, as a safety net.
+`max_interval` steps, as a safety net. A monitor that fails to read is
+dropped, and the tuner goes back to periodic probes: a measurement must never
+fail a step.
 
 Invariant: `torch.get_num_threads()` equals `current` whenever the engine
 runs a step (the setting is process-wide, so each step re-asserts it). The
@@ -62,7 +66,15 @@ class ThreadTuner:
                  interval: int = 128, max_interval: int = 2048, slowdown: float = 1.5, slow_steps: int = 3,
                  monitor: "NeighbourLoad | None" = None):
         self.saved = _open_tuner()
+        self._closed = True  # until the constructor has finished: close() must not count it twice
+        try:
+            self._init(max_threads, adaptive, probe_steps, interval, max_interval, slowdown, slow_steps, monitor)
+        except BaseException:
+            _close_tuner()
+            raise
         self._closed = False
+
+    def _init(self, max_threads, adaptive, probe_steps, interval, max_interval, slowdown, slow_steps, monitor):
         top = max_threads or self.saved
         # All cores, and fewer: halving down to one covers a busy neighbour on any core count.
         self.candidates = [top]
@@ -82,6 +94,7 @@ class ThreadTuner:
         self.choices: list[int] = []  # the winner of each probe, for tests and stats
         self.monitor = monitor if len(self.candidates) > 1 else None
         self._load_reference = None  # neighbour cores in the first window after the last probe
+        self._load_changed = 0  # windows in a row that differ from it by LOAD_CHANGE or more
         torch.set_num_threads(self.current)
 
     def before_step(self, decode_batch: int | None) -> None:
@@ -115,16 +128,7 @@ class ThreadTuner:
                     self._until_probe = 0
                     self.interval = self.base_interval
             if self.monitor is not None and self._until_probe > 0:
-                load = self.monitor.poll()
-                if load is not None:
-                    if self._load_reference is None:
-                        self._load_reference = load
-                        if load < LOAD_CHANGE and self.current == self.candidates[0]:
-                            # A quiet machine at the full count: nothing for a probe to find
-                            # until the monitor sees a neighbour arrive.
-                            self.interval = self._until_probe = self.max_interval
-                    elif abs(load - self._load_reference) >= LOAD_CHANGE:  # a neighbour came or left
-                        self._until_probe = 0
+                self._read_monitor()
             return
         self._samples[self._probe.pop(0)].append(seconds)
         if self._probe:
@@ -138,12 +142,41 @@ class ThreadTuner:
         backs_off = repeated and (self.monitor is not None or best == self.candidates[0])
         self.interval = min(self.max_interval, self.interval * 2) if backs_off else self.base_interval
         if self.monitor is not None:
-            self.monitor.restart()  # the probe's window mixed thread counts
-            self._load_reference = None
+            self._load_reference, self._load_changed = None, 0
+            try:
+                self.monitor.restart()  # the probe's window mixed thread counts
+            except (OSError, ValueError):
+                self._drop_monitor()
         self.choices.append(best)
         self._reference = (self._probe_batch, medians[best])
         self._until_probe = self.interval
         self._set(best)
+
+    def _read_monitor(self) -> None:
+        try:
+            load = self.monitor.poll()
+        except (OSError, ValueError):
+            self._drop_monitor()
+            return
+        if load is None:
+            return
+        if self._load_reference is None:
+            self._load_reference = load
+            if load < LOAD_CHANGE and self.current == self.candidates[0]:
+                # A quiet machine at the full count: nothing for a probe to
+                # find until the monitor sees a neighbour arrive.
+                self.interval = self._until_probe = self.max_interval
+            return
+        changed = abs(load - self._load_reference) >= LOAD_CHANGE  # a neighbour came or left
+        self._load_changed = self._load_changed + 1 if changed else 0
+        if self._load_changed >= 2:
+            self._until_probe = 0
+
+    def _drop_monitor(self) -> None:
+        """Periodic probes from here on, as without a monitor."""
+        self.monitor = None
+        self.interval = self.base_interval
+        self._until_probe = min(self._until_probe, self.interval)
 
     def close(self) -> None:
         if not self._closed:
@@ -180,29 +213,43 @@ def _close_tuner() -> None:
 
 class NeighbourLoad:
     """How many cores other processes keep busy: the busy time /proc/stat
-    counts on the CPUs this process may run on (its affinity), less this
-    process's own CPU time, per second of wall time over a window.
+    counts on the CPUs this process may run on, less this process's own CPU
+    time, per second of wall time over a window.
 
     Why this and not the load average: it answers within a window (0.3 s by
     default) instead of a minute, and subtracts our own threads, including
     OpenMP's spinning ones, which the load average cannot tell apart. Steal
     and I/O wait are not counted as busy: they are not a neighbour on our
-    cores. Restricted to the affinity CPUs, a container pinned to a cpuset
-    sees only its own cores' neighbours. Another engine in this process
-    counts as ours; its arrival shows in step times instead.
+    cores. Another engine in this process counts as ours; its arrival shows
+    in step times instead.
 
-    A window that spans a long pause (over `max_window_s`, e.g. the engine
-    idle between requests) is dropped: its average says nothing about now."""
+    Which CPUs: the union of every thread's affinity when the monitor is
+    made, not the calling thread's alone, since OMP_PROC_BIND pins an OpenMP
+    thread to one CPU and a neighbour on the others would read as none. A
+    container pinned to a cpuset sees only its own cores' neighbours. Where
+    /proc/stat does not list every one of those CPUs (lxcfs renumbers them
+    inside a container) the numbers cannot be matched: no monitor.
 
-    def __init__(self, window_s: float = 0.3, max_window_s: float = 3.0, stat_path: str = "/proc/stat"):
-        self.window_s, self.max_window_s, self.stat_path = window_s, max_window_s, stat_path
+    A window in which the engine paused for over `max_gap_s` between two
+    polls (idle between requests, a long prompt) is dropped: a neighbour's
+    threads spread over the cores we left idle, which says nothing about
+    the cores we use while we run."""
+
+    def __init__(self, window_s: float = 0.3, max_gap_s: float = 1.0, stat_path: str = "/proc/stat"):
+        self.window_s, self.max_gap_s, self.stat_path = window_s, max_gap_s, stat_path
         self._ticks_per_s = os.sysconf("SC_CLK_TCK")
+        self.cpus = _process_cpus()
+        listed = self._listed_cpus()
+        if not self.cpus or not self.cpus <= listed:
+            raise ValueError(f"{stat_path} lists CPUs {sorted(listed)}, not all of this process's "
+                             f"{sorted(self.cpus)}")
         self.restart()
 
     @classmethod
     def open(cls, **kwargs) -> "NeighbourLoad | None":
         """A monitor, or None where /proc/stat or the affinity cannot be read
-        (not Linux): the tuner then keeps probing periodically."""
+        or matched (not Linux, an lxcfs container): the tuner then keeps
+        probing periodically."""
         try:
             return cls(**kwargs)
         except (OSError, ValueError, AttributeError):
@@ -210,36 +257,57 @@ class NeighbourLoad:
 
     def restart(self) -> None:
         self._start = (time.perf_counter(), self._busy_s(), time.process_time())
+        self._last_poll = self._start[0]
 
     def poll(self) -> float | None:
         """The neighbours' cores over the window just ended, or None while
-        it runs (one clock read: cheap enough for every step)."""
+        it runs (one clock read: cheap enough for every step). Raises
+        OSError where /proc/stat stops being readable."""
         wall = time.perf_counter()
+        if wall - self._last_poll > self.max_gap_s:
+            self.restart()
+            return None
+        self._last_poll = wall
         elapsed = wall - self._start[0]
         if elapsed < self.window_s:
-            return None
-        if elapsed > self.max_window_s:
-            self.restart()
             return None
         busy, own = self._busy_s(), time.process_time()
         load = ((busy - self._start[1]) - (own - self._start[2])) / elapsed
         self._start = (wall, busy, own)
         return max(0.0, load)
 
-    def _busy_s(self) -> float:
-        cpus = os.sched_getaffinity(0)
-        ticks = 0
+    def _lines(self):
+        """(cpu number, fields) of each per-CPU line of /proc/stat."""
         with open(self.stat_path) as f:
             for line in f:
                 if not line.startswith("cpu"):
                     break
                 name, *fields = line.split()
-                if name == "cpu" or int(name[3:]) not in cpus:
-                    continue
+                if name != "cpu":
+                    yield int(name[3:]), fields
+
+    def _listed_cpus(self) -> set[int]:
+        return {cpu for cpu, _ in self._lines()}
+
+    def _busy_s(self) -> float:
+        ticks = 0
+        for cpu, fields in self._lines():
+            if cpu in self.cpus:
                 # user nice system idle iowait irq softirq steal ...: busy is user, nice, system, irq, softirq.
                 user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
                 ticks += user + nice + system + irq + softirq
         return ticks / self._ticks_per_s
+
+
+def _process_cpus() -> set[int]:
+    """The CPUs any thread of this process may run on."""
+    cpus = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            cpus |= os.sched_getaffinity(int(tid))
+        except (ProcessLookupError, PermissionError):  # the thread ended meanwhile
+            continue
+    return cpus
 
 
 def release_openmp_pool() -> bool:

@@ -96,16 +96,18 @@ _measured: dict[tuple, dict[int, str]] = {}
 # Kernels whose medians are within this factor of the fastest tie, and
 # `prefer` then decides: timings of one cache-hot layer do not separate them
 # (a close call flipped between runs), and the preferred kernel saves more
-# than the timing sees (see measure_kinds). The margin is as wide as it is
-# because this timing runs one layer's weights from cache while a decode step
-# streams the whole model from memory, which closes the gaps between
-# kernels: float32, one row, one thread (Xeon model 207), F.linear ran
-# 0.80-1.17x packed's time here from run to run, but 954 against 955 us a
-# layer streaming all 30 layers; at 1.15 the one-row choice flipped between
-# processes and took the one call with it. Only up to PREFER_MAX_ROWS rows:
-# the saving is a fixed time per layer, which stops covering the margin once
+# than the timing sees (see measure_kinds). Only up to PREFER_MAX_ROWS rows:
+# that saving is a fixed time per layer, which stops covering the margin once
 # the projections take milliseconds (prefill chunks).
-TIE = 1.3
+TIE = 1.15
+# At one row the margin is wider, because this timing runs one layer's
+# weights from cache while a one-row decode step streams the whole model from
+# memory, which closes the gaps between kernels: float32, one thread (Xeon
+# model 207), F.linear ran 0.80-1.17x packed's time here from run to run, but
+# 954 against 955 us a layer streaming all 30 layers. At TIE the one-row
+# choice flipped between processes and took the one call with it (42 against
+# 49 ms a step).
+ONE_ROW_TIE = 1.3
 PREFER_MAX_ROWS = 32
 
 
@@ -127,10 +129,11 @@ def measure_kinds(weights: list[torch.Tensor], repeats: int = 7, prefer: str | N
 
 
 def choose_kind(medians: dict[str, float], prefer: str | None = None, rows: int = 1) -> str:
-    """The fastest kernel by median seconds, or `prefer` where it ties (TIE)
-    at up to PREFER_MAX_ROWS rows."""
+    """The fastest kernel by median seconds, or `prefer` where it ties (within
+    ONE_ROW_TIE at one row, TIE at up to PREFER_MAX_ROWS rows)."""
     fastest = min(medians, key=medians.get)
-    if prefer in medians and rows <= PREFER_MAX_ROWS and medians[prefer] <= TIE * medians[fastest]:
+    margin = ONE_ROW_TIE if rows == 1 else TIE
+    if prefer in medians and rows <= PREFER_MAX_ROWS and medians[prefer] <= margin * medians[fastest]:
         return prefer
     return fastest
 

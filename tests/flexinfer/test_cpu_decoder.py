@@ -18,7 +18,7 @@ from flexinfer.attention import KernelAttention, SdpaAttention
 from flexinfer.errors import InvalidArgument
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.config import ModelConfig
-from flexinfer.model.linear import TIE, choose_kind
+from flexinfer.model.linear import ONE_ROW_TIE, TIE, choose_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel
 
 CPU = torch.device("cpu")
@@ -279,7 +279,10 @@ def test_decoder_refuses_inputs_of_the_wrong_shape_or_dtype():
 def test_ties_go_to_the_preferred_kernel():
     assert choose_kind({"torch": 1.0, "packed": 1.05}) == "torch"
     assert choose_kind({"torch": 1.0, "packed": 1.05}, prefer="packed") == "packed"
-    assert choose_kind({"torch": 1.0, "packed": TIE * 1.01}, prefer="packed") == "torch"
+    assert choose_kind({"torch": 1.0, "packed": ONE_ROW_TIE * 1.01}, prefer="packed") == "torch"
+    # One row's margin is wider (a cache-hot timing against a step that streams from memory).
+    assert choose_kind({"torch": 1.0, "packed": TIE * 1.01}, prefer="packed") == "packed"
+    assert choose_kind({"torch": 1.0, "packed": TIE * 1.01}, prefer="packed", rows=8) == "torch"
     assert choose_kind({"torch": 1.0, "onednn": 0.9}, prefer="packed") == "onednn"
     # Beyond decode sizes the preference's fixed saving no longer covers the margin.
     assert choose_kind({"torch": 1.0, "packed": 1.05}, prefer="packed", rows=128) == "torch"

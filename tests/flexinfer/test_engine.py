@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import random
 import shutil
 
@@ -795,7 +796,12 @@ def test_bad_engine_arguments(tiny_llama):
         LLM(folder, max_batch_tokens=0)
     with pytest.raises(InvalidArgument, match="max_num_seqs"):
         LLM(folder, max_num_seqs=0)
+    for threads in (0, 2**31, 1.5, True):
+        with pytest.raises(InvalidArgument, match="threads"):
+            LLM(folder, threads=threads)
     llm = LLM(folder)
+    if os.path.exists("/proc/stat"):  # threads="auto" reads the neighbours' load where Linux shows it
+        assert llm.thread_tuner.monitor is not None
     with pytest.raises(ValueError, match="one SamplingParams per prompt"):  # InvalidArgument is a ValueError
         llm.generate([[5, 6], [7, 8]], [greedy(2)] * 3)
     llm.close()
@@ -901,3 +907,18 @@ def test_layer_groups_under_preemption(tiny_llama, tiny_prompts):
 def test_layer_groups_must_fit_the_layers(tiny_llama):
     with pytest.raises(ValueError, match="layer_groups"):
         LLM(tiny_llama[0], layer_groups=3)  # the tiny model has 2 layers
+
+
+def test_a_failed_constructor_restores_the_thread_count(tiny_llama, monkeypatch):
+    from flexinfer import threads
+
+    folder, _ = tiny_llama
+    before, opened = torch.get_num_threads(), threads._open_tuners
+
+    def fail():
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine_module, "keep_freed_memory", fail)  # the step after the tuner is made
+    with pytest.raises(RuntimeError, match="injected"):
+        LLM(folder, threads=before + 1)
+    assert torch.get_num_threads() == before and threads._open_tuners == opened

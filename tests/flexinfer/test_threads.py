@@ -102,7 +102,7 @@ def test_each_step_reasserts_its_count_against_another_engine():
 
 
 def test_fewer_threads_keep_probing_at_the_base_interval():
-    """Below the full count the tuner never backs off: the neighbour may leave."""
+    """Without a monitor, below the full count the tuner never backs off: the neighbour may leave."""
     saved = torch.get_num_threads()
     tuner = ThreadTuner(max_threads=2, probe_steps=2, interval=8, max_interval=64)
     try:
@@ -138,7 +138,7 @@ def test_a_neighbour_leaving_is_seen_at_once_not_at_the_next_probe():
         drive(tuner, lambda n: {2: 5.0, 1: 2.5}[n], 5 * 4 + 8 + 16 + 32 + 64 + 1)  # +1: the window after
         assert tuner.choices == [1] * 5 and tuner.interval == 128 and monitor.restarts == 5
         monitor.load = 0.05  # it left; one thread costs what it did, only the monitor can tell
-        drive(tuner, lambda n: {2: 1.0, 1: 2.5}[n], 1 + 4)
+        drive(tuner, lambda n: {2: 1.0, 1: 2.5}[n], 2 + 4)  # two windows agree, then the probe
         assert tuner.choices == [1] * 5 + [2] and tuner.current == 2 and monitor.restarts == 6
         drive(tuner, lambda n: {2: 1.0, 1: 2.5}[n], 500)  # quiet at the full count: the safety net only
         assert tuner.choices == [1] * 5 + [2]
@@ -161,7 +161,7 @@ def test_with_a_monitor_an_idle_machine_is_probed_only_as_a_safety_net():
         periodic.close()
 
 
-def test_load_changes_below_the_threshold_or_open_windows_do_not_probe():
+def test_small_changes_open_windows_and_one_noisy_window_do_not_probe():
     monitor = FakeLoad(0.0)
     tuner = ThreadTuner(max_threads=2, probe_steps=2, interval=8, max_interval=1000, monitor=monitor)
     try:
@@ -169,9 +169,12 @@ def test_load_changes_below_the_threshold_or_open_windows_do_not_probe():
         for load in (0.3, None, 0.2, None, 0.35):
             monitor.load = load
             drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 20)
+        for load in (0.9, 0.0):  # one window's spike
+            monitor.load = load
+            drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 1)
         assert tuner.choices == [2]
         monitor.load = 0.7  # a neighbour arrived: a probe, though our steps got no slower
-        drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 1 + 4)
+        drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 2 + 4)
         assert tuner.choices == [2, 2]
     finally:
         tuner.close()
@@ -196,25 +199,53 @@ def test_neighbour_load_counts_busy_time_on_our_cpus_minus_our_own(tmp_path, mon
     cpus = len(os.sched_getaffinity(0))
     stat = tmp_path / "stat"
     write_stat(stat, 0, 0)
-    monitor = NeighbourLoad(window_s=0.5, max_window_s=4.0, stat_path=str(stat))
-    # Two seconds: every allowed CPU busy 1.5 s, we used 1.0 s; the foreign CPU's time is not ours to count.
+    monitor = NeighbourLoad(window_s=2.0, max_gap_s=1.0, stat_path=str(stat))
+    # Two seconds of steps: every allowed CPU busy 1.5 s, we used 1.0 s; the foreign CPU's time is not ours to count.
     write_stat(stat, int(1.5 * hz), 99 * hz)
+    for _ in range(7):
+        clock["wall"] += 0.25
+        clock["own"] += 1.0 / 8
+        assert monitor.poll() is None  # the window is still open
     clock["wall"] += 0.25
-    assert monitor.poll() is None  # the window is still open
-    clock["wall"] += 1.75
-    clock["own"] += 1.0
+    clock["own"] += 1.0 / 8
     assert monitor.poll() == pytest.approx((1.5 * cpus - 1.0) / 2.0)
-    # A window that spans a long pause is dropped, and the next one starts then.
-    clock["wall"] += 10.0
+    # A pause between polls (the engine idle) drops the window; the next one starts then.
+    write_stat(stat, int(9.5 * hz), 99 * hz)
+    clock["wall"] += 5.0
     assert monitor.poll() is None
-    clock["wall"] += 1.0
-    assert monitor.poll() == 0.0
+    for _ in range(8):
+        clock["wall"] += 0.25
+        load = monitor.poll()
+    assert load == 0.0
+
+
+def test_neighbour_load_is_not_made_where_cpus_cannot_be_matched(tmp_path):
     assert NeighbourLoad.open(stat_path=str(tmp_path / "missing")) is None
+    renumbered = tmp_path / "stat"  # as lxcfs shows a container: none of our CPU numbers
+    first = max(os.sched_getaffinity(0)) + 1
+    renumbered.write_text("cpu  1 2 3 4 5 6 7 8 0 0\n" + "".join(
+        f"cpu{first + i} 1 0 0 1000 0 0 0 0 0 0\n" for i in range(len(os.sched_getaffinity(0)))))
+    assert NeighbourLoad.open(stat_path=str(renumbered)) is None
+
+
+def test_a_monitor_that_stops_reading_is_dropped_not_a_failed_step():
+    class Broken(FakeLoad):
+        def poll(self):
+            raise FileNotFoundError("/proc/stat")
+
+    tuner = ThreadTuner(max_threads=2, probe_steps=2, interval=8, max_interval=1000, monitor=Broken())
+    try:
+        drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 4 + 1)
+        assert tuner.monitor is None and tuner.interval == 8
+        drive(tuner, lambda n: {2: 1.0, 1: 2.0}[n], 8 + 4)  # periodic probes again
+        assert tuner.choices == [2, 2]
+    finally:
+        tuner.close()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc/stat")
 def test_neighbour_load_sees_a_real_busy_process():
-    monitor = NeighbourLoad(window_s=0.5)
+    monitor = NeighbourLoad(window_s=0.5, max_gap_s=60.0)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # the child starts
@@ -228,6 +259,8 @@ def test_neighbour_load_sees_a_real_busy_process():
 
 
 def test_a_second_engine_starts_from_the_machine_setting_not_the_first_ones():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that the machine's setting differs from the first tuner's, on any runner
     first = ThreadTuner(max_threads=1, adaptive=False)  # sets torch to 1 while it is open
     machine = first.saved
     try:
@@ -241,4 +274,12 @@ def test_a_second_engine_starts_from_the_machine_setting_not_the_first_ones():
         assert torch.get_num_threads() == machine
     finally:
         first.close()
-    assert torch.get_num_threads() == machine
+        torch.set_num_threads(before)
+    assert machine == 2
+
+
+def test_a_failed_constructor_does_not_count_as_an_open_tuner():
+    opened = threads._open_tuners
+    with pytest.raises((ValueError, RuntimeError, OverflowError)):
+        ThreadTuner(max_threads=2**31, adaptive=False)
+    assert threads._open_tuners == opened
