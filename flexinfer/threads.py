@@ -65,16 +65,7 @@ class ThreadTuner:
     def __init__(self, max_threads: int | None = None, adaptive: bool = True, probe_steps: int = 2,
                  interval: int = 128, max_interval: int = 2048, slowdown: float = 1.5, slow_steps: int = 3,
                  monitor: "NeighbourLoad | None" = None):
-        self.saved = _open_tuner()
-        self._closed = True  # until the constructor has finished: close() must not count it twice
-        try:
-            self._init(max_threads, adaptive, probe_steps, interval, max_interval, slowdown, slow_steps, monitor)
-        except BaseException:
-            _close_tuner()
-            raise
-        self._closed = False
-
-    def _init(self, max_threads, adaptive, probe_steps, interval, max_interval, slowdown, slow_steps, monitor):
+        self.saved = _machine_threads()
         top = max_threads or self.saved
         # All cores, and fewer: halving down to one covers a busy neighbour on any core count.
         self.candidates = [top]
@@ -95,7 +86,9 @@ class ThreadTuner:
         self.monitor = monitor if len(self.candidates) > 1 else None
         self._load_reference = None  # neighbour cores in the first window after the last probe
         self._load_changed = 0  # windows in a row that differ from it by LOAD_CHANGE or more
-        torch.set_num_threads(self.current)
+        torch.set_num_threads(self.current)  # may refuse the count: then nothing is counted as open
+        _open_tuner(self.saved)
+        self._closed = False
 
     def before_step(self, decode_batch: int | None) -> None:
         """Sets the thread count for the coming step (`decode_batch`: its
@@ -195,14 +188,18 @@ _open_tuners = 0
 _outside_threads = 0  # torch's count when the first open tuner was made
 
 
-def _open_tuner() -> int:
-    """Counts a new tuner; returns torch's thread count from before any open tuner changed it."""
+def _machine_threads() -> int:
+    """Torch's thread count from before any open tuner changed it."""
+    with _tuners_lock:
+        return _outside_threads if _open_tuners else torch.get_num_threads()
+
+
+def _open_tuner(machine_threads: int) -> None:
     global _open_tuners, _outside_threads
     with _tuners_lock:
         if _open_tuners == 0:
-            _outside_threads = torch.get_num_threads()
+            _outside_threads = machine_threads
         _open_tuners += 1
-        return _outside_threads
 
 
 def _close_tuner() -> None:

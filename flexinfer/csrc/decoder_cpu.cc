@@ -13,6 +13,8 @@
 namespace flexinfer {
 namespace {
 
+std::int64_t ElementBytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
 // The pass's intermediate tensors, each [tokens, width] and dense, in one
 // allocation (each start 64-byte aligned).
 struct Scratch {
@@ -26,7 +28,7 @@ struct Scratch {
 };
 
 Scratch Allocate(const DecoderArgs& a, std::int64_t qkv_width, std::int64_t q_width) {
-  const std::int64_t element = a.dtype == DType::kFloat32 ? 4 : 2;
+  const std::int64_t element = ElementBytes(a.dtype);
   const std::int64_t widths[] = {a.hidden_size, qkv_width, q_width, a.hidden_size, 2 * a.intermediate_size,
                                  a.intermediate_size};
   std::int64_t offsets[6], bytes = 0;
@@ -123,7 +125,6 @@ LayerCalls Calls(const DecoderArgs& a, std::int64_t l, const Scratch& s) {
   r.threads = a.threads;
 
   AttentionArgs& t = c.attention;
-  const std::int64_t element = a.dtype == DType::kFloat32 ? 4 : 2;
   t.q = s.qkv;
   t.q_stride_token = qkv_width;
   t.q_stride_head = hd;
@@ -131,7 +132,7 @@ LayerCalls Calls(const DecoderArgs& a, std::int64_t l, const Scratch& s) {
   t.out_stride_token = q_width;
   t.out_stride_head = hd;
   t.k = cache.kv;
-  t.v = static_cast<const char*>(cache.kv) + cache.stride_kv * element;
+  t.v = static_cast<const char*>(cache.kv) + cache.stride_kv * ElementBytes(a.dtype);
   t.kv_stride_slot = cache.stride_slot;
   t.kv_stride_token = cache.stride_token;
   t.kv_stride_head = cache.stride_head;
