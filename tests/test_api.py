@@ -649,3 +649,88 @@ def test_space_close_releases_its_vtensors(make_manager):
     st = assert_pool_consistent(mgr)
     assert st["chunks_created"] == 2 and st["chunks_held"] == 2
     assert not keep.released and keep.page_chunks()[1] is not None
+
+
+# --------------------------------------------------------------------------
+# ordering against the kernels that wrote the bytes (DESIGN §5)
+
+
+def _busy_then_fill(torch, rows, value):
+    """Queues ~0.3 s of GPU spinning, then a fill of `rows`, on the current
+    stream, and returns at once: a copy that does not wait for this stream
+    reads the rows before the fill reaches them."""
+    torch.cuda._sleep(500_000_000)
+    rows.fill_(value)
+
+
+def test_prefix_copies_wait_for_the_kernels_that_wrote_the_page(backend, make_manager):
+    """Issue 17, finding 1: prefix_record copied the page being written, and
+    prefix_match the copy-on-write page, on vtm's own stream without waiting
+    for the kernels still writing them. Both now wait for the work queued on
+    the caller's stream (the legacy default stream unless `stream=` names
+    another) when they were submitted; a fence on an unrelated stream is the
+    control that shows the race is there to be lost."""
+    torch = pytest.importorskip("torch")
+    if backend != "cuda" or not torch.cuda.is_available():
+        pytest.skip("needs the cuda backend and a CUDA build of torch (host kernels finish before they return)")
+    mgr = make_manager(chunks=32)
+    row = CHUNK // 512  # page 0 holds rows 0-511, page 1 rows 512-1023
+    sp = mgr.create_space(row_bytes=row, max_tokens=1024, max_slots=8)
+    kv = sp.tensor(torch.uint8)
+    unrelated = torch.cuda.Stream()
+
+    def recorded_rows(first_token, fence_stream):
+        """Write rows 0-999 (rows 512-999, the page being written, last and
+        late), record them, match them back; the matched rows 512-999."""
+        tokens = [first_token + t for t in range(1000)]
+        vt = sp.create(1000).result()
+        rows = kv[vt.slot, : 1000 * row].view(1000, row)
+        rows.fill_(1)
+        torch.cuda.synchronize()
+        _busy_then_fill(torch, rows[512:1000], 7)
+        sp.prefix_record(vt, tokens, **fence_stream).result()
+        torch.cuda.synchronize()
+        match = sp.prefix_match(tokens + [SENTINEL]).result()
+        assert match.num_tokens == 1000
+        got = kv[match.vtensor.slot, : 1000 * row].view(1000, row)[512:1000, :: row // 8].cpu()
+        match.vtensor.release().result()
+        vt.release().result()
+        return got
+
+    assert bool((recorded_rows(0, {}) == 7).all()), "prefix_record copied before the default stream's fill"
+    current = {"stream": torch.cuda.current_stream()}
+    assert bool((recorded_rows(10_000, current) == 7).all()), "prefix_record copied before the named stream's fill"
+    stale = recorded_rows(20_000, {"stream": unrelated})
+    assert bool((stale == 1).all()), "control: a fence on an idle stream should not wait for the fill"
+
+    # prefix_match's copy-on-write: the 512 recorded rows fill page 0 exactly,
+    # so the record copies nothing and shares the page still being written.
+    tokens = [30_000 + t for t in range(512)]
+    vt = sp.create(512).result()
+    rows = kv[vt.slot, : 512 * row].view(512, row)
+    rows.fill_(1)
+    torch.cuda.synchronize()
+    _busy_then_fill(torch, rows, 9)
+    sp.prefix_record(vt, tokens).result()
+    match = sp.prefix_match(tokens[:300] + [SENTINEL]).result()
+    assert match.num_tokens == 300
+    got = kv[match.vtensor.slot, : 300 * row].view(300, row)[:, :: row // 8].cpu()
+    assert bool((got == 9).all()), "prefix_match copied before the default stream's fill"
+    match.vtensor.release().result()
+    vt.release().result()
+    torch.cuda.synchronize()
+    mgr.check()
+    del kv, rows
+
+
+def test_stream_argument_is_checked(small):
+    mgr, sp, io, vt, live = small
+    ios = {sp.name: io}
+    before = snapshot(mgr, [sp], live, ios)
+    for fn in (lambda: sp.prefix_match([5] * 3, stream=-1), lambda: sp.prefix_match([5] * 3, stream="default"),
+               lambda: sp.prefix_record(vt, [5] * 30, stream=-1)):
+        with pytest.raises(vtm.InvalidArgument):
+            run(fn)
+        assert_same_state(before, snapshot(mgr, [sp], live, ios), allow_reclaim=False)
+    assert sp.prefix_match([5] * 3, stream=None).result().num_tokens == 0
+    mgr.check()

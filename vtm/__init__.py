@@ -7,6 +7,7 @@ docs/api.md for the whole API and DESIGN.md for the architecture.
 
 from vtm._core import (
     FaultInjector,
+    Fence,
     Future,
     Manager,
     Match,
@@ -42,6 +43,7 @@ __all__ = [
     "Error",
     "FailedPrecondition",
     "FaultInjector",
+    "Fence",
     "Future",
     "InternalError",
     "InvalidArgument",

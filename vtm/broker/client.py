@@ -351,18 +351,27 @@ class RemoteManager:
             self._apply(self._rpc("release", self._stub.Release, vtm_pb2.VTensorRequest(vtensor_id=vt.id)))
         return self._submit(run)
 
-    def _prefix_record(self, space: RemoteSpace, vt, token_ids) -> RemoteFuture:
+    def _prefix_record(self, space: RemoteSpace, vt, token_ids, stream=None) -> RemoteFuture:
         vt = self._own(vt, "prefix_record")
         request = _message(vtm_pb2.PrefixRecordRequest, "prefix_record", space_id=space.id, vtensor_id=vt.id,
                            token_ids=[int(t) for t in token_ids])
+        # The broker copies the recorded bytes in its own process, where no
+        # stream of ours orders anything: the bytes are made final (the work
+        # queued on `stream` now has finished; None on the host) before the
+        # call is sent (DESIGN §5).
+        fence = self._mapper.record_fence(stream)
 
         def run():
+            if fence is not None:
+                fence.wait()
             reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)
             self._apply(reply)
             return reply.value
         return self._submit(run)
 
-    def _prefix_match(self, space: RemoteSpace, token_ids) -> RemoteFuture:
+    def _prefix_match(self, space: RemoteSpace, token_ids, stream=None) -> RemoteFuture:
+        # `stream` orders nothing here: a match copies only pages of the
+        # tree, and every client waited for its bytes before recording them.
         request = _message(vtm_pb2.PrefixMatchRequest, "prefix_match", space_id=space.id,
                            token_ids=[int(t) for t in token_ids])
 

@@ -150,11 +150,11 @@ class RemoteSpace:
     def create(self, num_tokens: int) -> RemoteFuture:
         return self._mgr._create(self, num_tokens)
 
-    def prefix_record(self, vtensor, token_ids) -> RemoteFuture:
-        return self._mgr._prefix_record(self, vtensor, token_ids)
+    def prefix_record(self, vtensor, token_ids, *, stream=None) -> RemoteFuture:
+        return self._mgr._prefix_record(self, vtensor, token_ids, stream)
 
-    def prefix_match(self, token_ids) -> RemoteFuture:
-        return self._mgr._prefix_match(self, token_ids)
+    def prefix_match(self, token_ids, *, stream=None) -> RemoteFuture:
+        return self._mgr._prefix_match(self, token_ids, stream)
 
     def clear_prefixes(self) -> int:
         return self._mgr._clear_prefixes(self).result()

@@ -38,6 +38,22 @@ namespace vtm {
 // CUmemGenericAllocationHandle on CUDA.
 using ChunkHandle = std::uint64_t;
 
+// A point in a compute stream's queue: the work queued on that stream before
+// the fence was recorded. vtm copies bytes that kernels wrote (a prefix
+// record's copy of the page being written, a match's copy-on-write), and
+// those kernels may still be running when the copy is submitted: a copy
+// given a fence runs after that work, never before (DESIGN §5, "Ordering on
+// a GPU"). Producers that finish before they return, as the host backend's
+// CPU kernels do, need no fence.
+class Fence {
+ public:
+  virtual ~Fence() = default;
+  // Blocks the calling thread until the work before the fence has finished:
+  // for a copy made by another process (the broker), which cannot wait on
+  // this process's streams.
+  virtual void Wait() = 0;
+};
+
 // DLPack device types (DLPack's DLDeviceType values).
 enum class DeviceType : std::int32_t { kCpu = 1, kCuda = 2 };
 
@@ -81,9 +97,15 @@ class Backend {
   // A chunk backed by the memory behind `fd` (the fd is not consumed).
   virtual ChunkHandle import_fd(int fd, std::size_t bytes) = 0;
 
+  // A fence after everything queued so far on `stream` (CUDA: a CUstream,
+  // 0 the legacy default stream, which orders after every blocking stream),
+  // or nullptr where there is nothing to wait for (host: `stream` is ignored).
+  virtual std::shared_ptr<Fence> record_fence(std::uintptr_t stream) = 0;
+
   // Copy the first `bytes` of `src` into `dst` (both chunks, possibly not
-  // mapped anywhere). Completes before returning.
-  virtual void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) = 0;
+  // mapped anywhere), after the work before `after` (null: nothing to wait
+  // for). Completes before returning.
+  virtual void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) = 0;
 };
 
 // The host backend: memfd chunks mapped into PROT_NONE reservations.

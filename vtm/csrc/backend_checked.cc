@@ -187,7 +187,7 @@ ChunkHandle CheckedBackend::import_fd(int fd, std::size_t bytes) {
   return chunk;
 }
 
-void CheckedBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) {
+void CheckedBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     const std::size_t dst_bytes = ChunkBytesLocked("copy", dst);
@@ -197,7 +197,7 @@ void CheckedBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) {
       Invalid("copy", std::to_string(bytes) + " bytes exceed a chunk (dst " + std::to_string(dst_bytes) +
                           " bytes, src " + std::to_string(src_bytes) + " bytes)");
   }
-  inner_->copy(dst, src, bytes);
+  inner_->copy(dst, src, bytes, after);
 }
 
 std::shared_ptr<Backend> MakeCheckedBackend(std::shared_ptr<Backend> inner) {

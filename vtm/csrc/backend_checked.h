@@ -59,7 +59,8 @@ class CheckedBackend final : public Backend {
   void unmap(std::uintptr_t va, std::size_t bytes) override;
   int export_fd(ChunkHandle chunk) override;
   ChunkHandle import_fd(int fd, std::size_t bytes) override;
-  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override;
+  std::shared_ptr<Fence> record_fence(std::uintptr_t stream) override { return inner_->record_fence(stream); }
+  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) override;
 
  private:
   struct Range {

@@ -56,6 +56,11 @@ namespace {
   X(cuStreamCreate, "cuStreamCreate")                                 \
   X(cuStreamDestroy, "cuStreamDestroy_v2")                            \
   X(cuStreamSynchronize, "cuStreamSynchronize")                       \
+  X(cuStreamWaitEvent, "cuStreamWaitEvent")                           \
+  X(cuEventCreate, "cuEventCreate")                                   \
+  X(cuEventRecord, "cuEventRecord")                                   \
+  X(cuEventSynchronize, "cuEventSynchronize")                         \
+  X(cuEventDestroy, "cuEventDestroy_v2")                              \
   X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity")   \
   X(cuMemAddressReserve, "cuMemAddressReserve")                       \
   X(cuMemAddressFree, "cuMemAddressFree")                             \
@@ -311,6 +316,36 @@ class ScopedMapping {
   bool mapped_ = false;
 };
 
+// A fence: an event recorded on a compute stream of the primary context. The
+// event is destroyed with the fence (the driver defers that until the event
+// has completed, so dropping a fence nobody waited on is safe).
+class CudaFence final : public Fence {
+ public:
+  CudaFence(const DriverTable& fn, CUcontext context, CUevent event) : fn_(fn), context_(context), event_(event) {}
+  ~CudaFence() override {
+    try {
+      ScopedContext current(fn_, context_);
+      fn_.cuEventDestroy(event_);
+    } catch (...) {
+      // The context could not be made current: the event leaks, nothing else.
+    }
+  }
+  CudaFence(const CudaFence&) = delete;
+  CudaFence& operator=(const CudaFence&) = delete;
+
+  void Wait() override {
+    ScopedContext current(fn_, context_);
+    Check(fn_, "cuEventSynchronize", fn_.cuEventSynchronize(event_));
+  }
+
+  CUevent event() const { return event_; }
+
+ private:
+  const DriverTable& fn_;
+  CUcontext context_;
+  CUevent event_;
+};
+
 // ---------------------------------------------------------------------------
 // CudaBackend.
 //
@@ -333,8 +368,9 @@ class ScopedMapping {
 //    zero_chunk_ (one zeroed granule, created on the first seal) read-only
 //    at every granule, until free_reservation unmaps it;
 //  * copy_stream_ is vtm's own non-blocking stream, for copy() only: a copy
-//    waits for its own work and never for the kernels of other streams
-//    (cuCtxSynchronize would wait for every stream of the context).
+//    waits for its own work and for the fence it is given, and never for
+//    anything else (cuCtxSynchronize would wait for every stream of the
+//    context, the kernels of the next step included).
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const DriverTable& fn, int device, CUdevice cu_device)
@@ -494,9 +530,28 @@ class CudaBackend final : public Backend {
     return handle;
   }
 
-  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override {
+  std::shared_ptr<Fence> record_fence(std::uintptr_t stream) override {
+    ScopedContext current(fn_, context_.get());
+    CUevent event = nullptr;
+    // No timing: such an event is the cheapest kind to record and wait on.
+    Check(fn_, "cuEventCreate", fn_.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING));
+    std::shared_ptr<CudaFence> fence;
+    try {
+      fence = std::make_shared<CudaFence>(fn_, context_.get(), event);
+    } catch (...) {
+      fn_.cuEventDestroy(event);
+      throw;
+    }
+    Check(fn_, "cuEventRecord", fn_.cuEventRecord(event, reinterpret_cast<CUstream>(stream)));
+    return fence;
+  }
+
+  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) override {
     const std::size_t dst_bytes = ChunkBytes("copy", dst);
     const std::size_t src_bytes = ChunkBytes("copy", src);
+    const auto* fence = dynamic_cast<const CudaFence*>(after);
+    if (after != nullptr && fence == nullptr)
+      Throw(ErrorCode::kInvalidArgument, "copy: the fence was not recorded by a cuda backend");
     if (dst == src) return;  // copying a chunk onto itself changes nothing
 
     // Copies are rare (one per prefix match ending inside a page), so one
@@ -513,11 +568,13 @@ class CudaBackend final : public Backend {
     ScopedMapping dst_map(fn_, dst_va, dst_bytes, dst);
     // One call for both: the two mappings are adjacent.
     Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(src_va, needed, &access_, 1));
-    // On vtm's own stream, waiting for that stream only: the copy runs on a
-    // worker with the manager's mutex held, and must not wait for the
-    // kernels running on other streams meanwhile (cuCtxSynchronize would).
-    // It completes before the mappings go away. Ordering against kernels
-    // that wrote `src` on other streams is the caller's business.
+    // On vtm's own stream, after the kernels that wrote `src` (the fence)
+    // and nothing else: the copy runs on a worker with the manager's mutex
+    // held, and must not wait for kernels queued after the fence (the next
+    // step's), as cuCtxSynchronize would. It completes before the mappings
+    // go away.
+    if (fence != nullptr)
+      Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
     Check(fn_, "cuMemcpyDtoDAsync", fn_.cuMemcpyDtoDAsync(dst_va, src_va, bytes, copy_stream_));
     Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
     dst_map.Unmap();

@@ -10,7 +10,7 @@ namespace vtm {
 const char* FaultInjectingBackend::OpName(Op op) {
   static const char* const kNames[kNumOps] = {
       "reserve", "free_reservation", "create_chunk", "release_chunk", "map",
-      "set_access", "unmap", "export_fd", "import_fd", "copy", "seal",
+      "set_access", "unmap", "export_fd", "import_fd", "copy", "seal", "record_fence",
   };
   return kNames[op];
 }
@@ -147,9 +147,14 @@ ChunkHandle FaultInjectingBackend::import_fd(int fd, std::size_t bytes) {
   return chunk;
 }
 
-void FaultInjectingBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) {
+std::shared_ptr<Fence> FaultInjectingBackend::record_fence(std::uintptr_t stream) {
+  Enter(kRecordFence);
+  return inner_->record_fence(stream);
+}
+
+void FaultInjectingBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) {
   Enter(kCopy);
-  inner_->copy(dst, src, bytes);
+  inner_->copy(dst, src, bytes, after);
 }
 
 }  // namespace vtm

@@ -24,7 +24,7 @@ class FaultInjectingBackend final : public Backend {
  public:
   enum Op {
     kReserve, kFreeReservation, kCreateChunk, kReleaseChunk, kMap, kSetAccess,
-    kUnmap, kExportFd, kImportFd, kCopy, kSeal, kNumOps,
+    kUnmap, kExportFd, kImportFd, kCopy, kSeal, kRecordFence, kNumOps,
   };
   static const char* OpName(Op op);
   // Throws kInvalidArgument for an unknown name.
@@ -59,7 +59,8 @@ class FaultInjectingBackend final : public Backend {
   void unmap(std::uintptr_t va, std::size_t bytes) override;
   int export_fd(ChunkHandle chunk) override;
   ChunkHandle import_fd(int fd, std::size_t bytes) override;
-  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes) override;
+  std::shared_ptr<Fence> record_fence(std::uintptr_t stream) override;
+  void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) override;
 
  private:
   struct Pending {

@@ -117,6 +117,20 @@ SpaceInfo DescribeSpace(const PySpace& s) {
   return NoGil([&] { return Core(s.mgr).DescribeSpace(s.id); });
 }
 
+// The stream a fence is recorded on: None is the legacy default stream (0),
+// where torch queues its kernels unless told otherwise; an int is a CUstream
+// handle; anything with a `cuda_stream` attribute (torch.cuda.Stream) is that
+// stream.
+std::uintptr_t StreamHandle(const py::object& stream) {
+  if (stream.is_none()) return 0;
+  py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
+  if (!py::isinstance<py::int_>(handle))
+    Throw(ErrorCode::kInvalidArgument, "stream must be None, a CUstream handle (int) or have a cuda_stream attribute");
+  const auto value = handle.cast<long long>();
+  if (value < 0) Throw(ErrorCode::kInvalidArgument, "stream handle must be >= 0, got " + std::to_string(value));
+  return static_cast<std::uintptr_t>(value);
+}
+
 // Python ints may be negative; sizes may not.
 std::size_t Count(std::int64_t n, const char* what) {
   if (n < 0) Throw(ErrorCode::kInvalidArgument, std::string(what) + " must be >= 0, got " + std::to_string(n));
@@ -286,6 +300,11 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("timeout") = py::none());
 
+  py::class_<Fence, std::shared_ptr<Fence>>(
+      m, "Fence", "The work queued on a CUDA stream when the fence was recorded (see Backend.record_fence).")
+      .def("wait", &Fence::Wait, py::call_guard<py::gil_scoped_release>(),
+           "Block until that work has finished.");
+
   py::class_<PyMatch>(m, "Match", "A prefix match: the new vTensor (or None) and the matched token count.")
       .def_readonly("vtensor", &PyMatch::vtensor)
       .def_readonly("num_tokens", &PyMatch::num_tokens)
@@ -339,17 +358,20 @@ PYBIND11_MODULE(_core, m) {
           py::arg("num_tokens"))
       .def(
           "prefix_record",
-          [](const PySpace& s, const PyVTensor& vt, std::vector<std::int32_t> tokens) {
+          [](const PySpace& s, const PyVTensor& vt, std::vector<std::int32_t> tokens, const py::object& stream) {
             if (vt.mgr != s.mgr) Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor of another manager");
-            return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).PrefixRecord(s.id, vt.id, std::move(tokens)); })};
+            const std::uintptr_t handle = StreamHandle(stream);
+            return PyFuture{s.mgr,
+                            NoGil([&] { return Core(s.mgr).PrefixRecord(s.id, vt.id, std::move(tokens), handle); })};
           },
-          py::arg("vtensor"), py::arg("token_ids"))
+          py::arg("vtensor"), py::arg("token_ids"), py::kw_only(), py::arg("stream") = py::none())
       .def(
           "prefix_match",
-          [](const PySpace& s, std::vector<std::int32_t> tokens) {
-            return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).PrefixMatch(s.id, std::move(tokens)); })};
+          [](const PySpace& s, std::vector<std::int32_t> tokens, const py::object& stream) {
+            const std::uintptr_t handle = StreamHandle(stream);
+            return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).PrefixMatch(s.id, std::move(tokens), handle); })};
           },
-          py::arg("token_ids"))
+          py::arg("token_ids"), py::kw_only(), py::arg("stream") = py::none())
       .def("clear_prefixes",
            [](const PySpace& s) { return Wait(s.mgr, NoGil([&] { return Core(s.mgr).ClearPrefixes(s.id); })); })
       .def("close", [](const PySpace& s) { Wait(s.mgr, NoGil([&] { return Core(s.mgr).CloseSpace(s.id); })); })
@@ -543,6 +565,15 @@ PYBIND11_MODULE(_core, m) {
              auto r = m.reservation(space);
              return r ? r->va() : 0;
            })
+      .def(
+          "record_fence",
+          [](const ClientMapper& m, const py::object& stream) {
+            const std::uintptr_t handle = StreamHandle(stream);
+            py::gil_scoped_release release;
+            return m.backend()->record_fence(handle);
+          },
+          py::arg("stream") = py::none(),
+          "A Fence after the work queued on `stream`, or None on the host backend.")
       .def_property_readonly("imports", &ClientMapper::imports)
       .def_property_readonly("_device",
                              [](const ClientMapper& m) {
@@ -587,6 +618,20 @@ PYBIND11_MODULE(_core, m) {
       .def("unmap", &Backend::unmap, py::call_guard<py::gil_scoped_release>())
       .def("export_fd", &Backend::export_fd, py::call_guard<py::gil_scoped_release>())
       .def("import_fd", &Backend::import_fd, py::call_guard<py::gil_scoped_release>())
-      .def("copy", &Backend::copy, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "record_fence",
+          [](Backend& b, const py::object& stream) {
+            const std::uintptr_t handle = StreamHandle(stream);
+            py::gil_scoped_release release;
+            return b.record_fence(handle);
+          },
+          py::arg("stream") = py::none())
+      .def(
+          "copy",
+          [](Backend& b, ChunkHandle dst, ChunkHandle src, std::size_t bytes, const std::shared_ptr<Fence>& after) {
+            py::gil_scoped_release release;
+            b.copy(dst, src, bytes, after.get());
+          },
+          py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("after") = py::none())
       .def("seal", &Backend::seal, py::call_guard<py::gil_scoped_release>());
 }

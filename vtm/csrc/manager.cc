@@ -199,15 +199,23 @@ std::shared_ptr<FutureState> Manager::Release(std::uint64_t vt) {
   return Submit("release", {vt}, false, [this, vt] { return DoRelease(vt); });
 }
 
-std::shared_ptr<FutureState> Manager::PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens) {
+std::shared_ptr<FutureState> Manager::PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
+                                                   std::uintptr_t stream) {
+  std::shared_ptr<Fence> after = backend_->record_fence(stream);
   return Submit("prefix_record", {vt, TreeKey(space)}, false,
-                [this, space, vt, tokens = std::move(tokens)] { return DoRecord(space, vt, tokens); });
+                [this, space, vt, tokens = std::move(tokens), after = std::move(after)] {
+                  return DoRecord(space, vt, tokens, after.get());
+                });
 }
 
-std::shared_ptr<FutureState> Manager::PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens) {
+std::shared_ptr<FutureState> Manager::PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens,
+                                                  std::uintptr_t stream) {
+  std::shared_ptr<Fence> after = backend_->record_fence(stream);
   const std::uint64_t id = next_vtensor_id_.fetch_add(1, std::memory_order_relaxed);
   return Submit("prefix_match", {id, TreeKey(space)}, false,
-                [this, space, id, tokens = std::move(tokens)] { return DoMatch(space, id, tokens); });
+                [this, space, id, tokens = std::move(tokens), after = std::move(after)] {
+                  return DoMatch(space, id, tokens, after.get());
+                });
 }
 
 std::uint64_t Manager::TreeKey(std::uint32_t space) const {

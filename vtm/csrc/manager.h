@@ -140,8 +140,14 @@ class Manager {
   std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens);
   std::shared_ptr<FutureState> Step(std::vector<std::pair<std::uint64_t, std::size_t>> targets);
   std::shared_ptr<FutureState> Release(std::uint64_t vt);
-  std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens);
-  std::shared_ptr<FutureState> PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens);
+  // The copies these make (the page being written, the copy-on-write page)
+  // run after the work queued on `stream` before the call (a fence recorded
+  // here, on the caller's thread; CUDA only, 0 = the legacy default stream):
+  // the kernels that wrote those bytes may still be running (DESIGN §5).
+  std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
+                                            std::uintptr_t stream);
+  std::shared_ptr<FutureState> PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens,
+                                           std::uintptr_t stream);
   // Barriers: they run after everything submitted before them.
   std::shared_ptr<FutureState> ClearPrefixes(std::uint32_t space);
   std::shared_ptr<FutureState> Trim(std::optional<std::size_t> bytes);
@@ -204,8 +210,10 @@ class Manager {
   FutureValue DoCreate(std::uint32_t space, std::uint64_t id, std::size_t n);
   FutureValue DoStep(const std::vector<std::pair<std::uint64_t, std::size_t>>& targets);
   FutureValue DoRelease(std::uint64_t id);
-  FutureValue DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens);
-  FutureValue DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens);
+  FutureValue DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
+                       const Fence* after);
+  FutureValue DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
+                      const Fence* after);
   FutureValue DoClearPrefixes(std::uint32_t space);
   FutureValue DoTrim(std::optional<std::size_t> bytes);
   FutureValue DoCloseSpace(std::uint32_t space);

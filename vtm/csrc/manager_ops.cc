@@ -121,7 +121,8 @@ void Manager::ReleaseVTensorLocked(std::uint64_t id, bool best_effort) {
   FreeSlot(sp, vt.slot);
 }
 
-FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens) {
+FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
+                              const Fence* after) {
   std::unique_lock<std::mutex> lock(mu_);
   Space& sp = LiveSpace(space);
   VTensor& vt = LiveVTensor(id);
@@ -144,7 +145,7 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
     UndoLog undo(&rollback_failures_total_);
     const std::size_t p = boundary / chunk_bytes_;
     copy = Acquire(1, undo, lock).front();
-    backend_->copy(pool_->handle(copy), pool_->handle(pages[p]), boundary - p * chunk_bytes_);
+    backend_->copy(pool_->handle(copy), pool_->handle(pages[p]), boundary - p * chunk_bytes_, after);
     pages[p] = copy;
     undo.Commit();
     ++cow_copies_total_;
@@ -161,7 +162,8 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   return static_cast<std::int64_t>(added);
 }
 
-FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens) {
+FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
+                             const Fence* after) {
   std::unique_lock<std::mutex> lock(mu_);
   Space& sp = LiveSpace(space);
   // Capped at len - 1 (the last token's KV is what the caller computes) and
@@ -207,7 +209,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     // write its next rows there.
     ChunkId copy = Acquire(1, undo, lock).front();
     backend_->copy(pool_->handle(copy), pool_->handle(source[shared_end]),
-                   m * sp.row_bytes - shared_end * chunk_bytes_);
+                   m * sp.row_bytes - shared_end * chunk_bytes_, after);
     pages.push_back(shared_end);
     chunks.push_back(copy);
   }
