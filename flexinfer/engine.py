@@ -160,6 +160,7 @@ class Engine:
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
                 "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
+                "prefix_failures": s.num_prefix_failures, "memory_faults": s.num_memory_faults,
                 "vtm": self.manager.stats()}
 
     def close(self) -> None:
@@ -250,9 +251,17 @@ class Engine:
         # Before min_tokens, no token may end the sequence.
         banned = [sorted(s.stop_ids) if s.stop_ids and len(s.output_ids) < s.params.min_tokens else None
                   for s in ready]
-        tokens = sample(rows, params, [s.generator for s in ready], banned)
+        generators = [s.generator for s in ready]
+        try:
+            tokens = sample(rows, params, generators, banned)
+        except Exception:  # one row's parameters broke the batch's sampling: find it, fail it alone
+            log.exception("sampling a batch of %d failed; sampling each row alone", len(ready))
+            tokens = [_sample_row(rows[i:i + 1], params[i], generators[i], banned[i]) for i in range(len(ready))]
         now = time.perf_counter()
         for seq, token in zip(ready, tokens):
+            if isinstance(token, Exception):
+                self.abort(seq, "error", _engine_error("sampling failed", token))
+                continue
             if token == NON_FINITE:
                 self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
                 continue
@@ -282,6 +291,14 @@ class Engine:
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"
         return None
+
+
+def _sample_row(row, params, generator, banned) -> int | Exception:
+    """One row's token, or the exception sampling it raised."""
+    try:
+        return sample(row, [params], [generator], [banned])[0]
+    except Exception as exc:
+        return exc
 
 
 def _cuda_index(device, backend: str) -> int:

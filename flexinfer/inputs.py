@@ -102,6 +102,9 @@ def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len
                 f"max_model_len {max_model_len}")
     if max(prompt_ids) >= vocab_size or min(prompt_ids) < 0:
         return "a prompt token id is outside the vocabulary"
+    outside = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if outside:
+        return f"stop_token_ids {outside[:4]} are outside the vocabulary (0 to {vocab_size - 1})"
     return None
 
 

@@ -97,38 +97,57 @@ class KVCache:
             raise
         return made
 
+    def _stream(self):
+        """The stream this engine's kernels write the cache on: vtm's copies
+        of recorded pages wait for what is queued there (None on the CPU)."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
     def match(self, token_ids: list[int]) -> tuple[list[vtm.VTensor] | None, int]:
         """The longest prefix recorded in every group, as one vTensor per group."""
-        matches = [space.prefix_match(token_ids) for space in self.spaces]
-        found = []
+        stream = self._stream()
+        # Every match submitted is awaited, even after one failed, so that
+        # none of the vTensors the others made is lost.
+        futures, found, error = [], [], None
         try:
-            for fut in matches:
+            for space in self.spaces:
+                futures.append(space.prefix_match(token_ids, stream=stream))
+        except vtm.Error as exc:
+            error = exc
+        for fut in futures:
+            try:
                 found.append(fut.result())
-        except vtm.Error:
+            except vtm.Error as exc:
+                error = error or exc
+        if error is not None:
             self.release([m.vtensor for m in found if m.vtensor is not None])
-            raise
+            raise error
         length = min(m.num_tokens for m in found)
         if length == 0:
             self.release([m.vtensor for m in found if m.vtensor is not None])
             return None, 0
-        vts = []
-        for space, m in zip(self.spaces, found):
-            if m.num_tokens == length:
-                vts.append(m.vtensor)
-                continue
-            # This group remembers more (another group evicted some of it):
-            # match again up to the common length, so that no group's
-            # vTensor maps shared pages the next rows would be written into.
-            m.vtensor.release().result()
-            again = space.prefix_match(token_ids[: length + 1]).result()
-            if again.num_tokens != length:
-                self.release(vts + [again.vtensor] + [x.vtensor for x in found[len(vts) + 1:]])
-                return None, 0
-            vts.append(again.vtensor)
-        return vts, length
+        held = [m.vtensor for m in found]
+        try:
+            for group, (space, m) in enumerate(zip(self.spaces, found)):
+                if m.num_tokens == length:
+                    continue
+                # This group remembers more (another group evicted some of it):
+                # match again up to the common length, so that no group's
+                # vTensor maps shared pages the next rows would be written into.
+                m.vtensor.release().result()
+                held[group] = None
+                again = space.prefix_match(token_ids[: length + 1], stream=stream).result()
+                held[group] = again.vtensor
+                if again.num_tokens != length:
+                    self.release(held)
+                    return None, 0
+        except vtm.Error:
+            self.release(held)
+            raise
+        return held, length
 
     def record(self, vtensors: list[vtm.VTensor], token_ids: list[int]) -> list[vtm.Future]:
-        return [space.prefix_record(vt, token_ids) for space, vt in zip(self.spaces, vtensors)]
+        stream = self._stream()
+        return [space.prefix_record(vt, token_ids, stream=stream) for space, vt in zip(self.spaces, vtensors)]
 
     def release(self, vtensors: list[vtm.VTensor]) -> None:
         for fut in [vt.release() for vt in vtensors if vt is not None]:

@@ -14,6 +14,13 @@ with its output so far, so its output is unchanged). A sequence that cannot
 fit even alone fails with an error while the others go on. Finished
 sequences are recorded so the next chat turn maps them.
 
+A memory operation that fails for another reason (a device error: a failed
+map, unmap or copy; vtm leaves its state as it was) fails only what it
+concerns: a failed prefix record or match costs that prefix its reuse, a
+failed map the sequences whose own mapping fails again when retried alone,
+a failed release is retried at the next step. Each is logged and counted.
+Only a broker that is gone (vtm.Unavailable) fails everything.
+
 On a vtm broker (vtm.connect), a reclaim notice for a higher-priority client
 is answered the same way: the next step preempts running sequences until
 about the asked bytes are unmapped, and admits nobody in that step. The
@@ -55,7 +62,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
-        self._background: list = []  # record/release futures, checked as they complete
+        self._background: list = []  # prefix_record futures, checked as they complete
+        self._unreleased: list = []  # vTensors whose release failed, retried each step
         # A broker's reclaim request, [bytes, done event, bytes freed], set by
         # reclaim() on the client's notice thread, answered in schedule().
         self._reclaim_mu = threading.Lock()
@@ -66,6 +74,8 @@ class Scheduler:
         self.failed: list[Sequence] = []  # failed by schedule() (no memory), for the engine to report
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.num_prefix_failures = 0  # prefix records and matches that failed (the prefix is not reused)
+        self.num_memory_faults = 0  # maps and releases that failed and were contained
         add_handler = getattr(self.manager, "add_reclaim_handler", None)
         if add_handler is not None:
             add_handler(_weak_handler(self.reclaim))
@@ -87,8 +97,8 @@ class Scheduler:
         self._pending = None
         try:
             future.result()
-        except vtm.OutOfMemory:
-            return  # the synchronous path below retries, preempting if it must
+        except vtm.Error:
+            return  # the synchronous path retries: it preempts, or fails only what fails again
         for seq, tokens in targets.items():
             if seq.vtensors:
                 seq.extended = max(seq.extended, tokens)
@@ -114,8 +124,31 @@ class Scheduler:
                     self._preempt(victim)
                 plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
                 continue
+            except vtm.Unavailable:
+                raise
+            except vtm.Error as exc:
+                log.warning("mapping the KV of %d sequences failed (%s); retrying each alone", len(need), exc)
+                self.num_memory_faults += 1
+                self._ensure_each(need)
+                plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
+                continue
             for s, t in need.items():
                 s.extended = t
+
+    def _ensure_each(self, need: dict[Sequence, int]) -> None:
+        """After a batched map failed: map each sequence alone and fail those
+        whose own map fails again (out of memory is left to _ensure's loop)."""
+        for seq, tokens in need.items():
+            try:
+                self.manager.step(self._targets({seq: tokens})).result()
+            except vtm.OutOfMemory:
+                continue  # _ensure's loop preempts for it
+            except vtm.Unavailable:
+                raise
+            except vtm.Error as exc:
+                self._fail(seq, exc)
+                continue
+            seq.extended = tokens
 
     @staticmethod
     def _targets(need: dict[Sequence, int]) -> dict:
@@ -189,9 +222,34 @@ class Scheduler:
         # the chunks, evictable LRU when memory runs out): a preempted or
         # finished conversation is resumed by mapping instead of recomputing.
         if record and self.prefix_caching and seq.num_cached > 0:
-            self._background += self.kv.record(seq.vtensors, seq.token_ids[: seq.num_cached])
-        self.kv.release(seq.vtensors)
+            self._record(seq.vtensors, seq.token_ids[: seq.num_cached])
+        self._release(seq.vtensors)
         seq.reset_cache_state()
+
+    def _record(self, vtensors: list, token_ids: list[int]) -> None:
+        try:
+            self._background += self.kv.record(vtensors, token_ids)
+        except vtm.Unavailable:
+            raise
+        except vtm.Error as exc:  # refused at submission (a fence the device would not record)
+            self._record_failed(exc)
+
+    def _release(self, vtensors: list) -> None:
+        """Releases vTensors; one the device refuses to unmap (vtm leaves it
+        as it was) is retried at the next step instead of failing anyone."""
+        for vt, future in [(vt, vt.release()) for vt in vtensors if vt is not None]:
+            try:
+                future.result()
+            except vtm.Unavailable:
+                raise
+            except vtm.Error as exc:
+                log.warning("releasing a vTensor failed (%s); retrying at the next step", exc)
+                self.num_memory_faults += 1
+                self._unreleased.append(vt)
+
+    def _retry_releases(self) -> None:
+        retry, self._unreleased = self._unreleased, []
+        self._release(retry)
 
     # -- admission ------------------------------------------------------
 
@@ -202,10 +260,13 @@ class Scheduler:
         return leader is None or leader.prompt_recorded or leader.status is Status.FINISHED
 
     def _admit(self, seq: Sequence) -> bool:
+        """Gives `seq` its vTensors and makes it running. False when it must
+        wait (out of memory), or when it failed alone (a device error: then
+        it is finished)."""
         try:
             if self.prefix_caching and seq.num_tokens > 1:
                 self.prefix_query_tokens += len(seq.prompt_ids)
-                vtensors, matched = self.kv.match(seq.token_ids)
+                vtensors, matched = self._match(seq)
                 if vtensors is not None:
                     seq.vtensors = vtensors
                     seq.num_cached = matched
@@ -219,11 +280,30 @@ class Scheduler:
             if not self.running:
                 self._fail(seq, exc)
             return False
+        except vtm.Unavailable:
+            raise
+        except vtm.Error as exc:
+            log.warning("mapping a new request's KV failed: %s", exc)
+            self.num_memory_faults += 1
+            self._fail(seq, exc)
+            return False
         seq.slots = tuple(vt.slot for vt in seq.vtensors)
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = Status.RUNNING
         return True
+
+    def _match(self, seq: Sequence):
+        """kv.match, where a failure other than out of memory (a failed copy)
+        only costs the prefix its reuse: the prompt is computed instead."""
+        try:
+            return self.kv.match(seq.token_ids)
+        except (vtm.OutOfMemory, vtm.Unavailable):
+            raise
+        except vtm.Error as exc:
+            log.warning("prefix match failed (%s); computing the prompt instead", exc)
+            self.num_prefix_failures += 1
+            return None, 0
 
     # -- the step -------------------------------------------------------
 
@@ -231,6 +311,7 @@ class Scheduler:
         """The batch of this step: (sequence, tokens to compute), memory mapped."""
         self._await_pending()
         self._reap_background()
+        self._retry_releases()
         reclaimed = self._answer_reclaim()
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
@@ -242,7 +323,11 @@ class Scheduler:
             budget -= n
         while budget > 0 and len(self.running) < self.max_num_seqs and not reclaimed:
             seq = next((s for s in self.waiting if self._admissible(s)), None)
-            if seq is None or not self._admit(seq):
+            if seq is None:
+                break
+            if not self._admit(seq):
+                if seq.status is Status.FINISHED:
+                    continue  # failed alone: the next one may fit
                 break
             n = min(seq.num_tokens - seq.num_cached, budget)
             plan.append((seq, n))
@@ -259,7 +344,7 @@ class Scheduler:
     def after_prefill(self, seq: Sequence) -> None:
         """The prompt's KV is complete: make it matchable (n > 1 siblings, shared prompts)."""
         if self.prefix_caching and not seq.prompt_recorded:
-            self._background += self.kv.record(seq.vtensors, seq.prompt_ids)
+            self._record(seq.vtensors, seq.prompt_ids)
         seq.prompt_recorded = True
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -271,9 +356,10 @@ class Scheduler:
     def drain(self) -> None:
         """Wait for every queued memory operation (end of generate)."""
         self._await_pending()
-        for fut in self._background:
+        background, self._background = self._background, []
+        for fut in background:
             self._check_record(fut)
-        self._background.clear()
+        self._retry_releases()
 
     def _reap_background(self) -> None:
         still = []
@@ -284,11 +370,17 @@ class Scheduler:
                 still.append(fut)
         self._background = still
 
-    @staticmethod
-    def _check_record(fut) -> None:
+    def _check_record(self, fut) -> None:
         # A record that finds no memory for its copy just leaves that prefix
-        # uncached; any other failure is a bug and surfaces.
+        # uncached; one that fails otherwise (a failed copy) costs the same,
+        # and is logged and counted: it concerned no running request.
         try:
             fut.result()
         except vtm.OutOfMemory:
             pass
+        except vtm.Error as exc:
+            self._record_failed(exc)
+
+    def _record_failed(self, exc: Exception) -> None:
+        log.warning("recording a prefix failed (%s); it will be computed again when asked for", exc)
+        self.num_prefix_failures += 1

@@ -1,0 +1,150 @@
+"""Fault containment in the engine (issue 17): a failed memory operation, a
+bad request or a row that cannot be sampled fails at most its own request,
+and the engine serves the next requests exactly as before.
+
+vtm's fault injector (`Manager(faults=True)`) makes the n-th call of one
+backend operation fail once; every operation the engine drives through vtm
+is swept. The oracle is the same engine on a manager without faults (the
+engine itself is checked against transformers in test_engine.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import vtm
+from flexinfer import LLM, InvalidArgument, SamplingParams
+from flexinfer.engine import Engine
+from flexinfer.sequence import Sequence, Status
+
+CHUNK = 4096  # ~2.7 rows of the tiny model a page: rows straddle pages, prompts span several
+# Every backend operation a serving engine reaches: mapping (create, step,
+# match), unmapping (release), the copies of prefix record and match, and
+# the fence those copies wait on.
+ENGINE_OPS = ["create_chunk", "map", "set_access", "unmap", "copy", "record_fence"]
+PROMPT = [1] + list(range(40, 100))
+PROMPTS = [PROMPT + [7, 8], PROMPT + [9], PROMPT[:30] + [11, 12, 13], [1, 5, 6, 7]]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)
+
+
+def _manager(faults: bool) -> vtm.Manager:
+    return vtm.Manager(backend="host", capacity_bytes=512 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
+                       faults=faults)
+
+
+def _llm(folder, manager) -> LLM:
+    return LLM(folder, manager=manager, max_model_len=256, max_num_seqs=8, max_batch_tokens=64)
+
+
+def _tokens(outputs) -> list[list[list[int]]]:
+    return [[o.token_ids for o in out.outputs] for out in outputs]
+
+
+def _assert_empty(llm: LLM) -> None:
+    llm.manager.check()
+    assert not llm.scheduler.has_work()
+    llm.kv_cache.space.clear_prefixes()
+    llm.manager.trim()
+    llm.manager.check()
+    assert llm.manager.stats()["chunks_held"] == 0
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_gpu_folder):
+    manager = _manager(faults=False)
+    llm = _llm(tiny_gpu_folder, manager)
+    tokens = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    # Twice: the second run maps the first run's recorded prompts.
+    assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == tokens
+    llm.close()
+    manager.close()
+    return tokens
+
+
+@pytest.mark.parametrize("op", ENGINE_OPS)
+def test_one_failed_backend_call_fails_at_most_its_own_requests(tiny_gpu_folder, expected, op):
+    manager = _manager(faults=True)
+    llm = _llm(tiny_gpu_folder, manager)
+    fired = 0
+    for nth in (1, 2, 3, 5, 8, 13):
+        manager.trim()  # chunks come from the device again, not the pool's free list
+        calls = manager.faults.calls(op)
+        manager.faults.fail_nth(op, nth)
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        fired += manager.faults.calls(op) - calls >= nth
+        manager.faults.clear()
+        for out, want in zip(outputs, expected):
+            for sample, tokens in zip(out.outputs, want):
+                if sample.error is None:
+                    assert sample.token_ids == tokens, (op, nth)
+                else:  # failed alone, with vtm's typed error
+                    assert sample.finish_reason == "error" and isinstance(sample.error, vtm.Error), sample.error
+        llm.manager.check()
+        # The engine is not wedged: the next requests run exactly as without faults.
+        assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected, (op, nth)
+        llm.manager.check()
+    assert fired >= 3, f"the injected {op} faults fired only {fired} times: the sweep tests nothing"
+    _assert_empty(llm)
+    llm.close()
+    manager.close()
+
+
+def test_a_failed_background_record_does_not_wedge_the_engine(tiny_gpu_folder, expected):
+    """Finding 2: a prefix_record whose copy failed stayed in the scheduler's
+    background list, and drain() / the next step re-raised its error forever."""
+    manager = _manager(faults=True)
+    llm = _llm(tiny_gpu_folder, manager)
+    manager.faults.fail_nth("copy", 1)
+    first = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert manager.faults.calls("copy") >= 1
+    assert all(s.error is None for out in first for s in out.outputs)  # a record concerns no running request
+    assert _tokens(first) == expected
+    assert llm.engine.stats()["prefix_failures"] >= 1
+    assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+    _assert_empty(llm)
+    llm.close()
+    manager.close()
+
+
+def test_a_stop_token_outside_the_vocabulary_fails_only_its_request(tiny_gpu_folder, expected):
+    """Finding 3: an id >= vocab in stop_token_ids with min_tokens >= 1 raised
+    IndexError in sample() and failed every request of the step."""
+    manager = _manager(faults=False)
+    llm = _llm(tiny_gpu_folder, manager)
+    vocab = llm.config.vocab_size
+    bad = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, min_tokens=2, stop_token_ids=[vocab + 5])
+    outputs = llm.generate(PROMPTS + [PROMPT], [PARAMS] * len(PROMPTS) + [bad], use_tqdm=False)
+    assert _tokens(outputs[:-1]) == expected
+    refused = outputs[-1].outputs[0]
+    assert refused.finish_reason == "error" and isinstance(refused.error, InvalidArgument)
+    assert "stop_token_ids" in str(refused.error)
+    _assert_empty(llm)
+    llm.close()
+    manager.close()
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone(tiny_gpu_folder):
+    """Behind the submission checks: a row whose sampling raises (here a banned
+    id outside the vocabulary, which EngineLoop.submit would refuse) fails its
+    own sequence; the other rows of the batch get their tokens."""
+    manager = _manager(faults=False)
+    engine = Engine(tiny_gpu_folder, manager=manager, max_model_len=256, max_num_seqs=4)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    broken = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, min_tokens=2,
+                            stop_token_ids=[engine.config.vocab_size + 1])
+    good = Sequence(1, 0, 0, PROMPT, greedy, 0, ())
+    bad = Sequence(2, 1, 0, PROMPT[:20], broken, 0, ())
+    alone = Sequence(3, 2, 0, PROMPT, greedy, 0, ())
+    for seq in (good, bad):
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    engine.add(alone)
+    while engine.has_work():
+        engine.step()
+    engine.drain()
+    assert bad.status is Status.FINISHED and bad.finish_reason == "error" and bad.error is not None
+    assert good.finish_reason == "length" and good.output_ids == alone.output_ids
+    engine.manager.check()
+    engine.close()
+    manager.close()
