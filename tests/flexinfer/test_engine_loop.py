@@ -158,18 +158,29 @@ def test_two_threads_generating_at_once_get_their_own_outputs(tiny):
         assert_idle_and_released(llm)
 
 
-def test_ctrl_c_cancels_the_interrupted_generate(tiny):
+def test_ctrl_c_cancels_the_interrupted_generate(tiny, monkeypatch):
+    """The Ctrl-C arrives after the engine's first step, while generate waits
+    for the ~1,000 steps left: at a point in the work, not after a delay (a
+    timer lost the race on fast machines, and its late signal killed pytest)."""
     folder, oracle = tiny
     prompts = clean_prompts([10] * 8, seed=12)
     with LLM(folder, max_num_seqs=2) as llm:
         main = threading.main_thread().ident
-        timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))
-        timer.start()
+        step, interrupted = llm.engine.step, threading.Event()
+
+        def step_then_interrupt():
+            changed = step()
+            if not interrupted.is_set():
+                interrupted.set()
+                signal.pthread_kill(main, signal.SIGINT)
+            return changed
+
+        monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
         started = time.perf_counter()
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, greedy(240), use_tqdm=False)
-        assert time.perf_counter() - started < 20
-        timer.cancel()
+        assert interrupted.is_set() and time.perf_counter() - started < 20
+        monkeypatch.undo()
         # Nothing of the interrupted call is left to run or to hold memory.
         assert_idle_and_released(llm)
         assert_greedy_equal(oracle, prompts[:2], run(llm, prompts[:2], greedy(5)), 5)
