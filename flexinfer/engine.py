@@ -85,6 +85,7 @@ class Engine:
             if cuda_graphs and (self.device.type != "cuda" or not isinstance(self.attention, KernelAttention)):
                 raise InvalidArgument("cuda_graphs needs a CUDA device and attention='kernel' (or 'auto')")
             loaded = load_model(model, self.dtype)
+            fingerprint = loaded.fingerprint()
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
             self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear,
@@ -105,7 +106,8 @@ class Engine:
             keep_sink = self.device.type == "cuda" and isinstance(self.attention, KernelAttention)
             self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len,
                                     max_num_seqs + (1 if keep_sink else 0),
-                                    namespace=namespace or f"{model}:{dtype}", layer_groups=layer_groups)
+                                    namespace=prefix_namespace(fingerprint, dtype, namespace),
+                                    layer_groups=layer_groups)
             if self.device.type == "cuda" and self.kv_cache.device.index != _cuda_index(self.device, "cuda"):
                 # Kernels would index one GPU's memory from another (a shared
                 # manager opened on another device).
@@ -291,6 +293,17 @@ class Engine:
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"
         return None
+
+
+def prefix_namespace(fingerprint: str, dtype: str, salt: str | None) -> str:
+    """The prefix-tree namespace of an engine's KV: the model's fingerprint
+    (its weights and forward config) and the KV dtype, plus the caller's salt
+    (engines that must not share prefixes, such as tenants, pass different
+    ones). The KV cache appends each layer group's layer range, and vtm
+    refuses a space whose row size disagrees with its namespace's: together
+    they name what the bytes mean, so engines with other weights, dtype or
+    layout never map each other's KV as their own (issue 17, finding 14)."""
+    return f"flexinfer:{fingerprint}:{dtype}" + (f":{salt}" if salt else "")
 
 
 def _sample_row(row, params, generator, banned) -> int | Exception:

@@ -44,10 +44,12 @@ class KVCache:
         for g in range(layer_groups):
             first, last = bounds[g], bounds[g + 1]
             row_bytes = config.kv_row_bytes(itemsize, layers=last - first)
-            suffix = "" if layer_groups == 1 else f":layers{first}-{last - 1}"
+            # The namespace names the layers a row holds (what its bytes
+            # mean), the space name only tells groups apart.
+            layers_held = f":layers{first}-{last - 1}"
             space = manager.create_space(row_bytes=row_bytes, max_tokens=max_tokens, max_slots=max_slots,
-                                         namespace=None if namespace is None else namespace + suffix,
-                                         name=None if name is None else name + suffix)
+                                         namespace=None if namespace is None else namespace + layers_held,
+                                         name=None if name is None or layer_groups == 1 else name + layers_held)
             self.spaces.append(space)
             flat = space.tensor(dtype)  # [max_slots, slot_bytes // itemsize]
             row_elems = row_bytes // itemsize

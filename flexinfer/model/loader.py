@@ -9,9 +9,10 @@ contiguous, on CPU, in the requested dtype.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -29,6 +30,30 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str  # the file or folder the model was read from
+
+    def fingerprint(self) -> str:
+        """What the model's KV bytes depend on, as a short hash: the config
+        the forward pass reads and the weights. Prefix caches are keyed by it
+        (never by the name or path the user gave, which may hold other weights
+        tomorrow), so two engines share KV only when their KV is the same."""
+        digest = hashlib.blake2b(digest_size=12)
+        forward_config = {k: v for k, v in asdict(self.config).items() if k not in ("bos_token_id", "eos_token_ids")}
+        digest.update(json.dumps(forward_config, sort_keys=True, default=str).encode())
+        for name in sorted(self.weights):
+            tensor = self.weights[name]
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(_sampled_bytes(tensor))
+        return digest.hexdigest()
+
+
+def _sampled_bytes(tensor: torch.Tensor, count: int = 512) -> bytes:
+    """`count` elements spread evenly over the tensor, plus its first and last
+    ones: reading every byte of an 8B model would take seconds, while two
+    different trainings of one architecture differ in almost every element."""
+    flat = tensor.reshape(-1)
+    step = max(1, flat.numel() // count)
+    sample = torch.cat([flat[:64], flat[::step], flat[-64:]]).contiguous()
+    return sample.view(torch.uint8).numpy().tobytes()
 
 
 def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:

@@ -743,6 +743,37 @@ def test_two_engines_of_one_model_share_prefixes(tiny_llama, tiny_prompts):
     manager.close()
 
 
+def test_prefixes_are_keyed_by_the_weights_not_the_path(tiny_llama, tiny_prompts, tmp_path, smollm2_hf_tokenizer):
+    """Issue 17, finding 14: the namespace was "{model}:{dtype}", the path the
+    user gave. An engine that loaded other weights from the same path (a
+    folder updated in place, another process on the same vtmd) mapped the
+    first engine's KV as its own and generated from it."""
+    folder, oracle = tiny_llama
+    path = tmp_path / "model"
+    shutil.copytree(folder, path)
+    manager = small_manager(128)
+    a = LLM(str(path), manager=manager)
+    prompt = tiny_prompts[3]
+    assert_greedy_equal(oracle, [prompt], run(a, [prompt], greedy(8)), 8)
+    # The same path now holds other weights of the same shape.
+    shutil.rmtree(path)
+    other = Oracle(_build_tiny(path, "llama", smollm2_hf_tokenizer, seed=7))
+    b = LLM(str(path), manager=manager)
+    assert a.kv_cache.space.namespace != b.kv_cache.space.namespace
+    out = run(b, [prompt], greedy(8))
+    assert out[0].metrics.prefix_hit_tokens == 0
+    assert_greedy_equal(other, [prompt], out, 8)
+    # The same weights under another path share: the key is what the bytes mean.
+    c = LLM(folder, manager=manager)
+    assert c.kv_cache.space.namespace == a.kv_cache.space.namespace
+    assert run(c, [prompt + [5]], greedy(8))[0].metrics.prefix_hit_tokens == len(prompt)
+    a.close()
+    c.close()
+    assert_all_memory_returned(b)
+    b.close()
+    manager.close()
+
+
 # ============================================================================= 7. errors
 
 def test_prompt_too_long_fails_alone(tiny_llama, tiny_prompts):
@@ -806,7 +837,7 @@ def test_bad_engine_arguments(tiny_llama):
         llm.generate([[5, 6], [7, 8]], [greedy(2)] * 3)
     llm.close()
     with LLM(folder, dtype=torch.bfloat16) as llm:  # the torch dtype names the same thing as its string
-        assert llm.dtype is torch.bfloat16 and llm.kv_cache.space.namespace.endswith(":bfloat16")
+        assert llm.dtype is torch.bfloat16 and ":bfloat16:" in llm.kv_cache.space.namespace
 
 
 def test_failed_constructor_leaves_nothing_behind(tiny_llama, tmp_path, monkeypatch):
