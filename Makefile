@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 SAN_DIR := build/sanitize
+TSAN_DIR := build/tsan
 TORCH_VERSION := 2.13.0
 
 SOURCES := $(shell find vtm flexinfer -name '*.cc' -o -name '*.h' -o -name '*.py' -o -name '*.pyi') CMakeLists.txt pyproject.toml
@@ -16,7 +17,7 @@ KERNEL_TESTS := tests/flexinfer/test_cpu_attention.py tests/flexinfer/test_linea
 	tests/flexinfer/test_cpu_layer_ops.py tests/flexinfer/test_sampling.py tests/flexinfer/test_cpu_decoder.py
 KERNEL_ARCHS := x86-64-v3 x86-64
 
-.PHONY: all demo test test-py test-sanitize test-isa bench bench-engine clean
+.PHONY: all demo test test-py test-sanitize test-isa tsan bench bench-engine clean
 
 all: $(STAMP)
 
@@ -51,30 +52,56 @@ demo: $(STAMP)
 
 # test-isa builds x86-64 variants: elsewhere the clones are not x86's either.
 ifeq ($(shell uname -m),x86_64)
-test: test-py test-sanitize test-isa
+test: test-py test-sanitize test-isa tsan
 else
-test: test-py test-sanitize
+test: test-py test-sanitize tsan
 endif
 
 test-py: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-# The extension rebuilt with AddressSanitizer + UndefinedBehaviorSanitizer,
-# run over the vtm tests with the sanitizer runtime preloaded into Python.
-$(SAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
+# Both extensions rebuilt with AddressSanitizer + UndefinedBehaviorSanitizer,
+# run over the vtm tests and the CPU kernels' tests with the sanitizer
+# runtime preloaded into Python.
+SAN_ENV := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+$(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so &: $(VENV)/.deps $(SOURCES)
 	mkdir -p $(SAN_DIR)
 	cmake -S . -B $(SAN_DIR)/cmake -G Ninja -DVTM_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
-	cmake --build $(SAN_DIR)/cmake --target _core
-	rm -rf $(SAN_DIR)/vtm && mkdir -p $(SAN_DIR)/vtm
+	cmake --build $(SAN_DIR)/cmake --target _core _kernels
+	rm -rf $(SAN_DIR)/vtm $(SAN_DIR)/flexinfer && mkdir -p $(SAN_DIR)/vtm $(SAN_DIR)/flexinfer
 	cp vtm/*.py $(SAN_DIR)/vtm/
 	cp -r vtm/broker vtm/proto $(SAN_DIR)/vtm/
 	cp $(SAN_DIR)/cmake/_core*.so $(SAN_DIR)/vtm/_core.so
+	cp $(SAN_DIR)/cmake/_kernels*.so $(SAN_DIR)/flexinfer/_kernels.so
 
-test-sanitize: $(SAN_DIR)/vtm/_core.so
-	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/flexinfer tests
+test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
+	$(SAN_ENV) PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/flexinfer tests
+	$(SAN_ENV) FLEXINFER_KERNEL_ARCH=clones FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
+		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+
+# The vtm core built with ThreadSanitizer, over the executor's workers and
+# refill thread under concurrent submitters (test_concurrency), and a broker
+# client's worker and notice threads with its C++ mapper, on both transports
+# (vtmd runs in a child process under the same runtime). Only these broker
+# tests: TSan slows the broker ~10x, past the deadlines the others assert.
+TSAN_TESTS := tests/test_concurrency.py "tests/test_broker.py::test_same_api_and_bytes_in_one_client"
+$(TSAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
+	mkdir -p $(TSAN_DIR)
+	cmake -S . -B $(TSAN_DIR)/cmake -G Ninja -DVTM_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
+	cmake --build $(TSAN_DIR)/cmake --target _core
+	rm -rf $(TSAN_DIR)/vtm && mkdir -p $(TSAN_DIR)/vtm
+	cp vtm/*.py $(TSAN_DIR)/vtm/
+	cp -r vtm/broker vtm/proto $(TSAN_DIR)/vtm/
+	cp $(TSAN_DIR)/cmake/_core*.so $(TSAN_DIR)/vtm/_core.so
+
+tsan: $(TSAN_DIR)/vtm/_core.so
+	LD_PRELOAD="$$(gcc -print-file-name=libtsan.so)" \
+	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(abspath tests/tsan.supp)" \
+	PYTHONPATH=$(TSAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider $(TSAN_TESTS)
 
 # The CPU kernels' vector code built for AVX2 and for baseline x86-64 instead
 # of the clones the CPU picks at load, and their tests run on each: a machine
