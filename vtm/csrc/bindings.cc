@@ -543,6 +543,9 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release release;
              m.Apply(space, parsed);
            })
+      .def("unmap_slot", &ClientMapper::UnmapSlot, py::call_guard<py::gil_scoped_release>())
+      .def("unmap_space", &ClientMapper::UnmapSpace, py::call_guard<py::gil_scoped_release>())
+      .def("revoke", &ClientMapper::Revoke, py::call_guard<py::gil_scoped_release>())
       .def("pages", [](const ClientMapper& m, std::uint32_t space, int slot) { return PageList(m.Pages(space, slot)); })
       .def("mapped_pages", &ClientMapper::MappedPages)
       .def("base_address",
