@@ -138,12 +138,13 @@ def test_memory_freed_for_a_notice_is_reserved_for_the_asker(broker):
 
 def test_a_reservation_lapses_after_its_time():
     from vtm.broker.policy import Policy
-    from vtm.broker.session import Session
+    from vtm.broker.session import LIVE, Session
 
     free = [10]
     policy = Policy(lambda: [], 1, free_bytes=lambda: free[0], reserve_s=0.3)
-    asker, other = Session(1, "asker", 5, 0, 0, 1), Session(2, "other", 0, 0, 0, 1)
-    victim = Session(3, "victim", 0, 0, 0, 1)
+    asker, other = Session(1, "asker", 5, 0, 0), Session(2, "other", 0, 0, 0)
+    victim = Session(3, "victim", 0, 0, 0)
+    victim.state = LIVE
     victim.pages = {(1, 0, p): (p, p + 1) for p in range(4)}  # maps 4 bytes: one may be asked for
     policy._sessions = lambda: [asker, other, victim]
     policy.wait_s = 0.0  # do not wait for the victim here
@@ -188,7 +189,7 @@ _METHODS = {
     "Create": vtm_pb2.CreateRequest, "Extend": vtm_pb2.ExtendRequest, "Step": vtm_pb2.StepRequest,
     "Release": vtm_pb2.VTensorRequest, "PrefixRecord": vtm_pb2.PrefixRecordRequest,
     "PrefixMatch": vtm_pb2.PrefixMatchRequest, "ClearPrefixes": vtm_pb2.SpaceRequest,
-    "PrefixNodes": vtm_pb2.SpaceRequest, "Ack": vtm_pb2.AckRequest, "SetQuota": vtm_pb2.SetQuotaRequest,
+    "PrefixNodes": vtm_pb2.SpaceRequest, "SetQuota": vtm_pb2.SetQuotaRequest,
 }
 
 

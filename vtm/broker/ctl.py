@@ -38,10 +38,11 @@ def _mib(n: int) -> str:
 
 
 def _clients_table(stats: dict) -> list[str]:
-    rows = [f"{'client':<20} {'pid':>8} {'prio':>5} {'mapped MiB':>11} {'guar MiB':>9} {'limit MiB':>10} "
-            f"{'owes MiB':>9} {'spaces':>6} {'vts':>5}"]
+    rows = [f"{'client':<20} {'pid':>8} {'state':>11} {'prio':>5} {'mapped MiB':>11} {'guar MiB':>9} "
+            f"{'limit MiB':>10} {'owes MiB':>9} {'spaces':>6} {'vts':>5}"]
     for c in stats["clients"]:
-        rows.append(f"{c['name'][:20]:<20} {c['pid']:>8} {c['priority']:>5} {_mib(c['mapped_bytes']):>11} "
+        pid = "-" if c["pid"] is None else c["pid"]  # none before the session attaches
+        rows.append(f"{c['name'][:20]:<20} {pid:>8} {c['state']:>11} {c['priority']:>5} {_mib(c['mapped_bytes']):>11} "
                     f"{_mib(c['guaranteed_bytes']):>9} {_mib(c['limit_bytes']) if c['limit_bytes'] else '-':>10} "
                     f"{_mib(c['owes_bytes']):>9} {c['spaces']:>6} {c['vtensors']:>5}")
     return rows

@@ -21,12 +21,18 @@ before it gets to answer, and what it owes counts what it mapped since. Nor
 is another asker's retry (two retries waiting for each other's reservation
 would both stall until the reservations lapse).
 
+Notices go on the session's channel (Session.notify), as JSON:
+{"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...};
+the client answers with {"ack": N} there (vtm/broker/fd_channel.py).
+
 Invariants:
   * a session owes memory (owed_target is not None) only between a notice
     and the moment its mapped bytes are at or below owed_target;
   * _reserved holds, per asking session, the bytes its pending retry needs
     and the deadline after which they are no longer reserved;
-  * admit() never changes state: it only refuses.
+  * admit() never changes state: it only refuses;
+  * reclaim() waits holding no lock of this module (nor, by contract with
+    its caller, the asker's session lock).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import threading
 import time
 
 from vtm import errors
-from vtm.proto.vtm.v1 import vtm_pb2
+from vtm.broker.session import LIVE
 
 
 class Policy:
@@ -112,7 +118,7 @@ class Policy:
         and waits up to wait_s for them; False when there was nobody to ask.
         When it asked, `reserve_bytes` stay reserved for the requester's
         retry from before the first notice until unreserve() (or reserve_s)."""
-        victims = sorted((s for s in self._sessions() if s is not requester and not s.closed
+        victims = sorted((s for s in self._sessions() if s is not requester and s.state == LIVE
                           and s.priority < requester.priority
                           and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
                          key=lambda s: s.priority)
@@ -126,14 +132,13 @@ class Policy:
             if not asked and reserve_bytes > 0 and self._free_bytes is not None:
                 with self._gate:
                     self._reserved[requester] = (reserve_bytes, time.monotonic() + self.reserve_s)
-            notice_id = next(self._ids)
             with self._mu:
                 target = mapped - ask if victim.owed_target is None else min(victim.owed_target, mapped - ask)
                 victim.owed_target = target
                 victim.owed_deadline = time.monotonic() + self.notice_deadline_s
-            victim.notices.put(vtm_pb2.Notice(
-                kind=vtm_pb2.Notice.RECLAIM, bytes=ask, notice_id=notice_id, deadline_s=self.notice_deadline_s,
-                reason=f"client '{requester.name}' (priority {requester.priority}) needs memory"))
+            victim.notify({"notice": "reclaim", "id": next(self._ids), "bytes": mapped - target,
+                           "deadline_s": self.notice_deadline_s,
+                           "reason": f"client '{requester.name}' (priority {requester.priority}) needs memory"})
             asked.append(victim)
             remaining -= ask
             if remaining <= 0:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avtm/proto/vtm/v1/vtm.proto\x12\x06vtm.v1\"j\n\x0cHelloRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x18\n\x10guaranteed_bytes\x18\x03 \x01(\x04\x12\x13\n\x0blimit_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x05\"\xc7\x01\n\nHelloReply\x12\r\n\x05lease\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x05\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bgranularity\x18\x07 \x01(\x04\x12\x11\n\tfd_socket\x18\x08 \x01(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x13\n\x0bstep_socket\x18\n \x01(\t\"\x10\n\x0eNoticesRequest\"\xaa\x01\n\x06Notice\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.vtm.v1.Notice.Kind\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tnotice_id\x18\x04 \x01(\x04\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"7\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07RECLAIM\x10\x01\x12\x0c\n\x08SHUTDOWN\x10\x02\"\x1f\n\nAckRequest\x12\x11\n\tnotice_id\x18\x01 \x01(\x04\"f\n\x0fSetQuotaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0blimit_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eset_guaranteed\x18\x03 \x01(\x08\x12\x18\n\x10guaranteed_bytes\x18\x04 \x01(\x04\"o\n\x12\x43reateSpaceRequest\x12\x11\n\trow_bytes\x18\x01 \x01(\x04\x12\x12\n\nmax_tokens\x18\x02 \x01(\x04\x12\x11\n\tmax_slots\x18\x03 \x01(\x04\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xa5\x01\n\nSpaceReply\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x11\n\trow_bytes\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x04\x12\x11\n\tmax_slots\x18\x06 \x01(\x04\x12\x12\n\nslot_bytes\x18\x07 \x01(\x04\x12\x16\n\x0epages_per_slot\x18\x08 \x01(\x04\" \n\x0cSpaceRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\"5\n\rCreateRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"7\n\rExtendRequest\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"5\n\x0bStepRequest\x12&\n\x07targets\x18\x01 \x03(\x0b\x32\x15.vtm.v1.ExtendRequest\"$\n\x0eVTensorRequest\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\"N\n\x13PrefixRecordRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x12\n\nvtensor_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"9\n\x12PrefixMatchRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\")\n\x0bTrimRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"G\n\nPageEffect\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04page\x18\x02 \x01(\x04\x12\r\n\x05\x63hunk\x18\x03 \x01(\x03\x12\x0e\n\x06serial\x18\x04 \x01(\x04\"S\n\x0cSpaceEffects\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12!\n\x05pages\x18\x02 \x03(\x0b\x32\x12.vtm.v1.PageEffect\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\"h\n\x0cVTensorState\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x10\n\x08space_id\x18\x02 \x01(\r\x12\x0c\n\x04slot\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x10\n\x08released\x18\x05 \x01(\x08\"\x93\x01\n\x07OpReply\x12%\n\x07\x65\x66\x66\x65\x63ts\x18\x01 \x03(\x0b\x32\x14.vtm.v1.SpaceEffects\x12&\n\x08vtensors\x18\x02 \x03(\x0b\x32\x14.vtm.v1.VTensorState\x12\r\n\x05value\x18\x03 \x01(\x03\x12\x12\n\nvtensor_id\x18\x04 \x01(\x04\x12\x16\n\x0ematched_tokens\x18\x05 \x01(\x04\"V\n\nPrefixNode\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05locks\x18\x04 \x01(\x05\x12\r\n\x05pages\x18\x05 \x03(\r\"5\n\x10PrefixNodesReply\x12!\n\x05nodes\x18\x01 \x03(\x0b\x32\x12.vtm.v1.PrefixNode\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\x91\x07\n\x06\x42roker\x12\x31\n\x05Hello\x12\x14.vtm.v1.HelloRequest\x1a\x12.vtm.v1.HelloReply\x12\x33\n\x07Notices\x12\x16.vtm.v1.NoticesRequest\x1a\x0e.vtm.v1.Notice0\x01\x12=\n\x0b\x43reateSpace\x12\x1a.vtm.v1.CreateSpaceRequest\x1a\x12.vtm.v1.SpaceReply\x12\x33\n\nCloseSpace\x12\x14.vtm.v1.SpaceRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06\x43reate\x12\x15.vtm.v1.CreateRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06\x45xtend\x12\x15.vtm.v1.ExtendRequest\x1a\x0f.vtm.v1.OpReply\x12,\n\x04Step\x12\x13.vtm.v1.StepRequest\x1a\x0f.vtm.v1.OpReply\x12\x32\n\x07Release\x12\x16.vtm.v1.VTensorRequest\x1a\x0f.vtm.v1.OpReply\x12<\n\x0cPrefixRecord\x12\x1b.vtm.v1.PrefixRecordRequest\x1a\x0f.vtm.v1.OpReply\x12:\n\x0bPrefixMatch\x12\x1a.vtm.v1.PrefixMatchRequest\x1a\x0f.vtm.v1.OpReply\x12\x36\n\rClearPrefixes\x12\x14.vtm.v1.SpaceRequest\x1a\x0f.vtm.v1.OpReply\x12=\n\x0bPrefixNodes\x12\x14.vtm.v1.SpaceRequest\x1a\x18.vtm.v1.PrefixNodesReply\x12,\n\x04Trim\x12\x13.vtm.v1.TrimRequest\x1a\x0f.vtm.v1.OpReply\x12\x31\n\x05Stats\x12\x14.vtm.v1.StatsRequest\x1a\x12.vtm.v1.StatsReply\x12.\n\x05\x43heck\x12\x14.vtm.v1.StatsRequest\x1a\x0f.vtm.v1.OpReply\x12*\n\x03\x41\x63k\x12\x12.vtm.v1.AckRequest\x1a\x0f.vtm.v1.OpReply\x12\x37\n\x08SetQuota\x12\x17.vtm.v1.SetQuotaRequest\x1a\x12.vtm.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avtm/proto/vtm/v1/vtm.proto\x12\x06vtm.v1\"h\n\x0cHelloRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x18\n\x10guaranteed_bytes\x18\x03 \x01(\x04\x12\x13\n\x0blimit_bytes\x18\x04 \x01(\x04J\x04\x08\x05\x10\x06R\x03pid\"\xc7\x01\n\nHelloReply\x12\r\n\x05lease\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x05\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bgranularity\x18\x07 \x01(\x04\x12\x11\n\tfd_socket\x18\x08 \x01(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x13\n\x0bstep_socket\x18\n \x01(\t\"f\n\x0fSetQuotaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0blimit_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eset_guaranteed\x18\x03 \x01(\x08\x12\x18\n\x10guaranteed_bytes\x18\x04 \x01(\x04\"o\n\x12\x43reateSpaceRequest\x12\x11\n\trow_bytes\x18\x01 \x01(\x04\x12\x12\n\nmax_tokens\x18\x02 \x01(\x04\x12\x11\n\tmax_slots\x18\x03 \x01(\x04\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xa5\x01\n\nSpaceReply\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x11\n\trow_bytes\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x04\x12\x11\n\tmax_slots\x18\x06 \x01(\x04\x12\x12\n\nslot_bytes\x18\x07 \x01(\x04\x12\x16\n\x0epages_per_slot\x18\x08 \x01(\x04\" \n\x0cSpaceRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\"5\n\rCreateRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"7\n\rExtendRequest\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"5\n\x0bStepRequest\x12&\n\x07targets\x18\x01 \x03(\x0b\x32\x15.vtm.v1.ExtendRequest\"$\n\x0eVTensorRequest\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\"N\n\x13PrefixRecordRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x12\n\nvtensor_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"9\n\x12PrefixMatchRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\")\n\x0bTrimRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"G\n\nPageEffect\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04page\x18\x02 \x01(\x04\x12\r\n\x05\x63hunk\x18\x03 \x01(\x03\x12\x0e\n\x06serial\x18\x04 \x01(\x04\"S\n\x0cSpaceEffects\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12!\n\x05pages\x18\x02 \x03(\x0b\x32\x12.vtm.v1.PageEffect\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\"h\n\x0cVTensorState\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x10\n\x08space_id\x18\x02 \x01(\r\x12\x0c\n\x04slot\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x10\n\x08released\x18\x05 \x01(\x08\"\x93\x01\n\x07OpReply\x12%\n\x07\x65\x66\x66\x65\x63ts\x18\x01 \x03(\x0b\x32\x14.vtm.v1.SpaceEffects\x12&\n\x08vtensors\x18\x02 \x03(\x0b\x32\x14.vtm.v1.VTensorState\x12\r\n\x05value\x18\x03 \x01(\x03\x12\x12\n\nvtensor_id\x18\x04 \x01(\x04\x12\x16\n\x0ematched_tokens\x18\x05 \x01(\x04\"V\n\nPrefixNode\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05locks\x18\x04 \x01(\x05\x12\r\n\x05pages\x18\x05 \x03(\r\"5\n\x10PrefixNodesReply\x12!\n\x05nodes\x18\x01 \x03(\x0b\x32\x12.vtm.v1.PrefixNode\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\xb0\x06\n\x06\x42roker\x12\x31\n\x05Hello\x12\x14.vtm.v1.HelloRequest\x1a\x12.vtm.v1.HelloReply\x12=\n\x0b\x43reateSpace\x12\x1a.vtm.v1.CreateSpaceRequest\x1a\x12.vtm.v1.SpaceReply\x12\x33\n\nCloseSpace\x12\x14.vtm.v1.SpaceRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06\x43reate\x12\x15.vtm.v1.CreateRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06\x45xtend\x12\x15.vtm.v1.ExtendRequest\x1a\x0f.vtm.v1.OpReply\x12,\n\x04Step\x12\x13.vtm.v1.StepRequest\x1a\x0f.vtm.v1.OpReply\x12\x32\n\x07Release\x12\x16.vtm.v1.VTensorRequest\x1a\x0f.vtm.v1.OpReply\x12<\n\x0cPrefixRecord\x12\x1b.vtm.v1.PrefixRecordRequest\x1a\x0f.vtm.v1.OpReply\x12:\n\x0bPrefixMatch\x12\x1a.vtm.v1.PrefixMatchRequest\x1a\x0f.vtm.v1.OpReply\x12\x36\n\rClearPrefixes\x12\x14.vtm.v1.SpaceRequest\x1a\x0f.vtm.v1.OpReply\x12=\n\x0bPrefixNodes\x12\x14.vtm.v1.SpaceRequest\x1a\x18.vtm.v1.PrefixNodesReply\x12,\n\x04Trim\x12\x13.vtm.v1.TrimRequest\x1a\x0f.vtm.v1.OpReply\x12\x31\n\x05Stats\x12\x14.vtm.v1.StatsRequest\x1a\x12.vtm.v1.StatsReply\x12.\n\x05\x43heck\x12\x14.vtm.v1.StatsRequest\x1a\x0f.vtm.v1.OpReply\x12\x37\n\x08SetQuota\x12\x17.vtm.v1.SetQuotaRequest\x1a\x12.vtm.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,55 +32,47 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vtm.proto.vtm.v1.vtm_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HELLOREQUEST']._serialized_start=38
-  _globals['_HELLOREQUEST']._serialized_end=144
-  _globals['_HELLOREPLY']._serialized_start=147
-  _globals['_HELLOREPLY']._serialized_end=346
-  _globals['_NOTICESREQUEST']._serialized_start=348
-  _globals['_NOTICESREQUEST']._serialized_end=364
-  _globals['_NOTICE']._serialized_start=367
-  _globals['_NOTICE']._serialized_end=537
-  _globals['_NOTICE_KIND']._serialized_start=482
-  _globals['_NOTICE_KIND']._serialized_end=537
-  _globals['_ACKREQUEST']._serialized_start=539
-  _globals['_ACKREQUEST']._serialized_end=570
-  _globals['_SETQUOTAREQUEST']._serialized_start=572
-  _globals['_SETQUOTAREQUEST']._serialized_end=674
-  _globals['_CREATESPACEREQUEST']._serialized_start=676
-  _globals['_CREATESPACEREQUEST']._serialized_end=787
-  _globals['_SPACEREPLY']._serialized_start=790
-  _globals['_SPACEREPLY']._serialized_end=955
-  _globals['_SPACEREQUEST']._serialized_start=957
-  _globals['_SPACEREQUEST']._serialized_end=989
-  _globals['_CREATEREQUEST']._serialized_start=991
-  _globals['_CREATEREQUEST']._serialized_end=1044
-  _globals['_EXTENDREQUEST']._serialized_start=1046
-  _globals['_EXTENDREQUEST']._serialized_end=1101
-  _globals['_STEPREQUEST']._serialized_start=1103
-  _globals['_STEPREQUEST']._serialized_end=1156
-  _globals['_VTENSORREQUEST']._serialized_start=1158
-  _globals['_VTENSORREQUEST']._serialized_end=1194
-  _globals['_PREFIXRECORDREQUEST']._serialized_start=1196
-  _globals['_PREFIXRECORDREQUEST']._serialized_end=1274
-  _globals['_PREFIXMATCHREQUEST']._serialized_start=1276
-  _globals['_PREFIXMATCHREQUEST']._serialized_end=1333
-  _globals['_TRIMREQUEST']._serialized_start=1335
-  _globals['_TRIMREQUEST']._serialized_end=1376
-  _globals['_STATSREQUEST']._serialized_start=1378
-  _globals['_STATSREQUEST']._serialized_end=1392
-  _globals['_PAGEEFFECT']._serialized_start=1394
-  _globals['_PAGEEFFECT']._serialized_end=1465
-  _globals['_SPACEEFFECTS']._serialized_start=1467
-  _globals['_SPACEEFFECTS']._serialized_end=1550
-  _globals['_VTENSORSTATE']._serialized_start=1552
-  _globals['_VTENSORSTATE']._serialized_end=1656
-  _globals['_OPREPLY']._serialized_start=1659
-  _globals['_OPREPLY']._serialized_end=1806
-  _globals['_PREFIXNODE']._serialized_start=1808
-  _globals['_PREFIXNODE']._serialized_end=1894
-  _globals['_PREFIXNODESREPLY']._serialized_start=1896
-  _globals['_PREFIXNODESREPLY']._serialized_end=1949
-  _globals['_STATSREPLY']._serialized_start=1951
-  _globals['_STATSREPLY']._serialized_end=1977
-  _globals['_BROKER']._serialized_start=1980
-  _globals['_BROKER']._serialized_end=2893
+  _globals['_HELLOREQUEST']._serialized_end=142
+  _globals['_HELLOREPLY']._serialized_start=145
+  _globals['_HELLOREPLY']._serialized_end=344
+  _globals['_SETQUOTAREQUEST']._serialized_start=346
+  _globals['_SETQUOTAREQUEST']._serialized_end=448
+  _globals['_CREATESPACEREQUEST']._serialized_start=450
+  _globals['_CREATESPACEREQUEST']._serialized_end=561
+  _globals['_SPACEREPLY']._serialized_start=564
+  _globals['_SPACEREPLY']._serialized_end=729
+  _globals['_SPACEREQUEST']._serialized_start=731
+  _globals['_SPACEREQUEST']._serialized_end=763
+  _globals['_CREATEREQUEST']._serialized_start=765
+  _globals['_CREATEREQUEST']._serialized_end=818
+  _globals['_EXTENDREQUEST']._serialized_start=820
+  _globals['_EXTENDREQUEST']._serialized_end=875
+  _globals['_STEPREQUEST']._serialized_start=877
+  _globals['_STEPREQUEST']._serialized_end=930
+  _globals['_VTENSORREQUEST']._serialized_start=932
+  _globals['_VTENSORREQUEST']._serialized_end=968
+  _globals['_PREFIXRECORDREQUEST']._serialized_start=970
+  _globals['_PREFIXRECORDREQUEST']._serialized_end=1048
+  _globals['_PREFIXMATCHREQUEST']._serialized_start=1050
+  _globals['_PREFIXMATCHREQUEST']._serialized_end=1107
+  _globals['_TRIMREQUEST']._serialized_start=1109
+  _globals['_TRIMREQUEST']._serialized_end=1150
+  _globals['_STATSREQUEST']._serialized_start=1152
+  _globals['_STATSREQUEST']._serialized_end=1166
+  _globals['_PAGEEFFECT']._serialized_start=1168
+  _globals['_PAGEEFFECT']._serialized_end=1239
+  _globals['_SPACEEFFECTS']._serialized_start=1241
+  _globals['_SPACEEFFECTS']._serialized_end=1324
+  _globals['_VTENSORSTATE']._serialized_start=1326
+  _globals['_VTENSORSTATE']._serialized_end=1430
+  _globals['_OPREPLY']._serialized_start=1433
+  _globals['_OPREPLY']._serialized_end=1580
+  _globals['_PREFIXNODE']._serialized_start=1582
+  _globals['_PREFIXNODE']._serialized_end=1668
+  _globals['_PREFIXNODESREPLY']._serialized_start=1670
+  _globals['_PREFIXNODESREPLY']._serialized_end=1723
+  _globals['_STATSREPLY']._serialized_start=1725
+  _globals['_STATSREPLY']._serialized_end=1751
+  _globals['_BROKER']._serialized_start=1754
+  _globals['_BROKER']._serialized_end=2570
 # @@protoc_insertion_point(module_scope)
