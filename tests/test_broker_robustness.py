@@ -147,6 +147,7 @@ def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
     import threading
 
     import vtm
+    from vtm.broker.quota import Ask, Quota, Quotas
     from vtm.broker.reactor import Reactor
     from vtm.broker.service import BrokerService
     from vtm.broker.session import LIVE, Session
@@ -155,12 +156,12 @@ def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
     manager = vtm.Manager(backend="host", capacity_bytes=16 * chunk, chunk_bytes=chunk, granularity=chunk,
                           slot_cache_bytes=0, record_mappings=True, export_chunks=True)
     reactor = Reactor(1)
-    service = BrokerService(manager, "host", 0, str(tmp_path / "fds"), reactor, 8)
+    service = BrokerService(manager, "host", 0, str(tmp_path / "fds"), reactor, Quotas(16 * chunk), 8)
     service.policy.wait_s = 60  # the asker waits until the victim answers
     try:
         sessions = {}
         for name, priority in (("victim", 0), ("asker", 10)):
-            session = Session(len(sessions) + 1, name, priority, 0, 0)
+            session = Session(len(sessions) + 1, name, Ask(), Quota(priority=priority))
             session.state = LIVE
             space = manager.create_space(row_bytes=chunk, max_tokens=16, max_slots=1)
             session.spaces[space.id] = space

@@ -83,9 +83,14 @@ def _count(n, what: str) -> int:
     return n
 
 
+def _ask(value, what: str):
+    return None if value is None else _count(value, what)
+
+
 class RemoteManager:
-    def __init__(self, address: str, name: str | None = None, priority: int = 0, guaranteed_bytes: int = 0,
-                 limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True):
+    def __init__(self, address: str, name: str | None = None, priority: int | None = None,
+                 guaranteed_bytes: int | None = None, limit_bytes: int | None = None, timeout: float = 10.0,
+                 fast_path: bool = True):
         self._timeout = float(timeout)
         self._broken: errors.Error | None = None
         self._closed = False
@@ -117,9 +122,11 @@ class RemoteManager:
                 raise errors.Unavailable(f"no vtm broker answers at {address} "
                                          f"(waited {self._timeout:g} s)") from None
             self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
-            hello = self._rpc("hello", self._stub.Hello, vtm_pb2.HelloRequest(
-                name=name or "", priority=priority, guaranteed_bytes=_count(guaranteed_bytes, "guaranteed_bytes"),
-                limit_bytes=_count(limit_bytes or 0, "limit_bytes")), lease=False)
+            # Unset asks take what the operator gives (proto3 presence).
+            hello = self._rpc("hello", self._stub.Hello, _message(
+                vtm_pb2.HelloRequest, "connect", name=name or "", priority=priority,
+                guaranteed_bytes=_ask(guaranteed_bytes, "guaranteed_bytes"),
+                limit_bytes=_ask(limit_bytes, "limit_bytes")), lease=False)
             self._metadata = ((status.LEASE_KEY, hello.lease),)
             self._lease = hello.lease
             self._fd_socket = hello.fd_socket
@@ -129,6 +136,10 @@ class RemoteManager:
             self.chunk_bytes = hello.chunk_bytes
             self.capacity_bytes = hello.capacity_bytes
             self.granularity = hello.granularity
+            # What the operator granted (less where this client asked for less).
+            self.priority = hello.priority
+            self.guaranteed_bytes = hello.guaranteed_bytes
+            self.limit_bytes = hello.limit_bytes
             # The session's anchor, first: the broker serves nothing else
             # before it knows this process.
             try:
@@ -565,11 +576,15 @@ class RemoteManager:
         return f"RemoteManager(name='{self.name}', backend='{self.backend}', chunk_bytes={self.chunk_bytes})"
 
 
-def connect(address: str, name: str | None = None, priority: int = 0, guaranteed_bytes: int = 0,
+def connect(address: str, name: str | None = None, priority: int | None = None, guaranteed_bytes: int | None = None,
             limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True) -> RemoteManager:
     """A manager served by the vtm broker at `address` ("unix:PATH"), with
     vtm.Manager's API. Raises vtm.Unavailable when no broker answers within
     `timeout` seconds, which is also the deadline of every later call.
+    The operator decides the client's priority, guarantee and limit (by
+    `name`); priority, guaranteed_bytes and limit_bytes may only ask for less
+    (None: what the operator gives; the granted values are the manager's
+    priority, guaranteed_bytes and limit_bytes).
     fast_path=False sends every call over gRPC, even where the broker offers
     its step socket (a baseline for scripts/bench_colocation.py)."""
     return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path)

@@ -1,7 +1,7 @@
 """vtmd: the vtm broker daemon.
 
-    vtmd --listen unix:PATH [--control tcp:HOST:PORT] [--backend host|cuda|auto] [--capacity-bytes N]
-         [--chunk-bytes N] [--max-sessions N]
+    vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
+         [--capacity-bytes N] [--chunk-bytes N] [--max-sessions N] [--quota-file PATH]
 
 It owns the physical pool, the page accounting and the prefix trees; clients
 (vtm.connect) map the chunks into their own address spaces. The gRPC socket
@@ -33,8 +33,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import vtm
-from vtm.broker.control import ControlService
+from vtm.broker.control import ControlService, is_loopback, read_token
 from vtm.broker.fd_channel import FdServer
+from vtm.broker.quota import Quotas
 from vtm.broker.reactor import Reactor
 from vtm.broker.service import BrokerService
 from vtm.broker.step_channel import StepServer
@@ -102,11 +103,16 @@ class Broker:
 
     def __init__(self, listen: str, backend: str = "auto", capacity_bytes: int = 1 << 30,
                  chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2,
-                 control: str | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS):
+                 control: str | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS, quota_file: str | None = None,
+                 control_token_file: str | None = None):
         self.path = unix_path(listen)
         control_target = tcp_target(control) if control else None
         if max_sessions < 1:
             raise ValueError(f"--max-sessions must be at least 1, got {max_sessions}")
+        token = read_token(control_token_file) if control_token_file else None
+        if control_target is not None and token is None and not is_loopback(control_target.rpartition(":")[0]):
+            raise ValueError(f"--control {control} is not on loopback: anyone who reaches it could steer the "
+                             "broker; give --control-token-file (every control call must then carry the token)")
         _private_folder(self.path)
         _clear_stale(self.path, socket.SOCK_STREAM)
         _clear_stale(self.path + ".fds", socket.SOCK_SEQPACKET)
@@ -121,9 +127,11 @@ class Broker:
         self.service = self.fds = self.steps = self.control = self.reactor = None
         self.control_address = None
         try:
+            quotas = (Quotas.load(quota_file, self.manager.capacity_bytes) if quota_file
+                      else Quotas(self.manager.capacity_bytes))
             self.reactor = Reactor(IO_THREADS)
             self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds", self.reactor,
-                                         max_sessions)
+                                         quotas, max_sessions)
             # A session holds its channel and a fetch connection on the fd
             # socket, one on the step socket; a few more for vtmctl and tests.
             self.fds = FdServer(self.path + ".fds", self.service, self.manager._chunk_fd, self.reactor,
@@ -142,7 +150,7 @@ class Broker:
             if control_target is not None:
                 self.control = grpc.server(futures.ThreadPoolExecutor(max_workers=_CONTROL_THREADS,
                                                                       thread_name_prefix="vtmd-control"))
-                vtm_pb2_grpc.add_BrokerServicer_to_server(ControlService(self.service), self.control)
+                vtm_pb2_grpc.add_BrokerServicer_to_server(ControlService(self.service, token), self.control)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, self.control)
                 port = self.control.add_insecure_port(control_target)
                 if port == 0:
@@ -192,8 +200,11 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--listen", required=True, help="unix:PATH (its folder must be private, 0700)")
     parser.add_argument("--control", default=None,
-                        help="tcp:HOST:PORT: also serve Stats, Trim, SetQuota and health there (no authentication: "
-                             "loopback or a trusted network only; port 0 picks one; None: no TCP listener)")
+                        help="tcp:HOST:PORT: also serve Stats, Trim, SetQuota and health there; off loopback only "
+                             "with --control-token-file (port 0 picks one; None: no TCP listener)")
+    parser.add_argument("--control-token-file", default=None,
+                        help="a file (mode 0600) holding the token every call to --control must carry "
+                             "(metadata vtm-control-token; None: no token, loopback only)")
     parser.add_argument("--backend", default="auto", choices=["host", "cuda", "auto"],
                         help="where chunks live (auto: cuda when a driver is present)")
     parser.add_argument("--capacity-bytes", type=int, default=1 << 30,
@@ -203,13 +214,16 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="the manager's worker threads")
     parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                         help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED")
+    parser.add_argument("--quota-file", default=None,
+                        help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (None: priority "
+                             "0, no guarantee and no limit for every client); see docs/broker.md")
     args = parser.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
-                        args.workers, args.control, args.max_sessions)
+                        args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file)
     except (vtm.Error, OSError, ValueError) as exc:
         print(f"vtmd: error: {exc}", file=sys.stderr)
         return 2

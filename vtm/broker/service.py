@@ -28,6 +28,7 @@ Invariants:
     once, and only on goodbye, its process's exit, an attach that never came,
     or the broker stopping;
   * a call only ever names spaces and vTensors of its own LIVE session;
+  * the granted guarantees of all sessions sum to at most the capacity;
   * while stopping, no session is admitted and no operation starts.
 """
 
@@ -46,6 +47,7 @@ import grpc
 import vtm
 from vtm.broker import status
 from vtm.broker.policy import Policy
+from vtm.broker.quota import Ask, grant
 from vtm.broker.seqpacket import peer_pidfd
 from vtm.broker.session import CLOSED, LIVE, PENDING, QUARANTINED, Session
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
@@ -77,7 +79,7 @@ def _process_exited(pidfd: int) -> bool:
 
 
 class BrokerService(vtm_pb2_grpc.BrokerServicer):
-    def __init__(self, manager, backend: str, device: int, fd_socket: str, reactor, max_sessions: int):
+    def __init__(self, manager, backend: str, device: int, fd_socket: str, reactor, quotas, max_sessions: int):
         self.manager = manager
         self._chunk_bytes = manager.chunk_bytes
         self._backend = backend
@@ -85,6 +87,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._fd_socket = fd_socket
         self.step_socket = ""  # advertised in Hello once its server listens
         self._reactor = reactor
+        self.quotas = quotas  # guarded by _mu
         self.max_sessions = max_sessions
         self._table_budget = max(TABLE_ENTRIES_PER_CHUNK * (manager.capacity_bytes // self._chunk_bytes),
                                  _MIN_TABLE_ENTRIES)
@@ -370,22 +373,31 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def Hello(self, request, context):
         def body(_):
+            asked = Ask(request.priority if request.HasField("priority") else None,
+                        _count(request.guaranteed_bytes, "guaranteed_bytes")
+                        if request.HasField("guaranteed_bytes") else None,
+                        _count(request.limit_bytes, "limit_bytes") if request.HasField("limit_bytes") else None)
+            capacity = self.manager.capacity_bytes
             with self._mu:
                 if len(self._sessions) >= self.max_sessions:
                     raise vtm.OutOfMemory(f"vtmd serves at most {self.max_sessions} sessions (--max-sessions); "
                                           "try again when one ends")
                 client_id = self._next_client
-                self._next_client += 1
                 name = request.name or f"client{client_id}"
-                session = Session(client_id, name, request.priority, _count(request.guaranteed_bytes,
-                                                                             "guaranteed_bytes"),
-                                  _count(request.limit_bytes, "limit_bytes"))
+                granted = grant(self.quotas.offered(name), asked)
+                guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values()) + granted.guaranteed_bytes
+                if guaranteed > capacity:
+                    raise vtm.OutOfMemory(f"the sessions' guarantees would sum to {guaranteed} bytes, past the "
+                                          f"capacity of {capacity}: ask for a smaller guarantee")
+                self._next_client += 1
+                session = Session(client_id, name, asked, granted)
                 self._sessions[session.lease] = session
             m = self.manager
             return vtm_pb2.HelloReply(lease=session.lease, client_id=client_id, backend=self._backend,
-                                      device=self._device, chunk_bytes=m.chunk_bytes, capacity_bytes=m.capacity_bytes,
+                                      device=self._device, chunk_bytes=m.chunk_bytes, capacity_bytes=capacity,
                                       granularity=m.granularity, fd_socket=self._fd_socket, name=name,
-                                      step_socket=self.step_socket)
+                                      step_socket=self.step_socket, priority=granted.priority,
+                                      guaranteed_bytes=granted.guaranteed_bytes, limit_bytes=granted.limit_bytes)
         return self._run(context, body, session_required=False)
 
     def CreateSpace(self, request, context):
@@ -567,12 +579,31 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def SetQuota(self, request, context):
         def body(_):
-            matching = [s for s in self._open_sessions() if s.name == request.name]
-            if not matching:
-                raise vtm.NotFound(f"no client named '{request.name}'")
+            fields = {f: getattr(request, f) for f in ("priority", "guaranteed_bytes", "limit_bytes")
+                      if request.HasField(f)}
+            if not fields:
+                raise vtm.InvalidArgument("set-quota: nothing to set (a priority, guarantee or limit)")
+            name = request.name
+            capacity = self.manager.capacity_bytes
+            with self._mu:
+                quota = self.quotas.with_entry(name, **fields)
+                matching = [s for s in self._sessions.values() if s.name == name]
+                grants = {s: grant(quota, s.asked) for s in matching}
+                guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values() if s.name != name)
+                guaranteed += sum(g.guaranteed_bytes for g in grants.values())
+                if guaranteed > capacity:
+                    raise vtm.InvalidArgument(f"the connected clients' guarantees would sum to {guaranteed} bytes, "
+                                              f"past the capacity of {capacity}")
+                self.quotas.store(name, quota)
+                for session, granted in grants.items():
+                    session.grant(granted)
             for session in matching:
-                session.limit_bytes = _count(request.limit_bytes, "limit_bytes")
-                if request.set_guaranteed:
-                    session.guaranteed_bytes = _count(request.guaranteed_bytes, "guaranteed_bytes")
-            return vtm_pb2.StatsReply(json=json.dumps([c for c in self.clients() if c["name"] == request.name]))
+                if session.limit_bytes and session.state == LIVE:
+                    # Over a lowered limit: ask for the excess, as for a
+                    # higher priority; nothing the client runs fails.
+                    self.policy.ask_back(session, session.limit_bytes,
+                                         f"the operator limited client '{name}' to {session.limit_bytes} bytes")
+            clients = [c for c in self.clients() if c["name"] == name]
+            return vtm_pb2.StatsReply(json=json.dumps({"quota": quota._asdict(), "clients": clients}))
         return self._run(context, body, session_required=False)
+

@@ -24,8 +24,9 @@ Invariants (guarded by `lock`, which also serialises the client's calls):
   * pid and pidfd are set exactly from attach on; once CLOSED the session
     holds nothing, and its pidfd is closed;
   * table_entries is the page-table size of its open spaces (service.py);
-  * limit_bytes / guaranteed_bytes / priority / owed_* are the policy's
-    (vtm/broker/policy.py); 0 limit means none.
+  * asked holds what the client asked for in Hello (None: the operator's
+    value); priority / guaranteed_bytes / limit_bytes are what it was
+    granted (quota.py); owed_* are the policy's (policy.py).
 """
 
 from __future__ import annotations
@@ -36,16 +37,19 @@ import secrets
 import threading
 import time
 
+from vtm.broker.quota import Quota
+
 PENDING, LIVE, QUARANTINED, CLOSED = "pending", "live", "quarantined", "closed"
 
 
 class Session:
-    def __init__(self, client_id: int, name: str, priority: int, guaranteed_bytes: int, limit_bytes: int):
+    def __init__(self, client_id: int, name: str, asked: Quota, granted: Quota):
         self.client_id = client_id
         self.name = name
-        self.priority = priority
-        self.guaranteed_bytes = guaranteed_bytes
-        self.limit_bytes = limit_bytes
+        self.asked = asked
+        self.priority = granted.priority
+        self.guaranteed_bytes = granted.guaranteed_bytes
+        self.limit_bytes = granted.limit_bytes
         self.lease = secrets.token_hex(16)
         self.lock = threading.Lock()
         self.state = PENDING
@@ -74,6 +78,12 @@ class Session:
     @property
     def closed(self) -> bool:
         return self.state == CLOSED
+
+    def quota(self) -> Quota:
+        return Quota(self.priority, self.guaranteed_bytes, self.limit_bytes)
+
+    def grant(self, granted: Quota) -> None:
+        self.priority, self.guaranteed_bytes, self.limit_bytes = granted
 
     def notify(self, message: dict) -> bool:
         """Sends a notice on the session's channel without waiting: a client

@@ -19,7 +19,7 @@ class HelloRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("lease", "client_id", "backend", "device", "chunk_bytes", "capacity_bytes", "granularity", "fd_socket", "name", "step_socket")
+    __slots__ = ("lease", "client_id", "backend", "device", "chunk_bytes", "capacity_bytes", "granularity", "fd_socket", "name", "step_socket", "priority", "guaranteed_bytes", "limit_bytes")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,9 @@ class HelloReply(_message.Message):
     FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     lease: str
     client_id: int
     backend: str
@@ -40,19 +43,22 @@ class HelloReply(_message.Message):
     fd_socket: str
     name: str
     step_socket: str
-    def __init__(self, lease: _Optional[str] = ..., client_id: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., granularity: _Optional[int] = ..., fd_socket: _Optional[str] = ..., name: _Optional[str] = ..., step_socket: _Optional[str] = ...) -> None: ...
+    priority: int
+    guaranteed_bytes: int
+    limit_bytes: int
+    def __init__(self, lease: _Optional[str] = ..., client_id: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., granularity: _Optional[int] = ..., fd_socket: _Optional[str] = ..., name: _Optional[str] = ..., step_socket: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
 
 class SetQuotaRequest(_message.Message):
-    __slots__ = ("name", "limit_bytes", "set_guaranteed", "guaranteed_bytes")
+    __slots__ = ("name", "limit_bytes", "guaranteed_bytes", "priority")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SET_GUARANTEED_FIELD_NUMBER: _ClassVar[int]
     GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     limit_bytes: int
-    set_guaranteed: bool
     guaranteed_bytes: int
-    def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., set_guaranteed: _Optional[bool] = ..., guaranteed_bytes: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CreateSpaceRequest(_message.Message):
     __slots__ = ("row_bytes", "max_tokens", "max_slots", "namespace", "name")

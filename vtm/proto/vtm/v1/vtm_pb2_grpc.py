@@ -200,9 +200,11 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetQuota(self, request, context):
-        """Control (vtmctl): a connected client's limit and guarantee. Stats, Trim,
-        Check and SetQuota also work without a lease, for the broker's owner
-        (the socket's folder is private to that user).
+        """Control (vtmctl): the operator's priority, guarantee and limit for the
+        clients of one name, connected or yet to connect. Stats, Trim, Check and
+        SetQuota also work without a lease, for the broker's owner (the socket's
+        folder is private to that user; the TCP control listener may ask for a
+        token in the metadata key "vtm-control-token").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
