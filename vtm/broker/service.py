@@ -121,20 +121,20 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         """Makes `conn` (on the fd socket) the session's channel: its peer's
         pid, from the kernel, becomes the session's, and its exit ends the
         session."""
-        with session.lock:
+        with session.lock:  # and so before end_session can close the pidfd
             if session.state != PENDING:
                 raise vtm.FailedPrecondition(f"the session is {session.state}, not waiting to attach")
             try:
                 pidfd = peer_pidfd(conn.sock, conn.pid)
             except OSError as exc:
                 raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
+            try:
+                # Readable once the process has exited (at once if it already has).
+                self._reactor.watch(pidfd, lambda _fd: self.end_session(session))
+            except OSError as exc:
+                os.close(pidfd)
+                raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
             session.pid, session.pidfd, session.channel, session.state = conn.pid, pidfd, conn, LIVE
-        try:
-            # Readable once the process has exited (at once if it already has).
-            self._reactor.watch(pidfd, lambda _fd: self.end_session(session))
-        except OSError as exc:
-            self.end_session(session)
-            raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
 
     def channel_closed(self, session: Session) -> None:
         """The session's channel ended: if its process lives, the session is
@@ -200,6 +200,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             with self._mu:
                 stale = [s for s in self._sessions.values() if s.state == PENDING and now - s.created_at > _ATTACH_S]
             for session in stale:
+                with session.lock:
+                    if session.state != PENDING:
+                        continue  # it attached meanwhile
+                    session.state = CLOSED  # so it cannot attach any more
                 self.end_session(session)
 
     def stop_admitting(self) -> None:
