@@ -25,8 +25,9 @@ START_TIMEOUT_S = 30.0
 
 class BrokerProcess:
     def __init__(self, folder, capacity_chunks: int = 64, chunk_bytes: int = CHUNK, backend: str = "host",
-                 control: str | None = None):
+                 control: str | None = None, extra_args=()):
         self.backend = backend
+        self.extra_args = list(extra_args)  # more vtmd flags (--max-sessions, --quota-file, ...)
         self.control = control  # tcp:HOST:PORT for vtmd --control; control_address is where it listens
         self.control_address = None
         self.folder = str(folder)
@@ -42,7 +43,7 @@ class BrokerProcess:
             [sys.executable, "-m", "vtm.broker", "--listen", self.address, "--backend", self.backend,
              "--capacity-bytes", str(self.capacity_bytes), "--chunk-bytes", str(self.chunk_bytes)]
             + (["--granularity", str(self.chunk_bytes)] if self.backend == "host" else [])
-            + (["--control", self.control] if self.control else []),
+            + (["--control", self.control] if self.control else []) + self.extra_args,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             cwd=self.folder)  # not the repository root, whose vtm/ lacks the built _core
         line = self.proc.stdout.readline()  # "vtmd: listening on ..." once serving
@@ -193,6 +194,65 @@ def child_extend_forever(address, q):
         q.put(n)
 
 
+def end_liveness_stream(mgr) -> None:
+    """What a transport reset or a client bug does: the session's liveness
+    channel ends while the client process lives on."""
+    mgr._session.drop()
+
+
+def child_allocate_release_hold(address, tokens, q, done):
+    """Maps `tokens` rows, writes them, releases them, reports ("released",
+    chunks imported after the release), then stays alive until `done`."""
+    import vtm
+
+    try:
+        with vtm.connect(address, name="former", timeout=10) as mgr:
+            space = mgr.create_space(row_bytes=ROW, max_tokens=4096, max_slots=1)
+            vt = space.create(tokens).result()
+            view = space.tensor(np.uint8)
+            view[vt.slot, :tokens * ROW] = 9
+            del view
+            vt.release().result()
+            q.put(("released", mgr.imports))
+            done.wait(60)
+    except Exception as exc:  # noqa: BLE001
+        q.put((type(exc).__name__, str(exc)))
+
+
+def child_idle_sessions(address, n, q, done):
+    """Opens `n` sessions and keeps them idle until `done`; reports ("open", n)."""
+    import vtm
+
+    managers = []
+    try:
+        for _ in range(n):
+            managers.append(vtm.connect(address, name="idle", timeout=10))
+        q.put(("open", len(managers)))
+        done.wait(120)
+    except Exception as exc:  # noqa: BLE001
+        q.put((type(exc).__name__, str(exc)))
+    finally:
+        for mgr in managers:
+            mgr.close()
+
+
+def child_quarantined(address, tokens, q):
+    """Maps and writes `tokens` rows, then loses its liveness channel while it
+    lives on; reports ("dropped", its page chunks) and waits to be killed."""
+    import vtm
+
+    try:
+        mgr = vtm.connect(address, name="cut-off", timeout=10)
+        space = mgr.create_space(row_bytes=ROW, max_tokens=4096, max_slots=1)
+        vt = space.create(tokens).result()
+        space.tensor(np.uint8)[vt.slot, :tokens * ROW] = 3
+        end_liveness_stream(mgr)
+        q.put(("dropped", vt.page_chunks()))
+        time.sleep(120)
+    except Exception as exc:  # noqa: BLE001
+        q.put((type(exc).__name__, str(exc)))
+
+
 @pytest.fixture
 def broker(tmp_path):
     """A broker process with a 16-chunk pool, killed after the test (import
@@ -204,3 +264,32 @@ def broker(tmp_path):
 
 def held(mgr) -> int:
     return mgr.stats()["chunks_held"]
+
+
+def memfd_inodes(pid: int) -> set[int]:
+    """The host backend's chunks (memfds) that process `pid` keeps alive:
+    those it holds an fd of and those it maps. A memfd lives while either
+    remains in any process, so the union over every process of a broker and
+    its clients is the physical memory their chunks hold."""
+    inodes = set()
+    folder = f"/proc/{pid}/fd"
+    for name in os.listdir(folder):
+        try:
+            if os.readlink(f"{folder}/{name}").startswith("/memfd:vtm-chunk"):
+                inodes.add(os.stat(f"{folder}/{name}").st_ino)
+        except FileNotFoundError:
+            continue  # closed meanwhile
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith("/memfd:vtm-chunk"):
+                inodes.add(int(fields[4]))
+    return inodes
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")

@@ -51,7 +51,7 @@ def test_tcp_serves_no_data_plane(broker):
                                                           timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         stub = vtm_pb2_grpc.BrokerStub(channel)
-        for method, request in ((stub.Hello, vtm_pb2.HelloRequest(name="x", pid=1)),
+        for method, request in ((stub.Hello, vtm_pb2.HelloRequest(name="x")),
                                 (stub.CreateSpace, vtm_pb2.CreateSpaceRequest(row_bytes=1, max_tokens=1, max_slots=1)),
                                 (stub.Create, vtm_pb2.CreateRequest(space_id=1, num_tokens=1)),
                                 (stub.Step, vtm_pb2.StepRequest()), (stub.Check, vtm_pb2.StatsRequest())):

@@ -1,11 +1,14 @@
 """The broker's policies across clients (limits, priorities, cooperative
 reclaim), vtmctl, and a fuzz of malformed requests that must neither crash
-the broker nor change its state."""
+the broker nor change its state. Priorities, guarantees and limits are the
+operator's: the tests set them with vtmctl set-quota before the clients
+connect (a client may only ask for less)."""
 
 from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 
 import grpc
@@ -20,8 +23,15 @@ from vtm.proto.vtm.v1 import vtm_pb2
 ROWS_PER_CHUNK = CHUNK // ROW  # 65 rows fit in one chunk: n * 65 rows need n chunks
 
 
+def set_quota(broker, name: str, *args) -> None:
+    """The operator's quota for clients named `name` (vtmctl set-quota)."""
+    assert ctl.main(["--address", broker.address, "set-quota", name, *map(str, args)]) == 0
+
+
 def test_limit_refuses_and_set_quota_lifts_it(broker, capsys):
-    with vtm.connect(broker.address, name="capped", limit_bytes=4 * CHUNK) as mgr:
+    set_quota(broker, "capped", "--limit", 4 * CHUNK)
+    with vtm.connect(broker.address, name="capped") as mgr:
+        assert mgr.limit_bytes == 4 * CHUNK
         space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2)
         with pytest.raises(vtm.OutOfMemory, match="limited to"):
             space.create(5 * ROWS_PER_CHUNK).result()
@@ -33,13 +43,47 @@ def test_limit_refuses_and_set_quota_lifts_it(broker, capsys):
         assert "capped: limit" in capsys.readouterr().out
         vt.extend(8 * ROWS_PER_CHUNK).result()
         assert vt.mapped_bytes == 8 * CHUNK
-        assert ctl.main(["--address", broker.address, "set-quota", "nobody", "1"]) == 2
-        assert "no client named 'nobody'" in capsys.readouterr().err
+        assert ctl.main(["--address", broker.address, "set-quota", "nobody"]) == 2
+        assert "nothing to set" in capsys.readouterr().err
+
+
+def test_a_lowered_limit_asks_for_the_excess_and_fails_nothing(broker):
+    # The operator lowers a client's limit below what it maps: the client
+    # gets a reclaim notice for the excess, and meanwhile what it does within
+    # the pages it maps (a step of 0 new bytes) still works.
+    with vtm.connect(broker.address, name="tenant") as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=6)
+        vts = [space.create(2 * ROWS_PER_CHUNK - 10).result() for _ in range(6)]  # 12 chunks
+        asked, stepped = [], threading.Event()
+
+        def give_back(nbytes):
+            asked.append(nbytes)
+            stepped.wait(10)  # the step below runs over the lowered limit first
+            freed = 0
+            while freed < nbytes:
+                vts.pop().release().result()
+                freed += 2 * CHUNK
+            return freed
+        mgr.set_reclaim_handler(give_back)
+        set_quota(broker, "tenant", 5 * CHUNK)
+        mgr.step({vt: 2 * ROWS_PER_CHUNK for vt in vts}).result()  # within mapped pages: never refused
+        stepped.set()
+        deadline = time.monotonic() + 10
+        while held(mgr) > 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert asked == [7 * CHUNK] and mgr.reclaim_notices == 1
+        assert held(mgr) == 4 and len(vts) == 2
+        assert {c["name"]: c["owes_bytes"] for c in mgr.stats()["clients"]}["tenant"] == 0
+        with pytest.raises(vtm.OutOfMemory, match="limited to"):
+            space.create(2 * ROWS_PER_CHUNK).result()  # 6 > 5 chunks: new memory stays refused
+        mgr.check()
 
 
 def test_reclaim_notice_lets_a_higher_priority_client_in(broker):
-    low = vtm.connect(broker.address, name="low", priority=0, guaranteed_bytes=2 * CHUNK)
-    high = vtm.connect(broker.address, name="high", priority=10)
+    set_quota(broker, "low", "--guaranteed", 2 * CHUNK)
+    set_quota(broker, "high", "--priority", 10)
+    low = vtm.connect(broker.address, name="low")
+    high = vtm.connect(broker.address, name="high")
     try:
         space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=6)
         vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(6)]  # 12 of 16 chunks
@@ -67,8 +111,9 @@ def test_reclaim_notice_lets_a_higher_priority_client_in(broker):
 
 
 def test_a_client_ignoring_notices_gets_no_more_memory(broker):
-    low = vtm.connect(broker.address, name="deaf", priority=0)
-    high = vtm.connect(broker.address, name="urgent", priority=5)
+    set_quota(broker, "urgent", "--priority", 5)
+    low = vtm.connect(broker.address, name="deaf")
+    high = vtm.connect(broker.address, name="urgent")
     try:
         space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=8)
         vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(7)]  # 14 of 16 chunks
@@ -96,9 +141,12 @@ def test_memory_freed_for_a_notice_is_reserved_for_the_asker(broker):
     # Unreserved, the bystander would get them and the asker's retry would
     # fail; reserved, the bystander waits for the asker's retry, then gets
     # what is left (4 chunks: not enough).
-    low = vtm.connect(broker.address, name="victim", priority=0, guaranteed_bytes=4 * CHUNK)
-    high = vtm.connect(broker.address, name="asker", priority=10)
-    third = vtm.connect(broker.address, name="bystander", priority=10)
+    set_quota(broker, "victim", "--guaranteed", 4 * CHUNK)
+    set_quota(broker, "asker", "--priority", 10)
+    set_quota(broker, "bystander", "--priority", 10)
+    low = vtm.connect(broker.address, name="victim")
+    high = vtm.connect(broker.address, name="asker")
+    third = vtm.connect(broker.address, name="bystander")
     try:
         space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=6)
         vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(6)]  # 12 of 16 chunks
@@ -138,12 +186,14 @@ def test_memory_freed_for_a_notice_is_reserved_for_the_asker(broker):
 
 def test_a_reservation_lapses_after_its_time():
     from vtm.broker.policy import Policy
-    from vtm.broker.session import Session
+    from vtm.broker.quota import Ask, Quota
+    from vtm.broker.session import LIVE, Session
 
     free = [10]
     policy = Policy(lambda: [], 1, free_bytes=lambda: free[0], reserve_s=0.3)
-    asker, other = Session(1, "asker", 5, 0, 0, 1), Session(2, "other", 0, 0, 0, 1)
-    victim = Session(3, "victim", 0, 0, 0, 1)
+    asker, other = Session(1, "asker", Ask(), Quota(priority=5)), Session(2, "other", Ask(), Quota())
+    victim = Session(3, "victim", Ask(), Quota())
+    victim.state = LIVE
     victim.pages = {(1, 0, p): (p, p + 1) for p in range(4)}  # maps 4 bytes: one may be asked for
     policy._sessions = lambda: [asker, other, victim]
     policy.wait_s = 0.0  # do not wait for the victim here
@@ -188,7 +238,7 @@ _METHODS = {
     "Create": vtm_pb2.CreateRequest, "Extend": vtm_pb2.ExtendRequest, "Step": vtm_pb2.StepRequest,
     "Release": vtm_pb2.VTensorRequest, "PrefixRecord": vtm_pb2.PrefixRecordRequest,
     "PrefixMatch": vtm_pb2.PrefixMatchRequest, "ClearPrefixes": vtm_pb2.SpaceRequest,
-    "PrefixNodes": vtm_pb2.SpaceRequest, "Ack": vtm_pb2.AckRequest, "SetQuota": vtm_pb2.SetQuotaRequest,
+    "PrefixNodes": vtm_pb2.SpaceRequest, "SetQuota": vtm_pb2.SetQuotaRequest,
 }
 
 
@@ -233,8 +283,11 @@ def _malformed(rng: random.Random, own_space: int, other_space: int, other_vt: i
     if choice == 9:
         return rng.choice(["CloseSpace", "ClearPrefixes", "PrefixNodes"]), vtm_pb2.SpaceRequest(
             space_id=rng.choice([other_space, 0, 4242])).SerializeToString()
-    if choice == 10:
-        return "SetQuota", vtm_pb2.SetQuotaRequest(name=rng.choice(["", "ghost"]), limit_bytes=big).SerializeToString()
+    if choice == 10:  # out of range, past the capacity, or nothing to set
+        return "SetQuota", rng.choice([
+            vtm_pb2.SetQuotaRequest(name=rng.choice(["", "ghost"]), limit_bytes=rng.choice([2**62, 2**63, 2**64 - 1])),
+            vtm_pb2.SetQuotaRequest(name="ghost", guaranteed_bytes=rng.choice([17 * CHUNK, 10**12])),
+            vtm_pb2.SetQuotaRequest(name="fuzzer")]).SerializeToString()
     return "PrefixMatch", vtm_pb2.PrefixMatchRequest(space_id=rng.choice([other_space, 31337]),
                                                      token_ids=[1, 2, 3]).SerializeToString()
 

@@ -121,7 +121,7 @@ def test_the_step_socket_authenticates_every_connection(broker):
             os.close(fd)
         assert sc.REPLY.unpack_from(reply)[:3] == (0, 7, 3)  # the 7 new chunks' fds attached
         assert held(a) == 8
-    # The session ends when the broker sees the Notices stream close.
+    # The session ends with the client's goodbye (close).
     deadline = time.monotonic() + 5
     while True:
         conn.send(step)

@@ -31,9 +31,10 @@ from vtm.views import tensor as _tensor
 Space.tensor = _tensor
 
 
-def connect(address, name=None, priority=0, guaranteed_bytes=0, limit_bytes=None, timeout=10, fast_path=True):
+def connect(address, name=None, priority=None, guaranteed_bytes=None, limit_bytes=None, timeout=10, fast_path=True):
     """A manager served by the vtm broker at `address` ("unix:PATH") with the
-    API of Manager; see docs/broker.md. Needs grpcio (imported only here)."""
+    API of Manager; see docs/broker.md. Needs grpcio (imported only here).
+    The operator sets priorities, guarantees and limits; a client may ask for less."""
     from vtm.broker.client import connect as _connect
 
     return _connect(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path)

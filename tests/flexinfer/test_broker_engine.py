@@ -16,6 +16,7 @@ import vtm  # noqa: E402
 from broker_testing import BrokerProcess  # noqa: E402
 from flexinfer import LLM  # noqa: E402
 from flexinfer.cli import main  # noqa: E402
+from vtm.broker import ctl  # noqa: E402
 from test_engine import TINY_PROMPT_LENGTHS, _build_tiny, greedy, random_prompts  # noqa: E402
 
 PAGE = 4096  # 8 tiny rows a page: prompts span pages, some rows straddle
@@ -72,8 +73,9 @@ def test_engine_preempts_to_answer_a_reclaim_notice(tiny_folder, tmp_path):
         want = [o.token_ids for o in local.generate(prompts, greedy(long), use_tqdm=False)]
     # 4 x 190 rows of 512 bytes = 95 pages of 4 KiB; the pool has 110.
     b = BrokerProcess(tmp_path, capacity_chunks=110, chunk_bytes=PAGE)
-    low = vtm.connect(b.address, name="engine", priority=0)
-    high = vtm.connect(b.address, name="urgent", priority=10)
+    assert ctl.main(["--address", b.address, "set-quota", "urgent", "--priority", "10"]) == 0  # the operator's word
+    low = vtm.connect(b.address, name="engine")
+    high = vtm.connect(b.address, name="urgent")
     worker = None
     try:
         engine = LLM(tiny_folder, manager=low)
@@ -100,6 +102,45 @@ def test_engine_preempts_to_answer_a_reclaim_notice(tiny_folder, tmp_path):
             worker.join(120)  # before unmapping what its compute reads
         high.close()
         low.close()
+        b.kill()
+
+
+def test_lowering_a_quota_preempts_instead_of_failing(tiny_folder, tmp_path):
+    """vtmctl set-quota below what a running engine maps: the broker asks for
+    the excess back (a reclaim notice) and the engine preempts and recomputes;
+    every request finishes with the tokens it would have had."""
+    prompts = random_prompts([40, 40, 40, 40], seed=5)
+    long = 150  # 190 rows of 512 bytes: 24 pages a request, 96 for the four
+    with LLM(tiny_folder, backend="host") as local:
+        want = [o.token_ids for o in local.generate(prompts, greedy(long), use_tqdm=False)]
+    b = BrokerProcess(tmp_path, capacity_chunks=400, chunk_bytes=PAGE)
+    manager = vtm.connect(b.address, name="engine")
+    worker = None
+    try:
+        engine = LLM(tiny_folder, manager=manager)
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            outs=engine.generate(prompts, greedy(long), use_tqdm=False)))
+        worker.start()
+
+        def mapped() -> int:
+            return manager.stats()["clients"][0]["mapped_bytes"]
+        deadline = time.monotonic() + 60
+        while mapped() < 60 * PAGE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mapped() >= 60 * PAGE and worker.is_alive()
+        assert ctl.main(["--address", b.address, "set-quota", "engine", str(50 * PAGE)]) == 0
+        worker.join(120)
+        outs = result["outs"]
+        assert [o.error for o in outs] == [None] * len(prompts)
+        assert [o.token_ids for o in outs] == want
+        assert manager.reclaim_notices >= 1 and sum(o.metrics.preemptions for o in outs) > 0
+        assert mapped() <= 50 * PAGE
+        engine.close()
+    finally:
+        if worker is not None:
+            worker.join(120)
+        manager.close()
         b.kill()
 
 

@@ -11,16 +11,35 @@ mapped when its future resolves.
 
 The hot calls (create, extend, step, release) go over the broker's step
 socket when it advertises one (vtm/broker/step_channel.py: one datagram each
-way, the new chunks' fds attached), everything else over gRPC.
+way, the new chunks' fds attached), everything else over gRPC. The session
+itself lives on a channel to the broker's fd socket
+(vtm/broker/session_channel.py): the broker learns this process's pid from
+the kernel there and sends its reclaim notices there.
 
-A broker that dies or stops answering makes every pending and later call
-raise vtm.Unavailable within the call deadline; the session (and with it the
-client's memory) is lost, so the manager stays unusable: connect again.
+Memory is given back in the order that keeps other clients safe: the client
+unmaps a vTensor's (or a space's) pages before it asks the broker to release
+them, keeps no import of a chunk it maps no more (so the broker can hand it
+to another client as soon as it is free), and on close unmaps everything
+before it says goodbye.
+
+A broker that dies or stops answering, or ends the session, makes every
+pending and later call raise vtm.Unavailable within the call deadline; the
+session (and with it the client's memory) is lost, so the manager stays
+unusable: connect again. Before the first such error of a vTensor operation
+reaches its caller, this client unmaps every chunk it maps and releases
+every import (revoke): on the caller's thread, the one that computes on the
+memory, so no kernel of this process is reading a page as it goes (from the
+worker, the unmap could pull the memory from under one: a fault on the host,
+an illegal address on CUDA). Then it says goodbye, so a broker that still
+holds the session frees it at once.
 
 Invariants:
   * the worker applies replies in the order the broker executed them (one
     call at a time), so the mapper's page tables follow the broker's;
   * _vtensors holds every live vTensor this client has, by id;
+  * the mapper maps exactly the pages the broker last reported, except the
+    pages of a vTensor or space whose release is on its way (unmapped first);
+    it imports exactly the chunks it maps;
   * after close() (or the connection broke), no call reaches the broker.
 """
 
@@ -28,6 +47,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import queue
 import threading
@@ -40,9 +60,12 @@ from vtm.broker import status
 from vtm.broker.fd_channel import MAX_FDS, FdClient
 from vtm.broker import step_channel
 from vtm.broker.remote import RemoteFuture, RemoteMatch, RemoteSpace, RemoteVTensor
+from vtm.broker.session_channel import SessionChannel, say_bye
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 
-_KEEP_IDLE_IMPORTS = 256  # imports kept after their last unmap, for reuse without an fd round trip
+log = logging.getLogger("vtm.broker")
+
+_BYE_TIMEOUT_S = 2.0
 
 
 def _message(cls, what: str, **fields):
@@ -60,19 +83,28 @@ def _count(n, what: str) -> int:
     return n
 
 
+def _ask(value, what: str):
+    return None if value is None else _count(value, what)
+
+
 class RemoteManager:
-    def __init__(self, address: str, name: str | None = None, priority: int = 0, guaranteed_bytes: int = 0,
-                 limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True):
+    def __init__(self, address: str, name: str | None = None, priority: int | None = None,
+                 guaranteed_bytes: int | None = None, limit_bytes: int | None = None, timeout: float = 10.0,
+                 fast_path: bool = True):
         self._timeout = float(timeout)
         self._broken: errors.Error | None = None
         self._closed = False
+        self._revoked = False
+        self._revoke_mu = threading.Lock()
         self._spaces: dict[int, RemoteSpace] = {}
         self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, RemoteVTensor] = {}
         self._mapper = None
         self._fds = None
         self._steps = None
-        self._notices = None
+        self._session = None
+        self._lease = None
+        self._listener = None
         self._reclaim_handlers = []
         self.reclaim_notices = 0  # RECLAIM notices received
         if not address.startswith("unix:"):
@@ -90,19 +122,34 @@ class RemoteManager:
                 raise errors.Unavailable(f"no vtm broker answers at {address} "
                                          f"(waited {self._timeout:g} s)") from None
             self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
-            hello = self._rpc("hello", self._stub.Hello, vtm_pb2.HelloRequest(
-                name=name or "", priority=priority, guaranteed_bytes=_count(guaranteed_bytes, "guaranteed_bytes"),
-                limit_bytes=_count(limit_bytes or 0, "limit_bytes"), pid=os.getpid()), lease=False)
+            # Unset asks take what the operator gives (proto3 presence).
+            hello = self._rpc("hello", self._stub.Hello, _message(
+                vtm_pb2.HelloRequest, "connect", name=name or "", priority=priority,
+                guaranteed_bytes=_ask(guaranteed_bytes, "guaranteed_bytes"),
+                limit_bytes=_ask(limit_bytes, "limit_bytes")), lease=False)
             self._metadata = ((status.LEASE_KEY, hello.lease),)
+            self._lease = hello.lease
+            self._fd_socket = hello.fd_socket
             self.name = hello.name
             self.client_id = hello.client_id
             self.backend = hello.backend
             self.chunk_bytes = hello.chunk_bytes
             self.capacity_bytes = hello.capacity_bytes
             self.granularity = hello.granularity
+            # What the operator granted (less where this client asked for less).
+            self.priority = hello.priority
+            self.guaranteed_bytes = hello.guaranteed_bytes
+            self.limit_bytes = hello.limit_bytes
+            # The session's anchor, first: the broker serves nothing else
+            # before it knows this process.
+            try:
+                self._session = SessionChannel(hello.fd_socket, hello.lease, self._timeout)
+            except (OSError, ValueError) as exc:
+                raise errors.Unavailable(f"attaching to the vtm broker failed: {exc}") from None
+            # No idle imports (keep_idle 0): a chunk this process maps no more
+            # may be another client's a moment later.
             self._mapper = _core.ClientMapper(hello.backend, hello.chunk_bytes,
-                                              hello.granularity if hello.backend == "host" else 0, hello.device,
-                                              _KEEP_IDLE_IMPORTS)
+                                              hello.granularity if hello.backend == "host" else 0, hello.device, 0)
             self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
             if fast_path and hello.step_socket:
                 try:
@@ -111,11 +158,10 @@ class RemoteManager:
                     raise
                 except (OSError, ValueError) as exc:
                     raise errors.Unavailable(f"the vtm broker's step socket failed: {exc}") from None
-            # The session lives as long as this stream: the broker releases
-            # everything of ours when it ends.
-            self._notices = self._stub.Notices(vtm_pb2.NoticesRequest(), metadata=self._metadata)
         except BaseException:
             self._teardown()
+            if self._session is not None:
+                self._session.close()
             raise
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"vtm-client-{self.client_id}", daemon=True)
@@ -139,8 +185,12 @@ class RemoteManager:
         reply (its vTensor fields) for the caller."""
         try:
             reply = self._steps.call(op, pairs)
-        except errors.Error:
-            raise  # the broker's answer (InvalidArgument is a ValueError too)
+        except errors.Error as exc:
+            # The broker's answer (InvalidArgument is a ValueError too);
+            # Unavailable: it ended the session.
+            if isinstance(exc, errors.Unavailable):
+                self._broken = self._broken or exc
+            raise
         except (OSError, ValueError) as exc:
             # Dead, hung or confused broker: the connection's state is
             # unknown from here on, like a gRPC call past its deadline.
@@ -162,23 +212,21 @@ class RemoteManager:
         return reply.vtensor
 
     def _listen(self) -> None:
-        """Consumes notices; the stream ending means the session is gone."""
-        try:
-            for notice in self._notices:
-                if notice.kind == vtm_pb2.Notice.SHUTDOWN:
-                    self._broken = self._broken or errors.Unavailable(f"the vtm broker is stopping: {notice.reason}")
-                elif notice.kind == vtm_pb2.Notice.RECLAIM:
-                    self._answer_reclaim(notice)
-        except grpc.RpcError:
-            pass
+        """Consumes notices; the channel ending means the session is gone."""
+        for notice in self._session.notices():
+            if notice.get("notice") == "shutdown":
+                self._broken = self._broken or errors.Unavailable(
+                    f"the vtm broker is stopping: {notice.get('reason', '')}")
+            elif notice.get("notice") == "reclaim":
+                self._answer_reclaim(notice)
         if not self._closed:
-            self._broken = self._broken or errors.Unavailable("the connection to the vtm broker was lost")
+            self._broken = self._broken or errors.Unavailable("the vtm broker ended this session (its channel closed)")
 
-    def _answer_reclaim(self, notice) -> None:
+    def _answer_reclaim(self, notice: dict) -> None:
         """Runs the reclaim handlers in turn (on this listener thread, so they
         may wait on futures) until the asked bytes are freed, then acknowledges."""
         self.reclaim_notices += 1
-        remaining = notice.bytes
+        remaining = int(notice.get("bytes", 0))
         for handler in list(self._reclaim_handlers):
             try:
                 remaining -= handler(remaining) or 0
@@ -186,11 +234,27 @@ class RemoteManager:
                 continue
             if remaining <= 0:
                 break
+        self._session.ack(notice.get("id"))
+
+    def _lost(self, error: BaseException) -> None:
+        """The caller is about to see `error`: when it says the session is
+        gone, this process gives up every chunk first (revoke, see the top of
+        this file), then says goodbye so the broker frees them now."""
+        if not isinstance(error, errors.Unavailable) or self._broken is None:
+            return
+        with self._revoke_mu:
+            if self._revoked or self._closed:
+                return
+            self._revoked = True
+            try:
+                self._mapper.revoke()
+            except errors.Error:
+                log.exception("unmapping the chunks of a lost vtm session failed")
         try:
-            self._stub.Ack(vtm_pb2.AckRequest(notice_id=notice.notice_id), timeout=self._timeout,
-                           metadata=self._metadata)
-        except grpc.RpcError:
-            pass  # the stream ending reports a lost broker
+            # Not waiting for the answer: the caller is owed its error now.
+            say_bye(self._fd_socket, self._lease, min(self._timeout, _BYE_TIMEOUT_S), wait=False)
+        except (OSError, ValueError, errors.Error):
+            pass  # no broker to tell (it died), or it ended the session itself
 
     def set_reclaim_handler(self, handler) -> None:
         """handler(bytes) is called (on a thread of this client) when the
@@ -223,12 +287,14 @@ class RemoteManager:
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 future.set_exception(exc)
 
-    def _submit(self, fn) -> RemoteFuture:
+    def _submit(self, fn, data_plane: bool = False) -> RemoteFuture:
+        """Queues fn for the worker. A data-plane op's future revokes this
+        process's mappings before it reports a lost session (_lost)."""
         if self._closed:
             raise errors.FailedPrecondition("the manager is closed")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((fn, future))
-        return RemoteFuture(future)
+        return RemoteFuture(future, self._lost if data_plane else None)
 
     def _apply(self, reply) -> None:
         """Maps the page changes of a reply and updates vTensor state."""
@@ -259,7 +325,9 @@ class RemoteManager:
             try:
                 fetched = self._fds.fetch(serials[start:start + MAX_FDS])
             except (OSError, ValueError) as exc:
-                raise errors.Unavailable(f"fetching chunk fds from the vtm broker failed: {exc}") from None
+                self._broken = self._broken or errors.Unavailable(
+                    f"fetching chunk fds from the vtm broker failed: {exc}")
+                raise type(self._broken)(str(self._broken)) from None
             try:
                 for serial, fd in fetched:
                     self._mapper.import_fd(serial, fd)
@@ -294,7 +362,7 @@ class RemoteManager:
             def fast():
                 vt_id, slot, num_tokens, _ = self._fast("create", step_channel.CREATE, (space.id, n))
                 return self._add_vtensor(space, vt_id, slot, num_tokens)
-            return self._submit(fast)
+            return self._submit(fast, data_plane=True)
         request = _message(vtm_pb2.CreateRequest, "create", space_id=space.id, num_tokens=n)
 
         def run():
@@ -302,7 +370,7 @@ class RemoteManager:
             vt = self._new_vtensor(space, reply)
             self._apply(reply)
             return vt
-        return self._submit(run)
+        return self._submit(run, data_plane=True)
 
     def _extend(self, vt: RemoteVTensor, n) -> RemoteFuture:
         n = _count(n, "num_tokens")
@@ -311,13 +379,13 @@ class RemoteManager:
             def fast():
                 self._fast("extend", step_channel.EXTEND, (vt.id, n))
                 vt._num_tokens = max(vt._num_tokens, n)
-            return self._submit(fast)
+            return self._submit(fast, data_plane=True)
         request = _message(vtm_pb2.ExtendRequest, "extend", vtensor_id=vt.id, num_tokens=n)
 
         def run():
             self._apply(self._rpc("extend", self._stub.Extend, request))
             vt._num_tokens = max(vt._num_tokens, n)
-        return self._submit(run)
+        return self._submit(run, data_plane=True)
 
     def step(self, targets) -> RemoteFuture:
         sizes = [(self._own(vt, "step"), _count(n, "num_tokens")) for vt, n in targets.items()]
@@ -329,7 +397,7 @@ class RemoteManager:
                 for vt, n in sizes:
                     if n > vt._num_tokens:
                         vt._num_tokens = n
-            return self._submit(fast)
+            return self._submit(fast, data_plane=True)
         request = _message(vtm_pb2.StepRequest, "step", targets=[
             vtm_pb2.ExtendRequest(vtensor_id=vt.id, num_tokens=n) for vt, n in sizes])
 
@@ -337,19 +405,29 @@ class RemoteManager:
             self._apply(self._rpc("step", self._stub.Step, request))
             for vt, n in sizes:
                 vt._num_tokens = max(vt._num_tokens, n)
-        return self._submit(run)
+        return self._submit(run, data_plane=True)
+
+    def _unmap_first(self, vt: RemoteVTensor) -> None:
+        """Unmaps a vTensor's pages here before the broker is asked to free
+        them: the broker hands a freed chunk to the next client at once.
+        From here the vTensor is unusable, whatever the broker answers."""
+        if vt._released:
+            raise errors.FailedPrecondition(f"vTensor {vt.id} is not live (already released)")
+        vt._released = True
+        self._live.pop(vt.id, None)
+        self._mapper.unmap_slot(vt._space.id, vt._slot)
 
     def _release(self, vt: RemoteVTensor) -> RemoteFuture:
         if self._steps is not None:
             def fast():
+                self._unmap_first(vt)
                 self._fast("release", step_channel.RELEASE, (vt.id, 0))
-                vt._released = True
-                self._live.pop(vt.id, None)
-            return self._submit(fast)
+            return self._submit(fast, data_plane=True)
 
         def run():
+            self._unmap_first(vt)
             self._apply(self._rpc("release", self._stub.Release, vtm_pb2.VTensorRequest(vtensor_id=vt.id)))
-        return self._submit(run)
+        return self._submit(run, data_plane=True)
 
     def _prefix_record(self, space: RemoteSpace, vt, token_ids, stream=None) -> RemoteFuture:
         vt = self._own(vt, "prefix_record")
@@ -367,7 +445,7 @@ class RemoteManager:
             reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)
             self._apply(reply)
             return reply.value
-        return self._submit(run)
+        return self._submit(run, data_plane=True)
 
     def _prefix_match(self, space: RemoteSpace, token_ids, stream=None) -> RemoteFuture:
         # `stream` orders nothing here: a match copies only pages of the
@@ -380,7 +458,7 @@ class RemoteManager:
             vt = self._new_vtensor(space, reply) if reply.vtensor_id else None
             self._apply(reply)
             return RemoteMatch(vt, reply.matched_tokens)
-        return self._submit(run)
+        return self._submit(run, data_plane=True)
 
     def _clear_prefixes(self, space: RemoteSpace) -> RemoteFuture:
         def run():
@@ -398,6 +476,14 @@ class RemoteManager:
 
     def _close_space(self, space: RemoteSpace) -> RemoteFuture:
         def run():
+            if space.closed:
+                raise errors.FailedPrecondition(f"space '{space.name}' is closed")
+            # Unmapped here first, as for a release; the space's vTensors
+            # are unusable from here on.
+            for vt in [vt for vt in self._live.values() if vt._space is space]:
+                vt._released = True
+                self._live.pop(vt.id, None)
+            self._mapper.unmap_space(space.id)
             self._apply(self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=space.id)))
         return self._submit(run)
 
@@ -455,8 +541,8 @@ class RemoteManager:
         return self._mapper.imports
 
     def close(self) -> None:
-        """Ends the session: the broker releases every vTensor and space of
-        this client; this process unmaps everything. Idempotent."""
+        """Ends the session: this process unmaps everything, then the broker
+        releases every vTensor and space of this client. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -464,6 +550,7 @@ class RemoteManager:
         self._worker.join()
         self._teardown()
         self._listener.join(timeout=self._timeout)
+        self._session.close()
         for space in self._spaces.values():
             space.closed = True
         for vt in self._live.values():
@@ -472,15 +559,21 @@ class RemoteManager:
         self._live.clear()
 
     def _teardown(self) -> None:
-        if self._notices is not None:
-            self._notices.cancel()
+        # Unmapped before the goodbye: the broker frees the chunks at goodbye.
+        if self._mapper is not None:
+            self._mapper.close()
+        if self._lease is not None:
+            try:
+                say_bye(self._fd_socket, self._lease, min(self._timeout, _BYE_TIMEOUT_S))
+            except (OSError, ValueError, errors.Error):
+                pass  # the broker is gone (or hung), and the session with it
+        if self._session is not None:
+            self._session.drop()  # ends the listener's wait
         self._channel.close()
         if self._fds is not None:
             self._fds.close()
         if self._steps is not None:
             self._steps.close()
-        if self._mapper is not None:
-            self._mapper.close()
 
     def __enter__(self):
         return self
@@ -492,11 +585,15 @@ class RemoteManager:
         return f"RemoteManager(name='{self.name}', backend='{self.backend}', chunk_bytes={self.chunk_bytes})"
 
 
-def connect(address: str, name: str | None = None, priority: int = 0, guaranteed_bytes: int = 0,
+def connect(address: str, name: str | None = None, priority: int | None = None, guaranteed_bytes: int | None = None,
             limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True) -> RemoteManager:
     """A manager served by the vtm broker at `address` ("unix:PATH"), with
     vtm.Manager's API. Raises vtm.Unavailable when no broker answers within
     `timeout` seconds, which is also the deadline of every later call.
+    The operator decides the client's priority, guarantee and limit (by
+    `name`); priority, guaranteed_bytes and limit_bytes may only ask for less
+    (None: what the operator gives; the granted values are the manager's
+    priority, guaranteed_bytes and limit_bytes).
     fast_path=False sends every call over gRPC, even where the broker offers
     its step socket (a baseline for scripts/bench_colocation.py)."""
     return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path)

@@ -2,10 +2,16 @@
 
     vtmctl --address unix:PATH stats [--json]
     vtmctl --address unix:PATH top [--interval S] [--iterations N]
-    vtmctl --address unix:PATH set-quota NAME BYTES [--guaranteed BYTES]
+    vtmctl --address unix:PATH set-quota NAME [LIMIT] [--limit B] [--guaranteed B] [--priority P]
     vtmctl --address unix:PATH trim [--bytes N]
 
---address may also be tcp:HOST:PORT, a broker's control listener (vtmd --control).
+--address may also be tcp:HOST:PORT, a broker's control listener (vtmd
+--control); --token-file F sends the token such a listener may ask for.
+
+set-quota sets the operator's quota of the clients named NAME, connected or
+yet to connect (a client may ask for less, never more): a limit below what
+one maps asks it for the excess back (a reclaim notice), a guarantee that
+would sum past the capacity is refused.
 
 Exit status 0 on success, 2 when the broker cannot be reached or refuses
 (one line on stderr).
@@ -22,14 +28,17 @@ import grpc
 
 from vtm import errors
 from vtm.broker import status
+from vtm.broker.control import TOKEN_KEY, read_token
 from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 
 
-def _call(stub_method, request, timeout: float, what: str):
+def _call(stub_method, request, timeout: float, what: str, metadata=None):
     try:
-        return stub_method(request, timeout=timeout)
+        return stub_method(request, timeout=timeout, metadata=metadata)
     except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise errors.FailedPrecondition(f"{err.details()} (vtmctl --token-file)") from None
         raise status.from_rpc_error(err, what) from None
 
 
@@ -38,10 +47,11 @@ def _mib(n: int) -> str:
 
 
 def _clients_table(stats: dict) -> list[str]:
-    rows = [f"{'client':<20} {'pid':>8} {'prio':>5} {'mapped MiB':>11} {'guar MiB':>9} {'limit MiB':>10} "
-            f"{'owes MiB':>9} {'spaces':>6} {'vts':>5}"]
+    rows = [f"{'client':<20} {'pid':>8} {'state':>11} {'prio':>5} {'mapped MiB':>11} {'guar MiB':>9} "
+            f"{'limit MiB':>10} {'owes MiB':>9} {'spaces':>6} {'vts':>5}"]
     for c in stats["clients"]:
-        rows.append(f"{c['name'][:20]:<20} {c['pid']:>8} {c['priority']:>5} {_mib(c['mapped_bytes']):>11} "
+        pid = "-" if c["pid"] is None else c["pid"]  # none before the session attaches
+        rows.append(f"{c['name'][:20]:<20} {pid:>8} {c['state']:>11} {c['priority']:>5} {_mib(c['mapped_bytes']):>11} "
                     f"{_mib(c['guaranteed_bytes']):>9} {_mib(c['limit_bytes']) if c['limit_bytes'] else '-':>10} "
                     f"{_mib(c['owes_bytes']):>9} {c['spaces']:>6} {c['vtensors']:>5}")
     return rows
@@ -61,16 +71,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd).")
     parser.add_argument("--address", required=True, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--token-file", default=None, help="the control token (vtmd --control-token-file)")
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("stats", help="the pool, prefix trees and clients")
     st.add_argument("--json", action="store_true")
     top = sub.add_parser("top", help="the clients, refreshed")
     top.add_argument("--interval", type=float, default=1.0)
     top.add_argument("--iterations", type=int, default=0, help="0: until interrupted")
-    quota = sub.add_parser("set-quota", help="a client's limit (0: none) and optionally its guarantee")
+    quota = sub.add_parser("set-quota", help="the operator's limit (0: none), guarantee and priority for a client name")
     quota.add_argument("name")
-    quota.add_argument("bytes", type=int)
+    quota.add_argument("bytes", type=int, nargs="?", default=None, help="the limit (as --limit)")
+    quota.add_argument("--limit", type=int, default=None)
     quota.add_argument("--guaranteed", type=int, default=None)
+    quota.add_argument("--priority", type=int, default=None)
     trim = sub.add_parser("trim", help="give free chunks back to the device")
     trim.add_argument("--bytes", type=int, default=None)
     args = parser.parse_args(argv)
@@ -84,33 +97,38 @@ def main(argv=None) -> int:
             target = args.address
         else:
             raise errors.InvalidArgument(f"--address must be unix:PATH or tcp:HOST:PORT, got {args.address!r}")
+        metadata = ((TOKEN_KEY, read_token(args.token_file)),) if args.token_file else None
         with grpc.insecure_channel(target) as channel:
             stub = vtm_pb2_grpc.BrokerStub(channel)
             if args.command == "stats":
-                stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats").json)
+                stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats", metadata).json)
                 print(json.dumps(stats, indent=2) if args.json else "\n".join(_summary(stats) + _clients_table(stats)))
             elif args.command == "top":
                 n = 0
                 while args.iterations == 0 or n < args.iterations:
-                    stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats").json)
+                    stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats", metadata).json)
                     print("\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _clients_table(stats)),
                           flush=True)
                     n += 1
                     if args.iterations == 0 or n < args.iterations:
                         time.sleep(args.interval)
             elif args.command == "set-quota":
-                if args.bytes < 0 or (args.guaranteed is not None and args.guaranteed < 0):
+                if args.bytes is not None and args.limit is not None:
+                    raise errors.InvalidArgument("give the limit once: LIMIT or --limit")
+                limit = args.limit if args.limit is not None else args.bytes
+                if any(b is not None and b < 0 for b in (limit, args.guaranteed)):
                     raise errors.InvalidArgument("byte counts must be >= 0")
-                request = vtm_pb2.SetQuotaRequest(name=args.name, limit_bytes=args.bytes,
-                                                  set_guaranteed=args.guaranteed is not None,
-                                                  guaranteed_bytes=args.guaranteed or 0)
-                clients = json.loads(_call(stub.SetQuota, request, args.timeout, "set-quota").json)
-                print(f"{args.name}: limit {args.bytes} bytes ({len(clients)} client(s))")
+                request = vtm_pb2.SetQuotaRequest(name=args.name, limit_bytes=limit, guaranteed_bytes=args.guaranteed,
+                                                  priority=args.priority)
+                reply = json.loads(_call(stub.SetQuota, request, args.timeout, "set-quota", metadata).json)
+                quota = reply["quota"]
+                print(f"{args.name}: limit {quota['limit_bytes']} bytes, guaranteed {quota['guaranteed_bytes']} "
+                      f"bytes, priority {quota['priority']} ({len(reply['clients'])} connected client(s))")
             else:
                 if args.bytes is not None and args.bytes < 0:
                     raise errors.InvalidArgument("--bytes must be >= 0")
                 request = vtm_pb2.TrimRequest(all=args.bytes is None, bytes=args.bytes or 0)
-                print(f"released {_call(stub.Trim, request, args.timeout, 'trim').value} bytes")
+                print(f"released {_call(stub.Trim, request, args.timeout, 'trim', metadata).value} bytes")
     except errors.Error as exc:
         print(f"vtmctl: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,11 @@ when that fails, a client's allocation asks lower-priority clients that map
 more than their guarantee to give memory back (a RECLAIM notice with a
 deadline), waits briefly for them, and retries once; then it fails with
 RESOURCE_EXHAUSTED. A client that has not come down to what a notice asked
-by its deadline gets no more memory until it does.
+by its deadline gets no more memory until it does. The operator lowering a
+client's limit below what it maps asks for the excess the same way
+(ask_back): the client preempts and recomputes, and no allocation of zero
+bytes (a step within pages already mapped) is ever refused, so lowering a
+quota never fails work the client already has.
 
 Memory freed in answer to a notice is reserved for the allocation that
 asked: from the notice until its retry has run (or reserve_s passed), an
@@ -21,12 +25,19 @@ before it gets to answer, and what it owes counts what it mapped since. Nor
 is another asker's retry (two retries waiting for each other's reservation
 would both stall until the reservations lapse).
 
+Notices go on the session's channel (Session.notify), as JSON:
+{"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...};
+the client answers with {"ack": N} there (vtm/broker/fd_channel.py).
+
 Invariants:
   * a session owes memory (owed_target is not None) only between a notice
     and the moment its mapped bytes are at or below owed_target;
   * _reserved holds, per asking session, the bytes its pending retry needs
     and the deadline after which they are no longer reserved;
-  * admit() never changes state: it only refuses.
+  * admit() never changes state: it only refuses, and never an allocation
+    of 0 bytes;
+  * reclaim() waits holding no lock of this module (nor, by contract with
+    its caller, the asker's session lock).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import threading
 import time
 
 from vtm import errors
-from vtm.proto.vtm.v1 import vtm_pb2
+from vtm.broker.session import LIVE
 
 
 class Policy:
@@ -56,6 +67,8 @@ class Policy:
 
     def admit(self, session, extra_bytes: int) -> None:
         """Refuses an allocation of `extra_bytes` more that the client may not make."""
+        if extra_bytes == 0:
+            return  # maps nothing new: over a lowered limit, the client is asked to come down instead
         mapped = session.mapped_bytes(self.chunk_bytes)
         if session.limit_bytes and mapped + extra_bytes > session.limit_bytes:
             raise errors.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes: it maps "
@@ -112,7 +125,7 @@ class Policy:
         and waits up to wait_s for them; False when there was nobody to ask.
         When it asked, `reserve_bytes` stay reserved for the requester's
         retry from before the first notice until unreserve() (or reserve_s)."""
-        victims = sorted((s for s in self._sessions() if s is not requester and not s.closed
+        victims = sorted((s for s in self._sessions() if s is not requester and s.state == LIVE
                           and s.priority < requester.priority
                           and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
                          key=lambda s: s.priority)
@@ -126,14 +139,8 @@ class Policy:
             if not asked and reserve_bytes > 0 and self._free_bytes is not None:
                 with self._gate:
                     self._reserved[requester] = (reserve_bytes, time.monotonic() + self.reserve_s)
-            notice_id = next(self._ids)
-            with self._mu:
-                target = mapped - ask if victim.owed_target is None else min(victim.owed_target, mapped - ask)
-                victim.owed_target = target
-                victim.owed_deadline = time.monotonic() + self.notice_deadline_s
-            victim.notices.put(vtm_pb2.Notice(
-                kind=vtm_pb2.Notice.RECLAIM, bytes=ask, notice_id=notice_id, deadline_s=self.notice_deadline_s,
-                reason=f"client '{requester.name}' (priority {requester.priority}) needs memory"))
+            self.ask_back(victim, mapped - ask,
+                          f"client '{requester.name}' (priority {requester.priority}) needs memory")
             asked.append(victim)
             remaining -= ask
             if remaining <= 0:
@@ -147,3 +154,16 @@ class Policy:
                     break
             time.sleep(0.01)
         return True
+
+    def ask_back(self, session, target_bytes: int, reason: str) -> None:
+        """Asks `session` to come down to mapping `target_bytes` (a RECLAIM
+        notice for the excess, with a deadline); a no-op when it maps no more."""
+        mapped = session.mapped_bytes(self.chunk_bytes)
+        if mapped <= target_bytes:
+            return
+        with self._mu:
+            target = target_bytes if session.owed_target is None else min(session.owed_target, target_bytes)
+            session.owed_target = target
+            session.owed_deadline = time.monotonic() + self.notice_deadline_s
+        session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": mapped - target,
+                        "deadline_s": self.notice_deadline_s, "reason": reason})

@@ -15,25 +15,29 @@ from vtm import errors, views
 
 
 class RemoteFuture:
-    """vtm.Future's API over a concurrent.futures.Future."""
+    """vtm.Future's API over a concurrent.futures.Future. `on_error(exc)`,
+    when given, runs on the caller's thread before an error reaches it
+    (client.py revokes a lost session's mappings there)."""
 
-    def __init__(self, inner: concurrent.futures.Future):
+    def __init__(self, inner: concurrent.futures.Future, on_error=None):
         self._inner = inner
+        self._on_error = on_error
 
     def result(self, timeout=None):
-        try:
-            return self._inner.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError("the vtm operation did not finish in time") from None
+        self.exception(timeout)
+        return self._inner.result()
 
     def done(self) -> bool:
         return self._inner.done()
 
     def exception(self, timeout=None):
         try:
-            return self._inner.exception(timeout)
+            exc = self._inner.exception(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError("the vtm operation did not finish in time") from None
+        if exc is not None and self._on_error is not None:
+            self._on_error(exc)
+        return exc
 
 
 class RemoteMatch:

@@ -1,16 +1,20 @@
 """vtmd: the vtm broker daemon.
 
-    vtmd --listen unix:PATH [--control tcp:HOST:PORT] [--backend host|cuda|auto] [--capacity-bytes N]
-         [--chunk-bytes N]
+    vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
+         [--capacity-bytes N] [--chunk-bytes N] [--max-sessions N] [--quota-file PATH]
 
 It owns the physical pool, the page accounting and the prefix trees; clients
 (vtm.connect) map the chunks into their own address spaces. The gRPC socket
-lives at PATH, the fd side socket at PATH.fds, the step socket (the fast path
-of the hot calls) at PATH.step; their folder must be private (0700, created
-so when missing). SIGTERM or SIGINT: stop admitting, let the calls in flight
-finish, release everything, remove the sockets. --control also serves the
-control calls (Stats, Trim, SetQuota) and health over TCP, and nothing else
-(vtm/broker/control.py).
+lives at PATH, the fd side socket (chunk fds and the sessions' channels) at
+PATH.fds, the step socket (the fast path of the hot calls) at PATH.step;
+their folder must be private (0700, created so when missing). SIGTERM or
+SIGINT: stop admitting, let the calls in flight finish, release everything,
+remove the sockets. --control also serves the control calls (Stats, Trim,
+SetQuota) and health over TCP, and nothing else (vtm/broker/control.py).
+
+Threads are fixed whatever the number of sessions: GRPC_THREADS serve gRPC
+calls (all unary), one reactor thread waits on every side-socket connection
+and client pidfd, and IO_THREADS answer them (vtm/broker/reactor.py).
 """
 
 from __future__ import annotations
@@ -29,16 +33,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import vtm
-from vtm.broker.control import ControlService
+from vtm.broker.control import ControlService, is_loopback, read_token
 from vtm.broker.fd_channel import FdServer
+from vtm.broker.quota import Quotas
+from vtm.broker.reactor import Reactor
 from vtm.broker.service import BrokerService
 from vtm.broker.step_channel import StepServer
 from vtm.proto.vtm.v1 import vtm_pb2_grpc
 
 SERVICE_NAME = "vtm.v1.Broker"
 _GRACE_S = 5.0
-_MAX_THREADS = 256  # so up to ~200 clients
+GRPC_THREADS = 32
+IO_THREADS = 32  # a call may wait up to ~2 s for reclaim: enough for that many at once
 _CONTROL_THREADS = 4
+DEFAULT_MAX_SESSIONS = 256
 
 
 def unix_path(address: str) -> str:
@@ -65,11 +73,13 @@ def _private_folder(path: str) -> None:
                               f"(it has mode {stat.S_IMODE(st.st_mode):o})")
 
 
-def _clear_stale(path: str) -> None:
-    """Removes a socket left by a broker that died; refuses a live one."""
+def _clear_stale(path: str, kind: int) -> None:
+    """Removes a socket of type `kind` left by a broker that died; refuses a
+    live one (probed with its own type: a connect of the wrong type fails
+    on a live socket too)."""
     if not os.path.exists(path):
         return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe = socket.socket(socket.AF_UNIX, kind)
     try:
         probe.connect(path)
     except OSError:
@@ -88,17 +98,25 @@ def _raise_fd_limit() -> None:
 
 
 class Broker:
-    """A running broker: the manager, the gRPC server, the fd socket and the step socket."""
+    """A running broker: the manager, the gRPC server, the fd socket and the
+    step socket, the last two on one reactor."""
 
     def __init__(self, listen: str, backend: str = "auto", capacity_bytes: int = 1 << 30,
                  chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2,
-                 control: str | None = None):
+                 control: str | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS, quota_file: str | None = None,
+                 control_token_file: str | None = None):
         self.path = unix_path(listen)
         control_target = tcp_target(control) if control else None
+        if max_sessions < 1:
+            raise ValueError(f"--max-sessions must be at least 1, got {max_sessions}")
+        token = read_token(control_token_file) if control_token_file else None
+        if control_target is not None and token is None and not is_loopback(control_target.rpartition(":")[0]):
+            raise ValueError(f"--control {control} is not on loopback: anyone who reaches it could steer the "
+                             "broker; give --control-token-file (every control call must then carry the token)")
         _private_folder(self.path)
-        _clear_stale(self.path)
-        _clear_stale(self.path + ".fds")
-        _clear_stale(self.path + ".step")
+        _clear_stale(self.path, socket.SOCK_STREAM)
+        _clear_stale(self.path + ".fds", socket.SOCK_SEQPACKET)
+        _clear_stale(self.path + ".step", socket.SOCK_SEQPACKET)
         _raise_fd_limit()
         # No slot cache: a released slot's pages go back to the pool at once,
         # so no operation of one client ever changes another client's
@@ -106,16 +124,22 @@ class Broker:
         self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
                                    workers=workers, granularity=granularity, slot_cache_bytes=0,
                                    record_mappings=True, export_chunks=True)
-        self.service = self.fds = self.steps = self.control = None
+        self.service = self.fds = self.steps = self.control = self.reactor = None
         self.control_address = None
         try:
-            self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds")
-            self.fds = FdServer(self.path + ".fds", self.service.lookup, self.manager._chunk_fd)
-            self.steps = StepServer(self.path + ".step", self.service, self.manager._chunk_fd)
+            quotas = (Quotas.load(quota_file, self.manager.capacity_bytes) if quota_file
+                      else Quotas(self.manager.capacity_bytes))
+            self.reactor = Reactor(IO_THREADS)
+            self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds", self.reactor,
+                                         quotas, max_sessions)
+            # A session holds its channel and a fetch connection on the fd
+            # socket, one on the step socket; a few more for vtmctl and tests.
+            self.fds = FdServer(self.path + ".fds", self.service, self.manager._chunk_fd, self.reactor,
+                                2 * max_sessions + 16)
+            self.steps = StepServer(self.path + ".step", self.service, self.manager._chunk_fd, self.reactor,
+                                    max_sessions + 16)
             self.service.step_socket = self.steps.path
-            # Each connected client holds one thread for its Notices stream;
-            # the rest serve calls.
-            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=_MAX_THREADS, thread_name_prefix="vtmd"))
+            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS, thread_name_prefix="vtmd"))
             vtm_pb2_grpc.add_BrokerServicer_to_server(self.service, self.server)
             self.health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -126,7 +150,7 @@ class Broker:
             if control_target is not None:
                 self.control = grpc.server(futures.ThreadPoolExecutor(max_workers=_CONTROL_THREADS,
                                                                       thread_name_prefix="vtmd-control"))
-                vtm_pb2_grpc.add_BrokerServicer_to_server(ControlService(self.service), self.control)
+                vtm_pb2_grpc.add_BrokerServicer_to_server(ControlService(self.service, token), self.control)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, self.control)
                 port = self.control.add_insecure_port(control_target)
                 if port == 0:
@@ -144,6 +168,8 @@ class Broker:
                 self.fds.close()  # and its socket file
             if self.service is not None:
                 self.service.close_all()  # stops its reaper thread
+            if self.reactor is not None:
+                self.reactor.close()
             self.manager.close()
             raise
         self._stopped = False
@@ -161,6 +187,7 @@ class Broker:
         self.steps.close()  # an op in flight there holds its session lock: close_all waits for it
         self.service.close_all()
         self.fds.close()
+        self.reactor.close()
         self.manager.close()
         try:
             os.unlink(self.path)  # the fd and step sockets went with their servers
@@ -169,23 +196,34 @@ class Broker:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="vtmd", description="The vtm memory broker.")
-    parser.add_argument("--listen", required=True, help="unix:PATH")
+    parser = argparse.ArgumentParser(prog="vtmd", description="The vtm memory broker (docs/broker.md).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--listen", required=True, help="unix:PATH (its folder must be private, 0700)")
     parser.add_argument("--control", default=None,
-                        help="tcp:HOST:PORT: also serve Stats, Trim, SetQuota and health there (no authentication: "
-                             "loopback or a trusted network only; port 0 picks one)")
-    parser.add_argument("--backend", default="auto", choices=["host", "cuda", "auto"])
-    parser.add_argument("--capacity-bytes", type=int, default=1 << 30)
-    parser.add_argument("--chunk-bytes", type=int, default=2 << 20)
-    parser.add_argument("--granularity", type=int, default=None, help="host backend only (default 2 MiB)")
-    parser.add_argument("--workers", type=int, default=2)
+                        help="tcp:HOST:PORT: also serve Stats, Trim, SetQuota and health there; off loopback only "
+                             "with --control-token-file (port 0 picks one; None: no TCP listener)")
+    parser.add_argument("--control-token-file", default=None,
+                        help="a file (mode 0600) holding the token every call to --control must carry "
+                             "(metadata vtm-control-token; None: no token, loopback only)")
+    parser.add_argument("--backend", default="auto", choices=["host", "cuda", "auto"],
+                        help="where chunks live (auto: cuda when a driver is present)")
+    parser.add_argument("--capacity-bytes", type=int, default=1 << 30,
+                        help="the pool: bounds the chunks of every client together")
+    parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="bytes of one chunk (one page)")
+    parser.add_argument("--granularity", type=int, default=None, help="host backend only (None: 2 MiB)")
+    parser.add_argument("--workers", type=int, default=2, help="the manager's worker threads")
+    parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                        help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED")
+    parser.add_argument("--quota-file", default=None,
+                        help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (None: priority "
+                             "0, no guarantee and no limit for every client); see docs/broker.md")
     args = parser.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
-                        args.workers, args.control)
+                        args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file)
     except (vtm.Error, OSError, ValueError) as exc:
         print(f"vtmd: error: {exc}", file=sys.stderr)
         return 2

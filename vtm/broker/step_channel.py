@@ -27,9 +27,9 @@ datagrams; `length` counts the bytes of all of them. The vTensor fields
 describe the vTensor a CREATE made or a RELEASE released.
 
 Authentication is the fd socket's: the broker checks the peer with
-SO_PEERCRED (same uid, the pid the session said hello with) and the lease,
-then binds the connection to that session for its life; a failed check gets
-an error reply and the connection is closed. Page effects are the gRPC
+SO_PEERCRED (same uid, the pid the kernel gave when the session attached its
+channel) and the lease, then binds the connection to that session for its
+life; a failed check gets an error reply and the connection is closed. Page effects are the gRPC
 reply's; a reply also attaches (SCM_RIGHTS) one fd per chunk that the call
 made the client map and that it mapped nowhere before, which saves the fd
 socket round trip (the client closes those it had kept imported); at most
@@ -47,6 +47,7 @@ import vtm
 from vtm import errors
 from vtm.broker.fd_channel import MAX_FDS
 from vtm.broker.seqpacket import SeqpacketServer
+from vtm.broker.session import LIVE
 
 AUTH, CREATE, EXTEND, STEP, RELEASE = 1, 2, 3, 4, 5
 OP_NAMES = {CREATE: "create", EXTEND: "extend", STEP: "step", RELEASE: "release"}
@@ -161,41 +162,39 @@ def error_named(name: str, message: str) -> errors.Error:
 
 
 class StepServer(SeqpacketServer):
-    """Serves the step socket: one thread per connection, each bound to one
-    session after its AUTH frame. `service` is the BrokerService (its ops run
-    under the session lock, as the gRPC calls do); `dup_fd(chunk, serial)`
-    gives a new fd of a chunk, closed here once sent.
+    """Serves the step socket on the broker's reactor, each connection bound
+    to one session after its AUTH frame. `service` is the BrokerService (its
+    ops run under the session lock, as the gRPC calls do); `dup_fd(chunk,
+    serial)` gives a new fd of a chunk, closed here once sent.
 
     Invariants: a connection serves only the session it authenticated as,
-    and only while that session is open; a frame that does not parse gets an
+    and only while that session is LIVE; a frame that does not parse gets an
     InvalidArgument reply and changes nothing."""
 
-    def __init__(self, path: str, service, dup_fd):
+    def __init__(self, path: str, service, dup_fd, reactor, max_connections: int):
         self._service = service
         self._dup_fd = dup_fd
         self._ops = {CREATE: self._create, EXTEND: self._extend, STEP: self._step, RELEASE: self._release}
-        super().__init__(path, "vtmd-steps")
+        super().__init__(path, reactor, max_connections, MAX_REQUEST + 1)
 
-    def _handle(self, conn: socket.socket, pid: int, uid: int) -> None:
-        session = None
-        while True:
-            data = conn.recv(MAX_REQUEST + 1)
-            if not data:
-                return
-            if session is None:
-                session, error = self._authenticate(data, pid, uid)
-                rid = REQUEST.unpack_from(data)[2] if len(data) >= REQUEST.size else 0
-                if error is not None:
-                    conn.send(encode_error(rid, error))
-                    return
-                conn.send(encode_ok(rid, (0, 0, 0, 0), [], []))
-                continue
-            payload, fds = self._answer(session, data)
-            try:
-                send_reply(conn, payload, fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+    def _datagram(self, conn, data: bytes) -> bool:
+        if conn.session is None:
+            session, error = self._authenticate(data, conn.pid, conn.uid)
+            rid = REQUEST.unpack_from(data)[2] if len(data) >= REQUEST.size else 0
+            if error is not None:
+                self.send(conn, encode_error(rid, error))
+                return False
+            conn.session = session
+            self.send(conn, encode_ok(rid, (0, 0, 0, 0), [], []))
+            return True
+        payload, fds = self._answer(conn.session, data)
+        try:
+            with conn.send_lock:
+                send_reply(conn.sock, payload, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return True
 
     def _authenticate(self, data: bytes, pid: int, uid: int):
         """(session, None) or (None, the error to report)."""
@@ -209,8 +208,8 @@ class StepServer(SeqpacketServer):
         except UnicodeDecodeError:
             return None, vtm.InvalidArgument("the lease is not ASCII")
         session = self._service.lookup(lease)
-        if session is None:
-            return None, vtm.Unavailable("no such lease (say Hello first, or the session ended)")
+        if session is None or session.state != LIVE:
+            return None, vtm.Unavailable("no such lease (say Hello and attach first, or the session ended)")
         if uid != os.getuid() or pid != session.pid:
             return None, vtm.FailedPrecondition(f"peer pid {pid} uid {uid} does not hold this lease")
         return session, None

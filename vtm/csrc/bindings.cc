@@ -40,9 +40,13 @@ struct PyVTensor {
   std::uint64_t id;
 };
 
+// `fixed` is the space's geometry and names, read once when the object is
+// made: they never change, and a closed space leaves nothing behind in the
+// manager to read them from.
 struct PySpace {
   std::shared_ptr<PyManager> mgr;
   std::uint32_t id;
+  std::shared_ptr<const SpaceInfo> fixed;
 };
 
 struct PyMatch {
@@ -129,6 +133,10 @@ std::uintptr_t StreamHandle(const py::object& stream) {
   const auto value = handle.cast<long long>();
   if (value < 0) Throw(ErrorCode::kInvalidArgument, "stream handle must be >= 0, got " + std::to_string(value));
   return static_cast<std::uintptr_t>(value);
+}
+
+PySpace SpaceObject(const std::shared_ptr<PyManager>& mgr, std::uint32_t id) {
+  return PySpace{mgr, id, std::make_shared<const SpaceInfo>(NoGil([&] { return Core(mgr).DescribeSpace(id); }))};
 }
 
 // Python ints may be negative; sizes may not.
@@ -319,7 +327,7 @@ PYBIND11_MODULE(_core, m) {
                              [](const PyVTensor& vt) {
                                return !NoGil([&] { return Core(vt.mgr).DescribeVTensor(vt.id); }).live;
                              })
-      .def_property_readonly("space", [](const PyVTensor& vt) { return PySpace{vt.mgr, LiveInfo(vt).space}; })
+      .def_property_readonly("space", [](const PyVTensor& vt) { return SpaceObject(vt.mgr, LiveInfo(vt).space); })
       .def_property_readonly("slot", [](const PyVTensor& vt) { return LiveInfo(vt).slot; })
       .def_property_readonly("num_tokens", [](const PyVTensor& vt) { return LiveInfo(vt).num_tokens; })
       .def_property_readonly("address", [](const PyVTensor& vt) { return LiveInfo(vt).address; })
@@ -404,19 +412,18 @@ PYBIND11_MODULE(_core, m) {
                                return std::make_pair(static_cast<int>(b->device_type()), b->device_id());
                              })
       .def_property_readonly("id", [](const PySpace& s) { return s.id; })
-      .def_property_readonly("name", [](const PySpace& s) { return DescribeSpace(s).name; })
-      .def_property_readonly("namespace", [](const PySpace& s) { return DescribeSpace(s).ns; })
-      .def_property_readonly("row_bytes", [](const PySpace& s) { return DescribeSpace(s).row_bytes; })
-      .def_property_readonly("max_tokens", [](const PySpace& s) { return DescribeSpace(s).max_tokens; })
-      .def_property_readonly("max_slots", [](const PySpace& s) { return DescribeSpace(s).max_slots; })
-      .def_property_readonly("slot_bytes", [](const PySpace& s) { return DescribeSpace(s).slot_bytes; })
-      .def_property_readonly("pages_per_slot",
-                             [](const PySpace& s) { return DescribeSpace(s).pages_per_slot; })
+      .def_property_readonly("name", [](const PySpace& s) { return s.fixed->name; })
+      .def_property_readonly("namespace", [](const PySpace& s) { return s.fixed->ns; })
+      .def_property_readonly("row_bytes", [](const PySpace& s) { return s.fixed->row_bytes; })
+      .def_property_readonly("max_tokens", [](const PySpace& s) { return s.fixed->max_tokens; })
+      .def_property_readonly("max_slots", [](const PySpace& s) { return s.fixed->max_slots; })
+      .def_property_readonly("slot_bytes", [](const PySpace& s) { return s.fixed->slot_bytes; })
+      .def_property_readonly("pages_per_slot", [](const PySpace& s) { return s.fixed->pages_per_slot; })
       .def_property_readonly("base_address", [](const PySpace& s) { return DescribeSpace(s).base; })
       .def_property_readonly("free_slots", [](const PySpace& s) { return DescribeSpace(s).slots_free; })
       .def_property_readonly("closed", [](const PySpace& s) { return DescribeSpace(s).closed; })
       .def("__repr__", [](const PySpace& s) {
-        SpaceInfo i = DescribeSpace(s);
+        const SpaceInfo& i = *s.fixed;
         return "Space(name='" + i.name + "', row_bytes=" + std::to_string(i.row_bytes) +
                ", max_tokens=" + std::to_string(i.max_tokens) + ", max_slots=" + std::to_string(i.max_slots) + ")";
       });
@@ -478,7 +485,7 @@ PYBIND11_MODULE(_core, m) {
               py::gil_scoped_release release;
               id = Core(mgr).CreateSpace(r, t, n, ns.value_or(""), name.value_or(""));
             }
-            return PySpace{mgr, id};
+            return SpaceObject(mgr, id);
           },
           py::arg("row_bytes"), py::arg("max_tokens"), py::arg("max_slots"), py::arg("namespace") = py::none(),
           py::arg("name") = py::none())
@@ -558,6 +565,9 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release release;
              m.Apply(space, parsed);
            })
+      .def("unmap_slot", &ClientMapper::UnmapSlot, py::call_guard<py::gil_scoped_release>())
+      .def("unmap_space", &ClientMapper::UnmapSpace, py::call_guard<py::gil_scoped_release>())
+      .def("revoke", &ClientMapper::Revoke, py::call_guard<py::gil_scoped_release>())
       .def("pages", [](const ClientMapper& m, std::uint32_t space, int slot) { return PageList(m.Pages(space, slot)); })
       .def("mapped_pages", &ClientMapper::MappedPages)
       .def("base_address",

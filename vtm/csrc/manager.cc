@@ -77,7 +77,7 @@ void Manager::Close() {
   for (auto& [id, vt] : vtensors_) ids.push_back(id);
   for (std::uint64_t id : ids) ReleaseVTensorLocked(id, /*best_effort=*/true);
   for (auto& [space_id, slot] : cached_lru_) {
-    Space& sp = *spaces_[space_id - 1];
+    Space& sp = SpaceOf(space_id);
     sp.slots[slot].cached_pos = cached_lru_.end();
     for (std::size_t p : MappedPages(sp.slots[slot])) {
       try {
@@ -90,9 +90,12 @@ void Manager::Close() {
   cached_lru_.clear();
   cached_pages_ = 0;
   trees_.clear();
-  for (auto& sp : spaces_) {
-    sp->closed = true;
-    mapper_->RemoveSpace(sp->id);
+  for (auto& [id, sp] : live_spaces_) mapper_->RemoveSpace(id);
+  live_spaces_.clear();
+  {
+    std::lock_guard<std::mutex> keys(tree_keys_mu_);
+    tree_key_of_ns_.clear();
+    tree_key_of_space_.clear();
   }
   pool_->ReleaseFree(pool_->free_count());
   closed_ = true;
@@ -140,12 +143,12 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
     Throw(ErrorCode::kInvalidArgument, "max_slots * slot_bytes exceeds the address space vtm reserves");
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) Throw(ErrorCode::kFailedPrecondition, "the manager is closed");
-  const std::uint32_t id = static_cast<std::uint32_t>(spaces_.size()) + 1;
+  if (next_space_id_ == UINT32_MAX) Throw(ErrorCode::kOutOfMemory, "space ids are exhausted");
+  const std::uint32_t id = next_space_id_;
   const std::string space_name = name.empty() ? "space" + std::to_string(id) : name;
   const std::string space_ns = ns.empty() ? "\x01" + space_name : ns;  // private unless named
-  for (const auto& sp : spaces_)
-    if (!sp->closed && sp->name == space_name)
-      Throw(ErrorCode::kInvalidArgument, "a space named '" + space_name + "' already exists");
+  for (const auto& [other_id, sp] : live_spaces_)
+    if (sp->name == space_name) Throw(ErrorCode::kInvalidArgument, "a space named '" + space_name + "' already exists");
   auto tree_it = trees_.find(space_ns);
   if (tree_it != trees_.end() && tree_it->second->row_bytes() != row_bytes)
     Throw(ErrorCode::kInvalidArgument, "namespace '" + space_ns + "' holds rows of " +
@@ -171,10 +174,12 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
     tree_it = trees_.emplace(space_ns, std::make_unique<PrefixTree>(row_bytes, chunk_bytes_, pool_.get()))
                   .first;
   sp->tree = tree_it->second.get();
-  spaces_.push_back(std::move(sp));
+  live_spaces_.emplace(id, std::move(sp));
+  ++next_space_id_;
   {
     std::lock_guard<std::mutex> keys(tree_keys_mu_);
-    const auto ns_key = tree_key_of_ns_.emplace(space_ns, kTreeKeyBit | (tree_key_of_ns_.size() + 1)).first;
+    const auto [ns_key, added] = tree_key_of_ns_.emplace(space_ns, kTreeKeyBit | next_tree_key_);
+    if (added) ++next_tree_key_;
     tree_key_of_space_[id] = ns_key->second;
   }
   return id;
@@ -241,15 +246,14 @@ std::shared_ptr<FutureState> Manager::CloseSpace(std::uint32_t space) {
 // Lookups
 
 Manager::Space& Manager::LiveSpace(std::uint32_t space) {
-  if (space == 0 || space > spaces_.size()) Throw(ErrorCode::kNotFound, "no space " + std::to_string(space));
-  Space& sp = *spaces_[space - 1];
-  if (sp.closed) Throw(ErrorCode::kFailedPrecondition, "space '" + sp.name + "' is closed");
-  return sp;
+  return const_cast<Space&>(static_cast<const Manager*>(this)->LiveSpace(space));
 }
 
-const Manager::Space& Manager::AnySpace(std::uint32_t space) const {
-  if (space == 0 || space > spaces_.size()) Throw(ErrorCode::kNotFound, "no space " + std::to_string(space));
-  return *spaces_[space - 1];
+const Manager::Space& Manager::LiveSpace(std::uint32_t space) const {
+  auto it = live_spaces_.find(space);
+  if (it != live_spaces_.end()) return *it->second;
+  if (WasClosed(space)) Throw(ErrorCode::kFailedPrecondition, "space " + std::to_string(space) + " is closed");
+  Throw(ErrorCode::kNotFound, "no space " + std::to_string(space));
 }
 
 Manager::VTensor& Manager::LiveVTensor(std::uint64_t id) {

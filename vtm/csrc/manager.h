@@ -29,7 +29,12 @@
 //    (refs 1): pages shared with the tree are unmapped when a vTensor is
 //    released, so a reused slot never writes a shared page;
 //  * cached_pages_ == mapped pages of free slots <= the cache budget;
-//  * a tree node's locks == live vTensors locking it or a descendant.
+//  * a tree node's locks == live vTensors locking it or a descendant;
+//  * live_spaces_ holds exactly the open spaces: closing one erases it with
+//    everything it owned (slots, page tables, its tree when no other open
+//    space shares it, its executor key), so spaces opened and closed cost
+//    nothing afterwards; ids are never reused (next_space_id_), so an id below
+//    it that is not live names a closed space.
 //
 // Caches may shrink on the way to a failure that is not out of memory
 // (pages cached in released slots, unreferenced tree leaves); everything
@@ -188,7 +193,6 @@ class Manager {
     std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
     std::vector<Slot> slots;
     std::vector<int> clean_free;  // free slots with nothing mapped
-    bool closed = false;
   };
   struct VTensor {
     std::uint32_t space = 0;
@@ -221,8 +225,15 @@ class Manager {
   bool RefillNeeded() const;
 
   // Helpers; all with mu_ held.
+  // An open space; kFailedPrecondition for a closed one, kNotFound otherwise.
   Space& LiveSpace(std::uint32_t space);
-  const Space& AnySpace(std::uint32_t space) const;
+  const Space& LiveSpace(std::uint32_t space) const;
+  // A space known to be open (a live vTensor's, a cached slot's).
+  Space& SpaceOf(std::uint32_t space) { return *live_spaces_.find(space)->second; }
+  const Space& SpaceOf(std::uint32_t space) const { return *live_spaces_.find(space)->second; }
+  bool WasClosed(std::uint32_t space) const {
+    return space != 0 && space < next_space_id_ && live_spaces_.count(space) == 0;
+  }
   VTensor& LiveVTensor(std::uint64_t id);
   std::size_t PagesFor(const Space& sp, std::size_t tokens) const;
   int ClaimSlot(Space& sp, std::size_t need_pages, bool for_match, UndoLog& undo);
@@ -264,7 +275,8 @@ class Manager {
   std::condition_variable refill_wake_;  // the refill thread may have work
   std::unique_ptr<Pool> pool_;
   std::map<std::string, std::unique_ptr<PrefixTree>> trees_;  // after pool_: destroyed first
-  std::vector<std::unique_ptr<Space>> spaces_;
+  std::map<std::uint32_t, std::unique_ptr<Space>> live_spaces_;
+  std::uint32_t next_space_id_ = 1;
   std::unordered_map<std::uint64_t, VTensor> vtensors_;
   std::list<std::pair<std::uint32_t, int>> cached_lru_;  // free slots with pages mapped, oldest first
   std::size_t cached_pages_ = 0;
@@ -284,8 +296,9 @@ class Manager {
   // the executor key of each namespace's prefix tree from a map of its own.
   std::atomic<std::uint64_t> next_vtensor_id_{1};
   mutable std::mutex tree_keys_mu_;  // never held while waiting for anything
-  std::map<std::string, std::uint64_t> tree_key_of_ns_;
-  std::unordered_map<std::uint32_t, std::uint64_t> tree_key_of_space_;
+  std::map<std::string, std::uint64_t> tree_key_of_ns_;  // erased with the namespace's tree
+  std::unordered_map<std::uint32_t, std::uint64_t> tree_key_of_space_;  // erased when the space closes
+  std::uint64_t next_tree_key_ = 1;
 
   std::unique_ptr<Executor> executor_;  // its workers stop (in Close) before the state above dies
   std::thread refill_thread_;          // eager allocation; runs only when prealloc_chunks > 0

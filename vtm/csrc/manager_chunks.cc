@@ -35,8 +35,10 @@ std::size_t Manager::EvictableTreeChunks() const {
 
 std::size_t Manager::ReachableChunks() const {
   std::size_t n = pool_->free_count() + pool_->headroom() + pool_->creating() + cached_pages_;
-  for (const auto& [space_id, slot] : cached_lru_)
-    if (spaces_[space_id - 1]->slots[slot].claimed) n -= spaces_[space_id - 1]->slots[slot].cached_at_claim;
+  for (const auto& [space_id, slot] : cached_lru_) {
+    const Slot& s = SpaceOf(space_id).slots[slot];
+    if (s.claimed) n -= s.cached_at_claim;
+  }
   return n;
 }
 
@@ -91,7 +93,7 @@ std::size_t Manager::ReclaimCachedPages(std::size_t need) {
   std::size_t freed = 0;
   for (auto it = cached_lru_.begin(); it != cached_lru_.end() && freed < need;) {
     auto [space_id, slot] = *it;
-    Space& sp = *spaces_[space_id - 1];
+    Space& sp = SpaceOf(space_id);
     Slot& s = sp.slots[slot];
     if (s.claimed) {
       ++it;

@@ -16,7 +16,7 @@ VTensorInfo Manager::DescribeVTensor(std::uint64_t id) const {
   auto it = vtensors_.find(id);
   if (it == vtensors_.end()) return info;
   const VTensor& vt = it->second;
-  const Space& sp = *spaces_[vt.space - 1];
+  const Space& sp = SpaceOf(vt.space);
   const Slot& s = sp.slots[vt.slot];
   info.live = true;
   info.space = vt.space;
@@ -31,8 +31,12 @@ VTensorInfo Manager::DescribeVTensor(std::uint64_t id) const {
 
 SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
   std::lock_guard<std::mutex> lock(mu_);
-  const Space& sp = AnySpace(space);
   SpaceInfo info;
+  if (WasClosed(space)) {
+    info.closed = true;  // nothing else of it is left
+    return info;
+  }
+  const Space& sp = LiveSpace(space);
   info.name = sp.name;
   info.ns = sp.ns.size() > 0 && sp.ns[0] == '\x01' ? "" : sp.ns;
   info.row_bytes = sp.row_bytes;
@@ -42,7 +46,6 @@ SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
   info.pages_per_slot = sp.pages_per_slot;
   const auto reservation = mapper_->reservation(space);
   info.base = reservation ? reservation->va() : 0;
-  info.closed = sp.closed;
   for (const Slot& s : sp.slots) {
     if (s.owner == 0) {
       ++info.slots_free;
@@ -59,9 +62,9 @@ SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
 
 std::vector<NodeInfo> Manager::PrefixNodes(std::uint32_t space) const {
   std::lock_guard<std::mutex> lock(mu_);
-  const Space& sp = AnySpace(space);
   std::vector<NodeInfo> nodes;
-  if (sp.tree == nullptr) return nodes;
+  if (WasClosed(space)) return nodes;
+  const Space& sp = LiveSpace(space);
   sp.tree->ForEach([&](const PrefixNode& n) {
     nodes.push_back(NodeInfo{n.start, n.end(), n.tokens, n.locks, n.pages});
   });
@@ -70,8 +73,7 @@ std::vector<NodeInfo> Manager::PrefixNodes(std::uint32_t space) const {
 
 std::shared_ptr<Reservation> Manager::SpaceReservation(std::uint32_t space) const {
   std::lock_guard<std::mutex> lock(mu_);
-  const Space& sp = AnySpace(space);
-  if (sp.closed) Throw(ErrorCode::kFailedPrecondition, "space '" + sp.name + "' is closed");
+  const Space& sp = LiveSpace(space);
   auto reservation = mapper_->reservation(space);
   if (!reservation)
     Throw(ErrorCode::kFailedPrecondition, "space '" + sp.name + "' is mapped in its client's process, not here");
@@ -88,12 +90,12 @@ Stats Manager::GetStats() const {
   st.chunks_free = pool_->free_count();
   st.chunks_held = pool_->held();
   std::unordered_set<ChunkId> mapped, cached, in_tree;
-  for (const auto& sp : spaces_)
+  for (const auto& [id, sp] : live_spaces_)
     for (const Slot& s : sp->slots)
       for (ChunkId c : s.pages)
         if (c != kNoChunk) mapped.insert(c);
   for (const auto& [space_id, slot] : cached_lru_)
-    for (ChunkId c : spaces_[space_id - 1]->slots[slot].pages)
+    for (ChunkId c : SpaceOf(space_id).slots[slot].pages)
       if (c != kNoChunk) cached.insert(c);
   for (const auto& [name, tree] : trees_)
     tree->ForEach([&](const PrefixNode& n) {
@@ -112,8 +114,8 @@ Stats Manager::GetStats() const {
   st.rollback_failures_total = rollback_failures_total_;
   st.reservation_free_failures_total = reservation_free_failures_->load(std::memory_order_relaxed);
   st.ops = op_stats_;
-  for (const auto& sp : spaces_) {
-    if (sp->closed) continue;
+  std::unordered_map<std::uint32_t, std::size_t> index_of;  // space id -> its entry in st.spaces
+  for (const auto& [id, sp] : live_spaces_) {
     SpaceInfo info;
     info.ns = sp->ns[0] == '\x01' ? "" : sp->ns;
     info.row_bytes = sp->row_bytes;
@@ -129,11 +131,10 @@ Stats Manager::GetStats() const {
         info.mapped_bytes += s.mapped * chunk_bytes_;
       }
     }
+    index_of[id] = st.spaces.size();
     st.spaces.emplace_back(sp->name, info);
   }
-  for (const auto& [id, vt] : vtensors_)
-    for (auto& [name, info] : st.spaces)
-      if (name == spaces_[vt.space - 1]->name) info.used_tokens += vt.num_tokens;
+  for (const auto& [id, vt] : vtensors_) st.spaces[index_of.at(vt.space)].second.used_tokens += vt.num_tokens;
   return st;
 }
 
@@ -146,7 +147,7 @@ void Manager::Check() const {
     ++expected[c];
   };
   std::size_t cached = 0;
-  for (const auto& sp : spaces_) {
+  for (const auto& [id, sp] : live_spaces_) {
     for (std::size_t i = 0; i < sp->slots.size(); ++i) {
       const Slot& s = sp->slots[i];
       const std::string where = "space '" + sp->name + "' slot " + std::to_string(i);
@@ -158,7 +159,6 @@ void Manager::Check() const {
         }
       if (mapped != s.mapped) fail(where + " mapped count " + std::to_string(s.mapped) + " != " + std::to_string(mapped));
       if (s.claimed) fail(where + " is still claimed");
-      if (sp->closed && mapped > 0) fail(where + " of a closed space maps pages");
       if (s.owner == 0 && IsCached(s)) cached += mapped;
       if (s.owner == 0 && mapped > 0 && !IsCached(s)) fail(where + " is free with pages mapped but not cached");
       if (s.owner != 0) {
@@ -173,14 +173,15 @@ void Manager::Check() const {
   }
   if (cached != cached_pages_) fail("cached pages " + std::to_string(cached_pages_) + " != " + std::to_string(cached));
   for (const auto& [space_id, slot] : cached_lru_) {
-    const Slot& s = spaces_[space_id - 1]->slots[slot];
+    if (live_spaces_.count(space_id) == 0) fail("a cached slot of closed space " + std::to_string(space_id));
+    const Slot& s = SpaceOf(space_id).slots[slot];
     for (ChunkId c : s.pages)
       if (c != kNoChunk && pool_->refs(c) != 1) fail("a released slot maps shared chunk " + std::to_string(c));
   }
   std::map<const PrefixNode*, int> locks;
   for (const auto& [id, vt] : vtensors_) {
-    const Space& sp = *spaces_[vt.space - 1];
-    if (sp.closed) fail("vTensor " + std::to_string(id) + " lives in a closed space");
+    if (live_spaces_.count(vt.space) == 0) fail("vTensor " + std::to_string(id) + " lives in a closed space");
+    const Space& sp = SpaceOf(vt.space);
     const Slot& s = sp.slots[vt.slot];
     if (s.owner != id) fail("vTensor " + std::to_string(id) + " does not own its slot");
     for (std::size_t p = 0; p < PagesFor(sp, vt.num_tokens); ++p)
@@ -218,6 +219,11 @@ void Manager::Check() const {
     if ((pool_->refs(c) == 0) != is_free[c]) fail("chunk " + std::to_string(c) + " free-list membership is wrong");
   }
   if (alive != pool_->alive()) fail("alive chunk count");
+  {
+    std::lock_guard<std::mutex> keys(tree_keys_mu_);
+    if (tree_key_of_space_.size() != live_spaces_.size() || tree_key_of_ns_.size() != trees_.size())
+      fail("executor keys outlive their spaces or trees");
+  }
   if (pool_->alive() + pool_->creating() > capacity_chunks_) fail("capacity exceeded");
 }
 

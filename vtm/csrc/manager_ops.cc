@@ -37,7 +37,7 @@ FutureValue Manager::DoStep(const std::vector<std::pair<std::uint64_t, std::size
   std::map<std::uint64_t, std::size_t> want;
   for (auto [id, n] : targets) {
     VTensor& vt = LiveVTensor(id);
-    const Space& sp = *spaces_[vt.space - 1];
+    const Space& sp = SpaceOf(vt.space);
     if (n > sp.max_tokens)
       Throw(ErrorCode::kInvalidArgument, "extend: " + std::to_string(n) + " tokens exceed max_tokens " +
                                              std::to_string(sp.max_tokens) + " of space '" + sp.name + "'");
@@ -52,7 +52,7 @@ FutureValue Manager::DoStep(const std::vector<std::pair<std::uint64_t, std::size
   std::size_t total = 0;
   for (auto [id, n] : want) {
     VTensor& vt = vtensors_.at(id);
-    const Space& sp = *spaces_[vt.space - 1];
+    const Space& sp = SpaceOf(vt.space);
     Plan plan{id, n, {}};
     const std::size_t need = PagesFor(sp, n);
     for (std::size_t p = 0; p < need; ++p)
@@ -68,7 +68,7 @@ FutureValue Manager::DoStep(const std::vector<std::pair<std::uint64_t, std::size
     const VTensor& vt = vtensors_.at(plan.id);
     std::vector<ChunkId> mine(chunks.begin() + next, chunks.begin() + next + plan.missing.size());
     next += plan.missing.size();
-    MapPages(*spaces_[vt.space - 1], vt.slot, plan.missing, mine, undo);
+    MapPages(SpaceOf(vt.space), vt.slot, plan.missing, mine, undo);
   }
   undo.Commit();
   for (Plan& plan : plans) {
@@ -89,7 +89,7 @@ FutureValue Manager::DoRelease(std::uint64_t id) {
 
 void Manager::ReleaseVTensorLocked(std::uint64_t id, bool best_effort) {
   VTensor vt = vtensors_.at(id);
-  Space& sp = *spaces_[vt.space - 1];
+  Space& sp = SpaceOf(vt.space);
   Slot& s = sp.slots[vt.slot];
   // Pages shared with the tree or another vTensor must not stay in a slot
   // that a later request will write into; private pages may, within budget.
@@ -128,7 +128,7 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   VTensor& vt = LiveVTensor(id);
   if (vt.space != space)
     Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor " + std::to_string(id) + " belongs to space '" +
-                                              spaces_[vt.space - 1]->name + "', not '" + sp.name + "'");
+                                              SpaceOf(vt.space).name + "', not '" + sp.name + "'");
   if (tokens.size() > vt.num_tokens)
     Throw(ErrorCode::kInvalidArgument, "prefix_record: " + std::to_string(tokens.size()) +
                                            " tokens, but the vTensor holds only " + std::to_string(vt.num_tokens));
@@ -258,7 +258,7 @@ FutureValue Manager::DoTrim(std::optional<std::size_t> bytes) {
     UndoLog undo(&rollback_failures_total_);
     for (auto& [space_id, slot] : cached_lru_) {
       if (pool_->free_count() + reclaimed.size() >= target) break;
-      Space& sp = *spaces_[space_id - 1];
+      Space& sp = SpaceOf(space_id);
       std::vector<ChunkId> chunks = UnmapPages(sp, slot, MappedPages(sp.slots[slot]), &undo);
       reclaimed.insert(reclaimed.end(), chunks.begin(), chunks.end());
       emptied.emplace_back(&sp, slot);
@@ -304,13 +304,18 @@ FutureValue Manager::DoCloseSpace(std::uint32_t space) {
     s.cached_pos = cached_lru_.end();
     it = cached_lru_.erase(it);
   }
-  sp.closed = true;
   bool shared = false;
-  for (auto& other : spaces_)
-    if (!other->closed && other->tree == sp.tree) shared = true;
-  if (!shared) trees_.erase(sp.ns);
-  sp.tree = nullptr;
+  for (const auto& [other_id, other] : live_spaces_)
+    if (other_id != space && other->tree == sp.tree) shared = true;
+  const std::string ns = sp.ns;
+  if (!shared) trees_.erase(ns);
   mapper_->RemoveSpace(space);
+  live_spaces_.erase(space);  // sp dies here, with its slots and page tables
+  {
+    std::lock_guard<std::mutex> keys(tree_keys_mu_);
+    tree_key_of_space_.erase(space);
+    if (!shared) tree_key_of_ns_.erase(ns);
+  }
   AfterCommit();
   return std::monostate{};
 }

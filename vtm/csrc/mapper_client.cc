@@ -65,6 +65,44 @@ void ClientMapper::UnmapRun(std::uint32_t space, Area& area, int slot, std::size
   }
 }
 
+void ClientMapper::UnmapSlotLocked(std::uint32_t space, Area& area, int slot) {
+  const std::size_t base = static_cast<std::size_t>(slot) * area.pages_per_slot;
+  for (std::size_t p = 0; p < area.pages_per_slot;) {
+    if (area.pages[base + p].serial == 0) {
+      ++p;
+      continue;
+    }
+    std::size_t last = p;
+    while (last + 1 < area.pages_per_slot && area.pages[base + last + 1].serial != 0) ++last;
+    UnmapRun(space, area, slot, p, last - p + 1);
+    p = last + 1;
+  }
+}
+
+void ClientMapper::UnmapSlot(std::uint32_t space, int slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Area& area = FindArea(space);
+  if (slot < 0 || static_cast<std::size_t>(slot) >= area.slots) Throw(ErrorCode::kInvalidArgument, "bad slot");
+  UnmapSlotLocked(space, area, slot);
+  TrimIdle();
+}
+
+void ClientMapper::UnmapSpace(std::uint32_t space) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Area& area = FindArea(space);
+  for (std::size_t slot = 0; slot < area.slots; ++slot) UnmapSlotLocked(space, area, static_cast<int>(slot));
+  TrimIdle();
+}
+
+void ClientMapper::Revoke() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [space, area] : areas_)
+    for (std::size_t slot = 0; slot < area.slots; ++slot) UnmapSlotLocked(space, area, static_cast<int>(slot));
+  for (auto& [serial, im] : imports_) backend_->release_chunk(im.handle);
+  imports_.clear();
+  idle_.clear();
+}
+
 void ClientMapper::RemoveSpace(std::uint32_t space) {
   std::lock_guard<std::mutex> lock(mu_);
   Area& area = FindArea(space);

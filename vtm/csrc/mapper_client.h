@@ -6,8 +6,13 @@
 // fds the broker hands out. Each chunk is imported once and the import is
 // cached by serial (ids are reused by the broker, serials never); imports no
 // page maps any more are kept, most recent first, up to `keep_idle`, then
-// released, so a client never pins more than that of memory the broker has
-// taken back.
+// released. A broker client keeps none (keep_idle 0): an idle import would
+// keep memory alive that the broker counts as free and gives to others.
+//
+// A client unmaps a vTensor's pages itself before it asks the broker to
+// release them (UnmapSlot, UnmapSpace), so the broker frees a chunk only
+// once this process maps it no more; and when it loses its session it
+// drops every mapping and import at once (Revoke).
 //
 // Invariants (guarded by mu_):
 //  * pages of each space hold the (chunk, serial) mapped at each page of its
@@ -50,6 +55,13 @@ class ClientMapper {
   // Brings the pages named in `effects` to their states: unmaps what
   // changed (in runs), maps the new chunks, one set_access per run.
   void Apply(std::uint32_t space, const std::vector<PageEffect>& effects);
+  // Unmaps every page of one slot, or of every slot of a space (in runs).
+  void UnmapSlot(std::uint32_t space, int slot);
+  void UnmapSpace(std::uint32_t space);
+  // Unmaps every page of every space and releases every import; the
+  // reservations stay (a view of one keeps a valid range, whose pages now
+  // fault) until RemoveSpace or Close.
+  void Revoke();
 
   std::vector<ChunkId> Pages(std::uint32_t space, int slot) const;
   std::size_t MappedPages(std::uint32_t space, int slot) const;
@@ -76,6 +88,7 @@ class ClientMapper {
   Area& FindArea(std::uint32_t space);
   const Area& FindArea(std::uint32_t space) const;
   void UnmapRun(std::uint32_t space, Area& area, int slot, std::size_t first, std::size_t count);
+  void UnmapSlotLocked(std::uint32_t space, Area& area, int slot);
   void Unuse(std::uint64_t serial);
   void TrimIdle();
 

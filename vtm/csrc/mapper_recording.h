@@ -11,6 +11,8 @@
 // Invariants:
 //  * pending_[space] holds, for every page touched since the last drain of
 //    that space, its current chunk (kNoChunk when unmapped);
+//  * a removed space keeps its entry only until the drain that hands its
+//    last effects (its unmaps) to the client, so closed spaces cost nothing;
 //  * no call ever fails (nothing is mapped), so the manager's undo paths
 //    for this mapper are never taken for a mapping error.
 //
@@ -20,6 +22,7 @@
 
 #include <map>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -40,7 +43,12 @@ class RecordingMapper : public Mapper {
   void AddSpace(std::uint32_t space, std::size_t, std::size_t) override { pending_[space]; }
   // Pending effects of a removed space stay until drained: they tell the
   // client to unmap.
-  void RemoveSpace(std::uint32_t) override {}
+  void RemoveSpace(std::uint32_t space) override {
+    auto it = pending_.find(space);
+    if (it == pending_.end()) return;
+    if (it->second.empty()) pending_.erase(it);
+    else removed_.insert(space);
+  }
   std::shared_ptr<Reservation> reservation(std::uint32_t) const override { return nullptr; }
 
   void MapPage(std::uint32_t space, int slot, std::size_t page, const ChunkRef& chunk) override {
@@ -59,10 +67,12 @@ class RecordingMapper : public Mapper {
     if (it == pending_.end()) return out;
     for (const auto& [key, state] : it->second) out.push_back(PageEffect{key.first, key.second, state.first, state.second});
     it->second.clear();
+    if (removed_.erase(space) != 0) pending_.erase(it);
     return out;
   }
 
  private:
+  std::unordered_set<std::uint32_t> removed_;  // removed spaces with effects not drained yet
   std::unordered_map<std::uint32_t, std::map<std::pair<int, std::size_t>, std::pair<ChunkId, std::uint64_t>>> pending_;
 };
 

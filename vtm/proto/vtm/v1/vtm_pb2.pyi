@@ -1,5 +1,4 @@
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -8,21 +7,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HelloRequest(_message.Message):
-    __slots__ = ("name", "priority", "guaranteed_bytes", "limit_bytes", "pid")
+    __slots__ = ("name", "priority", "guaranteed_bytes", "limit_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
     name: str
     priority: int
     guaranteed_bytes: int
     limit_bytes: int
-    pid: int
-    def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("lease", "client_id", "backend", "device", "chunk_bytes", "capacity_bytes", "granularity", "fd_socket", "name", "step_socket")
+    __slots__ = ("lease", "client_id", "backend", "device", "chunk_bytes", "capacity_bytes", "granularity", "fd_socket", "name", "step_socket", "priority", "guaranteed_bytes", "limit_bytes")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +30,9 @@ class HelloReply(_message.Message):
     FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     lease: str
     client_id: int
     backend: str
@@ -43,51 +43,22 @@ class HelloReply(_message.Message):
     fd_socket: str
     name: str
     step_socket: str
-    def __init__(self, lease: _Optional[str] = ..., client_id: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., granularity: _Optional[int] = ..., fd_socket: _Optional[str] = ..., name: _Optional[str] = ..., step_socket: _Optional[str] = ...) -> None: ...
-
-class NoticesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class Notice(_message.Message):
-    __slots__ = ("kind", "bytes", "reason", "notice_id", "deadline_s")
-    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-        __slots__ = ()
-        KIND_UNSPECIFIED: _ClassVar[Notice.Kind]
-        RECLAIM: _ClassVar[Notice.Kind]
-        SHUTDOWN: _ClassVar[Notice.Kind]
-    KIND_UNSPECIFIED: Notice.Kind
-    RECLAIM: Notice.Kind
-    SHUTDOWN: Notice.Kind
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    NOTICE_ID_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
-    kind: Notice.Kind
-    bytes: int
-    reason: str
-    notice_id: int
-    deadline_s: float
-    def __init__(self, kind: _Optional[_Union[Notice.Kind, str]] = ..., bytes: _Optional[int] = ..., reason: _Optional[str] = ..., notice_id: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
-
-class AckRequest(_message.Message):
-    __slots__ = ("notice_id",)
-    NOTICE_ID_FIELD_NUMBER: _ClassVar[int]
-    notice_id: int
-    def __init__(self, notice_id: _Optional[int] = ...) -> None: ...
+    priority: int
+    guaranteed_bytes: int
+    limit_bytes: int
+    def __init__(self, lease: _Optional[str] = ..., client_id: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., granularity: _Optional[int] = ..., fd_socket: _Optional[str] = ..., name: _Optional[str] = ..., step_socket: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
 
 class SetQuotaRequest(_message.Message):
-    __slots__ = ("name", "limit_bytes", "set_guaranteed", "guaranteed_bytes")
+    __slots__ = ("name", "limit_bytes", "guaranteed_bytes", "priority")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SET_GUARANTEED_FIELD_NUMBER: _ClassVar[int]
     GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     limit_bytes: int
-    set_guaranteed: bool
     guaranteed_bytes: int
-    def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., set_guaranteed: _Optional[bool] = ..., guaranteed_bytes: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CreateSpaceRequest(_message.Message):
     __slots__ = ("row_bytes", "max_tokens", "max_slots", "namespace", "name")

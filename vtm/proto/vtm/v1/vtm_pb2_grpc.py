@@ -39,11 +39,6 @@ class BrokerStub:
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.HelloRequest.SerializeToString,
                 response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.HelloReply.FromString,
                 _registered_method=True)
-        self.Notices = channel.unary_stream(
-                '/vtm.v1.Broker/Notices',
-                request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.NoticesRequest.SerializeToString,
-                response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.Notice.FromString,
-                _registered_method=True)
         self.CreateSpace = channel.unary_unary(
                 '/vtm.v1.Broker/CreateSpace',
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.CreateSpaceRequest.SerializeToString,
@@ -109,11 +104,6 @@ class BrokerStub:
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsRequest.SerializeToString,
                 response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
                 _registered_method=True)
-        self.Ack = channel.unary_unary(
-                '/vtm.v1.Broker/Ack',
-                request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.AckRequest.SerializeToString,
-                response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
-                _registered_method=True)
         self.SetQuota = channel.unary_unary(
                 '/vtm.v1.Broker/SetQuota',
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.SetQuotaRequest.SerializeToString,
@@ -126,13 +116,6 @@ class BrokerServicer:
 
     def Hello(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Notices(self, request, context):
-        """Server stream: reclaim notices; also the session's liveness channel.
-        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -216,17 +199,12 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Ack(self, request, context):
-        """The client has answered a reclaim notice (freed what it could).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def SetQuota(self, request, context):
-        """Control (vtmctl): a connected client's limit and guarantee. Stats, Trim,
-        Check and SetQuota also work without a lease, for the broker's owner
-        (the socket's folder is private to that user).
+        """Control (vtmctl): the operator's priority, guarantee and limit for the
+        clients of one name, connected or yet to connect. Stats, Trim, Check and
+        SetQuota also work without a lease, for the broker's owner (the socket's
+        folder is private to that user; the TCP control listener may ask for a
+        token in the metadata key "vtm-control-token").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -239,11 +217,6 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.Hello,
                     request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.HelloRequest.FromString,
                     response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.HelloReply.SerializeToString,
-            ),
-            'Notices': grpc.unary_stream_rpc_method_handler(
-                    servicer.Notices,
-                    request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.NoticesRequest.FromString,
-                    response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.Notice.SerializeToString,
             ),
             'CreateSpace': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSpace,
@@ -310,11 +283,6 @@ def add_BrokerServicer_to_server(servicer, server):
                     request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsRequest.FromString,
                     response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
             ),
-            'Ack': grpc.unary_unary_rpc_method_handler(
-                    servicer.Ack,
-                    request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.AckRequest.FromString,
-                    response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
-            ),
             'SetQuota': grpc.unary_unary_rpc_method_handler(
                     servicer.SetQuota,
                     request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.SetQuotaRequest.FromString,
@@ -348,33 +316,6 @@ class Broker:
             '/vtm.v1.Broker/Hello',
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.HelloRequest.SerializeToString,
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.HelloReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Notices(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/vtm.v1.Broker/Notices',
-            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.NoticesRequest.SerializeToString,
-            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.Notice.FromString,
             options,
             channel_credentials,
             insecure,
@@ -725,33 +666,6 @@ class Broker:
             target,
             '/vtm.v1.Broker/Check',
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StatsRequest.SerializeToString,
-            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Ack(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/vtm.v1.Broker/Ack',
-            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.AckRequest.SerializeToString,
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,173 @@
+"""Isolation between the broker's clients (issue 17, findings 4, 9 and 11):
+a client's memory is freed only when its process is gone or it closed its
+session, a freed chunk goes to another client only once every process that
+mapped it has unmapped it, and the pool's capacity bounds the memory that
+the chunks hold across every process (counted as memfds on the host
+backend: the fds and mappings of the broker and of each client)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import vtm
+from broker_testing import (ROW, BrokerProcess, child_allocate_release_hold, child_quarantined, end_liveness_stream,
+                            held, memfd_inodes, pattern, run_child)
+from broker_testing import broker  # noqa: F401 (a fixture)
+from vtm.broker import step_channel
+
+CTX = multiprocessing.get_context("spawn")
+ROWS_PER_CHUNK = 65  # 64 KiB chunks of 1,000-byte rows: n * 65 rows need n chunks
+
+
+@pytest.fixture
+def spawn():
+    children = []
+    vtm_root = os.path.dirname(os.path.dirname(os.path.abspath(vtm.__file__)))
+
+    def start(target, *args):
+        p = CTX.Process(target=run_child, args=(vtm_root, target, *args), daemon=True)
+        p.start()
+        children.append(p)
+        return p
+
+    yield start
+    for p in children:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout} s")
+        time.sleep(0.02)
+
+
+def client_state(mgr, name: str):
+    """The broker's state of the client named `name`, None once it is gone."""
+    states = [c.get("state", "live") for c in mgr.stats()["clients"] if c["name"] == name]
+    return states[0] if states else None
+
+
+def test_a_live_client_whose_session_ended_keeps_its_chunks(broker):
+    # 16 chunks: the victim maps 12 and loses its liveness channel while its
+    # process (this one) lives. Its chunks must go to nobody: the other
+    # client is refused rather than handed the bytes the victim still maps.
+    with vtm.connect(broker.address, name="other") as other:
+        victim = vtm.connect(broker.address, name="victim")
+        try:
+            space = victim.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+            vt = space.create(12 * ROWS_PER_CHUNK).result()
+            slot, rows = vt.slot, 12 * ROWS_PER_CHUNK
+            view = space.tensor(np.uint8)
+            view[slot, :rows * ROW] = pattern(range(rows))
+            end_liveness_stream(victim)
+            wait_until(lambda: client_state(other, "victim") != "live", 10, "the broker saw the channel end")
+            ospace = other.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+            with pytest.raises(vtm.OutOfMemory):
+                ospace.create(12 * ROWS_PER_CHUNK).result()
+            small = ospace.create(4 * ROWS_PER_CHUNK).result()  # the 4 free chunks are anybody's
+            assert not set(small.page_chunks()[:4]) & set(vt.page_chunks())
+            other_view = ospace.tensor(np.uint8)
+            other_view[small.slot, :4 * ROWS_PER_CHUNK * ROW] = 77
+            assert (view[slot, :rows * ROW] == pattern(range(rows))).all(), "the victim's bytes changed"
+            del view
+            assert client_state(other, "victim") == "quarantined"
+            assert held(other) == 16
+            # The victim learns at its next call; it unmaps everything before
+            # the error reaches the caller, then closes the session itself.
+            with pytest.raises(vtm.Unavailable):
+                vt.extend(rows + 1).result()
+            assert victim.imports == 0 and victim._mapper.mapped_pages(space.id, slot) == 0
+            wait_until(lambda: client_state(other, "victim") is None, 10, "the victim's session closed")
+            assert held(other) == 4
+            small.release().result()
+            assert ospace.create(12 * ROWS_PER_CHUNK).result().mapped_bytes == 12 * 64 * 1024
+            other.check()
+        finally:
+            victim.close()
+
+
+def test_a_quarantined_clients_chunks_return_when_its_process_exits(broker, spawn):
+    q = CTX.Queue()
+    child = spawn(child_quarantined, broker.address, 10 * ROWS_PER_CHUNK, q)
+    kind, chunks = q.get(timeout=60)
+    assert kind == "dropped", chunks
+    with vtm.connect(broker.address, name="observer") as mgr:
+        wait_until(lambda: client_state(mgr, "cut-off") != "live", 10, "the broker saw the channel end")
+        time.sleep(0.5)  # nothing comes back while the process lives
+        assert held(mgr) == 10 and client_state(mgr, "cut-off") == "quarantined"
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        wait_until(lambda: held(mgr) == 0 and client_state(mgr, "cut-off") is None, 5, "the exit freed the chunks")
+        mgr.check()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
+def test_a_release_unmaps_in_the_client_before_the_broker_frees(broker, fast_path):
+    with vtm.connect(broker.address, fast_path=fast_path) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        vt = space.create(4 * ROWS_PER_CHUNK).result()
+        slot = vt.slot
+        assert mgr._mapper.mapped_pages(space.id, slot) == 4 and mgr.imports == 4
+        seen = []  # (pages mapped, chunks imported) when the release leaves for the broker
+        if fast_path:
+            call = mgr._steps.call
+
+            def spy(op, pairs):
+                if op == step_channel.RELEASE:
+                    seen.append((mgr._mapper.mapped_pages(space.id, slot), mgr.imports))
+                return call(op, pairs)
+            mgr._steps.call = spy
+        else:
+            release = mgr._stub.Release
+
+            def spy(request, **kwargs):
+                seen.append((mgr._mapper.mapped_pages(space.id, slot), mgr.imports))
+                return release(request, **kwargs)
+            mgr._stub.Release = spy
+        vt.release().result()
+        assert seen == [(0, 0)]
+        assert held(mgr) == 0
+        mgr.check()
+
+
+def test_capacity_bounds_the_memory_of_every_process(tmp_path, spawn):
+    # An 8-chunk pool. A former client maps all 8 and releases them; another
+    # then takes 8. Its chunks may be the former client's only once that
+    # client holds none of them; after a trim, the broker's new chunks plus
+    # whatever the former client still holds may not pass the 8.
+    b = BrokerProcess(tmp_path, capacity_chunks=8)
+    try:
+        q, done = CTX.Queue(), CTX.Event()
+        former = spawn(child_allocate_release_hold, b.address, 8 * ROWS_PER_CHUNK, q, done)
+        kind, imports = q.get(timeout=60)
+        assert kind == "released", imports
+        assert imports == 0, "the former client still holds the chunks it released"
+        with vtm.connect(b.address, name="next") as mgr:
+            space = mgr.create_space(row_bytes=ROW, max_tokens=4096, max_slots=1)
+            for trim in (False, True):
+                if trim:
+                    mgr.trim()  # the broker gives its free chunks back: the next 8 are new
+                vt = space.create(8 * ROWS_PER_CHUNK).result()
+                view = space.tensor(np.uint8)
+                view[vt.slot, :8 * ROWS_PER_CHUNK * ROW] = 1
+                mine, theirs = memfd_inodes(os.getpid()), memfd_inodes(former.pid)
+                assert len(mine) == 8 and not mine & theirs, "a former holder still maps this client's chunks"
+                alive = mine | theirs | memfd_inodes(b.proc.pid)
+                assert len(alive) <= 8, f"{len(alive)} chunks alive in a pool of 8"
+                del view
+                vt.release().result()
+        done.set()
+        former.join(30)
+        assert former.exitcode == 0
+    finally:
+        b.kill()

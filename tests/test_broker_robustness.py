@@ -1,0 +1,195 @@
+"""Smaller faults of the broker (issue 17, finding 11): a live side socket is
+never taken for a stale one, the side sockets keep serving after one
+connection fails, and a client waiting for reclaim does not hold its
+session's lock meanwhile."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def test_a_live_side_socket_is_not_taken_for_a_stale_one(tmp_path):
+    folder = tmp_path / "v"
+    folder.mkdir(mode=0o700)
+    # Another broker's fd socket, alive, with no gRPC socket next to it.
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    live.bind(str(folder / "sock.fds"))
+    live.listen(1)
+    try:
+        done = subprocess.run([sys.executable, "-m", "vtm.broker", "--listen", f"unix:{folder}/sock",
+                               "--backend", "host"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 2 and "already listens" in done.stderr, done
+        assert os.path.exists(folder / "sock.fds")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.connect(str(folder / "sock.fds"))  # still the live one
+        probe.close()
+    finally:
+        live.close()
+    assert not os.path.exists(folder / "sock")
+    # Once it is gone, its file is stale and replaced.
+    os.unlink(folder / "sock.fds")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(str(folder / "sock.fds"))
+    stale.close()
+    proc = subprocess.Popen([sys.executable, "-m", "vtm.broker", "--listen", f"unix:{folder}/sock", "--backend", "host"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        assert "listening" in proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+@pytest.fixture
+def fail_next_thread_start(monkeypatch):
+    """arm(): from then on, the next Thread.start() fails, as it does when a
+    process is out of threads; returns the names of the threads refused."""
+    import threading
+
+    real = threading.Thread.start
+    refused = []
+
+    def arm():
+        def start(self):
+            if not refused:
+                refused.append(self.name)
+                raise RuntimeError("can't start new thread")
+            return real(self)
+        monkeypatch.setattr(threading.Thread, "start", start)
+        return refused
+    return arm
+
+
+class _Echo:
+    """A seqpacket server (the side sockets' base) that echoes, and fails on b"boom"."""
+
+    def __new__(cls, path, reactor, max_connections):
+        from vtm.broker.seqpacket import SeqpacketServer
+
+        class Echo(SeqpacketServer):
+            def _datagram(self, conn, data):
+                if data == b"boom":
+                    raise RuntimeError("a bug in one answer")
+                self.send(conn, data)
+                return True
+        return Echo(path, reactor, max_connections, 1024)
+
+
+def _connect(path) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(10)
+    conn.connect(path)
+    return conn
+
+
+def test_the_fd_socket_serves_on_when_a_thread_cannot_start(tmp_path, fail_next_thread_start):
+    # Serving a connection starts no thread (the reactor's are started once):
+    # a process out of threads still answers every connection.
+    from vtm.broker.fd_channel import FdServer
+    from vtm.broker.reactor import Reactor
+
+    reactor = Reactor(2)
+
+    class NoSessions:
+        def lookup(self, lease):
+            return None
+
+    server = FdServer(str(tmp_path / "fds"), NoSessions(), None, reactor, 8)
+    refused = fail_next_thread_start()
+    try:
+        for _ in range(3):
+            conn = _connect(server.path)
+            conn.send(b'{"lease": "x", "serials": [1]}')
+            assert b"no such lease" in conn.recv(4096)
+            conn.close()
+        assert refused == []  # no thread was even asked for
+    finally:
+        server.close()
+        reactor.close()
+    with pytest.raises(RuntimeError):
+        Reactor(2)  # a reactor that cannot start its threads fails whole (and leaves nothing running)
+
+
+def test_one_bad_connection_leaves_the_others_served(tmp_path):
+    from vtm.broker.reactor import Reactor
+
+    reactor = Reactor(2)
+    server = _Echo(str(tmp_path / "echo"), reactor, 3)
+    try:
+        bad, good = _connect(server.path), _connect(server.path)
+        bad.send(b"boom")
+        assert bad.recv(64) == b""  # dropped
+        good.send(b"hi")
+        assert good.recv(64) == b"hi"
+        extra = [_connect(server.path) for _ in range(3)]  # 2 open + 3: one past the limit of 3
+        assert extra[-1].recv(64) == b""  # closed at once
+        extra[0].send(b"still")
+        assert extra[0].recv(64) == b"still"
+        for conn in [bad, good, *extra]:
+            conn.close()
+    finally:
+        server.close()
+        reactor.close()
+    assert not os.path.exists(tmp_path / "echo")
+
+
+def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
+    # The asker's allocation waits for a lower priority to give memory back;
+    # meanwhile its session's lock is free (its fd fetches, its goodbye and its
+    # process's exit are served), and it is taken again for the retry.
+    import threading
+
+    import vtm
+    from vtm.broker.quota import Ask, Quota, Quotas
+    from vtm.broker.reactor import Reactor
+    from vtm.broker.service import BrokerService
+    from vtm.broker.session import LIVE, Session
+
+    chunk = 64 << 10
+    manager = vtm.Manager(backend="host", capacity_bytes=16 * chunk, chunk_bytes=chunk, granularity=chunk,
+                          slot_cache_bytes=0, record_mappings=True, export_chunks=True)
+    reactor = Reactor(1)
+    service = BrokerService(manager, "host", 0, str(tmp_path / "fds"), reactor, Quotas(16 * chunk), 8)
+    service.policy.wait_s = 60  # the asker waits until the victim answers
+    try:
+        sessions = {}
+        for name, priority in (("victim", 0), ("asker", 10)):
+            session = Session(len(sessions) + 1, name, Ask(), Quota(priority=priority))
+            session.state = LIVE
+            space = manager.create_space(row_bytes=chunk, max_tokens=16, max_slots=1)
+            session.spaces[space.id] = space
+            session.geometry[space.id] = (chunk, 16)
+            service._sessions[session.lease] = session
+            sessions[name] = (session, space.id)
+        victim, victim_space = sessions["victim"]
+        asker, asker_space = sessions["asker"]
+
+        def run(session, body):
+            return service.run_op(session, lambda: (body(), service.collect(session))[0])
+        held = run(victim, lambda: service.create(victim, victim_space, 14))  # 14 of 16 chunks
+        got = {}
+        waiter = threading.Thread(target=lambda: got.update(vt=run(asker, lambda: service.create(asker, asker_space,
+                                                                                                 8))))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while victim.owed_target is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert victim.owed_target is not None, "the victim was never asked"
+        assert asker.lock.acquire(timeout=5), "the asker's session lock is held while it waits"
+        asker.lock.release()
+        assert waiter.is_alive()
+        run(victim, lambda: service.release(victim, held))  # pays: the asker's retry goes on
+        waiter.join(30)
+        assert not waiter.is_alive() and got["vt"] in asker.vtensors
+        manager.check()
+    finally:
+        service.close_all()
+        reactor.close()
+        manager.close()
