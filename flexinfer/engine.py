@@ -34,6 +34,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_NAMES = {value: name for name, value in _DTYPES.items()}
 # More threads than this per CPU is a mistake, not a setting (torch would try to start them all).
 _MAX_THREADS_PER_CPU = 8
+# While the vtm broker is away, each step tries to reconnect for this long.
+RECONNECT_TRY_S = 0.25
 
 
 class Engine:
@@ -42,7 +44,8 @@ class Engine:
                  max_num_seqs: int = 32, max_model_len: int | None = None, max_batch_tokens: int = 1024,
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
-                 linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None):
+                 linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,
+                 broker_wait_s: float = 30.0):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
         if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
             dtype = _DTYPE_NAMES[dtype]
@@ -52,6 +55,9 @@ class Engine:
                             ("kv_capacity_bytes", kv_capacity_bytes), ("max_model_len", 1 if max_model_len is None else max_model_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        if isinstance(broker_wait_s, bool) or not isinstance(broker_wait_s, (int, float)) or not broker_wait_s >= 0:
+            raise InvalidArgument(f"broker_wait_s must be a number >= 0, got {broker_wait_s!r}")
+        self.broker_wait_s = float(broker_wait_s)
         max_threads = _MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
         if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int)
                                   or not 1 <= threads <= max_threads):
@@ -68,6 +74,9 @@ class Engine:
         self.graphs = None
         self.thread_tuner = None
         self._sink = []
+        self._unhealthy_since = None  # when the manager was first seen unhealthy (a broker away)
+        self._keeps_sink = False
+        self._reconnects_seen = manager.reconnects
         try:
             if device is None:
                 device = "cuda" if manager.backend == "cuda" else "cpu"
@@ -103,7 +112,7 @@ class Engine:
             # which a reserved range with nothing mapped may give (not yet seen
             # on a GPU); eager steps run while no request holds slot 0 too.
             # CUDA-graph padding rows write into it.
-            keep_sink = self.device.type == "cuda" and isinstance(self.attention, KernelAttention)
+            self._keeps_sink = keep_sink = self.device.type == "cuda" and isinstance(self.attention, KernelAttention)
             self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len,
                                     max_num_seqs + (1 if keep_sink else 0),
                                     namespace=prefix_namespace(fingerprint, dtype, namespace),
@@ -192,21 +201,36 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that gained a token or finished.
 
-        A failure fails only what it concerns: an error in planning (vtm or the
-        broker failing) fails every sequence in the scheduler, an error in the
-        forward pass or sampling the sequences of this batch, a row of
-        non-finite logits its own sequence."""
+        A failure fails only what it concerns: an error in planning (a bug)
+        fails every sequence in the scheduler, an error in the forward pass
+        or sampling the sequences of this batch, a row of non-finite logits
+        its own sequence. A broker that went away is a preemption: the
+        running sequences wait, and resume by recompute once the engine has
+        reconnected (see _recover)."""
+        if not self.manager.healthy:
+            self._recover()
+            return self._take_failed()
+        if self.manager.reconnects != self._reconnects_seen:
+            self._renew_session()  # another engine on this manager reconnected it
+        if self._keeps_sink and not self._sink:
+            try:
+                self._make_sink()
+            except vtm.Unavailable:
+                return self._take_failed()  # lost again: the next step reconnects
         # Sequences the scheduler failed (one that can never fit in memory).
-        failed, self.scheduler.failed = self.scheduler.failed, []
+        failed = self._take_failed()
         try:
             plan = self.scheduler.schedule()
+        except vtm.Unavailable as exc:
+            self.scheduler.lose_memory(exc)
+            return failed + self._take_failed()
         except Exception as exc:
             log.exception("scheduling failed; failing every queued request")
             failed += list(self.scheduler.running) + list(self.scheduler.waiting)
             for seq in failed:
                 self.abort(seq, "error", _engine_error("scheduling failed", exc))
             return failed
-        failed, self.scheduler.failed = failed + self.scheduler.failed, []
+        failed += self._take_failed()
         if not plan:
             return failed
         try:
@@ -217,6 +241,48 @@ class Engine:
             for seq in broken:
                 self.abort(seq, "error", _engine_error("the model step failed", exc))
             return failed + broken
+
+    def _take_failed(self) -> list[Sequence]:
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        return failed
+
+    def _recover(self) -> None:
+        """The vtm broker went away (this engine's session, and its vTensors,
+        with it). Try for a new session, waiting briefly; this thread is the
+        one that computes on the memory, so it is the one to reconnect. While
+        there is none, requests wait, up to broker_wait_s of the broker's
+        absence; then everything queued fails with vtm.Unavailable."""
+        now = time.monotonic()
+        if self._unhealthy_since is None:
+            self._unhealthy_since = now
+            self.scheduler.lose_memory(vtm.Unavailable("the vtm broker is unavailable"))
+        try:
+            self.manager.reconnect(timeout=RECONNECT_TRY_S)
+        except (vtm.Unavailable, vtm.FailedPrecondition) as exc:
+            if now - self._unhealthy_since >= self.broker_wait_s or isinstance(exc, vtm.FailedPrecondition):
+                self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker is unavailable: {exc}"))
+            return
+        log.info("reconnected to the vtm broker; %d requests resume", len(self.scheduler.waiting))
+        self._renew_session()
+
+    def _renew_session(self) -> None:
+        """A new broker session: nothing of the old one is left to this
+        engine; the sink (see __init__), which lived there, is made again by
+        the next step."""
+        self.scheduler.lose_memory(vtm.Unavailable("the vtm broker session was replaced"))
+        self._unhealthy_since = None
+        self._reconnects_seen = self.manager.reconnects
+        self._sink = []
+
+    def _make_sink(self) -> None:
+        """The sink in a new session, and new CUDA graphs where it is not
+        where they write their padding rows."""
+        self._sink = self.kv_cache.create(1)
+        if self.graphs is not None and self.graphs.sink_slots != [vt.slot for vt in self._sink]:
+            from flexinfer.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, self.graphs.buckets[-1],
+                                       [vt.slot for vt in self._sink])
 
     def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
         ids = []

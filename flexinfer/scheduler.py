@@ -19,7 +19,9 @@ map, unmap or copy; vtm leaves its state as it was) fails only what it
 concerns: a failed prefix record or match costs that prefix its reuse, a
 failed map the sequences whose own mapping fails again when retried alone,
 a failed release is retried at the next step. Each is logged and counted.
-Only a broker that is gone (vtm.Unavailable) fails everything.
+A broker that is gone (vtm.Unavailable) takes every vTensor with it: the
+running sequences go back to waiting, as if preempted (lose_memory), and
+are computed again once the engine has a new session (see Engine.step).
 
 On a vtm broker (vtm.connect), a reclaim notice for a higher-priority client
 is answered the same way: the next step preempts running sequences until
@@ -191,6 +193,31 @@ class Scheduler:
         request[1].set()
         return True
 
+    def lose_memory(self, exc: Exception) -> None:
+        """The broker session is gone, and every vTensor with it (a broker
+        restart): the running sequences go back to the front of the queue,
+        keeping their outputs, to be computed again once memory is back, as
+        after a preemption; nothing queued for the old session is awaited."""
+        if self.running:
+            log.warning("the vtm broker went away (%s): %d running requests will resume by recompute",
+                        exc, len(self.running))
+        for seq in reversed(self.running):
+            seq.reset_cache_state()
+            seq.prompt_recorded = False  # the new session's tree has none of it
+            seq.status = Status.WAITING
+            seq.metrics.preemptions += 1
+            self.waiting.appendleft(seq)
+        self.num_preemptions += len(self.running)
+        self.running.clear()
+        self._pending = None
+        self._background.clear()
+        self._unreleased.clear()
+
+    def fail_waiting(self, exc: Exception) -> None:
+        """Fails every queued sequence with `exc` (no memory will come back in time)."""
+        for seq in list(self.waiting):
+            self._fail(seq, exc)
+
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         self.abort(seq, "error", exc)
         self.failed.append(seq)
@@ -229,19 +256,18 @@ class Scheduler:
     def _record(self, vtensors: list, token_ids: list[int]) -> None:
         try:
             self._background += self.kv.record(vtensors, token_ids)
-        except vtm.Unavailable:
-            raise
-        except vtm.Error as exc:  # refused at submission (a fence the device would not record)
+        except vtm.Error as exc:  # refused at submission: a fence the device would not record, a lost broker
             self._record_failed(exc)
 
     def _release(self, vtensors: list) -> None:
         """Releases vTensors; one the device refuses to unmap (vtm leaves it
-        as it was) is retried at the next step instead of failing anyone."""
+        as it was) is retried at the next step instead of failing anyone.
+        One of a lost broker session is gone already."""
         for vt, future in [(vt, vt.release()) for vt in vtensors if vt is not None]:
             try:
                 future.result()
             except vtm.Unavailable:
-                raise
+                continue
             except vtm.Error as exc:
                 log.warning("releasing a vTensor failed (%s); retrying at the next step", exc)
                 self.num_memory_faults += 1

@@ -150,12 +150,44 @@ def test_cli_manager_flag_reaches_the_broker(tmp_path, tiny_folder, capsys):
     assert "no vtm broker answers" in capsys.readouterr().err
 
 
-def test_a_dead_broker_fails_requests_and_the_engine_lives_on(tiny_folder, broker):
-    """SIGKILL the broker mid-generate: every request ends with vtm.Unavailable
-    (no hang), the engine thread survives, and later calls fail promptly too."""
+def test_a_broker_restart_is_a_preemption(tiny_folder, broker):
+    """Issue 17, finding 8: SIGKILL the broker mid-generate and start it
+    again. The running request resumes by recompute and ends with the tokens
+    it would have had (a broker restart was fatal: the engine never
+    reconnected); a request submitted while the broker is away waits for it."""
+    prompts = random_prompts(TINY_PROMPT_LENGTHS, seed=21)
+    with LLM(tiny_folder, backend="host") as local:
+        want = [o.token_ids for o in local.generate(prompts[:2], greedy(60), use_tqdm=False)]
+    manager = vtm.connect(broker.address, name="engine-restart", timeout=2)
+    llm = LLM(tiny_folder, manager=manager)
+    try:
+        handle = llm.submit(prompts[0], greedy(60))
+        next(iter(handle))  # decoding
+        broker.kill()
+        waiting = llm.submit(prompts[1], greedy(60))
+        time.sleep(0.5)
+        assert not manager.healthy and not handle.done and not waiting.done
+        broker.start()
+        first, second = handle.result(timeout=60), waiting.result(timeout=60)
+        assert (first.error, second.error) == (None, None)
+        assert [first.token_ids, second.token_ids] == want
+        assert first.metrics.preemptions >= 1
+        assert manager.healthy and manager.reconnects == 1
+        again = llm.generate(prompts[:2], greedy(60), use_tqdm=False)
+        assert [o.token_ids for o in again] == want
+        manager.check()
+    finally:
+        llm.close()
+        manager.close()
+
+
+def test_a_broker_that_stays_away_fails_requests_and_the_engine_lives_on(tiny_folder, broker):
+    """Past broker_wait_s of the broker's absence every request ends with
+    vtm.Unavailable (no hang), the engine thread survives, and it serves
+    again once the broker is back."""
     prompts = random_prompts(TINY_PROMPT_LENGTHS, seed=21)
     manager = vtm.connect(broker.address, name="engine-orphan", timeout=2)
-    llm = LLM(tiny_folder, manager=manager)
+    llm = LLM(tiny_folder, manager=manager, broker_wait_s=1.0)
     try:
         handle = llm.submit(prompts[0], greedy(200))
         next(iter(handle))  # decoding
@@ -167,6 +199,9 @@ def test_a_dead_broker_fails_requests_and_the_engine_lives_on(tiny_folder, broke
         assert all(isinstance(o.error, vtm.Unavailable) for o in later), [o.error for o in later]
         assert time.monotonic() - started < 30
         assert llm._loop._thread.is_alive()
+        broker.start()
+        back = llm.generate(prompts[:2], greedy(4), use_tqdm=False)
+        assert all(o.error is None and len(o.token_ids) == 4 for o in back), [o.error for o in back]
     finally:
         llm.close()
         manager.close()

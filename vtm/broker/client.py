@@ -24,14 +24,21 @@ before it says goodbye.
 
 A broker that dies or stops answering, or ends the session, makes every
 pending and later call raise vtm.Unavailable within the call deadline; the
-session (and with it the client's memory) is lost, so the manager stays
-unusable: connect again. Before the first such error of a vTensor operation
-reaches its caller, this client unmaps every chunk it maps and releases
-every import (revoke): on the caller's thread, the one that computes on the
-memory, so no kernel of this process is reading a page as it goes (from the
-worker, the unmap could pull the memory from under one: a fault on the host,
-an illegal address on CUDA). Then it says goodbye, so a broker that still
-holds the session frees it at once.
+session (and with it the client's memory) is lost: `healthy` is False.
+Before the first such error of a vTensor operation reaches its caller, this
+client unmaps every chunk it maps and releases every import (revoke): on the
+caller's thread, the one that computes on the memory, so no kernel of this
+process is reading a page as it goes (from the worker, the unmap could pull
+the memory from under one: a fault on the host, an illegal address on CUDA).
+Then it says goodbye, so a broker that still holds the session frees it at
+once.
+
+A lost session is a preemption, not the end (DESIGN §6): `reconnect()`, on
+that same thread, opens a new session (the broker restarted, or came back)
+and gives every open space a new one of the same geometry, keeping its
+reservation, so tensor views of it stay valid; the old session's vTensors
+are gone and their owners compute them again. Operations submitted before
+the reconnect fail with Unavailable; none of them reaches the new session.
 
 Invariants:
   * the worker applies replies in the order the broker executed them (one
@@ -40,7 +47,10 @@ Invariants:
   * the mapper maps exactly the pages the broker last reported, except the
     pages of a vTensor or space whose release is on its way (unmapped first);
     it imports exactly the chunks it maps;
-  * after close() (or the connection broke), no call reaches the broker.
+  * after close() (or the connection broke), no call reaches the broker;
+  * an operation runs only in the session it was submitted in (_epoch), and
+    the worker runs one at a time under _op_mu, which reconnect() holds
+    while it replaces the session.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 
 import grpc
@@ -92,82 +103,98 @@ class RemoteManager:
                  guaranteed_bytes: int | None = None, limit_bytes: int | None = None, timeout: float = 10.0,
                  fast_path: bool = True):
         self._timeout = float(timeout)
+        self._address = address
+        self._fast_path = fast_path
         self._broken: errors.Error | None = None
         self._closed = False
         self._revoked = False
         self._revoke_mu = threading.Lock()
+        self._op_mu = threading.Lock()  # held by the worker around each operation, and by reconnect()
+        self._epoch = 0  # sessions opened after the first
         self._spaces: dict[int, RemoteSpace] = {}
         self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, RemoteVTensor] = {}
         self._mapper = None
+        self._channel = None
         self._fds = None
         self._steps = None
         self._session = None
         self._lease = None
-        self._listener = None
         self._reclaim_handlers = []
         self.reclaim_notices = 0  # RECLAIM notices received
+        self.reconnects = 0  # sessions rebuilt after a lost one
         if not address.startswith("unix:"):
             # Chunks travel as fds: only a Unix socket carries them (a tcp:
             # listener serves control calls only).
             raise errors.InvalidArgument(f"vtm.connect needs a unix:PATH address, got {address!r}")
-        if not os.path.exists(address[len("unix:"):]):
-            # Nothing listens there: say so now instead of after the timeout.
-            raise errors.Unavailable(f"no vtm broker answers at {address} (no such socket)")
-        self._channel = grpc.insecure_channel(address)
+        # Unset asks take what the operator gives (proto3 presence); sent
+        # again by every reconnect.
+        self._hello = _message(vtm_pb2.HelloRequest, "connect", name=name or "", priority=priority,
+                               guaranteed_bytes=_ask(guaranteed_bytes, "guaranteed_bytes"),
+                               limit_bytes=_ask(limit_bytes, "limit_bytes"))
         try:
-            try:
-                grpc.channel_ready_future(self._channel).result(timeout=self._timeout)
-            except grpc.FutureTimeoutError:
-                raise errors.Unavailable(f"no vtm broker answers at {address} "
-                                         f"(waited {self._timeout:g} s)") from None
-            self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
-            # Unset asks take what the operator gives (proto3 presence).
-            hello = self._rpc("hello", self._stub.Hello, _message(
-                vtm_pb2.HelloRequest, "connect", name=name or "", priority=priority,
-                guaranteed_bytes=_ask(guaranteed_bytes, "guaranteed_bytes"),
-                limit_bytes=_ask(limit_bytes, "limit_bytes")), lease=False)
-            self._metadata = ((status.LEASE_KEY, hello.lease),)
-            self._lease = hello.lease
-            self._fd_socket = hello.fd_socket
-            self.name = hello.name
-            self.client_id = hello.client_id
-            self.backend = hello.backend
-            self.chunk_bytes = hello.chunk_bytes
-            self.capacity_bytes = hello.capacity_bytes
-            self.granularity = hello.granularity
-            # What the operator granted (less where this client asked for less).
-            self.priority = hello.priority
-            self.guaranteed_bytes = hello.guaranteed_bytes
-            self.limit_bytes = hello.limit_bytes
-            # The session's anchor, first: the broker serves nothing else
-            # before it knows this process.
-            try:
-                self._session = SessionChannel(hello.fd_socket, hello.lease, self._timeout)
-            except (OSError, ValueError) as exc:
-                raise errors.Unavailable(f"attaching to the vtm broker failed: {exc}") from None
+            hello = self._open_session(time.monotonic() + self._timeout)
             # No idle imports (keep_idle 0): a chunk this process maps no more
             # may be another client's a moment later.
             self._mapper = _core.ClientMapper(hello.backend, hello.chunk_bytes,
                                               hello.granularity if hello.backend == "host" else 0, hello.device, 0)
-            self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
-            if fast_path and hello.step_socket:
-                try:
-                    self._steps = step_channel.StepClient(hello.step_socket, hello.lease, self._timeout)
-                except errors.Error:
-                    raise
-                except (OSError, ValueError) as exc:
-                    raise errors.Unavailable(f"the vtm broker's step socket failed: {exc}") from None
         except BaseException:
             self._teardown()
-            if self._session is not None:
-                self._session.close()
             raise
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"vtm-client-{self.client_id}", daemon=True)
         self._worker.start()
-        self._listener = threading.Thread(target=self._listen, name=f"vtm-notices-{self.client_id}", daemon=True)
-        self._listener.start()
+
+    def _open_session(self, deadline: float):
+        """Says hello to the broker (waiting until `deadline` for one that is
+        starting), attaches the session's channel, opens the fd and step
+        sockets and starts the notice listener; returns the HelloReply."""
+        path = self._address[len("unix:"):]
+        while not os.path.exists(path):
+            # A broker that is starting (or restarting) creates its socket
+            # soon: wait for it, within the deadline.
+            if time.monotonic() >= deadline:
+                raise errors.Unavailable(f"no vtm broker answers at {self._address} (no such socket "
+                                         f"after {self._timeout:g} s)")
+            time.sleep(0.05)
+        self._channel = grpc.insecure_channel(self._address)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=max(0.0, deadline - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            raise errors.Unavailable(f"no vtm broker answers at {self._address} "
+                                     f"(waited {self._timeout:g} s)") from None
+        self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
+        hello = self._rpc("hello", self._stub.Hello, self._hello, lease=False)
+        self._metadata = ((status.LEASE_KEY, hello.lease),)
+        self._lease = hello.lease
+        self._fd_socket = hello.fd_socket
+        self.name = hello.name
+        self.client_id = hello.client_id
+        self.backend = hello.backend
+        self.chunk_bytes = hello.chunk_bytes
+        self.capacity_bytes = hello.capacity_bytes
+        self.granularity = hello.granularity
+        # What the operator granted (less where this client asked for less).
+        self.priority = hello.priority
+        self.guaranteed_bytes = hello.guaranteed_bytes
+        self.limit_bytes = hello.limit_bytes
+        # The session's anchor, first: the broker serves nothing else
+        # before it knows this process.
+        try:
+            self._session = SessionChannel(hello.fd_socket, hello.lease, self._timeout)
+        except (OSError, ValueError) as exc:
+            raise errors.Unavailable(f"attaching to the vtm broker failed: {exc}") from None
+        self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
+        if self._fast_path and hello.step_socket:
+            try:
+                self._steps = step_channel.StepClient(hello.step_socket, hello.lease, self._timeout)
+            except errors.Error:
+                raise
+            except (OSError, ValueError) as exc:
+                raise errors.Unavailable(f"the vtm broker's step socket failed: {exc}") from None
+        threading.Thread(target=self._listen, args=(self._session,), name=f"vtm-notices-{self.client_id}",
+                         daemon=True).start()
+        return hello
 
     # -- plumbing ------------------------------------------------------------
 
@@ -211,18 +238,22 @@ class RemoteManager:
                 os.close(fd)
         return reply.vtensor
 
-    def _listen(self) -> None:
-        """Consumes notices; the channel ending means the session is gone."""
-        for notice in self._session.notices():
+    def _listen(self, session: SessionChannel) -> None:
+        """Consumes one session's notices; its channel ending means that
+        session is gone (a later one, after reconnect(), has its own listener)."""
+        for notice in session.notices():
             if notice.get("notice") == "shutdown":
-                self._broken = self._broken or errors.Unavailable(
-                    f"the vtm broker is stopping: {notice.get('reason', '')}")
+                self._session_lost(session, f"the vtm broker is stopping: {notice.get('reason', '')}")
             elif notice.get("notice") == "reclaim":
-                self._answer_reclaim(notice)
+                self._answer_reclaim(notice, session)
         if not self._closed:
-            self._broken = self._broken or errors.Unavailable("the vtm broker ended this session (its channel closed)")
+            self._session_lost(session, "the vtm broker ended this session (its channel closed)")
 
-    def _answer_reclaim(self, notice: dict) -> None:
+    def _session_lost(self, session: SessionChannel, why: str) -> None:
+        if session is self._session:
+            self._broken = self._broken or errors.Unavailable(why)
+
+    def _answer_reclaim(self, notice: dict, session: SessionChannel) -> None:
         """Runs the reclaim handlers in turn (on this listener thread, so they
         may wait on futures) until the asked bytes are freed, then acknowledges."""
         self.reclaim_notices += 1
@@ -234,7 +265,7 @@ class RemoteManager:
                 continue
             if remaining <= 0:
                 break
-        self._session.ack(notice.get("id"))
+        session.ack(notice.get("id"))
 
     def _lost(self, error: BaseException) -> None:
         """The caller is about to see `error`: when it says the session is
@@ -250,9 +281,12 @@ class RemoteManager:
                 self._mapper.revoke()
             except errors.Error:
                 log.exception("unmapping the chunks of a lost vtm session failed")
+        lease, self._lease = self._lease, None  # said once
+        if lease is None:
+            return
         try:
             # Not waiting for the answer: the caller is owed its error now.
-            say_bye(self._fd_socket, self._lease, min(self._timeout, _BYE_TIMEOUT_S), wait=False)
+            say_bye(self._fd_socket, lease, min(self._timeout, _BYE_TIMEOUT_S), wait=False)
         except (OSError, ValueError, errors.Error):
             pass  # no broker to tell (it died), or it ended the session itself
 
@@ -277,15 +311,19 @@ class RemoteManager:
             item = self._queue.get()
             if item is None:
                 return
-            fn, future = item
+            fn, future, epoch = item
             if not future.set_running_or_notify_cancel():
                 continue
-            try:
-                if self._broken is not None:
-                    raise type(self._broken)(str(self._broken))
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                future.set_exception(exc)
+            with self._op_mu:
+                try:
+                    if epoch != self._epoch:
+                        raise errors.Unavailable("the vtm broker session this operation was submitted in was "
+                                                 "lost (the client has reconnected since)")
+                    if self._broken is not None:
+                        raise type(self._broken)(str(self._broken))
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                    future.set_exception(exc)
 
     def _submit(self, fn, data_plane: bool = False) -> RemoteFuture:
         """Queues fn for the worker. A data-plane op's future revokes this
@@ -293,8 +331,74 @@ class RemoteManager:
         if self._closed:
             raise errors.FailedPrecondition("the manager is closed")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((fn, future))
+        self._queue.put((fn, future, self._epoch))
         return RemoteFuture(future, self._lost if data_plane else None)
+
+    # -- a lost session ----------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """True while operations can run: the session is up and not closed."""
+        return not self._closed and self._broken is None
+
+    def reconnect(self, timeout: float | None = None) -> None:
+        """After a lost session (healthy is False): a new one. Call it on the
+        thread that computes on this memory: it first unmaps every chunk of
+        the old session here (as a failed vTensor operation does). Then it
+        says hello again (waiting up to `timeout` seconds, default the
+        connect timeout, for a broker that is restarting) and gives every
+        open space a space of the same geometry in the new session; the
+        space keeps its reservation and its tensor views. Every vTensor of
+        the old session is released. Raises vtm.Unavailable when no broker
+        answers in time (try again later), vtm.FailedPrecondition when the
+        manager is closed or the broker came back with another backend or
+        chunk size. Returns at once when the session is up."""
+        if self._closed:
+            raise errors.FailedPrecondition("the manager is closed")
+        if self._broken is None:
+            return
+        deadline = time.monotonic() + (self._timeout if timeout is None else float(timeout))
+        with self._op_mu:
+            self._lost(self._broken)
+            backend, chunk_bytes, granularity = self.backend, self.chunk_bytes, self.granularity
+            self._disconnect()
+            try:
+                self._open_session(deadline)
+                if (self.backend, self.chunk_bytes, self.granularity) != (backend, chunk_bytes, granularity):
+                    raise errors.FailedPrecondition(
+                        f"the vtm broker came back with backend {self.backend}, chunks of {self.chunk_bytes} "
+                        f"bytes (was {backend}, {chunk_bytes}): this client's reservations do not fit it")
+                for vt in list(self._live.values()):
+                    vt._released = True
+                self._live.clear()
+                for space in list(self._spaces.values()):
+                    self._reopen_space(space)
+            except BaseException:
+                self._disconnect()
+                raise
+            self._epoch += 1
+            self._revoked = False
+            self._broken = None
+            self.reconnects += 1
+        log.info("reconnected to the vtm broker at %s: %d spaces rebuilt", self._address, len(self._spaces))
+
+    def _reopen_space(self, space: RemoteSpace) -> None:
+        """A space of the new session for `space`: same geometry, namespace
+        and name, at the same reservation (renamed in the mapper)."""
+        del self._spaces[space.id]
+        request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=space.row_bytes,
+                           max_tokens=space.max_tokens, max_slots=space.max_slots, namespace=space.namespace,
+                           name=space.name)
+        reply = self._rpc("create_space", self._stub.CreateSpace, request)
+        if (reply.max_slots, reply.slot_bytes) != (space.max_slots, space.slot_bytes):
+            self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=reply.space_id))
+            self._mapper.remove_space(space.id)
+            space.closed = True
+            log.warning("space '%s' could not be rebuilt with its geometry: it is closed", space.name)
+            return
+        self._mapper.rename_space(space.id, reply.space_id)
+        space.id = reply.space_id
+        self._spaces[space.id] = space
 
     def _apply(self, reply) -> None:
         """Maps the page changes of a reply and updates vTensor state."""
@@ -549,8 +653,6 @@ class RemoteManager:
         self._queue.put(None)
         self._worker.join()
         self._teardown()
-        self._listener.join(timeout=self._timeout)
-        self._session.close()
         for space in self._spaces.values():
             space.closed = True
         for vt in self._live.values():
@@ -562,18 +664,30 @@ class RemoteManager:
         # Unmapped before the goodbye: the broker frees the chunks at goodbye.
         if self._mapper is not None:
             self._mapper.close()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Says goodbye (the broker frees what the session held) and closes
+        the session's channels; the mapper stays."""
         if self._lease is not None:
             try:
                 say_bye(self._fd_socket, self._lease, min(self._timeout, _BYE_TIMEOUT_S))
             except (OSError, ValueError, errors.Error):
                 pass  # the broker is gone (or hung), and the session with it
+            self._lease = None
         if self._session is not None:
             self._session.drop()  # ends the listener's wait
-        self._channel.close()
+            self._session.close()
+            self._session = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if self._fds is not None:
             self._fds.close()
+            self._fds = None
         if self._steps is not None:
             self._steps.close()
+            self._steps = None
 
     def __enter__(self):
         return self

@@ -519,6 +519,18 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("check", [](const std::shared_ptr<PyManager>& mgr) { Core(mgr).Check(); },
            py::call_guard<py::gil_scoped_release>())
+      // The API a broker client shares (vtm.connect): an in-process manager
+      // is healthy until closed and has no session to rebuild.
+      .def_property_readonly(
+          "healthy", [](const std::shared_ptr<PyManager>& mgr) { return NoGil([&] { return Core(mgr).open(); }); })
+      .def_property_readonly("reconnects", [](const std::shared_ptr<PyManager>&) { return 0; })
+      .def(
+          "reconnect",
+          [](const std::shared_ptr<PyManager>& mgr, std::optional<double>) {
+            if (!NoGil([&] { return Core(mgr).open(); }))
+              Throw(ErrorCode::kFailedPrecondition, "the manager is closed");
+          },
+          py::arg("timeout") = py::none())
       .def("close", [](const std::shared_ptr<PyManager>& mgr) { Core(mgr).Close(); },
            py::call_guard<py::gil_scoped_release>())
       .def("__enter__", [](const std::shared_ptr<PyManager>& mgr) { return mgr; })
@@ -568,6 +580,7 @@ PYBIND11_MODULE(_core, m) {
       .def("unmap_slot", &ClientMapper::UnmapSlot, py::call_guard<py::gil_scoped_release>())
       .def("unmap_space", &ClientMapper::UnmapSpace, py::call_guard<py::gil_scoped_release>())
       .def("revoke", &ClientMapper::Revoke, py::call_guard<py::gil_scoped_release>())
+      .def("rename_space", &ClientMapper::RenameSpace, py::call_guard<py::gil_scoped_release>())
       .def("pages", [](const ClientMapper& m, std::uint32_t space, int slot) { return PageList(m.Pages(space, slot)); })
       .def("mapped_pages", &ClientMapper::MappedPages)
       .def("base_address",

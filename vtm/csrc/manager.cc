@@ -101,6 +101,11 @@ void Manager::Close() {
   closed_ = true;
 }
 
+bool Manager::open() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !closed_;
+}
+
 // ---------------------------------------------------------------------------
 // Submission
 

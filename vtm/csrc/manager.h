@@ -158,6 +158,8 @@ class Manager {
   std::shared_ptr<FutureState> Trim(std::optional<std::size_t> bytes);
   std::shared_ptr<FutureState> CloseSpace(std::uint32_t space);
 
+  // False once Close() ran: every operation then fails.
+  bool open() const;
   Stats GetStats() const;
   void Check() const;
   VTensorInfo DescribeVTensor(std::uint64_t vt) const;

@@ -103,6 +103,20 @@ void ClientMapper::Revoke() {
   idle_.clear();
 }
 
+void ClientMapper::RenameSpace(std::uint32_t from, std::uint32_t to) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Area& area = FindArea(from);
+  if (from == to) return;
+  if (areas_.count(to) != 0) Throw(ErrorCode::kInvalidArgument, "space " + std::to_string(to) + " exists");
+  for (const Page& page : area.pages)
+    if (page.serial != 0)
+      Throw(ErrorCode::kFailedPrecondition, "space " + std::to_string(from) + " still maps pages: revoke first");
+  local_.RenameSpace(from, to);
+  Area moved = std::move(area);
+  areas_.erase(from);
+  areas_.emplace(to, std::move(moved));
+}
+
 void ClientMapper::RemoveSpace(std::uint32_t space) {
   std::lock_guard<std::mutex> lock(mu_);
   Area& area = FindArea(space);

@@ -62,6 +62,10 @@ class ClientMapper {
   // reservations stay (a view of one keeps a valid range, whose pages now
   // fault) until RemoveSpace or Close.
   void Revoke();
+  // After Revoke, in a new session: space `from` is now the broker's space
+  // `to`, of the same geometry. The reservation (and every tensor view of
+  // it) stays where it is; nothing may be mapped in it.
+  void RenameSpace(std::uint32_t from, std::uint32_t to);
 
   std::vector<ChunkId> Pages(std::uint32_t space, int slot) const;
   std::size_t MappedPages(std::uint32_t space, int slot) const;

@@ -15,6 +15,16 @@ void LocalMapper::RemoveSpace(std::uint32_t space) {
   spaces_.erase(it);
 }
 
+void LocalMapper::RenameSpace(std::uint32_t from, std::uint32_t to) {
+  auto it = spaces_.find(from);
+  if (it == spaces_.end()) Throw(ErrorCode::kNotFound, "mapper: no space " + std::to_string(from));
+  if (from == to) return;
+  if (spaces_.count(to) != 0) Throw(ErrorCode::kInvalidArgument, "mapper: space " + std::to_string(to) + " exists");
+  Area area = std::move(it->second);
+  spaces_.erase(it);
+  spaces_.emplace(to, std::move(area));
+}
+
 std::shared_ptr<Reservation> LocalMapper::reservation(std::uint32_t space) const {
   auto it = spaces_.find(space);
   return it == spaces_.end() ? nullptr : it->second.reservation;

@@ -30,6 +30,9 @@ class LocalMapper : public Mapper {
   // Seals the range first when a tensor view still holds it (see RetireReservation).
   void RemoveSpace(std::uint32_t space) override;
   std::shared_ptr<Reservation> reservation(std::uint32_t space) const override;
+  // The space's reservation now answers to `to` (a broker client's space
+  // that a new session gave another id); `to` must be unused.
+  void RenameSpace(std::uint32_t from, std::uint32_t to);
 
   void MapPage(std::uint32_t space, int slot, std::size_t page, const ChunkRef& chunk) override;
   void SetAccess(std::uint32_t space, int slot, std::size_t first_page, std::size_t pages) override;

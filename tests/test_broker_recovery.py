@@ -1,0 +1,135 @@
+"""A broker restart is a preemption, not a failure (issue 17, finding 8).
+
+A client whose session is lost (the broker was SIGKILLed and restarted)
+reports vtm.Unavailable and `healthy` False; `reconnect()` opens a new
+session and rebuilds its spaces at the same reservations, so the tensor
+views a model holds keep working; and `vtm.connect` waits for a broker that
+is still starting instead of failing at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import vtm
+from broker_testing import CHUNK, ROW, BrokerProcess, RowView, held, pattern
+from broker_testing import broker  # noqa: F401 (a fixture)
+
+
+def test_connect_waits_for_a_broker_that_is_starting(tmp_path):
+    """`vtmd & flexinfer serve --manager ...` failed at once: "no such socket"."""
+    folder = tmp_path / "b"
+    folder.mkdir()
+    result = {}
+
+    def connect():
+        try:
+            result["mgr"] = vtm.connect("unix:" + str(folder / "vtmd" / "sock"), timeout=30)
+        except vtm.Error as exc:
+            result["error"] = exc
+
+    client = threading.Thread(target=connect)
+    client.start()
+    time.sleep(0.5)  # the client is waiting: no socket yet
+    assert client.is_alive(), result
+    broker = BrokerProcess(folder)
+    try:
+        client.join(30)
+        assert "mgr" in result, result
+        mgr = result["mgr"]
+        vt = mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1).create(50).result()
+        assert vt.mapped_bytes == CHUNK
+        mgr.close()
+    finally:
+        broker.kill()
+    with pytest.raises(vtm.Unavailable, match="no such socket"):
+        vtm.connect("unix:" + str(tmp_path / "nowhere" / "sock"), timeout=0.3)
+
+
+def test_a_restarted_broker_gets_the_spaces_back_at_the_same_reservation(broker):
+    mgr = vtm.connect(broker.address, timeout=5)
+    space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=2, namespace="recovery")
+    view = RowView(space, "host")
+    base = space.base_address
+    tokens = list(range(300))
+    vt = space.create(300).result()
+    view.write(vt.slot, 0, pattern(tokens))
+    space.prefix_record(vt, tokens).result()
+    assert mgr.healthy
+
+    broker.kill()
+    with pytest.raises(vtm.Unavailable):
+        vt.extend(600).result()
+    assert not mgr.healthy
+    assert mgr.imports == 0  # revoked: nothing of the lost session stays mapped here
+    with pytest.raises(vtm.Unavailable):
+        mgr.reconnect(timeout=0.5)  # no broker yet
+    assert not mgr.healthy
+
+    broker.start()
+    mgr.reconnect(timeout=10)
+    assert mgr.healthy and mgr.reconnects == 1
+    assert vt.released  # the old session's vTensors are gone with it
+    assert space.base_address == base and not space.closed
+    assert (space.namespace, space.row_bytes, space.max_slots) == ("recovery", ROW, 2)
+    # The old view of the space maps the new session's chunks.
+    again = space.create(300).result()
+    view.write(again.slot, 0, pattern(tokens))
+    assert np.array_equal(view.read(again.slot, 0, 300 * ROW), pattern(tokens))
+    # The restarted broker's tree is empty: nothing matches until recorded anew.
+    assert space.prefix_match(tokens + [9]).result().num_tokens == 0
+    space.prefix_record(again, tokens).result()
+    match = space.prefix_match(tokens[:200] + [9]).result()
+    assert match.num_tokens == 200
+    assert np.array_equal(view.read(match.vtensor.slot, 0, 200 * ROW), pattern(tokens[:200]))
+    match.vtensor.release().result()
+    again.release().result()
+    mgr.check()
+    mgr.close()
+    # The new session ended cleanly: the broker holds nothing of it.
+    with vtm.connect(broker.address, timeout=5) as other:
+        other.create_space(row_bytes=ROW, max_tokens=10, max_slots=1)
+        stats = other.stats()
+        assert [c["name"] for c in stats["clients"]] == [other.name]
+        other.trim()
+        assert held(other) == 0
+
+
+def test_operations_of_the_lost_session_never_reach_the_new_one(broker):
+    mgr = vtm.connect(broker.address, timeout=5)
+    space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+    vts = [space.create(100).result() for _ in range(2)]
+    broker.kill()
+    with pytest.raises(vtm.Unavailable):
+        space.create(1).result()
+    stale = [vt.extend(500) for vt in vts]  # queued in the lost session
+    broker.start()
+    mgr.reconnect(timeout=10)
+    for fut in stale:
+        with pytest.raises((vtm.Unavailable, vtm.FailedPrecondition)):
+            fut.result()
+    fresh = space.create(100).result()
+    assert held(mgr) == 2  # only the new vTensor's pages (2 chunks of rows of 1000 bytes)
+    fresh.release().result()
+    mgr.check()
+    mgr.close()
+
+
+def test_reconnect_on_a_healthy_or_closed_manager(broker):
+    mgr = vtm.connect(broker.address, timeout=5)
+    mgr.reconnect()  # healthy: nothing to do
+    assert mgr.reconnects == 0
+    mgr.close()
+    assert not mgr.healthy
+    with pytest.raises(vtm.FailedPrecondition):
+        mgr.reconnect()
+    with vtm.Manager(backend="host", capacity_bytes=4 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK) as local:
+        assert local.healthy
+        local.reconnect()
+    assert not local.healthy
+    assert os.path.exists(broker.path)
