@@ -284,12 +284,18 @@ class Engine:
         if may_stop and token in seq.stop_ids:
             return "stop"
         if seq.params.stop and may_stop:
-            # Decode only what the new tokens add (constant cost per step).
+            # Decode only what the new tokens add, and look for a stop string
+            # only where one can end: in the new text, or begun in the last
+            # longest-1 characters before it (the only text `seq.text` keeps).
+            # Constant cost per step, however long the output.
             new_text, seq.prefix_offset, seq.read_offset = self.tokenizer.decode_incremental(
                 seq.output_ids, seq.prefix_offset, seq.read_offset)
-            seq.text += new_text
-            if any(s in seq.text for s in seq.params.stop):
-                return "stop"
+            if new_text:
+                window = seq.text + new_text
+                if any(s in window for s in seq.params.stop):
+                    return "stop"
+                keep = max(map(len, seq.params.stop)) - 1
+                seq.text = window[-keep:] if keep else ""
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"
         return None
