@@ -19,6 +19,7 @@ import vtm
 from flexinfer.attention import KernelAttention, make_attention
 from flexinfer.errors import EngineError, InvalidArgument
 from flexinfer.host_memory import keep_freed_memory
+from flexinfer.inputs import KVBudget
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel
@@ -121,6 +122,7 @@ class Engine:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, max_num_seqs,
                                            [vt.slot for vt in self._sink])
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
+            self.kv_budget = self._kv_budget()
             # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
             if self.device.type == "cpu":
                 self.thread_tuner = (ThreadTuner(monitor=NeighbourLoad.open()) if threads == "auto"
@@ -156,6 +158,16 @@ class Engine:
     def drain(self) -> None:
         """Wait for every queued memory operation (when the engine goes idle)."""
         self.scheduler.drain()
+
+    def _kv_budget(self) -> KVBudget:
+        """What one request's KV can ever take: the pool (a broker's whole
+        pool, with vtm.connect), less the sink held for the engine's life.
+        Requests that need more are refused at submission (request_problem).
+        Computed once: submitting reads it without calling vtm."""
+        held = sum(vt.mapped_bytes for vt in self._sink)
+        return KVBudget(tuple(space.row_bytes for space in self.kv_cache.spaces), self.manager.chunk_bytes,
+                        (self.manager.capacity_bytes - held) // self.manager.chunk_bytes,
+                        self.scheduler.prefix_caching)
 
     def stats(self) -> dict:
         """Counters for metrics; read from any thread (plain ints and list lengths)."""

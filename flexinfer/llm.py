@@ -44,6 +44,7 @@ class LLM:
     device = property(lambda self: self.engine.device)
     dtype = property(lambda self: self.engine.dtype)
     max_model_len = property(lambda self: self.engine.max_model_len)
+    kv_budget = property(lambda self: self.engine.kv_budget)  # what one request's KV can ever take
 
     # -- requests -------------------------------------------------------
 

@@ -1,8 +1,10 @@
-"""What one request may ask of the engine (issue 17, finding 6), checked
+"""What one request may ask of the engine (issue 17, findings 6 and 13), checked
 where LLM.generate and the server both meet it: SamplingParams (stop strings
-bounded, seeds in torch's range) and the stop-string scan (each step looks
-only where a stop string can end, in the engine and in the server's
-streamed text).
+bounded, seeds in torch's range), the stop-string scan (each step looks only
+where a stop string can end, in the engine and in the server's streamed
+text), and the KV budget (a request whose KV can never fit in the pool is
+refused at submission with its own error, instead of running until memory
+runs out and losing its output).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import pytest
 
 pytest.importorskip("transformers")  # builds the tiny model's weights
 
-from server_testing import build_tiny_chat_model  # noqa: E402
+from server_testing import build_tiny_chat_model, small_pool_llm  # noqa: E402
 
 from flexinfer import LLM, SamplingParams  # noqa: E402
 from flexinfer.detokenizer import IncrementalText, final_text  # noqa: E402
 from flexinfer.errors import InvalidArgument  # noqa: E402
+from flexinfer.inputs import KVBudget  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_model_len=1024, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
 
@@ -118,3 +121,47 @@ def test_incremental_text_holds_back_and_cuts_like_the_whole_text():
             assert final_text(Chars(), ids[:i], stops).startswith(sent)  # nothing sent is taken back
         sent += inc.finish()
         assert sent == final_text(Chars(), ids, stops), (text, stops)
+
+
+# -- the KV budget -------------------------------------------------------------------
+
+
+def test_kv_budget_arithmetic():
+    """8 tokens a chunk, 16 chunks: the KV of prompt + max_tokens - 1 tokens, whole chunks per layer group,
+    plus one chunk per group for the prefix tree's copy of a prompt that ends inside a page."""
+    one = KVBudget((512,), 4096, 16, prefix_caching=True)
+    assert one.max_tokens == 128
+    assert one.chunks_needed(15, 106) == 16 and one.chunks_needed(15, 107) == 17
+    assert one.max_new_tokens(15) == 106 and one.max_new_tokens(16) == 113  # a whole-page prompt: no copy
+    assert KVBudget((512,), 4096, 16, prefix_caching=False).max_new_tokens(15) == 114
+    assert one.max_new_tokens(200) == 0
+    groups = KVBudget((300, 212), 4096, 16, prefix_caching=True)  # rows straddle pages in both groups
+    assert groups.chunks_needed(15, groups.max_new_tokens(15)) <= 16 < groups.chunks_needed(
+        15, groups.max_new_tokens(15) + 1)
+    assert KVBudget((512,), 4096, 0, prefix_caching=True).max_tokens == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_generate_refuses_what_can_never_fit_and_runs_what_just_fits(tiny_chat, prefix_caching):
+    """16 chunks of 8 tokens. A 15-token prompt can have 106 new tokens (120 of KV: its last, partial page
+    is copied into the prefix tree) or 114 without prefix caching (128 of KV); one more is refused at
+    submission, with its own error, while the request beside it runs."""
+    llm, manager = small_pool_llm(tiny_chat, prefix_caching, **ENGINE_OPTIONS)
+    try:
+        prompt = llm.tokenizer.encode("Hello! How are you today? I am fine, thank you.")
+        assert len(prompt) == 15
+        fits = 106 if prefix_caching else 114
+        outs = llm.generate([prompt, prompt], [greedy(fits + 1, ignore_eos=True), greedy(fits, ignore_eos=True)],
+                            use_tqdm=False)
+        too_big, just_fits = outs
+        assert isinstance(too_big.outputs[0].error, InvalidArgument)
+        assert "can never fit in the KV pool" in str(too_big.outputs[0].error)
+        assert too_big.token_ids == [] and too_big.outputs[0].finish_reason == "error"
+        assert just_fits.outputs[0].error is None and len(just_fits.token_ids) == fits
+        assert just_fits.outputs[0].finish_reason == "length"
+        assert llm.kv_budget.max_new_tokens(len(prompt)) == fits
+        manager.check()
+        assert manager.stats()["chunks_mapped"] - manager.stats()["chunks_cached"] == 0
+    finally:
+        llm.close()
+        manager.close()
