@@ -169,13 +169,17 @@ class Engine:
                         (self.manager.capacity_bytes - held) // self.manager.chunk_bytes,
                         self.scheduler.prefix_caching)
 
-    def stats(self) -> dict:
-        """Counters for metrics; read from any thread (plain ints and list lengths)."""
+    def stats(self, timeout: float | None = None) -> dict:
+        """Counters for metrics; read from any thread (plain ints and list lengths).
+        `timeout`: a manager on a broker (vtm.connect) must answer within it,
+        else vtm.Unavailable, and a late answer leaves the connection usable;
+        an in-process manager answers at once."""
         s = self.scheduler
+        remote = timeout is not None and not isinstance(self.manager, vtm.Manager)
         return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
                 "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
                 "prefix_failures": s.num_prefix_failures, "memory_faults": s.num_memory_faults,
-                "vtm": self.manager.stats()}
+                "vtm": self.manager.stats(timeout=timeout) if remote else self.manager.stats()}
 
     def close(self) -> None:
         """Release the KV space (and the manager, when this engine made it)."""

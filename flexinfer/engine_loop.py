@@ -179,6 +179,11 @@ class EngineLoop:
         self._post("add", handle)
         return handle
 
+    @property
+    def running(self) -> bool:
+        """The loop takes requests: its thread lives and it is not closing."""
+        return self._thread.is_alive() and not self._closing
+
     def close(self, timeout: float | None = None) -> None:
         """Cancel what is still queued or running, stop the thread and close the engine."""
         with self._cv:
