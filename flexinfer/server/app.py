@@ -6,6 +6,12 @@ load balancer can tell "loading" from "down"); SIGTERM (see main.py) marks
 it shutting down (503 again, for anything that still arrives) while uvicorn
 lets in-flight requests finish; at the end the LLM is closed, which cancels
 whatever still runs.
+
+Nothing here waits on the engine or the vtm broker on the event loop:
+/metrics reads the engine's figures on a thread of its own with a timeout
+(metrics.py), and /health reads state only (`LLM.problem`: the engine
+thread stopped, the broker lost), so it answers at once whatever the engine
+is doing and says 503 whenever the engine cannot serve.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from flexinfer.server.serving import Serving
 log = logging.getLogger("flexinfer.server")
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# How long /metrics waits for the engine's figures (with a broker: its deadline).
+METRICS_TIMEOUT_S = 2.0
 
 
 class ServerState:
@@ -44,7 +52,8 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.serving: Serving | None = None
         self.created = int(time.time())
-        self.metrics = ServerMetrics(lambda: self.serving.llm.stats() if self.serving is not None else None)
+        self.metrics = ServerMetrics(
+            lambda: self.serving.llm.stats(METRICS_TIMEOUT_S) if self.serving is not None else None, METRICS_TIMEOUT_S)
 
     def begin_shutdown(self) -> None:
         if self.phase in ("loading", "ready"):
@@ -78,6 +87,7 @@ class ServerState:
         self.begin_shutdown()
         # A load in progress cannot be interrupted: wait for it, then close what it made.
         await loading
+        self.metrics.close()
         if self.serving is not None:
             await asyncio.to_thread(self.serving.llm.close)
 
@@ -102,11 +112,14 @@ def create_app(load: Callable[[], LLM], model_name: str,
 
     @app.get("/health")
     async def health() -> Response:
-        state.ready()
+        problem = state.ready().llm.problem
+        if problem is not None:
+            raise unavailable(problem)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await state.metrics.refresh()
         return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/models")
