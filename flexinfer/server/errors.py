@@ -42,6 +42,11 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", None, "service_unavailable")
 
 
+def too_busy(message: str) -> APIError:
+    """429, as OpenAI's rate limits answer (its clients retry it after a pause)."""
+    return APIError(429, message, "requests", None, "rate_limit_exceeded")
+
+
 def error_response(status: int, info: ErrorInfo) -> JSONResponse:
     return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
 

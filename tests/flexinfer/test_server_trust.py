@@ -28,7 +28,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from server_testing import ServerProcess, build_tiny_chat_model, free_port  # noqa: E402
+from server_testing import (SMALL_CHUNK, SMALL_POOL_CHUNKS, ServerProcess, build_tiny_chat_model,  # noqa: E402
+                            free_port, small_pool_llm)
 
 import vtm  # noqa: E402
 from flexinfer import LLM, SamplingParams  # noqa: E402
@@ -42,6 +43,18 @@ ENGINE_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, kv_capacity_bytes=64 << 20, l
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory) -> str:
     return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tmp_path_factory):
+    """Default limits, but for --max-queued-seqs (small enough to fill in a test)."""
+    process = ServerProcess(tiny_chat, tmp_path_factory.mktemp("server") / "server.log", *SERVER_FLAGS,
+                            "--max-queued-seqs", "300")
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +140,100 @@ def in_process(tiny_chat):
     for server, thread in running:
         server.should_exit = True
         thread.join(30)
+
+
+# -- admission (finding 6) -----------------------------------------------------
+
+
+def test_more_sequences_than_one_request_may_ask_for_is_refused_and_changes_nothing(server, reference):
+    """3 prompts x n=100 = 300 sequences, over the default 256 per request (a 50 KB body could ask for
+    1.28 M): a 400 before anything is tokenized or submitted."""
+    before = metrics(server.url)
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": ["Hello", "Hi", "Paris"], "n": 100, "max_tokens": 1})
+    error = assert_error(response, 400, "n", "too_many_sequences")
+    assert "300 sequences" in error["message"] and "256" in error["message"]
+    after = wait_idle(server.url)
+    assert after["flexinfer_prompt_tokens_total"] == before["flexinfer_prompt_tokens_total"]
+    assert_serves(server.url, reference)
+
+
+def test_a_full_queue_answers_429_and_changes_nothing(server, reference):
+    """--max-queued-seqs 300: two requests of 128 sequences fit, a third is a 429 (OpenAI's body, a
+    retryable status), and is admitted once the others are done."""
+    body = {"prompt": "Write a short story", "n": 128, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as first, \
+                http.stream("POST", f"{server.url}/v1/completions", json=body) as second:
+            assert first.status_code == 200 and second.status_code == 200
+            before = metrics(server.url)
+            third = httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False), timeout=60)
+            error = assert_error(third, 429, code="rate_limit_exceeded")
+            assert "--max-queued-seqs" in error["message"]
+            assert metrics(server.url)["flexinfer_prompt_tokens_total"] == before["flexinfer_prompt_tokens_total"]
+        # Both streams closed: their sequences are cancelled and their places given back.
+    wait_idle(server.url)
+    out = httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False, max_tokens=2), timeout=120)
+    assert out.status_code == 200 and len(out.json()["choices"]) == 128
+    assert_serves(server.url, reference)
+
+
+def test_tokenizing_and_submitting_run_off_the_event_loop(tiny_chat, in_process, reference):
+    """While a request's prompt is being tokenized, /health answers: the tokenizer is made to wait for
+    an event that only an answered /health sets (on the event loop, that wait would stall both)."""
+    llm = LLM(tiny_chat, **ENGINE_OPTIONS)
+    url = in_process(llm)
+    health_answered, tokenizing = threading.Event(), threading.Event()
+    encode = llm.tokenizer.encode
+
+    def slow_encode(text, *args, **kwargs):
+        if "BLOCK" in text:
+            tokenizing.set()
+            health_answered.wait(20)
+        return encode(text, *args, **kwargs)
+
+    llm.tokenizer.encode = slow_encode
+    results = {}
+    request = threading.Thread(target=lambda: results.update(response=httpx.post(
+        f"{url}/v1/completions", json={"prompt": "BLOCK The capital of France is", "max_tokens": 4}, timeout=60)))
+    request.start()
+    assert tokenizing.wait(20)
+    try:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        health_answered.set()
+        request.join(60)
+    assert results["response"].status_code == 200
+    assert_serves(url, reference)
+
+
+# -- stop strings and seeds (finding 6) ------------------------------------------
+
+
+def test_stop_strings_are_bounded(server, reference):
+    many = [f"stop{i}" for i in range(17)]
+    for stop in (many, ["x" * 257], [f"s{i}" for i in range(20000)]):
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                              json={"prompt": "Hello", "max_tokens": 4, "stop": stop})
+        error = assert_error(response, 400, "stop")
+        assert "at most 16 strings of at most 256 characters" in error["message"]
+    # The limit itself is fine.
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": "Hello", "max_tokens": 4, "stop": [chr(0x41 + i) * 256 for i in range(16)]})
+    assert response.status_code == 200, response.text
+    assert_serves(server.url, reference)
+
+
+def test_out_of_range_seeds_are_400(server, reference):
+    for seed, n in ((1 << 64, 1), (-(1 << 63) - 1, 1), ((1 << 64) - 1, 2)):
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 2, "seed": seed, "n": n, "temperature": 1.0})
+        assert_error(response, 400, "seed")
+    for seed in (-1, (1 << 64) - 1):  # torch's range: both ends work
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 2, "seed": seed, "temperature": 1.0})
+        assert response.status_code == 200, response.text
+    assert_serves(server.url, reference)
 
 
 # -- /health, /metrics and 500s (finding 7) ------------------------------------------
@@ -275,3 +382,143 @@ def test_metrics_keep_the_last_figures_when_stats_fail():
         assert second["flexinfer_metrics_stats_failures_total{error}"] == 1
     finally:
         m.close()
+
+
+# -- requests that can never fit (finding 13) --------------------------------------
+
+
+def test_the_server_refuses_what_can_never_fit_with_a_400(tiny_chat, in_process, reference):
+    """The finding: a request that can never fit ran ~700 tokens and then failed with a 500. Now: a 400 at
+    once, nothing runs, and a null max_tokens means what fits (not the whole context length)."""
+    llm, manager = small_pool_llm(tiny_chat, **ENGINE_OPTIONS)
+    try:
+        url = in_process(llm)
+        prompt = "Hello! How are you today? I am fine, thank you."
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 500, "ignore_eos": True})
+        error = assert_error(response, 400, "prompt", "kv_capacity_exceeded")
+        assert "at most 106 new tokens fit" in error["message"]
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": prompt * 20}], "max_tokens": 1})
+        assert_error(response, 400, "messages", "kv_capacity_exceeded")
+        out = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": None, "temperature": 0.0, "ignore_eos": True}).json()
+        assert out["usage"]["completion_tokens"] == 106 and out["choices"][0]["finish_reason"] == "length"
+        assert_serves(url, reference)
+        manager.check()
+    finally:
+        llm.close()
+        manager.close()
+
+
+def test_serve_says_where_it_serves_and_warns_about_a_small_pool(tiny_chat, tmp_path, reference):
+    """The ready line (URL, context length, KV capacity in tokens), and on a broker whose pool holds less
+    than one max_model_len request, a warning; such a request is a 400 (the finding's 500 after 9 s)."""
+    from broker_testing import BrokerProcess
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=SMALL_POOL_CHUNKS, chunk_bytes=SMALL_CHUNK)
+    process = None
+    try:
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process.wait_ready()
+        lines = [line for line in process.log().splitlines() if line.startswith("flexinfer: ")]
+        ready = next(line for line in lines if line.startswith("flexinfer: ready: "))
+        assert f"on {process.url}," in ready and f"context length {MAX_MODEL_LEN} tokens" in ready
+        assert "KV capacity 128 tokens" in ready
+        assert any(line.startswith("flexinfer: warning: the KV pool holds 128 tokens") for line in lines), lines
+        response = httpx.post(f"{process.url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 500, "ignore_eos": True})
+        assert_error(response, 400, code="kv_capacity_exceeded")
+        assert_serves(process.url, reference)
+    finally:
+        if process is not None:
+            process.stop()
+        broker.kill()
+
+
+def test_the_ready_line_of_a_default_server(server):
+    line = next(line for line in server.log().splitlines() if line.startswith("flexinfer: ready: "))
+    # 0.0625 GiB of 2 MiB chunks, 512 bytes a token.
+    assert f"serving tiny on {server.url}, context length {MAX_MODEL_LEN} tokens, KV capacity 131072 tokens" in line
+    assert not any(line.startswith("flexinfer: warning") for line in server.log().splitlines())
+
+
+# -- body size (finding 13) -----------------------------------------------------------
+
+
+def _raw_request(port: int, head: bytes, body_chunks=(), timeout: float = 30) -> bytes:
+    """Send a request, then read until the server closes. A server that answers before the body ends
+    and closes may make the rest of the sending fail: then what it answered is read."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head)
+        try:
+            for chunk in body_chunks:
+                sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            if not data:
+                raise
+        return data
+
+
+def test_a_body_over_the_limit_is_refused_from_its_content_length(server, reference):
+    """20 MB announced: a 413 before a byte of it is sent (it took 21 s to be refused), then the
+    connection closes."""
+    port = int(server.url.rsplit(":", 1)[1])
+    reply = _raw_request(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 20000000\r\n\r\n")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert_serves(server.url, reference)
+
+
+def test_a_streamed_body_over_the_limit_is_refused_when_it_passes_it(server, reference):
+    """A chunked body (no Content-Length) of 9 MiB, over the default 8 MiB: a 413 once it passes 8 MiB."""
+    port = int(server.url.rsplit(":", 1)[1])
+    piece = b"[" + b"1," * (512 << 10) + b"1]"  # ~1 MiB of JSON-ish bytes, never parsed
+    chunks = [f"{len(piece):x}\r\n".encode() + piece + b"\r\n" for _ in range(9)] + [b"0\r\n\r\n"]
+    reply = _raw_request(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Transfer-Encoding: chunked\r\n\r\n", chunks)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert_serves(server.url, reference)
+
+
+def test_a_large_body_is_read_without_stalling_health(server, reference):
+    """7 MB of prompt text (over max_model_len once tokenized: a 400), the 10 MB case of the finding
+    (/health stalled 4.7 s): the tokenizer runs on a worker thread without the GIL. /health is polled
+    throughout and must answer every time within a generous 2 s."""
+    text = "Hello! How are you today? I am fine. " * 190000
+    done = threading.Event()
+    worst = [0.0]
+
+    def poll():
+        with httpx.Client(timeout=30) as http:
+            while not done.is_set():
+                started = time.monotonic()
+                assert http.get(f"{server.url}/health").status_code == 200
+                worst[0] = max(worst[0], time.monotonic() - started)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": text, "max_tokens": 1}, timeout=120)
+    finally:
+        done.set()
+        poller.join(60)
+    assert_error(response, 400, "prompt", "context_length_exceeded")
+    assert worst[0] < 2.0, f"/health took {worst[0]:.2f} s while the body was read"
+    assert_serves(server.url, reference)
+
+
+def test_limits_flags_are_checked(tiny_chat, capsys):
+    from flexinfer.cli import main
+
+    assert main(["serve", "--model", tiny_chat, "--port", "0", "--max-queued-seqs", "0"]) == 2
+    assert "--max-queued-seqs must be >= 1" in capsys.readouterr().err
