@@ -53,6 +53,9 @@ class Serving:
         self.metrics = metrics
         self.limits = limits or ServerLimits()
         self.admission = Admission(self.limits.max_queued_seqs)
+        # A template that does not name the "developer" role would print it
+        # as an unknown role: OpenAI's newer name for "system" is read as that.
+        self._developer_as_system = "developer" not in (llm.tokenizer.chat_template or "")
 
     # -- /v1/completions ------------------------------------------------
 
@@ -124,7 +127,7 @@ class Serving:
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         arrival = time.perf_counter()
         self._check_common(body)
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        conversation = [{"role": self._role(m.role), "content": m.text()} for m in body.messages]
 
         def prepare() -> tuple[list[list[int]], SamplingParams]:  # on a worker thread
             try:
@@ -184,6 +187,9 @@ class Serving:
         unsupported = body.unsupported()
         if unsupported is not None:
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
+
+    def _role(self, role: str) -> str:
+        return "system" if role == "developer" and self._developer_as_system else role
 
     def _default_max_tokens(self, prompt_tokens: int) -> int:
         """Up to the context length, or what the KV pool can hold after the

@@ -443,6 +443,35 @@ def test_the_ready_line_of_a_default_server(server):
     assert not any(line.startswith("flexinfer: warning") for line in server.log().splitlines())
 
 
+# -- chat messages (finding 13) --------------------------------------------------
+
+
+@pytest.mark.parametrize("messages, where", [
+    ([{"role": "narrator", "content": "Once upon a time"}], "messages.0.role"),
+    ([{"role": "user", "content": None}], "messages.0.content"),
+    ([{"role": "system", "content": "Be brief"}, {"role": "user"}], "messages.1.content"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}], "messages.1.content"),
+])
+def test_chat_messages_need_a_known_role_and_content(server, reference, messages, where):
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={"messages": messages})
+    error = assert_error(response, 400, "messages")
+    assert error["message"].startswith(where), error
+    wait_idle(server.url)
+
+
+def test_developer_messages_read_as_system_where_the_template_lacks_the_role(server, reference):
+    history = [{"role": "developer", "content": "you are a helpful assistant"},
+               {"role": "user", "content": "What is 2 + 2?"}]
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": history, "max_tokens": 6, "temperature": 0.0, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    as_system = [dict(history[0], role="system"), history[1]]
+    assert response.json()["prompt_token_ids"] == reference.chat_prompt(as_system)
+    tool = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": [*history, {"role": "tool", "content": "4"}], "max_tokens": 2})
+    assert tool.status_code == 200, tool.text  # this template renders any role
+
+
 # -- body size (finding 13) -----------------------------------------------------------
 
 
