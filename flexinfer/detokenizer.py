@@ -32,22 +32,36 @@ class IncrementalText:
     def __init__(self, tokenizer: Tokenizer, stop: list[str]):
         self._tokenizer = tokenizer
         self._stop = stop
+        self._longest = max(map(len, stop), default=0)
         self._ids: list[int] = []
         self._prefix_offset = self._read_offset = 0
-        self._text = ""  # decoded so far
+        self._text = ""  # decoded so far; holds no stop string until _stopped
         self._sent = 0  # characters of _text already returned
         self._stopped = False
+        # Per stop string: the length of the longest end of _text that is a
+        # proper prefix of it (text that may still become that stop string).
+        self._partial = [0] * len(stop)
 
     def push(self, token_ids: list[int]) -> str:
+        """Each call searches only where a stop string can end: the new text
+        and the longest-1 characters before it (constant work per token,
+        however long the output)."""
         if self._stopped:
             return ""
         self._ids.extend(token_ids)
         new, self._prefix_offset, self._read_offset = self._tokenizer.decode_incremental(
             self._ids, self._prefix_offset, self._read_offset)
+        if not new:
+            return ""
+        # No stop string lies wholly in the text before `new`: one that
+        # appears now ends in `new`, so it begins at `start` or later.
+        start = max(0, len(self._text) - self._longest + 1)
         self._text += new
-        text, self._stopped = cut_at_stop(self._text, self._stop)
-        end = len(text) if self._stopped else len(text) - self._held_back(text)
-        return self._take(text, end)
+        cuts = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+        if cuts:
+            self._stopped = True
+            return self._take(self._text, min(cuts))
+        return self._take(self._text, len(self._text) - self._held_back(len(new)))
 
     def finish(self) -> str:
         """What is left once the sample has ended (held-back text, a final partial character)."""
@@ -60,12 +74,16 @@ class IncrementalText:
         piece, self._sent = text[self._sent:end], end
         return piece
 
-    def _held_back(self, text: str) -> int:
-        """Length of the longest end of `text` that starts some stop string."""
+    def _held_back(self, added: int) -> int:
+        """Length of the longest end of _text that starts some stop string,
+        once `added` characters were appended. Per stop string, that end is at
+        most its previous one plus `added` long (what precedes the new text in
+        it was such an end before), so the search starts there."""
         longest = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
-                    break
+        for i, s in enumerate(self._stop):
+            n = min(len(s) - 1, self._partial[i] + added, len(self._text))
+            while n > 0 and not self._text.endswith(s[:n]):
+                n -= 1
+            self._partial[i] = n
+            longest = max(longest, n)
         return longest

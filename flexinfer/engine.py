@@ -19,6 +19,7 @@ import vtm
 from flexinfer.attention import KernelAttention, make_attention
 from flexinfer.errors import EngineError, InvalidArgument
 from flexinfer.host_memory import keep_freed_memory
+from flexinfer.inputs import KVBudget
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel
@@ -130,6 +131,7 @@ class Engine:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, max_num_seqs,
                                            [vt.slot for vt in self._sink])
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
+            self.kv_budget = self._kv_budget()
             # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
             if self.device.type == "cpu":
                 self.thread_tuner = (ThreadTuner(monitor=NeighbourLoad.open()) if threads == "auto"
@@ -166,13 +168,27 @@ class Engine:
         """Wait for every queued memory operation (when the engine goes idle)."""
         self.scheduler.drain()
 
-    def stats(self) -> dict:
-        """Counters for metrics; read from any thread (plain ints and list lengths)."""
+    def _kv_budget(self) -> KVBudget:
+        """What one request's KV can ever take: the pool (a broker's whole
+        pool, with vtm.connect), less the sink held for the engine's life.
+        Requests that need more are refused at submission (request_problem).
+        Computed once: submitting reads it without calling vtm."""
+        held = sum(vt.mapped_bytes for vt in self._sink)
+        return KVBudget(tuple(space.row_bytes for space in self.kv_cache.spaces), self.manager.chunk_bytes,
+                        (self.manager.capacity_bytes - held) // self.manager.chunk_bytes,
+                        self.scheduler.prefix_caching)
+
+    def stats(self, timeout: float | None = None) -> dict:
+        """Counters for metrics; read from any thread (plain ints and list lengths).
+        `timeout`: a manager on a broker (vtm.connect) must answer within it,
+        else vtm.Unavailable, and a late answer leaves the connection usable;
+        an in-process manager answers at once."""
         s = self.scheduler
+        remote = timeout is not None and not isinstance(self.manager, vtm.Manager)
         return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
                 "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
                 "prefix_failures": s.num_prefix_failures, "memory_faults": s.num_memory_faults,
-                "vtm": self.manager.stats()}
+                "vtm": self.manager.stats(timeout=timeout) if remote else self.manager.stats()}
 
     def close(self) -> None:
         """Release the KV space (and the manager, when this engine made it)."""
@@ -350,12 +366,18 @@ class Engine:
         if may_stop and token in seq.stop_ids:
             return "stop"
         if seq.params.stop and may_stop:
-            # Decode only what the new tokens add (constant cost per step).
+            # Decode only what the new tokens add, and look for a stop string
+            # only where one can end: in the new text, or begun in the last
+            # longest-1 characters before it (the only text `seq.text` keeps).
+            # Constant cost per step, however long the output.
             new_text, seq.prefix_offset, seq.read_offset = self.tokenizer.decode_incremental(
                 seq.output_ids, seq.prefix_offset, seq.read_offset)
-            seq.text += new_text
-            if any(s in seq.text for s in seq.params.stop):
-                return "stop"
+            if new_text:
+                window = seq.text + new_text
+                if any(s in window for s in seq.params.stop):
+                    return "stop"
+                keep = max(map(len, seq.params.stop)) - 1
+                seq.text = window[-keep:] if keep else ""
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"
         return None

@@ -168,7 +168,8 @@ class EngineLoop:
             leader = leader or seq
             seqs.append(seq)
         handle = RequestStream(self, request_id, prompt, list(prompt_ids), seqs, stream, deliver)
-        problem = request_problem(prompt_ids, params, engine.max_model_len, engine.config.vocab_size)
+        problem = request_problem(prompt_ids, params, engine.max_model_len, engine.config.vocab_size,
+                                  engine.kv_budget)
         if problem:
             for seq in seqs:
                 seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", InvalidArgument(problem)
@@ -177,6 +178,11 @@ class EngineLoop:
             return handle
         self._post("add", handle)
         return handle
+
+    @property
+    def running(self) -> bool:
+        """The loop takes requests: its thread lives and it is not closing."""
+        return self._thread.is_alive() and not self._closing
 
     def close(self, timeout: float | None = None) -> None:
         """Cancel what is still queued or running, stop the thread and close the engine."""

@@ -11,6 +11,7 @@ returns it as that request's error while the others run.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
 from flexinfer.errors import InvalidArgument
@@ -93,8 +94,66 @@ def check_conversation(conversation: Any, index: int | None = None) -> list[dict
     return [dict(m) for m in conversation]
 
 
-def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> str | None:
-    """Why a well-formed request cannot run, or None."""
+@dataclass(frozen=True)
+class KVBudget:
+    """The KV memory one request can ever have: the whole pool to itself.
+
+    `row_bytes`: one token's KV in each layer group (a vTensor per group);
+    `chunks`: the pool's chunks, less those the engine holds for its life.
+    A request of P prompt tokens and up to M new ones writes the KV of
+    P + M - 1 tokens (the last token sampled is never fed back), each
+    group's vTensor rounded up to whole chunks. With prefix caching the
+    prompt is recorded when its prefill ends, and the tree keeps its own
+    copy of each group's partial last prompt page while the request runs:
+    one chunk more per group (measured: on 8-token pages a 15-token prompt
+    fits 120 tokens of KV in 16 chunks, a 16-token one 128). A prefix hit
+    whose matched length ends inside a page holds one more such copy, which
+    this bound does not count: a request within a chunk of the whole pool
+    may still run out of memory after a hit."""
+
+    row_bytes: tuple[int, ...]
+    chunk_bytes: int
+    chunks: int
+    prefix_caching: bool
+
+    def chunks_needed(self, prompt_tokens: int, max_tokens: int) -> int:
+        return self._chunks_for(prompt_tokens + max_tokens - 1) + self._prompt_copies(prompt_tokens)
+
+    def max_new_tokens(self, prompt_tokens: int) -> int:
+        """The most tokens a request with this prompt may ask for (0: none fit)."""
+        tokens = self._most_tokens(self.chunks - self._prompt_copies(prompt_tokens))
+        return max(0, tokens - prompt_tokens + 1)
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens of KV one request can hold (prompt copies aside): the pool in tokens."""
+        return self._most_tokens(self.chunks)
+
+    def _chunks_for(self, tokens: int) -> int:
+        return sum(-(-tokens * row // self.chunk_bytes) for row in self.row_bytes)
+
+    def _prompt_copies(self, prompt_tokens: int) -> int:
+        if not self.prefix_caching:
+            return 0
+        return sum(1 for row in self.row_bytes if prompt_tokens * row % self.chunk_bytes)
+
+    def _most_tokens(self, chunks: int) -> int:
+        """The largest T whose KV takes at most `chunks` chunks (0 if none)."""
+        low, high = 0, max(0, chunks) * self.chunk_bytes // max(1, min(self.row_bytes))
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._chunks_for(mid) <= chunks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+
+def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                    kv: KVBudget | None = None) -> str | None:
+    """Why a well-formed request cannot run, or None. With `kv`, a request
+    whose KV can never fit in the pool is one of them: admitted, it would
+    run until memory ran out and then fail with its output lost."""
     if not prompt_ids:
         return "the prompt is empty"
     if len(prompt_ids) + params.max_tokens > max_model_len:
@@ -105,6 +164,12 @@ def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len
     outside = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if outside:
         return f"stop_token_ids {outside[:4]} are outside the vocabulary (0 to {vocab_size - 1})"
+    if kv is not None and kv.chunks_needed(len(prompt_ids), params.max_tokens) > kv.chunks:
+        fit = kv.max_new_tokens(len(prompt_ids))
+        return (f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit in the KV "
+                f"pool: it needs {kv.chunks_needed(len(prompt_ids), params.max_tokens)} chunks of "
+                f"{kv.chunk_bytes} bytes and one request can have at most {kv.chunks}; "
+                + (f"at most {fit} new tokens fit after this prompt" if fit else "this prompt alone does not fit"))
     return None
 
 

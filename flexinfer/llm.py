@@ -44,6 +44,7 @@ class LLM:
     device = property(lambda self: self.engine.device)
     dtype = property(lambda self: self.engine.dtype)
     max_model_len = property(lambda self: self.engine.max_model_len)
+    kv_budget = property(lambda self: self.engine.kv_budget)  # what one request's KV can ever take
 
     # -- requests -------------------------------------------------------
 
@@ -111,9 +112,25 @@ class LLM:
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stats(self) -> dict:
-        """Scheduler counters and the vtm manager's stats, safe from any thread."""
-        return self.engine.stats()
+    def stats(self, timeout: float | None = None) -> dict:
+        """Scheduler counters and the vtm manager's stats, safe from any
+        thread. `timeout`: see Engine.stats (for monitoring a broker's pool
+        without letting a stalled broker break the engine)."""
+        return self.engine.stats(timeout)
+
+    @property
+    def problem(self) -> str | None:
+        """Why this LLM cannot serve requests now, or None: its engine thread
+        stopped or is closing, or its manager lost the vtm broker. Reads
+        state only (never calls the broker): safe on an event loop."""
+        if not self._loop.running:
+            return "the engine thread has stopped"
+        # A RemoteManager (vtm.connect) remembers the vtm.Unavailable that
+        # ended its session; an in-process manager cannot be lost.
+        broken = getattr(self.manager, "_broken", None)
+        if broken is not None:
+            return f"the vtm broker is unavailable: {broken}"
+        return None
 
     # -- lifetime -------------------------------------------------------
 

@@ -15,6 +15,14 @@ from flexinfer.errors import InvalidArgument
 NON_FINITE = -1
 # Temperatures below this sample greedily (as vLLM does).
 GREEDY_BELOW = 1e-5
+# Stop strings are matched against the output as it grows (each step scans
+# only the new text plus the last MAX_STOP_LENGTH - 1 characters before it),
+# so their number and length bound the work of every step. OpenAI allows 4.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+# torch.Generator.manual_seed takes any int in this range; sample i of a
+# request is seeded with seed + i.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass
@@ -49,6 +57,10 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidArgument(f"stop must be a str or a list of non-empty str, got {self.stop!r}")
         self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            longest = max(map(len, self.stop), default=0)
+            raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                                  f"characters each, got {len(self.stop)} (the longest {longest} characters)")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidArgument(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
@@ -66,6 +78,9 @@ class SamplingParams:
             raise InvalidArgument(f"n must be >= 1, got {self.n}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidArgument(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            raise InvalidArgument(f"seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
+                                  f"got {self.seed}")
 
     @property
     def greedy(self) -> bool:

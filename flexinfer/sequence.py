@@ -64,7 +64,7 @@ class Sequence:
         self.extended = 0
         self.prompt_recorded = False
         self.finish_reason: str | None = None
-        self.text = ""  # decoded output so far, kept only to match stop strings
+        self.text = ""  # the end of the decoded output a stop string may still complete (Engine._stop_reason)
         self.prefix_offset = self.read_offset = 0
         self.error: Exception | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))

@@ -6,6 +6,13 @@ load balancer can tell "loading" from "down"); SIGTERM (see main.py) marks
 it shutting down (503 again, for anything that still arrives) while uvicorn
 lets in-flight requests finish; at the end the LLM is closed, which cancels
 whatever still runs.
+
+Nothing here waits on the engine or the vtm broker on the event loop:
+bodies are parsed (when large) and requests submitted on worker threads,
+/metrics reads the engine's figures on a thread of its own with a timeout
+(metrics.py), and /health reads state only (`LLM.problem`: the engine
+thread stopped, the broker lost), so it answers at once whatever the engine
+is doing and says 503 whenever the engine cannot serve.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from fastapi.responses import Response
 
 from flexinfer.llm import LLM
 from flexinfer.server.errors import install_error_handlers, unavailable
+from flexinfer.server.limits import BodyLimit, ServerLimits, parse_body
 from flexinfer.server.metrics import ServerMetrics
 from flexinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from flexinfer.server.serving import Serving
@@ -36,15 +44,20 @@ class ServerState:
     exactly when the LLM loaded, and stays set until the LLM is closed."""
 
     def __init__(self, load: Callable[[], LLM], model_name: str,
-                 on_load_error: Callable[[BaseException], None] | None):
+                 on_load_error: Callable[[BaseException], None] | None, limits: ServerLimits,
+                 on_ready: Callable[[LLM], None] | None):
         self.load = load
         self.model_name = model_name
         self.on_load_error = on_load_error
+        self.on_ready = on_ready
+        self.limits = limits
         self.phase = "loading"
         self.load_error: BaseException | None = None
         self.serving: Serving | None = None
         self.created = int(time.time())
-        self.metrics = ServerMetrics(lambda: self.serving.llm.stats() if self.serving is not None else None)
+        timeout = limits.metrics_timeout_s
+        self.metrics = ServerMetrics(lambda: self.serving.llm.stats(timeout) if self.serving is not None else None,
+                                     timeout)
 
     def begin_shutdown(self) -> None:
         if self.phase in ("loading", "ready"):
@@ -69,24 +82,30 @@ class ServerState:
             if self.on_load_error is not None:
                 self.on_load_error(exc)
             return
-        self.serving = Serving(llm, self.model_name, self.metrics)
+        self.serving = Serving(llm, self.model_name, self.metrics, self.limits)
         if self.phase == "loading":
             self.phase = "ready"
             log.info("model %s loaded: ready", self.model_name)
+            if self.on_ready is not None:
+                self.on_ready(llm)
 
     async def close(self, loading: asyncio.Task) -> None:
         self.begin_shutdown()
         # A load in progress cannot be interrupted: wait for it, then close what it made.
         await loading
+        self.metrics.close()
         if self.serving is not None:
             await asyncio.to_thread(self.serving.llm.close)
 
 
 def create_app(load: Callable[[], LLM], model_name: str,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[BaseException], None] | None = None,
+               limits: ServerLimits | None = None, on_ready: Callable[[LLM], None] | None = None) -> FastAPI:
     """An app serving the LLM that `load()` returns (called once, in a thread,
-    at startup). `on_load_error(exc)` is told when it fails."""
-    state = ServerState(load, model_name, on_load_error)
+    at startup). `on_load_error(exc)` is told when it fails, `on_ready(llm)`
+    (on the event loop) when it is loaded and served."""
+    limits = limits or ServerLimits()
+    state = ServerState(load, model_name, on_load_error, limits, on_ready)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -98,15 +117,19 @@ def create_app(load: Callable[[], LLM], model_name: str,
 
     app = FastAPI(title="FlexInfer", lifespan=lifespan)
     app.state.server = state
-    install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+    install_error_handlers(app)  # outermost: its middleware also answers a bug in the one above
 
     @app.get("/health")
     async def health() -> Response:
-        state.ready()
+        problem = state.ready().llm.problem
+        if problem is not None:
+            raise unavailable(problem)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await state.metrics.refresh()
         return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -115,13 +138,17 @@ def create_app(load: Callable[[], LLM], model_name: str,
         return ModelList(data=[ModelCard(id=model_name, created=state.created,
                                          max_model_len=serving.llm.max_model_len)])
 
+    # The bodies are read here rather than declared as parameters, so that
+    # FastAPI does not parse them on the event loop (limits.parse_body).
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await state.ready().completions(request, body)
+    async def completions(request: Request) -> Response:
+        serving = state.ready()
+        return await serving.completions(request, await parse_body(request, CompletionRequest))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await state.ready().chat(request, body)
+    async def chat_completions(request: Request) -> Response:
+        serving = state.ready()
+        return await serving.chat(request, await parse_body(request, ChatCompletionRequest))
 
     return app
 

@@ -10,7 +10,7 @@ ends first ends the other.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Awaitable
+from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -25,15 +25,19 @@ class EventStreamResponse(StreamingResponse):
     """Server-sent events from an async generator of bytes.
 
     Invariant: when `__call__` returns or raises, the generator has been
-    closed (its `finally` has run), whether it ran out, the client went away,
-    sending failed, or the server cancelled the task at shutdown. Starlette's
+    closed (its `finally` has run if it had started) and `on_close` has
+    run, whether it ran out, the client went away, sending failed, or the
+    server cancelled the task at shutdown. Starlette's
     StreamingResponse watches for a disconnect only on older ASGI spec
     versions and leaves the generator to the garbage collector."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes]):
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None):
+        """`on_close()` runs at the end too: a generator that never started
+        (the client left before the first event) runs no `finally`."""
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self.stream_response(send))
@@ -50,7 +54,11 @@ class EventStreamResponse(StreamingResponse):
             for task in (stream, watch):
                 task.cancel()
             await asyncio.gather(stream, watch, return_exceptions=True)
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[None]) -> bool:

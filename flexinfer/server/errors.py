@@ -4,7 +4,8 @@
 APIError is what handlers raise; `install_error_handlers` makes FastAPI
 answer it, its own request validation errors (422 there, 400 here, as the
 OpenAI API does), unknown routes, and any bug (500, without a traceback in
-the body) in that shape.
+the body) in that shape. A 500 keeps the connection open: only a response
+that had already begun when the bug struck ends its connection.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flexinfer.server.protocol import ErrorInfo, ErrorResponse
 
@@ -38,6 +40,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", None, "service_unavailable")
+
+
+def too_busy(message: str) -> APIError:
+    """429, as OpenAI's rate limits answer (its clients retry it after a pause)."""
+    return APIError(429, message, "requests", None, "rate_limit_exceeded")
 
 
 def error_response(status: int, info: ErrorInfo) -> JSONResponse:
@@ -74,8 +81,34 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error serving %s", request.url.path)
-        return error_response(500, ErrorInfo(message=f"internal error: {type(exc).__name__}",
-                                             type="internal_server_error"))
+    # Not `exception_handler(Exception)`: Starlette raises the exception again
+    # after that handler answers, and uvicorn then closes the connection.
+    app.add_middleware(InternalErrors)
+
+
+class InternalErrors:
+    """ASGI middleware: a bug in a handler is answered 500 and the connection kept."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if started:  # the status line is sent: nothing else can be said on this connection
+                raise
+            log.exception("unhandled error serving %s", scope.get("path"))
+            response = error_response(500, ErrorInfo(message=f"internal error: {type(exc).__name__}",
+                                                     type="internal_server_error"))
+            await response(scope, receive, send)

@@ -6,19 +6,26 @@ Why not one AsyncRequest per prompt: a call with several prompts would need
 a task per prompt to merge their streams. Here every request delivers into
 one asyncio queue (`LLM.submit(deliver=...)` runs on the engine thread and
 hands each event over with call_soon_threadsafe), tagged with its prompt.
+
+A Generation is built on a worker thread (serving.py: submitting holds the
+prompts' sequences, which the event loop should not wait for) and consumed
+on the event loop. It gives back its places in the server's Admission as
+its requests end (on the engine thread), or at once for those it never
+submitted.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from flexinfer.detokenizer import IncrementalText
 from flexinfer.engine_loop import RequestStream
 from flexinfer.llm import LLM
 from flexinfer.outputs import StreamEvent
 from flexinfer.sampling import SamplingParams
+from flexinfer.server.limits import Admission
 from flexinfer.server.metrics import ServerMetrics
 from flexinfer.server.protocol import PromptTokensDetails, Usage
 
@@ -53,18 +60,22 @@ class Generation:
     of this call runs or holds KV in the engine: each is done or cancelled."""
 
     def __init__(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, metrics: ServerMetrics,
-                 arrival_s: float):
+                 arrival_s: float, loop: asyncio.AbstractEventLoop, admission: Admission):
+        """`admission` holds len(prompts) * n places for this call (any thread)."""
         self._metrics = metrics
         self._arrival_s = arrival_s
         self._n = params.n
-        self._queue: asyncio.Queue[tuple[int, StreamEvent | None]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self.choices = [Choice(i, IncrementalText(llm.tokenizer, params.stop)) for i in range(len(prompts) * params.n)]
         self.requests: list[RequestStream] = []
+        self.choices: list[Choice] = []
         try:
+            self._queue: asyncio.Queue[tuple[int, StreamEvent | None]] = asyncio.Queue()
+            self.choices = [Choice(i, IncrementalText(llm.tokenizer, params.stop))
+                            for i in range(len(prompts) * params.n)]
             for i, ids in enumerate(prompts):
-                self.requests.append(llm.submit(ids, params, deliver=_deliver_to(loop, self._queue, i)))
+                release = _release(admission, params.n)
+                self.requests.append(llm.submit(ids, params, deliver=_deliver_to(loop, self._queue, i, release)))
         except BaseException:
+            admission.release(params.n * (len(prompts) - len(self.requests)))
             self.cancel()
             raise
         self._open = len(self.requests)  # requests whose end (None) has not been received
@@ -128,8 +139,15 @@ class Generation:
         return ChoiceUpdate(choice, text, event.token_ids, event.finish_reason)
 
 
-def _deliver_to(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, prompt_index: int):
+def _release(admission: Admission, count: int) -> Callable[[], None]:
+    return lambda: admission.release(count)
+
+
+def _deliver_to(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, prompt_index: int,
+                on_end: Callable[[], None]):
     def deliver(event: StreamEvent | None) -> None:  # on the engine thread: must not block
+        if event is None:  # the request's end: its KV is released
+            on_end()
         try:
             loop.call_soon_threadsafe(queue.put_nowait, (prompt_index, event))
         except RuntimeError:  # the event loop is closed: nobody is listening any more

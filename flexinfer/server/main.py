@@ -20,6 +20,9 @@ from typing import Callable
 
 from flexinfer.errors import FlexInferError
 from flexinfer.llm import LLM
+from flexinfer.server.limits import ServerLimits
+
+_LIMITS = ServerLimits()
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +36,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log verbosity (default: %(default)s)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--max-seqs-per-request", type=int, default=_LIMITS.max_seqs_per_request,
+                   help="most sequences (prompts x n) one request may ask for; more is a 400")
+    p.add_argument("--max-queued-seqs", type=int, default=_LIMITS.max_queued_seqs,
+                   help="most sequences admitted and not yet finished, over all requests; a request that "
+                        "would pass it gets a 429 (retry later)")
+    p.add_argument("--max-body-bytes", type=int, default=_LIMITS.max_body_bytes,
+                   help="largest request body; a larger one gets a 413 before it is read")
 
 
 def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
@@ -46,21 +56,32 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
 
     if args.shutdown_timeout < 0:
         raise FlexInferError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    for flag in ("max_seqs_per_request", "max_queued_seqs", "max_body_bytes"):
+        if getattr(args, flag) < 1:
+            raise FlexInferError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    limits = ServerLimits(max_seqs_per_request=args.max_seqs_per_request, max_queued_seqs=args.max_queued_seqs,
+                          max_body_bytes=args.max_body_bytes)
     # Bound before the model loads: a port in use fails at once, with a clear message.
     sock = _listen(args.host, args.port)
     name = args.served_model_name or args.model
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
 
+    host, port = sock.getsockname()[:2]
+    url = f"http://{_url_host(host)}:{port}"
+
     def on_load_error(exc: BaseException) -> None:  # on the event loop, after `server` exists
         server.should_exit = True
 
-    app = create_app(load, name, on_load_error)
+    def on_ready(llm: LLM) -> None:
+        for line in ready_lines(llm, name, url):
+            print(line, file=sys.stderr, flush=True)
+
+    app = create_app(load, name, on_load_error, limits, on_ready)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = GracefulServer(config, app.state.server.begin_shutdown)
-    host, port = sock.getsockname()[:2]
-    print(f"flexinfer: serving {name} on http://{_url_host(host)}:{port} (model loading; /health answers "
-          f"200 once ready)", file=sys.stderr, flush=True)
+    print(f"flexinfer: serving {name} on {url} (model loading; /health answers 200 once ready)",
+          file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:
@@ -70,6 +91,21 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
         print(f"flexinfer: error: the model failed to load: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def ready_lines(llm: LLM, name: str, url: str) -> list[str]:
+    """What `serve` says on stderr once the model is loaded: where it serves,
+    the context length and the KV capacity in tokens; and a warning when the
+    pool cannot hold one request of the full context length (longer requests
+    are refused with a 400, never admitted to fail later)."""
+    kv = llm.kv_budget
+    capacity = kv.max_tokens
+    lines = [f"flexinfer: ready: serving {name} on {url}, context length {llm.max_model_len} tokens, "
+             f"KV capacity {capacity} tokens ({kv.chunks * kv.chunk_bytes / (1 << 20):g} MiB)"]
+    if capacity < llm.max_model_len:
+        lines.append(f"flexinfer: warning: the KV pool holds {capacity} tokens, less than one request of "
+                     f"max_model_len {llm.max_model_len}: requests needing more are refused")
+    return lines
 
 
 def _listen(host: str, port: int) -> socket.socket:

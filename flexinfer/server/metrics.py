@@ -3,17 +3,22 @@ one process, as in the tests, never share counters).
 
 Two sources. Latencies are histograms observed by the request handlers as
 tokens reach them (so they include queueing and detokenisation, what a
-client sees minus the network). Engine and memory figures are read from
-`llm.stats()` at scrape time by a collector: gauges and counters that
-always agree with the engine, with nothing to keep in sync. Names follow
-DESIGN §7: `flexinfer_` / `vtm_` prefixes, base units, `_total` on
-counters.
+client sees minus the network). Engine and memory figures come from
+`llm.stats()`, read at each scrape on a thread of their own (never on the
+event loop: with a vtm broker it is a call to another process) and kept:
+a read that fails or takes longer than the timeout leaves the previous
+figures in place, marked by `flexinfer_metrics_stale` and counted in
+`flexinfer_metrics_stats_failures_total`, and is never retried while it is
+still running. Names follow DESIGN §7: `flexinfer_` / `vtm_` prefixes,
+base units, `_total` on counters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import numbers
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -37,11 +42,17 @@ _SPACE_GAUGES = ("vtensors", "slots_free", "max_slots", "used_tokens", "used_byt
 
 class ServerMetrics:
     """Invariant: every metric lives in `self.registry`; engine figures are
-    produced only at scrape time, from `stats()` (None while no engine is
-    loaded: then only the server's own metrics are exposed)."""
+    the last `stats()` that answered (None while no engine is loaded: then
+    only the server's own metrics are exposed). `refresh()` before
+    `render()` reads them again, waiting at most `timeout_s`."""
 
-    def __init__(self, stats: Callable[[], dict | None]):
+    def __init__(self, stats: Callable[[], dict | None], timeout_s: float = 2.0):
         self.registry = CollectorRegistry()
+        self.engine = EngineStats(stats, timeout_s)
+        self.stats_failures = Counter(
+            "flexinfer_metrics_stats_failures", "Scrapes whose engine figures could not be read (reason: timeout "
+            "or error, e.g. a stalled or lost vtm broker); those scrapes show the previous figures",
+            ["reason"], registry=self.registry)
         self.time_to_first_token = Histogram(
             "flexinfer_time_to_first_token_seconds", "From the request's arrival to its first output token",
             buckets=_TTFT_BUCKETS, registry=self.registry)
@@ -58,7 +69,7 @@ class ServerMetrics:
                                      registry=self.registry)
         self.generation_tokens = Counter("flexinfer_generation_tokens", "Output tokens sent",
                                          registry=self.registry)
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(self.engine))
 
     def observe_tokens(self, count: int, first: bool, since_s: float) -> None:
         """`count` new tokens of one sample, `since_s` after its arrival (first) or its previous tokens."""
@@ -74,20 +85,68 @@ class ServerMetrics:
         for gap in gaps:
             self.inter_token_latency.observe(gap)
 
+    async def refresh(self) -> None:
+        failure = await self.engine.refresh()
+        if failure is not None:
+            self.stats_failures.labels(failure).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def close(self) -> None:
+        self.engine.close()
+
+
+class EngineStats:
+    """The engine's figures, read on a thread of their own and cached.
+
+    Invariant: at most one `stats()` call runs at a time, so a stalled one
+    is neither waited for longer than the timeout nor piled on; when it
+    answers at last, its figures are kept."""
+
+    def __init__(self, stats: Callable[[], dict | None], timeout_s: float):
+        self._stats = stats
+        self.timeout_s = timeout_s
+        self.snapshot: dict | None = None
+        self.stale = False  # the last read failed or is late: `snapshot` is older than the last scrape
+        self._reading: asyncio.Future | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="flexinfer-metrics")
+
+    async def refresh(self) -> str | None:
+        """Read the figures again (on the event loop); the failure's kind, or None."""
+        try:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.get_running_loop().run_in_executor(self._thread, self._stats)
+                self._reading.add_done_callback(self._keep)
+            await asyncio.wait_for(asyncio.shield(self._reading), self.timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("engine metrics not read in %g s: this scrape shows the previous figures", self.timeout_s)
+            failure = "timeout"
+        except Exception as exc:  # a broker gone away (vtm.Unavailable): still expose the rest
+            log.warning("engine metrics not read (%s: %s): this scrape shows the previous figures",
+                        type(exc).__name__, exc)
+            failure = "error"
+        else:
+            return None
+        self.stale = True
+        return failure
+
+    def _keep(self, reading: asyncio.Future) -> None:
+        if not reading.cancelled() and reading.exception() is None:
+            self.snapshot, self.stale = reading.result(), False
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict | None]):
-        self._stats = stats
+    def __init__(self, engine: EngineStats):
+        self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            stats = self._stats()
-        except Exception:  # a broker gone away (vtm.Unavailable): still expose the server's own metrics
-            log.warning("no engine metrics in this scrape: stats() failed", exc_info=True)
-            return
+        yield _gauge("flexinfer_metrics_stale", "1 when the engine figures below are from an earlier scrape "
+                     "(the last read of them failed or took too long), else 0", int(self._engine.stale))
+        stats = self._engine.snapshot
         if stats is None:
             return
         yield _gauge("flexinfer_num_requests_running", "Sequences in the running batch", stats["running"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def _omit_none(value) -> bool:
@@ -96,14 +96,23 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: str
-    # Required, but may be null (an assistant turn that only called tools).
-    content: str | list[TextPart] | None
+    # The roles OpenAI defines; "developer" is its newer name for "system"
+    # (serving.py renders it as "system" for a template that does not know it).
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI lets only an assistant message that called tools go without
+    # content, and this server takes no tools: every message needs it.
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_given(cls, value):
+        if value is None:
+            raise ValueError("content must be a string or a list of text parts, not null (null content is for "
+                             "assistant messages with tool_calls, which this server does not support)")
+        return value
 
     def text(self) -> str:
         """The content as one string (text parts joined), as chat templates read it."""
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

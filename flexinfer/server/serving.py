@@ -6,13 +6,21 @@ Every check that can fail is done before anything is submitted, so a bad
 request (a 400) leaves the engine untouched. Streams send nothing a later
 chunk would contradict: text that may still become a stop string is held
 back (IncrementalText), and usage comes last.
+
+Admission: a request asks for prompts x n sequences; more than
+`max_seqs_per_request` is a 400, and more than the free places of
+`max_queued_seqs` (sequences admitted and not finished) a 429, both before
+anything else happens. Tokenizing and submitting then run on a worker
+thread (the tokenizer lets go of the GIL), so the event loop keeps
+answering while a long prompt is read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,8 +30,9 @@ from flexinfer.inputs import check_prompt, request_problem
 from flexinfer.llm import LLM
 from flexinfer.sampling import SamplingParams
 from flexinfer.server.disconnect import EventStreamResponse, unless_disconnected
-from flexinfer.server.errors import APIError, bad_request, unavailable
+from flexinfer.server.errors import APIError, bad_request, too_busy, unavailable
 from flexinfer.server.generation import Generation
+from flexinfer.server.limits import Admission, ServerLimits
 from flexinfer.server.metrics import ServerMetrics
 from flexinfer.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionRequest,
@@ -38,27 +47,38 @@ _PARAM_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", 
 class Serving:
     """The two generation endpoints over one loaded LLM."""
 
-    def __init__(self, llm: LLM, model_name: str, metrics: ServerMetrics):
+    def __init__(self, llm: LLM, model_name: str, metrics: ServerMetrics, limits: ServerLimits | None = None):
         self.llm = llm
         self.model_name = model_name
         self.metrics = metrics
+        self.limits = limits or ServerLimits()
+        self.admission = Admission(self.limits.max_queued_seqs)
+        # A template that does not name the "developer" role would print it
+        # as an unknown role: OpenAI's newer name for "system" is read as that.
+        self._developer_as_system = "developer" not in (llm.tokenizer.chat_template or "")
 
     # -- /v1/completions ------------------------------------------------
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         arrival = time.perf_counter()
         self._check_common(body)
-        prompts = self._completion_prompts(body.prompt)
-        max_tokens = body.max_tokens
-        if max_tokens is None:  # an explicit null: up to the context length (of the longest prompt)
-            max_tokens = max(1, self.llm.max_model_len - max(map(len, prompts)))
-        params = _sampling_params(body, max_tokens)
-        for ids in prompts:
-            self._check_fits(ids, params, "prompt")
-        generation = self._start(prompts, params, arrival)
+        count = _prompt_count(body.prompt) * body.n
+
+        def prepare() -> tuple[list[list[int]], SamplingParams]:  # on a worker thread
+            prompts = self._completion_prompts(body.prompt)
+            max_tokens = body.max_tokens
+            if max_tokens is None:  # an explicit null: up to the context length (of the longest prompt)
+                max_tokens = self._default_max_tokens(max(map(len, prompts)))
+            params = _sampling_params(body, max_tokens)
+            for ids in prompts:
+                self._check_fits(ids, params, "prompt")
+            return prompts, params
+
+        generation, prompts = await self._admit(count, "prompt" if body.n == 1 else "n", prepare, arrival)
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return EventStreamResponse(self._completion_events(generation, body, response_id, created))
+            return EventStreamResponse(self._completion_events(generation, body, response_id, created),
+                                       on_close=generation.cancel)
         if not await self._finish(request, generation):
             return Response(status_code=499)  # nobody is listening
         choices = [CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason,
@@ -107,22 +127,26 @@ class Serving:
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         arrival = time.perf_counter()
         self._check_common(body)
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = self.llm.chat_prompt(conversation)
-        except (InvalidArgument, ChatTemplateError) as exc:
-            raise bad_request(str(exc), "messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:
-            # Up to the context length, as OpenAI and vLLM do; at least 1 so that
-            # a prompt that fills the context is reported as too long.
-            max_tokens = max(1, self.llm.max_model_len - len(ids))
-        params = _sampling_params(body, max_tokens)
-        self._check_fits(ids, params, "messages")
-        generation = self._start([ids], params, arrival)
+        conversation = [{"role": self._role(m.role), "content": m.text()} for m in body.messages]
+
+        def prepare() -> tuple[list[list[int]], SamplingParams]:  # on a worker thread
+            try:
+                ids = self.llm.chat_prompt(conversation)
+            except (InvalidArgument, ChatTemplateError) as exc:
+                raise bad_request(str(exc), "messages") from None
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            if max_tokens is None:
+                # Up to the context length, as OpenAI and vLLM do.
+                max_tokens = self._default_max_tokens(len(ids))
+            params = _sampling_params(body, max_tokens)
+            self._check_fits(ids, params, "messages")
+            return [ids], params
+
+        generation, (ids,) = await self._admit(body.n, "n", prepare, arrival)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return EventStreamResponse(self._chat_events(generation, body, response_id, created))
+            return EventStreamResponse(self._chat_events(generation, body, response_id, created),
+                                       on_close=generation.cancel)
         if not await self._finish(request, generation):
             return Response(status_code=499)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content="".join(c.text)),
@@ -164,15 +188,70 @@ class Serving:
         if unsupported is not None:
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
 
-    def _check_fits(self, ids: list[int], params: SamplingParams, param: str) -> None:
-        problem = request_problem(ids, params, self.llm.max_model_len, self.llm.config.vocab_size)
-        if problem is not None:
-            too_long = len(ids) + params.max_tokens > self.llm.max_model_len
-            raise bad_request(problem, param, "context_length_exceeded" if too_long else None)
+    def _role(self, role: str) -> str:
+        return "system" if role == "developer" and self._developer_as_system else role
 
-    def _start(self, prompts: list[list[int]], params: SamplingParams, arrival: float) -> Generation:
+    def _default_max_tokens(self, prompt_tokens: int) -> int:
+        """Up to the context length, or what the KV pool can hold after the
+        prompt when that is less; at least 1, so that a prompt that fills
+        either is reported as too long."""
+        fit = self.llm.kv_budget.max_new_tokens(prompt_tokens)
+        return max(1, min(self.llm.max_model_len - prompt_tokens, fit))
+
+    def _check_fits(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        kv = self.llm.kv_budget
+        problem = request_problem(ids, params, self.llm.max_model_len, self.llm.config.vocab_size, kv)
+        if problem is not None:
+            if len(ids) + params.max_tokens > self.llm.max_model_len:
+                code = "context_length_exceeded"
+            elif ids and kv.chunks_needed(len(ids), params.max_tokens) > kv.chunks:
+                code = "kv_capacity_exceeded"
+            else:
+                code = None
+            raise bad_request(problem, param, code)
+
+    async def _admit(self, count: int, param: str,
+                     prepare: Callable[[], tuple[list[list[int]], SamplingParams]],
+                     arrival: float) -> tuple[Generation, list[list[int]]]:
+        """Take `count` places in the queue, then on a worker thread run
+        `prepare()` (tokenize and check: the prompts' token ids and the
+        params) and submit. The places go back if that fails, else as the
+        requests end (Generation)."""
+        limit = self.limits.max_seqs_per_request
+        if count > limit:
+            raise bad_request(f"this request asks for {count} sequences (prompts x n); this server takes at most "
+                              f"{limit} in one request (--max-seqs-per-request)", param, "too_many_sequences")
+        if not self.admission.reserve(count):
+            raise too_busy(f"the server is busy: {self.admission.queued} sequences of at most {self.admission.limit} "
+                           f"(--max-queued-seqs) are queued or running, and this request asks for {count} more; "
+                           f"retry later")
+        loop = asyncio.get_running_loop()
+
+        def run() -> tuple[Generation, list[list[int]]]:
+            try:
+                prompts, params = prepare()
+            except BaseException:
+                self.admission.release(count)
+                raise
+            return self._start(prompts, params, arrival, loop), prompts  # it owns the places from here
+
         try:
-            return Generation(self.llm, prompts, params, self.metrics, arrival)
+            started = loop.run_in_executor(None, run)
+        except BaseException:  # no worker thread (the server is stopping)
+            self.admission.release(count)
+            raise
+        try:
+            return await asyncio.shield(started)
+        except asyncio.CancelledError:
+            # The client left (or the server is stopping) while the request
+            # was being submitted: take it back once it is.
+            started.add_done_callback(_cancel_generation)
+            raise
+
+    def _start(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
+               loop: asyncio.AbstractEventLoop) -> Generation:
+        try:
+            return Generation(self.llm, prompts, params, self.metrics, arrival, loop, self.admission)
         except EngineClosed:
             raise unavailable("the server is shutting down") from None
 
@@ -185,6 +264,18 @@ class Serving:
         if error is not None:
             raise _api_error(error)
         return True
+
+
+def _prompt_count(prompt) -> int:
+    """Prompts in a completions `prompt` (text, token ids, or a list of either)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return 1
+    return max(1, len(prompt))  # an empty list is refused later, as an empty prompt
+
+
+def _cancel_generation(started: asyncio.Future) -> None:
+    if not started.cancelled() and started.exception() is None:
+        started.result()[0].cancel()
 
 
 def _sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:

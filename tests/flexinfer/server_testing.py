@@ -55,6 +55,26 @@ def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+# The tiny model's KV row is 512 bytes (2 layers x K,V x 2 heads x 16 x float32): 8 tokens a 4 KiB chunk.
+SMALL_CHUNK = 4096
+SMALL_POOL_CHUNKS = 16
+
+
+def small_pool_llm(model: str, prefix_caching: bool = True, **options):
+    """An LLM on its own 16-chunk pool of 4 KiB chunks (128 tiny rows); returns (llm, manager): close both."""
+    import vtm
+    from flexinfer import LLM
+
+    manager = vtm.Manager(backend="host", capacity_bytes=SMALL_POOL_CHUNKS * SMALL_CHUNK, chunk_bytes=SMALL_CHUNK,
+                          granularity=SMALL_CHUNK)
+    options = {k: v for k, v in options.items() if k != "kv_capacity_bytes"}
+    try:
+        return LLM(model, manager=manager, enable_prefix_caching=prefix_caching, **options), manager
+    except BaseException:
+        manager.close()
+        raise
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

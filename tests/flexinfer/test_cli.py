@@ -133,10 +133,10 @@ def test_a_request_that_fails_in_the_engine_is_status_1(capsys, tiny_nan):
 
 
 def test_no_memory_is_status_2(capsys, tiny):
-    """One 2 MiB chunk holds 1024 tiny rows: a 1500-token prompt cannot fit."""
+    """One 2 MiB chunk holds 1024 tiny rows: a 1500-token prompt cannot fit, and is refused before it runs."""
     argv = ["generate", *tiny_args(tiny), "--kv-capacity-gib", "0.001", "--prompt", "word " * 1500]
     assert main(argv) == 2
-    one_line_error(capsys.readouterr().err, "pool capacity exhausted")
+    one_line_error(capsys.readouterr().err, "can never fit in the KV pool")
 
 
 def test_kv_capacity_is_rounded_up_to_whole_chunks(capsys, monkeypatch, tiny):

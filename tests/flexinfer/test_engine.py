@@ -805,7 +805,9 @@ def test_request_that_never_fits_in_memory_fails_alone(tiny_llama, tiny_prompts)
     prompts = [tiny_prompts[0], big, tiny_prompts[4]]  # 5, 60, 8 tokens
     outputs = run(llm, prompts, greedy(n))
     assert outputs[1].finish_reason == "error"
-    assert isinstance(outputs[1].outputs[0].error, vtm.OutOfMemory)
+    # Refused at submission (flexinfer.inputs.KVBudget), not after running out of memory.
+    assert isinstance(outputs[1].outputs[0].error, InvalidArgument)
+    assert "can never fit in the KV pool" in str(outputs[1].outputs[0].error)
     assert_greedy_equal(oracle, [prompts[0], prompts[2]], [outputs[0], outputs[2]], n)
     assert_all_memory_returned(llm)
     llm.close()

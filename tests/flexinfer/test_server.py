@@ -263,13 +263,20 @@ def test_metrics(server, client):
 
 def test_metrics_survive_a_failing_stats_source():
     """A broker gone away makes stats() raise: a scrape still gives the server's own metrics."""
+    import asyncio
+
     import vtm
     from flexinfer.server.metrics import ServerMetrics
 
     def stats():
         raise vtm.Unavailable("the broker is gone")
 
-    names = {f.name for f in text_string_to_metric_families(ServerMetrics(stats).render().decode())}
+    m = ServerMetrics(stats)
+    try:
+        asyncio.run(m.refresh())
+        names = {f.name for f in text_string_to_metric_families(m.render().decode())}
+    finally:
+        m.close()
     assert "flexinfer_time_to_first_token_seconds" in names and "flexinfer_num_requests_running" not in names
 
 

@@ -198,12 +198,15 @@ class RemoteManager:
 
     # -- plumbing ------------------------------------------------------------
 
-    def _rpc(self, what: str, method, request, lease: bool = True):
+    def _rpc(self, what: str, method, request, lease: bool = True, timeout: float | None = None,
+             fatal: bool = True):
+        """`fatal`: a broker that does not answer marks this client broken."""
         try:
-            return method(request, timeout=self._timeout, metadata=self._metadata if lease else None)
+            return method(request, timeout=self._timeout if timeout is None else timeout,
+                          metadata=self._metadata if lease else None)
         except grpc.RpcError as err:
             error = status.from_rpc_error(err, what)
-            if isinstance(error, errors.Unavailable):
+            if fatal and isinstance(error, errors.Unavailable):
                 self._broken = self._broken or error
             raise error from None
 
@@ -621,16 +624,29 @@ class RemoteManager:
             return reply.value
         return self._submit(run).result()
 
-    def stats(self) -> dict:
+    def stats(self, timeout: float | None = None) -> dict:
         """The broker's stats (the whole pool, every client's spaces) plus
-        "clients"; this client's spaces appear under the names it gave them."""
+        "clients"; this client's spaces appear under the names it gave them.
+
+        `timeout` (seconds) is for monitoring: the call skips the op queue
+        (stats orders against nothing), and a broker that does not answer in
+        time raises Unavailable without marking this client broken, so a
+        metrics scrape during a stall cannot end the session."""
         def run():
-            stats = json.loads(self._rpc("stats", self._stub.Stats, vtm_pb2.StatsRequest()).json)
+            reply = self._rpc("stats", self._stub.Stats, vtm_pb2.StatsRequest(), timeout=timeout,
+                              fatal=timeout is None)
+            stats = json.loads(reply.json)
             mine = f"c{self.client_id}/"
             stats["spaces"] = {(name[len(mine):] if name.startswith(mine) else name): info
                                for name, info in stats["spaces"].items()}
             return stats
-        return self._submit(run).result()
+        if timeout is None:
+            return self._submit(run).result()
+        if self._closed:
+            raise errors.FailedPrecondition("the manager is closed")
+        if self._broken is not None:
+            raise type(self._broken)(str(self._broken))
+        return run()
 
     def check(self) -> None:
         self._submit(lambda: self._rpc("check", self._stub.Check, vtm_pb2.StatsRequest()) and None).result()

@@ -1,0 +1,160 @@
+"""What the server refuses to take on, so that no request (careless or
+hostile) can stall the event loop or queue unbounded work: the size of a
+request body, the sequences one request may ask for, and the sequences
+queued in the engine at once.
+
+- BodyLimit (ASGI middleware): a body over `max_body_bytes` is answered 413
+  from its Content-Length before a byte of it is read, or as soon as a
+  body sent without one (chunked) grows past the limit; the connection is
+  then closed, since the rest of the body is never read.
+- parse_body: JSON and pydantic validation of a body, on a worker thread
+  when it is large (the tokenizer and this are the only per-request work
+  that grows with the body).
+- Admission: a count of the sequences (prompts x n) admitted and not yet
+  finished. Reserved on the event loop before anything is submitted,
+  released on the engine thread as each request ends (every request ends:
+  see engine_loop.py), so the count never drifts and a refused request
+  changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from flexinfer.server.errors import APIError, bad_request
+
+Body = TypeVar("Body", bound=BaseModel)
+
+# Bodies larger than this are parsed on a worker thread. json.loads and
+# pydantic hold the GIL, so this only lets the loop in between; the body
+# limit is what bounds the time (about 10 ms a MB on the development VM).
+_PARSE_INLINE_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Defaults (and `flexinfer serve` flags, see main.py):
+    max_seqs_per_request: prompts x n of one request (OpenAI's n goes to 128);
+    max_queued_seqs: sequences admitted and not finished, over all requests
+      (each holds its prompt's token ids; 32 run at once by default);
+    max_body_bytes: 8 MiB holds 256 prompts of 4,096 token ids as JSON;
+    metrics_timeout_s: how long /metrics waits for the engine's figures."""
+
+    max_seqs_per_request: int = 256
+    max_queued_seqs: int = 1024
+    max_body_bytes: int = 8 << 20
+    metrics_timeout_s: float = 2.0
+
+    def __post_init__(self):
+        for name in ("max_seqs_per_request", "max_queued_seqs", "max_body_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not self.metrics_timeout_s > 0:
+            raise ValueError(f"metrics_timeout_s must be > 0, got {self.metrics_timeout_s!r}")
+
+
+class Admission:
+    """Sequences admitted and not yet finished; thread-safe (released on the engine thread)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._queued = 0
+        self._mu = threading.Lock()
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def reserve(self, count: int) -> bool:
+        """Take `count` places, or none (False) if that would pass the limit."""
+        with self._mu:
+            if self._queued + count > self.limit:
+                return False
+            self._queued += count
+            return True
+
+    def release(self, count: int) -> None:
+        with self._mu:
+            self._queued -= count
+            assert self._queued >= 0, "released more sequences than were admitted"
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server accepts ({limit} bytes, "
+                         f"--max-body-bytes)", "invalid_request_error", None, "request_too_large")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over `limit` bytes (413, then close)."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            if not length.isdigit():
+                response = bad_request("the Content-Length header is not a number").response()
+            else:
+                response = too_large(self.limit).response()
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
+        received = 0
+        limit = self.limit
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # Raised into whoever reads the body: the route's
+                    # error handler answers it (errors.py).
+                    raise too_large(limit)
+            return message
+
+        closing_send = send
+        if length is None:
+            async def closing_send(message: Message) -> None:
+                # A refused streamed body is never read to its end: the
+                # connection cannot carry another request.
+                if message["type"] == "http.response.start" and message["status"] == 413:
+                    message = dict(message, headers=[*message.get("headers", []), (b"connection", b"close")])
+                await send(message)
+
+        await self.app(scope, limited_receive, closing_send)
+
+
+async def parse_body(request, model: type[Body]) -> Body:
+    """The request's JSON body as `model`; a 400 (RequestValidationError) for what is not."""
+    raw = await request.body()
+    if len(raw) > _PARSE_INLINE_BYTES:
+        return await asyncio.to_thread(_parse, raw, model)
+    return _parse(raw, model)
+
+
+def _parse(raw: bytes, model: type[Body]) -> Body:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:  # also bytes that are not UTF-8
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        # As FastAPI reports a body it validated: locations start with "body".
+        raise RequestValidationError([dict(e, loc=("body", *e["loc"])) for e in exc.errors()]) from None
+

@@ -1,0 +1,167 @@
+"""What one request may ask of the engine (issue 17, findings 6 and 13), checked
+where LLM.generate and the server both meet it: SamplingParams (stop strings
+bounded, seeds in torch's range), the stop-string scan (each step looks only
+where a stop string can end, in the engine and in the server's streamed
+text), and the KV budget (a request whose KV can never fit in the pool is
+refused at submission with its own error, instead of running until memory
+runs out and losing its output).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("transformers")  # builds the tiny model's weights
+
+from server_testing import build_tiny_chat_model, small_pool_llm  # noqa: E402
+
+from flexinfer import LLM, SamplingParams  # noqa: E402
+from flexinfer.detokenizer import IncrementalText, final_text  # noqa: E402
+from flexinfer.errors import InvalidArgument  # noqa: E402
+from flexinfer.inputs import KVBudget  # noqa: E402
+
+ENGINE_OPTIONS = dict(max_model_len=1024, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat):
+    with LLM(tiny_chat, **ENGINE_OPTIONS) as llm:
+        yield llm
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+# -- SamplingParams ------------------------------------------------------------------
+
+
+def test_stop_strings_are_bounded():
+    SamplingParams(stop=[chr(0x41 + i) * 256 for i in range(16)])  # the limit itself
+    for stop in ([f"s{i}" for i in range(17)], ["x" * 257], [f"s{i}" for i in range(20000)]):
+        with pytest.raises(InvalidArgument, match="^stop takes at most 16 strings of at most 256 characters"):
+            SamplingParams(stop=stop)
+
+
+def test_seeds_are_in_torchs_range():
+    """Sample i is seeded with seed + i: every one must be in [-2**63, 2**64 - 1] (else torch raises a
+    ValueError at submission, which the server answered with a 500)."""
+    for seed, n in ((-(1 << 63), 1), (-1, 3), ((1 << 64) - 1, 1), ((1 << 64) - 3, 3)):
+        SamplingParams(seed=seed, n=n)
+    for seed, n in ((-(1 << 63) - 1, 1), (1 << 64, 1), ((1 << 64) - 2, 3)):
+        with pytest.raises(InvalidArgument, match="^seed must be in"):
+            SamplingParams(seed=seed, n=n)
+
+
+def test_an_extreme_seed_samples(reference):
+    out = reference.generate(["Hello"], SamplingParams(max_tokens=4, seed=(1 << 64) - 2, n=2), use_tqdm=False)[0]
+    assert out.outputs[0].error is None and len(out.outputs) == 2
+
+
+# -- stop strings ----------------------------------------------------------------------
+
+
+def test_stop_strings_are_scanned_incrementally(reference):
+    """The engine keeps only the end of the output a stop string may still complete (longest - 1
+    characters), so each step scans a window of constant size; a stop string spanning many tokens is
+    still found, at the same token as a whole-text search would find it."""
+    plain = reference.generate(["Hello"], greedy(120, ignore_eos=True), use_tqdm=False)[0]
+    text = plain.text
+    assert len(text) > 100
+    # A stop string spanning several tokens, whose first occurrence is far from the start.
+    stop = next(text[p:p + 12] for p in range(50, len(text) - 12) if text.find(text[p:p + 12]) == p)
+    longest = "z" * 40
+    seqs = []
+    engine = reference.engine
+    original = engine._stop_reason
+
+    def watch(seq, token):
+        reason = original(seq, token)
+        seqs.append(len(seq.text))
+        return reason
+
+    engine._stop_reason = watch
+    try:
+        out = reference.generate(["Hello"], greedy(120, ignore_eos=True, stop=[longest, stop]), use_tqdm=False)[0]
+    finally:
+        engine._stop_reason = original
+    assert text.find(stop) > len(longest)  # so that keeping the whole output would show
+    assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
+    assert seqs and max(seqs) <= len(longest) - 1, seqs  # never the whole output
+
+
+def test_incremental_text_holds_back_and_cuts_like_the_whole_text():
+    """The server's streamed text (IncrementalText, now incremental too) equals final_text at every
+    split of the output, with stop strings that straddle pushes or overlap each other."""
+    class Chars:  # a tokenizer whose tokens are characters
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+        def decode_incremental(self, ids, prefix_offset, read_offset, skip_special_tokens=True):
+            return "".join(map(chr, ids[read_offset:])), read_offset, len(ids)
+
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 40)))
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(0, 3))]
+        ids = [ord(c) for c in text]
+        inc, sent, i = IncrementalText(Chars(), stops), "", 0
+        while i < len(ids):
+            step = rng.randint(1, 4)
+            piece = inc.push(ids[i:i + step])
+            sent += piece
+            i += step
+            assert final_text(Chars(), ids[:i], stops).startswith(sent)  # nothing sent is taken back
+        sent += inc.finish()
+        assert sent == final_text(Chars(), ids, stops), (text, stops)
+
+
+# -- the KV budget -------------------------------------------------------------------
+
+
+def test_kv_budget_arithmetic():
+    """8 tokens a chunk, 16 chunks: the KV of prompt + max_tokens - 1 tokens, whole chunks per layer group,
+    plus one chunk per group for the prefix tree's copy of a prompt that ends inside a page."""
+    one = KVBudget((512,), 4096, 16, prefix_caching=True)
+    assert one.max_tokens == 128
+    assert one.chunks_needed(15, 106) == 16 and one.chunks_needed(15, 107) == 17
+    assert one.max_new_tokens(15) == 106 and one.max_new_tokens(16) == 113  # a whole-page prompt: no copy
+    assert KVBudget((512,), 4096, 16, prefix_caching=False).max_new_tokens(15) == 114
+    assert one.max_new_tokens(200) == 0
+    groups = KVBudget((300, 212), 4096, 16, prefix_caching=True)  # rows straddle pages in both groups
+    assert groups.chunks_needed(15, groups.max_new_tokens(15)) <= 16 < groups.chunks_needed(
+        15, groups.max_new_tokens(15) + 1)
+    assert KVBudget((512,), 4096, 0, prefix_caching=True).max_tokens == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_generate_refuses_what_can_never_fit_and_runs_what_just_fits(tiny_chat, prefix_caching):
+    """16 chunks of 8 tokens. A 15-token prompt can have 106 new tokens (120 of KV: its last, partial page
+    is copied into the prefix tree) or 114 without prefix caching (128 of KV); one more is refused at
+    submission, with its own error, while the request beside it runs."""
+    llm, manager = small_pool_llm(tiny_chat, prefix_caching, **ENGINE_OPTIONS)
+    try:
+        prompt = llm.tokenizer.encode("Hello! How are you today? I am fine, thank you.")
+        assert len(prompt) == 15
+        fits = 106 if prefix_caching else 114
+        outs = llm.generate([prompt, prompt], [greedy(fits + 1, ignore_eos=True), greedy(fits, ignore_eos=True)],
+                            use_tqdm=False)
+        too_big, just_fits = outs
+        assert isinstance(too_big.outputs[0].error, InvalidArgument)
+        assert "can never fit in the KV pool" in str(too_big.outputs[0].error)
+        assert too_big.token_ids == [] and too_big.outputs[0].finish_reason == "error"
+        assert just_fits.outputs[0].error is None and len(just_fits.token_ids) == fits
+        assert just_fits.outputs[0].finish_reason == "length"
+        assert llm.kv_budget.max_new_tokens(len(prompt)) == fits
+        manager.check()
+        assert manager.stats()["chunks_mapped"] - manager.stats()["chunks_cached"] == 0
+    finally:
+        llm.close()
+        manager.close()

@@ -1,0 +1,553 @@
+"""`flexinfer serve` against careless or hostile clients and a failing
+broker (issue 17, findings 6, 7 and 13): what no request may make the
+server do (queue unbounded work, stall the event loop, run what can never
+fit), and what /health and /metrics say when the engine cannot serve.
+
+Every refusal is checked for its status and OpenAI error body, and for
+leaving the engine as it was: the next request gives the greedy tokens of
+LLM.generate on the same weights, nothing runs or waits, and no vTensor is
+left alive. Tests that a handler does not stall the event loop block the
+slow part on an event that only an answered /health sets, instead of
+timing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")  # builds the tiny model's weights
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from server_testing import (SMALL_CHUNK, SMALL_POOL_CHUNKS, ServerProcess, build_tiny_chat_model,  # noqa: E402
+                            free_port, small_pool_llm)
+
+import vtm  # noqa: E402
+from flexinfer import LLM, SamplingParams  # noqa: E402
+
+MAX_MODEL_LEN = 1024
+SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-capacity-gib", "0.0625", "--linear", "torch",
+                "--threads", "1"]
+ENGINE_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tmp_path_factory):
+    """Default limits, but for --max-queued-seqs (small enough to fill in a test)."""
+    process = ServerProcess(tiny_chat, tmp_path_factory.mktemp("server") / "server.log", *SERVER_FLAGS,
+                            "--max-queued-seqs", "300")
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat):
+    with LLM(tiny_chat, **ENGINE_OPTIONS) as llm:
+        yield llm
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def metrics(url: str) -> dict[str, float]:
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        vtensors = sum(v for k, v in m.items() if k.startswith("vtm_space_vtensors"))
+        if m["flexinfer_num_requests_running"] == 0 and m["flexinfer_num_requests_waiting"] == 0 and vtensors == 0:
+            return m
+        assert time.monotonic() < deadline, f"still busy after {timeout} s: {m}"
+        time.sleep(0.05)
+
+
+def assert_error(response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def assert_serves(url: str, reference: LLM, prompt: str = "The capital of France is") -> None:
+    """The engine is untouched: a greedy request gives LLM.generate's tokens, then all is released."""
+    out = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}).json()
+    want = reference.generate([prompt], greedy(8), use_tqdm=False)[0]
+    assert out["choices"][0]["token_ids"] == want.token_ids, out
+    wait_idle(url)
+
+
+def _start_in_thread(app):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{server.config.port}"
+
+
+@pytest.fixture
+def in_process(tiny_chat):
+    """An app in this process (to reach into its LLM), started by `start(llm)`; stopped at the end."""
+    from flexinfer.server.app import create_app
+
+    running = []
+
+    def start(llm: LLM, **kwargs):
+        server, thread, url = _start_in_thread(create_app(lambda: llm, "tiny", **kwargs))
+        running.append((server, thread))
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        return url
+
+    yield start
+    for server, thread in running:
+        server.should_exit = True
+        thread.join(30)
+
+
+# -- admission (finding 6) -----------------------------------------------------
+
+
+def test_more_sequences_than_one_request_may_ask_for_is_refused_and_changes_nothing(server, reference):
+    """3 prompts x n=100 = 300 sequences, over the default 256 per request (a 50 KB body could ask for
+    1.28 M): a 400 before anything is tokenized or submitted."""
+    before = metrics(server.url)
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": ["Hello", "Hi", "Paris"], "n": 100, "max_tokens": 1})
+    error = assert_error(response, 400, "n", "too_many_sequences")
+    assert "300 sequences" in error["message"] and "256" in error["message"]
+    after = wait_idle(server.url)
+    assert after["flexinfer_prompt_tokens_total"] == before["flexinfer_prompt_tokens_total"]
+    assert_serves(server.url, reference)
+
+
+def test_a_full_queue_answers_429_and_changes_nothing(server, reference):
+    """--max-queued-seqs 300: two requests of 128 sequences fit, a third is a 429 (OpenAI's body, a
+    retryable status), and is admitted once the others are done."""
+    body = {"prompt": "Write a short story", "n": 128, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as first, \
+                http.stream("POST", f"{server.url}/v1/completions", json=body) as second:
+            assert first.status_code == 200 and second.status_code == 200
+            before = metrics(server.url)
+            third = httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False), timeout=60)
+            error = assert_error(third, 429, code="rate_limit_exceeded")
+            assert "--max-queued-seqs" in error["message"]
+            assert metrics(server.url)["flexinfer_prompt_tokens_total"] == before["flexinfer_prompt_tokens_total"]
+        # Both streams closed: their sequences are cancelled and their places given back.
+    wait_idle(server.url)
+    out = httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False, max_tokens=2), timeout=120)
+    assert out.status_code == 200 and len(out.json()["choices"]) == 128
+    assert_serves(server.url, reference)
+
+
+def test_tokenizing_and_submitting_run_off_the_event_loop(tiny_chat, in_process, reference):
+    """While a request's prompt is being tokenized, /health answers: the tokenizer is made to wait for
+    an event that only an answered /health sets (on the event loop, that wait would stall both)."""
+    llm = LLM(tiny_chat, **ENGINE_OPTIONS)
+    url = in_process(llm)
+    health_answered, tokenizing = threading.Event(), threading.Event()
+    encode = llm.tokenizer.encode
+
+    def slow_encode(text, *args, **kwargs):
+        if "BLOCK" in text:
+            tokenizing.set()
+            health_answered.wait(20)
+        return encode(text, *args, **kwargs)
+
+    llm.tokenizer.encode = slow_encode
+    results = {}
+    request = threading.Thread(target=lambda: results.update(response=httpx.post(
+        f"{url}/v1/completions", json={"prompt": "BLOCK The capital of France is", "max_tokens": 4}, timeout=60)))
+    request.start()
+    assert tokenizing.wait(20)
+    try:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        health_answered.set()
+        request.join(60)
+    assert results["response"].status_code == 200
+    assert_serves(url, reference)
+
+
+# -- stop strings and seeds (finding 6) ------------------------------------------
+
+
+def test_stop_strings_are_bounded(server, reference):
+    many = [f"stop{i}" for i in range(17)]
+    for stop in (many, ["x" * 257], [f"s{i}" for i in range(20000)]):
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                              json={"prompt": "Hello", "max_tokens": 4, "stop": stop})
+        error = assert_error(response, 400, "stop")
+        assert "at most 16 strings of at most 256 characters" in error["message"]
+    # The limit itself is fine.
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": "Hello", "max_tokens": 4, "stop": [chr(0x41 + i) * 256 for i in range(16)]})
+    assert response.status_code == 200, response.text
+    assert_serves(server.url, reference)
+
+
+def test_out_of_range_seeds_are_400(server, reference):
+    for seed, n in ((1 << 64, 1), (-(1 << 63) - 1, 1), ((1 << 64) - 1, 2)):
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 2, "seed": seed, "n": n, "temperature": 1.0})
+        assert_error(response, 400, "seed")
+    for seed in (-1, (1 << 64) - 1):  # torch's range: both ends work
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 2, "seed": seed, "temperature": 1.0})
+        assert response.status_code == 200, response.text
+    assert_serves(server.url, reference)
+
+
+# -- /health, /metrics and 500s (finding 7) ------------------------------------------
+
+
+def test_health_is_503_once_the_broker_is_lost(tiny_chat, tmp_path, reference):
+    from broker_testing import BrokerProcess
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=2048, chunk_bytes=4096)
+    process = None
+    try:
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process.wait_ready()
+        assert_serves(process.url, reference)
+        broker.kill()
+        deadline = time.monotonic() + 30
+        while (response := httpx.get(f"{process.url}/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "/health still says 200 without a broker"
+            time.sleep(0.1)
+        error = assert_error(response, 503, code="service_unavailable")
+        assert "broker" in error["message"]
+    finally:
+        if process is not None:
+            process.stop()
+        broker.kill()
+
+
+def test_metrics_during_a_broker_stall_never_break_the_engine(tiny_chat, tmp_path, reference):
+    """A stopped (hung) broker: /metrics answers from its cache after its short timeout instead of
+    freezing the server for the broker's 10 s, /health answers meanwhile, and once the broker runs
+    again the engine serves: the timed-out stats call did not mark the manager broken."""
+    from broker_testing import BrokerProcess
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=2048, chunk_bytes=4096)
+    process = None
+    try:
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process.wait_ready()
+        assert_serves(process.url, reference)
+        before = metrics(process.url)
+        broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            results = {}
+            scrape = threading.Thread(target=lambda: results.update(m=metrics(process.url)))
+            scrape.start()
+            assert httpx.get(f"{process.url}/health", timeout=5).status_code == 200
+            scrape.join(60)
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
+        assert httpx.get(f"{process.url}/health", timeout=10).status_code == 200
+        assert_serves(process.url, reference, "Paris. Rome. Paris.")
+        # The scrape during the stall: the cached figures, marked stale, the timeout counted.
+        stalled = results["m"]
+        assert before.get("flexinfer_metrics_stale") == 0 and stalled.get("flexinfer_metrics_stale") == 1
+        assert stalled["flexinfer_metrics_stats_failures_total{reason=timeout}"] >= 1
+        assert stalled["vtm_capacity_bytes"] == before["vtm_capacity_bytes"]
+        assert metrics(process.url)["flexinfer_metrics_stale"] == 0
+    finally:
+        if process is not None:
+            process.stop()
+        broker.kill()
+
+
+def test_health_is_503_once_the_engine_thread_stopped(tiny_chat, in_process):
+    class Fatal(BaseException):
+        pass
+
+    llm = LLM(tiny_chat, **ENGINE_OPTIONS)
+    url = in_process(llm)
+
+    def step():
+        raise Fatal("the engine thread dies")
+
+    llm.engine.step = step
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=30)
+    assert response.status_code == 500
+    error = assert_error(httpx.get(f"{url}/health", timeout=10), 503)
+    assert "engine thread" in error["message"]
+
+
+def test_an_internal_error_keeps_the_connection(tiny_chat, in_process, reference, monkeypatch):
+    """A bug answered 500 (OpenAI body, no traceback) leaves the keep-alive connection usable."""
+    from flexinfer.server.serving import Serving
+
+    url = in_process(LLM(tiny_chat, **ENGINE_OPTIONS))
+    completions = Serving.completions
+
+    async def buggy(self, request, body):
+        if body.prompt == "boom":
+            raise RuntimeError("a bug")
+        return await completions(self, request, body)
+
+    monkeypatch.setattr(Serving, "completions", buggy)
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        reader = sock.makefile("rb")
+        status, body = _http_post(sock, reader, "/v1/completions", {"prompt": "boom"})
+        assert status == 500 and json.loads(body)["error"]["type"] == "internal_server_error"
+        assert b"RuntimeError" in body and b"Traceback" not in body
+        status, body = _http_post(sock, reader, "/v1/completions",
+                                  {"prompt": "Hello", "max_tokens": 3, "temperature": 0.0})
+        assert status == 200, body
+        want = reference.generate(["Hello"], greedy(3), use_tqdm=False)[0]
+        assert json.loads(body)["choices"][0]["text"] == want.text
+
+
+def _http_post(sock, reader, path: str, payload: dict) -> tuple[int, bytes]:
+    """One HTTP/1.1 request on a kept-alive socket; (status, body)."""
+    data = json.dumps(payload).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    status_line = reader.readline()
+    assert status_line, "the server closed the connection"
+    status = int(status_line.split()[1])
+    headers = {}
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, reader.read(int(headers["content-length"]))
+
+
+def test_metrics_keep_the_last_figures_when_stats_fail():
+    """The unit under /metrics: a failing read keeps the previous figures, marked stale and counted."""
+    from flexinfer.server.metrics import ServerMetrics
+
+    answers = [{"running": 1, "waiting": 2, "preemptions": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0,
+                "vtm": {"capacity_bytes": 4096, "chunk_bytes": 4096, "chunks_mapped": 0, "chunks_cached": 0}}]
+
+    def stats():
+        if not answers:
+            raise vtm.Unavailable("the broker is gone")
+        return answers.pop()
+
+    m = ServerMetrics(stats, timeout_s=5)
+
+    def scrape() -> dict:
+        asyncio.run(m.refresh())
+        return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
+                for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+
+    try:
+        first = scrape()
+        assert first["flexinfer_num_requests_waiting"] == 2 and first["flexinfer_metrics_stale"] == 0
+        second = scrape()
+        assert second["flexinfer_num_requests_waiting"] == 2 and second["flexinfer_metrics_stale"] == 1
+        assert second["flexinfer_metrics_stats_failures_total{error}"] == 1
+    finally:
+        m.close()
+
+
+# -- requests that can never fit (finding 13) --------------------------------------
+
+
+def test_the_server_refuses_what_can_never_fit_with_a_400(tiny_chat, in_process, reference):
+    """The finding: a request that can never fit ran ~700 tokens and then failed with a 500. Now: a 400 at
+    once, nothing runs, and a null max_tokens means what fits (not the whole context length)."""
+    llm, manager = small_pool_llm(tiny_chat, **ENGINE_OPTIONS)
+    try:
+        url = in_process(llm)
+        prompt = "Hello! How are you today? I am fine, thank you."
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 500, "ignore_eos": True})
+        error = assert_error(response, 400, "prompt", "kv_capacity_exceeded")
+        assert "at most 106 new tokens fit" in error["message"]
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": prompt * 20}], "max_tokens": 1})
+        assert_error(response, 400, "messages", "kv_capacity_exceeded")
+        out = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": None, "temperature": 0.0, "ignore_eos": True}).json()
+        assert out["usage"]["completion_tokens"] == 106 and out["choices"][0]["finish_reason"] == "length"
+        assert_serves(url, reference)
+        manager.check()
+    finally:
+        llm.close()
+        manager.close()
+
+
+def test_serve_says_where_it_serves_and_warns_about_a_small_pool(tiny_chat, tmp_path, reference):
+    """The ready line (URL, context length, KV capacity in tokens), and on a broker whose pool holds less
+    than one max_model_len request, a warning; such a request is a 400 (the finding's 500 after 9 s)."""
+    from broker_testing import BrokerProcess
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=SMALL_POOL_CHUNKS, chunk_bytes=SMALL_CHUNK)
+    process = None
+    try:
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process.wait_ready()
+        lines = [line for line in process.log().splitlines() if line.startswith("flexinfer: ")]
+        ready = next(line for line in lines if line.startswith("flexinfer: ready: "))
+        assert f"on {process.url}," in ready and f"context length {MAX_MODEL_LEN} tokens" in ready
+        assert "KV capacity 128 tokens" in ready
+        assert any(line.startswith("flexinfer: warning: the KV pool holds 128 tokens") for line in lines), lines
+        response = httpx.post(f"{process.url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 500, "ignore_eos": True})
+        assert_error(response, 400, code="kv_capacity_exceeded")
+        assert_serves(process.url, reference)
+    finally:
+        if process is not None:
+            process.stop()
+        broker.kill()
+
+
+def test_the_ready_line_of_a_default_server(server):
+    line = next(line for line in server.log().splitlines() if line.startswith("flexinfer: ready: "))
+    # 0.0625 GiB of 2 MiB chunks, 512 bytes a token.
+    assert f"serving tiny on {server.url}, context length {MAX_MODEL_LEN} tokens, KV capacity 131072 tokens" in line
+    assert not any(line.startswith("flexinfer: warning") for line in server.log().splitlines())
+
+
+# -- chat messages (finding 13) --------------------------------------------------
+
+
+@pytest.mark.parametrize("messages, where", [
+    ([{"role": "narrator", "content": "Once upon a time"}], "messages.0.role"),
+    ([{"role": "user", "content": None}], "messages.0.content"),
+    ([{"role": "system", "content": "Be brief"}, {"role": "user"}], "messages.1.content"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}], "messages.1.content"),
+])
+def test_chat_messages_need_a_known_role_and_content(server, reference, messages, where):
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={"messages": messages})
+    error = assert_error(response, 400, "messages")
+    assert error["message"].startswith(where), error
+    wait_idle(server.url)
+
+
+def test_developer_messages_read_as_system_where_the_template_lacks_the_role(server, reference):
+    history = [{"role": "developer", "content": "you are a helpful assistant"},
+               {"role": "user", "content": "What is 2 + 2?"}]
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": history, "max_tokens": 6, "temperature": 0.0, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    as_system = [dict(history[0], role="system"), history[1]]
+    assert response.json()["prompt_token_ids"] == reference.chat_prompt(as_system)
+    tool = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": [*history, {"role": "tool", "content": "4"}], "max_tokens": 2})
+    assert tool.status_code == 200, tool.text  # this template renders any role
+
+
+# -- body size (finding 13) -----------------------------------------------------------
+
+
+def _raw_request(port: int, head: bytes, body_chunks=(), timeout: float = 30) -> bytes:
+    """Send a request, then read until the server closes. A server that answers before the body ends
+    and closes may make the rest of the sending fail: then what it answered is read."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head)
+        try:
+            for chunk in body_chunks:
+                sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            if not data:
+                raise
+        return data
+
+
+def test_a_body_over_the_limit_is_refused_from_its_content_length(server, reference):
+    """20 MB announced: a 413 before a byte of it is sent (it took 21 s to be refused), then the
+    connection closes."""
+    port = int(server.url.rsplit(":", 1)[1])
+    reply = _raw_request(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 20000000\r\n\r\n")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert_serves(server.url, reference)
+
+
+def test_a_streamed_body_over_the_limit_is_refused_when_it_passes_it(server, reference):
+    """A chunked body (no Content-Length) of 9 MiB, over the default 8 MiB: a 413 once it passes 8 MiB."""
+    port = int(server.url.rsplit(":", 1)[1])
+    piece = b"[" + b"1," * (512 << 10) + b"1]"  # ~1 MiB of JSON-ish bytes, never parsed
+    chunks = [f"{len(piece):x}\r\n".encode() + piece + b"\r\n" for _ in range(9)] + [b"0\r\n\r\n"]
+    reply = _raw_request(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Transfer-Encoding: chunked\r\n\r\n", chunks)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert_serves(server.url, reference)
+
+
+def test_a_large_body_is_read_without_stalling_health(server, reference):
+    """7 MB of prompt text (over max_model_len once tokenized: a 400), the 10 MB case of the finding
+    (/health stalled 4.7 s): the tokenizer runs on a worker thread without the GIL. /health is polled
+    throughout and must answer every time within a generous 2 s."""
+    text = "Hello! How are you today? I am fine. " * 190000
+    done = threading.Event()
+    worst = [0.0]
+
+    def poll():
+        with httpx.Client(timeout=30) as http:
+            while not done.is_set():
+                started = time.monotonic()
+                assert http.get(f"{server.url}/health").status_code == 200
+                worst[0] = max(worst[0], time.monotonic() - started)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": text, "max_tokens": 1}, timeout=120)
+    finally:
+        done.set()
+        poller.join(60)
+    assert_error(response, 400, "prompt", "context_length_exceeded")
+    assert worst[0] < 2.0, f"/health took {worst[0]:.2f} s while the body was read"
+    assert_serves(server.url, reference)
+
+
+def test_limits_flags_are_checked(tiny_chat, capsys):
+    from flexinfer.cli import main
+
+    assert main(["serve", "--model", tiny_chat, "--port", "0", "--max-queued-seqs", "0"]) == 2
+    assert "--max-queued-seqs must be >= 1" in capsys.readouterr().err
