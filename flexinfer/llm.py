@@ -125,11 +125,10 @@ class LLM:
         state only (never calls the broker): safe on an event loop."""
         if not self._loop.running:
             return "the engine thread has stopped"
-        # A RemoteManager (vtm.connect) remembers the vtm.Unavailable that
-        # ended its session; an in-process manager cannot be lost.
-        broken = getattr(self.manager, "_broken", None)
-        if broken is not None:
-            return f"the vtm broker is unavailable: {broken}"
+        # A vtm.connect manager whose session was lost (the engine is
+        # reconnecting: requests wait); an in-process one is healthy until closed.
+        if not self.manager.healthy:
+            return "the vtm broker is unavailable (the engine is reconnecting)"
         return None
 
     # -- lifetime -------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+import vtm
 from flexinfer.errors import ChatTemplateError, EngineClosed, InvalidArgument
 from flexinfer.inputs import check_prompt, request_problem
 from flexinfer.llm import LLM
@@ -293,9 +294,11 @@ def _sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:
 
 
 def _api_error(error: Exception) -> APIError:
-    if isinstance(error, EngineClosed):
+    # A broker away longer than the engine waits, or memory that other work
+    # holds: the request may succeed later (503, which clients retry).
+    if isinstance(error, (EngineClosed, vtm.Unavailable, vtm.OutOfMemory)):
         return unavailable(str(error))
-    if isinstance(error, InvalidArgument):
+    if isinstance(error, (InvalidArgument, vtm.InvalidArgument)):
         return bad_request(str(error))
     return APIError(500, f"{type(error).__name__}: {error}", "internal_server_error")
 
