@@ -77,8 +77,14 @@ class Engine:
         self._sink = []
         self._unhealthy_since = None  # when the manager was first seen unhealthy (a broker away)
         self._keeps_sink = False
-        self._reconnects_seen = manager.reconnects
         try:
+            # This thread (the engine loop's) computes on the memory: a broker
+            # client revokes a lost session's mappings here, and serves no
+            # other engine's thread.
+            try:
+                manager.bind_thread()
+            except vtm.FailedPrecondition as exc:
+                raise InvalidArgument(str(exc)) from None
             if device is None:
                 device = "cuda" if manager.backend == "cuda" else "cpu"
             self.device = torch.device(device)
@@ -169,14 +175,17 @@ class Engine:
         self.scheduler.drain()
 
     def _kv_budget(self) -> KVBudget:
-        """What one request's KV can ever take: the pool (a broker's whole
-        pool, with vtm.connect), less the sink held for the engine's life.
-        Requests that need more are refused at submission (request_problem).
-        Computed once: submitting reads it without calling vtm."""
-        held = sum(vt.mapped_bytes for vt in self._sink)
+        """What one request's KV can ever take: the pool, or with vtm.connect
+        the broker's pool within this client's limit (as granted at connect),
+        less the sink held for the engine's life. Requests that need more are
+        refused at submission (request_problem). Computed when the engine
+        starts and after a reconnect: submitting reads it without calling vtm."""
+        held = (self.kv_cache.groups if self._keeps_sink else 0) * self.manager.chunk_bytes
+        pool = self.manager.capacity_bytes
+        if self.manager.limit_bytes:
+            pool = min(pool, self.manager.limit_bytes)
         return KVBudget(tuple(space.row_bytes for space in self.kv_cache.spaces), self.manager.chunk_bytes,
-                        (self.manager.capacity_bytes - held) // self.manager.chunk_bytes,
-                        self.scheduler.prefix_caching)
+                        (pool - held) // self.manager.chunk_bytes, self.scheduler.prefix_caching)
 
     def stats(self, timeout: float | None = None) -> dict:
         """Counters for metrics; read from any thread (plain ints and list lengths).
@@ -184,11 +193,10 @@ class Engine:
         else vtm.Unavailable, and a late answer leaves the connection usable;
         an in-process manager answers at once."""
         s = self.scheduler
-        remote = timeout is not None and not isinstance(self.manager, vtm.Manager)
         return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
                 "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
                 "prefix_failures": s.num_prefix_failures, "memory_faults": s.num_memory_faults,
-                "vtm": self.manager.stats(timeout=timeout) if remote else self.manager.stats()}
+                "vtm": self.manager.stats(timeout=timeout)}
 
     def close(self) -> None:
         """Release the KV space (and the manager, when this engine made it)."""
@@ -226,13 +234,13 @@ class Engine:
         if not self.manager.healthy:
             self._recover()
             return self._take_failed()
-        if self.manager.reconnects != self._reconnects_seen:
-            self._renew_session()  # another engine on this manager reconnected it
         if self._keeps_sink and not self._sink:
             try:
                 self._make_sink()
-            except vtm.Unavailable:
-                return self._take_failed()  # lost again: the next step reconnects
+            except vtm.Error as exc:  # lost again, or others hold the whole pool for now
+                self._memory_not_back(exc)
+                return self._take_failed()
+        self._unhealthy_since = None
         # Sequences the scheduler failed (one that can never fit in memory).
         failed = self._take_failed()
         try:
@@ -268,27 +276,31 @@ class Engine:
         one that computes on the memory, so it is the one to reconnect. While
         there is none, requests wait, up to broker_wait_s of the broker's
         absence; then everything queued fails with vtm.Unavailable."""
-        now = time.monotonic()
         if self._unhealthy_since is None:
-            self._unhealthy_since = now
             self.scheduler.lose_memory(vtm.Unavailable("the vtm broker is unavailable"))
+            self._sink = []
+        started = time.monotonic()
         try:
             self.manager.reconnect(timeout=RECONNECT_TRY_S)
-        except (vtm.Unavailable, vtm.FailedPrecondition) as exc:
-            if now - self._unhealthy_since >= self.broker_wait_s or isinstance(exc, vtm.FailedPrecondition):
-                self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker is unavailable: {exc}"))
+        except vtm.Error as exc:
+            if isinstance(exc, vtm.FailedPrecondition):  # closed, or a broker its reservations do not fit
+                self._unhealthy_since = self._unhealthy_since or started
+                self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker cannot be used again: {exc}"))
+            else:  # no broker yet, or it cannot take this client back yet
+                self._memory_not_back(exc)
+            # One try per RECONNECT_TRY_S at most, however fast it failed: the loop does not spin.
+            time.sleep(max(0.0, started + RECONNECT_TRY_S - time.monotonic()))
             return
         log.info("reconnected to the vtm broker; %d requests resume", len(self.scheduler.waiting))
-        self._renew_session()
+        self.kv_budget = self._kv_budget()  # the operator may grant the new session another limit
 
-    def _renew_session(self) -> None:
-        """A new broker session: nothing of the old one is left to this
-        engine; the sink (see __init__), which lived there, is made again by
-        the next step."""
-        self.scheduler.lose_memory(vtm.Unavailable("the vtm broker session was replaced"))
-        self._unhealthy_since = None
-        self._reconnects_seen = self.manager.reconnects
-        self._sink = []
+    def _memory_not_back(self, exc: Exception) -> None:
+        """Requests wait for the memory to come back, up to broker_wait_s
+        from the first step that found it gone; then everything queued fails."""
+        now = time.monotonic()
+        self._unhealthy_since = self._unhealthy_since or now
+        if now - self._unhealthy_since >= self.broker_wait_s:
+            self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker is unavailable: {exc}"))
 
     def _make_sink(self) -> None:
         """The sink in a new session, and new CUDA graphs where it is not
@@ -335,12 +347,7 @@ class Engine:
         # Before min_tokens, no token may end the sequence.
         banned = [sorted(s.stop_ids) if s.stop_ids and len(s.output_ids) < s.params.min_tokens else None
                   for s in ready]
-        generators = [s.generator for s in ready]
-        try:
-            tokens = sample(rows, params, generators, banned)
-        except Exception:  # one row's parameters broke the batch's sampling: find it, fail it alone
-            log.exception("sampling a batch of %d failed; sampling each row alone", len(ready))
-            tokens = [_sample_row(rows[i:i + 1], params[i], generators[i], banned[i]) for i in range(len(ready))]
+        tokens = sample(rows, params, [s.generator for s in ready], banned)
         now = time.perf_counter()
         for seq, token in zip(ready, tokens):
             if isinstance(token, Exception):
@@ -392,14 +399,6 @@ def prefix_namespace(fingerprint: str, dtype: str, salt: str | None) -> str:
     they name what the bytes mean, so engines with other weights, dtype or
     layout never map each other's KV as their own (issue 17, finding 14)."""
     return f"flexinfer:{fingerprint}:{dtype}" + (f":{salt}" if salt else "")
-
-
-def _sample_row(row, params, generator, banned) -> int | Exception:
-    """One row's token, or the exception sampling it raised."""
-    try:
-        return sample(row, [params], [generator], [banned])[0]
-    except Exception as exc:
-        return exc
 
 
 def _cuda_index(device, backend: str) -> int:

@@ -41,6 +41,8 @@ log = logging.getLogger("flexinfer")
 
 # The end of a stream, after its last StreamEvent.
 _END = None
+# An idle loop looks at its manager's health this often (a broker may go away while nothing runs).
+_IDLE_CHECK_S = 1.0
 
 
 class RequestStream:
@@ -234,9 +236,12 @@ class EngineLoop:
         idle = True
         while True:
             with self._cv:
-                # Sleep only when idle and drained (see below).
-                while not self._inbox and not self._closing and idle and not self.engine.has_work():
-                    self._cv.wait()
+                # Sleep only when idle and drained (see below), and wake now
+                # and then to see whether the vtm broker went away meanwhile:
+                # an idle engine reconnects too (see below).
+                while (not self._inbox and not self._closing and idle and not self.engine.has_work()
+                       and self.engine.manager.healthy):
+                    self._cv.wait(_IDLE_CHECK_S)
                 inbox, self._inbox = self._inbox, deque()
                 closing = self._closing
             try:
@@ -247,7 +252,8 @@ class EngineLoop:
                         self._cancel(handle)
                 if closing:
                     break
-                if self.engine.has_work():
+                if self.engine.has_work() or not self.engine.manager.healthy:
+                    # A step on a manager that lost its broker tries to reconnect.
                     idle = False
                     changed = self.engine.step()
                     if not self.engine.has_work():

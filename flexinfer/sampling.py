@@ -114,14 +114,20 @@ def _greedy_choice(rows: torch.Tensor) -> list[int]:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           banned: list[list[int] | None] | None = None) -> list[int]:
+           banned: list[list[int] | None] | None = None) -> list[int | Exception]:
     """One token per row of logits [B, vocab] (float32); NON_FINITE for a row
     with a NaN or +inf logit (-inf is a token that cannot be chosen; a row of
     nothing but -inf is non-finite too). `banned[i]`: token ids row i may not
-    choose (stop tokens before min_tokens)."""
-    banned = banned or [None] * len(params)
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    tokens = [0] * len(params)
+    choose (stop tokens before min_tokens). A row that cannot be sampled gets
+    the exception instead of a token, and the other rows are sampled as if it
+    were not there (each row draws from its own generator only)."""
+    vocab = logits.shape[-1]
+    tokens: list[int | Exception] = [0] * len(params)
+    banned = list(banned or [None] * len(params))
+    for i, ids in enumerate(banned):
+        if ids and not all(0 <= t < vocab for t in ids):
+            tokens[i] = InvalidArgument(f"a banned token id is outside the vocabulary (0 to {vocab - 1})")
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy and not isinstance(tokens[i], Exception)]
     if greedy_rows:
         rows = logits[greedy_rows] if len(greedy_rows) < len(params) else logits
         if any(banned[i] for i in greedy_rows):
@@ -132,24 +138,31 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for i, t in zip(greedy_rows, _greedy_choice(rows)):
             tokens[i] = t
     for i, p in enumerate(params):
-        if p.greedy:
+        if p.greedy or isinstance(tokens[i], Exception):
             continue
-        if not bool(torch.isfinite(logits[i].max())):
-            tokens[i] = NON_FINITE
-            continue
-        row = logits[i] / p.temperature
-        if banned[i]:
-            row[banned[i]] = float("-inf")
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            cumulative = sorted_probs.cumsum(-1)
-            # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
-            drop = cumulative - sorted_probs >= p.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        try:
+            tokens[i] = _sampled(logits[i], p, generators[i], banned[i])
+        except Exception as exc:  # noqa: BLE001 - this row's failure, reported for it alone
+            tokens[i] = exc
     return tokens
+
+
+def _sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
+             banned: list[int] | None) -> int:
+    if not bool(torch.isfinite(logits.max())):
+        return NON_FINITE
+    row = logits / p.temperature
+    if banned:
+        row[banned] = float("-inf")
+    if p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
+        drop = cumulative - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

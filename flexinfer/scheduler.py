@@ -274,7 +274,9 @@ class Scheduler:
                 self._unreleased.append(vt)
 
     def _retry_releases(self) -> None:
-        retry, self._unreleased = self._unreleased, []
+        # One a broker client unmapped before the broker refused is released
+        # on this side already: the broker frees it with the session.
+        retry, self._unreleased = [vt for vt in self._unreleased if not vt.released], []
         self._release(retry)
 
     # -- admission ------------------------------------------------------

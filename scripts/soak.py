@@ -247,6 +247,8 @@ BAD_REQUESTS = {
     "temperature -1": dict(temperature=-1),
     "token id outside the vocabulary": dict(prompt=[1, VOCAB + 3]),
     "20,000 stop strings": dict(stop=[f"s{i}" for i in range(20000)]),
+    "a 12 MB body": dict(extra_body={"padding": "x" * (12 << 20)}),
+    "model of another name": dict(model="gpt-4"),
 }
 
 
@@ -270,10 +272,10 @@ def user(index: int, url: str, pool, expected, deadline: float, tally: Tally, se
                 request["extra_body"] = {**extra, **change.get("extra_body", {})}
                 try:
                     client.completions.create(**request)
-                    tally.add("bad request accepted", f"user {index}: {name} was accepted")
+                    tally.add(f"bad: {name}: accepted", f"user {index}: {name} was accepted")
                 except openai.APIStatusError as exc:
                     ok = 400 <= exc.status_code < 500
-                    tally.add(f"bad request {exc.status_code}" if ok else "bad request 5xx",
+                    tally.add(f"bad: {name}: {exc.status_code}",
                               None if ok else f"user {index}: {name}: {exc.status_code} {exc.message[:200]}")
                 continue
             if roll < 0.2:  # a stream the user walks away from

@@ -718,6 +718,23 @@ def test_prefix_copies_wait_for_the_kernels_that_wrote_the_page(backend, make_ma
     assert bool((got == 9).all()), "prefix_match copied before the default stream's fill"
     match.vtensor.release().result()
     vt.release().result()
+
+    # A record that copies nothing still orders vtm's later copies after its
+    # stream: a match made with another (idle) stream reads the final bytes.
+    tokens = [40_000 + t for t in range(512)]
+    vt = sp.create(512).result()
+    rows = kv[vt.slot, : 512 * row].view(512, row)
+    rows.fill_(1)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _busy_then_fill(torch, rows, 5)
+    sp.prefix_record(vt, tokens, stream=side).result()
+    match = sp.prefix_match(tokens[:300] + [SENTINEL], stream=unrelated).result()
+    got = kv[match.vtensor.slot, : 300 * row].view(300, row)[:, :: row // 8].cpu()
+    assert bool((got == 5).all()), "prefix_match overtook the kernels still writing a page the record shared"
+    match.vtensor.release().result()
+    vt.release().result()
     torch.cuda.synchronize()
     mgr.check()
     del kv, rows

@@ -117,6 +117,8 @@ def test_a_client_ignoring_notices_gets_no_more_memory(broker):
     try:
         space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=8)
         vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(7)]  # 14 of 16 chunks
+        recorded = list(range(2 * ROWS_PER_CHUNK))
+        space.prefix_record(vts[0], recorded).result()  # whole pages: a match of it copies nothing
         hspace = high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
         t0 = time.monotonic()
         with pytest.raises(vtm.OutOfMemory):
@@ -126,6 +128,9 @@ def test_a_client_ignoring_notices_gets_no_more_memory(broker):
         time.sleep(2.2)  # past the notice's deadline
         with pytest.raises(vtm.OutOfMemory, match="ignored a reclaim notice"):
             space.create(1).result()
+        # Nor through a match, which maps the recorded pages anew (it was let through as "no new memory").
+        with pytest.raises(vtm.OutOfMemory, match="ignored a reclaim notice"):
+            space.prefix_match(recorded + [7]).result()
         for vt in vts[:4]:  # 8 chunks back: what was asked (all the request needed)
             vt.release().result()
         space.create(1).result()  # paid up: memory again

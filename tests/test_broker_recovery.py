@@ -100,6 +100,67 @@ def test_a_restarted_broker_gets_the_spaces_back_at_the_same_reservation(broker)
         assert held(other) == 0
 
 
+def test_spaces_come_back_when_new_ids_collide(broker):
+    """Review of finding 8: spaces were renamed one at a time, so a new id
+    equal to another space's old one failed the reconnect."""
+    mine = vtm.connect(broker.address, timeout=5)
+    first = mine.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, name="first")  # id 1
+    second = mine.create_space(row_bytes=ROW, max_tokens=100, max_slots=2, name="second")  # id 2
+    views = [(space, RowView(space, "host"), space.base_address) for space in (first, second)]
+    broker.kill()
+    with pytest.raises(vtm.Unavailable):
+        first.create(1).result()
+    broker.start()
+    other = vtm.connect(broker.address, timeout=5)
+    other.create_space(row_bytes=ROW, max_tokens=100, max_slots=1)  # takes id 1: "first" becomes 2
+    try:
+        mine.reconnect(timeout=10)
+        assert (first.id, second.id) == (2, 3)
+        for space, view, base in views:
+            assert space.base_address == base and not space.closed
+            vt = space.create(50).result()
+            view.write(vt.slot, 0, pattern(list(range(50))))
+            assert np.array_equal(view.read(vt.slot, 0, 50 * ROW), pattern(list(range(50))))
+            vt.release().result()
+        mine.check()
+    finally:
+        other.close()
+        mine.close()
+
+
+def test_a_rebuild_the_new_broker_refuses_half_way_changes_nothing(tmp_path):
+    """Review of finding 8: a reconnect that failed half way lost the spaces
+    it had not rebuilt, and the next one "succeeded" with none left. The
+    restarted broker here has a smaller capacity, so its page-table budget
+    (64 entries a chunk, at least 2^20) refuses the second space."""
+    broker = BrokerProcess(tmp_path, capacity_chunks=32768)  # a budget of 2^21 entries
+    try:
+        mgr = vtm.connect(broker.address, timeout=5)
+        small = mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, name="small")
+        large = mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=70000, name="large")  # 1.19M entries
+        broker.kill()
+        with pytest.raises(vtm.Unavailable):
+            small.create(1).result()
+        broker.capacity_bytes = 64 * CHUNK  # a budget of 2^20 entries: "large" no longer fits
+        broker.start()
+        with pytest.raises(vtm.Error) as refused:
+            mgr.reconnect(timeout=10)
+        assert not isinstance(refused.value, vtm.Unavailable)
+        assert not mgr.healthy and not small.closed and not large.closed
+        with vtm.connect(broker.address, timeout=5) as probe:  # the half-made session left nothing behind
+            assert [c["name"] for c in probe.stats()["clients"]] == [probe.name]
+        broker.kill()
+        broker.capacity_bytes = 32768 * CHUNK
+        broker.start()
+        mgr.reconnect(timeout=10)
+        assert mgr.healthy and small.create(10).result().mapped_bytes == CHUNK
+        assert large.create(10).result().mapped_bytes == CHUNK
+        mgr.check()
+        mgr.close()
+    finally:
+        broker.kill()
+
+
 def test_operations_of_the_lost_session_never_reach_the_new_one(broker):
     mgr = vtm.connect(broker.address, timeout=5)
     space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)

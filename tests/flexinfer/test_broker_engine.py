@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import vtm  # noqa: E402
 from broker_testing import BrokerProcess  # noqa: E402
-from flexinfer import LLM  # noqa: E402
+from flexinfer import LLM, InvalidArgument  # noqa: E402
 from flexinfer.cli import main  # noqa: E402
 from vtm.broker import ctl  # noqa: E402
 from test_engine import TINY_PROMPT_LENGTHS, _build_tiny, greedy, random_prompts  # noqa: E402
@@ -202,6 +202,42 @@ def test_a_broker_that_stays_away_fails_requests_and_the_engine_lives_on(tiny_fo
         broker.start()
         back = llm.generate(prompts[:2], greedy(4), use_tqdm=False)
         assert all(o.error is None and len(o.token_ids) == 4 for o in back), [o.error for o in back]
+    finally:
+        llm.close()
+        manager.close()
+
+
+def test_an_idle_engine_reconnects_without_traffic(tiny_folder, broker):
+    """Review of finding 8: only a step reconnected, and an idle loop never
+    stepped: /health stayed 503 after the broker came back, and a load
+    balancer that stops sending traffic on 503 never sent any again."""
+    manager = vtm.connect(broker.address, name="engine-idle", timeout=2)
+    llm = LLM(tiny_folder, manager=manager)
+    try:
+        assert llm.problem is None
+        broker.kill()
+        broker.start()
+        deadline = time.monotonic() + 20
+        while manager.reconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert manager.reconnects == 1 and manager.healthy and llm.problem is None
+        out = llm.generate([[1, 5, 6, 7]], greedy(4), use_tqdm=False)[0]
+        assert out.error is None and len(out.token_ids) == 4
+    finally:
+        llm.close()
+        manager.close()
+
+
+def test_one_broker_connection_serves_one_engine(tiny_folder, broker):
+    """Review of finding 8: a lost session's mappings are revoked on the
+    thread that computes on them; a second engine's thread on the same
+    connection could have had its pages unmapped under its kernels."""
+    manager = vtm.connect(broker.address, name="engine-shared", timeout=2)
+    llm = LLM(tiny_folder, manager=manager)
+    try:
+        with pytest.raises(InvalidArgument, match="connect once per engine"):
+            LLM(tiny_folder, manager=manager)
+        assert llm.generate([[1, 5, 6, 7]], greedy(4), use_tqdm=False)[0].error is None
     finally:
         llm.close()
         manager.close()

@@ -77,6 +77,7 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 log = logging.getLogger("vtm.broker")
 
 _BYE_TIMEOUT_S = 2.0
+_PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
 
 
 def _message(cls, what: str, **fields):
@@ -111,6 +112,7 @@ class RemoteManager:
         self._revoke_mu = threading.Lock()
         self._op_mu = threading.Lock()  # held by the worker around each operation, and by reconnect()
         self._epoch = 0  # sessions opened after the first
+        self._compute_thread = None  # bind_thread()
         self._spaces: dict[int, RemoteSpace] = {}
         self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, RemoteVTensor] = {}
@@ -276,6 +278,8 @@ class RemoteManager:
         this file), then says goodbye so the broker frees them now."""
         if not isinstance(error, errors.Unavailable) or self._broken is None:
             return
+        if self._compute_thread not in (None, threading.get_ident()):
+            return  # the bound thread revokes, at its own first error or in reconnect()
         with self._revoke_mu:
             if self._revoked or self._closed:
                 return
@@ -344,22 +348,40 @@ class RemoteManager:
         """True while operations can run: the session is up and not closed."""
         return not self._closed and self._broken is None
 
+    def bind_thread(self) -> None:
+        """Names the calling thread as the one that computes on this
+        manager's memory (a FlexInfer engine's loop): a lost session's
+        mappings are revoked there and nowhere else, since a revoke on any
+        other thread could unmap pages under its kernels. A second thread is
+        refused (vtm.FailedPrecondition): connect once per computing thread;
+        each connection is a session of its own."""
+        current = threading.get_ident()
+        if self._compute_thread not in (None, current):
+            raise errors.FailedPrecondition(
+                "this vtm.connect manager already serves another computing thread (an engine): its mappings "
+                "are revoked on that thread when the broker goes away; connect once per engine")
+        self._compute_thread = current
+
     def reconnect(self, timeout: float | None = None) -> None:
         """After a lost session (healthy is False): a new one. Call it on the
-        thread that computes on this memory: it first unmaps every chunk of
-        the old session here (as a failed vTensor operation does). Then it
-        says hello again (waiting up to `timeout` seconds, default the
-        connect timeout, for a broker that is restarting) and gives every
-        open space a space of the same geometry in the new session; the
-        space keeps its reservation and its tensor views. Every vTensor of
-        the old session is released. Raises vtm.Unavailable when no broker
-        answers in time (try again later), vtm.FailedPrecondition when the
-        manager is closed or the broker came back with another backend or
-        chunk size. Returns at once when the session is up."""
+        thread that computes on this memory (bind_thread): it first unmaps
+        every chunk of the old session here (as a failed vTensor operation
+        does). Then it says hello again (waiting up to `timeout` seconds,
+        default the connect timeout, for a broker that is restarting) and
+        gives every open space a space of the same geometry in the new
+        session; the space keeps its reservation and its tensor views. Every
+        vTensor of the old session is released. Raises vtm.Unavailable when
+        no broker answers in time and another vtm.Error when the new session
+        cannot take the spaces back (both leave the manager as it was: try
+        again later), vtm.FailedPrecondition when the manager is closed, the
+        broker came back with another backend or chunk size, or this is not
+        the bound thread. Returns at once when the session is up."""
         if self._closed:
             raise errors.FailedPrecondition("the manager is closed")
         if self._broken is None:
             return
+        if self._compute_thread not in (None, threading.get_ident()):
+            raise errors.FailedPrecondition("reconnect() belongs to the thread bound with bind_thread()")
         deadline = time.monotonic() + (self._timeout if timeout is None else float(timeout))
         with self._op_mu:
             self._lost(self._broken)
@@ -371,37 +393,57 @@ class RemoteManager:
                     raise errors.FailedPrecondition(
                         f"the vtm broker came back with backend {self.backend}, chunks of {self.chunk_bytes} "
                         f"bytes (was {backend}, {chunk_bytes}): this client's reservations do not fit it")
-                for vt in list(self._live.values()):
-                    vt._released = True
-                self._live.clear()
-                for space in list(self._spaces.values()):
-                    self._reopen_space(space)
+                replies = self._reopen_spaces()
             except BaseException:
                 self._disconnect()
                 raise
+            # Nothing can fail from here: the spaces move to their new ids.
+            for vt in list(self._live.values()):
+                vt._released = True
+            self._live.clear()
+            self._rename_spaces(replies)
             self._epoch += 1
             self._revoked = False
             self._broken = None
             self.reconnects += 1
         log.info("reconnected to the vtm broker at %s: %d spaces rebuilt", self._address, len(self._spaces))
 
-    def _reopen_space(self, space: RemoteSpace) -> None:
-        """A space of the new session for `space`: same geometry, namespace
-        and name, at the same reservation (renamed in the mapper)."""
-        del self._spaces[space.id]
-        request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=space.row_bytes,
-                           max_tokens=space.max_tokens, max_slots=space.max_slots, namespace=space.namespace,
-                           name=space.name)
-        reply = self._rpc("create_space", self._stub.CreateSpace, request)
-        if (reply.max_slots, reply.slot_bytes) != (space.max_slots, space.slot_bytes):
-            self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=reply.space_id))
-            self._mapper.remove_space(space.id)
-            space.closed = True
-            log.warning("space '%s' could not be rebuilt with its geometry: it is closed", space.name)
-            return
-        self._mapper.rename_space(space.id, reply.space_id)
-        space.id = reply.space_id
-        self._spaces[space.id] = space
+    def _reopen_spaces(self) -> dict[int, int]:
+        """A space in the new session for every open space, of the same
+        geometry, namespace and name: {old id: new id}. All or none (a
+        failure closes the ones made, and the old spaces stay as they were)."""
+        made = {}
+        try:
+            for space in self._spaces.values():
+                request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=space.row_bytes,
+                                   max_tokens=space.max_tokens, max_slots=space.max_slots,
+                                   namespace=space.namespace, name=space.name)
+                reply = self._rpc("create_space", self._stub.CreateSpace, request)
+                made[space.id] = reply.space_id
+                if (reply.max_slots, reply.slot_bytes) != (space.max_slots, space.slot_bytes):
+                    raise errors.FailedPrecondition(
+                        f"the vtm broker gives space '{space.name}' another geometry now ({reply.max_slots} slots "
+                        f"of {reply.slot_bytes} bytes, was {space.max_slots} of {space.slot_bytes})")
+        except BaseException:
+            for new_id in made.values():
+                try:
+                    self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=new_id))
+                except errors.Error:
+                    pass  # the session is being dropped: the broker closes it with the session
+            raise
+        return made
+
+    def _rename_spaces(self, new_ids: dict[int, int]) -> None:
+        """Moves every space (its mapper area, reservation and object) to its
+        new id. Through ids no broker gives first (the top bit set), since a
+        new id may be another space's old one."""
+        spaces = [self._spaces.pop(old) for old in new_ids]
+        for space in spaces:
+            self._mapper.rename_space(space.id, _PARKED | space.id)
+        for space in spaces:
+            self._mapper.rename_space(_PARKED | space.id, new_ids[space.id])
+            space.id = new_ids[space.id]
+            self._spaces[space.id] = space
 
     def _apply(self, reply) -> None:
         """Maps the page changes of a reply and updates vTensor state."""

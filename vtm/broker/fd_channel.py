@@ -113,7 +113,7 @@ class FdServer(SeqpacketServer):
         # A pending session holds nothing: whoever has its lease may end it.
         if session.state != PENDING and (conn.uid != os.getuid() or conn.pid != session.pid):
             return _error(errors.FailedPrecondition(f"peer pid {conn.pid} does not hold this lease"))
-        self._service.bye(session)
+        self._service.end_session(session)  # the client unmapped everything first
         return {"bye": True}
 
     # -- fds ------------------------------------------------------------------

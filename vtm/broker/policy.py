@@ -150,7 +150,8 @@ class Policy:
         end = time.monotonic() + self.wait_s
         while time.monotonic() < end:
             with self._mu:
-                if all(v.owed_target is None or v.closed for v in asked):
+                # A victim no longer live (quarantined, closed) frees nothing more by answering.
+                if all(v.owed_target is None or v.state != LIVE for v in asked):
                     break
             time.sleep(0.01)
         return True

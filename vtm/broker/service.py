@@ -150,10 +150,6 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 return
         self.end_session(session)
 
-    def bye(self, session: Session) -> None:
-        """The client ends its session (having unmapped everything)."""
-        self.end_session(session)
-
     def ack(self, session: Session) -> None:
         """The client answered a reclaim notice: its debt may be paid."""
         self.policy.settle(session)
@@ -530,9 +526,11 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         def body(session):
             space_id = self._space(session, request.space_id).id
             tokens = list(request.token_ids)
-            # A match maps recorded chunks and copies at most its partial last page.
-            match = self._allocate(session, 0, lambda: self._space(session, space_id).prefix_match(tokens).result(),
-                                   gate_bytes=self._chunk_bytes)
+            # A match maps recorded chunks and copies at most its partial last
+            # page: admitted as one chunk, so a client over its limit, or
+            # past a reclaim notice's deadline, gets no memory this way either.
+            match = self._allocate(session, self._chunk_bytes,
+                                   lambda: self._space(session, space_id).prefix_match(tokens).result())
             if match.vtensor is None:
                 return self._reply(session, matched_tokens=0)
             mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes

@@ -79,9 +79,6 @@ class Session:
     def closed(self) -> bool:
         return self.state == CLOSED
 
-    def quota(self) -> Quota:
-        return Quota(self.priority, self.guaranteed_bytes, self.limit_bytes)
-
     def grant(self, granted: Quota) -> None:
         self.priority, self.guaranteed_bytes, self.limit_bytes = granted
 

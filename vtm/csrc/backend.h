@@ -101,6 +101,10 @@ class Backend {
   // 0 the legacy default stream, which orders after every blocking stream),
   // or nullptr where there is nothing to wait for (host: `stream` is ignored).
   virtual std::shared_ptr<Fence> record_fence(std::uintptr_t stream) = 0;
+  // Every copy made after this call runs after the work before `fence`. For
+  // a prefix record that shares pages without copying them: a later match
+  // copies from them, and must not overtake the kernels still writing them.
+  virtual void order_copies_after(const Fence& fence) = 0;
 
   // Copy the first `bytes` of `src` into `dst` (both chunks, possibly not
   // mapped anywhere), after the work before `after` (null: nothing to wait

@@ -60,6 +60,7 @@ class CheckedBackend final : public Backend {
   int export_fd(ChunkHandle chunk) override;
   ChunkHandle import_fd(int fd, std::size_t bytes) override;
   std::shared_ptr<Fence> record_fence(std::uintptr_t stream) override { return inner_->record_fence(stream); }
+  void order_copies_after(const Fence& fence) override { inner_->order_copies_after(fence); }
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) override;
 
  private:

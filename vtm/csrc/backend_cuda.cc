@@ -546,6 +546,16 @@ class CudaBackend final : public Backend {
     return fence;
   }
 
+  void order_copies_after(const Fence& after) override {
+    const auto* fence = dynamic_cast<const CudaFence*>(&after);
+    if (fence == nullptr)
+      Throw(ErrorCode::kInvalidArgument, "order_copies_after: the fence was not recorded by a cuda backend");
+    // Queued on the copy stream: every later copy on it waits too.
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    ScopedContext current(fn_, context_.get());
+    Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
+  }
+
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) override {
     const std::size_t dst_bytes = ChunkBytes("copy", dst);
     const std::size_t src_bytes = ChunkBytes("copy", src);

@@ -181,6 +181,7 @@ class HostBackend final : public Backend {
 
   // The host's producers are CPU kernels that finish before they return.
   std::shared_ptr<Fence> record_fence(std::uintptr_t) override { return nullptr; }
+  void order_copies_after(const Fence&) override {}
 
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence*) override {
     TempMapping s(src, bytes, PROT_READ);

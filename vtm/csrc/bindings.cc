@@ -509,14 +509,19 @@ PYBIND11_MODULE(_core, m) {
             return Wait(mgr, NoGil([&] { return Core(mgr).Trim(b); }));
           },
           py::arg("bytes") = py::none())
-      .def("stats", [](const std::shared_ptr<PyManager>& mgr) {
-        Stats st;
-        {
-          py::gil_scoped_release release;
-          st = Core(mgr).GetStats();
-        }
-        return StatsDict(st);
-      })
+      .def(
+          "stats",
+          // `timeout` is the broker client's (vtm.connect): in process the
+          // answer is at hand, so it is accepted and has nothing to bound.
+          [](const std::shared_ptr<PyManager>& mgr, std::optional<double>) {
+            Stats st;
+            {
+              py::gil_scoped_release release;
+              st = Core(mgr).GetStats();
+            }
+            return StatsDict(st);
+          },
+          py::arg("timeout") = py::none())
       .def("check", [](const std::shared_ptr<PyManager>& mgr) { Core(mgr).Check(); },
            py::call_guard<py::gil_scoped_release>())
       // The API a broker client shares (vtm.connect): an in-process manager
@@ -524,6 +529,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly(
           "healthy", [](const std::shared_ptr<PyManager>& mgr) { return NoGil([&] { return Core(mgr).open(); }); })
       .def_property_readonly("reconnects", [](const std::shared_ptr<PyManager>&) { return 0; })
+      .def_property_readonly("limit_bytes", [](const std::shared_ptr<PyManager>&) { return 0; },
+                             "0: no limit but the capacity (a broker client's is the operator's)")
+      .def("bind_thread", [](const std::shared_ptr<PyManager>&) {},
+           "A broker client's: it revokes on that thread. In process there is nothing to revoke, and every "
+           "thread may compute on the memory.")
       .def(
           "reconnect",
           [](const std::shared_ptr<PyManager>& mgr, std::optional<double>) {
