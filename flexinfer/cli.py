@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 import time
 
@@ -253,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version or a bad argument (already printed)
         return exc.code
     args.broker = None
+    if args.command != "serve":  # serve handles SIGINT as a graceful shutdown (server/graceful.py)
+        # Ctrl-C stops a command even where it was started with SIGINT
+        # ignored, as non-interactive shells start background jobs.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.fn(args)
     except _USER_ERRORS as e:

@@ -117,3 +117,15 @@ def tiny_gpu_folder(tmp_path_factory):
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     _bench_gpu_script().save_tokenizer(folder, config.vocab_size)  # ids 0, 1, 2: unk, bos, eos
     return str(folder)
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT raises KeyboardInterrupt in this process for the test: a test
+    runner started as a background job of a non-interactive shell inherits
+    SIGINT ignored, and Python then installs no handler for it."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

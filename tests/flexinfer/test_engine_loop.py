@@ -158,7 +158,7 @@ def test_two_threads_generating_at_once_get_their_own_outputs(tiny):
         assert_idle_and_released(llm)
 
 
-def test_ctrl_c_cancels_the_interrupted_generate(tiny, monkeypatch):
+def test_ctrl_c_cancels_the_interrupted_generate(tiny, monkeypatch, python_sigint):
     """The Ctrl-C arrives after the engine's first step, while generate waits
     for the ~1,000 steps left: at a point in the work, not after a delay (a
     timer lost the race on fast machines, and its late signal killed pytest)."""
