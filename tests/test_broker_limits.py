@@ -128,7 +128,10 @@ def test_closed_spaces_cost_nothing_in_the_broker(tmp_path):
             rss0, stats0 = rss_bytes(b.proc.pid), _median_seconds(mgr.stats)
             _cycles(mgr, 9500)
             rss1, stats1 = rss_bytes(b.proc.pid), _median_seconds(mgr.stats)
-            assert rss1 - rss0 < 16 * MiB, f"vtmd grew from {rss0 / MiB:.1f} to {rss1 / MiB:.1f} MiB"
+            # Under AddressSanitizer (make test-sanitize) freed memory waits in
+            # its quarantine (256 MiB) before reuse: RSS grows by design there.
+            if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+                assert rss1 - rss0 < 16 * MiB, f"vtmd grew from {rss0 / MiB:.1f} to {rss1 / MiB:.1f} MiB"
             assert stats1 < 3 * stats0 + 0.002, f"stats() went from {stats0 * 1e3:.2f} to {stats1 * 1e3:.2f} ms"
             stats = mgr.stats()
             assert stats["spaces"] == {} and stats["chunks_held"] == 0
