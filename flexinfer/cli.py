@@ -120,6 +120,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manager", default=None, metavar="unix:PATH",
                    help="use the vtm broker (vtmd) at this address instead of an in-process manager; "
                         "--backend and --kv-capacity-gib are then the broker's")
+    p.add_argument("--client-name", default=None, metavar="NAME",
+                   help="the name this process connects to --manager under, which the operator's quotas "
+                        "(priority, guarantee, limit) are keyed by (default: flexinfer-COMMAND)")
     p.add_argument("--max-model-len", type=_positive_int, default=4096,
                    help="most tokens (prompt + output) of one request; capped at the model's own maximum")
     p.add_argument("--max-num-seqs", type=_positive_int, default=32,
@@ -152,7 +155,7 @@ def _engine(args) -> LLM:
     manager = None
     if args.manager is not None:
         # Closed by main() after the command: an LLM never closes a manager it was given.
-        manager = args.broker = vtm.connect(args.manager, name=f"flexinfer-{args.command}")
+        manager = args.broker = vtm.connect(args.manager, name=args.client_name or f"flexinfer-{args.command}")
     capacity = max(1, math.ceil(args.kv_capacity_gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,

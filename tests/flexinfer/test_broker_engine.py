@@ -150,6 +150,17 @@ def test_cli_manager_flag_reaches_the_broker(tmp_path, tiny_folder, capsys):
     assert "no vtm broker answers" in capsys.readouterr().err
 
 
+def test_client_name_flag_picks_the_operators_quota(tiny_folder, broker, capsys):
+    """Issue 17, finding 13: every CLI process connected as flexinfer-generate,
+    so one quota hit all of them, and no flag named a client."""
+    assert ctl.main(["--address", broker.address, "set-quota", "tenant-x", str(2 * PAGE)]) == 0
+    args = ["generate", "--model", tiny_folder, "--manager", broker.address, "--prompt", "a b c d e f g h",
+            "--max-tokens", "40"]
+    assert main(args + ["--client-name", "tenant-x"]) == 2  # 2 pages of 8 rows: 48 tokens never fit
+    assert "kv" in capsys.readouterr().err.lower()
+    assert main(args) == 0  # flexinfer-generate has no limit
+
+
 def test_a_broker_restart_is_a_preemption(tiny_folder, broker):
     """Issue 17, finding 8: SIGKILL the broker mid-generate and start it
     again. The running request resumes by recompute and ends with the tokens
