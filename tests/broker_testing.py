@@ -8,8 +8,10 @@ teardown make sure none outlives its test.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -285,6 +287,39 @@ def memfd_inodes(pid: int) -> set[int]:
             if len(fields) >= 6 and fields[5].startswith("/memfd:vtm-chunk"):
                 inodes.add(int(fields[4]))
     return inodes
+
+
+@pytest.fixture
+def spawn():
+    """Starts spawned client processes (run_child(target, *args)); kills any
+    still alive at teardown."""
+    import vtm
+
+    context = multiprocessing.get_context("spawn")
+    vtm_root = os.path.dirname(os.path.dirname(os.path.abspath(vtm.__file__)))
+    children = []
+
+    def start(target, *args):
+        p = context.Process(target=run_child, args=(vtm_root, target, *args), daemon=True)
+        p.start()
+        children.append(p)
+        return p
+
+    yield start
+    for p in children:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+def median_seconds(fn, n: int = 15) -> float:
+    """The median time of n calls of fn()."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def rss_bytes(pid: int) -> int:

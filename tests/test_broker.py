@@ -19,30 +19,13 @@ import pytest
 
 import vtm
 from broker_testing import (CHUNK, ROW, BrokerProcess, RowView, child_allocate, child_extend_forever, child_record,
-                            held, pattern, run_child)
+                            held, pattern)
 from broker_testing import broker  # noqa: F401 (a fixture)
+from broker_testing import spawn  # noqa: F401 (a fixture)
 
 CTX = multiprocessing.get_context("spawn")
 
 
-@pytest.fixture
-def spawn():
-    """Starts spawned children; kills any still alive at teardown."""
-    children = []
-
-    vtm_root = os.path.dirname(os.path.dirname(os.path.abspath(vtm.__file__)))
-
-    def start(target, *args):
-        p = CTX.Process(target=run_child, args=(vtm_root, target, *args), daemon=True)
-        p.start()
-        children.append(p)
-        return p
-
-    yield start
-    for p in children:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
 
 
 def wait_until(predicate, timeout: float, step: float = 0.02, on_fail=None) -> float:

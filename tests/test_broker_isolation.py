@@ -17,30 +17,15 @@ import pytest
 
 import vtm
 from broker_testing import (ROW, BrokerProcess, child_allocate_release_hold, child_quarantined, end_liveness_stream,
-                            held, memfd_inodes, pattern, run_child)
+                            held, memfd_inodes, pattern)
 from broker_testing import broker  # noqa: F401 (a fixture)
+from broker_testing import spawn  # noqa: F401 (a fixture)
 from vtm.broker import step_channel
 
 CTX = multiprocessing.get_context("spawn")
 ROWS_PER_CHUNK = 65  # 64 KiB chunks of 1,000-byte rows: n * 65 rows need n chunks
 
 
-@pytest.fixture
-def spawn():
-    children = []
-    vtm_root = os.path.dirname(os.path.dirname(os.path.abspath(vtm.__file__)))
-
-    def start(target, *args):
-        p = CTX.Process(target=run_child, args=(vtm_root, target, *args), daemon=True)
-        p.start()
-        children.append(p)
-        return p
-
-    yield start
-    for p in children:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:

@@ -7,34 +7,18 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import statistics
 import time
 
 import pytest
 
 import vtm
-from broker_testing import CHUNK, ROW, BrokerProcess, child_idle_sessions, rss_bytes, run_child
+from broker_testing import CHUNK, ROW, BrokerProcess, child_idle_sessions, median_seconds, rss_bytes
+from broker_testing import spawn  # noqa: F401 (a fixture)
 
 CTX = multiprocessing.get_context("spawn")
 MiB = 1 << 20
 
 
-@pytest.fixture
-def spawn():
-    children = []
-    vtm_root = os.path.dirname(os.path.dirname(os.path.abspath(vtm.__file__)))
-
-    def start(target, *args):
-        p = CTX.Process(target=run_child, args=(vtm_root, target, *args), daemon=True)
-        p.start()
-        children.append(p)
-        return p
-
-    yield start
-    for p in children:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
 
 
 def honest_work(address: str) -> None:
@@ -104,13 +88,6 @@ def test_spaces_are_bounded_by_the_capacity_and_counted_per_client(tmp_path):
         b.kill()
 
 
-def _median_seconds(fn, n: int = 15) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _cycles(mgr, n: int) -> None:
@@ -125,9 +102,9 @@ def test_closed_spaces_cost_nothing_in_the_broker(tmp_path):
     try:
         with vtm.connect(b.address, name="cycler") as mgr:
             _cycles(mgr, 500)  # allocator and caches warm
-            rss0, stats0 = rss_bytes(b.proc.pid), _median_seconds(mgr.stats)
+            rss0, stats0 = rss_bytes(b.proc.pid), median_seconds(mgr.stats)
             _cycles(mgr, 9500)
-            rss1, stats1 = rss_bytes(b.proc.pid), _median_seconds(mgr.stats)
+            rss1, stats1 = rss_bytes(b.proc.pid), median_seconds(mgr.stats)
             # Under AddressSanitizer (make test-sanitize) freed memory waits in
             # its quarantine (256 MiB) before reuse: RSS grows by design there.
             if "libasan" not in os.environ.get("LD_PRELOAD", ""):

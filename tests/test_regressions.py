@@ -1,13 +1,13 @@
 """Regression tests for bugs a review of the manager found (each failed before its fix)."""
 
 import os
-import statistics
 import threading
 import time
 
 import pytest
 
 import vtm
+from broker_testing import median_seconds, rss_bytes
 from vtm_testing import BACKEND, CHUNK as C, SCALE, SENTINEL, new_manager
 
 
@@ -249,18 +249,8 @@ def test_cuda_copy_on_write_waits_for_its_own_stream_only(backend):
         mgr.close()
 
 
-def _rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
-def _median_seconds(fn, n: int = 15) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def test_closed_spaces_cost_nothing():
@@ -277,9 +267,9 @@ def test_closed_spaces_cost_nothing():
             space.close()
     try:
         cycles(500)  # allocator and caches warm
-        rss0, stats0 = _rss_bytes(), _median_seconds(mgr.stats)
+        rss0, stats0 = rss_bytes(os.getpid()), median_seconds(mgr.stats)
         cycles(9500)
-        rss1, stats1 = _rss_bytes(), _median_seconds(mgr.stats)
+        rss1, stats1 = rss_bytes(os.getpid()), median_seconds(mgr.stats)
         assert rss1 - rss0 < 16 << 20, f"the process grew from {rss0 >> 20} to {rss1 >> 20} MiB"
         assert stats1 < 3 * stats0 + 0.002, f"stats() went from {stats0 * 1e3:.2f} to {stats1 * 1e3:.2f} ms"
         space = mgr.create_space(row_bytes=1000 * SCALE, max_tokens=100, max_slots=1, name="last")

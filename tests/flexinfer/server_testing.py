@@ -15,10 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -142,3 +144,45 @@ class ServerProcess:
                 self.process.wait()
         self._log.close()
         return self.process.returncode
+
+
+def start_in_thread(app):
+    """uvicorn serving `app` on a thread of this process: (server, thread, url)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{server.config.port}"
+
+
+# The engine every server test compares against, and the flags that make a
+# server run that same engine (a 64 MiB pool, torch's linear, one thread).
+MAX_MODEL_LEN = 1024
+SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-capacity-gib", "0.0625", "--linear", "torch",
+                "--threads", "1"]
+ENGINE_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
+
+
+def greedy(max_tokens: int, **kwargs):
+    from flexinfer import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat):
+    """The in-process engine a server's answers are compared with."""
+    from flexinfer import LLM
+
+    with LLM(tiny_chat, **ENGINE_OPTIONS) as llm:
+        yield llm

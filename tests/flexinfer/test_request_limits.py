@@ -15,29 +15,13 @@ import pytest
 
 pytest.importorskip("transformers")  # builds the tiny model's weights
 
-from server_testing import build_tiny_chat_model, small_pool_llm  # noqa: E402
+from server_testing import ENGINE_OPTIONS, greedy, small_pool_llm  # noqa: E402
+from server_testing import reference, tiny_chat  # noqa: E402,F401 (fixtures)
 
-from flexinfer import LLM, SamplingParams  # noqa: E402
+from flexinfer import SamplingParams  # noqa: E402
 from flexinfer.detokenizer import IncrementalText, final_text  # noqa: E402
 from flexinfer.errors import InvalidArgument  # noqa: E402
 from flexinfer.inputs import KVBudget  # noqa: E402
-
-ENGINE_OPTIONS = dict(max_model_len=1024, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory) -> str:
-    return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_chat):
-    with LLM(tiny_chat, **ENGINE_OPTIONS) as llm:
-        yield llm
-
-
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
 # -- SamplingParams ------------------------------------------------------------------

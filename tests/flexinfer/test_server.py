@@ -25,22 +25,15 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from server_testing import ServerProcess, build_tiny_chat_model, free_port  # noqa: E402
+from server_testing import (ENGINE_OPTIONS, MAX_MODEL_LEN, SERVER_FLAGS, ServerProcess, greedy,  # noqa: E402
+                            start_in_thread)
+from server_testing import reference, tiny_chat  # noqa: E402,F401 (fixtures)
 
-from flexinfer import LLM, ModelLoadError, SamplingParams  # noqa: E402
+from flexinfer import LLM, ModelLoadError  # noqa: E402
 
-MAX_MODEL_LEN = 1024
-SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-capacity-gib", "0.0625", "--linear", "torch",
-                "--threads", "1"]
-ENGINE_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
 PROMPTS = ["The capital of France is", "Write a short story about a robot", "def fibonacci(n):",
            "Hello! How are you today?", "What is 2 + 2?", "The capital of Italy is", "you are a helpful assistant",
            "Paris. Rome. Paris."]
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory) -> str:
-    return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +46,9 @@ def server(tiny_chat, tmp_path_factory):
         process.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_chat):
-    with LLM(tiny_chat, **ENGINE_OPTIONS) as llm:
-        yield llm
-
-
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
 def metrics(server) -> dict[str, float]:
@@ -448,19 +431,6 @@ def test_serving_on_a_vtm_broker(tiny_chat, tmp_path, reference):
 # -- lifetime, in this process --------------------------------------------------
 
 
-def _start_in_thread(app):
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{server.config.port}"
-
-
 def test_503_while_loading_then_serves(tiny_chat):
     from flexinfer.server.app import create_app
 
@@ -472,7 +442,7 @@ def test_503_while_loading_then_serves(tiny_chat):
         loaded.append(LLM(tiny_chat, **ENGINE_OPTIONS))
         return loaded[0]
 
-    server, thread, url = _start_in_thread(create_app(load, "tiny"))
+    server, thread, url = start_in_thread(create_app(load, "tiny"))
     try:
         for response in (httpx.get(f"{url}/health"), httpx.get(f"{url}/v1/models"),
                          httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"})):
@@ -502,7 +472,7 @@ def test_a_model_that_fails_to_load_is_reported(tmp_path):
     def load() -> LLM:
         return LLM(str(tmp_path / "missing"))
 
-    server, thread, url = _start_in_thread(create_app(load, "tiny", told.append))
+    server, thread, url = start_in_thread(create_app(load, "tiny", told.append))
     try:
         deadline = time.monotonic() + 10
         while not told:

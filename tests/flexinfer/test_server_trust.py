@@ -28,21 +28,12 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from server_testing import (SMALL_CHUNK, SMALL_POOL_CHUNKS, ServerProcess, build_tiny_chat_model,  # noqa: E402
-                            free_port, small_pool_llm)
+from server_testing import (ENGINE_OPTIONS, MAX_MODEL_LEN, SERVER_FLAGS, SMALL_CHUNK, SMALL_POOL_CHUNKS,  # noqa: E402
+                            ServerProcess, greedy, small_pool_llm, start_in_thread)
+from server_testing import reference, tiny_chat  # noqa: E402,F401 (fixtures)
 
 import vtm  # noqa: E402
-from flexinfer import LLM, SamplingParams  # noqa: E402
-
-MAX_MODEL_LEN = 1024
-SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-capacity-gib", "0.0625", "--linear", "torch",
-                "--threads", "1"]
-ENGINE_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory) -> str:
-    return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+from flexinfer import LLM  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +46,6 @@ def server(tiny_chat, tmp_path_factory):
         yield process
     finally:
         process.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_chat):
-    with LLM(tiny_chat, **ENGINE_OPTIONS) as llm:
-        yield llm
-
-
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -107,19 +88,6 @@ def assert_serves(url: str, reference: LLM, prompt: str = "The capital of France
     wait_idle(url)
 
 
-def _start_in_thread(app):
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{server.config.port}"
-
-
 @pytest.fixture
 def in_process(tiny_chat):
     """An app in this process (to reach into its LLM), started by `start(llm)`; stopped at the end."""
@@ -128,7 +96,7 @@ def in_process(tiny_chat):
     running = []
 
     def start(llm: LLM, **kwargs):
-        server, thread, url = _start_in_thread(create_app(lambda: llm, "tiny", **kwargs))
+        server, thread, url = start_in_thread(create_app(lambda: llm, "tiny", **kwargs))
         running.append((server, thread))
         deadline = time.monotonic() + 30
         while httpx.get(f"{url}/health").status_code != 200:
