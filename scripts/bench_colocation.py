@@ -1,6 +1,6 @@
 """Colocation through the vtm broker (vtmd), against the in-process baselines.
 
-Three parts, each a comparison within one run (DESIGN.md section 7):
+Three parts, each a comparison within one run (docs/design.md §7):
 
 1. RPC round trip: a batched step over 32 vTensors through the broker
    (vtm.connect over the Unix socket: the step socket, its fast path) against

@@ -19,7 +19,7 @@ Three parts, run on the host backend and, where a CUDA driver exists, on CUDA:
    pre-extend (submit the next step's mgr.step, compute, then wait), against
    compute alone.
 
-Every comparison is a ratio of medians within one run (DESIGN.md section 7).
+Every comparison is a ratio of medians within one run (docs/design.md §7).
 
     python scripts/bench_vtm.py [--quick] [--json PATH] [--backend host|cuda|all]
 

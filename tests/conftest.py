@@ -1,6 +1,6 @@
 """Shared fixtures and helpers for the vtm test suite.
 
-The tests are written from docs/api.md and DESIGN.md sections 3 and 4, not from
+The tests are written from docs/api.md and docs/design.md §3 and §4, not from
 the implementation. Byte checks write a deterministic pattern into every row a
 vTensor gains: the bytes of row ``t`` depend only on the token prefix
 ``tokens[:t+1]`` (and the row size), so two vTensors holding the same prefix

@@ -652,7 +652,7 @@ def test_space_close_releases_its_vtensors(make_manager):
 
 
 # --------------------------------------------------------------------------
-# ordering against the kernels that wrote the bytes (DESIGN §5)
+# ordering against the kernels that wrote the bytes (docs/design.md §5)
 
 
 def _busy_then_fill(torch, rows, value):

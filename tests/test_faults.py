@@ -3,8 +3,8 @@ operation must then fail with a typed error and leave the state as it was.
 
 docs/api.md, Errors: "A failed operation leaves every vTensor, the tree and the
 pool accounting as they were; only caches (free chunks, pages of released
-slots) may have been reclaimed on the way." DESIGN.md 3: "a failed operation
-(out of memory, injected fault, bad argument) leaves all state exactly as before it".
+slots) may have been reclaimed on the way." docs/design.md §3: "a failed operation
+(out of memory, an injected fault, a bad argument) leaves all state exactly as before it".
 """
 
 import pytest

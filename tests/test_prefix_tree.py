@@ -3,7 +3,7 @@
 docs/api.md: prefix_record returns the number of tokens newly added; prefix_match
 returns the longest recorded prefix capped at len(query)-1, as a new vTensor whose
 full pages map the recorded chunks and whose partial last page is a private copy.
-DESIGN.md 3: per node the tree keeps the chunks of pages that begin inside the
+docs/design.md §3: per node the tree keeps the chunks of pages that begin inside the
 node plus its own version of the page straddling its start (siblings diverge
 inside a page); eviction removes only unlocked leaves, LRU first.
 """
@@ -403,7 +403,7 @@ def test_clear_prefixes_keeps_locked(make_manager):
 
 
 # --------------------------------------------------------------------------
-# DESIGN.md 3: "a page that a vTensor shares with another vTensor or the tree is
+# docs/design.md §3: "a page that a vTensor shares with another vTensor or the tree is
 # never written by it: the first page a request writes into is always private
 # (copied if it held shared bytes)".
 

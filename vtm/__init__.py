@@ -2,7 +2,7 @@
 
 An LLM KV cache in contiguous virtual memory whose physical chunks are mapped
 on demand, shared by prefix, and managed on CPU worker threads. See
-docs/api.md for the whole API and DESIGN.md for the architecture.
+docs/api.md for the whole API and docs/design.md for the design.
 """
 
 from vtm._core import (

@@ -27,8 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from flexinfer.llm import LLM
+from flexinfer.server.config import ServerLimits
 from flexinfer.server.errors import install_error_handlers, unavailable
-from flexinfer.server.limits import BodyLimit, ServerLimits, parse_body
+from flexinfer.server.limits import BodyLimit, parse_body
 from flexinfer.server.metrics import ServerMetrics
 from flexinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from flexinfer.server.serving import Serving

@@ -1,7 +1,8 @@
 """What the server refuses to take on, so that no request (careless or
 hostile) can stall the event loop or queue unbounded work: the size of a
 request body, the sequences one request may ask for, and the sequences
-queued in the engine at once.
+queued in the engine at once. The limits' values are ServerLimits
+(config.py).
 
 - BodyLimit (ASGI middleware): a body over `max_body_bytes` is answered 413
   from its Content-Length before a byte of it is read, or as soon as a
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi.exceptions import RequestValidationError
@@ -37,29 +37,6 @@ Body = TypeVar("Body", bound=BaseModel)
 # pydantic hold the GIL, so this only lets the loop in between; the body
 # limit is what bounds the time (about 10 ms a MB on the development VM).
 _PARSE_INLINE_BYTES = 256 << 10
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Defaults (and `flexinfer serve` flags, see main.py):
-    max_seqs_per_request: prompts x n of one request (OpenAI's n goes to 128);
-    max_queued_seqs: sequences admitted and not finished, over all requests
-      (each holds its prompt's token ids; 32 run at once by default);
-    max_body_bytes: 8 MiB holds 256 prompts of 4,096 token ids as JSON;
-    metrics_timeout_s: how long /metrics waits for the engine's figures."""
-
-    max_seqs_per_request: int = 256
-    max_queued_seqs: int = 1024
-    max_body_bytes: int = 8 << 20
-    metrics_timeout_s: float = 2.0
-
-    def __post_init__(self):
-        for name in ("max_seqs_per_request", "max_queued_seqs", "max_body_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not self.metrics_timeout_s > 0:
-            raise ValueError(f"metrics_timeout_s must be > 0, got {self.metrics_timeout_s!r}")
 
 
 class Admission:

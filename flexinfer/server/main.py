@@ -20,7 +20,7 @@ from typing import Callable
 
 from flexinfer.errors import FlexInferError
 from flexinfer.llm import LLM
-from flexinfer.server.limits import ServerLimits
+from flexinfer.server.config import ServerLimits
 
 _LIMITS = ServerLimits()
 
@@ -49,10 +49,14 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
     """Serve until SIGTERM / Ctrl-C. `load()` builds the LLM (in a thread,
     while the server already answers 503). Returns the exit status: 0, or 2
     when the model failed to load."""
-    import uvicorn
+    try:
+        import uvicorn
 
-    from flexinfer.server.app import create_app
-    from flexinfer.server.graceful import GracefulServer
+        from flexinfer.server.app import create_app
+        from flexinfer.server.graceful import GracefulServer
+    except ImportError as exc:
+        raise FlexInferError(f"flexinfer serve needs the serve extra ({exc}): "
+                             "pip install 'vtm[serve]' (from a clone: pip install '.[serve]')") from None
 
     if args.shutdown_timeout < 0:
         raise FlexInferError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")

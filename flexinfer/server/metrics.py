@@ -9,7 +9,7 @@ event loop: with a vtm broker it is a call to another process) and kept:
 a read that fails or takes longer than the timeout leaves the previous
 figures in place, marked by `flexinfer_metrics_stale` and counted in
 `flexinfer_metrics_stats_failures_total`, and is never retried while it is
-still running. Names follow DESIGN §7: `flexinfer_` / `vtm_` prefixes,
+still running. Names follow docs/design.md §7: `flexinfer_` / `vtm_` prefixes,
 base units, `_total` on counters.
 """
 

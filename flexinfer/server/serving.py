@@ -30,10 +30,11 @@ from flexinfer.errors import ChatTemplateError, EngineClosed, InvalidArgument
 from flexinfer.inputs import check_prompt, request_problem
 from flexinfer.llm import LLM
 from flexinfer.sampling import SamplingParams
+from flexinfer.server.config import ServerLimits
 from flexinfer.server.disconnect import EventStreamResponse, unless_disconnected
 from flexinfer.server.errors import APIError, bad_request, too_busy, unavailable
 from flexinfer.server.generation import Generation
-from flexinfer.server.limits import Admission, ServerLimits
+from flexinfer.server.limits import Admission
 from flexinfer.server.metrics import ServerMetrics
 from flexinfer.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionRequest,

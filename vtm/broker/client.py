@@ -33,7 +33,7 @@ the memory from under one: a fault on the host, an illegal address on CUDA).
 Then it says goodbye, so a broker that still holds the session frees it at
 once.
 
-A lost session is a preemption, not the end (DESIGN §6): `reconnect()`, on
+A lost session is a preemption, not the end (docs/design.md §6): `reconnect()`, on
 that same thread, opens a new session (the broker restarted, or came back)
 and gives every open space a new one of the same geometry, keeping its
 reservation, so tensor views of it stay valid; the old session's vTensors
@@ -585,7 +585,7 @@ class RemoteManager:
         # The broker copies the recorded bytes in its own process, where no
         # stream of ours orders anything: the bytes are made final (the work
         # queued on `stream` now has finished; None on the host) before the
-        # call is sent (DESIGN §5).
+        # call is sent (docs/design.md §5).
         fence = self._mapper.record_fence(stream)
 
         def run():

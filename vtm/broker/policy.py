@@ -1,5 +1,5 @@
 """The broker's memory policy across clients: limits, priorities and
-cooperative reclaim (DESIGN §6, docs/broker.md).
+cooperative reclaim (docs/design.md §6, docs/broker.md).
 
 A mapped chunk cannot be revoked from a live process (its mapping keeps the
 memory alive), so reclaim is cooperative. Under pressure the manager itself

@@ -1,5 +1,5 @@
 """The operator's word on each client: its priority, guarantee and limit
-(DESIGN §6, "Trust model"). They come from vtmd's configuration, keyed by
+(docs/design.md §6, "Trust model"). They come from vtmd's configuration, keyed by
 the name a client connects under, never from the client: a client may ask
 for less (a lower priority, a smaller guarantee, a tighter limit), never
 for more.

@@ -91,7 +91,7 @@ def _clear_stale(path: str, kind: int) -> None:
 
 
 def _raise_fd_limit() -> None:
-    # One fd per chunk is kept in the broker (DESIGN §6).
+    # One fd per chunk is kept in the broker (docs/design.md §6).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -20,7 +20,7 @@ Invariants (guarded by `lock`, which also serialises the client's calls):
     created (or matched); nothing of another client is reachable through them;
   * pages[(space, slot, page)] is the (chunk, serial) mapped there as the
     client was last told; serial_refs[s] counts those pages, so a chunk's fd
-    is handed out only while the client maps it (DESIGN §6);
+    is handed out only while the client maps it (docs/design.md §6);
   * pid and pidfd are set exactly from attach on; once CLOSED the session
     holds nothing, and its pidfd is closed;
   * table_entries is the page-table size of its open spaces (service.py);

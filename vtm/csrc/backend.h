@@ -42,8 +42,8 @@ using ChunkHandle = std::uint64_t;
 // the fence was recorded. vtm copies bytes that kernels wrote (a prefix
 // record's copy of the page being written, a match's copy-on-write), and
 // those kernels may still be running when the copy is submitted: a copy
-// given a fence runs after that work, never before (DESIGN §5, "Ordering on
-// a GPU"). Producers that finish before they return, as the host backend's
+// given a fence runs after that work, never before (docs/design.md §5,
+// "Ordering on a GPU"). Producers that finish before they return, as the host backend's
 // CPU kernels do, need no fence.
 class Fence {
  public:

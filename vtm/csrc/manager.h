@@ -5,7 +5,7 @@
 // and the executor. It decides what is mapped where; its Mapper carries the
 // decisions out: a LocalMapper maps into this process's reservations, a
 // RecordingMapper (the broker, `record_mappings`) maps nothing and keeps the
-// effects for DrainEffects, so a client process maps them (DESIGN §6).
+// effects for DrainEffects, so a client process maps them (docs/design.md §6).
 //
 // The implementation is split by concern: manager.cc (construction,
 // submission, spaces), manager_slots.cc (the vSet), manager_chunks.cc
@@ -148,7 +148,7 @@ class Manager {
   // The copies these make (the page being written, the copy-on-write page)
   // run after the work queued on `stream` before the call (a fence recorded
   // here, on the caller's thread; CUDA only, 0 = the legacy default stream):
-  // the kernels that wrote those bytes may still be running (DESIGN §5).
+  // the kernels that wrote those bytes may still be running (docs/design.md §5).
   std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
                                             std::uintptr_t stream);
   std::shared_ptr<FutureState> PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens,

@@ -180,7 +180,7 @@ ChunkHandle Manager::CreateChunk(int* fd) {
   ChunkHandle handle = backend_->create_chunk(chunk_bytes_);
   if (!export_chunks_) return handle;
   // Exported once, here, off the critical path of a client's mapping: on
-  // CUDA an export costs ~0.5 ms (DESIGN §6); clients get dups of this fd.
+  // CUDA an export costs ~0.5 ms (docs/design.md §6); clients get dups of this fd.
   try {
     *fd = backend_->export_fd(handle);
   } catch (...) {

@@ -138,7 +138,7 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   std::vector<ChunkId> pages = sp.slots[slot].pages;
   // The recorder's next row goes into the page holding byte n*R. When that
   // page would join the tree, the tree gets a copy instead, so a page the
-  // tree holds is never written again (DESIGN §3).
+  // tree holds is never written again (docs/design.md §3).
   ChunkId copy = kNoChunk;
   const std::size_t boundary = n * sp.row_bytes;
   if (sp.tree->Find(tokens.data(), n).length < n && boundary % chunk_bytes_ != 0) {

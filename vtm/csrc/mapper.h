@@ -1,5 +1,5 @@
 // Mapper: performs a manager's page-table changes in the address space of
-// the process that computes (DESIGN §2, §6).
+// the process that computes (docs/design.md §2, §6).
 //
 // The Manager decides which chunk goes at which page of which slot (that is
 // accounting, and may live in a broker process); a Mapper carries the
