@@ -1,7 +1,9 @@
 """vtmd: the vtm broker daemon.
 
     vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
-         [--capacity-bytes N] [--chunk-bytes N] [--max-sessions N] [--quota-file PATH]
+         [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--max-sessions N] [--quota-file PATH]
+
+SIZE: a byte count or a number with a binary suffix, e.g. 64GiB (vtm/sizes.py).
 
 It owns the physical pool, the page accounting and the prefix trees; clients
 (vtm.connect) map the chunks into their own address spaces. The gRPC socket
@@ -19,7 +21,6 @@ and client pidfd, and IO_THREADS answer them (vtm/broker/reactor.py).
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import signal
@@ -33,6 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import vtm
+from vtm.broker.cli_args import Parser, size
 from vtm.broker.control import ControlService, is_loopback, read_token
 from vtm.broker.fd_channel import FdServer
 from vtm.broker.quota import Quotas
@@ -196,26 +198,29 @@ class Broker:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="vtmd", description="The vtm memory broker (docs/broker.md).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--listen", required=True, help="unix:PATH (its folder must be private, 0700)")
-    parser.add_argument("--control", default=None,
-                        help="tcp:HOST:PORT: also serve Stats, Trim, SetQuota and health there; off loopback only "
-                             "with --control-token-file (port 0 picks one; None: no TCP listener)")
-    parser.add_argument("--control-token-file", default=None,
+    parser = Parser(prog="vtmd", description="The vtm memory broker (docs/broker.md). Sizes are a byte count "
+                    "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
+    parser.add_argument("--listen", required=True, metavar="unix:PATH",
+                        help="the socket; its folder must be private (0700): vtmd creates a missing one so")
+    parser.add_argument("--control", default=None, metavar="tcp:HOST:PORT",
+                        help="also serve Stats, Trim, SetQuota and health there; off loopback only "
+                             "with --control-token-file (port 0 picks one; default: no TCP listener)")
+    parser.add_argument("--control-token-file", default=None, metavar="FILE",
                         help="a file (mode 0600) holding the token every call to --control must carry "
-                             "(metadata vtm-control-token; None: no token, loopback only)")
+                             "(metadata vtm-control-token; default: no token, loopback only)")
     parser.add_argument("--backend", default="auto", choices=["host", "cuda", "auto"],
                         help="where chunks live (auto: cuda when a driver is present)")
-    parser.add_argument("--capacity-bytes", type=int, default=1 << 30,
+    parser.add_argument("--capacity-bytes", type=size, default="1GiB", metavar="SIZE",
                         help="the pool: bounds the chunks of every client together")
-    parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="bytes of one chunk (one page)")
-    parser.add_argument("--granularity", type=int, default=None, help="host backend only (None: 2 MiB)")
+    parser.add_argument("--chunk-bytes", type=size, default="2MiB", metavar="SIZE",
+                        help="bytes of one chunk (one page)")
+    parser.add_argument("--granularity", type=size, default=None, metavar="SIZE",
+                        help="the host backend's mapping granularity (default: 2MiB; cuda: the driver's)")
     parser.add_argument("--workers", type=int, default=2, help="the manager's worker threads")
     parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                         help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED")
-    parser.add_argument("--quota-file", default=None,
-                        help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (None: priority "
+    parser.add_argument("--quota-file", default=None, metavar="FILE",
+                        help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (default: priority "
                              "0, no guarantee and no limit for every client); see docs/broker.md")
     args = parser.parse_args(argv)
     stop = threading.Event()
