@@ -1,9 +1,11 @@
 """vtmd's and vtmctl's command lines: sizes as people type them (one parser
-everywhere: vtmd's flags, vtmctl's, the quota file), every default in every --help."""
+everywhere: vtmd's flags, vtmctl's, the quota file), every default in every
+--help, a socket folder error that says the command fixing it."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -132,3 +134,29 @@ def test_vtmctl_help_shows_every_default_and_every_flag_has_help(capsys, command
     for default in shown:
         assert default in flat, flat
     assert "(default: None)" not in flat and "(default: False)" not in flat
+
+
+# ----------------------------------------------------------------------------- socket folder
+
+
+@pytest.mark.parametrize("mode, says", [
+    (0o755, "must have mode 0700, not 0755: run `chmod 700 {folder}`, or listen in a folder of its own"),
+    # A folder every user writes to (like /tmp) is not ours to close: no chmod.
+    (0o1777, "is writable by every user (mode 1777): listen in a folder of its own"),
+])
+def test_a_shared_socket_folder_error_says_how_to_fix_it(tmp_path, mode, says):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    done = vtmd("--listen", f"unix:{shared}/sock", "--backend", "host", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"vtmd: error: the socket folder {shared} ")
+    assert says.format(folder=shared) in done.stderr, done.stderr
+
+
+def test_vtmd_creates_a_missing_socket_folder_private(tmp_path):
+    b = BrokerProcess(tmp_path)  # listens in tmp_path/vtmd/sock, a folder that does not exist yet
+    try:
+        assert os.stat(os.path.dirname(b.path)).st_mode & 0o777 == 0o700
+    finally:
+        b.kill()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shlex
 import signal
 import socket
 import stat
@@ -66,13 +67,31 @@ def tcp_target(address: str) -> str:
 
 
 def _private_folder(path: str) -> None:
+    """The socket folder is the only wall around the control calls: it must
+    be this user's and closed to others. A missing one is created so; an
+    existing one is never changed (it may be a home folder, or /tmp)."""
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         os.makedirs(folder, mode=0o700)
     st = os.stat(folder)
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise PermissionError(f"the socket folder {folder} must belong to this user with mode 0700 "
-                              f"(it has mode {stat.S_IMODE(st.st_mode):o})")
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"the socket folder {folder} belongs to uid {st.st_uid}, not this user: listen in a "
+                              f"folder of your own (vtmd creates a missing one with mode 0700), e.g. "
+                              f"--listen unix:{_own_socket_example()}")
+    if mode & 0o002:  # /tmp and the like: others' files live there, so it is theirs to keep open
+        raise PermissionError(f"the socket folder {folder} is writable by every user (mode {mode:04o}): listen in a "
+                              f"folder of its own (vtmd creates a missing one with mode 0700), e.g. "
+                              f"--listen unix:{_own_socket_example()}")
+    if mode & 0o077:
+        raise PermissionError(f"the socket folder {folder} must have mode 0700, not {mode:04o}: run "
+                              f"`chmod 700 {shlex.quote(folder)}`, or listen in a folder of its own (vtmd creates a "
+                              f"missing one with mode 0700)")
+
+
+def _own_socket_example() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return f"{runtime}/vtm/sock" if runtime else f"/tmp/vtm-{os.getuid()}/sock"
 
 
 def _clear_stale(path: str, kind: int) -> None:
