@@ -1,9 +1,11 @@
 """vtmd's and vtmctl's command lines: sizes as people type them (one parser
 everywhere: vtmd's flags, vtmctl's, the quota file), every default in every
---help, a socket folder error that says the command fixing it."""
+--help, a socket folder error that says the command fixing it, and `vtmctl top`
+redrawing in place on a terminal."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -160,3 +162,34 @@ def test_vtmd_creates_a_missing_socket_folder_private(tmp_path):
         assert os.stat(os.path.dirname(b.path)).st_mode & 0o777 == 0o700
     finally:
         b.kill()
+
+
+# ----------------------------------------------------------------------------- vtmctl top
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(tmp_path, capacity_chunks=16)
+    yield b
+    b.kill()
+
+
+def test_top_redraws_in_place_on_a_terminal(broker, monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    assert ctl.main(["--address", broker.address, "top", "--iterations", "3", "--interval", "0"]) == 0
+    text = screen.getvalue()
+    # The alternate screen, each frame from the top left of a cleared screen, the user's screen back at the end.
+    assert text.startswith("\x1b[?1049h") and text.endswith("\x1b[?1049l")
+    assert text.count("\x1b[H\x1b[2J") == 3 and text.count("client") == 3
+
+
+def test_top_appends_when_not_a_terminal(broker, capsys):
+    assert ctl.main(["--address", broker.address, "top", "--iterations", "2", "--interval", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and out.count("client") == 2

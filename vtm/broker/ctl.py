@@ -69,6 +69,35 @@ def _summary(stats: dict) -> list[str]:
             f"released to the device {stats['chunks_released_total']}"]
 
 
+# The terminal's alternate screen (as `top` and `less` use): entered, each frame
+# drawn from the top left of a cleared screen, left at the end so the user's
+# screen and scrollback come back as they were.
+_ALT_SCREEN_ON, _ALT_SCREEN_OFF, _HOME_CLEAR = "\x1b[?1049h", "\x1b[?1049l", "\x1b[H\x1b[2J"
+
+
+def _top(read_stats, interval: float, iterations: int) -> None:
+    """Redraws in place on a terminal; appends frames elsewhere (a pipe, a
+    file), where escape sequences would be noise."""
+    out = sys.stdout
+    terminal = out.isatty()
+    if terminal:
+        out.write(_ALT_SCREEN_ON)
+    try:
+        n = 0
+        while iterations == 0 or n < iterations:
+            stats = read_stats()
+            frame = "\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _clients_table(stats))
+            out.write(_HOME_CLEAR + frame if terminal else frame + "\n")
+            out.flush()
+            n += 1
+            if iterations == 0 or n < iterations:
+                time.sleep(interval)
+    finally:
+        if terminal:
+            out.write(_ALT_SCREEN_OFF)
+            out.flush()
+
+
 def main(argv=None) -> int:
     parser = Parser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd). Sizes are a byte count "
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
@@ -80,7 +109,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("stats", help="the pool, prefix trees and clients")
     st.add_argument("--json", action="store_true", help="everything the broker reports, as JSON")
-    top = sub.add_parser("top", help="the clients, refreshed")
+    top = sub.add_parser("top", help="the clients, refreshed (in place on a terminal)")
     top.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes")
     top.add_argument("--iterations", type=int, default=0, metavar="N",
                      help="refreshes before exiting; 0: until interrupted")
@@ -114,14 +143,8 @@ def main(argv=None) -> int:
                 stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats", metadata).json)
                 print(json.dumps(stats, indent=2) if args.json else "\n".join(_summary(stats) + _clients_table(stats)))
             elif args.command == "top":
-                n = 0
-                while args.iterations == 0 or n < args.iterations:
-                    stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats", metadata).json)
-                    print("\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _clients_table(stats)),
-                          flush=True)
-                    n += 1
-                    if args.iterations == 0 or n < args.iterations:
-                        time.sleep(args.interval)
+                _top(lambda: json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats",
+                                              metadata).json), args.interval, args.iterations)
             elif args.command == "set-quota":
                 if args.bytes is not None and args.limit is not None:
                     raise errors.InvalidArgument("give the limit once: LIMIT or --limit")
