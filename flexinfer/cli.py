@@ -22,8 +22,10 @@ from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
 from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
                               ModelLoadError)
+from flexinfer.inputs import request_problem
 from flexinfer.llm import LLM
 from flexinfer.model.linear import LINEAR_KINDS
+from flexinfer.model.loader import load_tokenizer
 from flexinfer.sampling import SamplingParams
 from flexinfer.server.main import add_serve_args, serve
 
@@ -174,25 +176,48 @@ def _status(error: Exception) -> int:
 
 def cmd_generate(args) -> int:
     params = _params(args)  # before the model loads: a bad flag fails at once
-    llm = _engine(args)
+    several = len(args.prompt) > 1
     status = EXIT_OK
+    prompts = {}  # the index and token ids of each prompt that can run
+    for i, ids in enumerate(_checked_prompts(args, params)):
+        if isinstance(ids, str):
+            print(f"flexinfer: error: {f'prompt {i}: ' if several else ''}{ids}", file=sys.stderr)
+            status = EXIT_BAD_INPUT
+        else:
+            prompts[i] = ids
+    if not prompts:
+        return status
+    llm = _engine(args)
     try:
-        outs = llm.generate(args.prompt, params)
+        outs = dict(zip(prompts, llm.generate(list(prompts.values()), params)))
     finally:
         llm.close()
-    several = len(outs) > 1
-    for i, out in enumerate(outs):
+    for i, out in outs.items():
         error = out.error
         if error is not None:
             print(f"flexinfer: error: {f'prompt {i}: ' if several else ''}{error}", file=sys.stderr)
             status = max(status, _status(error))
             continue
         m = out.metrics
-        print(out.prompt + out.text if args.echo else out.text)
+        print(args.prompt[i] + out.text if args.echo else out.text)
         rate = m.decode_tokens_per_s
         print(f"[{f'prompt {i}: ' if several else ''}{m.output_tokens} tokens, TTFT {m.ttft_s * 1000:.0f} ms"
               + (f", {rate:.1f} tok/s" if rate else "") + f", finish: {out.finish_reason}]", file=sys.stderr)
     return status
+
+
+def _checked_prompts(args, params: SamplingParams) -> list[list[int] | str]:
+    """Each prompt's token ids, or why it cannot run (empty, too long for the
+    model). Only the tokenizer and the config are read (load_tokenizer), so
+    that such a prompt is refused in a tenth of a second, not after the
+    seconds the weights take to load."""
+    config, tokenizer = load_tokenizer(args.model)
+    max_model_len = min(args.max_model_len, config.max_position_embeddings)  # as the engine caps it
+    checked = []
+    for prompt in args.prompt:
+        ids = tokenizer.encode(prompt)
+        checked.append(request_problem(ids, params, max_model_len, config.vocab_size) or ids)
+    return checked
 
 
 def cmd_chat(args) -> int:

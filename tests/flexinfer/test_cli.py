@@ -182,6 +182,50 @@ def test_a_prompt_that_cannot_run_is_status_2(capsys, tiny, prompt, message):
     one_line_error(capsys.readouterr().err, message)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "flexinfer: error: the prompt is empty"),
+    (["--prompt", ("word " * 600).strip()], "prompt (600 tokens) + max_tokens (128) exceeds max_model_len 512"),
+    # The model's own maximum caps --max-model-len: the tiny model's is 4096.
+    (["--max-model-len", "10000", "--max-tokens", "4000", "--prompt", ("word " * 100).strip()],
+     "prompt (100 tokens) + max_tokens (4000) exceeds max_model_len 4096"),
+    (["--prompt", "", "--prompt", ""], "flexinfer: error: prompt 0: the prompt is empty\n"
+                                       "flexinfer: error: prompt 1: the prompt is empty\n"),
+])
+def test_a_prompt_that_cannot_run_is_refused_before_the_model_loads(capsys, monkeypatch, tiny, argv, message):
+    """Only the tokenizer and config are read: the weights would take seconds (13 s for SmolLM2)."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded for a prompt that cannot run")
+
+    monkeypatch.setattr(cli, "LLM", no_loading)
+    assert main(["generate", *tiny_args(tiny, "--max-model-len", "512"), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and "Traceback" not in err
+    assert err.count("\n") == argv.count("--prompt")
+    assert all(line.startswith("flexinfer: error: ") for line in err.splitlines())
+
+
+def test_load_tokenizer_reads_what_load_model_does_without_the_weights():
+    """SmolLM2's GGUF: the same metadata as gguf's reader, the same config and tokenizer as load_model."""
+    import gguf
+    import torch
+
+    from flexinfer.model import loader
+
+    path = loader._smollm2_gguf()
+    metadata, names = loader._read_gguf_header(path)
+    reader = gguf.GGUFReader(path)
+    expected = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    assert metadata == expected and names == {t.name for t in reader.tensors}
+    assert all(type(metadata[k]) is type(expected[k]) for k in expected)
+    config, tokenizer = loader.load_tokenizer("smollm2")
+    full = loader.load_model("smollm2", torch.float32)
+    assert config == full.config
+    text = "Hello, wörld! <|im_start|>user 日本"
+    assert tokenizer.encode(text) == full.tokenizer.encode(text)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        full.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch):
     def broken(args):
         raise ValueError("not enough values to unpack")  # a bug, not bad input
