@@ -11,7 +11,9 @@ on stderr. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import queue
 import signal
 import sys
 import time
@@ -20,6 +22,7 @@ import vtm
 from flexinfer import __version__
 from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
+from flexinfer.detokenizer import IncrementalText
 from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
                               ModelLoadError)
 from flexinfer.inputs import request_problem
@@ -41,6 +44,8 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # One default for the tokens a request may generate, in every sub-command.
 DEFAULT_MAX_TOKENS = 128
+# How long an interrupted command waits for its requests to let go of their memory (as LLM.generate).
+_CANCEL_WAIT_S = 30.0
 # The physical chunk size of an in-process pool: --kv-capacity-gib is rounded up to a multiple of it.
 CHUNK_BYTES = 2 << 20
 
@@ -165,6 +170,16 @@ def _engine(args) -> LLM:
                attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs)
 
 
+def _load(args) -> LLM:
+    """The engine, with what loads and how long it took said on stderr (a
+    progress bar too on a terminal, where loading takes more than a second)."""
+    print(f"flexinfer: loading {args.model} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    llm = _engine(args)
+    print(f"flexinfer: loaded {args.model} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return llm
+
+
 def _params(args) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed)
@@ -175,6 +190,9 @@ def _status(error: Exception) -> int:
 
 
 def cmd_generate(args) -> int:
+    """One prompt: its completion streams to stdout as it is generated. Several:
+    each is printed, labelled `[prompt I] `, as soon as it completes. On Ctrl-C
+    or an error, what was printed stays, its line ended."""
     params = _params(args)  # before the model loads: a bad flag fails at once
     several = len(args.prompt) > 1
     status = EXIT_OK
@@ -187,23 +205,77 @@ def cmd_generate(args) -> int:
             prompts[i] = ids
     if not prompts:
         return status
-    llm = _engine(args)
+    llm = _load(args)
     try:
-        outs = dict(zip(prompts, llm.generate(list(prompts.values()), params)))
+        if several:
+            return max(status, _print_each_when_done(llm, args, prompts, params))
+        return _stream(llm, args, prompts[0], params)
     finally:
         llm.close()
-    for i, out in outs.items():
-        error = out.error
-        if error is not None:
-            print(f"flexinfer: error: {f'prompt {i}: ' if several else ''}{error}", file=sys.stderr)
-            status = max(status, _status(error))
-            continue
-        m = out.metrics
-        print(args.prompt[i] + out.text if args.echo else out.text)
-        rate = m.decode_tokens_per_s
-        print(f"[{f'prompt {i}: ' if several else ''}{m.output_tokens} tokens, TTFT {m.ttft_s * 1000:.0f} ms"
-              + (f", {rate:.1f} tok/s" if rate else "") + f", finish: {out.finish_reason}]", file=sys.stderr)
+
+
+def _stream(llm: LLM, args, ids: list[int], params: SamplingParams) -> int:
+    text = IncrementalText(llm.tokenizer, params.stop)
+    printed = False  # whether stdout holds a line this function must end
+    if args.echo:
+        print(args.prompt[0], end="", flush=True)
+        printed = True
+    handle = llm.submit(ids, params, stream=True)
+    try:
+        for event in handle:
+            piece = text.push(event.token_ids)
+            if piece:
+                print(piece, end="", flush=True)
+                printed = True
+    except BaseException:  # Ctrl-C: take the request back; the text printed stays, its line ended
+        handle.cancel()
+        handle.wait(_CANCEL_WAIT_S)
+        if printed:
+            print(flush=True)
+        raise
+    out = handle.result()
+    if out.error is None or printed:
+        print(text.finish(), flush=True)
+    return _report(out, None)
+
+
+def _print_each_when_done(llm: LLM, args, prompts: dict[int, list[int]], params: SamplingParams) -> int:
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def on_event(i: int, event) -> None:  # on the engine thread: must not block
+        if event is None:  # the request's stream ended
+            done.put(i)
+
+    handles = {i: llm.submit(ids, params, stream=True, deliver=functools.partial(on_event, i))
+               for i, ids in prompts.items()}
+    status = EXIT_OK
+    try:
+        for _ in handles:
+            i = done.get()
+            out = handles[i].result()
+            if out.error is None:
+                print(f"[prompt {i}] " + (args.prompt[i] if args.echo else "") + out.text, flush=True)
+            status = max(status, _report(out, i))
+    except BaseException:  # Ctrl-C: take back what still runs; what was printed stays
+        for handle in handles.values():
+            handle.cancel()
+        for handle in handles.values():
+            handle.wait(_CANCEL_WAIT_S)
+        raise
     return status
+
+
+def _report(out, index: int | None) -> int:
+    """A request's error, or its stats, on stderr; its exit status."""
+    label = f"prompt {index}: " if index is not None else ""
+    if out.error is not None:
+        print(f"flexinfer: error: {label}{out.error}", file=sys.stderr, flush=True)
+        return _status(out.error)
+    m = out.metrics
+    rate = m.decode_tokens_per_s
+    print(f"[{label}{m.output_tokens} tokens, TTFT {m.ttft_s * 1000:.0f} ms" + (f", {rate:.1f} tok/s" if rate else "")
+          + f", finish: {out.finish_reason}]", file=sys.stderr, flush=True)
+    return EXIT_OK
 
 
 def _checked_prompts(args, params: SamplingParams) -> list[list[int] | str]:
@@ -222,7 +294,7 @@ def _checked_prompts(args, params: SamplingParams) -> list[list[int] | str]:
 
 def cmd_chat(args) -> int:
     params = _params(args)
-    llm = _engine(args)
+    llm = _load(args)
     try:
         errors = ChatSession(llm, params, args.system).run()
     finally:
@@ -231,7 +303,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    llm = _engine(args)
+    llm = _load(args)
     try:
         prompts = [f"Write a short story about the number {i}." for i in range(args.batch)]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

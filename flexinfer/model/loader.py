@@ -16,10 +16,11 @@ import mmap
 import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from flexinfer.errors import ModelLoadError
 from flexinfer.model.config import ModelConfig, token_id_tuple
@@ -92,6 +93,18 @@ def _resolve(name_or_path: str) -> Path:
     if not path.is_dir() and path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: not a .gguf file nor a Hugging Face model folder")
     return path
+
+
+# Reading the weights shows a progress bar once it has taken this long, on a terminal only.
+PROGRESS_DELAY_S = 1.0
+
+
+def _progress(tensors: Iterable, total: int | None = None) -> Iterable:
+    """`tensors`, drawing a bar on stderr where it is a terminal (tqdm's
+    disable=None) and reading takes over PROGRESS_DELAY_S; the bar is erased
+    when done, leaving the terminal to what the caller prints."""
+    return tqdm(tensors, total=total, desc="reading weights", unit="tensor", disable=None, delay=PROGRESS_DELAY_S,
+                leave=False)
 
 
 def _smollm2_gguf() -> Path:
@@ -202,7 +215,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
 
     weights: dict[str, torch.Tensor] = {}
-    for gguf_name, tensor in tensors.items():
+    for gguf_name, tensor in _progress(tensors.items(), len(tensors)):
         name = _hf_name_from_gguf(path, gguf_name, config)
         # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
         shape = tuple(int(n) for n in reversed(tensor.shape))
@@ -415,7 +428,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
     config = _hf_config(folder)
     expected = set(_expected_weight_names(config))
     weights: dict[str, torch.Tensor] = {}
-    for name, tensor in _safetensors_tensors(folder):
+    for name, tensor in _progress(_safetensors_tensors(folder)):
         if name in expected:
             weights[name] = tensor.to(dtype).contiguous()
         elif not _is_redundant_tensor(name, config):

@@ -71,6 +71,9 @@ def tiny_args(folder: str, *more: str) -> list[str]:
 
 
 def one_line_error(err: str, status_message: str) -> None:
+    """The error is one line; what loads is said before it (`flexinfer: loading ...`, `... loaded ...`)."""
+    err = "".join(line for line in err.splitlines(keepends=True)
+                  if not line.startswith(("flexinfer: loading ", "flexinfer: loaded ")))
     assert err.startswith("flexinfer: error: ") and status_message in err and err.count("\n") == 1, err
     assert "Traceback" not in err
 
@@ -101,6 +104,81 @@ def test_generate_prints_the_greedy_completion(capsys):
     assert "TTFT" in err and "finish:" in err
 
 
+class Writes(io.StringIO):
+    """stdout that remembers each write, to see text arrive in pieces; `on_write(text)` sees each as it comes."""
+
+    def __init__(self, on_write=None):
+        super().__init__()
+        self.pieces: list[str] = []
+        self._on_write = on_write
+
+    def write(self, text: str) -> int:
+        self.pieces.append(text)
+        if self._on_write is not None:
+            self._on_write(text)
+        return super().write(text)
+
+
+def test_generate_streams_one_prompt_and_says_what_loads(capsys, monkeypatch, tiny):
+    stdout = Writes()
+    monkeypatch.setattr("sys.stdout", stdout)
+    assert main(["generate", *tiny_args(tiny), "--prompt", "Once upon a time", "--max-tokens", "24"]) == 0
+    err = capsys.readouterr().err
+    with LLM(tiny, kv_capacity_bytes=1 << 28, linear="torch") as llm:
+        want = llm.generate(["Once upon a time"], SamplingParams(max_tokens=24, temperature=0.0))[0].text
+    assert stdout.getvalue() == want + "\n"
+    assert len([p for p in stdout.pieces if p]) >= 4  # token by token, not in one write at the end
+    lines = err.splitlines()
+    assert lines[0] == f"flexinfer: loading {tiny} ..." and re.fullmatch(rf"flexinfer: loaded {re.escape(tiny)} in "
+                                                                          r"\d+\.\d s", lines[1]), err
+    assert lines[2].startswith("[24 tokens, TTFT ") and len(lines) == 3
+
+
+def test_generate_echo_streams_after_the_prompt(capsys, monkeypatch, tiny):
+    stdout = Writes()
+    monkeypatch.setattr("sys.stdout", stdout)
+    assert main(["generate", *tiny_args(tiny), "--prompt", "Once upon a time", "--max-tokens", "8", "--echo"]) == 0
+    assert stdout.pieces[0] == "Once upon a time" and stdout.getvalue().endswith("\n") and len(stdout.pieces) > 2
+
+
+def test_several_prompts_print_each_as_it_completes(capsys, monkeypatch, tiny):
+    """One sequence at a time, and the engine held after prompt 0 completes
+    until prompt 0 is printed: printed as it completes, prompt 1 still waits."""
+    printed_first = threading.Event()
+    steps_after_first = []
+
+    class Held(Recorder):
+        def __call__(self, model, **options):
+            llm = super().__call__(model, **options)
+            step, submit, handles = llm.engine.step, llm.submit, []
+
+            def held_step():
+                if handles and handles[0].done and not steps_after_first:
+                    steps_after_first.append(printed_first.wait(120))  # False: not printed before the end
+                return step()
+
+            def recorded_submit(*args, **kwargs):
+                handles.append(submit(*args, **kwargs))
+                return handles[-1]
+
+            llm.engine.step, llm.submit = held_step, recorded_submit
+            return llm
+
+    monkeypatch.setattr(cli, "LLM", Held())
+
+    def on_write(text: str) -> None:
+        if text.startswith("[prompt 0]"):
+            printed_first.set()
+
+    stdout = Writes(on_write)
+    monkeypatch.setattr("sys.stdout", stdout)
+    argv = ["generate", *tiny_args(tiny), "--max-num-seqs", "1", "--max-tokens", "16", "--prompt", "Hi", "--prompt",
+            "Bye"]
+    assert main(argv) == 0
+    assert steps_after_first == [True]
+    assert stdout.getvalue().startswith("[prompt 0] ") and "\n[prompt 1] " in stdout.getvalue()
+
+
 def test_bench_reports_throughput(capsys, tiny):
     assert main(["bench", *tiny_args(tiny), "--batch", "2", "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("batch 2: 8 tokens in ")
@@ -114,7 +192,9 @@ def test_several_prompts_print_every_output_and_every_error(capsys, tiny):
     out, err = capsys.readouterr()
     with LLM(tiny, max_model_len=256, kv_capacity_bytes=1 << 28, linear="torch") as llm:
         want = llm.generate([prompts[0], prompts[3]], SamplingParams(max_tokens=12, temperature=0.0))
-    assert out == want[0].text + "\n" + want[1].text + "\n"
+    # Each as it completes, labelled (both finish in one step here: in either order).
+    first, second = f"[prompt 0] {want[0].text}\n", f"[prompt 3] {want[1].text}\n"
+    assert out in (first + second, second + first)
     errors = [line for line in err.splitlines() if line.startswith("flexinfer: error: ")]
     assert errors == ["flexinfer: error: prompt 1: the prompt is empty",
                       "flexinfer: error: prompt 2: prompt (300 tokens) + max_tokens (12) exceeds max_model_len 256"]
@@ -330,18 +410,46 @@ class Reader:
 
 
 def test_ctrl_c_in_generate_exits_130_without_a_traceback(tiny):
-    """SIGINT once the requests run (the progress bar of two prompts is shown)."""
+    """SIGINT once the model is loaded, when the requests are submitted."""
     # Started with SIGINT ignored, as a non-interactive shell starts a background job:
     # `flexinfer generate ... &` must still stop on Ctrl-C (kill -INT).
     child = flexinfer_process(["generate", *tiny_args(tiny), "--max-tokens", "3000", "--prompt", "a", "--prompt", "b"],
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     out, err = Reader(child.stdout), Reader(child.stderr)
-    err.wait_for(r"generate:\s+0%")
+    err.wait_for(r"flexinfer: loaded ")
     child.send_signal(signal.SIGINT)
     assert child.wait(60) == 130
     assert out.close() == ""
     text = err.close()
     assert "Traceback" not in text and text.rstrip().endswith("flexinfer: interrupted"), text
+
+
+def test_ctrl_c_keeps_the_text_streamed_so_far(tiny):
+    """One prompt: text shows as it is generated; Ctrl-C ends its line, says so, exits 130."""
+    child = flexinfer_process(["generate", *tiny_args(tiny), "--max-tokens", "3000", "--prompt", "Tell me a story"])
+    out, err = Reader(child.stdout), Reader(child.stderr)
+    shown = out.wait_for(r"\S{8}")  # streaming: text shows long before the 3000 tokens are done
+    child.send_signal(signal.SIGINT)
+    assert child.wait(60) == 130
+    text, errors = out.close(), err.close()
+    assert text.startswith(shown.string) and text.endswith("\n")  # what was shown stays, its line ended
+    assert "Traceback" not in errors and errors.endswith("flexinfer: interrupted\n"), errors
+
+
+def test_loading_shows_a_progress_bar_on_a_terminal(monkeypatch, tiny):
+    import torch
+
+    from flexinfer.model import loader
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(loader, "PROGRESS_DELAY_S", 0.0)
+    for stderr, shown in ((Terminal(), True), (io.StringIO(), False)):  # and none where stderr is no terminal
+        monkeypatch.setattr("sys.stderr", stderr)
+        loader.load_model(tiny, torch.float32)
+        assert ("reading weights" in stderr.getvalue()) == shown, stderr.getvalue()
 
 
 def test_ctrl_c_in_generate_cancels_the_requests(capsys, monkeypatch, tiny, python_sigint):
@@ -416,18 +524,6 @@ class Typing(io.StringIO):
         if line is None:
             raise KeyboardInterrupt
         return line + "\n"
-
-
-class Writes(io.StringIO):
-    """stdout that remembers each write, to see a reply arrive in pieces."""
-
-    def __init__(self):
-        super().__init__()
-        self.pieces: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.pieces.append(text)
-        return super().write(text)
 
 
 def test_chat_reuses_the_previous_turn(capsys, monkeypatch):
