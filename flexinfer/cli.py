@@ -22,13 +22,16 @@ import vtm
 from flexinfer import __version__
 from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
+from flexinfer.cli_log import ENV, command_logging
 from flexinfer.detokenizer import IncrementalText
+from flexinfer.engine import BROKER_WAIT_S
 from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
                               ModelLoadError)
 from flexinfer.inputs import request_problem
 from flexinfer.llm import LLM
 from flexinfer.model.linear import LINEAR_KINDS
 from flexinfer.model.loader import load_tokenizer
+from flexinfer.outputs import RequestOutput
 from flexinfer.sampling import SamplingParams
 from flexinfer.server.main import add_serve_args, serve
 
@@ -144,6 +147,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reference) or flash_attn (CUDA, where flash-attn is installed)")
     p.add_argument("--threads", default="auto", type=_threads,
                    help="CPU compute threads: auto (measured while decoding) or a number")
+    p.add_argument("--broker-wait", type=_number(0), default=BROKER_WAIT_S, metavar="S",
+                   help="with --manager: how long requests wait for a vtm broker that went away to come back "
+                        "(they resume by recompute) before they fail")
+    _add_verbose(p, default=argparse.SUPPRESS)
+
+
+def _add_verbose(p: argparse.ArgumentParser, default) -> None:
+    """--verbose before the command (flexinfer --verbose generate) or after it:
+    a sub-command's copy has no default, so it never undoes the first."""
+    p.add_argument("--verbose", action="store_true", default=default,
+                   help=f"log at debug level, with tracebacks (or {ENV}=debug; {ENV}=info|warning|error sets the "
+                        "level); without it, each log line is one line and warnings and errors are shown")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -167,7 +182,8 @@ def _engine(args) -> LLM:
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
-               attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs)
+               attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
+               broker_wait_s=args.broker_wait)
 
 
 def _load(args) -> LLM:
@@ -209,12 +225,13 @@ def cmd_generate(args) -> int:
     try:
         if several:
             return max(status, _print_each_when_done(llm, args, prompts, params))
-        return _stream(llm, args, prompts[0], params)
+        out = _stream(llm, args, prompts[0], params)
     finally:
         llm.close()
+    return _report(out, None)  # after close: its own log lines, if any, come before the outcome
 
 
-def _stream(llm: LLM, args, ids: list[int], params: SamplingParams) -> int:
+def _stream(llm: LLM, args, ids: list[int], params: SamplingParams) -> RequestOutput:
     text = IncrementalText(llm.tokenizer, params.stop)
     printed = False  # whether stdout holds a line this function must end
     if args.echo:
@@ -236,7 +253,7 @@ def _stream(llm: LLM, args, ids: list[int], params: SamplingParams) -> int:
     out = handle.result()
     if out.error is None or printed:
         print(text.finish(), flush=True)
-    return _report(out, None)
+    return out
 
 
 def _print_each_when_done(llm: LLM, args, prompts: dict[int, list[int]], params: SamplingParams) -> int:
@@ -265,7 +282,7 @@ def _print_each_when_done(llm: LLM, args, prompts: dict[int, list[int]], params:
     return status
 
 
-def _report(out, index: int | None) -> int:
+def _report(out: RequestOutput, index: int | None) -> int:
     """A request's error, or its stats, on stderr; its exit status."""
     label = f"prompt {index}: " if index is not None else ""
     if out.error is not None:
@@ -326,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="flexinfer", description="LLM serving on vtm vTensor KV caches. Exit status: 0 success, "
                      "1 a request failed in the engine, 2 bad input or no memory, 130 interrupted.")
     parser.add_argument("--version", action="version", version=f"flexinfer {__version__}")
+    _add_verbose(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one or more prompts")
     _add_engine_args(g)
@@ -359,12 +377,15 @@ def main(argv: list[str] | None = None) -> int:
         # ignored, as non-interactive shells start background jobs.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return args.fn(args)
+        if args.command == "serve":  # its own logging (server/main.py)
+            return args.fn(args)
+        with command_logging(args.verbose):
+            return args.fn(args)
     except _USER_ERRORS as e:
         print(f"flexinfer: error: {e}", file=sys.stderr)
         return EXIT_FAILED if isinstance(e, (EngineError, EngineClosed)) else EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        # LLM.generate has taken its requests back (and a chat its reply) before this.
+        # The command has taken its requests back (a chat its reply) before this.
         print("flexinfer: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import flexinfer  # noqa: E402
+import vtm  # noqa: E402
 from flexinfer import LLM, SamplingParams, cli  # noqa: E402
 from flexinfer.cli import main  # noqa: E402
 
@@ -313,6 +315,68 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_engine", broken)
     with pytest.raises(ValueError, match="unpack"):
         main(["generate", *SMALL, "--prompt", "hi"])
+
+
+# ----------------------------------------------------------------------------- log lines, a broker going away
+
+
+@pytest.mark.parametrize("argv_before, argv_after, env", [
+    ([], [], None), (["--verbose"], [], None), ([], ["--verbose"], None), ([], [], "debug"),
+], ids=["default", "verbose-first", "verbose-last", "FLEXINFER_LOG=debug"])
+def test_log_lines_are_one_line_with_tracebacks_only_when_asked(capsys, monkeypatch, tiny, argv_before, argv_after,
+                                                                env):
+    class Logs(Recorder):
+        """Logs as the engine and the broker client do when the broker goes away."""
+
+        def __call__(self, model, **options):
+            llm = super().__call__(model, **options)
+            try:
+                raise vtm.Unavailable("the vtm broker\nis unavailable")
+            except vtm.Unavailable:
+                logging.getLogger("flexinfer").exception("a step failed; failing its %d requests", 1)
+            logging.getLogger("vtm.broker").warning("lost the session at %s", "unix:/x")
+            logging.getLogger("flexinfer").info("reconnected")
+            return llm
+
+    if env is not None:
+        monkeypatch.setenv("FLEXINFER_LOG", env)
+    else:
+        monkeypatch.delenv("FLEXINFER_LOG", raising=False)
+    monkeypatch.setattr(cli, "LLM", Logs())
+    argv = [*argv_before, "generate", *tiny_args(tiny), "--prompt", "hi", "--max-tokens", "2", *argv_after]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    asked = bool(argv_before or argv_after or env)
+    assert "flexinfer: error: a step failed; failing its 1 requests: the vtm broker is unavailable\n" in err, err
+    assert "flexinfer: warning: lost the session at unix:/x\n" in err
+    assert ("Traceback" in err) == asked and ("flexinfer: info: reconnected\n" in err) == asked
+    if not asked:
+        assert all(line.startswith(("flexinfer: ", "[")) for line in err.splitlines()), err
+    # Nothing stays configured once the command is done (main runs many times in one test process).
+    assert not logging.getLogger("flexinfer").handlers and not logging.getLogger("vtm").handlers
+
+
+def test_a_broker_that_goes_away_is_told_in_one_line_each(tmp_path, tiny):
+    """SIGKILL vtmd while a reply streams: the text so far stays, each log line
+    is one line, no traceback, and the request fails after --broker-wait."""
+    from broker_testing import BrokerProcess
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=256)  # 16 MiB: 8192 tiny rows
+    try:
+        child = flexinfer_process(["generate", *tiny_args(tiny), "--manager", broker.address, "--broker-wait", "1",
+                                   "--max-tokens", "3000", "--prompt", "Tell me a story"])
+        out, err = Reader(child.stdout), Reader(child.stderr)
+        shown = out.wait_for(r"\S{8}")
+        broker.kill()
+        assert child.wait(120) == 1
+    finally:
+        broker.kill()
+    text, errors = out.close(), err.close()
+    assert text.startswith(shown.string) and text.endswith("\n")
+    lines = errors.splitlines()
+    assert "Traceback" not in errors and all(line.startswith("flexinfer: ") for line in lines), errors
+    assert any(line.startswith("flexinfer: warning: ") and "broker" in line for line in lines), errors
+    assert lines[-1].startswith("flexinfer: error: ") and "broker" in lines[-1], errors
 
 
 # ----------------------------------------------------------------------------- --help, --version, python -m
