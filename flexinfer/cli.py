@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import math
 import queue
 import signal
@@ -42,6 +43,8 @@ _USER_ERRORS = (FlexInferError, vtm.InvalidArgument, vtm.OutOfMemory, vtm.Unavai
 # A request (or chat turn) that failed with one of these was bad input or found
 # no memory (2); any other error of a request is a failure in the engine (1).
 _BAD_INPUT = (InvalidArgument, ModelLoadError, ChatTemplateError, vtm.InvalidArgument, vtm.OutOfMemory)
+
+log = logging.getLogger("flexinfer")
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -133,6 +136,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-name", default=None, metavar="NAME",
                    help="the name this process connects to --manager under, which the operator's quotas "
                         "(priority, guarantee, limit) are keyed by (default: flexinfer-COMMAND)")
+    p.add_argument("--priority", type=int, default=None, metavar="P",
+                   help="with --manager: the priority to ask the broker for; the operator's quota for the client "
+                        "name is the most it grants (default: the quota's)")
     p.add_argument("--max-model-len", type=_positive_int, default=4096,
                    help="most tokens (prompt + output) of one request; capped at the model's own maximum")
     p.add_argument("--max-num-seqs", type=_positive_int, default=32,
@@ -176,8 +182,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _engine(args) -> LLM:
     manager = None
     if args.manager is not None:
+        name = args.client_name or f"flexinfer-{args.command}"
         # Closed by main() after the command: an LLM never closes a manager it was given.
-        manager = args.broker = vtm.connect(args.manager, name=args.client_name or f"flexinfer-{args.command}")
+        manager = args.broker = vtm.connect(args.manager, name=name, priority=args.priority)
+        if args.priority is not None and manager.priority < args.priority:
+            log.warning("asked for priority %d; the operator's quota for '%s' grants %d", args.priority, name,
+                        manager.priority)
     capacity = max(1, math.ceil(args.kv_capacity_gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
@@ -369,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=cmd_serve)
     try:
         args = parser.parse_args(argv)
+        if args.priority is not None and args.manager is None:
+            parser.error("--priority is what a client asks of a vtm broker: give --manager too")
     except SystemExit as exc:  # --help, --version or a bad argument (already printed)
         return exc.code
     args.broker = None

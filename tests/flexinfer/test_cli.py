@@ -247,6 +247,8 @@ def test_kv_capacity_is_rounded_up_to_whole_chunks(capsys, monkeypatch, tiny):
     (["bench", "--batch", "0"], "argument --batch"),
     (["generate", "--prompt", "hello \udcff\udcfe"], "argument --prompt: not valid UTF-8 (byte 0xff at offset 6)"),
     (["chat", "--system", "\udcc3"], "argument --system: not valid UTF-8 (byte 0xc3 at offset 0)"),
+    (["generate", "--prompt", "hi", "--priority", "3"], "--priority is what a client asks of a vtm broker: give "
+                                                         "--manager too"),
     (["generate"], "the following arguments are required: --prompt"),
     ([], "the following arguments are required: command"),
 ])
@@ -377,6 +379,30 @@ def test_a_broker_that_goes_away_is_told_in_one_line_each(tmp_path, tiny):
     assert "Traceback" not in errors and all(line.startswith("flexinfer: ") for line in lines), errors
     assert any(line.startswith("flexinfer: warning: ") and "broker" in line for line in lines), errors
     assert lines[-1].startswith("flexinfer: error: ") and "broker" in lines[-1], errors
+
+
+def test_priority_flag_asks_the_broker_for_less(tmp_path, monkeypatch, capsys, tiny):
+    """--priority P: the operator's quota for the name is the most a client
+    gets; asking for more is granted the quota's, and says so."""
+    from broker_testing import BrokerProcess
+    from vtm.broker import ctl
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=256)
+    try:
+        assert ctl.main(["--address", broker.address, "set-quota", "tenant", "--priority", "10"]) == 0
+        recorder = Recorder()
+        monkeypatch.setattr(cli, "LLM", recorder)
+        argv = ["generate", *tiny_args(tiny), "--manager", broker.address, "--client-name", "tenant", "--prompt",
+                "hi", "--max-tokens", "2"]
+        capsys.readouterr()
+        assert main(argv + ["--priority", "3"]) == 0
+        assert recorder.options[-1]["manager"].priority == 3 and "warning" not in capsys.readouterr().err
+        assert main(argv + ["--priority", "20"]) == 0
+        assert recorder.options[-1]["manager"].priority == 10
+        assert ("flexinfer: warning: asked for priority 20; the operator's quota for 'tenant' grants 10\n"
+                in capsys.readouterr().err)
+    finally:
+        broker.kill()
 
 
 # ----------------------------------------------------------------------------- --help, --version, python -m
