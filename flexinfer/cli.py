@@ -5,7 +5,8 @@ logits); 2 for bad input (a bad flag value; an empty, too long or non-UTF-8
 prompt; a model that cannot be loaded) or no memory; 130 when interrupted
 (Ctrl-C). With several prompts, every prompt's output or error is printed and
 the status is the worst of them. Errors are one line, `flexinfer: error: ...`
-on stderr. Anything else is a bug and keeps its traceback.
+on stderr, and so is every log line (cli_log.py). Anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
     _add_sampling_args(g)
     g.add_argument("--prompt", action="append", required=True, type=_text,
-                   help="text to complete; may be given several times (each prompt's output or error is printed)")
+                   help="text to complete, streamed to stdout as it is generated; may be given several times "
+                        "(each completion is then printed as it completes, labelled [prompt I])")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.set_defaults(fn=cmd_generate)
     c = sub.add_parser("chat", help="interactive multi-turn chat, streamed, showing prefix reuse per turn")
