@@ -16,7 +16,7 @@ import mmap
 import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -95,16 +95,16 @@ def _resolve(name_or_path: str) -> Path:
     return path
 
 
-# Reading the weights shows a progress bar once it has taken this long, on a terminal only.
+# A loading step shows a progress bar once it has taken this long, on a terminal only.
 PROGRESS_DELAY_S = 1.0
 
 
-def _progress(tensors: Iterable, total: int | None = None) -> Iterable:
-    """`tensors`, drawing a bar on stderr where it is a terminal (tqdm's
-    disable=None) and reading takes over PROGRESS_DELAY_S; the bar is erased
-    when done, leaving the terminal to what the caller prints."""
-    return tqdm(tensors, total=total, desc="reading weights", unit="tensor", disable=None, delay=PROGRESS_DELAY_S,
-                leave=False)
+def progress(what: str, unit: str, total: int | None = None) -> tqdm:
+    """A bar on stderr for a step of loading (`with` it, `update()` per
+    item): drawn where stderr is a terminal (tqdm's disable=None) once the
+    step has taken PROGRESS_DELAY_S, erased when done, leaving the terminal
+    to what the caller prints."""
+    return tqdm(total=total, desc=what, unit=unit, disable=None, delay=PROGRESS_DELAY_S, leave=False)
 
 
 def _smollm2_gguf() -> Path:
@@ -204,34 +204,38 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     import gguf
     from gguf.quants import dequantize
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:
-        # The reader maps the file and checks every size, so a truncated file fails here.
-        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt): {exc}") from exc
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
-    tensors = {t.name: t for t in reader.tensors}
-    config = _gguf_config(path, metadata, tensors)
-    tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
-
-    weights: dict[str, torch.Tensor] = {}
-    for gguf_name, tensor in _progress(tensors.items(), len(tensors)):
-        name = _hf_name_from_gguf(path, gguf_name, config)
-        # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
-        shape = tuple(int(n) for n in reversed(tensor.shape))
+    # The bar starts before the reader, whose own seconds count towards its delay.
+    with progress("reading weights", "tensor") as bar:
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(f"{path}: tensor {gguf_name} has unsupported type "
-                                 f"{tensor.tensor_type.name}") from None
-        array = array.reshape(shape)
-        if name.endswith(("q_proj.weight", "q_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
-            array = _unpermute_rotary_rows(array, config.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
-            array = _unpermute_rotary_rows(array, config.num_key_value_heads)
-        if not array.flags.writeable:  # a view of the memory-mapped file: copy it out
-            array = array.copy()
-        weights[name] = torch.from_numpy(array).to(dtype).contiguous()
+            reader = gguf.GGUFReader(path)
+        except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:
+            # The reader maps the file and checks every size, so a truncated file fails here.
+            raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt): {exc}") from exc
+        metadata = {name: field.contents() for name, field in reader.fields.items()}
+        tensors = {t.name: t for t in reader.tensors}
+        bar.total = len(tensors)
+        config = _gguf_config(path, metadata, tensors)
+        tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
+
+        weights: dict[str, torch.Tensor] = {}
+        for gguf_name, tensor in tensors.items():
+            name = _hf_name_from_gguf(path, gguf_name, config)
+            # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
+            shape = tuple(int(n) for n in reversed(tensor.shape))
+            try:
+                array = dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError:
+                raise ModelLoadError(f"{path}: tensor {gguf_name} has unsupported type "
+                                     f"{tensor.tensor_type.name}") from None
+            array = array.reshape(shape)
+            if name.endswith(("q_proj.weight", "q_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
+                array = _unpermute_rotary_rows(array, config.num_attention_heads)
+            elif name.endswith(("k_proj.weight", "k_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
+                array = _unpermute_rotary_rows(array, config.num_key_value_heads)
+            if not array.flags.writeable:  # a view of the memory-mapped file: copy it out
+                array = array.copy()
+            weights[name] = torch.from_numpy(array).to(dtype).contiguous()
+            bar.update()
     _check_weights(path, config, weights)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
@@ -428,11 +432,13 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
     config = _hf_config(folder)
     expected = set(_expected_weight_names(config))
     weights: dict[str, torch.Tensor] = {}
-    for name, tensor in _progress(_safetensors_tensors(folder)):
-        if name in expected:
-            weights[name] = tensor.to(dtype).contiguous()
-        elif not _is_redundant_tensor(name, config):
-            raise ModelLoadError(f"{folder}: unexpected tensor {name} for a {config.architecture} model")
+    with progress("reading weights", "tensor") as bar:
+        for name, tensor in _safetensors_tensors(folder):
+            if name in expected:
+                weights[name] = tensor.to(dtype).contiguous()
+            elif not _is_redundant_tensor(name, config):
+                raise ModelLoadError(f"{folder}: unexpected tensor {name} for a {config.architecture} model")
+            bar.update()
     _check_weights(folder, config, weights)
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(folder))

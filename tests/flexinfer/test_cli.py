@@ -536,10 +536,11 @@ def test_loading_shows_a_progress_bar_on_a_terminal(monkeypatch, tiny):
             return True
 
     monkeypatch.setattr(loader, "PROGRESS_DELAY_S", 0.0)
-    for stderr, shown in ((Terminal(), True), (io.StringIO(), False)):  # and none where stderr is no terminal
-        monkeypatch.setattr("sys.stderr", stderr)
-        loader.load_model(tiny, torch.float32)
-        assert ("reading weights" in stderr.getvalue()) == shown, stderr.getvalue()
+    for model in (tiny, "smollm2"):  # a Hugging Face folder, a GGUF file
+        for stderr, shown in ((Terminal(), True), (io.StringIO(), False)):  # none where stderr is no terminal
+            monkeypatch.setattr("sys.stderr", stderr)
+            loader.load_model(model, torch.float32)
+            assert ("reading weights" in stderr.getvalue()) == shown, stderr.getvalue()
 
 
 def test_ctrl_c_in_generate_cancels_the_requests(capsys, monkeypatch, tiny, python_sigint):
