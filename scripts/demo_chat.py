@@ -117,8 +117,8 @@ def main() -> None:
     for i, row in enumerate(rows, 1):
         busy = "unknown" if row["busy"] is None else f"{row['busy']:.1f} cores" + (
             "  (busy)" if row["busy"] > BUSY_CORES else "")
-        print(f"{i:>4}  {row['prompt']:>6}  {row['reused']:>6}  {row['with_ms']:>12.0f} ms  {row['without_ms']:>9.0f} ms"
-              f"  {row['without_ms'] / row['with_ms']:>7.2f}x  {busy}")
+        print(f"{i:>4}  {row['prompt']:>6}  {row['reused']:>6}  {row['with_ms']:>12.0f} ms  "
+              f"{row['without_ms']:>9.0f} ms  {row['without_ms'] / row['with_ms']:>7.2f}x  {busy}")
     busiest = max((row["busy"] for row in rows if row["busy"] is not None), default=None)
     print(f"load average {load_before:.2f} before the measurement, {load_after:.2f} after, on {os.cpu_count()} CPUs")
     if busiest is not None and busiest > BUSY_CORES:
