@@ -5,13 +5,17 @@ logits); 2 for bad input (a bad flag value; an empty, too long or non-UTF-8
 prompt; a model that cannot be loaded) or no memory; 130 when interrupted
 (Ctrl-C). With several prompts, every prompt's output or error is printed and
 the status is the worst of them. Errors are one line, `flexinfer: error: ...`
-on stderr. Anything else is a bug and keeps its traceback.
+on stderr, and so is every log line (cli_log.py). Anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import math
+import queue
 import signal
 import sys
 import time
@@ -20,10 +24,16 @@ import vtm
 from flexinfer import __version__
 from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
+from flexinfer.cli_log import ENV, command_logging
+from flexinfer.detokenizer import IncrementalText
+from flexinfer.engine import BROKER_WAIT_S
 from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
                               ModelLoadError)
+from flexinfer.inputs import request_problem
 from flexinfer.llm import LLM
 from flexinfer.model.linear import LINEAR_KINDS
+from flexinfer.model.loader import load_tokenizer
+from flexinfer.outputs import RequestOutput
 from flexinfer.sampling import SamplingParams
 from flexinfer.server.main import add_serve_args, serve
 
@@ -35,10 +45,14 @@ _USER_ERRORS = (FlexInferError, vtm.InvalidArgument, vtm.OutOfMemory, vtm.Unavai
 # no memory (2); any other error of a request is a failure in the engine (1).
 _BAD_INPUT = (InvalidArgument, ModelLoadError, ChatTemplateError, vtm.InvalidArgument, vtm.OutOfMemory)
 
+log = logging.getLogger("flexinfer")
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # One default for the tokens a request may generate, in every sub-command.
 DEFAULT_MAX_TOKENS = 128
+# How long an interrupted command waits for its requests to let go of their memory (as LLM.generate).
+_CANCEL_WAIT_S = 30.0
 # The physical chunk size of an in-process pool: --kv-capacity-gib is rounded up to a multiple of it.
 CHUNK_BYTES = 2 << 20
 
@@ -123,6 +137,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-name", default=None, metavar="NAME",
                    help="the name this process connects to --manager under, which the operator's quotas "
                         "(priority, guarantee, limit) are keyed by (default: flexinfer-COMMAND)")
+    p.add_argument("--priority", type=int, default=None, metavar="P",
+                   help="with --manager: the priority to ask the broker for; the operator's quota for the client "
+                        "name is the most it grants (default: the quota's)")
     p.add_argument("--max-model-len", type=_positive_int, default=4096,
                    help="most tokens (prompt + output) of one request; capped at the model's own maximum")
     p.add_argument("--max-num-seqs", type=_positive_int, default=32,
@@ -137,6 +154,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reference) or flash_attn (CUDA, where flash-attn is installed)")
     p.add_argument("--threads", default="auto", type=_threads,
                    help="CPU compute threads: auto (measured while decoding) or a number")
+    p.add_argument("--broker-wait", type=_number(0), default=BROKER_WAIT_S, metavar="S",
+                   help="with --manager: how long requests wait for a vtm broker that went away to come back "
+                        "(they resume by recompute) before they fail")
+    _add_verbose(p, default=argparse.SUPPRESS)
+
+
+def _add_verbose(p: argparse.ArgumentParser, default) -> None:
+    """--verbose before the command (flexinfer --verbose generate) or after it:
+    a sub-command's copy has no default, so it never undoes the first."""
+    p.add_argument("--verbose", action="store_true", default=default,
+                   help=f"log at debug level, with tracebacks (or {ENV}=debug; {ENV}=info|warning|error sets the "
+                        "level); without it, each log line is one line and warnings and errors are shown")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -154,13 +183,28 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _engine(args) -> LLM:
     manager = None
     if args.manager is not None:
+        name = args.client_name or f"flexinfer-{args.command}"
         # Closed by main() after the command: an LLM never closes a manager it was given.
-        manager = args.broker = vtm.connect(args.manager, name=args.client_name or f"flexinfer-{args.command}")
+        manager = args.broker = vtm.connect(args.manager, name=name, priority=args.priority)
+        if args.priority is not None and manager.priority < args.priority:
+            log.warning("asked for priority %d; the operator's quota for '%s' grants %d", args.priority, name,
+                        manager.priority)
     capacity = max(1, math.ceil(args.kv_capacity_gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
-               attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs)
+               attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
+               broker_wait_s=args.broker_wait)
+
+
+def _load(args) -> LLM:
+    """The engine, with what loads and how long it took said on stderr (a
+    progress bar too on a terminal, where loading takes more than a second)."""
+    print(f"flexinfer: loading {args.model} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    llm = _engine(args)
+    print(f"flexinfer: loaded {args.model} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return llm
 
 
 def _params(args) -> SamplingParams:
@@ -173,31 +217,112 @@ def _status(error: Exception) -> int:
 
 
 def cmd_generate(args) -> int:
+    """One prompt: its completion streams to stdout as it is generated. Several:
+    each is printed, labelled `[prompt I] `, as soon as it completes. On Ctrl-C
+    or an error, what was printed stays, its line ended."""
     params = _params(args)  # before the model loads: a bad flag fails at once
-    llm = _engine(args)
+    several = len(args.prompt) > 1
     status = EXIT_OK
+    prompts = {}  # the index and token ids of each prompt that can run
+    for i, ids in enumerate(_checked_prompts(args, params)):
+        if isinstance(ids, str):
+            print(f"flexinfer: error: {f'prompt {i}: ' if several else ''}{ids}", file=sys.stderr)
+            status = EXIT_BAD_INPUT
+        else:
+            prompts[i] = ids
+    if not prompts:
+        return status
+    llm = _load(args)
     try:
-        outs = llm.generate(args.prompt, params)
+        if several:
+            return max(status, _print_each_when_done(llm, args, prompts, params))
+        out = _stream(llm, args, prompts[0], params)
     finally:
         llm.close()
-    several = len(outs) > 1
-    for i, out in enumerate(outs):
-        error = out.error
-        if error is not None:
-            print(f"flexinfer: error: {f'prompt {i}: ' if several else ''}{error}", file=sys.stderr)
-            status = max(status, _status(error))
-            continue
-        m = out.metrics
-        print(out.prompt + out.text if args.echo else out.text)
-        rate = m.decode_tokens_per_s
-        print(f"[{f'prompt {i}: ' if several else ''}{m.output_tokens} tokens, TTFT {m.ttft_s * 1000:.0f} ms"
-              + (f", {rate:.1f} tok/s" if rate else "") + f", finish: {out.finish_reason}]", file=sys.stderr)
+    return _report(out, None)  # after close: its own log lines, if any, come before the outcome
+
+
+def _stream(llm: LLM, args, ids: list[int], params: SamplingParams) -> RequestOutput:
+    text = IncrementalText(llm.tokenizer, params.stop)
+    printed = False  # whether stdout holds a line this function must end
+    if args.echo:
+        print(args.prompt[0], end="", flush=True)
+        printed = True
+    handle = llm.submit(ids, params, stream=True)
+    try:
+        for event in handle:
+            piece = text.push(event.token_ids)
+            if piece:
+                print(piece, end="", flush=True)
+                printed = True
+    except BaseException:  # Ctrl-C: take the request back; the text printed stays, its line ended
+        handle.cancel()
+        handle.wait(_CANCEL_WAIT_S)
+        if printed:
+            print(flush=True)
+        raise
+    out = handle.result()
+    if out.error is None or printed:
+        print(text.finish(), flush=True)
+    return out
+
+
+def _print_each_when_done(llm: LLM, args, prompts: dict[int, list[int]], params: SamplingParams) -> int:
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def on_event(i: int, event) -> None:  # on the engine thread: must not block
+        if event is None:  # the request's stream ended
+            done.put(i)
+
+    handles = {i: llm.submit(ids, params, stream=True, deliver=functools.partial(on_event, i))
+               for i, ids in prompts.items()}
+    status = EXIT_OK
+    try:
+        for _ in handles:
+            i = done.get()
+            out = handles[i].result()
+            if out.error is None:
+                print(f"[prompt {i}] " + (args.prompt[i] if args.echo else "") + out.text, flush=True)
+            status = max(status, _report(out, i))
+    except BaseException:  # Ctrl-C: take back what still runs; what was printed stays
+        for handle in handles.values():
+            handle.cancel()
+        for handle in handles.values():
+            handle.wait(_CANCEL_WAIT_S)
+        raise
     return status
+
+
+def _report(out: RequestOutput, index: int | None) -> int:
+    """A request's error, or its stats, on stderr; its exit status."""
+    label = f"prompt {index}: " if index is not None else ""
+    if out.error is not None:
+        print(f"flexinfer: error: {label}{out.error}", file=sys.stderr, flush=True)
+        return _status(out.error)
+    m = out.metrics
+    rate = m.decode_tokens_per_s
+    print(f"[{label}{m.output_tokens} tokens, TTFT {m.ttft_s * 1000:.0f} ms" + (f", {rate:.1f} tok/s" if rate else "")
+          + f", finish: {out.finish_reason}]", file=sys.stderr, flush=True)
+    return EXIT_OK
+
+
+def _checked_prompts(args, params: SamplingParams) -> list[list[int] | str]:
+    """Each prompt's token ids, or why it cannot run (empty, too long for the
+    model). Only the tokenizer and the config are read (load_tokenizer), so
+    that such a prompt is refused in a tenth of a second, not after the
+    seconds the weights take to load."""
+    config, tokenizer = load_tokenizer(args.model)
+    max_model_len = min(args.max_model_len, config.max_position_embeddings)  # as the engine caps it
+    checked = []
+    for prompt in args.prompt:
+        ids = tokenizer.encode(prompt)
+        checked.append(request_problem(ids, params, max_model_len, config.vocab_size) or ids)
+    return checked
 
 
 def cmd_chat(args) -> int:
     params = _params(args)
-    llm = _engine(args)
+    llm = _load(args)
     try:
         errors = ChatSession(llm, params, args.system).run()
     finally:
@@ -206,7 +331,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    llm = _engine(args)
+    llm = _load(args)
     try:
         prompts = [f"Write a short story about the number {i}." for i in range(args.batch)]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -229,12 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="flexinfer", description="LLM serving on vtm vTensor KV caches. Exit status: 0 success, "
                      "1 a request failed in the engine, 2 bad input or no memory, 130 interrupted.")
     parser.add_argument("--version", action="version", version=f"flexinfer {__version__}")
+    _add_verbose(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one or more prompts")
     _add_engine_args(g)
     _add_sampling_args(g)
     g.add_argument("--prompt", action="append", required=True, type=_text,
-                   help="text to complete; may be given several times (each prompt's output or error is printed)")
+                   help="text to complete, streamed to stdout as it is generated; may be given several times "
+                        "(each completion is then printed as it completes, labelled [prompt I])")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.set_defaults(fn=cmd_generate)
     c = sub.add_parser("chat", help="interactive multi-turn chat, streamed, showing prefix reuse per turn")
@@ -254,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=cmd_serve)
     try:
         args = parser.parse_args(argv)
+        if args.priority is not None and args.manager is None:
+            parser.error("--priority is what a client asks of a vtm broker: give --manager too")
     except SystemExit as exc:  # --help, --version or a bad argument (already printed)
         return exc.code
     args.broker = None
@@ -262,12 +391,15 @@ def main(argv: list[str] | None = None) -> int:
         # ignored, as non-interactive shells start background jobs.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return args.fn(args)
+        if args.command == "serve":  # its own logging (server/main.py)
+            return args.fn(args)
+        with command_logging(args.verbose):
+            return args.fn(args)
     except _USER_ERRORS as e:
         print(f"flexinfer: error: {e}", file=sys.stderr)
         return EXIT_FAILED if isinstance(e, (EngineError, EngineClosed)) else EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        # LLM.generate has taken its requests back (and a chat its reply) before this.
+        # The command has taken its requests back (a chat its reply) before this.
         print("flexinfer: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:

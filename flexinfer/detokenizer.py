@@ -19,8 +19,22 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     return (text[:min(cuts)], True) if cuts else (text, False)
 
 
+# An incomplete UTF-8 sequence is at most 3 bytes; decoders show it as one
+# U+FFFD (byte-level BPE) or one per byte (byte fallback).
+_MAX_INCOMPLETE = 3
+
+
 def final_text(tokenizer: Tokenizer, ids: list[int], stop: list[str]) -> str:
-    return cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stop)[0]
+    """The text of a whole output. A sample cut inside a multi-byte character
+    (max_tokens, a cancel) ends before it, as the stream holds it back: the
+    U+FFFD that the missing bytes decode to at the very end are dropped.
+    Text cannot tell them from a U+FFFD the model wrote last, which goes too
+    (it carries no text); one earlier is the model's output and stays."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    end = len(text)
+    while end > 0 and len(text) - end < _MAX_INCOMPLETE and text[end - 1] == "\ufffd":
+        end -= 1
+    return cut_at_stop(text[:end], stop)[0]
 
 
 class IncrementalText:
@@ -64,7 +78,7 @@ class IncrementalText:
         return self._take(self._text, len(self._text) - self._held_back(len(new)))
 
     def finish(self) -> str:
-        """What is left once the sample has ended (held-back text, a final partial character)."""
+        """What is left once the sample has ended: held-back text, less a final partial character."""
         text = final_text(self._tokenizer, self._ids, self._stop)
         return self._take(text, len(text))
 

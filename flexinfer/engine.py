@@ -37,6 +37,8 @@ _DTYPE_NAMES = {value: name for name, value in _DTYPES.items()}
 _MAX_THREADS_PER_CPU = 8
 # While the vtm broker is away, each step tries to reconnect for this long.
 RECONNECT_TRY_S = 0.25
+# How long requests wait for a broker that went away before they fail (broker_wait_s).
+BROKER_WAIT_S = 30.0
 
 
 class Engine:
@@ -46,7 +48,7 @@ class Engine:
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,
-                 broker_wait_s: float = 30.0):
+                 broker_wait_s: float = BROKER_WAIT_S):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
         if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
             dtype = _DTYPE_NAMES[dtype]
@@ -300,7 +302,8 @@ class Engine:
         now = time.monotonic()
         self._unhealthy_since = self._unhealthy_since or now
         if now - self._unhealthy_since >= self.broker_wait_s:
-            self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker is unavailable: {exc}"))
+            self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker is still unavailable after "
+                                                        f"{self.broker_wait_s:g} s: {exc}"))
 
     def _make_sink(self) -> None:
         """The sink in a new session, and new CUDA graphs where it is not

@@ -241,7 +241,8 @@ class Scheduler:
                 self._await_pending()
                 self._drop_vtensors(seq, record=False)
             except Exception:  # vtm failing (a dead broker): the sequence is gone all the same
-                log.exception("releasing the KV of a %s sequence failed", reason)
+                log.exception("releasing the KV of a %s sequence failed",
+                              "failed" if reason == "error" else "cancelled")
                 seq.reset_cache_state()
 
     def _drop_vtensors(self, seq: Sequence, record: bool) -> None:

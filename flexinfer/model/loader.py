@@ -12,12 +12,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import mmap
+import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from flexinfer.errors import ModelLoadError
 from flexinfer.model.config import ModelConfig, token_id_tuple
@@ -59,6 +62,27 @@ def _sampled_bytes(tensor: torch.Tensor, count: int = 512) -> bytes:
 def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
     """Load from an alias (see ALIASES), a .gguf file, or a Hugging Face folder
     (config.json + *.safetensors + tokenizer.json)."""
+    path = _resolve(name_or_path)
+    if path.is_dir():
+        return _load_hf_folder(path, dtype)
+    return _load_gguf(path, dtype)
+
+
+def load_tokenizer(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
+    """A model's config and tokenizer, without its weights: a tenth of a
+    second where the weights take seconds, so that a request that cannot run
+    (an empty prompt, one longer than the model's context) is refused before
+    they load. Same source, same results as load_model's."""
+    path = _resolve(name_or_path)
+    if path.is_dir():
+        config = _hf_config(path)
+        return config, Tokenizer.from_hf_folder(path, config.eos_token_ids)
+    metadata, tensor_names = _read_gguf_header(path)
+    return _gguf_config(path, metadata, tensor_names), Tokenizer.from_gguf_metadata(metadata, str(path))
+
+
+def _resolve(name_or_path: str) -> Path:
+    """The folder or .gguf file a model name stands for."""
     path = Path(name_or_path)
     if not path.exists():
         resolve = ALIASES.get(name_or_path)
@@ -66,11 +90,21 @@ def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
             raise ModelLoadError(f"{name_or_path}: no such file or folder, and not a known alias "
                                  f"(known: {', '.join(sorted(ALIASES))})")
         path = resolve()
-    if path.is_dir():
-        return _load_hf_folder(path, dtype)
-    if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dtype)
-    raise ModelLoadError(f"{path}: not a .gguf file nor a Hugging Face model folder")
+    if not path.is_dir() and path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{path}: not a .gguf file nor a Hugging Face model folder")
+    return path
+
+
+# A loading step shows a progress bar once it has taken this long, on a terminal only.
+PROGRESS_DELAY_S = 1.0
+
+
+def progress(what: str, unit: str, total: int | None = None) -> tqdm:
+    """A bar on stderr for a step of loading (`with` it, `update()` per
+    item): drawn where stderr is a terminal (tqdm's disable=None) once the
+    step has taken PROGRESS_DELAY_S, erased when done, leaving the terminal
+    to what the caller prints."""
+    return tqdm(total=total, desc=what, unit=unit, disable=None, delay=PROGRESS_DELAY_S, leave=False)
 
 
 def _smollm2_gguf() -> Path:
@@ -170,36 +204,112 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     import gguf
     from gguf.quants import dequantize
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:
-        # The reader maps the file and checks every size, so a truncated file fails here.
-        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt): {exc}") from exc
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
-    tensors = {t.name: t for t in reader.tensors}
-    config = _gguf_config(path, metadata, tensors)
-    tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
-
-    weights: dict[str, torch.Tensor] = {}
-    for gguf_name, tensor in tensors.items():
-        name = _hf_name_from_gguf(path, gguf_name, config)
-        # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
-        shape = tuple(int(n) for n in reversed(tensor.shape))
+    # The bar starts before the reader, whose own seconds count towards its delay.
+    with progress("reading weights", "tensor") as bar:
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(f"{path}: tensor {gguf_name} has unsupported type "
-                                 f"{tensor.tensor_type.name}") from None
-        array = array.reshape(shape)
-        if name.endswith(("q_proj.weight", "q_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
-            array = _unpermute_rotary_rows(array, config.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
-            array = _unpermute_rotary_rows(array, config.num_key_value_heads)
-        if not array.flags.writeable:  # a view of the memory-mapped file: copy it out
-            array = array.copy()
-        weights[name] = torch.from_numpy(array).to(dtype).contiguous()
+            reader = gguf.GGUFReader(path)
+        except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:
+            # The reader maps the file and checks every size, so a truncated file fails here.
+            raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt): {exc}") from exc
+        metadata = {name: field.contents() for name, field in reader.fields.items()}
+        tensors = {t.name: t for t in reader.tensors}
+        bar.total = len(tensors)
+        config = _gguf_config(path, metadata, tensors)
+        tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
+
+        weights: dict[str, torch.Tensor] = {}
+        for gguf_name, tensor in tensors.items():
+            name = _hf_name_from_gguf(path, gguf_name, config)
+            # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
+            shape = tuple(int(n) for n in reversed(tensor.shape))
+            try:
+                array = dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError:
+                raise ModelLoadError(f"{path}: tensor {gguf_name} has unsupported type "
+                                     f"{tensor.tensor_type.name}") from None
+            array = array.reshape(shape)
+            if name.endswith(("q_proj.weight", "q_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
+                array = _unpermute_rotary_rows(array, config.num_attention_heads)
+            elif name.endswith(("k_proj.weight", "k_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
+                array = _unpermute_rotary_rows(array, config.num_key_value_heads)
+            if not array.flags.writeable:  # a view of the memory-mapped file: copy it out
+                array = array.copy()
+            weights[name] = torch.from_numpy(array).to(dtype).contiguous()
+            bar.update()
     _check_weights(path, config, weights)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+# GGUF value types (gguf.GGUFValueType): scalars by struct format; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_MAGIC, _GGUF_VERSIONS = b"GGUF", (2, 3)
+
+
+def _read_gguf_header(path: Path) -> tuple[dict[str, Any], set[str]]:
+    """A GGUF file's metadata (as gguf's ReaderField.contents() gives it) and
+    its tensor names, read from the head of the file alone. gguf.GGUFReader
+    gives the same but first builds an array view per value (two per token
+    string: 2 s for SmolLM2's 49152-token vocabulary), which checking a
+    prompt before loading cannot wait for. Little-endian files only, as the
+    weights' loading (the reader maps them in the host's order)."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _parse_gguf_header(data)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt): {exc}") from exc
+
+
+def _parse_gguf_header(data: mmap.mmap) -> tuple[dict[str, Any], set[str]]:
+    offset = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal offset
+        value = struct.unpack_from("<" + fmt, data, offset)[0]
+        offset += struct.calcsize("<" + fmt)
+        return value
+
+    def string() -> str:
+        nonlocal offset
+        size = take("Q")
+        if offset + size > len(data):
+            raise ValueError("a string runs past the end of the file")
+        offset += size
+        return data[offset - size:offset].decode("utf-8")
+
+    def value(kind: int) -> Any:
+        nonlocal offset
+        if kind in _GGUF_SCALARS:
+            return take(_GGUF_SCALARS[kind])
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            item, count = take("I"), take("Q")
+            if item in _GGUF_SCALARS:  # numbers in one go
+                dtype = np.dtype("<" + _GGUF_SCALARS[item])
+                items = np.frombuffer(data, dtype, count, offset).tolist()
+                offset += dtype.itemsize * count
+                return items
+            return [value(item) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    if data[:4] != _GGUF_MAGIC:
+        raise ValueError("no GGUF magic")
+    offset = 4
+    version = take("I")
+    if version not in _GGUF_VERSIONS:
+        raise ValueError(f"GGUF version {version} (readable: {', '.join(map(str, _GGUF_VERSIONS))})")
+    tensor_count, kv_count = take("Q"), take("Q")
+    metadata = {}
+    for _ in range(kv_count):
+        key = string()
+        metadata[key] = value(take("I"))
+    names = set()
+    for _ in range(tensor_count):
+        names.add(string())
+        dimensions = take("I")
+        offset += 8 * dimensions + 4 + 8  # the dimensions, the type, the data offset
+    return metadata, names
 
 
 def _unpermute_rotary_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
@@ -302,7 +412,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: malformed JSON: {exc}") from exc
 
 
-def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
+def _hf_config(folder: Path) -> ModelConfig:
     config_path = folder / "config.json"
     try:
         config = ModelConfig.from_hf_dict(_read_json(config_path))
@@ -315,14 +425,20 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
         # Instruct models (Llama 3) list their end-of-turn ids only in the generation config.
         extra = token_id_tuple(_read_json(generation_path).get("eos_token_id"))
         config = replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+    return config
 
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
+    config = _hf_config(folder)
     expected = set(_expected_weight_names(config))
     weights: dict[str, torch.Tensor] = {}
-    for name, tensor in _safetensors_tensors(folder):
-        if name in expected:
-            weights[name] = tensor.to(dtype).contiguous()
-        elif not _is_redundant_tensor(name, config):
-            raise ModelLoadError(f"{folder}: unexpected tensor {name} for a {config.architecture} model")
+    with progress("reading weights", "tensor") as bar:
+        for name, tensor in _safetensors_tensors(folder):
+            if name in expected:
+                weights[name] = tensor.to(dtype).contiguous()
+            elif not _is_redundant_tensor(name, config):
+                raise ModelLoadError(f"{folder}: unexpected tensor {name} for a {config.architecture} model")
+            bar.update()
     _check_weights(folder, config, weights)
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(folder))

@@ -18,6 +18,7 @@ import socket
 import sys
 from typing import Callable
 
+from flexinfer.cli_log import debug_requested
 from flexinfer.errors import FlexInferError
 from flexinfer.llm import LLM
 from flexinfer.server.config import ServerLimits
@@ -68,7 +69,8 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
     # Bound before the model loads: a port in use fails at once, with a clear message.
     sock = _listen(args.host, args.port)
     name = args.served_model_name or args.model
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    log_level = "debug" if debug_requested(args.verbose) else args.log_level  # flexinfer --verbose, as every command
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
 
     host, port = sock.getsockname()[:2]
     url = f"http://{_url_host(host)}:{port}"
@@ -81,7 +83,7 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
             print(line, file=sys.stderr, flush=True)
 
     app = create_app(load, name, on_load_error, limits, on_ready)
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, lifespan="on",
+    config = uvicorn.Config(app, log_level=log_level, access_log=args.access_log, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = GracefulServer(config, app.state.server.begin_shutdown)
     print(f"flexinfer: serving {name} on {url} (model loading; /health answers 200 once ready)",

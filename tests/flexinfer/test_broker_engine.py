@@ -146,7 +146,8 @@ def test_lowering_a_quota_preempts_instead_of_failing(tiny_folder, tmp_path):
 
 def test_cli_manager_flag_reaches_the_broker(tmp_path, tiny_folder, capsys):
     dead = f"unix:{tmp_path}/nobody/sock"
-    assert main(["generate", "--model", tiny_folder, "--manager", dead, "--prompt", "hi"]) == 2
+    # (A prompt within the tiny vocabulary: one outside it is refused before anything connects.)
+    assert main(["generate", "--model", tiny_folder, "--manager", dead, "--prompt", "a b"]) == 2
     assert "no vtm broker answers" in capsys.readouterr().err
 
 

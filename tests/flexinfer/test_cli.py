@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import flexinfer  # noqa: E402
+import vtm  # noqa: E402
 from flexinfer import LLM, SamplingParams, cli  # noqa: E402
 from flexinfer.cli import main  # noqa: E402
 
@@ -71,6 +73,9 @@ def tiny_args(folder: str, *more: str) -> list[str]:
 
 
 def one_line_error(err: str, status_message: str) -> None:
+    """The error is one line; what loads is said before it (`flexinfer: loading ...`, `... loaded ...`)."""
+    err = "".join(line for line in err.splitlines(keepends=True)
+                  if not line.startswith(("flexinfer: loading ", "flexinfer: loaded ")))
     assert err.startswith("flexinfer: error: ") and status_message in err and err.count("\n") == 1, err
     assert "Traceback" not in err
 
@@ -101,6 +106,81 @@ def test_generate_prints_the_greedy_completion(capsys):
     assert "TTFT" in err and "finish:" in err
 
 
+class Writes(io.StringIO):
+    """stdout that remembers each write, to see text arrive in pieces; `on_write(text)` sees each as it comes."""
+
+    def __init__(self, on_write=None):
+        super().__init__()
+        self.pieces: list[str] = []
+        self._on_write = on_write
+
+    def write(self, text: str) -> int:
+        self.pieces.append(text)
+        if self._on_write is not None:
+            self._on_write(text)
+        return super().write(text)
+
+
+def test_generate_streams_one_prompt_and_says_what_loads(capsys, monkeypatch, tiny):
+    stdout = Writes()
+    monkeypatch.setattr("sys.stdout", stdout)
+    assert main(["generate", *tiny_args(tiny), "--prompt", "Once upon a time", "--max-tokens", "24"]) == 0
+    err = capsys.readouterr().err
+    with LLM(tiny, kv_capacity_bytes=1 << 28, linear="torch") as llm:
+        want = llm.generate(["Once upon a time"], SamplingParams(max_tokens=24, temperature=0.0))[0].text
+    assert stdout.getvalue() == want + "\n"
+    assert len([p for p in stdout.pieces if p]) >= 4  # token by token, not in one write at the end
+    lines = err.splitlines()
+    assert lines[0] == f"flexinfer: loading {tiny} ..." and re.fullmatch(rf"flexinfer: loaded {re.escape(tiny)} in "
+                                                                          r"\d+\.\d s", lines[1]), err
+    assert lines[2].startswith("[24 tokens, TTFT ") and len(lines) == 3
+
+
+def test_generate_echo_streams_after_the_prompt(capsys, monkeypatch, tiny):
+    stdout = Writes()
+    monkeypatch.setattr("sys.stdout", stdout)
+    assert main(["generate", *tiny_args(tiny), "--prompt", "Once upon a time", "--max-tokens", "8", "--echo"]) == 0
+    assert stdout.pieces[0] == "Once upon a time" and stdout.getvalue().endswith("\n") and len(stdout.pieces) > 2
+
+
+def test_several_prompts_print_each_as_it_completes(capsys, monkeypatch, tiny):
+    """One sequence at a time, and the engine held after prompt 0 completes
+    until prompt 0 is printed: printed as it completes, prompt 1 still waits."""
+    printed_first = threading.Event()
+    steps_after_first = []
+
+    class Held(Recorder):
+        def __call__(self, model, **options):
+            llm = super().__call__(model, **options)
+            step, submit, handles = llm.engine.step, llm.submit, []
+
+            def held_step():
+                if handles and handles[0].done and not steps_after_first:
+                    steps_after_first.append(printed_first.wait(120))  # False: not printed before the end
+                return step()
+
+            def recorded_submit(*args, **kwargs):
+                handles.append(submit(*args, **kwargs))
+                return handles[-1]
+
+            llm.engine.step, llm.submit = held_step, recorded_submit
+            return llm
+
+    monkeypatch.setattr(cli, "LLM", Held())
+
+    def on_write(text: str) -> None:
+        if text.startswith("[prompt 0]"):
+            printed_first.set()
+
+    stdout = Writes(on_write)
+    monkeypatch.setattr("sys.stdout", stdout)
+    argv = ["generate", *tiny_args(tiny), "--max-num-seqs", "1", "--max-tokens", "16", "--prompt", "Hi", "--prompt",
+            "Bye"]
+    assert main(argv) == 0
+    assert steps_after_first == [True]
+    assert stdout.getvalue().startswith("[prompt 0] ") and "\n[prompt 1] " in stdout.getvalue()
+
+
 def test_bench_reports_throughput(capsys, tiny):
     assert main(["bench", *tiny_args(tiny), "--batch", "2", "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("batch 2: 8 tokens in ")
@@ -114,7 +194,9 @@ def test_several_prompts_print_every_output_and_every_error(capsys, tiny):
     out, err = capsys.readouterr()
     with LLM(tiny, max_model_len=256, kv_capacity_bytes=1 << 28, linear="torch") as llm:
         want = llm.generate([prompts[0], prompts[3]], SamplingParams(max_tokens=12, temperature=0.0))
-    assert out == want[0].text + "\n" + want[1].text + "\n"
+    # Each as it completes, labelled (both finish in one step here: in either order).
+    first, second = f"[prompt 0] {want[0].text}\n", f"[prompt 3] {want[1].text}\n"
+    assert out in (first + second, second + first)
     errors = [line for line in err.splitlines() if line.startswith("flexinfer: error: ")]
     assert errors == ["flexinfer: error: prompt 1: the prompt is empty",
                       "flexinfer: error: prompt 2: prompt (300 tokens) + max_tokens (12) exceeds max_model_len 256"]
@@ -165,6 +247,8 @@ def test_kv_capacity_is_rounded_up_to_whole_chunks(capsys, monkeypatch, tiny):
     (["bench", "--batch", "0"], "argument --batch"),
     (["generate", "--prompt", "hello \udcff\udcfe"], "argument --prompt: not valid UTF-8 (byte 0xff at offset 6)"),
     (["chat", "--system", "\udcc3"], "argument --system: not valid UTF-8 (byte 0xc3 at offset 0)"),
+    (["generate", "--prompt", "hi", "--priority", "3"], "--priority is what a client asks of a vtm broker: give "
+                                                         "--manager too"),
     (["generate"], "the following arguments are required: --prompt"),
     ([], "the following arguments are required: command"),
 ])
@@ -182,6 +266,50 @@ def test_a_prompt_that_cannot_run_is_status_2(capsys, tiny, prompt, message):
     one_line_error(capsys.readouterr().err, message)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "flexinfer: error: the prompt is empty"),
+    (["--prompt", ("word " * 600).strip()], "prompt (600 tokens) + max_tokens (128) exceeds max_model_len 512"),
+    # The model's own maximum caps --max-model-len: the tiny model's is 4096.
+    (["--max-model-len", "10000", "--max-tokens", "4000", "--prompt", ("word " * 100).strip()],
+     "prompt (100 tokens) + max_tokens (4000) exceeds max_model_len 4096"),
+    (["--prompt", "", "--prompt", ""], "flexinfer: error: prompt 0: the prompt is empty\n"
+                                       "flexinfer: error: prompt 1: the prompt is empty\n"),
+])
+def test_a_prompt_that_cannot_run_is_refused_before_the_model_loads(capsys, monkeypatch, tiny, argv, message):
+    """Only the tokenizer and config are read: the weights would take seconds (13 s for SmolLM2)."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded for a prompt that cannot run")
+
+    monkeypatch.setattr(cli, "LLM", no_loading)
+    assert main(["generate", *tiny_args(tiny, "--max-model-len", "512"), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and "Traceback" not in err
+    assert err.count("\n") == argv.count("--prompt")
+    assert all(line.startswith("flexinfer: error: ") for line in err.splitlines())
+
+
+def test_load_tokenizer_reads_what_load_model_does_without_the_weights():
+    """SmolLM2's GGUF: the same metadata as gguf's reader, the same config and tokenizer as load_model."""
+    import gguf
+    import torch
+
+    from flexinfer.model import loader
+
+    path = loader._smollm2_gguf()
+    metadata, names = loader._read_gguf_header(path)
+    reader = gguf.GGUFReader(path)
+    expected = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    assert metadata == expected and names == {t.name for t in reader.tensors}
+    assert all(type(metadata[k]) is type(expected[k]) for k in expected)
+    config, tokenizer = loader.load_tokenizer("smollm2")
+    full = loader.load_model("smollm2", torch.float32)
+    assert config == full.config
+    text = "Hello, wörld! <|im_start|>user 日本"
+    assert tokenizer.encode(text) == full.tokenizer.encode(text)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        full.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch):
     def broken(args):
         raise ValueError("not enough values to unpack")  # a bug, not bad input
@@ -189,6 +317,92 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_engine", broken)
     with pytest.raises(ValueError, match="unpack"):
         main(["generate", *SMALL, "--prompt", "hi"])
+
+
+# ----------------------------------------------------------------------------- log lines, a broker going away
+
+
+@pytest.mark.parametrize("argv_before, argv_after, env", [
+    ([], [], None), (["--verbose"], [], None), ([], ["--verbose"], None), ([], [], "debug"),
+], ids=["default", "verbose-first", "verbose-last", "FLEXINFER_LOG=debug"])
+def test_log_lines_are_one_line_with_tracebacks_only_when_asked(capsys, monkeypatch, tiny, argv_before, argv_after,
+                                                                env):
+    class Logs(Recorder):
+        """Logs as the engine and the broker client do when the broker goes away."""
+
+        def __call__(self, model, **options):
+            llm = super().__call__(model, **options)
+            try:
+                raise vtm.Unavailable("the vtm broker\nis unavailable")
+            except vtm.Unavailable:
+                logging.getLogger("flexinfer").exception("a step failed; failing its %d requests", 1)
+            logging.getLogger("vtm.broker").warning("lost the session at %s", "unix:/x")
+            logging.getLogger("flexinfer").info("reconnected")
+            return llm
+
+    if env is not None:
+        monkeypatch.setenv("FLEXINFER_LOG", env)
+    else:
+        monkeypatch.delenv("FLEXINFER_LOG", raising=False)
+    monkeypatch.setattr(cli, "LLM", Logs())
+    argv = [*argv_before, "generate", *tiny_args(tiny), "--prompt", "hi", "--max-tokens", "2", *argv_after]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    asked = bool(argv_before or argv_after or env)
+    assert "flexinfer: error: a step failed; failing its 1 requests: the vtm broker is unavailable\n" in err, err
+    assert "flexinfer: warning: lost the session at unix:/x\n" in err
+    assert ("Traceback" in err) == asked and ("flexinfer: info: reconnected\n" in err) == asked
+    if not asked:
+        assert all(line.startswith(("flexinfer: ", "[")) for line in err.splitlines()), err
+    # Nothing stays configured once the command is done (main runs many times in one test process).
+    assert not logging.getLogger("flexinfer").handlers and not logging.getLogger("vtm").handlers
+
+
+def test_a_broker_that_goes_away_is_told_in_one_line_each(tmp_path, tiny):
+    """SIGKILL vtmd while a reply streams: the text so far stays, each log line
+    is one line, no traceback, and the request fails after --broker-wait."""
+    from broker_testing import BrokerProcess
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=256)  # 16 MiB: 8192 tiny rows
+    try:
+        child = flexinfer_process(["generate", *tiny_args(tiny), "--manager", broker.address, "--broker-wait", "1",
+                                   "--max-tokens", "3000", "--prompt", "Tell me a story"])
+        out, err = Reader(child.stdout), Reader(child.stderr)
+        shown = out.wait_for(r"\S{8}")
+        broker.kill()
+        assert child.wait(120) == 1
+    finally:
+        broker.kill()
+    text, errors = out.close(), err.close()
+    assert text.startswith(shown.string) and text.endswith("\n")
+    lines = errors.splitlines()
+    assert "Traceback" not in errors and all(line.startswith("flexinfer: ") for line in lines), errors
+    assert any(line.startswith("flexinfer: warning: ") and "broker" in line for line in lines), errors
+    assert lines[-1].startswith("flexinfer: error: ") and "broker" in lines[-1], errors
+
+
+def test_priority_flag_asks_the_broker_for_less(tmp_path, monkeypatch, capsys, tiny):
+    """--priority P: the operator's quota for the name is the most a client
+    gets; asking for more is granted the quota's, and says so."""
+    from broker_testing import BrokerProcess
+    from vtm.broker import ctl
+
+    broker = BrokerProcess(tmp_path, capacity_chunks=256)
+    try:
+        assert ctl.main(["--address", broker.address, "set-quota", "tenant", "--priority", "10"]) == 0
+        recorder = Recorder()
+        monkeypatch.setattr(cli, "LLM", recorder)
+        argv = ["generate", *tiny_args(tiny), "--manager", broker.address, "--client-name", "tenant", "--prompt",
+                "hi", "--max-tokens", "2"]
+        capsys.readouterr()
+        assert main(argv + ["--priority", "3"]) == 0
+        assert recorder.options[-1]["manager"].priority == 3 and "warning" not in capsys.readouterr().err
+        assert main(argv + ["--priority", "20"]) == 0
+        assert recorder.options[-1]["manager"].priority == 10
+        assert ("flexinfer: warning: asked for priority 20; the operator's quota for 'tenant' grants 10\n"
+                in capsys.readouterr().err)
+    finally:
+        broker.kill()
 
 
 # ----------------------------------------------------------------------------- --help, --version, python -m
@@ -286,18 +500,47 @@ class Reader:
 
 
 def test_ctrl_c_in_generate_exits_130_without_a_traceback(tiny):
-    """SIGINT once the requests run (the progress bar of two prompts is shown)."""
+    """SIGINT once the model is loaded, when the requests are submitted."""
     # Started with SIGINT ignored, as a non-interactive shell starts a background job:
     # `flexinfer generate ... &` must still stop on Ctrl-C (kill -INT).
     child = flexinfer_process(["generate", *tiny_args(tiny), "--max-tokens", "3000", "--prompt", "a", "--prompt", "b"],
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     out, err = Reader(child.stdout), Reader(child.stderr)
-    err.wait_for(r"generate:\s+0%")
+    err.wait_for(r"flexinfer: loaded ")
     child.send_signal(signal.SIGINT)
     assert child.wait(60) == 130
     assert out.close() == ""
     text = err.close()
     assert "Traceback" not in text and text.rstrip().endswith("flexinfer: interrupted"), text
+
+
+def test_ctrl_c_keeps_the_text_streamed_so_far(tiny):
+    """One prompt: text shows as it is generated; Ctrl-C ends its line, says so, exits 130."""
+    child = flexinfer_process(["generate", *tiny_args(tiny), "--max-tokens", "3000", "--prompt", "Tell me a story"])
+    out, err = Reader(child.stdout), Reader(child.stderr)
+    shown = out.wait_for(r"\S{8}")  # streaming: text shows long before the 3000 tokens are done
+    child.send_signal(signal.SIGINT)
+    assert child.wait(60) == 130
+    text, errors = out.close(), err.close()
+    assert text.startswith(shown.string) and text.endswith("\n")  # what was shown stays, its line ended
+    assert "Traceback" not in errors and errors.endswith("flexinfer: interrupted\n"), errors
+
+
+def test_loading_shows_a_progress_bar_on_a_terminal(monkeypatch, tiny):
+    import torch
+
+    from flexinfer.model import loader
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(loader, "PROGRESS_DELAY_S", 0.0)
+    for model in (tiny, "smollm2"):  # a Hugging Face folder, a GGUF file
+        for stderr, shown in ((Terminal(), True), (io.StringIO(), False)):  # none where stderr is no terminal
+            monkeypatch.setattr("sys.stderr", stderr)
+            loader.load_model(model, torch.float32)
+            assert ("reading weights" in stderr.getvalue()) == shown, stderr.getvalue()
 
 
 def test_ctrl_c_in_generate_cancels_the_requests(capsys, monkeypatch, tiny, python_sigint):
@@ -372,18 +615,6 @@ class Typing(io.StringIO):
         if line is None:
             raise KeyboardInterrupt
         return line + "\n"
-
-
-class Writes(io.StringIO):
-    """stdout that remembers each write, to see a reply arrive in pieces."""
-
-    def __init__(self):
-        super().__init__()
-        self.pieces: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.pieces.append(text)
-        return super().write(text)
 
 
 def test_chat_reuses_the_previous_turn(capsys, monkeypatch):

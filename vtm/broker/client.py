@@ -152,19 +152,18 @@ class RemoteManager:
         starting), attaches the session's channel, opens the fd and step
         sockets and starts the notice listener; returns the HelloReply."""
         path = self._address[len("unix:"):]
+        wait = f"{max(0.0, deadline - time.monotonic()):.2g} s"  # this call's wait: a reconnect's try is short
         while not os.path.exists(path):
             # A broker that is starting (or restarting) creates its socket
             # soon: wait for it, within the deadline.
             if time.monotonic() >= deadline:
-                raise errors.Unavailable(f"no vtm broker answers at {self._address} (no such socket "
-                                         f"after {self._timeout:g} s)")
+                raise errors.Unavailable(f"no vtm broker answers at {self._address} (no such socket after {wait})")
             time.sleep(0.05)
         self._channel = grpc.insecure_channel(self._address)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=max(0.0, deadline - time.monotonic()))
         except grpc.FutureTimeoutError:
-            raise errors.Unavailable(f"no vtm broker answers at {self._address} "
-                                     f"(waited {self._timeout:g} s)") from None
+            raise errors.Unavailable(f"no vtm broker answers at {self._address} (waited {wait})") from None
         self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
         hello = self._rpc("hello", self._stub.Hello, self._hello, lease=False)
         self._metadata = ((status.LEASE_KEY, hello.lease),)

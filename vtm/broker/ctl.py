@@ -2,8 +2,10 @@
 
     vtmctl --address unix:PATH stats [--json]
     vtmctl --address unix:PATH top [--interval S] [--iterations N]
-    vtmctl --address unix:PATH set-quota NAME [LIMIT] [--limit B] [--guaranteed B] [--priority P]
-    vtmctl --address unix:PATH trim [--bytes N]
+    vtmctl --address unix:PATH set-quota NAME [LIMIT] [--limit SIZE] [--guaranteed SIZE] [--priority P]
+    vtmctl --address unix:PATH trim [--bytes SIZE]
+
+SIZE: a byte count or a number with a binary suffix, e.g. 20MiB (vtm/sizes.py).
 
 --address may also be tcp:HOST:PORT, a broker's control listener (vtmd
 --control); --token-file F sends the token such a listener may ask for.
@@ -19,7 +21,6 @@ Exit status 0 on success, 2 when the broker cannot be reached or refuses
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -28,6 +29,7 @@ import grpc
 
 from vtm import errors
 from vtm.broker import status
+from vtm.broker.cli_args import Parser, size
 from vtm.broker.control import TOKEN_KEY, read_token
 from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
@@ -67,25 +69,62 @@ def _summary(stats: dict) -> list[str]:
             f"released to the device {stats['chunks_released_total']}"]
 
 
+# The terminal's alternate screen (as `top` and `less` use): entered, each frame
+# drawn from the top left of a cleared screen, left at the end so the user's
+# screen and scrollback come back as they were.
+_ALT_SCREEN_ON, _ALT_SCREEN_OFF, _HOME_CLEAR = "\x1b[?1049h", "\x1b[?1049l", "\x1b[H\x1b[2J"
+
+
+def _top(read_stats, interval: float, iterations: int) -> None:
+    """Redraws in place on a terminal; appends frames elsewhere (a pipe, a
+    file), where escape sequences would be noise."""
+    out = sys.stdout
+    terminal = out.isatty()
+    if terminal:
+        out.write(_ALT_SCREEN_ON)
+    try:
+        n = 0
+        while iterations == 0 or n < iterations:
+            stats = read_stats()
+            frame = "\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _clients_table(stats))
+            out.write(_HOME_CLEAR + frame if terminal else frame + "\n")
+            out.flush()
+            n += 1
+            if iterations == 0 or n < iterations:
+                time.sleep(interval)
+    finally:
+        if terminal:
+            out.write(_ALT_SCREEN_OFF)
+            out.flush()
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd).")
+    parser = Parser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd). Sizes are a byte count "
+                    "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
     parser.add_argument("--address", required=True, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
-    parser.add_argument("--timeout", type=float, default=5.0)
-    parser.add_argument("--token-file", default=None, help="the control token (vtmd --control-token-file)")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                        help="seconds to wait for each answer of the broker")
+    parser.add_argument("--token-file", default=None, metavar="FILE",
+                        help="the control token (vtmd --control-token-file; default: send none)")
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("stats", help="the pool, prefix trees and clients")
-    st.add_argument("--json", action="store_true")
-    top = sub.add_parser("top", help="the clients, refreshed")
-    top.add_argument("--interval", type=float, default=1.0)
-    top.add_argument("--iterations", type=int, default=0, help="0: until interrupted")
+    st.add_argument("--json", action="store_true", help="everything the broker reports, as JSON")
+    top = sub.add_parser("top", help="the clients, refreshed (in place on a terminal)")
+    top.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes")
+    top.add_argument("--iterations", type=int, default=0, metavar="N",
+                     help="refreshes before exiting; 0: until interrupted")
     quota = sub.add_parser("set-quota", help="the operator's limit (0: none), guarantee and priority for a client name")
-    quota.add_argument("name")
-    quota.add_argument("bytes", type=int, nargs="?", default=None, help="the limit (as --limit)")
-    quota.add_argument("--limit", type=int, default=None)
-    quota.add_argument("--guaranteed", type=int, default=None)
-    quota.add_argument("--priority", type=int, default=None)
+    quota.add_argument("name", help="the client name (vtm.connect(name=...), flexinfer --client-name)")
+    quota.add_argument("bytes", type=size, nargs="?", default=None, metavar="LIMIT", help="the limit (as --limit)")
+    quota.add_argument("--limit", type=size, default=None, metavar="SIZE",
+                       help="most bytes the clients of this name may map; 0: no limit (default: unchanged)")
+    quota.add_argument("--guaranteed", type=size, default=None, metavar="SIZE",
+                       help="bytes never reclaimed from them (default: unchanged)")
+    quota.add_argument("--priority", type=int, default=None, metavar="P",
+                       help="higher keeps memory longer under pressure (default: unchanged)")
     trim = sub.add_parser("trim", help="give free chunks back to the device")
-    trim.add_argument("--bytes", type=int, default=None)
+    trim.add_argument("--bytes", type=size, default=None, metavar="SIZE",
+                      help="at most this much (default: every free chunk)")
     args = parser.parse_args(argv)
     try:
         if args.address.startswith("tcp:"):
@@ -104,20 +143,12 @@ def main(argv=None) -> int:
                 stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats", metadata).json)
                 print(json.dumps(stats, indent=2) if args.json else "\n".join(_summary(stats) + _clients_table(stats)))
             elif args.command == "top":
-                n = 0
-                while args.iterations == 0 or n < args.iterations:
-                    stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats", metadata).json)
-                    print("\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _clients_table(stats)),
-                          flush=True)
-                    n += 1
-                    if args.iterations == 0 or n < args.iterations:
-                        time.sleep(args.interval)
+                _top(lambda: json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats",
+                                              metadata).json), args.interval, args.iterations)
             elif args.command == "set-quota":
                 if args.bytes is not None and args.limit is not None:
                     raise errors.InvalidArgument("give the limit once: LIMIT or --limit")
                 limit = args.limit if args.limit is not None else args.bytes
-                if any(b is not None and b < 0 for b in (limit, args.guaranteed)):
-                    raise errors.InvalidArgument("byte counts must be >= 0")
                 request = vtm_pb2.SetQuotaRequest(name=args.name, limit_bytes=limit, guaranteed_bytes=args.guaranteed,
                                                   priority=args.priority)
                 reply = json.loads(_call(stub.SetQuota, request, args.timeout, "set-quota", metadata).json)
@@ -125,8 +156,6 @@ def main(argv=None) -> int:
                 print(f"{args.name}: limit {quota['limit_bytes']} bytes, guaranteed {quota['guaranteed_bytes']} "
                       f"bytes, priority {quota['priority']} ({len(reply['clients'])} connected client(s))")
             else:
-                if args.bytes is not None and args.bytes < 0:
-                    raise errors.InvalidArgument("--bytes must be >= 0")
                 request = vtm_pb2.TrimRequest(all=args.bytes is None, bytes=args.bytes or 0)
                 print(f"released {_call(stub.Trim, request, args.timeout, 'trim', metadata).value} bytes")
     except errors.Error as exc:

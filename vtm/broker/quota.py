@@ -13,7 +13,7 @@ The quota file (vtmd --quota-file PATH), TOML:
 
     [clients."llama-a"]          # the clients named llama-a
     priority = 10
-    guaranteed_bytes = 8589934592
+    guaranteed_bytes = "8GiB"    # a byte count, or a string as vtm/sizes.py reads
     limit_bytes = 34359738368
 
 A field missing from a table is 0; no file means every client gets the
@@ -33,6 +33,7 @@ import tomllib
 from typing import NamedTuple
 
 from vtm import errors
+from vtm.sizes import parse_size
 
 _MAX_BYTES = 1 << 62
 _FIELDS = ("priority", "guaranteed_bytes", "limit_bytes")
@@ -136,4 +137,12 @@ def _entry(entry, what: str) -> Quota:
     unknown = set(entry) - set(_FIELDS)
     if unknown:
         raise errors.InvalidArgument(f"{what}: unknown fields {sorted(unknown)} (expected {', '.join(_FIELDS)})")
-    return check(Quota(**entry), what)
+    sized = {}
+    for field, value in entry.items():
+        if field != "priority" and isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except ValueError as exc:
+                raise errors.InvalidArgument(f"{what}: {field}: {exc}") from None
+        sized[field] = value
+    return check(Quota(**sized), what)

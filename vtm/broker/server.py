@@ -1,7 +1,9 @@
 """vtmd: the vtm broker daemon.
 
     vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
-         [--capacity-bytes N] [--chunk-bytes N] [--max-sessions N] [--quota-file PATH]
+         [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--max-sessions N] [--quota-file PATH]
+
+SIZE: a byte count or a number with a binary suffix, e.g. 64GiB (vtm/sizes.py).
 
 It owns the physical pool, the page accounting and the prefix trees; clients
 (vtm.connect) map the chunks into their own address spaces. The gRPC socket
@@ -19,9 +21,9 @@ and client pidfd, and IO_THREADS answer them (vtm/broker/reactor.py).
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
+import shlex
 import signal
 import socket
 import stat
@@ -33,6 +35,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import vtm
+from vtm.broker.cli_args import Parser, size
 from vtm.broker.control import ControlService, is_loopback, read_token
 from vtm.broker.fd_channel import FdServer
 from vtm.broker.quota import Quotas
@@ -64,13 +67,31 @@ def tcp_target(address: str) -> str:
 
 
 def _private_folder(path: str) -> None:
+    """The socket folder is the only wall around the control calls: it must
+    be this user's and closed to others. A missing one is created so; an
+    existing one is never changed (it may be a home folder, or /tmp)."""
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         os.makedirs(folder, mode=0o700)
     st = os.stat(folder)
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise PermissionError(f"the socket folder {folder} must belong to this user with mode 0700 "
-                              f"(it has mode {stat.S_IMODE(st.st_mode):o})")
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"the socket folder {folder} belongs to uid {st.st_uid}, not this user: listen in a "
+                              f"folder of your own (vtmd creates a missing one with mode 0700), e.g. "
+                              f"--listen unix:{_own_socket_example()}")
+    if mode & 0o002:  # /tmp and the like: others' files live there, so it is theirs to keep open
+        raise PermissionError(f"the socket folder {folder} is writable by every user (mode {mode:04o}): listen in a "
+                              f"folder of its own (vtmd creates a missing one with mode 0700), e.g. "
+                              f"--listen unix:{_own_socket_example()}")
+    if mode & 0o077:
+        raise PermissionError(f"the socket folder {folder} must have mode 0700, not {mode:04o}: run "
+                              f"`chmod 700 {shlex.quote(folder)}`, or listen in a folder of its own (vtmd creates a "
+                              f"missing one with mode 0700)")
+
+
+def _own_socket_example() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return f"{runtime}/vtm/sock" if runtime else f"/tmp/vtm-{os.getuid()}/sock"
 
 
 def _clear_stale(path: str, kind: int) -> None:
@@ -196,26 +217,29 @@ class Broker:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="vtmd", description="The vtm memory broker (docs/broker.md).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--listen", required=True, help="unix:PATH (its folder must be private, 0700)")
-    parser.add_argument("--control", default=None,
-                        help="tcp:HOST:PORT: also serve Stats, Trim, SetQuota and health there; off loopback only "
-                             "with --control-token-file (port 0 picks one; None: no TCP listener)")
-    parser.add_argument("--control-token-file", default=None,
+    parser = Parser(prog="vtmd", description="The vtm memory broker (docs/broker.md). Sizes are a byte count "
+                    "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
+    parser.add_argument("--listen", required=True, metavar="unix:PATH",
+                        help="the socket; its folder must be private (0700): vtmd creates a missing one so")
+    parser.add_argument("--control", default=None, metavar="tcp:HOST:PORT",
+                        help="also serve Stats, Trim, SetQuota and health there; off loopback only "
+                             "with --control-token-file (port 0 picks one; default: no TCP listener)")
+    parser.add_argument("--control-token-file", default=None, metavar="FILE",
                         help="a file (mode 0600) holding the token every call to --control must carry "
-                             "(metadata vtm-control-token; None: no token, loopback only)")
+                             "(metadata vtm-control-token; default: no token, loopback only)")
     parser.add_argument("--backend", default="auto", choices=["host", "cuda", "auto"],
                         help="where chunks live (auto: cuda when a driver is present)")
-    parser.add_argument("--capacity-bytes", type=int, default=1 << 30,
+    parser.add_argument("--capacity-bytes", type=size, default="1GiB", metavar="SIZE",
                         help="the pool: bounds the chunks of every client together")
-    parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="bytes of one chunk (one page)")
-    parser.add_argument("--granularity", type=int, default=None, help="host backend only (None: 2 MiB)")
+    parser.add_argument("--chunk-bytes", type=size, default="2MiB", metavar="SIZE",
+                        help="bytes of one chunk (one page)")
+    parser.add_argument("--granularity", type=size, default=None, metavar="SIZE",
+                        help="the host backend's mapping granularity (default: 2MiB; cuda: the driver's)")
     parser.add_argument("--workers", type=int, default=2, help="the manager's worker threads")
     parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                         help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED")
-    parser.add_argument("--quota-file", default=None,
-                        help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (None: priority "
+    parser.add_argument("--quota-file", default=None, metavar="FILE",
+                        help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (default: priority "
                              "0, no guarantee and no limit for every client); see docs/broker.md")
     args = parser.parse_args(argv)
     stop = threading.Event()

@@ -1,0 +1,35 @@
+"""Byte sizes as people type them, one parser for every command line and
+file that takes one (vtmd, vtmctl, the quota file).
+
+Accepted: a whole number of bytes (`4096`), or a number with a binary suffix
+KiB, MiB, GiB or TiB, in any case, a space allowed before it (`512MiB`,
+`8 GiB`, `0.5GiB`), whose value is a whole number of bytes. Refused, with a
+message saying what is accepted: decimal or one-letter suffixes (`1.5GB`,
+`512M`: is a GB 10^9 or 2^30 bytes? memory comes in binary units, so we ask
+for them), negative numbers, fractions of a byte.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+ACCEPTED = "a byte count (4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB)"
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """The bytes `text` stands for; ValueError (saying what is accepted) otherwise."""
+    found = _SIZE.fullmatch(text.strip()) if isinstance(text, str) else None
+    unit = UNITS.get(found.group(2).lower()) if found else None
+    if unit is None:
+        hint = ""
+        if found and found.group(2).lower() in ("k", "m", "g", "t", "kb", "mb", "gb", "tb"):
+            hint = f" ({found.group(2)} is ambiguous: write {found.group(1)}{found.group(2)[0].upper()}iB)"
+        raise ValueError(f"expected {ACCEPTED}, got {text!r}{hint}")
+    value = Fraction(found.group(1)) * unit
+    if value.denominator != 1:
+        raise ValueError(f"{text!r} is not a whole number of bytes ({float(value):g}); expected {ACCEPTED}")
+    return int(value)
+
