@@ -9,7 +9,7 @@ SAN_DIR := build/sanitize
 TSAN_DIR := build/tsan
 TORCH_VERSION := 2.13.0
 
-SOURCES := $(shell find vtm flexinfer -name '*.cc' -o -name '*.h' -o -name '*.py' -o -name '*.pyi') CMakeLists.txt pyproject.toml
+SOURCES := $(shell find src -name '*.cc' -o -name '*.h' -o -name '*.py' -o -name '*.pyi') CMakeLists.txt pyproject.toml
 
 ISA_DIR := build/isa
 # The CPU kernels' tests, rerun on builds for one instruction set each (test-isa).
@@ -76,8 +76,8 @@ $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so &: $(VENV)/.deps $(SOUR
 		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
 	cmake --build $(SAN_DIR)/cmake --target _core _kernels
 	rm -rf $(SAN_DIR)/vtm $(SAN_DIR)/flexinfer && mkdir -p $(SAN_DIR)/vtm $(SAN_DIR)/flexinfer
-	cp vtm/*.py $(SAN_DIR)/vtm/
-	cp -r vtm/broker vtm/proto $(SAN_DIR)/vtm/
+	cp src/vtm/*.py $(SAN_DIR)/vtm/
+	cp -r src/vtm/broker src/vtm/proto $(SAN_DIR)/vtm/
 	cp $(SAN_DIR)/cmake/_core*.so $(SAN_DIR)/vtm/_core.so
 	cp $(SAN_DIR)/cmake/_kernels*.so $(SAN_DIR)/flexinfer/_kernels.so
 
@@ -98,8 +98,8 @@ $(TSAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
 		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
 	cmake --build $(TSAN_DIR)/cmake --target _core
 	rm -rf $(TSAN_DIR)/vtm && mkdir -p $(TSAN_DIR)/vtm
-	cp vtm/*.py $(TSAN_DIR)/vtm/
-	cp -r vtm/broker vtm/proto $(TSAN_DIR)/vtm/
+	cp src/vtm/*.py $(TSAN_DIR)/vtm/
+	cp -r src/vtm/broker src/vtm/proto $(TSAN_DIR)/vtm/
 	cp $(TSAN_DIR)/cmake/_core*.so $(TSAN_DIR)/vtm/_core.so
 
 tsan: $(TSAN_DIR)/vtm/_core.so

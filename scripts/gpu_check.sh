@@ -92,14 +92,13 @@ build() {
   cmake --build "$BUILD/cmake" --parallel || return
   # The package as it would be installed: the Python files and the module.
   rm -rf "$SITE" && mkdir -p "$SITE/vtm" || return
-  cp -r "$REPO"/vtm/. "$SITE/vtm/" && cp "$BUILD"/cmake/_core*.so "$SITE/vtm/" || return
-  cp -r "$REPO/flexinfer" "$SITE/" && cp "$BUILD"/cmake/_kernels*.so "$SITE/flexinfer/"
+  cp -r "$REPO"/src/vtm/. "$SITE/vtm/" && cp "$BUILD"/cmake/_core*.so "$SITE/vtm/" || return
+  cp -r "$REPO/src/flexinfer" "$SITE/" && cp "$BUILD"/cmake/_kernels*.so "$SITE/flexinfer/"
 }
 
-# The staged packages first, then the tree. Every python below runs from
-# OUTDIR, so the tree's own vtm/ and flexinfer/ (which have no compiled
-# modules) are never the ones imported.
-export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# The staged packages, as the machine's python would see them installed.
+# Every python below runs from OUTDIR.
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 cd "$OUT" || exit 2
 
 {

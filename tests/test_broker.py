@@ -301,7 +301,7 @@ def test_proto_stubs_are_fresh(tmp_path):
         sys.path.pop(0)
     gen_proto.generate(tmp_path)
     for rel in gen_proto.GENERATED:
-        assert (tmp_path / rel).read_bytes() == (root / rel).read_bytes(), \
+        assert (tmp_path / rel).read_bytes() == (gen_proto.SRC / rel).read_bytes(), \
             f"{rel} is stale: run scripts/gen_proto.py"
 
 
