@@ -46,8 +46,7 @@ class BrokerProcess:
              "--capacity-bytes", str(self.capacity_bytes), "--chunk-bytes", str(self.chunk_bytes)]
             + (["--granularity", str(self.chunk_bytes)] if self.backend == "host" else [])
             + (["--control", self.control] if self.control else []) + self.extra_args,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=self.folder)  # not the repository root, whose vtm/ lacks the built _core
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = self.proc.stdout.readline()  # "vtmd: listening on ..." once serving
         if "listening" not in line:
             rest = self.proc.stdout.read() if self.proc.poll() is not None else ""
@@ -129,14 +128,6 @@ def pattern(tokens, row_bytes: int = ROW) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- child bodies
 # Each reports through `q` and never raises: an exception is reported by name.
-
-def run_child(vtm_root, target, *args):
-    """A spawned child's entry: import vtm from where the parent did (a test
-    conftest may have put the source tree, which lacks the built _core, first
-    on the sys.path the child inherits), then run `target`."""
-    sys.path.insert(0, vtm_root)
-    target(*args)
-
 
 def child_allocate(address, tokens, q, hold_event=None):
     """Creates a vTensor of `tokens` rows, reports ("ok", pages) or the error
@@ -291,16 +282,13 @@ def memfd_inodes(pid: int) -> set[int]:
 
 @pytest.fixture
 def spawn():
-    """Starts spawned client processes (run_child(target, *args)); kills any
+    """Starts spawned client processes (start(target, *args)); kills any
     still alive at teardown."""
-    import vtm
-
     context = multiprocessing.get_context("spawn")
-    vtm_root = os.path.dirname(os.path.dirname(os.path.abspath(vtm.__file__)))
     children = []
 
     def start(target, *args):
-        p = context.Process(target=run_child, args=(vtm_root, target, *args), daemon=True)
+        p = context.Process(target=target, args=args, daemon=True)
         p.start()
         children.append(p)
         return p

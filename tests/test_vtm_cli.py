@@ -46,9 +46,8 @@ def test_sizes_refused_say_what_is_accepted(text, says):
     assert "KiB, MiB, GiB or TiB" in str(refused.value)
 
 
-def vtmd(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vtm.broker", *args], capture_output=True, text=True, timeout=60,
-                          cwd=cwd)  # not the repository root, whose vtm/ lacks the built _core
+def vtmd(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vtm.broker", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_vtmd_takes_human_sizes(tmp_path, capsys):
@@ -70,7 +69,7 @@ def test_vtmd_takes_human_sizes(tmp_path, capsys):
     (["--chunk-bytes", "2M"], "M is ambiguous: write 2MiB"),
 ])
 def test_vtmd_refuses_a_bad_size_in_one_line(tmp_path, argv, says):
-    done = vtmd("--listen", f"unix:{tmp_path}/v/sock", *argv, cwd=tmp_path)
+    done = vtmd("--listen", f"unix:{tmp_path}/v/sock", *argv)
     assert done.returncode == 2 and done.stderr.startswith("vtmd: error: ") and says in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1
 
@@ -150,7 +149,7 @@ def test_a_shared_socket_folder_error_says_how_to_fix_it(tmp_path, mode, says):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(mode)
-    done = vtmd("--listen", f"unix:{shared}/sock", "--backend", "host", cwd=tmp_path)
+    done = vtmd("--listen", f"unix:{shared}/sock", "--backend", "host")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"vtmd: error: the socket folder {shared} ")
     assert says.format(folder=shared) in done.stderr, done.stderr
