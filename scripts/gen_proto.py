@@ -3,7 +3,7 @@
     .venv/bin/python scripts/gen_proto.py [--out FOLDER]
 
 The stubs are checked in (an installed wheel imports them without
-grpcio-tools); tests/test_broker.py regenerates them into a temporary
+grpcio-tools); tests/vtm/test_broker.py regenerates them into a temporary
 folder and fails when they differ. The proto is mapped to the virtual path
 vtm/proto/vtm/v1/vtm.proto so the generated modules import each other as
 vtm.proto.vtm.v1, inside the vtm package.

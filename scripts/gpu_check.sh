@@ -7,7 +7,7 @@
 #    python3) and its cmake, ninja and pybind11: a cmake build into
 #    build/gpu-check, staged as an importable vtm package there (no pip, no
 #    network, nothing installed into the machine's python);
-# 2. runs every vtm test file (tests/*.py) with --vtm-backend cuda, each in its
+# 2. runs every vtm test file (tests/vtm/test_*.py) with --vtm-backend cuda, each in its
 #    own pytest process, so a test that crashes the process (a segfault in a
 #    driver call) cannot hide the other files;
 # 3. runs FlexInfer's GPU tests (pytest -m gpu tests/flexinfer);
@@ -141,7 +141,7 @@ print("cuda granularity", vtm.RawBackend.open("cuda").granularity)
 ' || finish
 fi
 
-for file in "$REPO"/tests/test_*.py; do
+for file in "$REPO"/tests/vtm/test_*.py; do
   name=$(basename "$file" .py)
   limit=120
   [ "$name" = test_property ] && limit=200  # hypothesis: ~1000 random sequences

@@ -117,7 +117,7 @@ class RowView:
 
 
 def pattern(tokens, row_bytes: int = ROW) -> np.ndarray:
-    """Row t's bytes depend on tokens[:t+1] only (like conftest's RowIO)."""
+    """Row t's bytes depend on tokens[:t+1] only (like vtm_testing's RowIO)."""
     out = np.empty(len(tokens) * row_bytes, np.uint8)
     acc = 0
     for t, tok in enumerate(tokens):

@@ -293,7 +293,7 @@ def test_proto_stubs_are_fresh(tmp_path):
     import pathlib
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "scripts"))
     try:
         import gen_proto

@@ -1,7 +1,7 @@
 """Bounded work in the broker (issue 17, findings 5 and 6): idle sessions
 hold no thread and are capped (--max-sessions), spaces are bounded by the
 pool's capacity and counted per client, and closed spaces cost nothing
-(in-process: tests/test_regressions.py)."""
+(in-process: tests/vtm/test_regressions.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Shared fixtures and helpers for the vtm test suite.
+"""Helpers for the vtm tests (tests/vtm/conftest.py holds their fixtures and
+hooks); tests/flexinfer imports some of them too.
 
 The tests are written from docs/api.md and docs/design.md §3 and §4, not from
 the implementation. Byte checks write a deterministic pattern into every row a
@@ -21,11 +22,8 @@ whole test process on purpose).
 """
 
 import functools
-import gc
 import hashlib
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,69 +36,26 @@ HOST_CHUNK = 64 * KiB
 CUDA_CHUNK = 2 * MiB
 SENTINEL = 10**6  # a token id never used in recorded sequences
 
-# The backend under test and its geometry; pytest_configure sets them before
-# any test module is imported (test modules read them at import).
+# The backend under test and its geometry; tests/vtm/conftest.py sets them
+# (use_backend) before any vtm test module is imported (they read them at import).
 BACKEND = "host"
 CHUNK = HOST_CHUNK
 SCALE = 1
 
 
-# Test modules import these helpers as `vtm_testing`: the name `conftest` is
-# ambiguous once another folder (tests/flexinfer) has its own conftest.py.
-sys.modules.setdefault("vtm_testing", sys.modules[__name__])
-
-
-def pytest_addoption(parser):
-    parser.addoption("--vtm-backend", choices=("host", "cuda"), default="host",
-                     help="the vtm backend every test in tests/*.py runs against (default: host)")
-    parser.addoption("--vtm-chunk-bytes", type=int, default=None,
-                     help="chunk size of the tests' managers (default: 64 KiB on host, the granularity on "
-                          "cuda); e.g. 2097152 runs the host with the geometry of a CUDA run")
-
-
-def pytest_configure(config):
+def use_backend(backend, chunk_bytes=None):
+    """The backend under test (--vtm-backend) and its chunk size (--vtm-chunk-bytes)."""
     global BACKEND, CHUNK, SCALE
-    # pyproject registers it too; registering twice is harmless and keeps
-    # `--strict-markers` happy if the ini section moves.
-    config.addinivalue_line("markers", "gpu: needs a CUDA driver and device")
-    config.addinivalue_line("markers", "host_only: runs only with --vtm-backend host")
-    BACKEND = config.getoption("--vtm-backend")
+    BACKEND = backend
     CHUNK = HOST_CHUNK
     if BACKEND == "cuda":
         CHUNK = CUDA_CHUNK
         if cuda_available():
             CHUNK = max(CUDA_CHUNK, vtm.RawBackend.open("cuda").granularity)
-    CHUNK = config.getoption("--vtm-chunk-bytes") or CHUNK
+    CHUNK = chunk_bytes or CHUNK
     if CHUNK <= 0 or CHUNK % HOST_CHUNK != 0:
         raise pytest.UsageError(f"--vtm-chunk-bytes {CHUNK} is not a positive multiple of {HOST_CHUNK}")
     SCALE = CHUNK // HOST_CHUNK
-
-
-_VTM_TESTS = Path(__file__).resolve().parent  # tests/*.py, not tests/flexinfer
-
-
-def pytest_collection_modifyitems(config, items):
-    if BACKEND != "host":
-        skip_host = pytest.mark.skip(reason="host backend only (reads host memory through numpy or ctypes)")
-        for item in items:
-            if item.get_closest_marker("host_only"):
-                item.add_marker(skip_host)
-    if BACKEND != "cuda" or cuda_available():
-        return
-    # Skipped, not deselected: a run that selects nothing exits with 5, and
-    # "no driver here" is a clean outcome for a CUDA run, not an error.
-    skip = pytest.mark.skip(reason="--vtm-backend cuda: no CUDA driver/device (vtm.cuda_available() is False)")
-    for item in items:
-        path = item.path.resolve()
-        if path.parent == _VTM_TESTS:
-            item.add_marker(skip)
-
-
-def pytest_generate_tests(metafunc):
-    # `backend` is the backend under test, as a parameter so test ids name it.
-    if "backend" in metafunc.fixturenames:
-        marks = [pytest.mark.gpu] if BACKEND == "cuda" else []
-        metafunc.parametrize("backend", [pytest.param(BACKEND, marks=marks)])
 
 
 # For tests of host memory itself (numpy views, ctypes, page-fault counts):
@@ -119,7 +74,7 @@ def cuda_available():
 
 
 # --------------------------------------------------------------------------
-# fixtures
+# managers
 
 
 def chunk_for(backend):
@@ -134,28 +89,6 @@ def new_manager(backend=None, chunks=64, **kw):
         kw.setdefault("granularity", min(HOST_CHUNK, chunk))
     return vtm.Manager(backend=backend, capacity_bytes=chunks * chunk,
                        chunk_bytes=chunk, **kw)
-
-
-@pytest.fixture
-def make_manager():
-    """Factory fixture: make_manager(backend=BACKEND, chunks=64, **Manager kwargs).
-
-    Every manager made is closed at teardown."""
-    made = []
-
-    def make(backend=None, chunks=64, **kw):
-        mgr = new_manager(backend, chunks, **kw)
-        made.append(mgr)
-        return mgr
-
-    yield make
-    for mgr in made:
-        try:
-            mgr.close()
-        except vtm.Error:
-            pass
-    made.clear()
-    gc.collect()
 
 
 # --------------------------------------------------------------------------
