@@ -7,7 +7,7 @@ the cache views.
 
 - `kernel`: one call per layer for the whole batch over the whole-space
   per-layer views, with a slot vector and a length vector (plus query offsets
-  for prefill chunks): the C++ kernel on CPU (flexinfer/csrc/attention_cpu.cc),
+  for prefill chunks): the C++ kernel on CPU (src/flexinfer/csrc/attention_cpu.cc),
   Triton kernels on CUDA. The default.
 - `sdpa`: torch's scaled_dot_product_attention on each sequence's views (CPU
   and CUDA), one call per sequence and layer. The reference the kernels are

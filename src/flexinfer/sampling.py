@@ -100,7 +100,7 @@ def _greedy_choice(rows: torch.Tensor) -> list[int]:
     and one transfer for the choice and the check."""
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2 and rows.stride(-1) == 1:
         # torch's max over the vocabulary runs under 1 GB/s on the CPU (see
-        # flexinfer/csrc/sampling_cpu.h). Imported here: the compiled
+        # src/flexinfer/csrc/sampling_cpu.h). Imported here: the compiled
         # extension must not load with `import flexinfer`.
         from flexinfer import _kernels
 

@@ -1,6 +1,6 @@
-"""The backend contract (vtm/csrc/backend.h): the conformance suite.
+"""The backend contract (src/vtm/csrc/backend.h): the conformance suite.
 
-vtm enforces the contract itself (vtm/csrc/backend_checked.h) before any call
+vtm enforces the contract itself (src/vtm/csrc/backend_checked.h) before any call
 reaches a memory API, so every backend answers a forbidden call the same way:
 the same error class and the same message (addresses aside), and the call
 changes nothing. Each test runs on every backend (`raw` is parametrized over

@@ -1,4 +1,4 @@
-"""The broker's step socket (vtm/broker/step_channel.py): the fast path of
+"""The broker's step socket (src/vtm/broker/step_channel.py): the fast path of
 create / extend / step / release. Same semantics as the gRPC calls (the
 other broker tests run over it too, since clients use it by default); here:
 replies spanning datagrams, a hung broker, authentication, and a fuzz of

@@ -8,7 +8,7 @@
 
 namespace flexinfer {
 
-// Codes shared with the Python wrappers (flexinfer/kernels).
+// Codes shared with the Python wrappers (src/flexinfer/kernels).
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 inline float Widen(float x) { return x; }

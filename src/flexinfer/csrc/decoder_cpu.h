@@ -1,6 +1,6 @@
 // A Llama decoder's layers in one call on the CPU: every layer of a forward
 // pass, each as the same sequence of kernel calls the Python loop in
-// flexinfer/model/llama.py makes (RmsNorm, PackedLinear, RotaryKVWrite,
+// src/flexinfer/model/llama.py makes (RmsNorm, PackedLinear, RotaryKVWrite,
 // Attention, SiluMul), so the result is bit for bit the loop's with
 // `linear="packed"` and the batched attention kernel.
 //

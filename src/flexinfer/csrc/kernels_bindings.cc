@@ -1,7 +1,7 @@
 // Python binding of FlexInfer's CPU kernels (module flexinfer._kernels).
 //
 // Tensors cross as raw pointers and strides: the Python wrapper
-// (flexinfer/kernels/cpu_attention.py) checks dtypes, shapes and devices and
+// (src/flexinfer/kernels/cpu_attention.py) checks dtypes, shapes and devices and
 // passes torch's data pointers, so this module needs no torch headers. The GIL
 // is released while a kernel runs.
 #include <pybind11/pybind11.h>

@@ -1,4 +1,4 @@
-"""The CPU attention kernel (C++, flexinfer/csrc/attention_cpu.cc): checks the
+"""The CPU attention kernel (C++, src/flexinfer/csrc/attention_cpu.cc): checks the
 arguments torch-side and hands raw pointers to the extension.
 
 Both entry points read K and V in place through per-layer views

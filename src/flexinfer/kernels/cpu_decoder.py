@@ -1,5 +1,5 @@
 """A LlamaModel's decoder layers as one C++ call per forward pass
-(flexinfer/csrc/decoder_cpu.h): the same kernels the model's Python loop
+(src/flexinfer/csrc/decoder_cpu.h): the same kernels the model's Python loop
 calls, in the same order, so the output is bit for bit the loop's, without
 ~9 Python calls per layer.
 

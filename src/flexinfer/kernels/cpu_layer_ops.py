@@ -1,4 +1,4 @@
-"""The CPU layer ops (C++, flexinfer/csrc/layer_ops_cpu.cc): RMSNorm, SiLU(gate)*up,
+"""The CPU layer ops (C++, src/flexinfer/csrc/layer_ops_cpu.cc): RMSNorm, SiLU(gate)*up,
 and the rotary embedding fused with the K/V cache write, each one loop instead of
 several torch ops. They round as transformers' Llama does (see layer_ops_cpu.h).
 

@@ -1,4 +1,4 @@
-"""The packed linear kernel (C++, flexinfer/csrc/linear_cpu.cc): a weight
+"""The packed linear kernel (C++, src/flexinfer/csrc/linear_cpu.cc): a weight
 packed once, then y = x @ W.T (+ bias) (+ residual) for few rows.
 
 The kernel reads every weight element once per call for all rows, so a decode

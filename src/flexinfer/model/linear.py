@@ -3,7 +3,7 @@
 Three kernels exist on CPU: `torch` (F.linear: MKL's sgemm for float32),
 `onednn` (oneDNN's matmul with each weight reordered once, at load, into its
 blocked layout; AMX for bfloat16 where the CPU has it) and `packed`
-(FlexInfer's own kernel for few rows, flexinfer/csrc/linear_cpu.h: weights
+(FlexInfer's own kernel for few rows, src/flexinfer/csrc/linear_cpu.h: weights
 packed into column slabs, each element read once per call for every row).
 Which is fastest depends on the processor, the dtype and the row count, and
 the differences are large both ways (scripts/bench_linear.py, SmolLM2's 121

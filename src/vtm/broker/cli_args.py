@@ -1,6 +1,6 @@
 """What vtmd's and vtmctl's command lines share: a parser whose --help shows
 every default and whose errors are one line, and the argparse type of a size
-(vtm/sizes.py)."""
+(src/vtm/sizes.py)."""
 
 from __future__ import annotations
 

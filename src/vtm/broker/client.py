@@ -10,10 +10,10 @@ caller may submit the next step's extend and compute meanwhile; the memory is
 mapped when its future resolves.
 
 The hot calls (create, extend, step, release) go over the broker's step
-socket when it advertises one (vtm/broker/step_channel.py: one datagram each
+socket when it advertises one (src/vtm/broker/step_channel.py: one datagram each
 way, the new chunks' fds attached), everything else over gRPC. The session
 itself lives on a channel to the broker's fd socket
-(vtm/broker/session_channel.py): the broker learns this process's pid from
+(src/vtm/broker/session_channel.py): the broker learns this process's pid from
 the kernel there and sends its reclaim notices there.
 
 Memory is given back in the order that keeps other clients safe: the client

@@ -5,7 +5,7 @@
     vtmctl --address unix:PATH set-quota NAME [LIMIT] [--limit SIZE] [--guaranteed SIZE] [--priority P]
     vtmctl --address unix:PATH trim [--bytes SIZE]
 
-SIZE: a byte count or a number with a binary suffix, e.g. 20MiB (vtm/sizes.py).
+SIZE: a byte count or a number with a binary suffix, e.g. 20MiB (src/vtm/sizes.py).
 
 --address may also be tcp:HOST:PORT, a broker's control listener (vtmd
 --control); --token-file F sends the token such a listener may ask for.

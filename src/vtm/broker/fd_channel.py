@@ -11,7 +11,7 @@ attached in that order, or {"error": "..."} with none. A check that fails
 gives no fd at all.
 
 The same socket carries each session's channel (attach, reclaim notices,
-acks, goodbye; vtm/broker/session_channel.py has the messages): one
+acks, goodbye; src/vtm/broker/session_channel.py has the messages): one
 connection per session, whose end the broker reports to the service
 (BrokerService.channel_closed).
 

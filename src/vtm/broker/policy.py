@@ -27,7 +27,7 @@ would both stall until the reservations lapse).
 
 Notices go on the session's channel (Session.notify), as JSON:
 {"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...};
-the client answers with {"ack": N} there (vtm/broker/fd_channel.py).
+the client answers with {"ack": N} there (src/vtm/broker/fd_channel.py).
 
 Invariants:
   * a session owes memory (owed_target is not None) only between a notice

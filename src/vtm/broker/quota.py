@@ -13,7 +13,7 @@ The quota file (vtmd --quota-file PATH), TOML:
 
     [clients."llama-a"]          # the clients named llama-a
     priority = 10
-    guaranteed_bytes = "8GiB"    # a byte count, or a string as vtm/sizes.py reads
+    guaranteed_bytes = "8GiB"    # a byte count, or a string as src/vtm/sizes.py reads
     limit_bytes = 34359738368
 
 A field missing from a table is 0; no file means every client gets the

@@ -2,7 +2,7 @@
 Match with the same API as vtm's in-process ones (docs/api.md).
 
 They hold ids and the state the broker last reported; every operation goes
-through the RemoteManager's worker (vtm/broker/client.py), which applies the
+through the RemoteManager's worker (src/vtm/broker/client.py), which applies the
 reply (mapping chunks, updating vTensor state) before resolving the future,
 exactly as the in-process worker maps before its future resolves.
 """

@@ -3,7 +3,7 @@
     vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
          [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--max-sessions N] [--quota-file PATH]
 
-SIZE: a byte count or a number with a binary suffix, e.g. 64GiB (vtm/sizes.py).
+SIZE: a byte count or a number with a binary suffix, e.g. 64GiB (src/vtm/sizes.py).
 
 It owns the physical pool, the page accounting and the prefix trees; clients
 (vtm.connect) map the chunks into their own address spaces. The gRPC socket
@@ -12,11 +12,11 @@ PATH.fds, the step socket (the fast path of the hot calls) at PATH.step;
 their folder must be private (0700, created so when missing). SIGTERM or
 SIGINT: stop admitting, let the calls in flight finish, release everything,
 remove the sockets. --control also serves the control calls (Stats, Trim,
-SetQuota) and health over TCP, and nothing else (vtm/broker/control.py).
+SetQuota) and health over TCP, and nothing else (src/vtm/broker/control.py).
 
 Threads are fixed whatever the number of sessions: GRPC_THREADS serve gRPC
 calls (all unary), one reactor thread waits on every side-socket connection
-and client pidfd, and IO_THREADS answer them (vtm/broker/reactor.py).
+and client pidfd, and IO_THREADS answer them (src/vtm/broker/reactor.py).
 """
 
 from __future__ import annotations

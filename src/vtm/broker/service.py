@@ -8,7 +8,7 @@ which is thread safe. A reply carries the page states of the client's spaces
 that the call changed (drained from the manager under the same lock), so the
 client maps exactly what the broker accounted for.
 
-Sessions (vtm/broker/session.py has their states): Hello opens one, PENDING;
+Sessions (src/vtm/broker/session.py has their states): Hello opens one, PENDING;
 the client then attaches its channel on the fd socket, where the kernel
 gives its pid and the broker opens a pidfd, watched by the reactor (one
 thread for every session). The session's memory is freed when the client
@@ -253,7 +253,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def run_op(self, session: Session, body):
         """Runs body() under the session lock for the step socket
-        (vtm/broker/step_channel.py), as _run does for gRPC: vtm errors
+        (src/vtm/broker/step_channel.py), as _run does for gRPC: vtm errors
         propagate; input the manager's binding rejected is InvalidArgument."""
         if self._stopping:
             raise vtm.Unavailable("the broker is stopping")

@@ -55,7 +55,7 @@ class Session:
         self.state = PENDING
         self.pid = None  # the kernel's word, at attach
         self.pidfd = None
-        self.channel = None  # the attached Connection (vtm/broker/seqpacket.py)
+        self.channel = None  # the attached Connection (src/vtm/broker/seqpacket.py)
         self.spaces = {}  # space id -> vtm Space of the broker's manager
         self.space_names = {}  # space id -> the name the client chose
         self.space_entries = {}  # space id -> its page-table entries (service.py)
@@ -71,7 +71,7 @@ class Session:
         self.chunk_of = {}  # serial -> chunk id, for mapped serials
         self.created_at = time.monotonic()
         self.next_space = 1
-        # Set by the policy's reclaim notices (vtm/broker/policy.py).
+        # Set by the policy's reclaim notices (src/vtm/broker/policy.py).
         self.owed_target = None  # mapped bytes the client was asked to come down to
         self.owed_deadline = 0.0
 
