@@ -9,7 +9,7 @@ SAN_DIR := build/sanitize
 TSAN_DIR := build/tsan
 TORCH_VERSION := 2.13.0
 
-SOURCES := $(shell find vtm flexinfer -name '*.cc' -o -name '*.h' -o -name '*.py' -o -name '*.pyi') CMakeLists.txt pyproject.toml
+SOURCES := $(shell find src -name '*.cc' -o -name '*.h' -o -name '*.py' -o -name '*.pyi') CMakeLists.txt pyproject.toml
 
 ISA_DIR := build/isa
 # The CPU kernels' tests, rerun on builds for one instruction set each (test-isa).
@@ -76,13 +76,13 @@ $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so &: $(VENV)/.deps $(SOUR
 		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
 	cmake --build $(SAN_DIR)/cmake --target _core _kernels
 	rm -rf $(SAN_DIR)/vtm $(SAN_DIR)/flexinfer && mkdir -p $(SAN_DIR)/vtm $(SAN_DIR)/flexinfer
-	cp vtm/*.py $(SAN_DIR)/vtm/
-	cp -r vtm/broker vtm/proto $(SAN_DIR)/vtm/
+	cp src/vtm/*.py $(SAN_DIR)/vtm/
+	cp -r src/vtm/broker src/vtm/proto $(SAN_DIR)/vtm/
 	cp $(SAN_DIR)/cmake/_core*.so $(SAN_DIR)/vtm/_core.so
 	cp $(SAN_DIR)/cmake/_kernels*.so $(SAN_DIR)/flexinfer/_kernels.so
 
 test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
-	$(SAN_ENV) PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/flexinfer --ignore=tests/docs tests
+	$(SAN_ENV) PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider tests/vtm
 	$(SAN_ENV) FLEXINFER_KERNEL_ARCH=clones FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
 		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS)
 
@@ -91,20 +91,20 @@ test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
 # client's worker and notice threads with its C++ mapper, on both transports
 # (vtmd runs in a child process under the same runtime). Only these broker
 # tests: TSan slows the broker ~10x, past the deadlines the others assert.
-TSAN_TESTS := tests/test_concurrency.py "tests/test_broker.py::test_same_api_and_bytes_in_one_client"
+TSAN_TESTS := tests/vtm/test_concurrency.py "tests/vtm/test_broker.py::test_same_api_and_bytes_in_one_client"
 $(TSAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
 	mkdir -p $(TSAN_DIR)
 	cmake -S . -B $(TSAN_DIR)/cmake -G Ninja -DVTM_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
 	cmake --build $(TSAN_DIR)/cmake --target _core
 	rm -rf $(TSAN_DIR)/vtm && mkdir -p $(TSAN_DIR)/vtm
-	cp vtm/*.py $(TSAN_DIR)/vtm/
-	cp -r vtm/broker vtm/proto $(TSAN_DIR)/vtm/
+	cp src/vtm/*.py $(TSAN_DIR)/vtm/
+	cp -r src/vtm/broker src/vtm/proto $(TSAN_DIR)/vtm/
 	cp $(TSAN_DIR)/cmake/_core*.so $(TSAN_DIR)/vtm/_core.so
 
 tsan: $(TSAN_DIR)/vtm/_core.so
 	LD_PRELOAD="$$(gcc -print-file-name=libtsan.so)" \
-	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(abspath tests/tsan.supp)" \
+	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(abspath tests/vtm/tsan.supp)" \
 	PYTHONPATH=$(TSAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider $(TSAN_TESTS)
 
 # The CPU kernels' vector code built for AVX2 and for baseline x86-64 instead

@@ -128,9 +128,8 @@ def part_rpc(args, folder):
 
 # ----------------------------------------------------------------------------- 2 and 3: engines
 
-def engine_worker(conn, model, manager_address, capacity_bytes, backend, max_model_len, prefix_caching, vtm_root):
+def engine_worker(conn, model, manager_address, capacity_bytes, backend, max_model_len, prefix_caching):
     """One FlexInfer instance in its own process, driven over a pipe."""
-    sys.path.insert(0, vtm_root)
     import vtm
     from flexinfer import LLM, SamplingParams
 
@@ -162,15 +161,12 @@ def engine_worker(conn, model, manager_address, capacity_bytes, backend, max_mod
 
 class Engines:
     def __init__(self, n, model, addresses, capacity_bytes, backend, max_model_len, prefix_caching=True):
-        import vtm
-
         ctx = multiprocessing.get_context("spawn")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(vtm.__file__)))
         self.conns, self.procs = [], []
         for i in range(n):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=engine_worker, args=(child, model, addresses[i], capacity_bytes, backend,
-                                                        max_model_len, prefix_caching, root), daemon=True)
+                                                        max_model_len, prefix_caching), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)

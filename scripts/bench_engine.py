@@ -146,7 +146,7 @@ def peer_vllm(vllm_python, hf, rows, new_tokens, repeats, dtype):
     cores = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}")
-    # The glibc malloc settings FlexInfer gives its own process (flexinfer/host_memory.py; transformers
+    # The glibc malloc settings FlexInfer gives its own process (src/flexinfer/host_memory.py; transformers
     # shares them here), as environment variables: no engine saves page faults the other pays.
     if host_memory.keep_freed_memory():
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(host_memory.MMAP_THRESHOLD))

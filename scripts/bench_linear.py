@@ -5,7 +5,7 @@ down in each of the 30 layers, then the LM head), so it streams all 538 MB of
 float32 weights once. This runs that sequence of 121 matmuls with random weights
 of SmolLM2's shapes through `flexinfer.model.linear.Linear` for each kernel kind
 (`torch` = F.linear, the baseline; `onednn` = weights reordered once; `packed` =
-FlexInfer's kernel for few rows, flexinfer/csrc/linear_cpu.h), at several
+FlexInfer's kernel for few rows, src/flexinfer/csrc/linear_cpu.h), at several
 row counts, in float32 (or --dtype bfloat16), and reports the medians, the weight bytes streamed per second, and
 the ratio to the baseline. For scale, it first measures what the machine streams
 (a copy and a sum of 512 MB).

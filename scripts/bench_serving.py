@@ -221,8 +221,7 @@ class Launched:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        # cwd outside the repository: its vtm/ (no compiled core) must not shadow the installed one.
-        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=log_dir,
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float) -> float:

@@ -1,7 +1,7 @@
 """FlexInfer's decode throughput on an idle machine and beside one busy process.
 
 Engines on the same weights run in this process, alternating: `threads=auto`
-(the tuner of flexinfer/threads.py), the baseline, a fixed thread count equal
+(the tuner of src/flexinfer/threads.py), the baseline, a fixed thread count equal
 to torch's default (every core), and a fixed single thread (what the tuner
 should match beside the busy process: the best fixed count there). Each generates
 from the same prompts (greedy, EOS ignored) first on the idle machine, then

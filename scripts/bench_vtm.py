@@ -23,8 +23,7 @@ Every comparison is a ratio of medians within one run (docs/design.md §7).
 
     python scripts/bench_vtm.py [--quick] [--json PATH] [--backend host|cuda|all]
 
-Run it with the installed package (e.g. `make bench`, or from a directory
-other than the repository root, whose vtm/ folder has no compiled module).
+Run it with the installed package (e.g. `make bench`).
 """
 
 from __future__ import annotations

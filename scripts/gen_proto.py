@@ -1,9 +1,9 @@
-"""Generate the Python stubs of proto/vtm/v1/vtm.proto into vtm/proto/.
+"""Generate the Python stubs of proto/vtm/v1/vtm.proto into src/vtm/proto/.
 
-    .venv/bin/python scripts/gen_proto.py [--out ROOT]
+    .venv/bin/python scripts/gen_proto.py [--out FOLDER]
 
 The stubs are checked in (an installed wheel imports them without
-grpcio-tools); tests/test_broker_proto.py regenerates them into a temporary
+grpcio-tools); tests/vtm/test_broker.py regenerates them into a temporary
 folder and fails when they differ. The proto is mapped to the virtual path
 vtm/proto/vtm/v1/vtm.proto so the generated modules import each other as
 vtm.proto.vtm.v1, inside the vtm package.
@@ -16,6 +16,7 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"  # the packages' folder; GENERATED is relative to it
 PROTO = "proto/vtm/v1/vtm.proto"
 GENERATED = ["vtm/proto/vtm/v1/vtm_pb2.py", "vtm/proto/vtm/v1/vtm_pb2.pyi", "vtm/proto/vtm/v1/vtm_pb2_grpc.py"]
 
@@ -32,7 +33,7 @@ def generate(out: pathlib.Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT, help="root to write vtm/proto/... under")
+    parser.add_argument("--out", type=pathlib.Path, default=SRC, help="folder to write vtm/proto/... under")
     generate(parser.parse_args().out)
     return 0
 

@@ -7,7 +7,7 @@
 #    python3) and its cmake, ninja and pybind11: a cmake build into
 #    build/gpu-check, staged as an importable vtm package there (no pip, no
 #    network, nothing installed into the machine's python);
-# 2. runs every vtm test file (tests/*.py) with --vtm-backend cuda, each in its
+# 2. runs every vtm test file (tests/vtm/test_*.py) with --vtm-backend cuda, each in its
 #    own pytest process, so a test that crashes the process (a segfault in a
 #    driver call) cannot hide the other files;
 # 3. runs FlexInfer's GPU tests (pytest -m gpu tests/flexinfer);
@@ -92,14 +92,13 @@ build() {
   cmake --build "$BUILD/cmake" --parallel || return
   # The package as it would be installed: the Python files and the module.
   rm -rf "$SITE" && mkdir -p "$SITE/vtm" || return
-  cp -r "$REPO"/vtm/. "$SITE/vtm/" && cp "$BUILD"/cmake/_core*.so "$SITE/vtm/" || return
-  cp -r "$REPO/flexinfer" "$SITE/" && cp "$BUILD"/cmake/_kernels*.so "$SITE/flexinfer/"
+  cp -r "$REPO"/src/vtm/. "$SITE/vtm/" && cp "$BUILD"/cmake/_core*.so "$SITE/vtm/" || return
+  cp -r "$REPO/src/flexinfer" "$SITE/" && cp "$BUILD"/cmake/_kernels*.so "$SITE/flexinfer/"
 }
 
-# The staged packages first, then the tree. Every python below runs from
-# OUTDIR, so the tree's own vtm/ and flexinfer/ (which have no compiled
-# modules) are never the ones imported.
-export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# The staged packages, as the machine's python would see them installed.
+# Every python below runs from OUTDIR.
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 cd "$OUT" || exit 2
 
 {
@@ -142,7 +141,7 @@ print("cuda granularity", vtm.RawBackend.open("cuda").granularity)
 ' || finish
 fi
 
-for file in "$REPO"/tests/test_*.py; do
+for file in "$REPO"/tests/vtm/test_*.py; do
   name=$(basename "$file" .py)
   limit=120
   [ "$name" = test_property ] && limit=200  # hypothesis: ~1000 random sequences

@@ -11,8 +11,8 @@ How a doc's blocks run (the conventions a doc's author writes to):
   empty, so an interactive command ends at once unless the block feeds it.
   Variables the shell exports reach the Python blocks after it, as they
   would reach a `python` started from that terminal.
-- Both start in a fresh empty folder, so they import the installed packages
-  (never the source tree) and may write files there; the bin folder of the
+- Both start in a fresh empty folder, where a doc may write files (a
+  server's log) without touching the repository; the bin folder of the
   Python running the tests comes first on PATH (`flexinfer`, `vtmd`,
   `vtmctl`); XDG_RUNTIME_DIR is a private folder of the file's own, where a
   doc puts vtmd's socket ($XDG_RUNTIME_DIR/vtm/sock).

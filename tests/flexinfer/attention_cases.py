@@ -3,7 +3,7 @@ over the same views: the reference every batched attention kernel is checked
 against. Shared by test_triton_attention.py (CUDA, in process) and
 triton_interpreter_child.py (Triton's interpreter, in a child process).
 
-Layout (flexinfer/kv_cache.py): a flat [max_slots, slot_elems] tensor whose slot
+Layout (src/flexinfer/kv_cache.py): a flat [max_slots, slot_elems] tensor whose slot
 holds, per token, one row of [layer, k|v, kv_head, head_dim]; a layer's K and V
 are strided views [max_slots, max_tokens, kv_heads, head_dim]. The reference
 reads only rows [0, seq_len) of a request's slot, through those same views.

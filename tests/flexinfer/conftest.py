@@ -1,8 +1,5 @@
-"""Make sure the tests import the in-tree `flexinfer` package.
-
-flexinfer may be not installed at all, or installed as a non-editable copy that lags
-behind the working tree; in both cases the repository root goes first on sys.path.
-An editable install already resolves to the tree and is left alone.
+"""FlexInfer's fixtures. The tests import the installed `flexinfer` (src/ holds
+the sources, so the tree never shadows it): `make test` installs the tree first.
 
 There is deliberately no __init__.py in this folder: with one, pytest would import
 this folder itself under the name `flexinfer` and shadow the real package.
@@ -10,23 +7,13 @@ this folder itself under the name `flexinfer` and shadow the real package.
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.find_spec("flexinfer")
-if _spec is None or _spec.origin is None or Path(_spec.origin).resolve().parent != _REPO_ROOT / "flexinfer":
-    sys.path.insert(0, str(_REPO_ROOT))
-    # The compiled kernels (flexinfer._kernels) exist only in the installed
-    # copy: let the in-tree package find them there.
-    import flexinfer  # noqa: E402
 
-    if _spec is not None and _spec.submodule_search_locations:
-        flexinfer.__path__.extend(_spec.submodule_search_locations)
-
-# `make test-isa`: the kernels from a build for one instruction set
-# (FLEXINFER_KERNEL_ARCH), found before the installed ones, and checked to be
-# the ones loaded and built for that instruction set.
+# `make test-isa` (and `make test-sanitize`): the kernels from another build
+# (FLEXINFER_KERNELS_DIR, for the instruction set FLEXINFER_KERNEL_ARCH), found
+# before the installed ones, and checked to be the ones loaded and built for it.
 _KERNELS_DIR = os.environ.get("FLEXINFER_KERNELS_DIR")
 if _KERNELS_DIR:
     import flexinfer  # noqa: E402

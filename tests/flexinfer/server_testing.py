@@ -10,7 +10,6 @@ Built in well under a second: no download, no GGUF conversion.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -83,39 +82,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The server process (run outside the repository, whose vtm/ lacks the compiled
-# core) imports flexinfer from where the test process did: the
-# working tree, with the installed package's compiled parts (tests/flexinfer/conftest.py).
-_LAUNCH = """
-import os, sys
-import vtm
-paths = os.environ["FLEXINFER_TEST_PATH"].split(os.pathsep)
-sys.path.insert(0, os.path.dirname(paths[0]))
-import flexinfer
-flexinfer.__path__[:] = paths
-from flexinfer.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 class ServerProcess:
     """`flexinfer serve` in a subprocess. Invariant: once constructed, the
     process is ended by `stop()` (SIGTERM, then SIGKILL), which every user
     calls in a finally."""
 
     def __init__(self, model: str, log_path: Path, *extra: str, name: str = "tiny"):
-        import flexinfer
-
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
         self.log_path = log_path
-        env = dict(os.environ, FLEXINFER_TEST_PATH=os.pathsep.join(flexinfer.__path__))
         argv = ["serve", "--model", model, "--served-model-name", name, "--port", str(self.port),
                 "--log-level", "warning", *extra]
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen([sys.executable, "-c", _LAUNCH, *argv], stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
+        self.process = subprocess.Popen([sys.executable, "-m", "flexinfer", *argv], stdout=self._log,
+                                        stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

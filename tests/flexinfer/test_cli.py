@@ -19,7 +19,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -434,25 +433,11 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"flexinfer {flexinfer.__version__}\n"
 
 
-# `python -m flexinfer` in a child process: vtm from the installed package, flexinfer
-# from the folders this process uses (the tree, plus the installed compiled kernels;
-# see conftest.py), then run like `-m` does. It runs outside the repository, whose
-# vtm folder (no compiled core) would shadow the installed one. SIGINT is left as the test runner
-# has it (ignored, when it runs as a background job): the command handles it itself.
-_CHILD = """
-import os, runpy, sys
-import vtm
-paths = os.environ["FLEXINFER_TEST_PATH"].split(os.pathsep)
-sys.path.insert(0, os.path.dirname(paths[0]))
-import flexinfer
-flexinfer.__path__[:] = paths
-runpy.run_module("flexinfer", run_name="__main__", alter_sys=True)
-"""
-
-
+# `python -m flexinfer` in a child process. SIGINT is left as the test runner has
+# it (ignored, when it runs as a background job): the command handles it itself.
 def flexinfer_process(args: list, **kwargs) -> subprocess.Popen:
-    env = dict(os.environ, FLEXINFER_TEST_PATH=os.pathsep.join(flexinfer.__path__), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], env=env, cwd=tempfile.gettempdir(),
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "flexinfer", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 

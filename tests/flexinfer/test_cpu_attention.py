@@ -179,19 +179,15 @@ print("OK")
 
 def run_python(source, tmp_path):
     script = tmp_path / "check.py"
-    script.write_text(textwrap.dedent(source))
+    script.write_text(SAME_KERNELS + textwrap.dedent(source))
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env=_env())
 
 
 def _env():
-    """The subprocess imports flexinfer from where this process did (see PATH_FIX)."""
     import os
 
-    import flexinfer
-
     env = dict(os.environ)
-    env["FLEXINFER_TEST_PATH"] = os.pathsep.join(flexinfer.__path__)
     # Under `make test-sanitize` AddressSanitizer would turn the fault a
     # read of an unmapped page takes into its own report and an abort:
     # leave faults to the kernel, so the harness sees SIGSEGV either way.
@@ -199,28 +195,25 @@ def _env():
     return env
 
 
-# vtm first, from the installed package with its compiled core; then flexinfer
-# from the same folders as in this process (the tree, with the installed
-# compiled kernels; see tests/flexinfer/conftest.py).
-PATH_FIX = """
-import os, sys
-import vtm
-paths = os.environ["FLEXINFER_TEST_PATH"].split(os.pathsep)
-sys.path.insert(0, os.path.dirname(paths[0]))
+# Under `make test-isa` and `make test-sanitize` the subprocess loads the
+# kernels this process does: those of FLEXINFER_KERNELS_DIR (see conftest.py).
+SAME_KERNELS = """
+import os
 import flexinfer
-flexinfer.__path__[:] = paths
+if os.environ.get("FLEXINFER_KERNELS_DIR"):
+    flexinfer.__path__.insert(0, os.environ["FLEXINFER_KERNELS_DIR"])
 """
 
 
 def test_kernel_reads_only_each_requests_own_rows_on_vtm_memory(tmp_path):
-    result = run_python(PATH_FIX + VTM_CHECK, tmp_path)
+    result = run_python(VTM_CHECK, tmp_path)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
 def test_over_read_harness_catches_a_read_past_the_length(tmp_path):
     """Negative control: reading row 128 of the 128-row request faults, so the
     check above would have caught a kernel that over-reads."""
-    result = run_python(PATH_FIX + VTM_CACHE + "\nprint(float(k[slots[0], 128].sum()))\nprint('read')\n", tmp_path)
+    result = run_python(VTM_CACHE + "\nprint(float(k[slots[0], 128].sum()))\nprint('read')\n", tmp_path)
     assert result.returncode == -11 and "read" not in result.stdout, (result.returncode, result.stderr[-2000:])
 
 

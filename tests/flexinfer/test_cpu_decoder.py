@@ -1,4 +1,4 @@
-"""The one-call CPU decoder (flexinfer/csrc/decoder_cpu.h) against the model's
+"""The one-call CPU decoder (src/flexinfer/csrc/decoder_cpu.h) against the model's
 Python loop over the same kernels: logits and every cache byte equal, bit for
 bit, through prefill, decode and chunks that continue a cached prefix, in
 float32 and bfloat16, with q/k/v biases and with layer groups whose rows

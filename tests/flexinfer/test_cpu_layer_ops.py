@@ -1,4 +1,4 @@
-"""The CPU layer ops (flexinfer/kernels/cpu_layer_ops.py) against the torch code
+"""The CPU layer ops (src/flexinfer/kernels/cpu_layer_ops.py) against the torch code
 they replace and transformers' rounding order: RMSNorm and the rotary embedding
 bit for bit, SiLU*up to float32's last bits (its exp is not torch's); the K/V
 write by the bytes of a real vtm cache; bad arguments change nothing."""

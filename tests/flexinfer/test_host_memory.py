@@ -37,17 +37,15 @@ print(json.dumps({"applied": applied, "faults": faults}))
 """
 
 
-def _run(opt_out: bool, cwd) -> dict:
+def _run(opt_out: bool) -> dict:
     env = dict(os.environ, FLEXINFER_KEEP_FREED_MEMORY="0" if opt_out else "1")
-    # Out of the repository root, whose flexinfer/ has no compiled kernels.
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=cwd, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_later_rounds_reuse_the_freed_memory(tmp_path):
-    kept = _run(opt_out=False, cwd=tmp_path)
+def test_later_rounds_reuse_the_freed_memory():
+    kept = _run(opt_out=False)
     assert kept["applied"] is True
     # The first round faults its pages in (~10,000); the heap's layout settles
     # within a round or two, after which every round reuses the same pages.
@@ -55,8 +53,8 @@ def test_later_rounds_reuse_the_freed_memory(tmp_path):
     assert sum(kept["faults"][8:]) <= 64, kept["faults"]
 
 
-def test_opting_out_leaves_malloc_alone(tmp_path):
-    plain = _run(opt_out=True, cwd=tmp_path)
+def test_opting_out_leaves_malloc_alone():
+    plain = _run(opt_out=True)
     assert plain["applied"] is False
     # glibc's defaults keep returning some of it, round after round: what the setting saves.
     assert sum(plain["faults"][8:]) > 1000, plain["faults"]

@@ -103,7 +103,7 @@ def test_mixed_kinds_run_each_bucket_on_its_kernel():
         torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
 
 
-# -- the packed kernel (flexinfer/csrc/linear_cpu.cc) ---------------------------
+# -- the packed kernel (src/flexinfer/csrc/linear_cpu.cc) ---------------------------
 
 # Shapes around the kernel's edges: a slab is 32 columns and a row tile 8 rows;
 # bfloat16 pairs k, so odd k leaves a half pair.

@@ -1,37 +1,62 @@
-"""What a base install (no extras) gives: every `flexinfer` command but
+"""What an install gives. From any folder, the repository's root included,
+Python imports the installed packages with their compiled modules (the
+sources live under src/, where they cannot shadow them), and the wheel holds
+no C++ sources. A base install (no extras): every `flexinfer` command but
 `serve` works without the `serve` extra's packages, and `serve` says which
 extra to install (pyproject.toml's optional dependencies, README.md "Without
-make"). Each check runs in a fresh interpreter outside the repository, so
-that it sees the installed package and only the modules it imports itself."""
+make"). Each check runs in a fresh interpreter, so that it sees only the
+modules it imports itself."""
 
+import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 SERVE_EXTRA = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client")
 
 
-def run_python(code: str, tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-def test_the_cli_imports_nothing_of_the_serve_extra(tmp_path):
+@pytest.mark.parametrize("argv", [
+    ["-c", "import vtm._core, flexinfer._kernels"],
+    ["-m", "flexinfer", "--version"],
+    ["-m", "vtm.broker", "--help"],
+], ids=["import", "flexinfer", "vtmd"])
+def test_python_in_the_repository_root_runs_the_installed_packages(argv):
+    # `-c` and `-m` put the current folder first on sys.path, as an interactive python does.
+    done = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_wheel_holds_no_cpp_sources():
+    installed = [str(path) for path in importlib.metadata.files("vtm")]
+    assert any(path.startswith("vtm/_core") for path in installed), installed
+    assert not [path for path in installed if "/csrc/" in path or path.endswith((".cc", ".h"))]
+
+
+def test_the_cli_imports_nothing_of_the_serve_extra():
     done = run_python("import sys\n"
                       "from flexinfer.cli import main\n"
                       "try:\n"
                       "    main(['generate', '--help'])\n"
                       "except SystemExit:\n"
                       "    pass\n"
-                      f"print(sorted(m for m in {SERVE_EXTRA!r} if m in sys.modules))", tmp_path)
+                      f"print(sorted(m for m in {SERVE_EXTRA!r} if m in sys.modules))")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
 
 
-def test_serve_without_the_extra_says_which_to_install(tmp_path):
+def test_serve_without_the_extra_says_which_to_install():
     # None in sys.modules makes an import fail as if the package were absent.
     done = run_python("import sys\n"
                       f"sys.modules.update(dict.fromkeys({SERVE_EXTRA!r}))\n"
                       "from flexinfer.cli import main\n"
-                      "sys.exit(main(['serve', '--model', 'smollm2', '--port', '0']))", tmp_path)
+                      "sys.exit(main(['serve', '--model', 'smollm2', '--port', '0']))")
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("flexinfer: error: flexinfer serve needs the serve extra")
     assert "pip install 'vtm[serve]'" in done.stderr

@@ -1,4 +1,4 @@
-"""The Triton attention kernels (flexinfer/kernels/triton_attention.py) against
+"""The Triton attention kernels (src/flexinfer/kernels/triton_attention.py) against
 per-request torch SDPA on the same KV-cache views (attention_cases.py).
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors, in a child

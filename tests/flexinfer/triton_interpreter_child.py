@@ -31,9 +31,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-import vtm  # noqa: E402  (the installed package, before the repository goes on sys.path)
-
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+import vtm  # noqa: E402
 
 from attention_cases import (CASES, cu_seqlens, fill_rows, kv_views, scaled_error, sdpa_decode,  # noqa: E402
                              sdpa_prefill)

@@ -1,0 +1,168 @@
+"""Sampling parameters and the per-step token choice."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+from flexinfer.errors import InvalidArgument
+
+# sample() gives this for a row whose logits are not all finite (NaN or inf):
+# no token can be chosen from it, and the engine fails that request alone.
+NON_FINITE = -1
+# Temperatures below this sample greedily (as vLLM does).
+GREEDY_BELOW = 1e-5
+# Stop strings are matched against the output as it grows (each step scans
+# only the new text plus the last MAX_STOP_LENGTH - 1 characters before it),
+# so their number and length bound the work of every step. OpenAI allows 4.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+# torch.Generator.manual_seed takes any int in this range; sample i of a
+# request is seeded with seed + i.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples. Checked when built: a wrong type or value
+    raises flexinfer.InvalidArgument."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    min_tokens: int = 0  # no end-of-sequence or stop token before this many tokens
+
+    def __post_init__(self):
+        for name in ("max_tokens", "top_k", "n", "min_tokens"):
+            _require_int(name, getattr(self, name))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidArgument(f"stop must be a str or a list of non-empty str, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            longest = max(map(len, self.stop), default=0)
+            raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                                  f"characters each, got {len(self.stop)} (the longest {longest} characters)")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidArgument(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _require_int("a stop token id", token)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise InvalidArgument(f"n must be >= 1, got {self.n}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            raise InvalidArgument(f"seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
+                                  f"got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        # Below this, sampling is greedy in all but name, and dividing the
+        # logits by the temperature could overflow them.
+        return self.temperature < GREEDY_BELOW
+
+
+def _require_int(name: str, value) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be an int, got {value!r}")
+
+
+def _greedy_choice(rows: torch.Tensor) -> list[int]:
+    """Per row of logits, the index of its first maximum; NON_FINITE where
+    the row holds a NaN or +inf or nothing finite. One pass over the logits
+    and one transfer for the choice and the check."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2 and rows.stride(-1) == 1:
+        # torch's max over the vocabulary runs under 1 GB/s on the CPU (see
+        # src/flexinfer/csrc/sampling_cpu.h). Imported here: the compiled
+        # extension must not load with `import flexinfer`.
+        from flexinfer import _kernels
+
+        out = torch.empty(rows.shape[0], dtype=torch.long)
+        _kernels.greedy_pick(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), torch.get_num_threads(),
+                             out.data_ptr())
+        return out.tolist()
+    # A row's max is NaN when any logit is NaN, +inf when any is +inf.
+    best, chosen = rows.max(dim=-1)
+    return torch.where(torch.isfinite(best), chosen, NON_FINITE).tolist()
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           banned: list[list[int] | None] | None = None) -> list[int | Exception]:
+    """One token per row of logits [B, vocab] (float32); NON_FINITE for a row
+    with a NaN or +inf logit (-inf is a token that cannot be chosen; a row of
+    nothing but -inf is non-finite too). `banned[i]`: token ids row i may not
+    choose (stop tokens before min_tokens). A row that cannot be sampled gets
+    the exception instead of a token, and the other rows are sampled as if it
+    were not there (each row draws from its own generator only)."""
+    vocab = logits.shape[-1]
+    tokens: list[int | Exception] = [0] * len(params)
+    banned = list(banned or [None] * len(params))
+    for i, ids in enumerate(banned):
+        if ids and not all(0 <= t < vocab for t in ids):
+            tokens[i] = InvalidArgument(f"a banned token id is outside the vocabulary (0 to {vocab - 1})")
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy and not isinstance(tokens[i], Exception)]
+    if greedy_rows:
+        rows = logits[greedy_rows] if len(greedy_rows) < len(params) else logits
+        if any(banned[i] for i in greedy_rows):
+            rows = rows.clone()
+            for r, i in enumerate(greedy_rows):
+                if banned[i]:
+                    rows[r, banned[i]] = float("-inf")
+        for i, t in zip(greedy_rows, _greedy_choice(rows)):
+            tokens[i] = t
+    for i, p in enumerate(params):
+        if p.greedy or isinstance(tokens[i], Exception):
+            continue
+        try:
+            tokens[i] = _sampled(logits[i], p, generators[i], banned[i])
+        except Exception as exc:  # noqa: BLE001 - this row's failure, reported for it alone
+            tokens[i] = exc
+    return tokens
+
+
+def _sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
+             banned: list[int] | None) -> int:
+    if not bool(torch.isfinite(logits.max())):
+        return NON_FINITE
+    row = logits / p.temperature
+    if banned:
+        row[banned] = float("-inf")
+    if p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
+        drop = cumulative - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,41 @@
+"""What vtmd's and vtmctl's command lines share: a parser whose --help shows
+every default and whose errors are one line, and the argparse type of a size
+(src/vtm/sizes.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from vtm.sizes import parse_size
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" to a flag's help, except where there is no
+    value to show (None, or off for an on/off switch): such a help says what
+    the absence means."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """HelpFormatter for this parser and its sub-commands (argparse builds
+    them of the parent's class), and a bad argument reported in one line,
+    `PROG: error: ...`, status 2, like every other error of these commands."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog.split()[0]}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def size(text: str) -> int:
+    """argparse type: a size in bytes (vtm.sizes)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,0 +1,770 @@
+"""vtm.connect: a vtm manager whose accounting lives in a broker (vtmd).
+
+The returned RemoteManager has vtm.Manager's API. Its operations run, in
+submission order, on one worker thread of this process: it sends the call
+(with a deadline), trades the chunk serials of the reply it has not imported
+yet for fds on the broker's side socket, maps the page changes into this
+process's own reservations (C++ ClientMapper, without the GIL), updates the
+vTensors' state and only then resolves the future. So, as in process, a
+caller may submit the next step's extend and compute meanwhile; the memory is
+mapped when its future resolves.
+
+The hot calls (create, extend, step, release) go over the broker's step
+socket when it advertises one (src/vtm/broker/step_channel.py: one datagram each
+way, the new chunks' fds attached), everything else over gRPC. The session
+itself lives on a channel to the broker's fd socket
+(src/vtm/broker/session_channel.py): the broker learns this process's pid from
+the kernel there and sends its reclaim notices there.
+
+Memory is given back in the order that keeps other clients safe: the client
+unmaps a vTensor's (or a space's) pages before it asks the broker to release
+them, keeps no import of a chunk it maps no more (so the broker can hand it
+to another client as soon as it is free), and on close unmaps everything
+before it says goodbye.
+
+A broker that dies or stops answering, or ends the session, makes every
+pending and later call raise vtm.Unavailable within the call deadline; the
+session (and with it the client's memory) is lost: `healthy` is False.
+Before the first such error of a vTensor operation reaches its caller, this
+client unmaps every chunk it maps and releases every import (revoke): on the
+caller's thread, the one that computes on the memory, so no kernel of this
+process is reading a page as it goes (from the worker, the unmap could pull
+the memory from under one: a fault on the host, an illegal address on CUDA).
+Then it says goodbye, so a broker that still holds the session frees it at
+once.
+
+A lost session is a preemption, not the end (docs/design.md §6): `reconnect()`, on
+that same thread, opens a new session (the broker restarted, or came back)
+and gives every open space a new one of the same geometry, keeping its
+reservation, so tensor views of it stay valid; the old session's vTensors
+are gone and their owners compute them again. Operations submitted before
+the reconnect fail with Unavailable; none of them reaches the new session.
+
+Invariants:
+  * the worker applies replies in the order the broker executed them (one
+    call at a time), so the mapper's page tables follow the broker's;
+  * _vtensors holds every live vTensor this client has, by id;
+  * the mapper maps exactly the pages the broker last reported, except the
+    pages of a vTensor or space whose release is on its way (unmapped first);
+    it imports exactly the chunks it maps;
+  * after close() (or the connection broke), no call reaches the broker;
+  * an operation runs only in the session it was submitted in (_epoch), and
+    the worker runs one at a time under _op_mu, which reconnect() holds
+    while it replaces the session.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+
+import grpc
+
+from vtm import _core, errors
+from vtm.broker import status
+from vtm.broker.fd_channel import MAX_FDS, FdClient
+from vtm.broker import step_channel
+from vtm.broker.remote import RemoteFuture, RemoteMatch, RemoteSpace, RemoteVTensor
+from vtm.broker.session_channel import SessionChannel, say_bye
+from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+
+log = logging.getLogger("vtm.broker")
+
+_BYE_TIMEOUT_S = 2.0
+_PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
+
+
+def _message(cls, what: str, **fields):
+    """A request message; a field out of its proto range is InvalidArgument."""
+    try:
+        return cls(**fields)
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgument(f"{what}: {exc}") from None
+
+
+def _count(n, what: str) -> int:
+    n = int(n)
+    if n < 0:
+        raise errors.InvalidArgument(f"{what} must be >= 0, got {n}")
+    return n
+
+
+def _ask(value, what: str):
+    return None if value is None else _count(value, what)
+
+
+class RemoteManager:
+    def __init__(self, address: str, name: str | None = None, priority: int | None = None,
+                 guaranteed_bytes: int | None = None, limit_bytes: int | None = None, timeout: float = 10.0,
+                 fast_path: bool = True):
+        self._timeout = float(timeout)
+        self._address = address
+        self._fast_path = fast_path
+        self._broken: errors.Error | None = None
+        self._closed = False
+        self._revoked = False
+        self._revoke_mu = threading.Lock()
+        self._op_mu = threading.Lock()  # held by the worker around each operation, and by reconnect()
+        self._epoch = 0  # sessions opened after the first
+        self._compute_thread = None  # bind_thread()
+        self._spaces: dict[int, RemoteSpace] = {}
+        self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._live: dict[int, RemoteVTensor] = {}
+        self._mapper = None
+        self._channel = None
+        self._fds = None
+        self._steps = None
+        self._session = None
+        self._lease = None
+        self._reclaim_handlers = []
+        self.reclaim_notices = 0  # RECLAIM notices received
+        self.reconnects = 0  # sessions rebuilt after a lost one
+        if not address.startswith("unix:"):
+            # Chunks travel as fds: only a Unix socket carries them (a tcp:
+            # listener serves control calls only).
+            raise errors.InvalidArgument(f"vtm.connect needs a unix:PATH address, got {address!r}")
+        # Unset asks take what the operator gives (proto3 presence); sent
+        # again by every reconnect.
+        self._hello = _message(vtm_pb2.HelloRequest, "connect", name=name or "", priority=priority,
+                               guaranteed_bytes=_ask(guaranteed_bytes, "guaranteed_bytes"),
+                               limit_bytes=_ask(limit_bytes, "limit_bytes"))
+        try:
+            hello = self._open_session(time.monotonic() + self._timeout)
+            # No idle imports (keep_idle 0): a chunk this process maps no more
+            # may be another client's a moment later.
+            self._mapper = _core.ClientMapper(hello.backend, hello.chunk_bytes,
+                                              hello.granularity if hello.backend == "host" else 0, hello.device, 0)
+        except BaseException:
+            self._teardown()
+            raise
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name=f"vtm-client-{self.client_id}", daemon=True)
+        self._worker.start()
+
+    def _open_session(self, deadline: float):
+        """Says hello to the broker (waiting until `deadline` for one that is
+        starting), attaches the session's channel, opens the fd and step
+        sockets and starts the notice listener; returns the HelloReply."""
+        path = self._address[len("unix:"):]
+        wait = f"{max(0.0, deadline - time.monotonic()):.2g} s"  # this call's wait: a reconnect's try is short
+        while not os.path.exists(path):
+            # A broker that is starting (or restarting) creates its socket
+            # soon: wait for it, within the deadline.
+            if time.monotonic() >= deadline:
+                raise errors.Unavailable(f"no vtm broker answers at {self._address} (no such socket after {wait})")
+            time.sleep(0.05)
+        self._channel = grpc.insecure_channel(self._address)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=max(0.0, deadline - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            raise errors.Unavailable(f"no vtm broker answers at {self._address} (waited {wait})") from None
+        self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
+        hello = self._rpc("hello", self._stub.Hello, self._hello, lease=False)
+        self._metadata = ((status.LEASE_KEY, hello.lease),)
+        self._lease = hello.lease
+        self._fd_socket = hello.fd_socket
+        self.name = hello.name
+        self.client_id = hello.client_id
+        self.backend = hello.backend
+        self.chunk_bytes = hello.chunk_bytes
+        self.capacity_bytes = hello.capacity_bytes
+        self.granularity = hello.granularity
+        # What the operator granted (less where this client asked for less).
+        self.priority = hello.priority
+        self.guaranteed_bytes = hello.guaranteed_bytes
+        self.limit_bytes = hello.limit_bytes
+        # The session's anchor, first: the broker serves nothing else
+        # before it knows this process.
+        try:
+            self._session = SessionChannel(hello.fd_socket, hello.lease, self._timeout)
+        except (OSError, ValueError) as exc:
+            raise errors.Unavailable(f"attaching to the vtm broker failed: {exc}") from None
+        self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
+        if self._fast_path and hello.step_socket:
+            try:
+                self._steps = step_channel.StepClient(hello.step_socket, hello.lease, self._timeout)
+            except errors.Error:
+                raise
+            except (OSError, ValueError) as exc:
+                raise errors.Unavailable(f"the vtm broker's step socket failed: {exc}") from None
+        threading.Thread(target=self._listen, args=(self._session,), name=f"vtm-notices-{self.client_id}",
+                         daemon=True).start()
+        return hello
+
+    # -- plumbing ------------------------------------------------------------
+
+    def _rpc(self, what: str, method, request, lease: bool = True, timeout: float | None = None,
+             fatal: bool = True):
+        """`fatal`: a broker that does not answer marks this client broken."""
+        try:
+            return method(request, timeout=self._timeout if timeout is None else timeout,
+                          metadata=self._metadata if lease else None)
+        except grpc.RpcError as err:
+            error = status.from_rpc_error(err, what)
+            if fatal and isinstance(error, errors.Unavailable):
+                self._broken = self._broken or error
+            raise error from None
+
+    def _fast(self, what: str, op: int, pairs):
+        """Runs one op on the step socket and maps what it changed; the
+        reply (its vTensor fields) for the caller."""
+        try:
+            reply = self._steps.call(op, pairs)
+        except errors.Error as exc:
+            # The broker's answer (InvalidArgument is a ValueError too);
+            # Unavailable: it ended the session.
+            if isinstance(exc, errors.Unavailable):
+                self._broken = self._broken or exc
+            raise
+        except (OSError, ValueError) as exc:
+            # Dead, hung or confused broker: the connection's state is
+            # unknown from here on, like a gRPC call past its deadline.
+            self._broken = self._broken or errors.Unavailable(f"the vtm broker did not answer {what}: {exc}")
+            raise type(self._broken)(str(self._broken)) from None
+        try:
+            received = dict(zip(reply.serials, reply.fds))
+            for space_id, effects in reply.groups:
+                missing = self._mapper.missing(effects)
+                if missing:
+                    for serial in missing:
+                        if serial in received:
+                            self._mapper.import_fd(serial, received[serial])
+                    self._import([s for s in missing if s not in received])
+                self._mapper.apply(space_id, effects)
+        finally:
+            for fd in reply.fds:
+                os.close(fd)
+        return reply.vtensor
+
+    def _listen(self, session: SessionChannel) -> None:
+        """Consumes one session's notices; its channel ending means that
+        session is gone (a later one, after reconnect(), has its own listener)."""
+        for notice in session.notices():
+            if notice.get("notice") == "shutdown":
+                self._session_lost(session, f"the vtm broker is stopping: {notice.get('reason', '')}")
+            elif notice.get("notice") == "reclaim":
+                self._answer_reclaim(notice, session)
+        if not self._closed:
+            self._session_lost(session, "the vtm broker ended this session (its channel closed)")
+
+    def _session_lost(self, session: SessionChannel, why: str) -> None:
+        if session is self._session:
+            self._broken = self._broken or errors.Unavailable(why)
+
+    def _answer_reclaim(self, notice: dict, session: SessionChannel) -> None:
+        """Runs the reclaim handlers in turn (on this listener thread, so they
+        may wait on futures) until the asked bytes are freed, then acknowledges."""
+        self.reclaim_notices += 1
+        remaining = int(notice.get("bytes", 0))
+        for handler in list(self._reclaim_handlers):
+            try:
+                remaining -= handler(remaining) or 0
+            except Exception:  # noqa: BLE001 - a failing handler frees nothing; the broker's deadline applies
+                continue
+            if remaining <= 0:
+                break
+        session.ack(notice.get("id"))
+
+    def _lost(self, error: BaseException) -> None:
+        """The caller is about to see `error`: when it says the session is
+        gone, this process gives up every chunk first (revoke, see the top of
+        this file), then says goodbye so the broker frees them now."""
+        if not isinstance(error, errors.Unavailable) or self._broken is None:
+            return
+        if self._compute_thread not in (None, threading.get_ident()):
+            return  # the bound thread revokes, at its own first error or in reconnect()
+        with self._revoke_mu:
+            if self._revoked or self._closed:
+                return
+            self._revoked = True
+            try:
+                self._mapper.revoke()
+            except errors.Error:
+                log.exception("unmapping the chunks of a lost vtm session failed")
+        lease, self._lease = self._lease, None  # said once
+        if lease is None:
+            return
+        try:
+            # Not waiting for the answer: the caller is owed its error now.
+            say_bye(self._fd_socket, lease, min(self._timeout, _BYE_TIMEOUT_S), wait=False)
+        except (OSError, ValueError, errors.Error):
+            pass  # no broker to tell (it died), or it ended the session itself
+
+    def set_reclaim_handler(self, handler) -> None:
+        """handler(bytes) is called (on a thread of this client) when the
+        broker asks for `bytes` back for a higher-priority client: release
+        vTensors, then return the bytes freed. A client that does not come
+        down to what was asked within the notice's deadline gets no more
+        memory until it does. Replaces every handler added before."""
+        self._reclaim_handlers = [handler]
+
+    def add_reclaim_handler(self, handler) -> None:
+        """Another handler (say, one per FlexInfer engine sharing this
+        manager); handlers run in the order added until enough is freed."""
+        self._reclaim_handlers = self._reclaim_handlers + [handler]
+
+    def remove_reclaim_handler(self, handler) -> None:
+        self._reclaim_handlers = [h for h in self._reclaim_handlers if h is not handler]
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, future, epoch = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            with self._op_mu:
+                try:
+                    if epoch != self._epoch:
+                        raise errors.Unavailable("the vtm broker session this operation was submitted in was "
+                                                 "lost (the client has reconnected since)")
+                    if self._broken is not None:
+                        raise type(self._broken)(str(self._broken))
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                    future.set_exception(exc)
+
+    def _submit(self, fn, data_plane: bool = False) -> RemoteFuture:
+        """Queues fn for the worker. A data-plane op's future revokes this
+        process's mappings before it reports a lost session (_lost)."""
+        if self._closed:
+            raise errors.FailedPrecondition("the manager is closed")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fn, future, self._epoch))
+        return RemoteFuture(future, self._lost if data_plane else None)
+
+    # -- a lost session ----------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """True while operations can run: the session is up and not closed."""
+        return not self._closed and self._broken is None
+
+    def bind_thread(self) -> None:
+        """Names the calling thread as the one that computes on this
+        manager's memory (a FlexInfer engine's loop): a lost session's
+        mappings are revoked there and nowhere else, since a revoke on any
+        other thread could unmap pages under its kernels. A second thread is
+        refused (vtm.FailedPrecondition): connect once per computing thread;
+        each connection is a session of its own."""
+        current = threading.get_ident()
+        if self._compute_thread not in (None, current):
+            raise errors.FailedPrecondition(
+                "this vtm.connect manager already serves another computing thread (an engine): its mappings "
+                "are revoked on that thread when the broker goes away; connect once per engine")
+        self._compute_thread = current
+
+    def reconnect(self, timeout: float | None = None) -> None:
+        """After a lost session (healthy is False): a new one. Call it on the
+        thread that computes on this memory (bind_thread): it first unmaps
+        every chunk of the old session here (as a failed vTensor operation
+        does). Then it says hello again (waiting up to `timeout` seconds,
+        default the connect timeout, for a broker that is restarting) and
+        gives every open space a space of the same geometry in the new
+        session; the space keeps its reservation and its tensor views. Every
+        vTensor of the old session is released. Raises vtm.Unavailable when
+        no broker answers in time and another vtm.Error when the new session
+        cannot take the spaces back (both leave the manager as it was: try
+        again later), vtm.FailedPrecondition when the manager is closed, the
+        broker came back with another backend or chunk size, or this is not
+        the bound thread. Returns at once when the session is up."""
+        if self._closed:
+            raise errors.FailedPrecondition("the manager is closed")
+        if self._broken is None:
+            return
+        if self._compute_thread not in (None, threading.get_ident()):
+            raise errors.FailedPrecondition("reconnect() belongs to the thread bound with bind_thread()")
+        deadline = time.monotonic() + (self._timeout if timeout is None else float(timeout))
+        with self._op_mu:
+            self._lost(self._broken)
+            backend, chunk_bytes, granularity = self.backend, self.chunk_bytes, self.granularity
+            self._disconnect()
+            try:
+                self._open_session(deadline)
+                if (self.backend, self.chunk_bytes, self.granularity) != (backend, chunk_bytes, granularity):
+                    raise errors.FailedPrecondition(
+                        f"the vtm broker came back with backend {self.backend}, chunks of {self.chunk_bytes} "
+                        f"bytes (was {backend}, {chunk_bytes}): this client's reservations do not fit it")
+                replies = self._reopen_spaces()
+            except BaseException:
+                self._disconnect()
+                raise
+            # Nothing can fail from here: the spaces move to their new ids.
+            for vt in list(self._live.values()):
+                vt._released = True
+            self._live.clear()
+            self._rename_spaces(replies)
+            self._epoch += 1
+            self._revoked = False
+            self._broken = None
+            self.reconnects += 1
+        log.info("reconnected to the vtm broker at %s: %d spaces rebuilt", self._address, len(self._spaces))
+
+    def _reopen_spaces(self) -> dict[int, int]:
+        """A space in the new session for every open space, of the same
+        geometry, namespace and name: {old id: new id}. All or none (a
+        failure closes the ones made, and the old spaces stay as they were)."""
+        made = {}
+        try:
+            for space in self._spaces.values():
+                request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=space.row_bytes,
+                                   max_tokens=space.max_tokens, max_slots=space.max_slots,
+                                   namespace=space.namespace, name=space.name)
+                reply = self._rpc("create_space", self._stub.CreateSpace, request)
+                made[space.id] = reply.space_id
+                if (reply.max_slots, reply.slot_bytes) != (space.max_slots, space.slot_bytes):
+                    raise errors.FailedPrecondition(
+                        f"the vtm broker gives space '{space.name}' another geometry now ({reply.max_slots} slots "
+                        f"of {reply.slot_bytes} bytes, was {space.max_slots} of {space.slot_bytes})")
+        except BaseException:
+            for new_id in made.values():
+                try:
+                    self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=new_id))
+                except errors.Error:
+                    pass  # the session is being dropped: the broker closes it with the session
+            raise
+        return made
+
+    def _rename_spaces(self, new_ids: dict[int, int]) -> None:
+        """Moves every space (its mapper area, reservation and object) to its
+        new id. Through ids no broker gives first (the top bit set), since a
+        new id may be another space's old one."""
+        spaces = [self._spaces.pop(old) for old in new_ids]
+        for space in spaces:
+            self._mapper.rename_space(space.id, _PARKED | space.id)
+        for space in spaces:
+            self._mapper.rename_space(_PARKED | space.id, new_ids[space.id])
+            space.id = new_ids[space.id]
+            self._spaces[space.id] = space
+
+    def _apply(self, reply) -> None:
+        """Maps the page changes of a reply and updates vTensor state."""
+        for space_effects in reply.effects:
+            effects = [(e.slot, e.page, e.chunk, e.serial) for e in space_effects.pages]
+            self._import(self._mapper.missing(effects))
+            self._mapper.apply(space_effects.space_id, effects)
+            if space_effects.closed:
+                self._mapper.remove_space(space_effects.space_id)
+                space = self._spaces.pop(space_effects.space_id, None)
+                if space is not None:
+                    space.closed = True
+        for state in reply.vtensors:
+            vt = self._vtensors.get(state.vtensor_id)
+            if vt is None:
+                continue
+            if state.released:
+                vt._released = True
+                self._live.pop(vt.id, None)
+            else:
+                vt._slot, vt._num_tokens = state.slot, state.num_tokens
+
+    def _import(self, serials) -> None:
+        """Imports chunks by serial through the fd socket, MAX_FDS at a time,
+        so this process never holds more fds than that (its RLIMIT_NOFILE
+        may be low; a large vTensor maps thousands of chunks)."""
+        for start in range(0, len(serials), MAX_FDS):
+            try:
+                fetched = self._fds.fetch(serials[start:start + MAX_FDS])
+            except (OSError, ValueError) as exc:
+                self._broken = self._broken or errors.Unavailable(
+                    f"fetching chunk fds from the vtm broker failed: {exc}")
+                raise type(self._broken)(str(self._broken)) from None
+            try:
+                for serial, fd in fetched:
+                    self._mapper.import_fd(serial, fd)
+            finally:
+                for _, fd in fetched:
+                    os.close(fd)
+
+    def _new_vtensor(self, space: RemoteSpace, reply) -> RemoteVTensor:
+        state = next(s for s in reply.vtensors if s.vtensor_id == reply.vtensor_id)
+        return self._add_vtensor(space, reply.vtensor_id, state.slot, state.num_tokens)
+
+    def _add_vtensor(self, space: RemoteSpace, vt_id: int, slot: int, num_tokens: int) -> RemoteVTensor:
+        vt = RemoteVTensor(self, space, vt_id, slot, num_tokens)
+        self._vtensors[vt.id] = vt
+        self._live[vt.id] = vt
+        return vt
+
+    def _own(self, vt, what: str) -> RemoteVTensor:
+        if not isinstance(vt, RemoteVTensor) or vt._mgr is not self:
+            raise errors.FailedPrecondition(f"{what}: vTensor of another manager")
+        return vt
+
+    def _live_in(self, space: RemoteSpace) -> int:
+        return sum(1 for vt in list(self._live.values()) if vt._space is space)
+
+    # -- operations (run on the worker) ------------------------------------------
+
+    def _create(self, space: RemoteSpace, n) -> RemoteFuture:
+        n = _count(n, "num_tokens")
+
+        if self._steps is not None:
+            def fast():
+                vt_id, slot, num_tokens, _ = self._fast("create", step_channel.CREATE, (space.id, n))
+                return self._add_vtensor(space, vt_id, slot, num_tokens)
+            return self._submit(fast, data_plane=True)
+        request = _message(vtm_pb2.CreateRequest, "create", space_id=space.id, num_tokens=n)
+
+        def run():
+            reply = self._rpc("create", self._stub.Create, request)
+            vt = self._new_vtensor(space, reply)
+            self._apply(reply)
+            return vt
+        return self._submit(run, data_plane=True)
+
+    def _extend(self, vt: RemoteVTensor, n) -> RemoteFuture:
+        n = _count(n, "num_tokens")
+
+        if self._steps is not None and n < 1 << 64:
+            def fast():
+                self._fast("extend", step_channel.EXTEND, (vt.id, n))
+                vt._num_tokens = max(vt._num_tokens, n)
+            return self._submit(fast, data_plane=True)
+        request = _message(vtm_pb2.ExtendRequest, "extend", vtensor_id=vt.id, num_tokens=n)
+
+        def run():
+            self._apply(self._rpc("extend", self._stub.Extend, request))
+            vt._num_tokens = max(vt._num_tokens, n)
+        return self._submit(run, data_plane=True)
+
+    def step(self, targets) -> RemoteFuture:
+        sizes = [(self._own(vt, "step"), _count(n, "num_tokens")) for vt, n in targets.items()]
+        if self._steps is not None and len(sizes) <= step_channel.MAX_PAIRS and all(n < 1 << 64 for _, n in sizes):
+            pairs = [x for vt, n in sizes for x in (vt.id, n)]
+
+            def fast():
+                self._fast("step", step_channel.STEP, pairs)
+                for vt, n in sizes:
+                    if n > vt._num_tokens:
+                        vt._num_tokens = n
+            return self._submit(fast, data_plane=True)
+        request = _message(vtm_pb2.StepRequest, "step", targets=[
+            vtm_pb2.ExtendRequest(vtensor_id=vt.id, num_tokens=n) for vt, n in sizes])
+
+        def run():
+            self._apply(self._rpc("step", self._stub.Step, request))
+            for vt, n in sizes:
+                vt._num_tokens = max(vt._num_tokens, n)
+        return self._submit(run, data_plane=True)
+
+    def _unmap_first(self, vt: RemoteVTensor) -> None:
+        """Unmaps a vTensor's pages here before the broker is asked to free
+        them: the broker hands a freed chunk to the next client at once.
+        From here the vTensor is unusable, whatever the broker answers."""
+        if vt._released:
+            raise errors.FailedPrecondition(f"vTensor {vt.id} is not live (already released)")
+        vt._released = True
+        self._live.pop(vt.id, None)
+        self._mapper.unmap_slot(vt._space.id, vt._slot)
+
+    def _release(self, vt: RemoteVTensor) -> RemoteFuture:
+        if self._steps is not None:
+            def fast():
+                self._unmap_first(vt)
+                self._fast("release", step_channel.RELEASE, (vt.id, 0))
+            return self._submit(fast, data_plane=True)
+
+        def run():
+            self._unmap_first(vt)
+            self._apply(self._rpc("release", self._stub.Release, vtm_pb2.VTensorRequest(vtensor_id=vt.id)))
+        return self._submit(run, data_plane=True)
+
+    def _prefix_record(self, space: RemoteSpace, vt, token_ids, stream=None) -> RemoteFuture:
+        vt = self._own(vt, "prefix_record")
+        request = _message(vtm_pb2.PrefixRecordRequest, "prefix_record", space_id=space.id, vtensor_id=vt.id,
+                           token_ids=[int(t) for t in token_ids])
+        # The broker copies the recorded bytes in its own process, where no
+        # stream of ours orders anything: the bytes are made final (the work
+        # queued on `stream` now has finished; None on the host) before the
+        # call is sent (docs/design.md §5).
+        fence = self._mapper.record_fence(stream)
+
+        def run():
+            if fence is not None:
+                fence.wait()
+            reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)
+            self._apply(reply)
+            return reply.value
+        return self._submit(run, data_plane=True)
+
+    def _prefix_match(self, space: RemoteSpace, token_ids, stream=None) -> RemoteFuture:
+        # `stream` orders nothing here: a match copies only pages of the
+        # tree, and every client waited for its bytes before recording them.
+        request = _message(vtm_pb2.PrefixMatchRequest, "prefix_match", space_id=space.id,
+                           token_ids=[int(t) for t in token_ids])
+
+        def run():
+            reply = self._rpc("prefix_match", self._stub.PrefixMatch, request)
+            vt = self._new_vtensor(space, reply) if reply.vtensor_id else None
+            self._apply(reply)
+            return RemoteMatch(vt, reply.matched_tokens)
+        return self._submit(run, data_plane=True)
+
+    def _clear_prefixes(self, space: RemoteSpace) -> RemoteFuture:
+        def run():
+            reply = self._rpc("clear_prefixes", self._stub.ClearPrefixes, vtm_pb2.SpaceRequest(space_id=space.id))
+            self._apply(reply)
+            return reply.value
+        return self._submit(run)
+
+    def _prefix_nodes(self, space: RemoteSpace) -> RemoteFuture:
+        def run():
+            reply = self._rpc("prefix_nodes", self._stub.PrefixNodes, vtm_pb2.SpaceRequest(space_id=space.id))
+            return [{"start": n.start, "end": n.end, "tokens": list(n.tokens), "locks": n.locks,
+                     "pages": list(n.pages)} for n in reply.nodes]
+        return self._submit(run)
+
+    def _close_space(self, space: RemoteSpace) -> RemoteFuture:
+        def run():
+            if space.closed:
+                raise errors.FailedPrecondition(f"space '{space.name}' is closed")
+            # Unmapped here first, as for a release; the space's vTensors
+            # are unusable from here on.
+            for vt in [vt for vt in self._live.values() if vt._space is space]:
+                vt._released = True
+                self._live.pop(vt.id, None)
+            self._mapper.unmap_space(space.id)
+            self._apply(self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=space.id)))
+        return self._submit(run)
+
+    # -- the Manager API -----------------------------------------------------
+
+    def create_space(self, row_bytes, max_tokens, max_slots, namespace=None, name=None) -> RemoteSpace:
+        request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=_count(row_bytes, "row_bytes"),
+                           max_tokens=_count(max_tokens, "max_tokens"), max_slots=_count(max_slots, "max_slots"),
+                           namespace=namespace or "", name=name or "")
+
+        def run():
+            reply = self._rpc("create_space", self._stub.CreateSpace, request)
+            try:
+                self._mapper.add_space(reply.space_id, reply.max_slots, reply.slot_bytes)
+            except BaseException:
+                # No reservation here: give the broker's space back.
+                self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=reply.space_id))
+                raise
+            space = RemoteSpace(self, reply)
+            self._spaces[space.id] = space
+            return space
+        return self._submit(run).result()
+
+    def trim(self, bytes=None) -> int:  # noqa: A002 - the in-process API's name
+        request = _message(vtm_pb2.TrimRequest, "trim", all=bytes is None,
+                           bytes=0 if bytes is None else _count(bytes, "bytes"))
+
+        def run():
+            reply = self._rpc("trim", self._stub.Trim, request)
+            self._apply(reply)
+            return reply.value
+        return self._submit(run).result()
+
+    def stats(self, timeout: float | None = None) -> dict:
+        """The broker's stats (the whole pool, every client's spaces) plus
+        "clients"; this client's spaces appear under the names it gave them.
+
+        `timeout` (seconds) is for monitoring: the call skips the op queue
+        (stats orders against nothing), and a broker that does not answer in
+        time raises Unavailable without marking this client broken, so a
+        metrics scrape during a stall cannot end the session."""
+        def run():
+            reply = self._rpc("stats", self._stub.Stats, vtm_pb2.StatsRequest(), timeout=timeout,
+                              fatal=timeout is None)
+            stats = json.loads(reply.json)
+            mine = f"c{self.client_id}/"
+            stats["spaces"] = {(name[len(mine):] if name.startswith(mine) else name): info
+                               for name, info in stats["spaces"].items()}
+            return stats
+        if timeout is None:
+            return self._submit(run).result()
+        if self._closed:
+            raise errors.FailedPrecondition("the manager is closed")
+        if self._broken is not None:
+            raise type(self._broken)(str(self._broken))
+        return run()
+
+    def check(self) -> None:
+        self._submit(lambda: self._rpc("check", self._stub.Check, vtm_pb2.StatsRequest()) and None).result()
+
+    @property
+    def faults(self):
+        return None
+
+    @property
+    def imports(self) -> int:
+        """Chunks imported into this process (mapped, or kept for reuse)."""
+        return self._mapper.imports
+
+    def close(self) -> None:
+        """Ends the session: this process unmaps everything, then the broker
+        releases every vTensor and space of this client. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join()
+        self._teardown()
+        for space in self._spaces.values():
+            space.closed = True
+        for vt in self._live.values():
+            vt._released = True
+        self._spaces.clear()
+        self._live.clear()
+
+    def _teardown(self) -> None:
+        # Unmapped before the goodbye: the broker frees the chunks at goodbye.
+        if self._mapper is not None:
+            self._mapper.close()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Says goodbye (the broker frees what the session held) and closes
+        the session's channels; the mapper stays."""
+        if self._lease is not None:
+            try:
+                say_bye(self._fd_socket, self._lease, min(self._timeout, _BYE_TIMEOUT_S))
+            except (OSError, ValueError, errors.Error):
+                pass  # the broker is gone (or hung), and the session with it
+            self._lease = None
+        if self._session is not None:
+            self._session.drop()  # ends the listener's wait
+            self._session.close()
+            self._session = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self._fds is not None:
+            self._fds.close()
+            self._fds = None
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"RemoteManager(name='{self.name}', backend='{self.backend}', chunk_bytes={self.chunk_bytes})"
+
+
+def connect(address: str, name: str | None = None, priority: int | None = None, guaranteed_bytes: int | None = None,
+            limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True) -> RemoteManager:
+    """A manager served by the vtm broker at `address` ("unix:PATH"), with
+    vtm.Manager's API. Raises vtm.Unavailable when no broker answers within
+    `timeout` seconds, which is also the deadline of every later call.
+    The operator decides the client's priority, guarantee and limit (by
+    `name`); priority, guaranteed_bytes and limit_bytes may only ask for less
+    (None: what the operator gives; the granted values are the manager's
+    priority, guaranteed_bytes and limit_bytes).
+    fast_path=False sends every call over gRPC, even where the broker offers
+    its step socket (a baseline for scripts/bench_colocation.py)."""
+    return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path)

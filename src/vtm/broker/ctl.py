@@ -1,0 +1,170 @@
+"""vtmctl: look at and steer a running vtm broker.
+
+    vtmctl --address unix:PATH stats [--json]
+    vtmctl --address unix:PATH top [--interval S] [--iterations N]
+    vtmctl --address unix:PATH set-quota NAME [LIMIT] [--limit SIZE] [--guaranteed SIZE] [--priority P]
+    vtmctl --address unix:PATH trim [--bytes SIZE]
+
+SIZE: a byte count or a number with a binary suffix, e.g. 20MiB (src/vtm/sizes.py).
+
+--address may also be tcp:HOST:PORT, a broker's control listener (vtmd
+--control); --token-file F sends the token such a listener may ask for.
+
+set-quota sets the operator's quota of the clients named NAME, connected or
+yet to connect (a client may ask for less, never more): a limit below what
+one maps asks it for the excess back (a reclaim notice), a guarantee that
+would sum past the capacity is refused.
+
+Exit status 0 on success, 2 when the broker cannot be reached or refuses
+(one line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import grpc
+
+from vtm import errors
+from vtm.broker import status
+from vtm.broker.cli_args import Parser, size
+from vtm.broker.control import TOKEN_KEY, read_token
+from vtm.broker.server import tcp_target
+from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+
+
+def _call(stub_method, request, timeout: float, what: str, metadata=None):
+    try:
+        return stub_method(request, timeout=timeout, metadata=metadata)
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise errors.FailedPrecondition(f"{err.details()} (vtmctl --token-file)") from None
+        raise status.from_rpc_error(err, what) from None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def _clients_table(stats: dict) -> list[str]:
+    rows = [f"{'client':<20} {'pid':>8} {'state':>11} {'prio':>5} {'mapped MiB':>11} {'guar MiB':>9} "
+            f"{'limit MiB':>10} {'owes MiB':>9} {'spaces':>6} {'vts':>5}"]
+    for c in stats["clients"]:
+        pid = "-" if c["pid"] is None else c["pid"]  # none before the session attaches
+        rows.append(f"{c['name'][:20]:<20} {pid:>8} {c['state']:>11} {c['priority']:>5} {_mib(c['mapped_bytes']):>11} "
+                    f"{_mib(c['guaranteed_bytes']):>9} {_mib(c['limit_bytes']) if c['limit_bytes'] else '-':>10} "
+                    f"{_mib(c['owes_bytes']):>9} {c['spaces']:>6} {c['vtensors']:>5}")
+    return rows
+
+
+def _summary(stats: dict) -> list[str]:
+    chunk = stats["chunk_bytes"]
+    return [f"backend {stats['backend']}, capacity {_mib(stats['capacity_bytes'])} MiB in chunks of {_mib(chunk)} MiB",
+            f"chunks: created {stats['chunks_created']}, held {stats['chunks_held']}, free {stats['chunks_free']}, "
+            f"mapped {stats['chunks_mapped']}, in prefix trees {stats['chunks_in_tree']} "
+            f"({stats['tree_nodes']} nodes, {stats['tree_tokens']} tokens)",
+            f"evictions {stats['evictions_total']}, copy-on-write {stats['cow_copies_total']}, "
+            f"released to the device {stats['chunks_released_total']}"]
+
+
+# The terminal's alternate screen (as `top` and `less` use): entered, each frame
+# drawn from the top left of a cleared screen, left at the end so the user's
+# screen and scrollback come back as they were.
+_ALT_SCREEN_ON, _ALT_SCREEN_OFF, _HOME_CLEAR = "\x1b[?1049h", "\x1b[?1049l", "\x1b[H\x1b[2J"
+
+
+def _top(read_stats, interval: float, iterations: int) -> None:
+    """Redraws in place on a terminal; appends frames elsewhere (a pipe, a
+    file), where escape sequences would be noise."""
+    out = sys.stdout
+    terminal = out.isatty()
+    if terminal:
+        out.write(_ALT_SCREEN_ON)
+    try:
+        n = 0
+        while iterations == 0 or n < iterations:
+            stats = read_stats()
+            frame = "\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _clients_table(stats))
+            out.write(_HOME_CLEAR + frame if terminal else frame + "\n")
+            out.flush()
+            n += 1
+            if iterations == 0 or n < iterations:
+                time.sleep(interval)
+    finally:
+        if terminal:
+            out.write(_ALT_SCREEN_OFF)
+            out.flush()
+
+
+def main(argv=None) -> int:
+    parser = Parser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd). Sizes are a byte count "
+                    "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
+    parser.add_argument("--address", required=True, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                        help="seconds to wait for each answer of the broker")
+    parser.add_argument("--token-file", default=None, metavar="FILE",
+                        help="the control token (vtmd --control-token-file; default: send none)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("stats", help="the pool, prefix trees and clients")
+    st.add_argument("--json", action="store_true", help="everything the broker reports, as JSON")
+    top = sub.add_parser("top", help="the clients, refreshed (in place on a terminal)")
+    top.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes")
+    top.add_argument("--iterations", type=int, default=0, metavar="N",
+                     help="refreshes before exiting; 0: until interrupted")
+    quota = sub.add_parser("set-quota", help="the operator's limit (0: none), guarantee and priority for a client name")
+    quota.add_argument("name", help="the client name (vtm.connect(name=...), flexinfer --client-name)")
+    quota.add_argument("bytes", type=size, nargs="?", default=None, metavar="LIMIT", help="the limit (as --limit)")
+    quota.add_argument("--limit", type=size, default=None, metavar="SIZE",
+                       help="most bytes the clients of this name may map; 0: no limit (default: unchanged)")
+    quota.add_argument("--guaranteed", type=size, default=None, metavar="SIZE",
+                       help="bytes never reclaimed from them (default: unchanged)")
+    quota.add_argument("--priority", type=int, default=None, metavar="P",
+                       help="higher keeps memory longer under pressure (default: unchanged)")
+    trim = sub.add_parser("trim", help="give free chunks back to the device")
+    trim.add_argument("--bytes", type=size, default=None, metavar="SIZE",
+                      help="at most this much (default: every free chunk)")
+    args = parser.parse_args(argv)
+    try:
+        if args.address.startswith("tcp:"):
+            try:
+                target = tcp_target(args.address)
+            except ValueError as exc:
+                raise errors.InvalidArgument(str(exc)) from None
+        elif args.address.startswith("unix:"):
+            target = args.address
+        else:
+            raise errors.InvalidArgument(f"--address must be unix:PATH or tcp:HOST:PORT, got {args.address!r}")
+        metadata = ((TOKEN_KEY, read_token(args.token_file)),) if args.token_file else None
+        with grpc.insecure_channel(target) as channel:
+            stub = vtm_pb2_grpc.BrokerStub(channel)
+            if args.command == "stats":
+                stats = json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats", metadata).json)
+                print(json.dumps(stats, indent=2) if args.json else "\n".join(_summary(stats) + _clients_table(stats)))
+            elif args.command == "top":
+                _top(lambda: json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats",
+                                              metadata).json), args.interval, args.iterations)
+            elif args.command == "set-quota":
+                if args.bytes is not None and args.limit is not None:
+                    raise errors.InvalidArgument("give the limit once: LIMIT or --limit")
+                limit = args.limit if args.limit is not None else args.bytes
+                request = vtm_pb2.SetQuotaRequest(name=args.name, limit_bytes=limit, guaranteed_bytes=args.guaranteed,
+                                                  priority=args.priority)
+                reply = json.loads(_call(stub.SetQuota, request, args.timeout, "set-quota", metadata).json)
+                quota = reply["quota"]
+                print(f"{args.name}: limit {quota['limit_bytes']} bytes, guaranteed {quota['guaranteed_bytes']} "
+                      f"bytes, priority {quota['priority']} ({len(reply['clients'])} connected client(s))")
+            else:
+                request = vtm_pb2.TrimRequest(all=args.bytes is None, bytes=args.bytes or 0)
+                print(f"released {_call(stub.Trim, request, args.timeout, 'trim', metadata).value} bytes")
+    except errors.Error as exc:
+        print(f"vtmctl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

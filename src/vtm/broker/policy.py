@@ -1,0 +1,170 @@
+"""The broker's memory policy across clients: limits, priorities and
+cooperative reclaim (docs/design.md §6, docs/broker.md).
+
+A mapped chunk cannot be revoked from a live process (its mapping keeps the
+memory alive), so reclaim is cooperative. Under pressure the manager itself
+first takes free chunks, then evicts unreferenced prefix-tree leaves (LRU);
+when that fails, a client's allocation asks lower-priority clients that map
+more than their guarantee to give memory back (a RECLAIM notice with a
+deadline), waits briefly for them, and retries once; then it fails with
+RESOURCE_EXHAUSTED. A client that has not come down to what a notice asked
+by its deadline gets no more memory until it does. The operator lowering a
+client's limit below what it maps asks for the excess the same way
+(ask_back): the client preempts and recomputes, and no allocation of zero
+bytes (a step within pages already mapped) is ever refused, so lowering a
+quota never fails work the client already has.
+
+Memory freed in answer to a notice is reserved for the allocation that
+asked: from the notice until its retry has run (or reserve_s passed), an
+allocation of any other client that would leave less free than the
+reservations of others waits (gate()); otherwise the victim's own next
+admission, or a third client, could take the freed chunks first and the
+asker's retry would fail anyway. A client that still owes memory is not
+held back: it may have to allocate (its engine's step already under way)
+before it gets to answer, and what it owes counts what it mapped since. Nor
+is another asker's retry (two retries waiting for each other's reservation
+would both stall until the reservations lapse).
+
+Notices go on the session's channel (Session.notify), as JSON:
+{"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...};
+the client answers with {"ack": N} there (src/vtm/broker/fd_channel.py).
+
+Invariants:
+  * a session owes memory (owed_target is not None) only between a notice
+    and the moment its mapped bytes are at or below owed_target;
+  * _reserved holds, per asking session, the bytes its pending retry needs
+    and the deadline after which they are no longer reserved;
+  * admit() never changes state: it only refuses, and never an allocation
+    of 0 bytes;
+  * reclaim() waits holding no lock of this module (nor, by contract with
+    its caller, the asker's session lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+
+from vtm import errors
+from vtm.broker.session import LIVE
+
+
+class Policy:
+    def __init__(self, sessions, chunk_bytes: int, free_bytes=None, notice_deadline_s: float = 2.0,
+                 wait_s: float = 1.0, reserve_s: float = 2.0):
+        self._sessions = sessions  # () -> list of open sessions
+        self.chunk_bytes = chunk_bytes
+        self._free_bytes = free_bytes  # () -> bytes of the pool no chunk holds (None: no reservations)
+        self.notice_deadline_s = notice_deadline_s
+        self.wait_s = wait_s
+        self.reserve_s = reserve_s
+        self._ids = itertools.count(1)
+        self._mu = threading.Lock()
+        self._gate = threading.Condition()
+        self._reserved = {}  # session -> (bytes, deadline), under _gate
+
+    def admit(self, session, extra_bytes: int) -> None:
+        """Refuses an allocation of `extra_bytes` more that the client may not make."""
+        if extra_bytes == 0:
+            return  # maps nothing new: over a lowered limit, the client is asked to come down instead
+        mapped = session.mapped_bytes(self.chunk_bytes)
+        if session.limit_bytes and mapped + extra_bytes > session.limit_bytes:
+            raise errors.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes: it maps "
+                                     f"{mapped} and asks for {extra_bytes} more")
+        with self._mu:
+            target, deadline = session.owed_target, session.owed_deadline
+        if target is not None and time.monotonic() > deadline and mapped > target:
+            raise errors.OutOfMemory(f"client '{session.name}' ignored a reclaim notice: it maps {mapped} bytes, "
+                                     f"{mapped - target} more than asked; no more memory until it gives them back")
+
+    def settle(self, session) -> None:
+        """Clears a debt the client has paid (called after its mappings change)."""
+        with self._mu:
+            if session.owed_target is not None and session.mapped_bytes(self.chunk_bytes) <= session.owed_target:
+                session.owed_target = None
+
+    def _reserved_for_others(self, session) -> int:
+        now = time.monotonic()
+        return sum(b for s, (b, deadline) in self._reserved.items() if s is not session and deadline > now)
+
+    @contextlib.contextmanager
+    def gate(self, session, extra_bytes: int):
+        """Runs an allocation of `extra_bytes` by `session` (the with-block)
+        so that it leaves the bytes reserved for others' retries free:
+        while it would not, it waits (until they retried or their
+        reservations expired). With no reservation of others, it runs at
+        once and concurrently with any other; otherwise gated allocations
+        run one at a time, so two of them cannot both pass the check."""
+        with self._mu:
+            owes = session.owed_target is not None
+        with self._gate:
+            gated = (self._free_bytes is not None and extra_bytes > 0 and not owes
+                     and session not in self._reserved and self._reserved_for_others(session) > 0)
+            while gated:
+                others = self._reserved_for_others(session)
+                if others == 0 or self._free_bytes() - extra_bytes >= others:
+                    break
+                now = time.monotonic()
+                deadlines = [d for s, (_, d) in self._reserved.items() if s is not session and d > now]
+                self._gate.wait(min(deadlines) - now if deadlines else 0)
+            if gated:
+                yield  # under the lock: the next gated allocation checks after this one
+                return
+        yield
+
+    def unreserve(self, session) -> None:
+        """The session's retry has run: others may take what it left."""
+        with self._gate:
+            if self._reserved.pop(session, None) is not None:
+                self._gate.notify_all()
+
+    def reclaim(self, requester, need_bytes: int, reserve_bytes: int = 0) -> bool:
+        """Asks lower-priority clients above their guarantee for `need_bytes`
+        and waits up to wait_s for them; False when there was nobody to ask.
+        When it asked, `reserve_bytes` stay reserved for the requester's
+        retry from before the first notice until unreserve() (or reserve_s)."""
+        victims = sorted((s for s in self._sessions() if s is not requester and s.state == LIVE
+                          and s.priority < requester.priority
+                          and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
+                         key=lambda s: s.priority)
+        asked = []
+        remaining = max(need_bytes, self.chunk_bytes)
+        for victim in victims:
+            mapped = victim.mapped_bytes(self.chunk_bytes)
+            ask = min(mapped - victim.guaranteed_bytes, remaining)
+            if ask <= 0:
+                continue
+            if not asked and reserve_bytes > 0 and self._free_bytes is not None:
+                with self._gate:
+                    self._reserved[requester] = (reserve_bytes, time.monotonic() + self.reserve_s)
+            self.ask_back(victim, mapped - ask,
+                          f"client '{requester.name}' (priority {requester.priority}) needs memory")
+            asked.append(victim)
+            remaining -= ask
+            if remaining <= 0:
+                break
+        if not asked:
+            return False
+        end = time.monotonic() + self.wait_s
+        while time.monotonic() < end:
+            with self._mu:
+                # A victim no longer live (quarantined, closed) frees nothing more by answering.
+                if all(v.owed_target is None or v.state != LIVE for v in asked):
+                    break
+            time.sleep(0.01)
+        return True
+
+    def ask_back(self, session, target_bytes: int, reason: str) -> None:
+        """Asks `session` to come down to mapping `target_bytes` (a RECLAIM
+        notice for the excess, with a deadline); a no-op when it maps no more."""
+        mapped = session.mapped_bytes(self.chunk_bytes)
+        if mapped <= target_bytes:
+            return
+        with self._mu:
+            target = target_bytes if session.owed_target is None else min(session.owed_target, target_bytes)
+            session.owed_target = target
+            session.owed_deadline = time.monotonic() + self.notice_deadline_s
+        session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": mapped - target,
+                        "deadline_s": self.notice_deadline_s, "reason": reason})

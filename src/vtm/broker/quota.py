@@ -1,0 +1,148 @@
+"""The operator's word on each client: its priority, guarantee and limit
+(docs/design.md §6, "Trust model"). They come from vtmd's configuration, keyed by
+the name a client connects under, never from the client: a client may ask
+for less (a lower priority, a smaller guarantee, a tighter limit), never
+for more.
+
+The quota file (vtmd --quota-file PATH), TOML:
+
+    [default]                    # every client whose name has no table below
+    priority = 0
+    guaranteed_bytes = 0
+    limit_bytes = 0              # 0: no limit but the pool's capacity
+
+    [clients."llama-a"]          # the clients named llama-a
+    priority = 10
+    guaranteed_bytes = "8GiB"    # a byte count, or a string as src/vtm/sizes.py reads
+    limit_bytes = 34359738368
+
+A field missing from a table is 0; no file means every client gets the
+[default] above. `vtmctl set-quota NAME ...` changes or adds a table while
+vtmd runs (the file is not rewritten).
+
+Invariants (Quotas): every quota is valid (priority an int32, byte counts in
+[0, 2^62), a guarantee within the limit); the guarantees of the named tables
+sum to at most the capacity, and the default's is at most the capacity.
+Each session's granted guarantee counts again (service.py checks that the
+sessions' guarantees never sum past the capacity either).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import NamedTuple
+
+from vtm import errors
+from vtm.sizes import parse_size
+
+_MAX_BYTES = 1 << 62
+_FIELDS = ("priority", "guaranteed_bytes", "limit_bytes")
+
+
+class Quota(NamedTuple):
+    priority: int = 0
+    guaranteed_bytes: int = 0
+    limit_bytes: int = 0  # 0: none
+
+
+class Ask(NamedTuple):
+    """What a client asked for in Hello; None: the operator's value."""
+
+    priority: int | None = None
+    guaranteed_bytes: int | None = None
+    limit_bytes: int | None = None  # 0: no limit of its own
+
+
+def grant(offered: Quota, asked: Ask) -> Quota:
+    """The operator's quota, lowered where the client asked for less."""
+    priority = offered.priority if asked.priority is None else min(asked.priority, offered.priority)
+    guaranteed = offered.guaranteed_bytes if asked.guaranteed_bytes is None else min(asked.guaranteed_bytes,
+                                                                                     offered.guaranteed_bytes)
+    limits = [b for b in (offered.limit_bytes, asked.limit_bytes) if b]
+    limit = min(limits) if limits else 0
+    return Quota(priority, min(guaranteed, limit) if limit else guaranteed, limit)
+
+
+def check(quota: Quota, what: str) -> Quota:
+    """`quota` if valid, else InvalidArgument naming `what`."""
+    for field, value in zip(_FIELDS, quota):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise errors.InvalidArgument(f"{what}: {field} must be an integer, got {value!r}")
+    if not -(1 << 31) <= quota.priority < 1 << 31:
+        raise errors.InvalidArgument(f"{what}: priority {quota.priority} is out of range")
+    for field, value in zip(_FIELDS[1:], quota[1:]):
+        if not 0 <= value < _MAX_BYTES:
+            raise errors.InvalidArgument(f"{what}: {field} {value} is out of range")
+    if quota.limit_bytes and quota.guaranteed_bytes > quota.limit_bytes:
+        raise errors.InvalidArgument(f"{what}: guaranteed_bytes {quota.guaranteed_bytes} exceed limit_bytes "
+                                     f"{quota.limit_bytes}")
+    return quota
+
+
+class Quotas:
+    def __init__(self, capacity_bytes: int, default: Quota = Quota(), named: dict[str, Quota] | None = None):
+        self.capacity_bytes = capacity_bytes
+        self.default = check(default, "the default quota")
+        self.named = {name: check(q, f"the quota of '{name}'") for name, q in (named or {}).items()}
+        self._check_sum(self.named)
+        if self.default.guaranteed_bytes > capacity_bytes:
+            raise errors.InvalidArgument(f"the default guarantee of {self.default.guaranteed_bytes} bytes is past "
+                                         f"the capacity of {capacity_bytes}")
+
+    @classmethod
+    def load(cls, path: str, capacity_bytes: int) -> "Quotas":
+        """The quotas of a quota file; InvalidArgument says what is wrong with it."""
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise errors.InvalidArgument(f"quota file {path}: {exc}") from None
+        unknown = set(table) - {"default", "clients"}
+        if unknown:
+            raise errors.InvalidArgument(f"quota file {path}: unknown tables {sorted(unknown)} "
+                                         f"(expected [default] and [clients.NAME])")
+        clients = table.get("clients", {})
+        if not isinstance(clients, dict) or not all(isinstance(v, dict) for v in clients.values()):
+            raise errors.InvalidArgument(f"quota file {path}: [clients] must hold one table per client name")
+        return cls(capacity_bytes, _entry(table.get("default", {}), f"quota file {path}, [default]"),
+                   {name: _entry(entry, f"quota file {path}, [clients.{name}]") for name, entry in clients.items()})
+
+    def offered(self, name: str) -> Quota:
+        return self.named.get(name, self.default)
+
+    def store(self, name: str, quota: Quota) -> None:
+        """Sets the entry of `name` to a quota with_entry() returned."""
+        self.named[name] = quota
+
+    def with_entry(self, name: str, priority=None, guaranteed_bytes=None, limit_bytes=None) -> Quota:
+        """The entry of `name` with the given fields changed (the others as
+        offered now), checked against the capacity but not stored."""
+        old = self.offered(name)
+        new = check(Quota(old.priority if priority is None else priority,
+                          old.guaranteed_bytes if guaranteed_bytes is None else guaranteed_bytes,
+                          old.limit_bytes if limit_bytes is None else limit_bytes), f"the quota of '{name}'")
+        self._check_sum({**self.named, name: new})
+        return new
+
+    def _check_sum(self, named: dict[str, Quota]) -> None:
+        total = sum(q.guaranteed_bytes for q in named.values())
+        if total > self.capacity_bytes:
+            raise errors.InvalidArgument(f"the clients' guarantees would sum to {total} bytes, past the capacity "
+                                         f"of {self.capacity_bytes}")
+
+
+def _entry(entry, what: str) -> Quota:
+    if not isinstance(entry, dict):
+        raise errors.InvalidArgument(f"{what}: must be a table")
+    unknown = set(entry) - set(_FIELDS)
+    if unknown:
+        raise errors.InvalidArgument(f"{what}: unknown fields {sorted(unknown)} (expected {', '.join(_FIELDS)})")
+    sized = {}
+    for field, value in entry.items():
+        if field != "priority" and isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except ValueError as exc:
+                raise errors.InvalidArgument(f"{what}: {field}: {exc}") from None
+        sized[field] = value
+    return check(Quota(**sized), what)

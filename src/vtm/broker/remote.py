@@ -1,0 +1,174 @@
+"""The client-side objects of a broker connection: Future, Space, VTensor and
+Match with the same API as vtm's in-process ones (docs/api.md).
+
+They hold ids and the state the broker last reported; every operation goes
+through the RemoteManager's worker (src/vtm/broker/client.py), which applies the
+reply (mapping chunks, updating vTensor state) before resolving the future,
+exactly as the in-process worker maps before its future resolves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from vtm import errors, views
+
+
+class RemoteFuture:
+    """vtm.Future's API over a concurrent.futures.Future. `on_error(exc)`,
+    when given, runs on the caller's thread before an error reaches it
+    (client.py revokes a lost session's mappings there)."""
+
+    def __init__(self, inner: concurrent.futures.Future, on_error=None):
+        self._inner = inner
+        self._on_error = on_error
+
+    def result(self, timeout=None):
+        self.exception(timeout)
+        return self._inner.result()
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def exception(self, timeout=None):
+        try:
+            exc = self._inner.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError("the vtm operation did not finish in time") from None
+        if exc is not None and self._on_error is not None:
+            self._on_error(exc)
+        return exc
+
+
+class RemoteMatch:
+    def __init__(self, vtensor, num_tokens: int):
+        self.vtensor = vtensor
+        self.num_tokens = num_tokens
+
+    def __repr__(self):
+        vt = "None" if self.vtensor is None else str(self.vtensor.id)
+        return f"Match(num_tokens={self.num_tokens}, vtensor={vt})"
+
+
+class RemoteVTensor:
+    """One request's KV in a space of a broker client. State (slot,
+    num_tokens) is what the broker reported with the last reply."""
+
+    def __init__(self, mgr, space, vt_id: int, slot: int, num_tokens: int):
+        self._mgr = mgr
+        self._space = space
+        self.id = vt_id
+        self._slot = slot
+        self._num_tokens = num_tokens
+        self._released = False
+
+    def _live(self):
+        if self._released:
+            raise errors.FailedPrecondition(f"vTensor {self.id} was released")
+        return self
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def space(self):
+        return self._live()._space
+
+    @property
+    def slot(self) -> int:
+        return self._live()._slot
+
+    @property
+    def num_tokens(self) -> int:
+        return self._live()._num_tokens
+
+    @property
+    def address(self) -> int:
+        self._live()
+        return self._space.base_address + self._slot * self._space.slot_bytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        self._live()
+        return self._mgr._mapper.mapped_pages(self._space.id, self._slot) * self._mgr.chunk_bytes
+
+    def page_chunks(self):
+        self._live()
+        return self._mgr._mapper.pages(self._space.id, self._slot)
+
+    def extend(self, num_tokens: int) -> RemoteFuture:
+        return self._mgr._extend(self, num_tokens)
+
+    def release(self) -> RemoteFuture:
+        return self._mgr._release(self)
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def __eq__(self, other):
+        return isinstance(other, RemoteVTensor) and other._mgr is self._mgr and other.id == self.id
+
+    def __repr__(self):
+        if self._released:
+            return f"VTensor(id={self.id}, released)"
+        return f"VTensor(id={self.id}, slot={self._slot}, num_tokens={self._num_tokens})"
+
+
+class RemoteSpace:
+    """A space whose accounting lives in the broker and whose reservation
+    lives in this process."""
+
+    def __init__(self, mgr, reply):
+        self._mgr = mgr
+        self.id = reply.space_id
+        self.name = reply.name
+        self.namespace = reply.namespace
+        self.row_bytes = reply.row_bytes
+        self.max_tokens = reply.max_tokens
+        self.max_slots = reply.max_slots
+        self.slot_bytes = reply.slot_bytes
+        self.pages_per_slot = reply.pages_per_slot
+        self.closed = False
+
+    @property
+    def base_address(self) -> int:
+        return self._mgr._mapper.base_address(self.id)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_slots - self._mgr._live_in(self)
+
+    @property
+    def _device(self):
+        return self._mgr._mapper._device
+
+    def _dlpack(self, code, bits, shape, versioned):
+        if self.closed:
+            raise errors.FailedPrecondition(f"space '{self.name}' is closed")
+        return self._mgr._mapper._dlpack(self.id, code, bits, shape, versioned)
+
+    def tensor(self, dtype, shape=None):
+        return views.tensor(self, dtype, shape)
+
+    def create(self, num_tokens: int) -> RemoteFuture:
+        return self._mgr._create(self, num_tokens)
+
+    def prefix_record(self, vtensor, token_ids, *, stream=None) -> RemoteFuture:
+        return self._mgr._prefix_record(self, vtensor, token_ids, stream)
+
+    def prefix_match(self, token_ids, *, stream=None) -> RemoteFuture:
+        return self._mgr._prefix_match(self, token_ids, stream)
+
+    def clear_prefixes(self) -> int:
+        return self._mgr._clear_prefixes(self).result()
+
+    def prefix_nodes(self):
+        return self._mgr._prefix_nodes(self).result()
+
+    def close(self) -> None:
+        self._mgr._close_space(self).result()
+
+    def __repr__(self):
+        return (f"Space(name='{self.name}', row_bytes={self.row_bytes}, max_tokens={self.max_tokens}, "
+                f"max_slots={self.max_slots})")

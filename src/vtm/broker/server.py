@@ -1,0 +1,261 @@
+"""vtmd: the vtm broker daemon.
+
+    vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
+         [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--max-sessions N] [--quota-file PATH]
+
+SIZE: a byte count or a number with a binary suffix, e.g. 64GiB (src/vtm/sizes.py).
+
+It owns the physical pool, the page accounting and the prefix trees; clients
+(vtm.connect) map the chunks into their own address spaces. The gRPC socket
+lives at PATH, the fd side socket (chunk fds and the sessions' channels) at
+PATH.fds, the step socket (the fast path of the hot calls) at PATH.step;
+their folder must be private (0700, created so when missing). SIGTERM or
+SIGINT: stop admitting, let the calls in flight finish, release everything,
+remove the sockets. --control also serves the control calls (Stats, Trim,
+SetQuota) and health over TCP, and nothing else (src/vtm/broker/control.py).
+
+Threads are fixed whatever the number of sessions: GRPC_THREADS serve gRPC
+calls (all unary), one reactor thread waits on every side-socket connection
+and client pidfd, and IO_THREADS answer them (src/vtm/broker/reactor.py).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shlex
+import signal
+import socket
+import stat
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import vtm
+from vtm.broker.cli_args import Parser, size
+from vtm.broker.control import ControlService, is_loopback, read_token
+from vtm.broker.fd_channel import FdServer
+from vtm.broker.quota import Quotas
+from vtm.broker.reactor import Reactor
+from vtm.broker.service import BrokerService
+from vtm.broker.step_channel import StepServer
+from vtm.proto.vtm.v1 import vtm_pb2_grpc
+
+SERVICE_NAME = "vtm.v1.Broker"
+_GRACE_S = 5.0
+GRPC_THREADS = 32
+IO_THREADS = 32  # a call may wait up to ~2 s for reclaim: enough for that many at once
+_CONTROL_THREADS = 4
+DEFAULT_MAX_SESSIONS = 256
+
+
+def unix_path(address: str) -> str:
+    if not address.startswith("unix:") or len(address) <= len("unix:"):
+        raise ValueError(f"address must be unix:PATH, got {address!r}")
+    return os.path.abspath(address[len("unix:"):])
+
+
+def tcp_target(address: str) -> str:
+    """The gRPC target HOST:PORT of a tcp:HOST:PORT address."""
+    host, sep, port = address[len("tcp:"):].rpartition(":")
+    if not address.startswith("tcp:") or not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address must be tcp:HOST:PORT, got {address!r}")
+    return f"{host}:{port}"
+
+
+def _private_folder(path: str) -> None:
+    """The socket folder is the only wall around the control calls: it must
+    be this user's and closed to others. A missing one is created so; an
+    existing one is never changed (it may be a home folder, or /tmp)."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, mode=0o700)
+    st = os.stat(folder)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"the socket folder {folder} belongs to uid {st.st_uid}, not this user: listen in a "
+                              f"folder of your own (vtmd creates a missing one with mode 0700), e.g. "
+                              f"--listen unix:{_own_socket_example()}")
+    if mode & 0o002:  # /tmp and the like: others' files live there, so it is theirs to keep open
+        raise PermissionError(f"the socket folder {folder} is writable by every user (mode {mode:04o}): listen in a "
+                              f"folder of its own (vtmd creates a missing one with mode 0700), e.g. "
+                              f"--listen unix:{_own_socket_example()}")
+    if mode & 0o077:
+        raise PermissionError(f"the socket folder {folder} must have mode 0700, not {mode:04o}: run "
+                              f"`chmod 700 {shlex.quote(folder)}`, or listen in a folder of its own (vtmd creates a "
+                              f"missing one with mode 0700)")
+
+
+def _own_socket_example() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return f"{runtime}/vtm/sock" if runtime else f"/tmp/vtm-{os.getuid()}/sock"
+
+
+def _clear_stale(path: str, kind: int) -> None:
+    """Removes a socket of type `kind` left by a broker that died; refuses a
+    live one (probed with its own type: a connect of the wrong type fails
+    on a live socket too)."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, kind)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise FileExistsError(f"a broker already listens at {path}")
+
+
+def _raise_fd_limit() -> None:
+    # One fd per chunk is kept in the broker (docs/design.md §6).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class Broker:
+    """A running broker: the manager, the gRPC server, the fd socket and the
+    step socket, the last two on one reactor."""
+
+    def __init__(self, listen: str, backend: str = "auto", capacity_bytes: int = 1 << 30,
+                 chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2,
+                 control: str | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS, quota_file: str | None = None,
+                 control_token_file: str | None = None):
+        self.path = unix_path(listen)
+        control_target = tcp_target(control) if control else None
+        if max_sessions < 1:
+            raise ValueError(f"--max-sessions must be at least 1, got {max_sessions}")
+        token = read_token(control_token_file) if control_token_file else None
+        if control_target is not None and token is None and not is_loopback(control_target.rpartition(":")[0]):
+            raise ValueError(f"--control {control} is not on loopback: anyone who reaches it could steer the "
+                             "broker; give --control-token-file (every control call must then carry the token)")
+        _private_folder(self.path)
+        _clear_stale(self.path, socket.SOCK_STREAM)
+        _clear_stale(self.path + ".fds", socket.SOCK_SEQPACKET)
+        _clear_stale(self.path + ".step", socket.SOCK_SEQPACKET)
+        _raise_fd_limit()
+        # No slot cache: a released slot's pages go back to the pool at once,
+        # so no operation of one client ever changes another client's
+        # mappings (the effects of a call are on the caller's spaces only).
+        self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
+                                   workers=workers, granularity=granularity, slot_cache_bytes=0,
+                                   record_mappings=True, export_chunks=True)
+        self.service = self.fds = self.steps = self.control = self.reactor = None
+        self.control_address = None
+        try:
+            quotas = (Quotas.load(quota_file, self.manager.capacity_bytes) if quota_file
+                      else Quotas(self.manager.capacity_bytes))
+            self.reactor = Reactor(IO_THREADS)
+            self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds", self.reactor,
+                                         quotas, max_sessions)
+            # A session holds its channel and a fetch connection on the fd
+            # socket, one on the step socket; a few more for vtmctl and tests.
+            self.fds = FdServer(self.path + ".fds", self.service, self.manager._chunk_fd, self.reactor,
+                                2 * max_sessions + 16)
+            self.steps = StepServer(self.path + ".step", self.service, self.manager._chunk_fd, self.reactor,
+                                    max_sessions + 16)
+            self.service.step_socket = self.steps.path
+            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS, thread_name_prefix="vtmd"))
+            vtm_pb2_grpc.add_BrokerServicer_to_server(self.service, self.server)
+            self.health = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            if self.server.add_insecure_port("unix:" + self.path) == 0:
+                raise OSError(f"cannot listen at unix:{self.path}")
+            os.chmod(self.path, 0o600)
+            self.server.start()
+            if control_target is not None:
+                self.control = grpc.server(futures.ThreadPoolExecutor(max_workers=_CONTROL_THREADS,
+                                                                      thread_name_prefix="vtmd-control"))
+                vtm_pb2_grpc.add_BrokerServicer_to_server(ControlService(self.service, token), self.control)
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, self.control)
+                port = self.control.add_insecure_port(control_target)
+                if port == 0:
+                    raise OSError(f"cannot listen at {control}")
+                self.control_address = f"tcp:{control_target.rpartition(':')[0]}:{port}"
+                self.control.start()
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        except BaseException:
+            if self.control is not None:
+                self.control.stop(None)
+            if self.steps is not None:
+                self.steps.close()  # and its socket file
+            if self.fds is not None:
+                self.fds.close()  # and its socket file
+            if self.service is not None:
+                self.service.close_all()  # stops its reaper thread
+            if self.reactor is not None:
+                self.reactor.close()
+            self.manager.close()
+            raise
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Stop admitting, finish calls in flight, release everything, remove the sockets."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.health.enter_graceful_shutdown()
+        self.service.stop_admitting()
+        if self.control is not None:
+            self.control.stop(_GRACE_S)
+        self.server.stop(_GRACE_S).wait()
+        self.steps.close()  # an op in flight there holds its session lock: close_all waits for it
+        self.service.close_all()
+        self.fds.close()
+        self.reactor.close()
+        self.manager.close()
+        try:
+            os.unlink(self.path)  # the fd and step sockets went with their servers
+        except FileNotFoundError:
+            pass
+
+
+def main(argv=None) -> int:
+    parser = Parser(prog="vtmd", description="The vtm memory broker (docs/broker.md). Sizes are a byte count "
+                    "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
+    parser.add_argument("--listen", required=True, metavar="unix:PATH",
+                        help="the socket; its folder must be private (0700): vtmd creates a missing one so")
+    parser.add_argument("--control", default=None, metavar="tcp:HOST:PORT",
+                        help="also serve Stats, Trim, SetQuota and health there; off loopback only "
+                             "with --control-token-file (port 0 picks one; default: no TCP listener)")
+    parser.add_argument("--control-token-file", default=None, metavar="FILE",
+                        help="a file (mode 0600) holding the token every call to --control must carry "
+                             "(metadata vtm-control-token; default: no token, loopback only)")
+    parser.add_argument("--backend", default="auto", choices=["host", "cuda", "auto"],
+                        help="where chunks live (auto: cuda when a driver is present)")
+    parser.add_argument("--capacity-bytes", type=size, default="1GiB", metavar="SIZE",
+                        help="the pool: bounds the chunks of every client together")
+    parser.add_argument("--chunk-bytes", type=size, default="2MiB", metavar="SIZE",
+                        help="bytes of one chunk (one page)")
+    parser.add_argument("--granularity", type=size, default=None, metavar="SIZE",
+                        help="the host backend's mapping granularity (default: 2MiB; cuda: the driver's)")
+    parser.add_argument("--workers", type=int, default=2, help="the manager's worker threads")
+    parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                        help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED")
+    parser.add_argument("--quota-file", default=None, metavar="FILE",
+                        help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (default: priority "
+                             "0, no guarantee and no limit for every client); see docs/broker.md")
+    args = parser.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
+                        args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file)
+    except (vtm.Error, OSError, ValueError) as exc:
+        print(f"vtmd: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"vtmd: listening on unix:{broker.path} ({broker.manager.backend}, "
+          f"{broker.manager.capacity_bytes} bytes in chunks of {broker.manager.chunk_bytes})"
+          + (f", control on {broker.control_address}" if broker.control_address else ""), flush=True)
+    while not stop.wait(0.5):
+        pass
+    broker.stop()
+    print("vtmd: stopped", flush=True)
+    return 0

@@ -1,0 +1,611 @@
+"""The broker's gRPC service: sessions and the instruction set over one
+manager that maps nothing (record_mappings) and exports every chunk once.
+
+Each call authenticates its lease, then runs under the session's lock, so
+one client's calls are serialised (a client's own worker sends them one at
+a time anyway) while different clients run concurrently on the manager,
+which is thread safe. A reply carries the page states of the client's spaces
+that the call changed (drained from the manager under the same lock), so the
+client maps exactly what the broker accounted for.
+
+Sessions (src/vtm/broker/session.py has their states): Hello opens one, PENDING;
+the client then attaches its channel on the fd socket, where the kernel
+gives its pid and the broker opens a pidfd, watched by the reactor (one
+thread for every session). The session's memory is freed when the client
+says goodbye there or its process exits; its channel ending while the
+process lives quarantines it (nothing freed, nothing served). No thread is
+held per session.
+
+What a client can make the broker hold is bounded: at most max_sessions
+sessions (Hello beyond is RESOURCE_EXHAUSTED), at most MAX_SPACES spaces a
+session, and page tables (slots x pages a slot) of at most
+TABLE_ENTRIES_PER_CHUNK entries per chunk of the pool's capacity a session;
+a closed space leaves nothing behind (the manager erases it).
+
+Invariants:
+  * sessions holds every session not CLOSED, by lease; a session is removed
+    and closed (its spaces closed, which releases its vTensors) exactly
+    once, and only on goodbye, its process's exit, an attach that never came,
+    or the broker stopping;
+  * a call only ever names spaces and vTensors of its own LIVE session;
+  * the granted guarantees of all sessions sum to at most the capacity;
+  * while stopping, no session is admitted and no operation starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import threading
+import time
+
+import grpc
+
+import vtm
+from vtm.broker import status
+from vtm.broker.policy import Policy
+from vtm.broker.quota import Ask, grant
+from vtm.broker.seqpacket import peer_pidfd
+from vtm.broker.session import CLOSED, LIVE, PENDING, QUARANTINED, Session
+from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+
+log = logging.getLogger("vtm.broker")
+
+_MAX_COUNT = 1 << 62  # sizes above this are malformed (the manager takes int64)
+_ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
+MAX_SPACES = 64  # per session
+# A session's spaces may describe page tables of this many entries per chunk
+# of capacity (the manager keeps ~4 bytes a page and ~70 a slot, so a slot
+# counts as _SLOT_ENTRIES pages), and at least _MIN_TABLE_ENTRIES: enough
+# for virtual memory well beyond the pool, bounded by it.
+TABLE_ENTRIES_PER_CHUNK = 64
+_MIN_TABLE_ENTRIES = 1 << 20
+_SLOT_ENTRIES = 16
+
+
+def _count(value: int, what: str) -> int:
+    if value >= _MAX_COUNT:
+        raise vtm.InvalidArgument(f"{what} {value} is out of range")
+    return value
+
+
+def _process_exited(pidfd: int) -> bool:
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class BrokerService(vtm_pb2_grpc.BrokerServicer):
+    def __init__(self, manager, backend: str, device: int, fd_socket: str, reactor, quotas, max_sessions: int):
+        self.manager = manager
+        self._chunk_bytes = manager.chunk_bytes
+        self._backend = backend
+        self._device = device
+        self._fd_socket = fd_socket
+        self.step_socket = ""  # advertised in Hello once its server listens
+        self._reactor = reactor
+        self.quotas = quotas  # guarded by _mu
+        self.max_sessions = max_sessions
+        self._table_budget = max(TABLE_ENTRIES_PER_CHUNK * (manager.capacity_bytes // self._chunk_bytes),
+                                 _MIN_TABLE_ENTRIES)
+        self._mu = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._next_client = 1
+        self._stopping = False
+        self.policy = Policy(self._open_sessions, manager.chunk_bytes, self._free_bytes)
+        self._reaper_stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="vtmd-reaper", daemon=True)
+        self._reaper.start()
+
+    # -- sessions ---------------------------------------------------------
+
+    def _open_sessions(self) -> list[Session]:
+        with self._mu:
+            return list(self._sessions.values())
+
+    def lookup(self, lease: str):
+        with self._mu:
+            return self._sessions.get(lease)
+
+    def _session(self, context) -> Session:
+        lease = dict(context.invocation_metadata()).get(status.LEASE_KEY)
+        session = self.lookup(lease) if lease else None
+        if session is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid lease: say Hello first (or the session ended)")
+        return session
+
+    def attach(self, session: Session, conn) -> None:
+        """Makes `conn` (on the fd socket) the session's channel: its peer's
+        pid, from the kernel, becomes the session's, and its exit ends the
+        session."""
+        with session.lock:  # and so before end_session can close the pidfd
+            if session.state != PENDING:
+                raise vtm.FailedPrecondition(f"the session is {session.state}, not waiting to attach")
+            try:
+                pidfd = peer_pidfd(conn.sock, conn.pid)
+            except OSError as exc:
+                raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
+            try:
+                # Readable once the process has exited (at once if it already has).
+                self._reactor.watch(pidfd, lambda _fd: self.end_session(session))
+            except OSError as exc:
+                os.close(pidfd)
+                raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
+            session.pid, session.pidfd, session.channel, session.state = conn.pid, pidfd, conn, LIVE
+
+    def channel_closed(self, session: Session) -> None:
+        """The session's channel ended: if its process lives, the session is
+        quarantined (its chunks may still be mapped there), else it ends."""
+        with session.lock:
+            if session.state != LIVE:
+                return
+            if not _process_exited(session.pidfd):
+                session.state, session.channel = QUARANTINED, None
+                log.warning("client '%s' (pid %d) lost its channel while it lives: its %d bytes are quarantined "
+                            "until it exits or says goodbye", session.name, session.pid,
+                            session.mapped_bytes(self._chunk_bytes))
+                return
+        self.end_session(session)
+
+    def ack(self, session: Session) -> None:
+        """The client answered a reclaim notice: its debt may be paid."""
+        self.policy.settle(session)
+
+    def end_session(self, session: Session) -> None:
+        """Releases everything the client holds; its chunks go back to the
+        pool, except those the prefix tree still references for others."""
+        with self._mu:
+            if self._sessions.get(session.lease) is not session:
+                return
+            del self._sessions[session.lease]
+        with session.lock:
+            session.state = CLOSED
+            for space_id, space in list(session.spaces.items()):
+                try:
+                    space.close()
+                    self.manager._drain_effects(space_id)
+                except vtm.Error:
+                    pass  # counted by the manager (rollback_failures_total); nothing else to do
+            session.spaces.clear()
+            session.space_names.clear()
+            session.space_entries.clear()
+            session.vtensors.clear()
+            session.vt_state.clear()
+            session.geometry.clear()
+            session.pages.clear()
+            session.serial_refs.clear()
+            session.chunk_of.clear()
+            pidfd, channel = session.pidfd, session.channel
+            session.pidfd = session.channel = None
+        self.policy.unreserve(session)
+        if pidfd is not None:
+            self._reactor.unwatch(pidfd)
+            os.close(pidfd)
+        if channel is not None:
+            try:
+                channel.sock.shutdown(socket.SHUT_RDWR)  # the fd server sees the end and closes it
+            except OSError:
+                pass
+
+    def _reap(self) -> None:
+        while not self._reaper_stop.wait(1.0):
+            now = time.monotonic()
+            with self._mu:
+                stale = [s for s in self._sessions.values() if s.state == PENDING and now - s.created_at > _ATTACH_S]
+            for session in stale:
+                with session.lock:
+                    if session.state != PENDING:
+                        continue  # it attached meanwhile
+                    session.state = CLOSED  # so it cannot attach any more
+                self.end_session(session)
+
+    def stop_admitting(self) -> None:
+        with self._mu:
+            self._stopping = True
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            session.notify({"notice": "shutdown", "reason": "the broker is stopping"})
+
+    def close_all(self) -> None:
+        self._reaper_stop.set()
+        with self._mu:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            self.end_session(session)
+
+    def clients(self) -> list[dict]:
+        with self._mu:
+            sessions = list(self._sessions.values())
+        chunk_bytes = self.manager.chunk_bytes
+        return [{"id": s.client_id, "name": s.name, "pid": s.pid, "state": s.state, "priority": s.priority,
+                 "guaranteed_bytes": s.guaranteed_bytes, "limit_bytes": s.limit_bytes,
+                 "mapped_bytes": s.mapped_bytes(chunk_bytes), "spaces": len(s.spaces),
+                 "vtensors": len(s.vtensors), "owes_bytes": (0 if s.owed_target is None else
+                                                             max(0, s.mapped_bytes(chunk_bytes) - s.owed_target))}
+                for s in sessions]
+
+    # -- plumbing ------------------------------------------------------------
+
+    def _run(self, context, body, session_required=True):
+        """Runs body(session) under the session lock, mapping vtm errors to codes."""
+        try:
+            if self._stopping:
+                raise vtm.Unavailable("the broker is stopping")
+            if not session_required:
+                return body(None)
+            session = self._session(context)
+            with session.lock:
+                if session.state == PENDING:
+                    raise vtm.FailedPrecondition("attach the session's channel (the fd socket) first")
+                if session.state != LIVE:
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, f"the session is {session.state}")
+                return body(session)
+        except vtm.Error as exc:
+            context.set_trailing_metadata(((status.ERROR_KEY, type(exc).__name__),))
+            context.abort(status.code_of(exc), str(exc))
+        except (TypeError, ValueError, OverflowError) as exc:
+            # Malformed input the manager's binding rejected before running.
+            context.set_trailing_metadata(((status.ERROR_KEY, "InvalidArgument"),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def run_op(self, session: Session, body):
+        """Runs body() under the session lock for the step socket
+        (src/vtm/broker/step_channel.py), as _run does for gRPC: vtm errors
+        propagate; input the manager's binding rejected is InvalidArgument."""
+        if self._stopping:
+            raise vtm.Unavailable("the broker is stopping")
+        with session.lock:
+            if session.state != LIVE:
+                raise vtm.Unavailable(f"the session is {session.state}")
+            try:
+                return body()
+            except vtm.Error:
+                raise
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise vtm.InvalidArgument(str(exc)) from None
+
+    def _space(self, session: Session, space_id: int):
+        space = session.spaces.get(space_id)
+        if space is None:
+            raise vtm.NotFound(f"no space {space_id} in this session")
+        return space
+
+    def _vtensor(self, session: Session, vt_id: int):
+        vt = session.vtensors.get(vt_id)
+        if vt is None:
+            raise vtm.FailedPrecondition(f"vTensor {vt_id} is not live (already released)")
+        return vt
+
+    def collect(self, session: Session, vtensors=(), closed=()):
+        """What a call changed, for a transport to encode: (groups, states,
+        fresh). groups: (space id, closed, page effects) of the session's
+        spaces the call changed; states: (id, [space, slot, tokens] or None
+        when released) of the vTensors with ids `vtensors`; fresh: the
+        serials the client maps now and mapped nowhere before."""
+        groups, fresh = [], []
+        for space_id in list(session.spaces) + list(closed):
+            effects = self.manager._drain_effects(space_id)
+            if not effects and space_id not in closed:
+                continue
+            fresh += session.note_effects(space_id, effects)
+            self.policy.settle(session)
+            groups.append((space_id, space_id in closed, effects))
+        states = [(vt_id, session.vt_state.get(vt_id)) for vt_id in vtensors]
+        return groups, states, [s for s in dict.fromkeys(fresh) if s in session.chunk_of]
+
+    def _reply(self, session: Session, vtensors=(), closed=(), **fields) -> vtm_pb2.OpReply:
+        """An OpReply with what the call changed (see collect)."""
+        reply = vtm_pb2.OpReply(**fields)
+        groups, states, _ = self.collect(session, vtensors, closed)
+        for space_id, is_closed, effects in groups:
+            reply.effects.append(vtm_pb2.SpaceEffects(
+                space_id=space_id, closed=is_closed,
+                pages=[vtm_pb2.PageEffect(slot=s, page=p, chunk=c, serial=n) for s, p, c, n in effects]))
+        for vt_id, state in states:
+            if state is None:
+                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt_id, released=True))
+            else:
+                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt_id, space_id=state[0], slot=state[1],
+                                                           num_tokens=state[2]))
+        return reply
+
+    def _pages_for(self, session: Session, space_id: int, num_tokens: int) -> int:
+        return -(-num_tokens * session.geometry[space_id][0] // self._chunk_bytes)
+
+    def _missing_bytes(self, session: Session, vt_id: int, num_tokens: int) -> int:
+        """Bytes an extend of a vTensor to `num_tokens` rows would map."""
+        space_id, _, current = session.vt_state[vt_id]
+        if num_tokens <= current:
+            return 0  # the common decode step: within what is mapped
+        row_bytes, max_tokens = session.geometry[space_id]
+        if num_tokens > max_tokens:
+            return 0  # the manager refuses it with InvalidArgument
+        # A live vTensor maps exactly the pages covering its rows (the broker
+        # keeps no slot cache), so the difference is what it will map.
+        chunk = self._chunk_bytes
+        return (-(-num_tokens * row_bytes // chunk) + (current * row_bytes // -chunk)) * chunk
+
+    def _free_bytes(self) -> int:
+        stats = self.manager.stats()
+        return stats["capacity_bytes"] - stats["chunks_held"] * self._chunk_bytes
+
+    def _allocate(self, session: Session, extra_bytes: int, op, gate_bytes: int | None = None):
+        """Runs an allocating op under the policy: the client's limit and
+        debts first; memory reserved for another client's retry left alone
+        (`gate_bytes`, default extra_bytes: what the op may take); on out of
+        memory, reclaim from lower priorities, with what they free reserved
+        for this op, and retry once. Called with the session's lock held;
+        `op` looks up what it works on when it runs (see below)."""
+        self.policy.admit(session, extra_bytes)
+        gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
+        try:
+            with self.policy.gate(session, gate_bytes):
+                return op()
+        except vtm.OutOfMemory as exc:
+            refused = exc
+        # Waiting for lower priorities to answer takes up to the policy's
+        # wait_s: not under this session's lock, so its other calls (an fd
+        # fetch, its goodbye, its process's exit) are not held up meanwhile.
+        # The session may change meanwhile, which the retry's op sees.
+        session.lock.release()
+        try:
+            asked = self.policy.reclaim(session, extra_bytes, reserve_bytes=max(extra_bytes, gate_bytes))
+        finally:
+            session.lock.acquire()
+        try:
+            if not asked:
+                raise refused
+            if session.state != LIVE:
+                raise vtm.Unavailable(f"the session is {session.state}")
+            with self.policy.gate(session, gate_bytes):
+                return op()
+        finally:
+            self.policy.unreserve(session)
+
+    def _table_entries(self, row_bytes: int, max_tokens: int, max_slots: int) -> int:
+        pages_per_slot = -(-row_bytes * max_tokens // self._chunk_bytes)
+        return max_slots * (pages_per_slot + _SLOT_ENTRIES)
+
+    # -- RPCs --------------------------------------------------------------
+
+    def Hello(self, request, context):
+        def body(_):
+            asked = Ask(request.priority if request.HasField("priority") else None,
+                        _count(request.guaranteed_bytes, "guaranteed_bytes")
+                        if request.HasField("guaranteed_bytes") else None,
+                        _count(request.limit_bytes, "limit_bytes") if request.HasField("limit_bytes") else None)
+            capacity = self.manager.capacity_bytes
+            with self._mu:
+                if len(self._sessions) >= self.max_sessions:
+                    raise vtm.OutOfMemory(f"vtmd serves at most {self.max_sessions} sessions (--max-sessions); "
+                                          "try again when one ends")
+                client_id = self._next_client
+                name = request.name or f"client{client_id}"
+                granted = grant(self.quotas.offered(name), asked)
+                guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values()) + granted.guaranteed_bytes
+                if guaranteed > capacity:
+                    raise vtm.OutOfMemory(f"the sessions' guarantees would sum to {guaranteed} bytes, past the "
+                                          f"capacity of {capacity}: ask for a smaller guarantee")
+                self._next_client += 1
+                session = Session(client_id, name, asked, granted)
+                self._sessions[session.lease] = session
+            m = self.manager
+            return vtm_pb2.HelloReply(lease=session.lease, client_id=client_id, backend=self._backend,
+                                      device=self._device, chunk_bytes=m.chunk_bytes, capacity_bytes=capacity,
+                                      granularity=m.granularity, fd_socket=self._fd_socket, name=name,
+                                      step_socket=self.step_socket, priority=granted.priority,
+                                      guaranteed_bytes=granted.guaranteed_bytes, limit_bytes=granted.limit_bytes)
+        return self._run(context, body, session_required=False)
+
+    def CreateSpace(self, request, context):
+        def body(session):
+            name = request.name or f"space{session.next_space}"
+            if name in session.space_names.values():
+                raise vtm.InvalidArgument(f"a space named '{name}' already exists")
+            row_bytes = _count(request.row_bytes, "row_bytes")
+            max_tokens = _count(request.max_tokens, "max_tokens")
+            max_slots = _count(request.max_slots, "max_slots")
+            entries = self._table_entries(row_bytes, max_tokens, max_slots)
+            if entries > self._table_budget:
+                raise vtm.InvalidArgument(
+                    f"a space of {max_slots} slots of {max_tokens} rows of {row_bytes} bytes needs a page table of "
+                    f"{entries} entries; a client may hold {self._table_budget} ({TABLE_ENTRIES_PER_CHUNK} per chunk "
+                    f"of the pool's capacity)")
+            if len(session.spaces) >= MAX_SPACES:
+                raise vtm.OutOfMemory(f"a client may hold at most {MAX_SPACES} spaces; close one first")
+            if session.table_entries + entries > self._table_budget:
+                raise vtm.OutOfMemory(f"this client's spaces would need page tables of "
+                                      f"{session.table_entries + entries} entries, more than the "
+                                      f"{self._table_budget} a client may hold; close a space first")
+            space = self.manager.create_space(row_bytes, max_tokens, max_slots, namespace=request.namespace or None,
+                                              name=f"c{session.client_id}/{name}")
+            session.next_space += 1
+            session.spaces[space.id] = space
+            session.space_names[space.id] = name
+            session.space_entries[space.id] = entries
+            session.table_entries += entries
+            session.geometry[space.id] = (space.row_bytes, space.max_tokens)
+            return vtm_pb2.SpaceReply(space_id=space.id, name=name, namespace=space.namespace,
+                                      row_bytes=space.row_bytes, max_tokens=space.max_tokens, max_slots=space.max_slots,
+                                      slot_bytes=space.slot_bytes, pages_per_slot=space.pages_per_slot)
+        return self._run(context, body)
+
+    def CloseSpace(self, request, context):
+        def body(session):
+            space = self._space(session, request.space_id)
+            space.close()
+            del session.spaces[request.space_id]
+            del session.space_names[request.space_id]
+            del session.geometry[request.space_id]
+            session.table_entries -= session.space_entries.pop(request.space_id)
+            gone = [vt_id for vt_id, state in session.vt_state.items() if state[0] == request.space_id]
+            for vt_id in gone:
+                session.drop_vtensor(vt_id)
+            return self._reply(session, vtensors=gone, closed=(request.space_id,))
+        return self._run(context, body)
+
+    # The hot ops, shared by the gRPC calls below and the step socket; each
+    # runs under the session lock and leaves its page effects to collect().
+    # Their ops look the space or vTensors up when they run: a retry after a
+    # reclaim runs after the session's lock was let go (see _allocate).
+
+    def create(self, session: Session, space_id: int, num_tokens: int) -> int:
+        space = self._space(session, space_id)
+        n = _count(num_tokens, "num_tokens")
+        extra = self._pages_for(session, space.id, min(n, session.geometry[space.id][1])) * self._chunk_bytes
+        vt = self._allocate(session, extra, lambda: self._space(session, space_id).create(n).result())
+        session.add_vtensor(vt)
+        return vt.id
+
+    def extend(self, session: Session, vt_id: int, num_tokens: int) -> None:
+        self._vtensor(session, vt_id)
+        n = _count(num_tokens, "num_tokens")
+        self._allocate(session, self._missing_bytes(session, vt_id, n),
+                       lambda: self._vtensor(session, vt_id).extend(n).result())
+        state = session.vt_state[vt_id]
+        state[2] = max(state[2], n)
+
+    def step(self, session: Session, targets) -> None:
+        """targets: (vTensor id, tokens) pairs; a vTensor named twice gets the larger size."""
+        wanted = {}
+        for vt_id, n in targets:
+            self._vtensor(session, vt_id)
+            n = _count(n, "num_tokens")
+            if n > wanted.get(vt_id, -1):
+                wanted[vt_id] = n
+        extra = sum(self._missing_bytes(session, vt_id, n) for vt_id, n in wanted.items())
+        self._allocate(session, extra, lambda: self.manager.step(
+            {self._vtensor(session, i): n for i, n in wanted.items()}).result())
+        states = session.vt_state
+        for vt_id, n in wanted.items():
+            state = states[vt_id]
+            if n > state[2]:
+                state[2] = n
+
+    def release(self, session: Session, vt_id: int) -> None:
+        vt = self._vtensor(session, vt_id)
+        vt.release().result()
+        session.drop_vtensor(vt.id)
+
+    def Create(self, request, context):
+        def body(session):
+            vt_id = self.create(session, request.space_id, request.num_tokens)
+            return self._reply(session, vtensors=[vt_id], vtensor_id=vt_id)
+        return self._run(context, body)
+
+    def Extend(self, request, context):
+        def body(session):
+            self.extend(session, request.vtensor_id, request.num_tokens)
+            return self._reply(session)  # the client knows the new size: max(old, n)
+        return self._run(context, body)
+
+    def Step(self, request, context):
+        def body(session):
+            self.step(session, [(t.vtensor_id, t.num_tokens) for t in request.targets])
+            return self._reply(session)  # the client knows the new sizes: max(old, n)
+        return self._run(context, body)
+
+    def Release(self, request, context):
+        def body(session):
+            self.release(session, request.vtensor_id)
+            return self._reply(session, vtensors=[request.vtensor_id])
+        return self._run(context, body)
+
+    def PrefixRecord(self, request, context):
+        def body(session):
+            space = self._space(session, request.space_id)
+            vt = self._vtensor(session, request.vtensor_id)
+            added = space.prefix_record(vt, list(request.token_ids)).result()
+            return self._reply(session, value=added)
+        return self._run(context, body)
+
+    def PrefixMatch(self, request, context):
+        def body(session):
+            space_id = self._space(session, request.space_id).id
+            tokens = list(request.token_ids)
+            # A match maps recorded chunks and copies at most its partial last
+            # page: admitted as one chunk, so a client over its limit, or
+            # past a reclaim notice's deadline, gets no memory this way either.
+            match = self._allocate(session, self._chunk_bytes,
+                                   lambda: self._space(session, space_id).prefix_match(tokens).result())
+            if match.vtensor is None:
+                return self._reply(session, matched_tokens=0)
+            mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes
+            if session.limit_bytes and session.mapped_bytes(self._chunk_bytes) + mapped > session.limit_bytes:
+                match.vtensor.release().result()  # its effects cancel out in the drain
+                raise vtm.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes; "
+                                      f"the match would map {mapped} more")
+            session.add_vtensor(match.vtensor)
+            return self._reply(session, vtensors=[match.vtensor.id], vtensor_id=match.vtensor.id,
+                               matched_tokens=match.num_tokens)
+        return self._run(context, body)
+
+    def ClearPrefixes(self, request, context):
+        def body(session):
+            dropped = self._space(session, request.space_id).clear_prefixes()
+            return self._reply(session, value=dropped)
+        return self._run(context, body)
+
+    def PrefixNodes(self, request, context):
+        def body(session):
+            nodes = self._space(session, request.space_id).prefix_nodes()
+            return vtm_pb2.PrefixNodesReply(nodes=[
+                vtm_pb2.PrefixNode(start=n["start"], end=n["end"], tokens=n["tokens"], locks=n["locks"],
+                                   pages=n["pages"]) for n in nodes])
+        return self._run(context, body)
+
+    # Control calls: no lease needed (see the proto).
+
+    def Trim(self, request, context):
+        def body(_):
+            # No page effects: the broker keeps no slot cache, so trimming
+            # unmaps nothing any client maps.
+            return vtm_pb2.OpReply(value=self.manager.trim(None if request.all else _count(request.bytes, "bytes")))
+        return self._run(context, body, session_required=False)
+
+    def Stats(self, request, context):
+        def body(_):
+            stats = self.manager.stats()
+            stats["clients"] = self.clients()
+            return vtm_pb2.StatsReply(json=json.dumps(stats))
+        return self._run(context, body, session_required=False)
+
+    def Check(self, request, context):
+        def body(_):
+            self.manager.check()
+            return vtm_pb2.OpReply()
+        return self._run(context, body, session_required=False)
+
+    def SetQuota(self, request, context):
+        def body(_):
+            fields = {f: getattr(request, f) for f in ("priority", "guaranteed_bytes", "limit_bytes")
+                      if request.HasField(f)}
+            if not fields:
+                raise vtm.InvalidArgument("set-quota: nothing to set (a priority, guarantee or limit)")
+            name = request.name
+            capacity = self.manager.capacity_bytes
+            with self._mu:
+                quota = self.quotas.with_entry(name, **fields)
+                matching = [s for s in self._sessions.values() if s.name == name]
+                grants = {s: grant(quota, s.asked) for s in matching}
+                guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values() if s.name != name)
+                guaranteed += sum(g.guaranteed_bytes for g in grants.values())
+                if guaranteed > capacity:
+                    raise vtm.InvalidArgument(f"the connected clients' guarantees would sum to {guaranteed} bytes, "
+                                              f"past the capacity of {capacity}")
+                self.quotas.store(name, quota)
+                for session, granted in grants.items():
+                    session.grant(granted)
+            for session in matching:
+                if session.limit_bytes and session.state == LIVE:
+                    # Over a lowered limit: ask for the excess, as for a
+                    # higher priority; nothing the client runs fails.
+                    self.policy.ask_back(session, session.limit_bytes,
+                                         f"the operator limited client '{name}' to {session.limit_bytes} bytes")
+            clients = [c for c in self.clients() if c["name"] == name]
+            return vtm_pb2.StatsReply(json=json.dumps({"quota": quota._asdict(), "clients": clients}))
+        return self._run(context, body, session_required=False)
+

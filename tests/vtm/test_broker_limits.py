@@ -1,0 +1,117 @@
+"""Bounded work in the broker (issue 17, findings 5 and 6): idle sessions
+hold no thread and are capped (--max-sessions), spaces are bounded by the
+pool's capacity and counted per client, and closed spaces cost nothing
+(in-process: tests/vtm/test_regressions.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+import vtm
+from broker_testing import CHUNK, ROW, BrokerProcess, child_idle_sessions, median_seconds, rss_bytes
+from broker_testing import spawn  # noqa: F401 (a fixture)
+
+CTX = multiprocessing.get_context("spawn")
+MiB = 1 << 20
+
+
+
+
+def honest_work(address: str) -> None:
+    """What an engine does: connect, map, write, release, with a short deadline."""
+    with vtm.connect(address, name="honest", timeout=10) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+        vt = space.create(300).result()
+        vt.extend(600).result()
+        assert vt.mapped_bytes == 10 * CHUNK
+        vt.release().result()
+        mgr.check()
+
+
+def test_hundreds_of_idle_sessions_leave_the_broker_serving(tmp_path, spawn):
+    b = BrokerProcess(tmp_path, capacity_chunks=64, extra_args=["--max-sessions", "1000"])
+    try:
+        q, done = CTX.Queue(), CTX.Event()
+        for _ in range(3):
+            spawn(child_idle_sessions, b.address, 100, q, done)
+        reports = [q.get(timeout=120) for _ in range(3)]
+        assert reports == [("open", 100)] * 3, reports
+        honest_work(b.address)
+        with vtm.connect(b.address, name="observer") as mgr:
+            assert len(mgr.stats()["clients"]) == 301
+        done.set()
+    finally:
+        b.kill()
+
+
+def test_sessions_beyond_the_cap_are_refused_and_the_others_unaffected(tmp_path):
+    b = BrokerProcess(tmp_path, capacity_chunks=64, extra_args=["--max-sessions", "3"])
+    managers = []
+    try:
+        managers = [vtm.connect(b.address, name=f"c{i}") for i in range(3)]
+        with pytest.raises(vtm.OutOfMemory, match="at most 3 sessions"):
+            vtm.connect(b.address, name="one too many")
+        space = managers[0].create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+        assert space.create(100).result().mapped_bytes == 2 * CHUNK
+        managers.pop().close()
+        honest_work(b.address)  # a freed place is taken again
+    finally:
+        for mgr in managers:
+            mgr.close()
+        b.kill()
+
+
+def test_spaces_are_bounded_by_the_capacity_and_counted_per_client(tmp_path):
+    b = BrokerProcess(tmp_path, capacity_chunks=16)
+    try:
+        with vtm.connect(b.address, name="greedy") as mgr:
+            t0 = time.monotonic()
+            with pytest.raises(vtm.InvalidArgument, match="page table"):
+                mgr.create_space(row_bytes=CHUNK, max_tokens=1, max_slots=2_000_000)
+            with pytest.raises(vtm.InvalidArgument, match="page table"):
+                mgr.create_space(row_bytes=ROW, max_tokens=1 << 30, max_slots=1)
+            assert time.monotonic() - t0 < 5  # refused up front, nothing allocated
+            spaces = []
+            with pytest.raises(vtm.OutOfMemory, match="spaces"):
+                while len(spaces) < 1000:
+                    spaces.append(mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1))
+            assert 8 <= len(spaces) < 1000
+            spaces.pop().close()
+            spaces.append(mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1))  # a closed one frees its place
+            with vtm.connect(b.address, name="neighbour") as other:
+                other.create_space(row_bytes=ROW, max_tokens=100, max_slots=1)  # counted per client
+    finally:
+        b.kill()
+
+
+
+
+def _cycles(mgr, n: int) -> None:
+    for _ in range(n):
+        space = mgr.create_space(row_bytes=ROW, max_tokens=6000, max_slots=4)
+        space.create(10).result()
+        space.close()
+
+
+def test_closed_spaces_cost_nothing_in_the_broker(tmp_path):
+    b = BrokerProcess(tmp_path, capacity_chunks=16)
+    try:
+        with vtm.connect(b.address, name="cycler") as mgr:
+            _cycles(mgr, 500)  # allocator and caches warm
+            rss0, stats0 = rss_bytes(b.proc.pid), median_seconds(mgr.stats)
+            _cycles(mgr, 9500)
+            rss1, stats1 = rss_bytes(b.proc.pid), median_seconds(mgr.stats)
+            # Under AddressSanitizer (make test-sanitize) freed memory waits in
+            # its quarantine (256 MiB) before reuse: RSS grows by design there.
+            if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+                assert rss1 - rss0 < 16 * MiB, f"vtmd grew from {rss0 / MiB:.1f} to {rss1 / MiB:.1f} MiB"
+            assert stats1 < 3 * stats0 + 0.002, f"stats() went from {stats0 * 1e3:.2f} to {stats1 * 1e3:.2f} ms"
+            stats = mgr.stats()
+            assert stats["spaces"] == {} and stats["chunks_held"] == 0
+            mgr.check()
+    finally:
+        b.kill()

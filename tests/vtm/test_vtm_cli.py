@@ -1,0 +1,194 @@
+"""vtmd's and vtmctl's command lines: sizes as people type them (one parser
+everywhere: vtmd's flags, vtmctl's, the quota file), every default in every
+--help, a socket folder error that says the command fixing it, and `vtmctl top`
+redrawing in place on a terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from broker_testing import BrokerProcess
+from vtm.broker import ctl, server
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("4096", 4096), ("512MiB", 512 * MiB), ("8GiB", 8 * GiB), ("0.5GiB", GiB // 2), ("1.5 GiB", 3 * GiB // 2),
+    ("64kib", 64 * KiB), ("2TiB", 2 << 40), (" 7 ", 7), ("0", 0), (".25KiB", 256), ("100B", 100),
+])
+def test_sizes_accept_bytes_and_binary_suffixes(text, nbytes):
+    from vtm.sizes import parse_size
+
+    assert parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1.5GB", "GB is ambiguous: write 1.5GiB"), ("512M", "M is ambiguous: write 512MiB"), ("-1", "expected"),
+    ("0.1KiB", "not a whole number of bytes"), ("1.5", "not a whole number"), ("", "expected"), ("MiB", "expected"),
+    ("1e9", "expected"), ("12 parsecs", "expected"),
+])
+def test_sizes_refused_say_what_is_accepted(text, says):
+    from vtm.sizes import parse_size
+
+    with pytest.raises(ValueError, match=re.escape(says)) as refused:
+        parse_size(text)
+    assert "KiB, MiB, GiB or TiB" in str(refused.value)
+
+
+def vtmd(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vtm.broker", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_vtmd_takes_human_sizes(tmp_path, capsys):
+    b = BrokerProcess(tmp_path, extra_args=["--capacity-bytes", "4MiB", "--chunk-bytes", "64KiB",
+                                            "--granularity", "64KiB"])
+    try:
+        assert ctl.main(["--address", b.address, "stats", "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert stats["capacity_bytes"] == 4 * MiB and stats["chunk_bytes"] == 64 * KiB
+        assert ctl.main(["--address", b.address, "set-quota", "app", "1MiB", "--guaranteed", "0.5MiB"]) == 0
+        assert capsys.readouterr().out.startswith(f"app: limit {MiB} bytes, guaranteed {MiB // 2} bytes")
+        assert ctl.main(["--address", b.address, "trim", "--bytes", "128KiB"]) == 0
+    finally:
+        b.kill()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--capacity-bytes", "1.5GB"], "argument --capacity-bytes: expected a byte count"),
+    (["--chunk-bytes", "2M"], "M is ambiguous: write 2MiB"),
+])
+def test_vtmd_refuses_a_bad_size_in_one_line(tmp_path, argv, says):
+    done = vtmd("--listen", f"unix:{tmp_path}/v/sock", *argv)
+    assert done.returncode == 2 and done.stderr.startswith("vtmd: error: ") and says in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_vtmctl_refuses_a_bad_size_in_one_line(capsys):
+    with pytest.raises(SystemExit) as done:
+        ctl.main(["--address", "unix:/nonexistent", "set-quota", "app", "--limit", "20MB"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vtmctl: error: ") and "write 20MiB" in err and err.count("\n") == 1, err
+
+
+def test_the_quota_file_takes_human_sizes(tmp_path):
+    from vtm.broker.quota import Quota, Quotas
+
+    path = tmp_path / "quotas.toml"
+    path.write_text('[clients."a"]\npriority = 3\nguaranteed_bytes = "1GiB"\nlimit_bytes = "1.5GiB"\n'
+                    '[default]\nlimit_bytes = 4096\n')
+    quotas = Quotas.load(str(path), 4 * GiB)
+    assert quotas.offered("a") == Quota(3, GiB, 3 * GiB // 2) and quotas.default == Quota(0, 0, 4096)
+    path.write_text('[default]\nlimit_bytes = "2GB"\n')
+    with pytest.raises(Exception, match=r"\[default\]: limit_bytes: expected .*write 2GiB"):
+        Quotas.load(str(path), 4 * GiB)
+
+
+# ----------------------------------------------------------------------------- --help
+
+
+def _help(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(argv + ["--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def _check_every_flag_has_help(text: str) -> None:
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("  -"):
+            flag_and_help = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            has_help = len(flag_and_help) == 2 or (i + 1 < len(lines) and lines[i + 1].startswith(" " * 10))
+            assert has_help, f"{line.strip()} has no help text"
+
+
+def test_vtmd_help_shows_every_default(capsys):
+    text = _help(server.main, [], capsys)
+    _check_every_flag_has_help(text)
+    flat = " ".join(text.split())
+    for shown in ("(default: auto)", "(default: 1GiB)", "(default: 2MiB)", "(default: 2)", "(default: 256)"):
+        assert shown in flat, flat
+    assert "(default: None)" not in flat
+
+
+@pytest.mark.parametrize("command, shown", [
+    ([], ["(default: 5.0)"]),
+    (["top"], ["(default: 1.0)", "(default: 0)"]),
+    (["stats"], []), (["set-quota"], []), (["trim"], []),
+])
+def test_vtmctl_help_shows_every_default_and_every_flag_has_help(capsys, command, shown):
+    text = _help(ctl.main, command, capsys)
+    _check_every_flag_has_help(text)
+    flat = " ".join(text.split())
+    for default in shown:
+        assert default in flat, flat
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+
+
+# ----------------------------------------------------------------------------- socket folder
+
+
+@pytest.mark.parametrize("mode, says", [
+    (0o755, "must have mode 0700, not 0755: run `chmod 700 {folder}`, or listen in a folder of its own"),
+    # A folder every user writes to (like /tmp) is not ours to close: no chmod.
+    (0o1777, "is writable by every user (mode 1777): listen in a folder of its own"),
+])
+def test_a_shared_socket_folder_error_says_how_to_fix_it(tmp_path, mode, says):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    done = vtmd("--listen", f"unix:{shared}/sock", "--backend", "host")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"vtmd: error: the socket folder {shared} ")
+    assert says.format(folder=shared) in done.stderr, done.stderr
+
+
+def test_vtmd_creates_a_missing_socket_folder_private(tmp_path):
+    b = BrokerProcess(tmp_path)  # listens in tmp_path/vtmd/sock, a folder that does not exist yet
+    try:
+        assert os.stat(os.path.dirname(b.path)).st_mode & 0o777 == 0o700
+    finally:
+        b.kill()
+
+
+# ----------------------------------------------------------------------------- vtmctl top
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(tmp_path, capacity_chunks=16)
+    yield b
+    b.kill()
+
+
+def test_top_redraws_in_place_on_a_terminal(broker, monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    assert ctl.main(["--address", broker.address, "top", "--iterations", "3", "--interval", "0"]) == 0
+    text = screen.getvalue()
+    # The alternate screen, each frame from the top left of a cleared screen, the user's screen back at the end.
+    assert text.startswith("\x1b[?1049h") and text.endswith("\x1b[?1049l")
+    assert text.count("\x1b[H\x1b[2J") == 3 and text.count("client") == 3
+
+
+def test_top_appends_when_not_a_terminal(broker, capsys):
+    assert ctl.main(["--address", broker.address, "top", "--iterations", "2", "--interval", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and out.count("client") == 2
