@@ -381,3 +381,45 @@ def test_window_harness_catches_a_read_below_the_window(tmp_path):
     source = GUARDED_CACHE.format(here=str(HERE)) + "\ncache.guard(0, 600)\nprint(float(k[0, 599].sum()))\nprint('read')\n"
     result = run_python(source, tmp_path)
     assert result.returncode == -11 and "read" not in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+# -------------------------------------------------------------------------- attention.py's CPU backends
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+@pytest.mark.parametrize("window,softcap,scale", [(0, 0.0, None), (0, 5.0, 0.3), (1, 0.0, None), (17, 5.0, None),
+                                                  (17, 0.0, 0.3), (1000, 5.0, None)])
+def test_backends_take_the_layer_variant(kind, window, softcap, scale):
+    """SdpaAttention (the reference, explicit when capped) and KernelAttention
+    give the float64 reference's output for a layer's variant, reading no row
+    below a window (those rows are NaN)."""
+    from types import SimpleNamespace
+
+    from attention_cases import cu_seqlens, fill_rows, kv_views, reference_prefill, row_elems, window_start
+
+    from flexinfer.attention import KernelAttention, SdpaAttention
+    from flexinfer.model.llama import ForwardBatch
+
+    heads, kv_heads, dim, max_tokens = 9, 3, 64, 128
+    starts, new_lens = ([0, 40, 89, 0, 10], [40, 23, 1, 1, 20]) if kind == "prefill" else ([0, 40, 89, 5], [1] * 4)
+    slots = [4, 1, 2, 3, 0][:len(starts)]
+    flat = torch.full((5, max_tokens * row_elems(2, kv_heads, dim)), float("nan"))
+    rows, k, v = kv_views(flat, max_tokens, 2, kv_heads, dim, 1)
+    gen = torch.Generator().manual_seed(3)
+    for slot, start, n in zip(slots, starts, new_lens):
+        fill_rows(rows, slot, 0, start + n, gen)
+        rows[slot, :window_start(start, window)] = float("nan")
+    cache = SimpleNamespace(k=[k], v=[v], k_heads=[k.permute(0, 2, 1, 3)], v_heads=[v.permute(0, 2, 1, 3)],
+                            group_of=[0], max_tokens=max_tokens, device=torch.device("cpu"))
+    batch = ForwardBatch.build(slots, starts, new_lens, torch.device("cpu"))
+    q = torch.randn(sum(new_lens), heads, dim, generator=gen)
+    lens = [s + n for s, n in zip(starts, new_lens)]
+    ref = reference_prefill(q, k, v, cu_seqlens(new_lens), slots, lens, scale, window, softcap)
+    for backend in (SdpaAttention(), KernelAttention(torch.device("cpu"))):
+        backend.prepare(batch, cache)
+        out = backend.forward(0, q, batch, cache, scale=scale, window=window, softcap=softcap)
+        assert (out.double() - ref).abs().max() < 1e-5, backend.name
+    sdpa = SdpaAttention()
+    sdpa.prepare(batch, cache)
+    with pytest.raises(InvalidArgument):
+        sdpa.forward(0, q, batch, cache, window=-1)
