@@ -1,9 +1,13 @@
 """Attention backends behind one small interface.
 
 `prepare(batch, kv_cache)` runs once per forward pass; `forward(layer, q,
-batch, kv_cache)` returns the attention output [T, heads, head_dim] for the
-flattened batch's queries q [T, heads, head_dim], reading K/V straight from
-the cache views.
+batch, kv_cache, scale=None, window=0, softcap=0.0)` returns the attention
+output [T, heads, head_dim] for the flattened batch's queries q [T, heads,
+head_dim], reading K/V straight from the cache views, with the layer's
+variant: `scale` (None: head_dim ** -0.5), `window` (a query at position p
+sees keys max(0, p - window + 1) .. p; 0: every key up to p) and `softcap`
+(scores become softcap * tanh(score / softcap) before the mask; 0: none).
+Every backend reads no K/V row below a window: those pages may be unmapped.
 
 - `kernel`: one call per layer for the whole batch over the whole-space
   per-layer views, with a slot vector and a length vector (plus query offsets
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import check_variant
 
 
 class SdpaAttention:
@@ -31,48 +36,87 @@ class SdpaAttention:
         # `_rows` does not clamp like slicing would: refuse lengths past the slot.
         if max(start + n for start, n in zip(batch.starts, batch.new_lens)) > kv_cache.max_tokens:
             raise InvalidArgument(f"a sequence is longer than the cache's {kv_cache.max_tokens} tokens")
-        # A chunk that continues a cached prefix needs an explicit causal
-        # mask aligned to the end (SDPA's is_causal aligns to the start).
-        self._masks = []
-        for start, n in zip(batch.starts, batch.new_lens):
-            if start > 0 and n > 1:
-                device = kv_cache.device
-                q_pos = torch.arange(start, start + n, device=device)[:, None]
-                k_pos = torch.arange(start + n, device=device)[None, :]
-                self._masks.append(k_pos <= q_pos)
-            else:
-                self._masks.append(None)
+        self._batch, self._device = batch, kv_cache.device
+        self._keys_by_window = {}
 
-    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
+    def _keys(self, window: int) -> list[tuple[int, torch.Tensor | None]]:
+        """Per sequence of the pass: the first key its queries read (its first
+        query's window start: no row below it is read) and the mask [n, keys]
+        of the keys each query sees, None where SDPA's is_causal (aligned to the
+        start) or no mask at all says it. Built once per pass and window (a
+        model's layers share a few windows)."""
+        keys = self._keys_by_window.get(window)
+        if keys is None:
+            keys = []
+            for start, n in zip(self._batch.starts, self._batch.new_lens):
+                first = max(0, start - window + 1) if window else 0
+                mask = None
+                # A chunk that continues a cached prefix, or sits in a window,
+                # needs an explicit mask aligned to the end.
+                if n > 1 and (start > 0 or window):
+                    q_pos = torch.arange(start, start + n, device=self._device)[:, None]
+                    k_pos = torch.arange(first, start + n, device=self._device)[None, :]
+                    mask = k_pos <= q_pos
+                    if window:
+                        mask &= k_pos > q_pos - window
+                keys.append((first, mask))
+            self._keys_by_window[window] = keys
+        return keys
+
+    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache, scale=None, window=0,
+                softcap=0.0) -> torch.Tensor:
+        scale, window, softcap = check_variant(scale, window, softcap)
         k_heads, v_heads = kv_cache.k_heads[layer], kv_cache.v_heads[layer]
         slots = batch.slots[kv_cache.group_of[layer]]
+        keys = self._keys(window)
         if batch.is_decode:
             q_heads = q.unsqueeze(2)  # [B, heads, 1, head_dim]
-            outs = [F.scaled_dot_product_attention(q_heads[i:i + 1], _rows(k_heads, slot, start + 1),
-                                                   _rows(v_heads, slot, start + 1), enable_gqa=True)
-                    for i, (slot, start) in enumerate(zip(slots, batch.starts))]
+            outs = [_attend(q_heads[i:i + 1], _rows(k_heads, slot, first, start + 1),
+                            _rows(v_heads, slot, first, start + 1), None, False, scale, softcap)
+                    for i, (slot, start, (first, _)) in enumerate(zip(slots, batch.starts, keys))]
             return torch.cat(outs).squeeze(2)
         out = torch.empty_like(q)
         offset = 0
-        for slot, start, n, mask in zip(slots, batch.starts, batch.new_lens, self._masks):
+        for slot, start, n, (first, mask) in zip(slots, batch.starts, batch.new_lens, keys):
             length = start + n
             qi = q[offset:offset + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qi, _rows(k_heads, slot, length), _rows(v_heads, slot, length),
-                                               attn_mask=mask, is_causal=(mask is None and n > 1), enable_gqa=True)
+            o = _attend(qi, _rows(k_heads, slot, first, length), _rows(v_heads, slot, first, length), mask,
+                        mask is None and n > 1, scale, softcap)
             out[offset:offset + n] = o[0].transpose(0, 1)
             offset += n
         return out
 
 
-def _rows(heads_view: torch.Tensor, slot: int, length: int) -> torch.Tensor:
-    """heads_view[slot:slot + 1, :, :length] ([1, kv_head, token, head_dim]) as
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+            scale: float | None, softcap: float) -> torch.Tensor:
+    """q [1, heads, n, head_dim] over k, v [1, kv_heads, keys, head_dim]; `mask`
+    [n, keys] (True: seen) or `causal`, else every key. torch's SDPA has no
+    logit cap: a capped layer takes the explicit path, in float32 like SDPA's
+    math on 16-bit inputs."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = q.float() @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
+
+
+def _rows(heads_view: torch.Tensor, slot: int, first: int, end: int) -> torch.Tensor:
+    """heads_view[slot:slot + 1, :, first:end] ([1, kv_head, token, head_dim]) as
     one as_strided call, cheaper than the indexing (decode makes one per request,
     layer and K/V). Unlike slicing it does not clamp: the caller keeps
-    slot < max_slots and length <= max_tokens (`prepare` checks the lengths)."""
+    slot < max_slots and 0 <= first <= end <= max_tokens (`prepare` checks the lengths)."""
     _, kv_heads, _, head_dim = heads_view.shape
-    slot_stride = heads_view.stride(0)
-    return heads_view.as_strided((1, kv_heads, length, head_dim), heads_view.stride(),
-                                 heads_view.storage_offset() + slot * slot_stride)
+    return heads_view.as_strided((1, kv_heads, end - first, head_dim), heads_view.stride(),
+                                 heads_view.storage_offset() + slot * heads_view.stride(0)
+                                 + first * heads_view.stride(2))
 
 
 class KernelAttention:
@@ -94,18 +138,21 @@ class KernelAttention:
             cu = None if batch.is_decode else batch.cu_seqlens_q
             self._plans = [self._kernels.Plan(slots, batch.seq_lens, cu) for slots in batch.slot_vector]
 
-    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache, scale=None, window=0,
+                softcap=0.0) -> torch.Tensor:
         k, v = kv_cache.k[layer], kv_cache.v[layer]
         group = kv_cache.group_of[layer]
         if self._out is None:  # one output buffer serves every layer of the pass
             self._out = torch.empty_like(q)
-        if self._cpu:
-            return self._plans[group].run(q, k, v, self._out)
+        if self._cpu:  # the C++ kernel checks the variant
+            return self._plans[group].run(q, k, v, self._out, scale, window, softcap)
         slots = batch.slot_vector[group]
         if batch.is_decode:
-            return self._kernels.decode_attention(q, k, v, slots, batch.seq_lens, out=self._out)
+            return self._kernels.decode_attention(q, k, v, slots, batch.seq_lens, out=self._out, scale=scale,
+                                                  window=window, softcap=softcap)
         return self._kernels.prefill_attention(q, k, v, batch.cu_seqlens_q, slots, batch.seq_lens, out=self._out,
-                                               max_q_len=batch.max_q_len)
+                                               scale=scale, max_q_len=batch.max_q_len, window=window,
+                                               softcap=softcap)
 
 
 class FlashAttention:
@@ -123,21 +170,26 @@ class FlashAttention:
         self._slots = [torch.tensor(group, dtype=torch.int32, device=device) for group in batch.slots]
         self._cache_seqlens = torch.tensor(batch.starts, dtype=torch.int32, device=device)
 
-    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, batch, kv_cache, scale=None, window=0,
+                softcap=0.0) -> torch.Tensor:
         # The new rows were already written by KVCache.write, so the kernel
         # sees cache_seqlens = start + n and is told not to append.
+        scale, window, softcap = check_variant(scale, window, softcap)
+        # flash-attn's window counts keys left of the query: (window - 1, 0)
+        # is the last `window` keys, the query's own included.
+        variant = dict(softmax_scale=scale, window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap)
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
         slots = self._slots[kv_cache.group_of[layer]]
         out = torch.empty_like(q)
         offset = 0
         if batch.is_decode:
             o = self._fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=self._cache_seqlens + 1,
-                         cache_batch_idx=slots, causal=True)
+                         cache_batch_idx=slots, causal=True, **variant)
             return o.squeeze(1)
         for i, (start, n) in enumerate(zip(batch.starts, batch.new_lens)):
             lens = torch.tensor([start + n], dtype=torch.int32, device=q.device)
             o = self._fn(q[offset:offset + n].unsqueeze(0), k_cache, v_cache, cache_seqlens=lens,
-                         cache_batch_idx=slots[i:i + 1], causal=True)
+                         cache_batch_idx=slots[i:i + 1], causal=True, **variant)
             out[offset:offset + n] = o[0]
             offset += n
         return out

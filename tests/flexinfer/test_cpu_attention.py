@@ -1,17 +1,27 @@
-"""The CPU attention kernel against per-request SDPA, on random caches and on
-real vtm host-backend memory where every page past a request's length is
-unmapped (an over-read kills the process: those checks run in a subprocess)."""
+"""The CPU attention kernel against per-request SDPA and the float64 reference
+of attention_cases.py (with per-layer scale, window and softcap), on random
+caches, on real vtm host-backend memory where every page past a request's
+length is unmapped, and on memory where every row below a window is PROT_NONE
+(an over-read kills the process: those checks run in a subprocess)."""
 
+import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_cases import CASES
+from attention_cases import TOLERANCE as CASE_TOLERANCE
+from attention_cases import reference_decode
 
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import cpu_attention
 from flexinfer.kernels.cpu_attention import decode_attention, prefill_attention
+
+HERE = Path(__file__).resolve().parent
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -235,3 +245,181 @@ def test_plan_runs_every_layer_like_the_checked_calls():
     bad = Plan(int32([4, 1]), lens, cu)  # slot 4 is past the view: the kernel refuses before reading
     with pytest.raises(InvalidArgument):
         bad.run(q, block[:, :, 0, 0], block[:, :, 0, 1], torch.empty_like(q))
+
+
+# -------------------------------------------------------------------------- per-layer variants
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_shared_cases_match_the_float64_reference(name):
+    """attention_cases' cases (the Triton kernels' too): windows of 1, 3, 17 keys,
+    longer than every sequence and than the slot, softcap 0 and 5, scale
+    overrides, GQA, mixed lengths, chunks continuing a prefix; every row below a
+    window is NaN."""
+    case = CASES[name]
+    assert case.run(cpu_attention, torch.device("cpu"))["error"] <= CASE_TOLERANCE[case.dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_decode_split_over_its_window_only(dtype, threads):
+    """A long context with a window splits the window, not the context: the rows
+    below it are NaN and the result still matches."""
+    q = torch.randn(1, 9, 64).to(dtype)
+    for length, window, softcap in ((5000, 600, 0.0), (5000, 1100, 5.0), (4999, 257, 0.0), (300, 4000, 5.0)):
+        k, v = make_cache(2, 5000, 3, 64, dtype)
+        k[1, :max(0, length - window)] = v[1, :max(0, length - window)] = float("nan")
+        out = decode_attention(q, k, v, int32([1]), int32([length]), threads=threads, window=window,
+                               softcap=softcap)
+        ref = reference_decode(q, k, v, [1], [length], window=window, softcap=softcap)
+        assert (out.double() - ref).abs().max() < TOLERANCE[dtype] * 10, (length, window)
+
+
+def test_plan_runs_variants_like_the_checked_calls():
+    """Plan.run takes the layer's variant; it equals prefill_attention's."""
+    from flexinfer.kernels.cpu_attention import Plan
+
+    block = torch.randn(4, 80, 2, 2, 3, 64)
+    k, v = block[:, :, 1, 0], block[:, :, 1, 1]
+    slots, lens, cu = int32([3, 1]), int32([80, 5]), int32([0, 4, 9])
+    q = torch.randn(9, 9, 64)
+    plan = Plan(slots, lens, cu)
+    for scale, window, softcap in ((None, 0, 0.0), (0.2, 3, 0.0), (None, 0, 30.0), (0.5, 70, 5.0)):
+        out = plan.run(q, k, v, torch.empty_like(q), scale, window, softcap)
+        assert torch.equal(out, prefill_attention(q, k, v, cu, slots, lens, scale=scale, window=window,
+                                                  softcap=softcap))
+    default = plan.run(q, k, v, torch.empty_like(q))
+    assert torch.equal(default, plan.run(q, k, v, torch.empty_like(q), 64 ** -0.5, 0, 0.0))
+
+
+BAD_VARIANTS = {"scale 0": dict(scale=0.0), "negative scale": dict(scale=-1.0), "NaN scale": dict(scale=math.nan),
+                "infinite scale": dict(scale=math.inf), "negative window": dict(window=-1),
+                "fractional window": dict(window=2.5), "negative softcap": dict(softcap=-1.0),
+                "NaN softcap": dict(softcap=math.nan), "infinite softcap": dict(softcap=math.inf)}
+
+
+@pytest.mark.parametrize("bad", list(BAD_VARIANTS))
+def test_bad_variants_raise_and_write_nothing(bad):
+    from flexinfer.kernels.cpu_attention import Plan
+
+    k, v = make_cache(3, 64, 3, 64, torch.float32)
+    slots, lens, q = int32([0, 1]), int32([5, 6]), torch.randn(2, 9, 64)
+    out = torch.full(q.shape, 7.0)
+    with pytest.raises(InvalidArgument):
+        decode_attention(q, k, v, slots, lens, out=out, **BAD_VARIANTS[bad])
+    with pytest.raises(InvalidArgument):
+        prefill_attention(q, k, v, int32([0, 1, 2]), slots, lens, out=out, **BAD_VARIANTS[bad])
+    with pytest.raises(InvalidArgument):
+        Plan(slots, lens).run(q, k, v, out, **BAD_VARIANTS[bad])
+    assert (out == 7.0).all()
+
+
+# Rows below each request's window made PROT_NONE (attention_cases.GuardedRows):
+# float32 rows of 2 layers x K|V x 2 kv heads x 128 dims are two whole pages.
+GUARDED_CACHE = """
+import sys
+sys.path.insert(0, {here!r})
+import torch
+from attention_cases import GuardedRows, TOLERANCE, cu_seqlens, fill_rows, reference_decode, reference_prefill
+from attention_cases import scaled_error, window_start
+from flexinfer.kernels.cpu_attention import decode_attention, prefill_attention
+
+HEADS, KVH, D = 4, 2, 128
+lengths = [1200, 37, 1, 300, 129]
+cache = GuardedRows(len(lengths), 1200, 2, KVH, D, torch.float32)
+gen = torch.Generator().manual_seed(0)
+for slot, n in enumerate(lengths):
+    fill_rows(cache.rows, slot, 0, n, gen)
+k, v = cache.k, cache.v
+"""
+
+GUARDED_CHECK = GUARDED_CACHE + """
+def i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+def guarded(starts, call):
+    for slot, start in enumerate(starts):
+        cache.guard(slot, start)
+    try:
+        return call()
+    finally:
+        for slot, start in enumerate(starts):
+            cache.guard(slot, start, readable=True)
+
+for window, softcap in ((1, 0.0), (17, 5.0), (520, 0.0)):
+    variant = dict(window=window, softcap=softcap)
+    for threads in (1, 2):
+        q = torch.randn(len(lengths), HEADS, D, generator=gen)
+        out = guarded([window_start(n - 1, window) for n in lengths],
+                      lambda: decode_attention(q, k, v, i32(range(5)), i32(lengths), threads=threads, **variant))
+        assert scaled_error(out, reference_decode(q, k, v, list(range(5)), lengths, **variant)) < 1e-5
+        # Batch 1: the window splits over the threads.
+        out = guarded([window_start(lengths[0] - 1, window)],
+                      lambda: decode_attention(q[:1], k, v, i32([0]), i32(lengths[:1]), threads=threads, **variant))
+        assert scaled_error(out, reference_decode(q[:1], k, v, [0], lengths[:1], **variant)) < 1e-5
+        new = [70, 37, 1, 5, 16]
+        cu = cu_seqlens(new)
+        q = torch.randn(cu[-1], HEADS, D, generator=gen)
+        out = guarded([window_start(n - m, window) for n, m in zip(lengths, new)],
+                      lambda: prefill_attention(q, k, v, i32(cu), i32(range(5)), i32(lengths), threads=threads,
+                                                **variant))
+        assert scaled_error(out, reference_prefill(q, k, v, cu, list(range(5)), lengths, **variant)) < 1e-5
+print("OK")
+"""
+
+
+def test_kernel_reads_nothing_below_a_window(tmp_path):
+    """Every row below each request's window (per call: its first query's) is
+    PROT_NONE: decode, a decode window split over threads and prefill chunks
+    run to the end and match the float64 reference."""
+    result = run_python(GUARDED_CHECK.format(here=str(HERE)), tmp_path)
+    assert result.returncode == 0 and "OK" in result.stdout, (result.returncode, result.stderr[-3000:])
+
+
+def test_window_harness_catches_a_read_below_the_window(tmp_path):
+    """Negative control: with rows below 600 guarded, reading row 599 faults."""
+    source = GUARDED_CACHE.format(here=str(HERE)) + "\ncache.guard(0, 600)\nprint(float(k[0, 599].sum()))\nprint('read')\n"
+    result = run_python(source, tmp_path)
+    assert result.returncode == -11 and "read" not in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+# -------------------------------------------------------------------------- attention.py's CPU backends
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+@pytest.mark.parametrize("window,softcap,scale", [(0, 0.0, None), (0, 5.0, 0.3), (1, 0.0, None), (17, 5.0, None),
+                                                  (17, 0.0, 0.3), (1000, 5.0, None)])
+def test_backends_take_the_layer_variant(kind, window, softcap, scale):
+    """SdpaAttention (the reference, explicit when capped) and KernelAttention
+    give the float64 reference's output for a layer's variant, reading no row
+    below a window (those rows are NaN)."""
+    from types import SimpleNamespace
+
+    from attention_cases import cu_seqlens, fill_rows, kv_views, reference_prefill, row_elems, window_start
+
+    from flexinfer.attention import KernelAttention, SdpaAttention
+    from flexinfer.model.llama import ForwardBatch
+
+    heads, kv_heads, dim, max_tokens = 9, 3, 64, 128
+    starts, new_lens = ([0, 40, 89, 0, 10], [40, 23, 1, 1, 20]) if kind == "prefill" else ([0, 40, 89, 5], [1] * 4)
+    slots = [4, 1, 2, 3, 0][:len(starts)]
+    flat = torch.full((5, max_tokens * row_elems(2, kv_heads, dim)), float("nan"))
+    rows, k, v = kv_views(flat, max_tokens, 2, kv_heads, dim, 1)
+    gen = torch.Generator().manual_seed(3)
+    for slot, start, n in zip(slots, starts, new_lens):
+        fill_rows(rows, slot, 0, start + n, gen)
+        rows[slot, :window_start(start, window)] = float("nan")
+    cache = SimpleNamespace(k=[k], v=[v], k_heads=[k.permute(0, 2, 1, 3)], v_heads=[v.permute(0, 2, 1, 3)],
+                            group_of=[0], max_tokens=max_tokens, device=torch.device("cpu"))
+    batch = ForwardBatch.build(slots, starts, new_lens, torch.device("cpu"))
+    q = torch.randn(sum(new_lens), heads, dim, generator=gen)
+    lens = [s + n for s, n in zip(starts, new_lens)]
+    ref = reference_prefill(q, k, v, cu_seqlens(new_lens), slots, lens, scale, window, softcap)
+    for backend in (SdpaAttention(), KernelAttention(torch.device("cpu"))):
+        backend.prepare(batch, cache)
+        out = backend.forward(0, q, batch, cache, scale=scale, window=window, softcap=softcap)
+        assert (out.double() - ref).abs().max() < 1e-5, backend.name
+    sdpa = SdpaAttention()
+    sdpa.prepare(batch, cache)
+    with pytest.raises(InvalidArgument):
+        sdpa.forward(0, q, batch, cache, window=-1)

@@ -1,5 +1,5 @@
 """The Triton attention kernels (src/flexinfer/kernels/triton_attention.py) against
-per-request torch SDPA on the same KV-cache views (attention_cases.py).
+a per-request float64 reference on the same KV-cache views (attention_cases.py).
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors, in a child
 process (triton_interpreter_child.py): triton must be imported with
@@ -30,7 +30,7 @@ triton = pytest.importorskip("triton")
 
 import vtm  # noqa: E402
 from attention_cases import CASES, SHAPES, SPLIT_CASES, TOLERANCE, fill_rows, kv_views, row_elems  # noqa: E402
-from attention_cases import scaled_error, sdpa_decode  # noqa: E402
+from attention_cases import reference_decode, scaled_error  # noqa: E402
 from flexinfer.errors import InvalidArgument  # noqa: E402
 from flexinfer.kernels import triton_attention  # noqa: E402
 
@@ -61,13 +61,13 @@ def interpreted_results():
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_interpreted_kernels_match_sdpa(name, interpreted_results):
+def test_interpreted_kernels_match_reference(name, interpreted_results):
     _check(name, interpreted_results[name])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
-def test_cuda_kernels_match_sdpa(name):
+def test_cuda_kernels_match_reference(name):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device and a CUDA build of torch")
     _check(name, CASES[name].run(triton_attention, torch.device("cuda")))
@@ -93,6 +93,12 @@ def test_bad_input_is_invalid_argument():
         "3-D": lambda: decode(q[0], k, v, s, n),
         "slots must be int32 of shape": lambda: prefill(q, k, v, torch.tensor([0, 2], dtype=torch.int32), s, n),
         "cu_seqlens_q must be int32": lambda: prefill(q, k, v, torch.tensor([0, 1, 2]), s, n),
+        "scale must be positive": lambda: decode(q, k, v, s, n, scale=0.0),
+        "scale must be positive and finite": lambda: decode(q, k, v, s, n, scale=float("inf")),
+        "window must be 0": lambda: prefill(q, k, v, torch.tensor([0, 1, 2], dtype=torch.int32), s, n, window=-1),
+        "window an int": lambda: decode(q, k, v, s, n, window=2.5),
+        "softcap must be 0": lambda: decode(q, k, v, s, n, softcap=-1.0),
+        "softcap must be 0 \\(none\\) or positive and finite": lambda: decode(q, k, v, s, n, softcap=float("nan")),
         # Well-formed CPU tensors: the compiled kernels refuse them before any launch.
         "need CUDA tensors": lambda: decode(q, k, v, s, n),
     }
@@ -107,7 +113,7 @@ def test_bad_input_is_invalid_argument():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernels_read_only_mapped_pages(dtype):
     """Pages past each request's length are unmapped: the kernels run to the end
-    and still match SDPA."""
+    and still match the reference."""
     errors = _last_json(_child("vtm", dtype))
     assert set(errors) == {"decode", "decode_split", "prefill"}
     for name, err in errors.items():
@@ -123,6 +129,16 @@ def test_kernels_index_slots_past_2_31_elements(dtype):
     assert set(errors) == {"decode", "decode_split", "prefill"}
     for name, err in errors.items():
         assert err <= TOLERANCE[getattr(torch, dtype)], (name, err)
+
+
+def test_kernels_read_nothing_below_a_window():
+    """Every row below each request's window (per call: its first query's) is
+    PROT_NONE: decode, a decode window split over programs and prefill blocks
+    run to the end and match the reference."""
+    errors = _last_json(_child("window"))
+    assert len(errors) == 9
+    for name, err in errors.items():
+        assert err <= TOLERANCE[torch.float32], (name, err)
 
 
 def test_the_harness_catches_an_over_read():
@@ -146,7 +162,7 @@ def _signature(kernel, dtype):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = pointers.get(name, "*" + dtype)
-        elif name == "scale_log2":
+        elif name in ("qk_scale", "softcap_log2"):
             sig[name] = "fp32"
         else:
             sig[name] = "i64" if name in ("stride_ks", "stride_vs") else "i32"
@@ -180,18 +196,22 @@ def _spilled_bytes(binary) -> int:
 def test_kernels_compile_for_sm90_without_spills(dtype):
     """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr
     globals): compile every kernel for an H100 here, at SmolLM2's shapes and the
-    tiles the wrapper picks, and check that no registers spill."""
+    tiles the wrapper picks, plain and with a window and a softcap, and check
+    that no registers spill."""
     heads, kv_heads, head_dim = SHAPES["smollm2"]
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     dot_f32 = dtype == torch.float32
     rows, keys, block_d, warps = triton_attention._decode_tiles(dtype, heads // kv_heads, head_dim)
-    one_split, split = (_compile_sm90(triton_attention._decode_split_kernel, name, dict(
-        DOT_F32=dot_f32, NUM_SPLITS=splits, BLOCK_G=rows, BLOCK_N=keys, BLOCK_D=block_d), warps) for splits in (1, 16))
-    merge = _compile_sm90(triton_attention._decode_merge_kernel, name, dict(NUM_SPLITS=16, BLOCK_D=block_d), 4)
+    binaries = [_compile_sm90(triton_attention._decode_merge_kernel, name, dict(NUM_SPLITS=16, BLOCK_D=block_d), 4)]
+    for variant in (dict(SOFTCAP=False, WINDOWED=False), dict(SOFTCAP=True, WINDOWED=True)):
+        binaries += [_compile_sm90(triton_attention._decode_split_kernel, name, dict(
+            DOT_F32=dot_f32, NUM_SPLITS=splits, BLOCK_G=rows, BLOCK_N=keys, BLOCK_D=block_d, **variant), warps)
+            for splits in (1, 16)]
     rows, keys, block_d, warps = triton_attention._prefill_tiles(dtype, head_dim)
-    prefill = _compile_sm90(triton_attention._prefill_kernel, name, dict(
-        DOT_F32=dot_f32, BLOCK_M=rows, BLOCK_N=keys, BLOCK_D=block_d), warps)
-    for binary in (one_split, split, merge, prefill):
+    for variant in (dict(SOFTCAP=False, WINDOWED=False), dict(SOFTCAP=True, WINDOWED=True)):
+        binaries.append(_compile_sm90(triton_attention._prefill_kernel, name, dict(
+            DOT_F32=dot_f32, BLOCK_M=rows, BLOCK_N=keys, BLOCK_D=block_d, **variant), warps))
+    for binary in binaries:
         assert _spilled_bytes(binary) == 0
 
 
@@ -202,7 +222,7 @@ def test_kernels_compile_for_sm90_without_spills(dtype):
 def test_decode_graph_replays_after_vtensors_grow():
     """decode_attention captured once in a CUDA graph; then every vTensor grows
     (vtm maps new pages under the same addresses), the lengths change in place,
-    and the replay still matches SDPA."""
+    and the replay still matches the reference."""
     if not torch.cuda.is_available() or not vtm.cuda_available():
         pytest.skip("needs a CUDA device, a driver and a CUDA build of torch")
     heads, kv_heads, head_dim = SHAPES["smollm2"]
@@ -229,7 +249,7 @@ def test_decode_graph_replays_after_vtensors_grow():
             triton_attention.decode_attention(q, k, v, slots_t, lens_t, out=out)
         graph.replay()
         torch.cuda.synchronize()
-        assert scaled_error(out, sdpa_decode(q, k, v, slots, seq_lens)) <= TOLERANCE[dtype]
+        assert scaled_error(out, reference_decode(q, k, v, slots, seq_lens)) <= TOLERANCE[dtype]
 
         grown = [n if n == 0 else n + 300 for n in seq_lens]  # the idle row stays idle
         for vt, old, new in zip(vts, seq_lens, grown):
@@ -240,7 +260,7 @@ def test_decode_graph_replays_after_vtensors_grow():
         q.copy_(torch.randn(q.shape, generator=gen).to(device="cuda", dtype=dtype))
         graph.replay()
         torch.cuda.synchronize()
-        assert scaled_error(out, sdpa_decode(q, k, v, slots, grown)) <= TOLERANCE[dtype]
+        assert scaled_error(out, reference_decode(q, k, v, slots, grown)) <= TOLERANCE[dtype]
         assert torch.all(out[2] == 0)
         del graph, rows, k, v
         for vt in vts:

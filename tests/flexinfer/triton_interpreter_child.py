@@ -11,13 +11,17 @@ before the import, and never in the pytest process.
                                              each request mapping exactly the pages its length needs,
                                              several lengths ending on a page boundary (the next row is
                                              PROT_NONE); a load past a length is SIGSEGV. Prints the
-                                             kernels' errors against SDPA as JSON
+                                             kernels' errors against the reference as JSON
     triton_interpreter_child.py torch DTYPE  the negative control: the same setup, then one row past a
                                              page-aligned length read with plain torch (must die)
+    triton_interpreter_child.py window       the window bound: K/V on memory where every row below each
+                                             request's window (per call: its first query's) is PROT_NONE
+                                             (attention_cases.GuardedRows); a load below a window is SIGSEGV.
+                                             Prints the kernels' errors against the reference as JSON
     triton_interpreter_child.py far DTYPE    requests in slots whose K/V lie more than 2**31 elements
                                              past the views' base (a space of 2 GiB slots, only reserved):
                                              an offset computed in int32 would wrap to another address.
-                                             Prints the kernels' errors against SDPA as JSON
+                                             Prints the kernels' errors against the reference as JSON
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import torch  # noqa: E402
 
 import vtm  # noqa: E402
 
-from attention_cases import (CASES, cu_seqlens, fill_rows, kv_views, scaled_error, sdpa_decode,  # noqa: E402
-                             sdpa_prefill)
+from attention_cases import (CASES, GuardedRows, cu_seqlens, fill_rows, kv_views, reference_decode,  # noqa: E402
+                             reference_prefill, scaled_error, window_start)
 
 PAGE = 64 << 10
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, LAYER = 2, 3, 9, 64, 1  # SmolLM2's heads: rows straddle pages
@@ -93,16 +97,16 @@ def on_vtm_memory(mode: str, dtype_name: str) -> None:
     errors = {}
     q = torch.randn(len(slots), HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = decode_attention(q, k, v, torch.tensor(slots, **i32), torch.tensor(lens, **i32))
-    errors["decode"] = scaled_error(out, sdpa_decode(q, k, v, slots, lens))
+    errors["decode"] = scaled_error(out, reference_decode(q, k, v, slots, lens))
     # Batch 1 over the longest context: several splits, the trailing ones empty.
     one = [vts[5].slot]
     out = decode_attention(q[:1], k, v, torch.tensor(one, **i32), torch.tensor([3 * aligned], **i32))
-    errors["decode_split"] = scaled_error(out, sdpa_decode(q[:1], k, v, one, [3 * aligned]))
+    errors["decode_split"] = scaled_error(out, reference_decode(q[:1], k, v, one, [3 * aligned]))
     cu = cu_seqlens(news)
     q = torch.randn(cu[-1], HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = prefill_attention(q, k, v, torch.tensor(cu, **i32), torch.tensor(slots, **i32), torch.tensor(lens, **i32),
                             max_q_len=max(news))
-    errors["prefill"] = scaled_error(out, sdpa_prefill(q, k, v, cu, slots, lens))
+    errors["prefill"] = scaled_error(out, reference_prefill(q, k, v, cu, slots, lens))
     print(json.dumps(errors), flush=True)
     del rows, k, v, q, out
     for vt in vts:
@@ -134,15 +138,15 @@ def on_far_slots(dtype_name: str) -> None:
     errors = {}
     q = torch.randn(len(slots), HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = decode_attention(q, k, v, torch.tensor(slots, **i32), torch.tensor(seq_lens, **i32))
-    errors["decode"] = scaled_error(out, sdpa_decode(q, k, v, slots, seq_lens))
+    errors["decode"] = scaled_error(out, reference_decode(q, k, v, slots, seq_lens))
     out = decode_attention(q[:1], k, v, torch.tensor(slots[:1], **i32), torch.tensor(seq_lens[:1], **i32))
-    errors["decode_split"] = scaled_error(out, sdpa_decode(q[:1], k, v, slots[:1], seq_lens[:1]))
+    errors["decode_split"] = scaled_error(out, reference_decode(q[:1], k, v, slots[:1], seq_lens[:1]))
     news = [40, 1, 77]
     cu = cu_seqlens(news)
     q = torch.randn(cu[-1], HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = prefill_attention(q, k, v, torch.tensor(cu, **i32), torch.tensor(slots, **i32),
                             torch.tensor(seq_lens, **i32), max_q_len=max(news))
-    errors["prefill"] = scaled_error(out, sdpa_prefill(q, k, v, cu, slots, seq_lens))
+    errors["prefill"] = scaled_error(out, reference_prefill(q, k, v, cu, slots, seq_lens))
     print(json.dumps(errors), flush=True)
     del rows, k, v, q, out
     for vt in vts + empty:
@@ -150,9 +154,57 @@ def on_far_slots(dtype_name: str) -> None:
     mgr.close()
 
 
+def below_windows() -> None:
+    # float32 rows of 2 layers x K|V x 2 kv heads x 128 dims: two whole pages.
+    heads, kv_heads, head_dim = 4, 2, 128
+    lengths = [300, 37, 1, 150, 129]
+    cache = GuardedRows(len(lengths), 300, 2, kv_heads, head_dim, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for slot, n in enumerate(lengths):
+        fill_rows(cache.rows, slot, 0, n, gen)
+    k, v, slots = cache.k, cache.v, list(range(len(lengths)))
+
+    from flexinfer.kernels.triton_attention import decode_attention, prefill_attention
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    def guarded(starts, call):
+        for slot, start in enumerate(starts):
+            cache.guard(slot, start)
+        try:
+            return call()
+        finally:
+            for slot, start in enumerate(starts):
+                cache.guard(slot, start, readable=True)
+
+    errors = {}
+    for window, softcap in ((1, 0.0), (17, 5.0), (130, 0.0)):
+        variant = dict(window=window, softcap=softcap)
+        q = torch.randn(len(lengths), heads, head_dim, generator=gen)
+        out = guarded([window_start(n - 1, window) for n in lengths],
+                      lambda: decode_attention(q, k, v, i32(slots), i32(lengths), **variant))
+        errors[f"decode-w{window}"] = scaled_error(out, reference_decode(q, k, v, slots, lengths, **variant))
+        # Batch 1: the window splits over several programs.
+        out = guarded([window_start(lengths[0] - 1, window)],
+                      lambda: decode_attention(q[:1], k, v, i32([0]), i32(lengths[:1]), **variant))
+        errors[f"decode-split-w{window}"] = scaled_error(out, reference_decode(q[:1], k, v, [0], lengths[:1],
+                                                                               **variant))
+        new = [70, 37, 1, 5, 16]
+        cu = cu_seqlens(new)
+        q = torch.randn(cu[-1], heads, head_dim, generator=gen)
+        out = guarded([window_start(n - m, window) for n, m in zip(lengths, new)],
+                      lambda: prefill_attention(q, k, v, i32(cu), i32(slots), i32(lengths), max_q_len=max(new),
+                                                **variant))
+        errors[f"prefill-w{window}"] = scaled_error(out, reference_prefill(q, k, v, cu, slots, lengths, **variant))
+    print(json.dumps(errors), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "cases":
         run_cases()
+    elif sys.argv[1] == "window":
+        below_windows()
     elif sys.argv[1] == "far":
         on_far_slots(sys.argv[2])
     else:

@@ -150,6 +150,48 @@ inline __attribute__((always_inline)) float Scores(const float* q, const float* 
   return tile_max;
 }
 
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^(-2|x|) in (0, 1]: no
+// overflow for any x. Near 0 that form keeps only an absolute error of about
+// 1e-7 (e rounds near 1), which a cap of 50 would turn into ~5e-6 of a score:
+// there the odd Taylor series to x^11 is used instead, whose first omitted
+// term is below 2e-9 for |x| < 0.3.
+inline __attribute__((always_inline)) VecF Tanh(VecF x) {
+  const VecU sign = reinterpret_cast<VecU>(x) & 0x80000000u;
+  const VecF magnitude = reinterpret_cast<VecF>(reinterpret_cast<VecU>(x) ^ sign);
+  const VecF e = Exp(magnitude * -2.0f);
+  const VecF far = reinterpret_cast<VecF>(reinterpret_cast<VecU>((1.0f - e) / (1.0f + e)) | sign);
+  const VecF x2 = x * x;
+  VecF p = Splat(-1382.0f / 155925);
+  p = p * x2 + 62.0f / 2835;
+  p = p * x2 - 17.0f / 315;
+  p = p * x2 + 2.0f / 15;
+  p = p * x2 - 1.0f / 3;
+  const VecF near = x + x * x2 * p;
+  return magnitude < 0.3f ? near : far;
+}
+
+// Gemma 2's logit cap on n scores that were computed from a query divided by
+// `softcap`: scores[t] = softcap * tanh(scores[t]), in place; returns their
+// maximum. The capped maximum is taken from the capped values themselves, so
+// no weight e^(score - max) can exceed 1 by a rounding of tanh.
+inline __attribute__((always_inline)) float Cap(float* scores, int n, float softcap) {
+  VecF block_max = VecF{} - std::numeric_limits<float>::infinity();
+  int t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const VecF c = Tanh(Load(scores + t)) * softcap;
+    Store(c, scores + t);
+    block_max = c > block_max ? c : block_max;
+  }
+  float tile_max = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < kLanes; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
+  if (t < n) {
+    const VecF c = Tanh(LoadPartial(scores + t, n - t)) * softcap;
+    StorePartial(c, scores + t, n - t);
+    for (int i = 0; i < n - t; ++i) tile_max = c[i] > tile_max ? c[i] : tile_max;
+  }
+  return tile_max;
+}
+
 // acc = acc * correction + sum_t weights[t] * values[t], keeping acc in
 // registers across the tile when head_dim is known: two sets of
 // accumulators, even and odd keys, so consecutive keys' FMAs do not wait on
@@ -200,19 +242,25 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
   s.values.resize(static_cast<std::size_t>(kKeyTile) * kv_heads * dim);
   s.scores.resize(kKeyTile);
 
+  // The query carries the scale, and with a cap its division by the cap too:
+  // Scores then gives s / softcap, the argument of the tanh.
+  const bool capped = a.softcap > 0.0f;
+  const float q_scale = capped ? a.scale / a.softcap : a.scale;
   const T* q = static_cast<const T*>(a.q);
   for (int j = 0; j < nq; ++j) {
     for (int h = 0; h < heads; ++h) {
       const T* src = q + (q_begin + w.j0 + j) * a.q_stride_token + h * a.q_stride_head;
       float* dst = &s.q[(static_cast<std::size_t>(j) * heads + h) * dim];
-      for (int d = 0; d < dim; ++d) dst[d] = Widen(src[d]) * a.scale;
+      for (int d = 0; d < dim; ++d) dst[d] = Widen(src[d]) * q_scale;
     }
   }
 
   const T* kbase = static_cast<const T*>(a.k) + a.slots[w.b] * a.kv_stride_slot;
   const T* vbase = static_cast<const T*>(a.v) + a.slots[w.b] * a.kv_stride_slot;
   // Query j sits at position len - n_new + j and sees keys up to it; the
-  // last query of the block sees the most. Never read at or past `len`.
+  // last query of the block sees the most. Never read at or past `len`, nor
+  // below w.key_lo (with a window: where the block's first query's window
+  // starts, the lowest of the block's).
   const std::int64_t first_pos = len - n_new + w.j0;
   const std::int64_t key_end = std::min(w.key_hi, first_pos + nq);
   std::vector<const float*>& key_rows = s.key_rows;
@@ -252,13 +300,18 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
     for (int j = 0; j < nq; ++j) {
       const std::int64_t visible = first_pos + j + 1 - t0;  // keys of this tile query j may see
       if (visible <= 0) continue;
-      const int n = static_cast<int>(std::min<std::int64_t>(tile, visible));
+      // Query j sees n keys of the tile from `skip` on: with a window, the
+      // first `skip` lie below it.
+      const int skip = a.window > 0 ? static_cast<int>(std::clamp<std::int64_t>(visible - a.window, 0, tile)) : 0;
+      const int n = static_cast<int>(std::min<std::int64_t>(tile, visible)) - skip;
+      if (n <= 0) continue;
       for (int h = 0; h < heads; ++h) {
         const int row = j * heads + h;
-        const float* const* krows = &key_rows[static_cast<std::size_t>(h / group) * kKeyTile];
-        const float* const* vrows = &value_rows[static_cast<std::size_t>(h / group) * kKeyTile];
+        const float* const* krows = &key_rows[static_cast<std::size_t>(h / group) * kKeyTile + skip];
+        const float* const* vrows = &value_rows[static_cast<std::size_t>(h / group) * kKeyTile + skip];
         const float* qr = &s.q[static_cast<std::size_t>(row) * dim];
-        const float tile_max = Scores<kVecs>(qr, krows, n, dim, scores);
+        float tile_max = Scores<kVecs>(qr, krows, n, dim, scores);
+        if (capped) tile_max = Cap(scores, n, a.softcap);
         const float m_new = std::max(s.m[row], tile_max);
         const float correction = std::exp(s.m[row] - m_new);
         // The weights e^(score - max), in place, 16 at a time; a zero-padded
@@ -354,6 +407,10 @@ void CheckAttention(const AttentionArgs& a) {
             std::to_string(a.kv_heads));
   if (a.head_dim <= 0 || a.head_dim > kMaxHeadDim)
     Invalid("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "], got " + std::to_string(a.head_dim));
+  // Negated comparisons: NaN fails them too.
+  if (!(a.scale > 0.0f) || !std::isfinite(a.scale)) Invalid("scale must be positive and finite");
+  if (a.window < 0) Invalid("window must be 0 (none) or positive, got " + std::to_string(a.window));
+  if (!(a.softcap >= 0.0f) || !std::isfinite(a.softcap)) Invalid("softcap must be 0 (none) or positive and finite");
   if (a.cu_q == nullptr && a.num_queries != a.batch) Invalid("decode takes one query per request");
   if (a.cu_q != nullptr && (a.cu_q[0] != 0 || a.cu_q[a.batch] != a.num_queries))
     Invalid("query offsets must start at 0 and end at the number of queries");
@@ -379,12 +436,20 @@ void Attention(const AttentionArgs& a) {
   const bool decode = a.cu_q == nullptr;
   const int threads = std::max(1, a.threads);
 
-  // Decode: split each context into pieces when requests x kv heads alone
-  // would leave threads idle (a few long requests).
+  // The first key a query at `pos` sees: the window bounds every load from below.
+  auto window_start = [&](std::int64_t pos) {
+    return a.window > 0 ? std::max<std::int64_t>(0, pos - a.window + 1) : std::int64_t{0};
+  };
+
+  // Decode: split each context (its window) into pieces when requests x kv
+  // heads alone would leave threads idle (a few long requests).
   Partials partials;
   if (decode && threads > 1) {
     std::int64_t longest = 0;
-    for (std::int64_t b = 0; b < a.batch; ++b) longest = std::max<std::int64_t>(longest, a.seq_lens[b]);
+    for (std::int64_t b = 0; b < a.batch; ++b) {
+      const std::int64_t len = a.seq_lens[b];
+      longest = std::max<std::int64_t>(longest, len - window_start(len - 1));
+    }
     const std::int64_t units = std::max<std::int64_t>(1, a.batch);
     const std::int64_t wanted = (2 * threads + units - 1) / units;
     partials.splits = static_cast<int>(std::clamp<std::int64_t>(longest / kMinSplitKeys, 1, wanted));
@@ -416,16 +481,18 @@ void Attention(const AttentionArgs& a) {
       continue;
     }
     if (split) {
-      const std::int64_t piece = (len + partials.splits - 1) / partials.splits;
+      const std::int64_t lo = window_start(len - 1);
+      const std::int64_t piece = (len - lo + partials.splits - 1) / partials.splits;
       for (int s = 0; s < partials.splits; ++s) {
-        items.push_back({b, 0, 1, s, std::min(len, s * piece), std::min(len, (s + 1) * piece)});
+        items.push_back({b, 0, 1, s, std::min(len, lo + s * piece), std::min(len, lo + (s + 1) * piece)});
       }
     } else {
       for (std::int32_t j0 = 0; j0 < n; j0 += kQueryBlock) {
-        items.push_back({b, j0, std::min(n, j0 + kQueryBlock), 0, 0, len});
+        items.push_back({b, j0, std::min(n, j0 + kQueryBlock), 0, window_start(len - n + j0), len});
       }
     }
-    work += static_cast<std::int64_t>(n) * len * group;
+    const std::int64_t seen = a.window > 0 ? std::min<std::int64_t>(a.window, len) : len;  // keys a query sees, at most
+    work += static_cast<std::int64_t>(n) * seen * group;
   }
 
   const int workers = static_cast<int>(std::min<std::int64_t>(threads, items.size()));

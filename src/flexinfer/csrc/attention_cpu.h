@@ -9,11 +9,17 @@
 // so one call serves decode, prefill and chunked prefill that continues a
 // cached prefix.
 //
+// Per-layer variants (Gemma, Mistral): a score is s = scale * q.k, capped to
+// softcap * tanh(s / softcap) when softcap > 0, then masked: a query at
+// position p sees keys max(0, p - window + 1) .. p when window > 0 (the last
+// `window` keys, itself included), keys 0 .. p when window == 0.
+//
 // Invariants the kernel keeps:
-//  * every K/V load of request b is at a token < seq_lens[b]: pages past a
-//    request's length are unmapped and must never be touched (the host
-//    backend turns an over-read into a fault). Nothing is loaded and masked
-//    afterwards;
+//  * every K/V load of request b is at a token < seq_lens[b], and with a
+//    window at a token >= the window start of the call's first query of b:
+//    pages past a request's length, and pages that slid out of a window, are
+//    unmapped and must never be touched (the host backend turns an over-read
+//    into a fault). Nothing is loaded and masked afterwards;
 //  * a request with seq_lens[b] == 0 reads nothing and writes zeros (an idle
 //    padding row);
 //  * arguments are validated before any memory is read; a bad argument throws
@@ -52,7 +58,9 @@ struct AttentionArgs {
   std::int64_t batch = 0, num_queries = 0;
   int heads = 0, kv_heads = 0, head_dim = 0;
   DType dtype = DType::kFloat32;
-  float scale = 1.0f;
+  float scale = 1.0f;     // > 0 and finite
+  std::int64_t window = 0;  // keys a query sees, itself included; 0: all before it
+  float softcap = 0.0f;     // 0: no cap; else finite and > 0
   int threads = 1;  // parallel workers (OpenMP); 1 runs on the calling thread
 };
 

@@ -39,7 +39,7 @@ PYBIND11_MODULE(_kernels, m) {
          std::int64_t kv_stride_slot, std::int64_t kv_stride_token, std::int64_t kv_stride_head,
          std::int64_t max_slots, std::int64_t max_tokens, std::uintptr_t slots, std::uintptr_t seq_lens,
          std::uintptr_t cu_q, std::int64_t batch, std::int64_t num_queries, int heads, int kv_heads,
-         int head_dim, int dtype, float scale, int threads) {
+         int head_dim, int dtype, float scale, std::int64_t window, float softcap, int threads) {
         AttentionArgs a;
         a.q = Ptr(q);
         a.q_stride_token = q_stride_token;
@@ -64,6 +64,8 @@ PYBIND11_MODULE(_kernels, m) {
         a.head_dim = head_dim;
         a.dtype = ToDType(dtype);
         a.scale = scale;
+        a.window = window;
+        a.softcap = softcap;
         a.threads = threads;
         py::gil_scoped_release release;
         Attention(a);

@@ -5,6 +5,13 @@ Both entry points read K and V in place through per-layer views
 `[max_slots, max_tokens, kv_heads, head_dim]` of a vtm space. Request b owns
 slot `slots[b]` and its first `seq_lens[b]` tokens; no load ever reaches past
 them, since the pages beyond are unmapped.
+
+Every call takes a layer's attention variant: `scale` (None: head_dim ** -0.5),
+`window` (a query at position p sees keys max(0, p - window + 1) .. p; 0: no
+window; no load reaches below the window, whose pages may be unmapped too) and
+`softcap` (scores become softcap * tanh(score / softcap) before the mask; 0:
+none). The kernel checks them (scale > 0, window >= 0, softcap >= 0, all
+finite) with the other arguments, before it reads anything.
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ class Plan:
         self._batch = slots.shape[0]
         self._threads = torch.get_num_threads() if threads is None else threads
 
-    def run(self, q, k, v, out):
-        """out[...] = attention of q over k, v (per-layer views sharing one geometry)."""
+    def run(self, q, k, v, out, scale=None, window=0, softcap=0.0):
+        """out[...] = attention of q over k, v (per-layer views sharing one geometry),
+        with this layer's scale, window and softcap (see the module's docstring)."""
         tokens, heads, head_dim = q.shape
         max_slots, max_tokens, kv_heads, _ = k.shape
         try:
@@ -47,27 +55,29 @@ class Plan:
                 q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
                 k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), max_slots, max_tokens,
                 self._slots, self._lens, self._cu, self._batch, tokens, heads, kv_heads, head_dim,
-                _DTYPE_CODES[q.dtype], head_dim ** -0.5, self._threads)
-        except ValueError as exc:
+                _DTYPE_CODES[q.dtype], head_dim ** -0.5 if scale is None else scale, window, softcap,
+                self._threads)
+        except (TypeError, ValueError) as exc:  # the binding's conversions, the kernel's checks
             raise InvalidArgument(str(exc)) from None
         return out
 
 
-def decode_attention(q, k, v, slots, seq_lens, out=None, scale=None, threads=None):
+def decode_attention(q, k, v, slots, seq_lens, out=None, scale=None, threads=None, *, window=0, softcap=0.0):
     """One query per request: q [B, heads, head_dim] at position seq_lens[b] - 1.
     A request with seq_lens[b] == 0 is idle: it reads nothing and gets zeros."""
-    return _run(q, k, v, slots, seq_lens, None, out, scale, threads)
+    return _run(q, k, v, slots, seq_lens, None, out, scale, threads, window, softcap)
 
 
-def prefill_attention(q, k, v, cu_seqlens_q, slots, seq_lens, out=None, scale=None, max_q_len=None, threads=None):
+def prefill_attention(q, k, v, cu_seqlens_q, slots, seq_lens, out=None, scale=None, max_q_len=None, threads=None,
+                      *, window=0, softcap=0.0):
     """q [T, heads, head_dim]: request b's queries are q[cu[b]:cu[b+1]], the last
     tokens of its seq_lens[b] cached ones, attending causally (aligned to the end).
     `max_q_len` sizes the Triton kernel's grid; the CPU kernel reads the offsets."""
     _check_offsets(cu_seqlens_q, slots)
-    return _run(q, k, v, slots, seq_lens, cu_seqlens_q.contiguous(), out, scale, threads)
+    return _run(q, k, v, slots, seq_lens, cu_seqlens_q.contiguous(), out, scale, threads, window, softcap)
 
 
-def _run(q, k, v, slots, seq_lens, cu_q, out, scale, threads):
+def _run(q, k, v, slots, seq_lens, cu_q, out, scale, threads, window, softcap):
     dtype = q.dtype
     if dtype not in _DTYPE_CODES:
         raise InvalidArgument(f"unsupported dtype {dtype}")
@@ -94,9 +104,9 @@ def _run(q, k, v, slots, seq_lens, cu_q, out, scale, threads):
             k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), max_slots, max_tokens,
             slots.data_ptr(), seq_lens.data_ptr(), 0 if cu_q is None else cu_q.data_ptr(),
             slots.shape[0], tokens, heads, kv_heads, head_dim, _DTYPE_CODES[dtype],
-            head_dim ** -0.5 if scale is None else float(scale),
+            head_dim ** -0.5 if scale is None else scale, window, softcap,
             torch.get_num_threads() if threads is None else threads)
-    except ValueError as exc:  # the kernel's own checks (slots, lengths, offsets)
+    except (TypeError, ValueError) as exc:  # the binding's conversions; the kernel's own checks
         raise InvalidArgument(str(exc)) from None
     return out
 

@@ -18,6 +18,16 @@ Invariants every kernel here keeps:
   lengths change in place and vtm maps new pages under the same addresses;
 - softmax runs online in float32, in base 2 (the scale is folded with log2(e)).
 
+Each call takes its layer's variant: `scale` (None: head_dim ** -0.5),
+`window` (a query at position p sees keys max(0, p - window + 1) .. p; 0: no
+window) and `softcap` (a score s = scale * q.k becomes softcap * tanh(s /
+softcap) before the mask; 0: none). No load reaches below a window: its key
+loops start at the window's first key (a decode split covers only the window,
+a prefill block starts at its first query's window), since the pages that slid
+out of a window may be unmapped. Whether there is a cap and a window are
+constexprs (SOFTCAP, WINDOWED), so that a plain layer runs the code it ran
+before; the window's size is a run-time argument.
+
 decode_attention splits each request's context over NUM_SPLITS programs
 (flash-decoding) so that a small batch with a long context still fills the GPU,
 then a second kernel merges the partial results; a batch large enough to fill
@@ -40,6 +50,7 @@ import triton
 import triton.language as tl
 
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import check_variant
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -50,14 +61,44 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, scale_log2,
+def _scores_log2(qk, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """Scores in the log2 domain from the raw products q.k (see _variant_args).
+    Without a cap: qk * qk_scale, qk_scale = scale * log2(e). With one, the tanh
+    takes x = qk * qk_scale, qk_scale = scale / softcap, in natural units, and
+    only its result moves to base 2 (times softcap_log2 = softcap * log2(e)).
+    tanh(x) = 1 - 2 / (e^(2x) + 1) is exact at both ends (e^(2x) overflowing to
+    inf gives 1, underflowing to 0 gives -1) and needs no libdevice call, which
+    the interpreter lacks; near 0 it keeps only an absolute error of about 1e-7
+    (e^(2x) rounds near 1), which a cap of 50 would turn into ~5e-6 of a score,
+    so there the odd Taylor series to x^11 is used (first omitted term < 2e-9
+    for |x| < 0.3)."""
+    if SOFTCAP:
+        x = qk * qk_scale
+        far = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # e^(2x) = 2^(2 log2(e) x)
+        x2 = x * x
+        p = -1382.0 / 155925
+        p = p * x2 + 62.0 / 2835
+        p = p * x2 - 17.0 / 315
+        p = p * x2 + 2.0 / 15
+        p = p * x2 - 1.0 / 3
+        near = x + x * x2 * p
+        return tl.where(tl.abs(x) < 0.3, near, far) * softcap_log2
+    else:
+        return qk * qk_scale
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, qk_scale,
+                         softcap_log2, window,
                          stride_qb, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
                          stride_ob, stride_oh, num_heads, head_dim, group,
-                         DOT_F32: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
     """Program (b, kv_head, split): the `group` query heads of one kv head (rows
     of a BLOCK_G >= 16 tile, so that the scores are one tl.dot and K/V are read
-    once per group) over one split of request b's context. With one split it
+    once per group) over one split of request b's context: of its last `window`
+    keys when window > 0, which is all the query sees. With one split it
     writes the output itself (zeros for an idle row). Otherwise it writes its
     unnormalised output, running max (log2 domain) and sum to acc [B, H, S, D],
     m and l [B, H, S] for _decode_merge_kernel; an empty split writes acc 0,
@@ -67,9 +108,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    # Splits start on BLOCK_N boundaries; trailing ones may be empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    context_lo = 0
+    if WINDOWED:
+        context_lo = tl.maximum(seq_len - window, 0)
+    # Splits are whole multiples of BLOCK_N from the context's first key;
+    # trailing ones may be empty.
+    per_split = tl.cdiv(tl.cdiv(seq_len - context_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = context_lo + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
     active = lo < hi
 
@@ -102,7 +147,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, acc_
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        s = tl.where(n_mask[None, :], _scores_log2(s, qk_scale, softcap_log2, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -148,12 +193,15 @@ def _decode_merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh, n
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, slots_ptr, lens_ptr, out_ptr, scale_log2,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, slots_ptr, lens_ptr, out_ptr, qk_scale, softcap_log2, window,
                     stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
                     stride_ot, stride_oh, head_dim, group,
-                    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (query block, b, h): BLOCK_M of request b's new queries for query
-    head h, against keys [0, last query position] of kv head h // group.
+    head h, against keys [0, last query position] of kv head h // group; with a
+    window, from the block's first query's window start (the lowest of the
+    block's), each query masked to its own window.
     DOT_F32: the matrix products take float32 operands at full precision (float32
     models, and the interpreter, whose bfloat16 tl.dot is wrong)."""
     mblk = tl.program_id(0)
@@ -184,9 +232,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, slots_ptr, lens_ptr, out_ptr, s
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys up to this block's last query position (causal), never past seq_len.
+    # Keys up to this block's last query position (causal), never past seq_len,
+    # and from its first query's window start (no load below it).
     hi = tl.minimum(seq_len, first_pos + (mblk + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(first_pos + mblk * BLOCK_M - window + 1, 0)
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -196,8 +248,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, slots_ptr, lens_ptr, out_ptr, s
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
-        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = _scores_log2(s, qk_scale, softcap_log2, SOFTCAP)
+        visible = offs_n[None, :] <= q_pos[:, None]
+        if WINDOWED:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(n_mask[None, :] & visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -296,11 +351,25 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tenso
     return heads, kv_heads, head_dim
 
 
+def _variant_args(scale, window: int, softcap: float, head_dim: int, max_tokens: int) -> tuple[float, float, int]:
+    """The kernels' (qk_scale, softcap_log2, window) for a checked variant (see
+    _scores_log2). A window of at least max_tokens hides no key: it becomes 0,
+    the unwindowed code (and never overflows the kernels' int32 positions)."""
+    scale = head_dim ** -0.5 if scale is None else scale
+    if softcap:
+        qk_scale, softcap_log2 = scale / softcap, softcap * _LOG2E
+    else:
+        qk_scale, softcap_log2 = scale * _LOG2E, 0.0
+    return qk_scale, softcap_log2, 0 if window >= max_tokens else window
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                      seq_lens: torch.Tensor, out: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One new query per request: q [B, H, D] attends tokens [0, seq_lens[b]) of
-    slot slots[b] in k, v [S, T, KVH, D]. Returns out [B, H, D] (q's dtype)."""
+    slot slots[b] in k, v [S, T, KVH, D] (the last `window` of them when window
+    > 0). Returns out [B, H, D] (q's dtype)."""
+    scale, window, softcap = check_variant(scale, window, softcap)
     batch = q.shape[0] if q.dim() == 3 else -1
     heads, kv_heads, head_dim = _check(q, k, v, slots, seq_lens, batch, out, "decode_attention")
     if out is None:
@@ -309,19 +378,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
         return out
     group = heads // kv_heads
     block_g, block_n, block_d, warps = _decode_tiles(q.dtype, group, head_dim)
-    splits = _num_splits(batch, kv_heads, k.shape[1], block_n, q.device)
+    qk_scale, softcap_log2, window = _variant_args(scale, window, softcap, head_dim, k.shape[1])
+    # Splits cover what a query sees: the window, when there is one.
+    splits = _num_splits(batch, kv_heads, window or k.shape[1], block_n, q.device)
     if splits == 1:
         acc = m = l_sum = out  # not touched: the split kernel writes `out` itself
     else:
         acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
         m = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
         l_sum = torch.empty_like(m)
-    scale = head_dim ** -0.5 if scale is None else scale
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k, v, slots, seq_lens, out, acc, m, l_sum, scale * _LOG2E,
+        q, k, v, slots, seq_lens, out, acc, m, l_sum, qk_scale, softcap_log2, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), heads, head_dim, group, DOT_F32=_dot_f32(q.dtype), NUM_SPLITS=splits,
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)
+        out.stride(0), out.stride(1), heads, head_dim, group, DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap > 0,
+        WINDOWED=window > 0, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=warps)
     if splits > 1:
         _decode_merge_kernel[(batch, heads)](acc, m, l_sum, out, out.stride(0), out.stride(1), heads, head_dim,
                                              NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=4)
@@ -330,11 +401,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       slots: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None = None,
-                      scale: float | None = None, max_q_len: int | None = None) -> torch.Tensor:
+                      scale: float | None = None, max_q_len: int | None = None, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
     """New queries of several requests, concatenated: q [T, H, D], request b's
     are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1, its new K/V already written
-    at the last n_b of its seq_lens[b] positions; causal aligned to the end.
+    at the last n_b of its seq_lens[b] positions; causal aligned to the end (and
+    each query limited to its last `window` keys when window > 0).
     max_q_len (the longest n_b) sizes the grid; without it, T does."""
+    scale, window, softcap = check_variant(scale, window, softcap)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.dtype != torch.int32:
         raise InvalidArgument(f"prefill_attention: cu_seqlens_q must be int32 of shape [B+1], got "
                               f"{cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
@@ -349,10 +423,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     if batch == 0 or max_q_len <= 0:
         return out
     block_m, block_n, block_d, warps = _prefill_tiles(q.dtype, head_dim)
-    scale = head_dim ** -0.5 if scale is None else scale
+    qk_scale, softcap_log2, window = _variant_args(scale, window, softcap, head_dim, k.shape[1])
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), batch, heads)](
-        q, k, v, cu_seqlens_q, slots, seq_lens, out, scale * _LOG2E,
+        q, k, v, cu_seqlens_q, slots, seq_lens, out, qk_scale, softcap_log2, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), head_dim, heads // kv_heads,
-        DOT_F32=_dot_f32(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)
+        out.stride(0), out.stride(1), head_dim, heads // kv_heads, DOT_F32=_dot_f32(q.dtype), SOFTCAP=softcap > 0,
+        WINDOWED=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)
     return out
