@@ -378,7 +378,11 @@ def test_kernel_reads_nothing_below_a_window(tmp_path):
 
 def test_window_harness_catches_a_read_below_the_window(tmp_path):
     """Negative control: with rows below 600 guarded, reading row 599 faults."""
-    source = GUARDED_CACHE.format(here=str(HERE)) + "\ncache.guard(0, 600)\nprint(float(k[0, 599].sum()))\nprint('read')\n"
+    source = GUARDED_CACHE.format(here=str(HERE)) + textwrap.dedent("""
+        cache.guard(0, 600)
+        print(float(k[0, 599].sum()))
+        print("read")
+        """)
     result = run_python(source, tmp_path)
     assert result.returncode == -11 and "read" not in result.stdout, (result.returncode, result.stderr[-2000:])
 
