@@ -28,7 +28,7 @@ PARTS = {
     "linear": (("model/linear.py", "__call__"),),
     "attention": (("flexinfer/attention.py", "forward"), ("flexinfer/attention.py", "prepare")),
     "norms": (("llama.py", "_rms_norm"),),
-    "silu * up": (("llama.py", "_silu_mul"),),
+    "silu * up": (("llama.py", "_gated_mlp_activation"),),
     "rotary + KV write": (("llama.py", "_rope"), ("llama.py", "_rotary_kv_write")),
     "batch vectors": (("llama.py", "build"),),
     "sampling": (("sampling.py", "sample"),),

@@ -17,7 +17,7 @@ import vtm
 from flexinfer.attention import KernelAttention, SdpaAttention
 from flexinfer.errors import InvalidArgument
 from flexinfer.kv_cache import KVCache
-from flexinfer.model.config import ModelConfig
+from flexinfer.model.config import FULL, ModelConfig
 from flexinfer.model.linear import ONE_ROW_TIE, TIE, choose_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel
 
@@ -204,7 +204,7 @@ def test_decoder_follows_the_cache_it_is_given_and_refuses_a_closed_or_foreign_o
         closed = KVCache(manager, config, torch.float32, max_tokens=64, max_slots=4, layer_groups=2)
         closed.close()
         batch = ForwardBatch.build(runner.slots(0), runner.lengths, [1, 1], CPU)
-        cos, sin = runner.model._rope(batch.positions)
+        cos, sin = runner.model._rope(batch.positions)[FULL]
         for cache, message in ((closed, "layers"), (other, "cache view")):
             hidden = torch.randn(2, config.hidden_size)
             kept = hidden.clone()
@@ -248,7 +248,7 @@ def test_bad_slot_or_position_changes_nothing(bad):
         before = [runner.rows(0, vts, length + 1) for vts, length in zip(runner.vts[0], runner.lengths)]
         hidden = torch.randn(2, config.hidden_size)
         kept = hidden.clone()
-        cos, sin = runner.model._rope(batch.positions.clamp(max=63))
+        cos, sin = runner.model._rope(batch.positions.clamp(max=63))[FULL]
         with pytest.raises(InvalidArgument, match="outside"):
             runner.model.decoder.run(hidden, cos, sin, batch, runner.caches[0])
         assert torch.equal(hidden, kept)
@@ -265,7 +265,7 @@ def test_decoder_refuses_inputs_of_the_wrong_shape_or_dtype():
         runner = Runner(manager, config, torch.float32, layer_groups=1, requests=1)
         runner.step([3], seed=0)
         batch = ForwardBatch.build(runner.slots(0), [0], [3], CPU)
-        cos, sin = runner.model._rope(batch.positions)
+        cos, sin = runner.model._rope(batch.positions)[FULL]
         decoder, cache = runner.model.decoder, runner.caches[0]
         for hidden in (torch.zeros(3, config.hidden_size, dtype=torch.bfloat16), torch.zeros(3, 7),
                        torch.zeros(config.hidden_size, 3).t()):

@@ -48,8 +48,8 @@ def test_rows_is_the_sliced_view(layer_groups):
         for layer in range(config.num_hidden_layers):
             for heads in (kv.k_heads[layer], kv.v_heads[layer]):
                 for slot in range(3):
-                    for length in (1, 17, 64):
-                        got, want = _rows(heads, slot, length), heads[slot:slot + 1, :, :length]
+                    for first, end in ((0, 1), (0, 17), (0, 64), (9, 17), (63, 64), (17, 17)):
+                        got, want = _rows(heads, slot, first, end), heads[slot:slot + 1, :, first:end]
                         assert (got.data_ptr(), got.shape, got.stride()) == (want.data_ptr(), want.shape,
                                                                              want.stride())
         kv.close()

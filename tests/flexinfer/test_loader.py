@@ -19,7 +19,7 @@ from tokenizers import Regex, pre_tokenizers  # noqa: E402
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 
 from flexinfer.errors import ChatTemplateError, FlexInferError, ModelLoadError  # noqa: E402
-from flexinfer.model.config import ModelConfig  # noqa: E402
+from flexinfer.model.config import FULL, SLIDING, ModelConfig  # noqa: E402
 from flexinfer.model.loader import _unpermute_rotary_rows, load_model  # noqa: E402
 from flexinfer.tokenizer import Tokenizer  # noqa: E402
 
@@ -493,16 +493,45 @@ def test_config_rope_scaling_formats():
         ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
-def test_config_mistral_window_and_qwen2_bias():
+def test_config_sliding_windows_and_qwen2_bias():
     base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32768}
     mistral = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 4096})
-    assert mistral.max_position_embeddings == 4096 and not mistral.attention_bias
-    assert ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": None}
-                                    ).max_position_embeddings == 32768
+    assert mistral.max_position_embeddings == 32768 and not mistral.attention_bias
+    assert mistral.layer_types == (SLIDING, SLIDING) and [mistral.window(i) for i in range(2)] == [4096, 4096]
+    # A window that holds every position the model sees is no window.
+    for window in (None, 32768):
+        full = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": window})
+        assert full.layer_types == () and full.sliding_window is None and full.window(1) == 0
+    # Qwen2 carries a window it uses only when told, from max_window_layers on.
     qwen2 = ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "sliding_window": 4096,
                                       "use_sliding_window": False})
-    assert qwen2.attention_bias and qwen2.max_position_embeddings == 32768
+    assert qwen2.attention_bias and qwen2.layer_types == ()
+    qwen2 = ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "sliding_window": 4096,
+                                      "use_sliding_window": True, "max_window_layers": 1})
+    assert qwen2.layer_types == (FULL, SLIDING) and qwen2.sliding_window == 4096
+    listed = ModelConfig.from_hf_dict({**base, "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
+                                       "layer_types": [SLIDING, FULL]})
+    assert listed.layer_types == (SLIDING, FULL) and listed.qk_norm and not listed.attention_bias
+    with pytest.raises(ModelLoadError, match="sliding layers need a positive sliding_window"):
+        ModelConfig.from_hf_dict({**base, "model_type": "gemma2", "layer_types": [SLIDING, FULL]})
+    with pytest.raises(ModelLoadError, match="unsupported layer type.*'chunked_attention'"):
+        ModelConfig.from_hf_dict({**base, "model_type": "llama", "layer_types": ["chunked_attention", FULL]})
+    with pytest.raises(ModelLoadError, match="layer_types lists 1 layers"):
+        ModelConfig.from_hf_dict({**base, "model_type": "llama", "layer_types": [FULL]})
+
+
+def test_config_refuses_what_the_forward_pass_does_not_run():
+    base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 512}
+    for extra, message in [({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
+                            "rope scaling type 'longrope'"),
+                           ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial rotary"),
+                           ({"model_type": "llama", "hidden_act": "relu"}, "hidden_act 'relu'"),
+                           ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional"),
+                           ({"model_type": "gemma3", "text_config": {}}, "unsupported architecture 'gemma3'")]:
+        with pytest.raises(ModelLoadError, match=message):
+            ModelConfig.from_hf_dict({**base, **extra})
 
 
 # ----------------------------------------------------------------------------- errors

@@ -1,11 +1,14 @@
-"""The shape and hyper-parameters of a Llama-family decoder.
+"""The shape and hyper-parameters of a decoder-only transformer.
 
 Invariant: a ModelConfig describes a model the forward pass can run as is: every
-architecture listed in SUPPORTED_ARCHITECTURES is a Llama block (RMSNorm, GQA
-attention with RoPE, SwiGLU MLP) and differs from Llama only in what the fields
-below say (q/k/v biases, tied embeddings, rope parameters). Anything else (a
-sliding window that matters, partial rotary, another activation) is refused when
-the config is built, never silently ignored.
+architecture listed in SUPPORTED_ARCHITECTURES is a pre-norm decoder block
+(RMSNorm, GQA attention with RoPE, a gated MLP) and differs from Llama only in
+what the fields below say: q/k/v biases, q/k norms (Qwen3, Gemma 3), Gemma's
+(1 + w) norms around attention and the MLP, the MLP's activation, scaled
+embeddings, soft-capped attention and final logits, an attention scale, and
+per-layer types (full or sliding-window attention, each with its own RoPE).
+Anything else a config asks for (partial rotary, an unknown rope scaling, a
+multimodal tower) is refused when the config is built, never silently ignored.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from typing import Any, Mapping
 
 from flexinfer.errors import ModelLoadError
 
-# Hugging Face `model_type` values whose checkpoints are plain Llama blocks.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Hugging Face `model_type` values the forward pass runs.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# Layer types (Hugging Face's `layer_types` values).
+FULL, SLIDING = "full_attention", "sliding_attention"
+# MLP activations: SwiGLU's and GeGLU's (tanh-approximated GELU).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_GEMMA = ("gemma2", "gemma3_text")
 # rope_scaling kinds the forward pass implements; "default" is stored as None.
 SUPPORTED_ROPE_TYPES = ("linear", "llama3")
 _REQUIRED_ROPE_KEYS = {
@@ -44,6 +52,21 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Per layer, FULL or SLIDING; () means every layer is FULL.
+    layer_types: tuple[str, ...] = ()
+    # How many keys a sliding layer's query attends to, itself included
+    # (keys at positions p - sliding_window + 1 .. p); None without sliding layers.
+    sliding_window: int | None = None
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # Gemma's norms: they weigh by (1 + w) in float32 and round once, and four of
+    # them sandwich attention and the MLP (pre- and post-norm around each).
+    gemma_norms: bool = False
+    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default: head_dim's)
+    rope_local_theta: float | None = None  # sliding layers' RoPE base, without scaling (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -59,6 +82,23 @@ class ModelConfig:
                                  f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ModelLoadError(f"layer_types lists {len(self.layer_types)} layers, "
+                                     f"num_hidden_layers is {self.num_hidden_layers}")
+            unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
+            if unknown:
+                raise ModelLoadError(f"unsupported layer type(s) {', '.join(map(repr, unknown))} "
+                                     f"(supported: {FULL}, {SLIDING})")
+        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ModelLoadError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ModelLoadError(f"{name} must be a positive number or absent, got {value!r}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type")
             if kind not in SUPPORTED_ROPE_TYPES:
@@ -76,8 +116,10 @@ class ModelConfig:
         transformers 5 one (`rope_parameters` holding both)."""
         architecture = d.get("model_type")
         if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            hint = (" (a multimodal checkpoint: FlexInfer runs Gemma 3's text model, model_type gemma3_text)"
+                    if architecture == "gemma3" else "")
+            raise ModelLoadError(f"unsupported architecture {architecture!r}{hint} "
+                                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         try:
             hidden_size = int(d["hidden_size"])
             num_heads = int(d["num_attention_heads"])
@@ -93,20 +135,14 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(f"config has a malformed value: {exc}") from None
 
-        activation = d.get("hidden_act", "silu")
-        if activation != "silu":
-            raise ModelLoadError(f"unsupported hidden_act {activation!r} (only silu)")
         if d.get("mlp_bias"):
             raise ModelLoadError("unsupported mlp_bias=true")
-        if d.get("use_sliding_window"):
-            raise ModelLoadError("unsupported use_sliding_window=true")
-        window = d.get("sliding_window") if architecture == "mistral" else None
-        if window is not None and window < max_positions:
-            # Within the window sliding-window attention equals full attention, so the
-            # model stays exact if sequences never grow past it.
-            max_positions = int(window)
-
-        rope_theta, rope_scaling = _hf_rope(d)
+        if d.get("use_bidirectional_attention"):
+            raise ModelLoadError("unsupported use_bidirectional_attention=true (an encoder, not a decoder)")
+        gemma = architecture in _GEMMA
+        activation = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        layer_types, window = _hf_layer_types(d, architecture, num_layers, max_positions)
+        rope_theta, rope_scaling, rope_local_theta = _hf_rope(d, architecture)
         # Qwen2 always has q/k/v biases and its config does not say so.
         attention_bias = True if architecture == "qwen2" else bool(d.get("attention_bias", False))
         return cls(
@@ -122,11 +158,33 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Gemma's configs leave it out: their embeddings are tied.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=token_id_tuple(d.get("eos_token_id")),
+            layer_types=layer_types,
+            sliding_window=window,
+            qk_norm=architecture in ("qwen3", "gemma3_text"),
+            gemma_norms=gemma,
+            hidden_act=activation,
+            scale_embeddings=gemma,
+            attn_logit_softcapping=_positive_or_none(d.get("attn_logit_softcapping")) if gemma else None,
+            final_logit_softcapping=_positive_or_none(d.get("final_logit_softcapping")) if gemma else None,
+            query_pre_attn_scalar=_positive_or_none(d.get("query_pre_attn_scalar")) if gemma else None,
+            rope_local_theta=rope_local_theta,
         )
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL
+
+    def window(self, layer: int) -> int:
+        """The keys `layer`'s queries attend to, 0 for all of them."""
+        return self.sliding_window if self.layer_type(layer) == SLIDING else 0
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_row_bytes(self, dtype_bytes: int, layers: int | None = None) -> int:
         """Bytes of K and V for one token across `layers` layers (all layers by default)."""
@@ -143,14 +201,70 @@ def token_id_tuple(value: int | list[int] | tuple[int, ...] | None) -> tuple[int
     return tuple(int(v) for v in value)
 
 
-def _hf_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _positive_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _hf_layer_types(d: Mapping[str, Any], architecture: str, num_layers: int,
+                    max_positions: int) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's type and the sliding window, as transformers derives them:
+    from `layer_types` where the config lists them (transformers 5 writes
+    them), else from each architecture's own rule. A window that holds every
+    position the model can see makes a layer full: they compute the same."""
+    window = d.get("sliding_window")
+    if architecture in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        window = None  # their configs carry a window they do not use unless told
+    listed = d.get("layer_types")
+    if listed is not None:
+        types = tuple(listed)
+    elif window is None:
+        types = (FULL,) * num_layers
+    elif architecture in ("mistral", "phi3"):
+        types = (SLIDING,) * num_layers
+    elif architecture in ("qwen2", "qwen3"):
+        first = int(d.get("max_window_layers", num_layers))
+        types = tuple(SLIDING if i >= first else FULL for i in range(num_layers))
+    elif architecture == "gemma2":
+        types = tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers))
+    else:  # gemma3_text: every `pattern`-th layer is full
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+    if SLIDING in types and window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
+        if window >= max_positions:
+            types = tuple(FULL if t == SLIDING else t for t in types)
+    if len(types) == num_layers and set(types) <= {FULL}:
+        return (), None
+    return types, window  # checked by ModelConfig
+
+
+def _hf_rope(d: Mapping[str, Any], architecture: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding layers' own theta or None).
+
+    transformers 4 writes `rope_theta` + `rope_scaling` (+ Gemma 3's
+    `rope_local_base_freq`); transformers 5 writes `rope_parameters`, keyed by
+    layer type where the types differ (Gemma 3)."""
     params = dict(d.get("rope_parameters") or {})
+    local_theta = None
+    if FULL in params or SLIDING in params:
+        local = dict(params.get(SLIDING) or {})
+        params = dict(params.get(FULL) or {})
+        if local:
+            if local.get("rope_type", local.get("type", "default")) != "default":
+                raise ModelLoadError(f"unsupported rope scaling on sliding layers: {local!r}")
+            local_theta = float(local.get("rope_theta", 10000.0))
+    elif architecture == "gemma3_text":
+        local_theta = float(d.get("rope_local_base_freq", 10000.0))
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ModelLoadError(f"unsupported partial rotary embedding (partial_rotary_factor={partial})")
     params.update(d.get("rope_scaling") or {})
     rope_theta = float(d.get("rope_theta", params.get("rope_theta", 10000.0)))
     # Older configs name the kind "type"; normalise to "rope_type".
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return rope_theta, None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "rope_type")}
+        return rope_theta, None, local_theta
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "rope_type", "partial_rotary_factor")}
     scaling["rope_type"] = kind
-    return rope_theta, scaling
+    return rope_theta, scaling, local_theta

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Qwen2-style q/k/v bias, SmolLM2) in plain PyTorch.
+"""The decoder of every supported family (Llama and SmolLM2, Mistral, Qwen2/3,
+Phi-3, Gemma 2/3) in plain PyTorch.
 
 One forward pass runs a flattened batch: the new tokens of every scheduled
 sequence, concatenated. Projections, norms and the MLP run once over all of
@@ -14,6 +15,13 @@ elsewhere they are torch ops. There, when a pass's projections run the
 `packed` kernel and attention is the batched kernel, all its layers run as
 one C++ call (kernels/cpu_decoder.py) that makes the loop's kernel calls in
 the loop's order: the same bits without ~9 Python calls per layer.
+
+The families differ from Llama only in what ModelConfig says, and each
+difference is one branch in the loop, rounded as transformers rounds it: q/k
+norms before RoPE, Gemma's (1 + w) norms before and after attention and the
+MLP, GeGLU, scaled embeddings, soft-capped logits, and per-layer attention
+(a sliding window, a scale, a soft cap, the layer type's own RoPE table).
+Models with any of them run the loop (the one-call decoder is Llama's).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from flexinfer.errors import InvalidArgument
-from flexinfer.model.config import ModelConfig
+from flexinfer.model.config import FULL, SLIDING, ModelConfig
 from flexinfer.model.linear import Linear, measure_kinds, resolve_linear_kind
 
 
@@ -87,11 +95,14 @@ class ForwardBatch:
         return all(n == 1 for n in self.new_lens)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with the config's rope scaling (default, linear, llama3)."""
+def rope_inv_freq(config: ModelConfig, layer_type: str = FULL) -> torch.Tensor:
+    """Inverse frequencies of `layer_type`'s layers: the config's base with
+    its rope scaling (default, linear, llama3), or Gemma 3's local base."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling or {}
+    local = layer_type == SLIDING and config.rope_local_theta is not None
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = {} if local else (config.rope_scaling or {})
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -131,11 +142,15 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return take(name).to(device=self.device, dtype=dtype)
 
+        def gemma_norm(name: str) -> torch.Tensor:
+            # Gemma weighs by (1 + w), in float32 from the weight in the model's dtype.
+            return 1.0 + w(name).float()
+
         # The fused CPU layer ops where they apply (None: torch ops). Imported
         # here, as attention.py imports its kernels: only a CPU model loads the
-        # compiled extension.
+        # compiled extension. Gemma's norms round differently: torch ops.
         self.layer_ops = None
-        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and not c.gemma_norms:
             from flexinfer.kernels import cpu_layer_ops
 
             self.layer_ops = cpu_layer_ops
@@ -150,12 +165,16 @@ class LlamaModel:
                       torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
                       weights[p + "mlp.down_proj.weight"]]
             self.linear_kind = measure_kinds([t.to(dtype=dtype).contiguous() for t in sample],
-                                             prefer="packed" if self.layer_ops is not None else None)
+                                             prefer="packed" if self._plain_llama else None)
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, self.linear_kind)
 
         self.embed = w("model.embed_tokens.weight")
+        # Gemma scales the embeddings by sqrt(hidden_size) rounded to the model's dtype.
+        self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype, device=self.device)
+                            if c.scale_embeddings else None)
+        norm = gemma_norm if c.gemma_norms else w
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -165,31 +184,54 @@ class LlamaModel:
             if c.attention_bias:
                 qkv_bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
                                       w(p + "self_attn.v_proj.bias")]).contiguous()
-            self.layers.append(dict(
-                input_norm=w(p + "input_layernorm.weight"),
+            layer = dict(
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=linear(qkv, qkv_bias),
                 o=linear(w(p + "self_attn.o_proj.weight")),
-                post_norm=w(p + "post_attention_layernorm.weight"),
+                # Llama's norm before the MLP; Gemma's after attention.
+                post_norm=norm(p + "post_attention_layernorm.weight"),
                 gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                 down=linear(w(p + "mlp.down_proj.weight")),
-            ))
-        self.norm = w("model.norm.weight")
+            )
+            if c.qk_norm:
+                layer.update(q_norm=norm(p + "self_attn.q_norm.weight"), k_norm=norm(p + "self_attn.k_norm.weight"))
+            if c.gemma_norms:
+                layer.update(pre_mlp_norm=norm(p + "pre_feedforward_layernorm.weight"),
+                             post_mlp_norm=norm(p + "post_feedforward_layernorm.weight"))
+            self.layers.append(layer)
+        self.norm = norm("model.norm.weight")
         self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
-        self.inv_freq = rope_inv_freq(c).to(self.device)
+        # One RoPE table per layer type that has its own (Gemma 3's local base).
+        self.layer_types = [c.layer_type(i) for i in range(c.num_hidden_layers)]
+        self.inv_freq = {t: rope_inv_freq(c, t).to(self.device) for t in dict.fromkeys(self.layer_types)}
+        # Each layer's attention: its scale, window and soft cap.
+        self.attention_args = [dict(scale=c.attention_scale, window=c.window(i),
+                                    softcap=c.attn_logit_softcapping or 0.0) for i in range(c.num_hidden_layers)]
         # Where the projections run the packed kernel, all layers of a pass
         # in one C++ call (kernels/cpu_decoder.py); None: the loop below.
         self.decoder = None
-        if self.layer_ops is not None and "packed" in self.layers[0]["qkv"].weights:
+        if self.layer_ops is not None and self._plain_llama and "packed" in self.layers[0]["qkv"].weights:
             from flexinfer.kernels.cpu_decoder import CpuDecoder
 
             self.decoder = CpuDecoder(self)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, head_dim] of each token's position; sin's first half negated."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
-        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
-        return cos.to(self.dtype), sin.to(self.dtype)
+    @property
+    def _plain_llama(self) -> bool:
+        """Whether every layer is a Llama block, which the one-call decoder runs."""
+        c = self.config
+        return (self.layer_ops is not None and not c.qk_norm and not c.gemma_norms and c.hidden_act == "silu"
+                and not c.layer_types and c.attn_logit_softcapping is None and c.query_pre_attn_scalar is None
+                and c.final_logit_softcapping is None and not c.scale_embeddings)
+
+    def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type, cos and sin [T, head_dim] of each token's position; sin's first half negated."""
+        tables = {}
+        for layer_type, inv_freq in self.inv_freq.items():
+            freqs = positions.float()[:, None] * inv_freq[None, :]
+            cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
+            sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+            tables[layer_type] = (cos.to(self.dtype), sin.to(self.dtype))
+        return tables
 
     @staticmethod
     def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -201,12 +243,29 @@ class LlamaModel:
         x.mul_(cos).add_(swapped.mul_(sin))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if self.config.gemma_norms:
+            # Gemma: normalise and weigh in float32, round once (weight holds 1 + w).
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
         if self.layer_ops is not None:
-            return self.layer_ops.rms_norm(x, weight, self.config.rms_norm_eps)
-        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+            return self.layer_ops.rms_norm(x, weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of gate_up [T, 2I] = [gate | up]."""
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The q/k norm over each head of x [T, heads, head_dim] (a strided
+        slice of qkv), rounded as transformers rounds it."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        if self.config.gemma_norms:
+            return (normed * weight).to(x.dtype)
+        return weight * normed.to(x.dtype)
+
+    def _gated_mlp_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of gate_up [T, 2I] = [gate | up]: SwiGLU or GeGLU."""
+        if self.config.hidden_act == "gelu_pytorch_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
         if self.layer_ops is not None:
             return self.layer_ops.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -231,20 +290,31 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
-        cos, sin = self._rope(batch.positions)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        rope = self._rope(batch.positions)
         if self._runs_decoder(t, attention):
-            self.decoder.run(hidden, cos, sin, batch, kv_cache)
+            self.decoder.run(hidden, *rope[FULL], batch, kv_cache)
             return self._logits(hidden, batch)
         attention.prepare(batch, kv_cache)
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer["input_norm"])
             qkv = layer["qkv"](x).view(t, heads + 2 * kv_heads, c.head_dim)
-            self._rotary_kv_write(i, qkv, cos, sin, batch, kv_cache)
-            attn = attention.forward(i, qkv[:, :heads], batch, kv_cache)
+            if c.qk_norm:
+                qkv[:, :heads] = self._head_norm(qkv[:, :heads], layer["q_norm"])
+                qkv[:, heads:heads + kv_heads] = self._head_norm(qkv[:, heads:heads + kv_heads], layer["k_norm"])
+            self._rotary_kv_write(i, qkv, *rope[self.layer_types[i]], batch, kv_cache)
+            attn = attention.forward(i, qkv[:, :heads], batch, kv_cache, **self.attention_args[i])
+            if c.gemma_norms:
+                hidden = hidden + self._rms_norm(layer["o"](attn.reshape(t, self.q_size)), layer["post_norm"])
+                x = self._rms_norm(hidden, layer["pre_mlp_norm"])
+                mlp = layer["down"](self._gated_mlp_activation(layer["gate_up"](x)))
+                hidden = hidden + self._rms_norm(mlp, layer["post_mlp_norm"])
+                continue
             hidden = layer["o"](attn.reshape(t, self.q_size), residual=hidden)
             x = self._rms_norm(hidden, layer["post_norm"])
-            hidden = layer["down"](self._silu_mul(layer["gate_up"](x)), residual=hidden)
+            hidden = layer["down"](self._gated_mlp_activation(layer["gate_up"](x)), residual=hidden)
         return self._logits(hidden, batch)
 
     def _runs_decoder(self, tokens: int, attention) -> bool:
@@ -256,4 +326,8 @@ class LlamaModel:
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         last = self._rms_norm(hidden.index_select(0, batch.last_index), self.norm)
-        return self.lm_head(last).float()
+        logits = self.lm_head(last)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model's dtype, as transformers caps them
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

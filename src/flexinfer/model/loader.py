@@ -2,7 +2,8 @@
 folder, or a known alias.
 
 Invariant: whatever the source, `LoadedModel.weights` uses Hugging Face Llama
-parameter names and layouts, holds exactly the tensors the config implies
+parameter names and layouts (plus the q/k norms and Gemma's extra norms where
+the config has them; Phi-3's fused projections are split), holds exactly the tensors the config implies
 (`lm_head.weight` only when embeddings are not tied), and every tensor is
 contiguous, on CPU, in the requested dtype.
 """
@@ -136,6 +137,10 @@ def _expected_weight_names(config: ModelConfig) -> list[str]:
         names += [f"{layer}.self_attn.{p}_proj.weight" for p in ("q", "k", "v")]
         if config.attention_bias:
             names += [f"{layer}.self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
+        if config.qk_norm:
+            names += [f"{layer}.self_attn.q_norm.weight", f"{layer}.self_attn.k_norm.weight"]
+        if config.gemma_norms:
+            names += [f"{layer}.pre_feedforward_layernorm.weight", f"{layer}.post_feedforward_layernorm.weight"]
     return names
 
 
@@ -152,6 +157,8 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (config.intermediate_size, hidden),
         "mlp.up_proj.weight": (config.intermediate_size, hidden),
         "mlp.down_proj.weight": (hidden, config.intermediate_size),
+        "self_attn.q_norm.weight": (config.head_dim,), "self_attn.k_norm.weight": (config.head_dim,),
+        "pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,),
     }
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,),
               "lm_head.weight": (config.vocab_size, hidden)}
@@ -433,15 +440,37 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
     expected = set(_expected_weight_names(config))
     weights: dict[str, torch.Tensor] = {}
     with progress("reading weights", "tensor") as bar:
-        for name, tensor in _safetensors_tensors(folder):
-            if name in expected:
-                weights[name] = tensor.to(dtype).contiguous()
-            elif not _is_redundant_tensor(name, config):
-                raise ModelLoadError(f"{folder}: unexpected tensor {name} for a {config.architecture} model")
+        for stored_name, stored in _safetensors_tensors(folder):
+            for name, tensor in _split_fused(folder, stored_name, stored, config):
+                if name in expected:
+                    weights[name] = tensor.to(dtype).contiguous()
+                elif not _is_redundant_tensor(name, config):
+                    raise ModelLoadError(f"{folder}: unexpected tensor {name} for a {config.architecture} model")
             bar.update()
     _check_weights(folder, config, weights)
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(folder))
+
+
+def _split_fused(source: Path, name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """Phi-3 stores q, k and v as one `qkv_proj` and gate and up as one
+    `gate_up_proj`; split them into the names every other family uses (the
+    model fuses them again, in its own order). A fused tensor whose rows do
+    not add up is refused."""
+    if name.endswith("self_attn.qkv_proj.weight"):
+        q_rows = config.num_attention_heads * config.head_dim
+        kv_rows = config.num_key_value_heads * config.head_dim
+        sizes, parts = [q_rows, kv_rows, kv_rows], ("q_proj", "k_proj", "v_proj")
+        stem = name[: -len("qkv_proj.weight")]
+    elif name.endswith("mlp.gate_up_proj.weight"):
+        sizes, parts = [config.intermediate_size] * 2, ("gate_proj", "up_proj")
+        stem = name[: -len("gate_up_proj.weight")]
+    else:
+        return [(name, tensor)]
+    if tensor.dim() != 2 or tensor.shape[0] != sum(sizes):
+        raise ModelLoadError(f"{source}: fused tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                             f"{sum(sizes)} rows")
+    return [(f"{stem}{part}.weight", piece) for part, piece in zip(parts, tensor.split(sizes))]
 
 
 def _is_redundant_tensor(name: str, config: ModelConfig) -> bool:
