@@ -43,6 +43,7 @@ class VtmMachine(RuleBasedStateMachine):
         self.recorded = [set(), set()]  # per namespace: recorded sequences (tuples)
         self.recorded_by = {}   # vt -> sequences it recorded (a recorder may lock them)
         self.matched = {}       # vt -> the path its match locked
+        self.low = {}           # vt -> its low mark (absent: 0)
         self.steps = 0
 
     # ---------------------------------------------------------------- helpers
@@ -69,8 +70,25 @@ class VtmMachine(RuleBasedStateMachine):
         return q[:max_len]
 
     def write_new_rows(self, vt, old_n):
+        """Rows a vTensor gained, except those on pages already unmapped
+        below its low mark (rows below the mark on a kept page keep what is
+        written there: a record may share that page)."""
         si, tokens = self.live[vt]
-        self.ios[si].write(vt, tokens, old_n, vt.num_tokens)
+        row = self.spaces[si].row_bytes
+        first_whole = -(-self.low_page(vt) * self.mgr.chunk_bytes // row)
+        self.ios[si].write(vt, tokens, max(old_n, first_whole), vt.num_tokens)
+
+    def low_page(self, vt):
+        """Pages wholly below vt's low mark: unmapped (docs/api.md, "The low mark")."""
+        si, _ = self.live[vt]
+        return self.low.get(vt, 0) * self.spaces[si].row_bytes // self.mgr.chunk_bytes
+
+    def draw_low(self, data, vt, target):
+        """None (keep the mark), or a new mark in [current, target]."""
+        current = self.low.get(vt, 0)
+        if current > target or data.draw(st.booleans()):
+            return None
+        return data.draw(st.integers(current, target))
 
     def grow(self, data, vt, target):
         si, tokens = self.live[vt]
@@ -129,10 +147,31 @@ class VtmMachine(RuleBasedStateMachine):
         si, tokens = self.live[vt]
         mt = self.spaces[si].max_tokens
         target = data.draw(st.integers(max(0, len(tokens) - 3), mt))
-        vt.extend(target).result()
+        low = self.draw_low(data, vt, target)
+        vt.extend(target, low=low).result()
         old = self.grow(data, vt, target)
+        if low is not None:
+            self.low[vt] = low
+            event("extend with a low mark")
         assert vt.num_tokens == max(old, target)
+        assert vt.low == self.low.get(vt, 0)
         self.write_new_rows(vt, old)
+
+    @rule(data=st.data())
+    def lower_the_low_mark(self, data):
+        """A mark below the current one (the bytes are gone), or past the rows
+        asked for, is refused and changes nothing."""
+        vt = self.draw_vt(data)
+        if vt is None or self.low.get(vt, 0) == 0:
+            return
+        si, tokens = self.live[vt]
+        pages = vt.page_chunks()
+        with pytest.raises(vtm.InvalidArgument):
+            if data.draw(st.booleans()):
+                vt.extend(len(tokens), low=data.draw(st.integers(0, self.low[vt] - 1))).result()
+            else:
+                self.mgr.step({vt: (self.low[vt] - 1, self.low[vt])}).result()
+        assert (vt.num_tokens, vt.low, vt.page_chunks()) == (len(tokens), self.low[vt], pages)
 
     @rule(data=st.data())
     def step(self, data):
@@ -143,11 +182,16 @@ class VtmMachine(RuleBasedStateMachine):
         req = {}
         for vt in chosen:
             si, tokens = self.live[vt]
-            req[vt] = data.draw(st.integers(len(tokens), self.spaces[si].max_tokens))
+            target = data.draw(st.integers(len(tokens), self.spaces[si].max_tokens))
+            low = self.draw_low(data, vt, target)
+            req[vt] = target if low is None else (target, low)
         self.mgr.step(req).result()
         for vt, target in req.items():
+            if isinstance(target, tuple):
+                target, self.low[vt] = target
             old = self.grow(data, vt, target)
             assert vt.num_tokens == target
+            assert vt.low == self.low.get(vt, 0)
             self.write_new_rows(vt, old)
 
     @rule(data=st.data())
@@ -159,6 +203,11 @@ class VtmMachine(RuleBasedStateMachine):
         k = data.draw(st.integers(1, len(tokens)))
         seq = tuple(tokens[:k])
         ns = self.ns_of[si]
+        if self.low_page(vt) > 0:
+            # These spaces record whole prefixes; the rows below the mark are gone.
+            with pytest.raises(vtm.FailedPrecondition):
+                self.spaces[si].prefix_record(vt, list(seq)).result()
+            return
         expect = k - best_lcp(seq, self.recorded[ns])
         got = self.spaces[si].prefix_record(vt, list(seq)).result()
         assert got == expect, f"prefix_record({list(seq)}) added {got}, model says {expect}"
@@ -199,6 +248,7 @@ class VtmMachine(RuleBasedStateMachine):
         del self.live[vt]
         self.recorded_by.pop(vt, None)
         self.matched.pop(vt, None)
+        self.low.pop(vt, None)
 
     @rule()
     def trim(self):
@@ -247,14 +297,15 @@ class VtmMachine(RuleBasedStateMachine):
             mine = [(vt, t) for vt, (s, t) in self.live.items() if s == si]
             assert d["vtensors"] == len(mine), (sp.name, d)
             assert d["slots_free"] == sp.max_slots - len(mine) == sp.free_slots, (sp.name, d)
-            used = sum(len(t) for _, t in mine)
+            used = sum(len(t) - self.low.get(vt, 0) for vt, t in mine)  # the rows they hold
             assert d["used_tokens"] == used, (sp.name, d)
             assert d["used_bytes"] == used * sp.row_bytes, (sp.name, d)
             assert d["mapped_bytes"] >= d["used_bytes"], (sp.name, d)
         for vt, (si, tokens) in self.live.items():
             assert not vt.released
-            assert vt.num_tokens == len(tokens)
-            assert vt.mapped_bytes >= len(tokens) * self.spaces[si].row_bytes
+            assert vt.num_tokens == len(tokens) and vt.low == self.low.get(vt, 0)
+            assert vt.mapped_bytes >= (len(tokens) - vt.low) * self.spaces[si].row_bytes
+            assert vt.page_chunks()[:self.low_page(vt)] == [None] * self.low_page(vt)
             # every row of every live vTensor still holds what was written for it
             self.ios[si].verify(vt, tokens)
         chunk = self.mgr.chunk_bytes

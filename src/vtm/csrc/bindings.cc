@@ -333,13 +333,16 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("address", [](const PyVTensor& vt) { return LiveInfo(vt).address; })
       .def_property_readonly("mapped_bytes", [](const PyVTensor& vt) { return LiveInfo(vt).mapped_bytes; })
       .def("page_chunks", [](const PyVTensor& vt) { return PageList(LiveInfo(vt).pages); })
+      .def_property_readonly("low", [](const PyVTensor& vt) { return LiveInfo(vt).low; })
       .def(
           "extend",
-          [](const PyVTensor& vt, std::int64_t n) {
+          [](const PyVTensor& vt, std::int64_t n, std::optional<std::int64_t> low) {
             const std::size_t tokens = Count(n, "num_tokens");
-            return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Extend(vt.id, tokens); })};
+            std::optional<std::size_t> mark;
+            if (low) mark = Count(*low, "low");
+            return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Extend(vt.id, tokens, mark); })};
           },
-          py::arg("num_tokens"))
+          py::arg("num_tokens"), py::arg("low") = py::none())
       .def("release",
            [](const PyVTensor& vt) { return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Release(vt.id); })}; })
       .def("__hash__", [](const PyVTensor& vt) { return std::hash<std::uint64_t>()(vt.id); })
@@ -492,11 +495,21 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "step",
           [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {
-            std::vector<std::pair<std::uint64_t, std::size_t>> list;
+            std::vector<StepTarget> list;
             for (auto item : targets) {
               const auto& vt = item.first.cast<const PyVTensor&>();
               if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, "step: vTensor of another manager");
-              list.emplace_back(vt.id, Count(item.second.cast<std::int64_t>(), "num_tokens"));
+              list.push_back(StepTarget{vt.id, 0, std::nullopt});
+              // n_tokens, or (n_tokens, low) to raise the low mark too.
+              if (py::isinstance<py::tuple>(item.second)) {
+                auto pair = item.second.cast<py::tuple>();
+                if (pair.size() != 2)
+                  Throw(ErrorCode::kInvalidArgument, "step: a target is n_tokens or (n_tokens, low)");
+                list.back().num_tokens = Count(pair[0].cast<std::int64_t>(), "num_tokens");
+                list.back().low = Count(pair[1].cast<std::int64_t>(), "low");
+              } else {
+                list.back().num_tokens = Count(item.second.cast<std::int64_t>(), "num_tokens");
+              }
             }
             return PyFuture{mgr, NoGil([&] { return Core(mgr).Step(std::move(list)); })};
           },

@@ -195,13 +195,13 @@ std::shared_ptr<FutureState> Manager::Create(std::uint32_t space, std::size_t n)
   return Submit("create", {id}, false, [this, space, id, n] { return DoCreate(space, id, n); });
 }
 
-std::shared_ptr<FutureState> Manager::Extend(std::uint64_t vt, std::size_t n) {
-  return Submit("extend", {vt}, false, [this, vt, n] { return DoStep({{vt, n}}); });
+std::shared_ptr<FutureState> Manager::Extend(std::uint64_t vt, std::size_t n, std::optional<std::size_t> low) {
+  return Submit("extend", {vt}, false, [this, vt, n, low] { return DoStep({StepTarget{vt, n, low}}); });
 }
 
-std::shared_ptr<FutureState> Manager::Step(std::vector<std::pair<std::uint64_t, std::size_t>> targets) {
+std::shared_ptr<FutureState> Manager::Step(std::vector<StepTarget> targets) {
   std::vector<std::uint64_t> keys;
-  for (auto& [vt, n] : targets) keys.push_back(vt);
+  for (const StepTarget& t : targets) keys.push_back(t.vt);
   return Submit("step", keys, false, [this, targets = std::move(targets)] { return DoStep(targets); });
 }
 

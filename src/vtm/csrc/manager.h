@@ -25,7 +25,8 @@
 //  * refs(chunk) == mappings of it in slots + prefix-tree nodes holding it;
 //  * chunks with refs 0 are exactly the pool's free list;
 //  * a slot is owned by at most one live vTensor; a live vTensor's pages
-//    cover its num_tokens rows; a free slot's mapped pages are private
+//    cover its rows [low, num_tokens), and no page wholly below its low mark
+//    is mapped (docs/api.md, "low mark"); a free slot's mapped pages are private
 //    (refs 1): pages shared with the tree are unmapped when a vTensor is
 //    released, so a reused slot never writes a shared page;
 //  * cached_pages_ == mapped pages of free slots <= the cache budget;
@@ -90,9 +91,18 @@ struct VTensorInfo {
   std::uint32_t space = 0;
   int slot = -1;
   std::size_t num_tokens = 0;
+  std::size_t low = 0;
   std::uintptr_t address = 0;
   std::size_t mapped_bytes = 0;
   std::vector<ChunkId> pages;
+};
+
+// One entry of a step: cover `num_tokens` rows and, when `low` is given,
+// raise the low mark to it (unmapping every page wholly below it).
+struct StepTarget {
+  std::uint64_t vt = 0;
+  std::size_t num_tokens = 0;
+  std::optional<std::size_t> low;  // none: the vTensor keeps its low mark
 };
 
 struct SpaceInfo {
@@ -142,8 +152,8 @@ class Manager {
                             const std::string& ns, const std::string& name);
 
   std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);
-  std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens);
-  std::shared_ptr<FutureState> Step(std::vector<std::pair<std::uint64_t, std::size_t>> targets);
+  std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens, std::optional<std::size_t> low);
+  std::shared_ptr<FutureState> Step(std::vector<StepTarget> targets);
   std::shared_ptr<FutureState> Release(std::uint64_t vt);
   // The copies these make (the page being written, the copy-on-write page)
   // run after the work queued on `stream` before the call (a fence recorded
@@ -201,6 +211,7 @@ class Manager {
     int slot = -1;
     std::size_t num_tokens = 0;
     PrefixNode* lock_node = nullptr;
+    std::size_t low = 0;  // the low mark: pages wholly below row `low` are unmapped
   };
 
   // Executor keys of prefix trees have this bit set; vTensor ids never do.
@@ -214,7 +225,7 @@ class Manager {
 
   // Operation bodies, run on a worker.
   FutureValue DoCreate(std::uint32_t space, std::uint64_t id, std::size_t n);
-  FutureValue DoStep(const std::vector<std::pair<std::uint64_t, std::size_t>>& targets);
+  FutureValue DoStep(const std::vector<StepTarget>& targets);
   FutureValue DoRelease(std::uint64_t id);
   FutureValue DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
                        const Fence* after);
@@ -238,6 +249,9 @@ class Manager {
   }
   VTensor& LiveVTensor(std::uint64_t id);
   std::size_t PagesFor(const Space& sp, std::size_t tokens) const;
+  // The first page a vTensor with low mark `low` keeps: the pages before it
+  // lie wholly below row `low`.
+  std::size_t LowPage(const Space& sp, std::size_t low) const { return low * sp.row_bytes / chunk_bytes_; }
   int ClaimSlot(Space& sp, std::size_t need_pages, bool for_match, UndoLog& undo);
   // Gives a claimed slot to `owner`.
   void TakeSlot(Space& sp, int slot, std::uint64_t owner);

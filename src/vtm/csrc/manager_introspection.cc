@@ -22,6 +22,7 @@ VTensorInfo Manager::DescribeVTensor(std::uint64_t id) const {
   info.space = vt.space;
   info.slot = vt.slot;
   info.num_tokens = vt.num_tokens;
+  info.low = vt.low;
   const auto reservation = mapper_->reservation(vt.space);
   info.address = reservation ? reservation->va() + static_cast<std::size_t>(vt.slot) * sp.slot_bytes : 0;
   info.mapped_bytes = s.mapped * chunk_bytes_;
@@ -56,7 +57,7 @@ SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
     }
   }
   for (const auto& [id, vt] : vtensors_)
-    if (vt.space == space) info.used_tokens += vt.num_tokens;
+    if (vt.space == space) info.used_tokens += vt.num_tokens - vt.low;  // the rows it holds
   return info;
 }
 
@@ -134,7 +135,8 @@ Stats Manager::GetStats() const {
     index_of[id] = st.spaces.size();
     st.spaces.emplace_back(sp->name, info);
   }
-  for (const auto& [id, vt] : vtensors_) st.spaces[index_of.at(vt.space)].second.used_tokens += vt.num_tokens;
+  for (const auto& [id, vt] : vtensors_)
+    st.spaces[index_of.at(vt.space)].second.used_tokens += vt.num_tokens - vt.low;  // the rows it holds
   return st;
 }
 
@@ -184,7 +186,15 @@ void Manager::Check() const {
     const Space& sp = SpaceOf(vt.space);
     const Slot& s = sp.slots[vt.slot];
     if (s.owner != id) fail("vTensor " + std::to_string(id) + " does not own its slot");
-    for (std::size_t p = 0; p < PagesFor(sp, vt.num_tokens); ++p)
+    if (vt.low > vt.num_tokens)
+      fail("vTensor " + std::to_string(id) + " has low mark " + std::to_string(vt.low) + " past its " +
+           std::to_string(vt.num_tokens) + " tokens");
+    const std::size_t first = LowPage(sp, vt.low);
+    for (std::size_t p = 0; p < first; ++p)
+      if (s.pages[p] != kNoChunk)
+        fail("vTensor " + std::to_string(id) + " maps page " + std::to_string(p) + ", wholly below its low mark " +
+             std::to_string(vt.low));
+    for (std::size_t p = first; p < PagesFor(sp, vt.num_tokens); ++p)
       if (s.pages[p] == kNoChunk) fail("vTensor " + std::to_string(id) + " lacks page " + std::to_string(p));
     for (const PrefixNode* n = vt.lock_node; n != nullptr && n->parent != nullptr; n = n->parent) ++locks[n];
   }

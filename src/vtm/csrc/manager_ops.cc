@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <unordered_set>
 
 #include "error.h"
 
@@ -31,38 +32,74 @@ FutureValue Manager::DoCreate(std::uint32_t space, std::uint64_t id, std::size_t
   return VTensorRef{id};
 }
 
-FutureValue Manager::DoStep(const std::vector<std::pair<std::uint64_t, std::size_t>>& targets) {
+FutureValue Manager::DoStep(const std::vector<StepTarget>& targets) {
   std::unique_lock<std::mutex> lock(mu_);
-  // Validate everything first; a vTensor named twice takes the larger size.
-  std::map<std::uint64_t, std::size_t> want;
-  for (auto [id, n] : targets) {
-    VTensor& vt = LiveVTensor(id);
+  // Validate everything first; a vTensor named twice takes the larger size
+  // and the larger low mark.
+  struct Want {
+    std::size_t n = 0, low = 0;
+  };
+  std::map<std::uint64_t, Want> want;
+  for (const StepTarget& t : targets) {
+    VTensor& vt = LiveVTensor(t.vt);
     const Space& sp = SpaceOf(vt.space);
-    if (n > sp.max_tokens)
-      Throw(ErrorCode::kInvalidArgument, "extend: " + std::to_string(n) + " tokens exceed max_tokens " +
+    if (t.num_tokens > sp.max_tokens)
+      Throw(ErrorCode::kInvalidArgument, "extend: " + std::to_string(t.num_tokens) + " tokens exceed max_tokens " +
                                              std::to_string(sp.max_tokens) + " of space '" + sp.name + "'");
-    want[id] = std::max(want[id], n);
+    if (t.low && *t.low < vt.low)
+      Throw(ErrorCode::kInvalidArgument, "extend: low " + std::to_string(*t.low) + " is below the low mark " +
+                                             std::to_string(vt.low) + " of vTensor " + std::to_string(t.vt) +
+                                             ": the rows below it are gone");
+    if (t.low && *t.low > t.num_tokens)
+      Throw(ErrorCode::kInvalidArgument, "extend: low " + std::to_string(*t.low) + " exceeds num_tokens " +
+                                             std::to_string(t.num_tokens));
+    auto [it, added] = want.try_emplace(t.vt, Want{t.num_tokens, t.low.value_or(vt.low)});
+    if (!added) {
+      it->second.n = std::max(it->second.n, t.num_tokens);
+      it->second.low = std::max(it->second.low, t.low.value_or(vt.low));
+    }
   }
+  // Each vTensor maps the pages of [low, n) it lacks and unmaps every page
+  // wholly below its low mark. An unmapped chunk nothing else holds moves to
+  // a page this step maps (a sliding window's steady state takes nothing
+  // from the pool); the others drop their reference at commit.
   struct Plan {
     std::uint64_t id;
-    std::size_t n;
-    std::vector<std::size_t> missing;
+    Want want;
+    std::vector<std::size_t> missing, dropped;
   };
   std::vector<Plan> plans;
+  std::vector<ChunkId> recycled;
   std::size_t total = 0;
-  for (auto [id, n] : want) {
+  for (auto [id, w] : want) {
     VTensor& vt = vtensors_.at(id);
     const Space& sp = SpaceOf(vt.space);
-    Plan plan{id, n, {}};
-    const std::size_t need = PagesFor(sp, n);
-    for (std::size_t p = 0; p < need; ++p)
-      if (sp.slots[vt.slot].pages[p] == kNoChunk) plan.missing.push_back(p);
+    const Slot& s = sp.slots[vt.slot];
+    Plan plan{id, w, {}, {}};
+    const std::size_t first = LowPage(sp, w.low), need = PagesFor(sp, w.n);
+    for (std::size_t p = 0; p < first; ++p)
+      if (s.pages[p] != kNoChunk) {
+        plan.dropped.push_back(p);
+        if (pool_->refs(s.pages[p]) == 1) recycled.push_back(s.pages[p]);
+      }
+    for (std::size_t p = first; p < need; ++p)
+      if (s.pages[p] == kNoChunk) plan.missing.push_back(p);
     total += plan.missing.size();
     plans.push_back(std::move(plan));
   }
+  if (recycled.size() > total) recycled.resize(total);
   UndoLog undo(&rollback_failures_total_);
-  std::vector<ChunkId> chunks = Acquire(total, undo, lock);
+  std::vector<ChunkId> chunks = recycled;
+  std::vector<ChunkId> acquired = Acquire(total - recycled.size(), undo, lock);
+  chunks.insert(chunks.end(), acquired.begin(), acquired.end());
   // Look the vTensors up again: Acquire may have waited without the lock.
+  // Unmapped first, so a recycled chunk is never mapped at two pages.
+  std::vector<ChunkId> unmapped;
+  for (Plan& plan : plans) {
+    const VTensor& vt = vtensors_.at(plan.id);
+    std::vector<ChunkId> gone = UnmapPages(SpaceOf(vt.space), vt.slot, plan.dropped, &undo);
+    unmapped.insert(unmapped.end(), gone.begin(), gone.end());
+  }
   std::size_t next = 0;
   for (Plan& plan : plans) {
     const VTensor& vt = vtensors_.at(plan.id);
@@ -71,9 +108,14 @@ FutureValue Manager::DoStep(const std::vector<std::pair<std::uint64_t, std::size
     MapPages(SpaceOf(vt.space), vt.slot, plan.missing, mine, undo);
   }
   undo.Commit();
+  // A recycled chunk keeps its one reference, now for its new page.
+  const std::unordered_set<ChunkId> moved(recycled.begin(), recycled.end());
+  for (ChunkId c : unmapped)
+    if (moved.count(c) == 0) pool_->Unref(c);
   for (Plan& plan : plans) {
     VTensor& vt = vtensors_.at(plan.id);
-    vt.num_tokens = std::max(vt.num_tokens, plan.n);
+    vt.num_tokens = std::max(vt.num_tokens, plan.want.n);
+    vt.low = plan.want.low;
   }
   AfterCommit();
   return std::monostate{};
@@ -136,6 +178,10 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   const std::size_t n = tokens.size();
   const int slot = vt.slot;
   std::vector<ChunkId> pages = sp.slots[slot].pages;
+  if (LowPage(sp, vt.low) > 0)
+    Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor " + std::to_string(id) +
+                                              " unmapped its rows below its low mark " + std::to_string(vt.low) +
+                                              ", and space '" + sp.name + "' records whole prefixes only");
   // The recorder's next row goes into the page holding byte n*R. When that
   // page would join the tree, the tree gets a copy instead, so a page the
   // tree holds is never written again (docs/design.md §3).
