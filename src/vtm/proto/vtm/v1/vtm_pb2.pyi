@@ -109,12 +109,14 @@ class CreateRequest(_message.Message):
     def __init__(self, space_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("vtensor_id", "num_tokens")
+    __slots__ = ("vtensor_id", "num_tokens", "low")
     VTENSOR_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
     vtensor_id: int
     num_tokens: int
-    def __init__(self, vtensor_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    low: int
+    def __init__(self, vtensor_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., low: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("targets",)
@@ -181,18 +183,20 @@ class SpaceEffects(_message.Message):
     def __init__(self, space_id: _Optional[int] = ..., pages: _Optional[_Iterable[_Union[PageEffect, _Mapping]]] = ..., closed: _Optional[bool] = ...) -> None: ...
 
 class VTensorState(_message.Message):
-    __slots__ = ("vtensor_id", "space_id", "slot", "num_tokens", "released")
+    __slots__ = ("vtensor_id", "space_id", "slot", "num_tokens", "released", "low")
     VTENSOR_ID_FIELD_NUMBER: _ClassVar[int]
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
     vtensor_id: int
     space_id: int
     slot: int
     num_tokens: int
     released: bool
-    def __init__(self, vtensor_id: _Optional[int] = ..., space_id: _Optional[int] = ..., slot: _Optional[int] = ..., num_tokens: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
+    low: int
+    def __init__(self, vtensor_id: _Optional[int] = ..., space_id: _Optional[int] = ..., slot: _Optional[int] = ..., num_tokens: _Optional[int] = ..., released: _Optional[bool] = ..., low: _Optional[int] = ...) -> None: ...
 
 class OpReply(_message.Message):
     __slots__ = ("effects", "vtensors", "value", "vtensor_id", "matched_tokens")
