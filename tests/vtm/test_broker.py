@@ -148,6 +148,39 @@ def test_low_mark_unmaps_below_it_and_refuses_lowering(broker, fast_path):
         mgr.check()
 
 
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
+def test_window_space_records_holes_and_matches_its_window(broker, fast_path):
+    """docs/api.md, "Window spaces", through vtmd: a record with holes, a
+    windowed match's pages and low mark, the bytes in this process's view."""
+    with vtm.connect(broker.address, name="window", fast_path=fast_path) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=3, namespace="w", window_tokens=100)
+        assert space.window_tokens == 100
+        with pytest.raises(vtm.InvalidArgument):
+            mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1, namespace="w", window_tokens=50)
+        view = space.tensor(np.uint8)
+        tokens = list(range(1000, 1400))
+        vt = space.create(400).result()  # pages 0-6 (65.5 rows a page)
+        view[vt.slot, :400 * ROW] = pattern(tokens)
+        vt.extend(400, low=270).result()  # pages 0-3 unmapped
+        assert space.prefix_record(vt, tokens).result() == 400
+        [node] = space.prefix_nodes()
+        assert node["pages"][:4] == [None] * 4 and None not in node["pages"][4:]
+        vt.release().result()
+        assert held(mgr) == 3
+        # 400 rows: the window is rows 301-399, pages 4-6.
+        match = space.prefix_match(tokens + [7]).result()
+        first_row = -(-4 * CHUNK // ROW)  # 263: the first row wholly on page 4
+        assert (match.num_tokens, match.vtensor.low) == (400, first_row)
+        assert match.vtensor.page_chunks()[:4] == [None] * 4 and match.vtensor.page_chunks()[4:6] == node["pages"][4:6]
+        assert (view[match.vtensor.slot, first_row * ROW:400 * ROW] == pattern(tokens)[first_row * ROW:]).all()
+        # Leaving the path at row 350 needs rows 251-349: page 3 is a hole.
+        assert space.prefix_match(tokens[:350] + [7]).result().num_tokens == 0
+        mgr.check()
+        match.vtensor.release().result()
+        space.clear_prefixes()
+        assert held(mgr) == 0
+
+
 def test_two_clients_share_one_pool(broker, spawn):
     q = CTX.Queue()
     with vtm.connect(broker.address, name="parent") as mgr:

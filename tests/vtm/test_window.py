@@ -192,3 +192,179 @@ print("read", int(view[0, 0]), flush=True)
     # SIGSEGV; under `make test-sanitize`, AddressSanitizer reports it and aborts.
     assert out.returncode in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT), out
     assert "kept 7" in out.stdout and "read" not in out.stdout, out
+
+
+# ---------------------------------------------------------------------------
+# window spaces: records with holes, windowed matches (docs/api.md, "Window spaces")
+
+W = 40  # rows a window space's match needs: its last 40
+
+
+@pytest.fixture
+def window(mgr):
+    return mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=6, window_tokens=W)
+
+
+def slid(space, io, tokens, low):
+    """A vTensor that computed `tokens` and slid its low mark to `low`."""
+    vt = space.create(len(tokens)).result()
+    io.write(vt, tokens, 0, len(tokens))
+    vt.extend(len(tokens), low=low).result()
+    return vt
+
+
+def first_row_of(page):
+    return -(-page * 64 * 1024 // 3000)
+
+
+def test_a_record_keeps_holes_and_a_match_maps_only_its_window(mgr, window):
+    io = RowIO(window)
+    vt = slid(window, io, A[:120], 80)  # pages 0-2 unmapped; 3-5 mapped
+    assert window.window_tokens == W
+    assert window.prefix_record(vt, A[:120]).result() == 120
+    [node] = window.prefix_nodes()
+    assert node["pages"][:3] == [None] * 3 and None not in node["pages"][3:]
+    st = assert_pool_consistent(mgr)
+    assert st["chunks_in_tree"] == 3  # holes hold nothing
+    vt.release().result()
+    # 120 rows: the window is rows 81-119, on pages 3-5.
+    m = window.prefix_match(A[:120] + [SENTINEL]).result()
+    assert m.num_tokens == 120
+    assert m.vtensor.low == first_row_of(3) == 66
+    assert m.vtensor.page_chunks()[:3] == [None] * 3
+    assert m.vtensor.page_chunks()[3:5] == node["pages"][3:5], "whole pages are shared"
+    assert m.vtensor.page_chunks()[5] not in (None, node["pages"][5]), "the partial last page is a copy"
+    io.verify(m.vtensor, A, 66, 120)
+    # The vTensor continues like any other, and slides on.
+    own = A[:120] + B[:30]
+    m.vtensor.extend(150, low=110).result()
+    io.write(m.vtensor, own, 120, 150)
+    io.verify(m.vtensor, own)
+    # A query that leaves the recorded path at row 100 needs rows 61-99:
+    # page 2 is a hole, so nothing matches (no shorter length has its window either).
+    assert window.prefix_match(A[:100] + [SENTINEL]).result().num_tokens == 0
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_records_through_the_same_nodes_fill_holes(mgr, window):
+    io = RowIO(window)
+    window.prefix_record(slid(window, io, A[:120], 80), A[:120]).result()
+    assert window.prefix_match(A[:60] + [SENTINEL]).result().num_tokens == 0
+    # A whole record of A[:60] fills the holes of pages 0-1 and takes a copy
+    # of page 2 (it writes its row 60 there next).
+    whole = window.create(60).result()
+    io.write(whole, A, 0, 60)
+    assert window.prefix_record(whole, A[:60]).result() == 0  # no new tokens: only pages
+    upper, lower = window.prefix_nodes()
+    assert (upper["end"], lower["start"]) == (60, 60)
+    assert None not in upper["pages"] and upper["pages"][2] != whole.page_chunks()[2]
+    assert lower["pages"][0] is None, "the lower node's own version of page 2 stays a hole"
+    m = window.prefix_match(A[:60] + [SENTINEL]).result()
+    assert (m.num_tokens, m.vtensor.low) == (60, 0)
+    io.verify(m.vtensor, A, 0, 60)
+    # Past row 60 a match needs the lower node's page 2 (the upper node's
+    # version holds rows 60-65 of whoever recorded it): 100 tokens shrink to 60.
+    m2 = window.prefix_match(A[:100] + [SENTINEL]).result()
+    assert m2.num_tokens == 60
+    io.verify(m2.vtensor, A, 0, 60)
+    # A third record, whole, fills that hole: now 100 rows match.
+    full = window.create(120).result()
+    io.write(full, A, 0, 120)
+    window.prefix_record(full, A[:120]).result()
+    assert None not in window.prefix_nodes()[1]["pages"]
+    m3 = window.prefix_match(A[:100] + [SENTINEL]).result()
+    assert (m3.num_tokens, m3.vtensor.low) == (100, first_row_of(2))
+    io.verify(m3.vtensor, A, first_row_of(2), 100)
+    for v in (whole, full, m.vtensor, m2.vtensor, m3.vtensor):
+        v.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_holes_evict_and_clear_without_leaks(mgr, window):
+    io = RowIO(window)
+    for tokens in (A[:120], B[:120]):
+        vt = slid(window, io, tokens, 80)
+        window.prefix_record(vt, tokens).result()
+        vt.release().result()
+    st = assert_pool_consistent(mgr)
+    assert st["chunks_in_tree"] == 6 and st["chunks_held"] == 6 and st["tree_nodes"] == 2
+    mgr.trim()
+    freed = mgr.trim(bytes=3 * mgr.chunk_bytes)  # evicts the least recently used leaf, A's
+    assert freed == 3 * mgr.chunk_bytes and mgr.stats()["evictions_total"] == 1
+    assert window.prefix_match(A[:120] + [SENTINEL]).result().num_tokens == 0
+    m = window.prefix_match(B[:120] + [SENTINEL]).result()
+    assert (m.num_tokens, m.vtensor.low) == (120, 66)
+    io.verify(m.vtensor, B, 66, 120)
+    m.vtensor.release().result()
+    window.clear_prefixes()
+    mgr.trim()
+    assert mgr.stats()["chunks_created"] == 0
+    mgr.check()
+
+
+def test_window_arguments_that_make_no_sense_are_refused(mgr):
+    mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=1, namespace="shared", window_tokens=W)
+    before = mgr.stats()["spaces"]
+    for kwargs in ({"window_tokens": -1}, {"window_tokens": MAXT + 1},  # every row is in the window
+                   {"namespace": "shared", "window_tokens": W + 1},  # a namespace has one window
+                   {"namespace": "shared"}):
+        with pytest.raises(vtm.InvalidArgument):
+            mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=1, **kwargs)
+        assert mgr.stats()["spaces"] == before
+    mgr.check()
+
+
+BACKEND_OPS = ["create_chunk", "release_chunk", "map", "set_access", "unmap", "copy"]
+WINDOW_OPS = {
+    # fills pages 0-1's holes and copies page 2 into page 2's
+    "record_fill": lambda sp, whole: sp.prefix_record(whole, A[:60]).result(),
+    # maps pages 3-4, copies page 5
+    "match": lambda sp, whole: sp.prefix_match(A[:120] + [SENTINEL]).result(),
+    # a recorder that slid: a new leaf with holes (pages 2-3) and a copy of its page 5
+    "record_holes": lambda sp, whole: sp.prefix_record(whole, A[:60] + B[:70]).result(),
+}
+
+
+def window_scenario(op):
+    mgr = new_manager(chunks=64, faults=True, prealloc_chunks=0, slot_cache_bytes=0)
+    sp = mgr.create_space(row_bytes=ROW, max_tokens=MAXT, max_slots=6, window_tokens=W)
+    io = RowIO(sp)
+    rec = slid(sp, io, A[:120], 80)
+    sp.prefix_record(rec, A[:120]).result()
+    tokens = A[:60] + B[:70] if op == "record_holes" else A[:60]
+    whole = sp.create(len(tokens)).result()
+    io.write(whole, tokens, 0, len(tokens))
+    if op == "record_holes":
+        whole.extend(len(tokens), low=100).result()
+    return mgr, sp, io, {rec: A[:120], whole: tokens}, whole
+
+
+@pytest.mark.parametrize("op", sorted(WINDOW_OPS))
+def test_a_failed_window_record_or_match_changes_nothing(op):
+    mgr, sp, io, live, whole = window_scenario(op)
+    try:
+        c0 = {b: mgr.faults.calls(b) for b in BACKEND_OPS}
+        WINDOW_OPS[op](sp, whole)
+        used = {b: mgr.faults.calls(b) - c0[b] for b in BACKEND_OPS if mgr.faults.calls(b) > c0[b]}
+    finally:
+        mgr.close()
+    assert used.get("copy", 0) == 1, used
+    checked = 0
+    for bop, n in sorted(used.items()):
+        for k in range(1, n + 1):
+            mgr, sp, io, live, whole = window_scenario(op)
+            try:
+                before = snapshot(mgr, [sp], live, {sp.name: io})
+                mgr.faults.fail_nth(bop, k)
+                with pytest.raises(vtm.BackendError):
+                    WINDOW_OPS[op](sp, whole)
+                mgr.faults.clear()
+                assert_same_state(before, snapshot(mgr, [sp], live, {sp.name: io}))
+                assert_pool_consistent(mgr)
+                WINDOW_OPS[op](sp, whole)  # succeeds once the fault is gone
+                assert_pool_consistent(mgr)
+                checked += 1
+            finally:
+                mgr.close()
+    assert checked >= 1

@@ -78,6 +78,7 @@ log = logging.getLogger("vtm.broker")
 
 _BYE_TIMEOUT_S = 2.0
 _PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
+_HOLE = (1 << 32) - 1  # PrefixNode.pages: a page a window space's tree does not hold
 
 
 def _message(cls, what: str, **fields):
@@ -416,7 +417,7 @@ class RemoteManager:
             for space in self._spaces.values():
                 request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=space.row_bytes,
                                    max_tokens=space.max_tokens, max_slots=space.max_slots,
-                                   namespace=space.namespace, name=space.name)
+                                   namespace=space.namespace, name=space.name, window_tokens=space.window_tokens)
                 reply = self._rpc("create_space", self._stub.CreateSpace, request)
                 made[space.id] = reply.space_id
                 if (reply.max_slots, reply.slot_bytes) != (space.max_slots, space.slot_bytes):
@@ -635,7 +636,7 @@ class RemoteManager:
         def run():
             reply = self._rpc("prefix_nodes", self._stub.PrefixNodes, vtm_pb2.SpaceRequest(space_id=space.id))
             return [{"start": n.start, "end": n.end, "tokens": list(n.tokens), "locks": n.locks,
-                     "pages": list(n.pages)} for n in reply.nodes]
+                     "pages": [None if c == _HOLE else c for c in n.pages]} for n in reply.nodes]
         return self._submit(run)
 
     def _close_space(self, space: RemoteSpace) -> RemoteFuture:
@@ -653,10 +654,12 @@ class RemoteManager:
 
     # -- the Manager API -----------------------------------------------------
 
-    def create_space(self, row_bytes, max_tokens, max_slots, namespace=None, name=None) -> RemoteSpace:
+    def create_space(self, row_bytes, max_tokens, max_slots, namespace=None, name=None, *,
+                     window_tokens=0) -> RemoteSpace:
         request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=_count(row_bytes, "row_bytes"),
                            max_tokens=_count(max_tokens, "max_tokens"), max_slots=_count(max_slots, "max_slots"),
-                           namespace=namespace or "", name=name or "")
+                           namespace=namespace or "", name=name or "",
+                           window_tokens=_count(window_tokens, "window_tokens"))
 
         def run():
             reply = self._rpc("create_space", self._stub.CreateSpace, request)

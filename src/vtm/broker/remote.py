@@ -135,6 +135,7 @@ class RemoteSpace:
         self.max_slots = reply.max_slots
         self.slot_bytes = reply.slot_bytes
         self.pages_per_slot = reply.pages_per_slot
+        self.window_tokens = reply.window_tokens
         self.closed = False
 
     @property

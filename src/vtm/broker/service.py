@@ -55,6 +55,7 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 log = logging.getLogger("vtm.broker")
 
 _MAX_COUNT = 1 << 62  # sizes above this are malformed (the manager takes int64)
+_HOLE = (1 << 32) - 1  # PrefixNode.pages: a page a window space's tree does not hold
 _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
 MAX_SPACES = 64  # per session
 # A session's spaces may describe page tables of this many entries per chunk
@@ -431,7 +432,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                       f"{session.table_entries + entries} entries, more than the "
                                       f"{self._table_budget} a client may hold; close a space first")
             space = self.manager.create_space(row_bytes, max_tokens, max_slots, namespace=request.namespace or None,
-                                              name=f"c{session.client_id}/{name}")
+                                              name=f"c{session.client_id}/{name}",
+                                              window_tokens=_count(request.window_tokens, "window_tokens"))
             session.next_space += 1
             session.spaces[space.id] = space
             session.space_names[space.id] = name
@@ -440,7 +442,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             session.geometry[space.id] = (space.row_bytes, space.max_tokens)
             return vtm_pb2.SpaceReply(space_id=space.id, name=name, namespace=space.namespace,
                                       row_bytes=space.row_bytes, max_tokens=space.max_tokens, max_slots=space.max_slots,
-                                      slot_bytes=space.slot_bytes, pages_per_slot=space.pages_per_slot)
+                                      slot_bytes=space.slot_bytes, pages_per_slot=space.pages_per_slot,
+                                      window_tokens=space.window_tokens)
         return self._run(context, body)
 
     def CloseSpace(self, request, context):
@@ -579,7 +582,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             nodes = self._space(session, request.space_id).prefix_nodes()
             return vtm_pb2.PrefixNodesReply(nodes=[
                 vtm_pb2.PrefixNode(start=n["start"], end=n["end"], tokens=n["tokens"], locks=n["locks"],
-                                   pages=n["pages"]) for n in nodes])
+                                   pages=[_HOLE if c is None else c for c in n["pages"]]) for n in nodes])
         return self._run(context, body)
 
     # Control calls: no lease needed (see the proto).

@@ -395,7 +395,7 @@ PYBIND11_MODULE(_core, m) {
                d["end"] = n.end;
                d["tokens"] = n.tokens;
                d["locks"] = n.locks;
-               d["pages"] = n.pages;
+               d["pages"] = PageList(n.pages);  // None: a hole (window spaces)
                out.append(d);
              }
              return out;
@@ -418,6 +418,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("name", [](const PySpace& s) { return s.fixed->name; })
       .def_property_readonly("namespace", [](const PySpace& s) { return s.fixed->ns; })
       .def_property_readonly("row_bytes", [](const PySpace& s) { return s.fixed->row_bytes; })
+      .def_property_readonly("window_tokens", [](const PySpace& s) { return s.fixed->window_tokens; })
       .def_property_readonly("max_tokens", [](const PySpace& s) { return s.fixed->max_tokens; })
       .def_property_readonly("max_slots", [](const PySpace& s) { return s.fixed->max_slots; })
       .def_property_readonly("slot_bytes", [](const PySpace& s) { return s.fixed->slot_bytes; })
@@ -480,18 +481,19 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "create_space",
           [](const std::shared_ptr<PyManager>& mgr, std::int64_t row_bytes, std::int64_t max_tokens,
-             std::int64_t max_slots, std::optional<std::string> ns, std::optional<std::string> name) {
+             std::int64_t max_slots, std::optional<std::string> ns, std::optional<std::string> name,
+             std::int64_t window_tokens) {
             const std::size_t r = Count(row_bytes, "row_bytes"), t = Count(max_tokens, "max_tokens"),
-                              n = Count(max_slots, "max_slots");
+                              n = Count(max_slots, "max_slots"), w = Count(window_tokens, "window_tokens");
             std::uint32_t id;
             {
               py::gil_scoped_release release;
-              id = Core(mgr).CreateSpace(r, t, n, ns.value_or(""), name.value_or(""));
+              id = Core(mgr).CreateSpace(r, t, n, ns.value_or(""), name.value_or(""), w);
             }
             return SpaceObject(mgr, id);
           },
           py::arg("row_bytes"), py::arg("max_tokens"), py::arg("max_slots"), py::arg("namespace") = py::none(),
-          py::arg("name") = py::none())
+          py::arg("name") = py::none(), py::kw_only(), py::arg("window_tokens") = 0)
       .def(
           "step",
           [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {

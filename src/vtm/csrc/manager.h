@@ -107,7 +107,7 @@ struct StepTarget {
 
 struct SpaceInfo {
   std::string name, ns;
-  std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
+  std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0, window_tokens = 0;
   std::uintptr_t base = 0;
   std::size_t slots_free = 0, vtensors = 0, used_tokens = 0, mapped_bytes = 0, cached_bytes = 0;
   bool closed = false;
@@ -148,8 +148,10 @@ class Manager {
   // reservation. Idempotent.
   void Close();
 
+  // window_tokens W > 0 makes a window space: its tree records holes and
+  // its matches need only the pages under their last W rows.
   std::uint32_t CreateSpace(std::size_t row_bytes, std::size_t max_tokens, std::size_t max_slots,
-                            const std::string& ns, const std::string& name);
+                            const std::string& ns, const std::string& name, std::size_t window_tokens);
 
   std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);
   std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens, std::optional<std::size_t> low);
@@ -203,6 +205,7 @@ class Manager {
     std::string name, ns;
     PrefixTree* tree = nullptr;
     std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
+    std::size_t window_tokens = 0;  // its tree's (0: a space of whole prefixes)
     std::vector<Slot> slots;
     std::vector<int> clean_free;  // free slots with nothing mapped
   };

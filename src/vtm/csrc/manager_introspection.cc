@@ -45,6 +45,7 @@ SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
   info.max_slots = sp.max_slots;
   info.slot_bytes = sp.slot_bytes;
   info.pages_per_slot = sp.pages_per_slot;
+  info.window_tokens = sp.window_tokens;
   const auto reservation = mapper_->reservation(space);
   info.base = reservation ? reservation->va() : 0;
   for (const Slot& s : sp.slots) {
@@ -102,7 +103,8 @@ Stats Manager::GetStats() const {
     tree->ForEach([&](const PrefixNode& n) {
       ++st.tree_nodes;
       st.tree_tokens += n.tokens.size();
-      in_tree.insert(n.pages.begin(), n.pages.end());
+      for (ChunkId c : n.pages)
+        if (c != kNoChunk) in_tree.insert(c);  // a hole holds nothing
     });
   st.chunks_mapped = mapped.size();
   st.chunks_cached = cached.size();
@@ -123,6 +125,7 @@ Stats Manager::GetStats() const {
     info.max_tokens = sp->max_tokens;
     info.max_slots = sp->max_slots;
     info.slot_bytes = sp->slot_bytes;
+    info.window_tokens = sp->window_tokens;
     for (const Slot& s : sp->slots) {
       if (s.owner == 0) {
         ++info.slots_free;
@@ -205,7 +208,10 @@ void Manager::Check() const {
       if (n.parent->end() != n.start) fail(where + " does not start at its parent's end");
       if (n.first_page != tree->FirstPage(n.start) || n.first_page + n.pages.size() != tree->PageEnd(n.end()))
         fail(where + " keeps the wrong pages");
-      for (ChunkId c : n.pages) count(c, where);
+      for (ChunkId c : n.pages) {
+        if (c != kNoChunk) count(c, where);
+        else if (tree->window_tokens() == 0) fail(where + " has a hole in a tree of whole prefixes");
+      }
       auto it = locks.find(&n);
       if (n.locks != (it == locks.end() ? 0 : it->second))
         fail(where + " has " + std::to_string(n.locks) + " locks, expected " +

@@ -178,18 +178,23 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   const std::size_t n = tokens.size();
   const int slot = vt.slot;
   std::vector<ChunkId> pages = sp.slots[slot].pages;
-  if (LowPage(sp, vt.low) > 0)
+  // A window space records the pages the vTensor holds, with holes where
+  // it unmapped them below its low mark; any other records whole prefixes.
+  if (LowPage(sp, vt.low) > 0 && sp.window_tokens == 0)
     Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor " + std::to_string(id) +
                                               " unmapped its rows below its low mark " + std::to_string(vt.low) +
                                               ", and space '" + sp.name + "' records whole prefixes only");
   // The recorder's next row goes into the page holding byte n*R. When that
-  // page would join the tree, the tree gets a copy instead, so a page the
-  // tree holds is never written again (docs/design.md §3).
+  // page would join the tree (in a new node, or filling a hole), the tree
+  // gets a copy instead, so a page the tree holds is never written again
+  // (docs/design.md §3).
   ChunkId copy = kNoChunk;
   const std::size_t boundary = n * sp.row_bytes;
-  if (sp.tree->Find(tokens.data(), n).length < n && boundary % chunk_bytes_ != 0) {
+  const std::size_t p = boundary / chunk_bytes_;
+  const TreePosition recorded = sp.tree->Find(tokens.data(), n);
+  if (boundary % chunk_bytes_ != 0 && pages[p] != kNoChunk &&
+      (recorded.length < n || (sp.window_tokens > 0 && sp.tree->HoleAt(recorded, p)))) {
     UndoLog undo(&rollback_failures_total_);
-    const std::size_t p = boundary / chunk_bytes_;
     copy = Acquire(1, undo, lock).front();
     backend_->copy(pool_->handle(copy), pool_->handle(pages[p]), boundary - p * chunk_bytes_, after);
     pages[p] = copy;
@@ -218,13 +223,19 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // Capped at len - 1 (the last token's KV is what the caller computes) and
   // at this space's max_tokens (a space sharing the namespace may be longer).
   const std::size_t limit = tokens.empty() ? 0 : std::min(tokens.size() - 1, sp.max_tokens);
-  const TreePosition found = sp.tree->Find(tokens.data(), limit);
+  TreePosition found = sp.tree->Find(tokens.data(), limit);
+  // A window space matches as far as the tree holds the pages under the
+  // match's last W rows (they may have holes below); the vTensor maps those
+  // pages only, and its low mark is the first row wholly in them.
+  if (sp.window_tokens > 0) found = sp.tree->Windowed(found);
   const std::size_t m = found.length;
   if (m == 0) return MatchResult{0, 0};
 
   const std::size_t need = PagesFor(sp, m);
+  const std::size_t first = sp.tree->FirstNeededPage(m);
   const std::size_t shared_end = m * sp.row_bytes / chunk_bytes_;  // pages wholly below the match
   const bool partial = shared_end < need;
+  const std::size_t low = first == need ? m : (first * chunk_bytes_ + sp.row_bytes - 1) / sp.row_bytes;
   std::vector<ChunkId> source(need, kNoChunk);
   sp.tree->CollectPages(found, &source);
 
@@ -235,7 +246,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // workers run) cannot free them either.
   sp.tree->Lock(found.node);
   undo.Add([this, &sp, node = found.node] { sp.tree->Unlock(node); });
-  for (std::size_t p = 0; p < need; ++p) {
+  for (std::size_t p = first; p < need; ++p) {
     if (source[p] == kNoChunk) Throw(ErrorCode::kInternal, "prefix tree lacks page " + std::to_string(p));
     pool_->Ref(source[p]);
     undo.Add([this, c = source[p]] { pool_->Unref(c); });
@@ -249,7 +260,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
 
   std::vector<std::size_t> pages;
   std::vector<ChunkId> chunks;
-  for (std::size_t p = 0; p < shared_end; ++p) {
+  for (std::size_t p = first; p < shared_end; ++p) {
     pages.push_back(p);
     chunks.push_back(source[p]);
   }
@@ -278,7 +289,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   sp.tree->Touch(node, ++tick_);
   if (partial) ++cow_copies_total_;
   TakeSlot(sp, slot, id);
-  vtensors_[id] = VTensor{space, slot, m, node};
+  vtensors_[id] = VTensor{space, slot, m, node, low};
   AfterCommit();
   return MatchResult{id, m};
 }

@@ -61,21 +61,23 @@ class SetQuotaRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CreateSpaceRequest(_message.Message):
-    __slots__ = ("row_bytes", "max_tokens", "max_slots", "namespace", "name")
+    __slots__ = ("row_bytes", "max_tokens", "max_slots", "namespace", "name", "window_tokens")
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     row_bytes: int
     max_tokens: int
     max_slots: int
     namespace: str
     name: str
-    def __init__(self, row_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_slots: _Optional[int] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    window_tokens: int
+    def __init__(self, row_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_slots: _Optional[int] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class SpaceReply(_message.Message):
-    __slots__ = ("space_id", "name", "namespace", "row_bytes", "max_tokens", "max_slots", "slot_bytes", "pages_per_slot")
+    __slots__ = ("space_id", "name", "namespace", "row_bytes", "max_tokens", "max_slots", "slot_bytes", "pages_per_slot", "window_tokens")
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,7 @@ class SpaceReply(_message.Message):
     MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     space_id: int
     name: str
     namespace: str
@@ -92,7 +95,8 @@ class SpaceReply(_message.Message):
     max_slots: int
     slot_bytes: int
     pages_per_slot: int
-    def __init__(self, space_id: _Optional[int] = ..., name: _Optional[str] = ..., namespace: _Optional[str] = ..., row_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., pages_per_slot: _Optional[int] = ...) -> None: ...
+    window_tokens: int
+    def __init__(self, space_id: _Optional[int] = ..., name: _Optional[str] = ..., namespace: _Optional[str] = ..., row_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., pages_per_slot: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class SpaceRequest(_message.Message):
     __slots__ = ("space_id",)
