@@ -98,6 +98,89 @@ def test_errors_map_to_the_in_process_exceptions(broker, fast_path):
         mgr.check()
 
 
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
+def test_low_mark_unmaps_below_it_and_refuses_lowering(broker, fast_path):
+    """docs/api.md, "The low mark", through vtmd: the same unmaps, the same
+    errors, the same bytes above the mark in this process's view."""
+    with vtm.connect(broker.address, name="window", fast_path=fast_path) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=2)  # 65.5 rows a page
+        view = space.tensor(np.uint8)
+        tokens = list(range(600))
+        vt, other = space.create(300).result(), space.create(100).result()  # pages 0-4, 0-1
+        view[vt.slot, :300 * ROW] = pattern(tokens[:300])
+        before = vt.page_chunks()
+        vt.extend(400, low=200).result()  # pages 0-2 lie wholly below row 200
+        pages = vt.page_chunks()
+        assert (vt.num_tokens, vt.low) == (400, 200)
+        assert pages[:3] == [None] * 3 and pages[3:5] == before[3:5]
+        assert {pages[5], pages[6]} <= set(before[:3]), "two unmapped chunks serve the two new pages"
+        assert held(mgr) == 6 and mgr.stats()["chunks_free"] == 1
+        assert (view[vt.slot, 200 * ROW:300 * ROW] == pattern(tokens[:300])[200 * ROW:]).all()
+        view[vt.slot, 300 * ROW:400 * ROW] = pattern(tokens[:400])[300 * ROW:]
+        mgr.step({other: 150, vt: (500, 330)}).result()  # page 4 goes too
+        assert (other.num_tokens, other.low, vt.num_tokens, vt.low) == (150, 0, 500, 330)
+        assert vt.page_chunks()[:5] == [None] * 5 and vt.page_chunks()[7] is not None
+        assert (view[vt.slot, 330 * ROW:400 * ROW] == pattern(tokens[:400])[330 * ROW:]).all()
+        state = (vt.num_tokens, vt.low, vt.page_chunks(), other.num_tokens, other.page_chunks(), held(mgr))
+        for bad in (lambda: vt.extend(600, low=329), lambda: vt.extend(600, low=601),
+                    lambda: mgr.step({other: 300, vt: (600, 100)}), lambda: mgr.step({vt: (600,)}),
+                    lambda: vt.extend(600, low=-1)):
+            with pytest.raises(vtm.InvalidArgument):
+                bad().result()
+            assert (vt.num_tokens, vt.low, vt.page_chunks(), other.num_tokens, other.page_chunks(),
+                    held(mgr)) == state
+        vt.extend(520).result()  # no low: the mark stays
+        assert vt.low == 330
+        mgr.check()
+        # A match makes a vTensor of mark 0; the broker reports it.
+        view[other.slot, :150 * ROW] = pattern(tokens[:150])
+        space.prefix_record(other, tokens[:150]).result()
+        other.release().result()
+        match = space.prefix_match(tokens[:150] + [7]).result()
+        assert (match.num_tokens, match.vtensor.low) == (150, 0)
+        assert (view[match.vtensor.slot, :150 * ROW] == pattern(tokens[:150])).all()
+        with pytest.raises(vtm.FailedPrecondition, match="low mark"):
+            space.prefix_record(vt, tokens[:500]).result()
+        for v in (vt, match.vtensor):
+            v.release().result()
+        space.clear_prefixes()
+        assert held(mgr) == 0
+        mgr.check()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
+def test_window_space_records_holes_and_matches_its_window(broker, fast_path):
+    """docs/api.md, "Window spaces", through vtmd: a record with holes, a
+    windowed match's pages and low mark, the bytes in this process's view."""
+    with vtm.connect(broker.address, name="window", fast_path=fast_path) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=3, namespace="w", window_tokens=100)
+        assert space.window_tokens == 100
+        with pytest.raises(vtm.InvalidArgument):
+            mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1, namespace="w", window_tokens=50)
+        view = space.tensor(np.uint8)
+        tokens = list(range(1000, 1400))
+        vt = space.create(400).result()  # pages 0-6 (65.5 rows a page)
+        view[vt.slot, :400 * ROW] = pattern(tokens)
+        vt.extend(400, low=270).result()  # pages 0-3 unmapped
+        assert space.prefix_record(vt, tokens).result() == 400
+        [node] = space.prefix_nodes()
+        assert node["pages"][:4] == [None] * 4 and None not in node["pages"][4:]
+        vt.release().result()
+        assert held(mgr) == 3
+        # 400 rows: the window is rows 301-399, pages 4-6.
+        match = space.prefix_match(tokens + [7]).result()
+        first_row = -(-4 * CHUNK // ROW)  # 263: the first row wholly on page 4
+        assert (match.num_tokens, match.vtensor.low) == (400, first_row)
+        assert match.vtensor.page_chunks()[:4] == [None] * 4 and match.vtensor.page_chunks()[4:6] == node["pages"][4:6]
+        assert (view[match.vtensor.slot, first_row * ROW:400 * ROW] == pattern(tokens)[first_row * ROW:]).all()
+        # Leaving the path at row 350 needs rows 251-349: page 3 is a hole.
+        assert space.prefix_match(tokens[:350] + [7]).result().num_tokens == 0
+        mgr.check()
+        match.vtensor.release().result()
+        space.clear_prefixes()
+        assert held(mgr) == 0
+
+
 def test_two_clients_share_one_pool(broker, spawn):
     q = CTX.Queue()
     with vtm.connect(broker.address, name="parent") as mgr:

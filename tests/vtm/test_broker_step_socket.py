@@ -139,7 +139,7 @@ def _malformed(rng: random.Random, own_space: int, other_space: int, own_vt: int
     """One frame that must be refused: each is invalid, so none may change state."""
     big = rng.choice([1001, 2**62, 2**63, 2**64 - 1])
     rid = rng.randrange(2**64)
-    choice = rng.randrange(11)
+    choice = rng.randrange(13)
     if choice == 0:
         return rng.randbytes(rng.randrange(1, 80))  # garbage (a valid header by chance: p ~ 1e-9)
     if choice == 1:  # a header whose count disagrees with the length
@@ -149,7 +149,7 @@ def _malformed(rng: random.Random, own_space: int, other_space: int, own_vt: int
         size += size == sc.PAIR.size * count  # count 0 and a negative change: one byte too many
         return sc.REQUEST.pack(op, count, rid) + rng.randbytes(size)
     if choice == 2:  # an unknown op (AUTH again included)
-        return sc.encode_request(rng.choice([0, sc.AUTH, 6, 99, 2**32 - 1]), rid, [own_vt, 11])
+        return sc.encode_request(rng.choice([0, sc.AUTH, 8, 99, 2**32 - 1]), rid, [own_vt, 11])
     if choice == 3:  # one-pair ops with several pairs
         op = rng.choice([sc.CREATE, sc.EXTEND, sc.RELEASE])
         return sc.encode_request(op, rid, [own_vt, 11] * rng.choice([0, 2, 3]))
@@ -167,6 +167,13 @@ def _malformed(rng: random.Random, own_space: int, other_space: int, own_vt: int
         return sc.encode_request(sc.STEP, rid, [x for t in targets for x in t])
     if choice == 9:
         return sc.encode_request(sc.RELEASE, rid, [rng.choice([other_vt, 0, 777]), 0])
+    if choice == 11:  # a low mark past the rows asked for, or another client's vTensor; pairs where triples go
+        words = rng.choice([[own_vt, 5, rng.choice([6, 50, 1001, 2**62, 2**63])], [other_vt, 50, 10], [own_vt, 50]])
+        return sc.encode_request(sc.EXTEND_LOW, rid, words)
+    if choice == 12:  # one bad entry spoils the step: all or nothing
+        targets = [[own_vt, 50, sc.KEEP_LOW], rng.choice([[own_vt, 20, 30], [other_vt, 50, 0], [own_vt, big, 0]])]
+        rng.shuffle(targets)
+        return sc.encode_request(sc.STEP_LOW, rid, [x for t in targets for x in t])
     # A refused frame with bits flipped where they keep it refused: the count
     # (then it disagrees with the length) or the high half of the first id.
     frame = bytearray(sc.encode_request(rng.choice([sc.EXTEND, sc.RELEASE]), rid, [other_vt, 5]))

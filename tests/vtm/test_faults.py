@@ -108,6 +108,32 @@ class Scenario:
                 self.live[self.vt1] = A[:110]
                 self.live[self.vt2] = t2
             return ok
+        if op == "extend_low":
+            # Pages 0-1 are shared with vt2 and the tree (they lose a
+            # reference), page 2 is private: it moves to page 4, the one
+            # extend maps. Page 3 keeps rows 70-79.
+            self.vt1.extend(100, low=70).result()
+
+            def ok():
+                assert (self.vt1.num_tokens, self.vt1.low) == (100, 70)
+                assert self.vt1.page_chunks()[:3] == [None] * 3
+                io.write(self.vt1, A, 80, 100)
+                self.live[self.vt1] = A[:100]
+            return ok
+        if op == "step_low":
+            # vt1 drops pages 0-2 as above and grows into pages 4-5 (one
+            # recycled, one new); vt2 (matched) drops its shared page 0.
+            self.mgr.step({self.vt1: (110, 70), self.vt2: (60, 30)}).result()
+
+            def ok():
+                assert (self.vt1.num_tokens, self.vt1.low, self.vt2.num_tokens, self.vt2.low) == (110, 70, 60, 30)
+                assert self.vt2.page_chunks()[0] is None and self.vt2.page_chunks()[1] is not None
+                io.write(self.vt1, A, 80, 110)
+                t2 = A[:50] + OWN[:10]
+                io.write(self.vt2, t2, 55, 60)
+                self.live[self.vt1] = A[:110]
+                self.live[self.vt2] = t2
+            return ok
         if op == "prefix_record":
             added = sp.prefix_record(self.vt1, A[:60]).result()
 
@@ -172,7 +198,7 @@ class Scenario:
         self.mgr.close()
 
 
-OPS = ["create", "create_reuse", "extend", "step", "prefix_record", "prefix_match",
+OPS = ["create", "create_reuse", "extend", "step", "extend_low", "step_low", "prefix_record", "prefix_match",
        "release", "release_cached", "trim"]
 
 
@@ -198,6 +224,8 @@ def test_fault_at_every_backend_call(op):
     assert set(used) - MAY_ABSORB, f"{op} makes no backend call whose failure it must report: {used}"
     if op in ("create", "extend", "step"):
         assert used.get("map", 0) >= 2, f"{op} maps at least two pages: {used}"
+    if op in ("extend_low", "step_low"):
+        assert used.get("unmap", 0) >= 1 and used.get("map", 0) >= 1, f"{op} unmaps and maps: {used}"
     if op == "prefix_match":
         assert used.get("copy", 0) >= 1, f"a partial last page must be copied: {used}"
     checked = 0
@@ -227,7 +255,7 @@ def test_fault_at_every_backend_call(op):
     assert checked > 0
 
 
-@pytest.mark.parametrize("op", ["create", "create_reuse", "extend", "step", "prefix_match"])
+@pytest.mark.parametrize("op", ["create", "create_reuse", "extend", "step", "step_low", "prefix_match"])
 def test_device_oom_on_create_chunk(op):
     sc = Scenario(op)
     try:

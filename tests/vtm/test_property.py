@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import vtm
-from vtm_testing import (SCALE, RowIO, assert_pool_consistent, best_lcp, leaf_paths, maximal,
+from vtm_testing import (SCALE, RowIO, assert_pool_consistent, best_lcp, lcp, leaf_paths, maximal,
                       new_manager, node_paths)
 
 VOCAB = 4
@@ -43,6 +43,7 @@ class VtmMachine(RuleBasedStateMachine):
         self.recorded = [set(), set()]  # per namespace: recorded sequences (tuples)
         self.recorded_by = {}   # vt -> sequences it recorded (a recorder may lock them)
         self.matched = {}       # vt -> the path its match locked
+        self.low = {}           # vt -> its low mark (absent: 0)
         self.steps = 0
 
     # ---------------------------------------------------------------- helpers
@@ -69,8 +70,25 @@ class VtmMachine(RuleBasedStateMachine):
         return q[:max_len]
 
     def write_new_rows(self, vt, old_n):
+        """Rows a vTensor gained, except those on pages already unmapped
+        below its low mark (rows below the mark on a kept page keep what is
+        written there: a record may share that page)."""
         si, tokens = self.live[vt]
-        self.ios[si].write(vt, tokens, old_n, vt.num_tokens)
+        row = self.spaces[si].row_bytes
+        first_whole = -(-self.low_page(vt) * self.mgr.chunk_bytes // row)
+        self.ios[si].write(vt, tokens, max(old_n, first_whole), vt.num_tokens)
+
+    def low_page(self, vt):
+        """Pages wholly below vt's low mark: unmapped (docs/api.md, "The low mark")."""
+        si, _ = self.live[vt]
+        return self.low.get(vt, 0) * self.spaces[si].row_bytes // self.mgr.chunk_bytes
+
+    def draw_low(self, data, vt, target):
+        """None (keep the mark), or a new mark in [current, target]."""
+        current = self.low.get(vt, 0)
+        if current > target or data.draw(st.booleans()):
+            return None
+        return data.draw(st.integers(current, target))
 
     def grow(self, data, vt, target):
         si, tokens = self.live[vt]
@@ -129,10 +147,31 @@ class VtmMachine(RuleBasedStateMachine):
         si, tokens = self.live[vt]
         mt = self.spaces[si].max_tokens
         target = data.draw(st.integers(max(0, len(tokens) - 3), mt))
-        vt.extend(target).result()
+        low = self.draw_low(data, vt, target)
+        vt.extend(target, low=low).result()
         old = self.grow(data, vt, target)
+        if low is not None:
+            self.low[vt] = low
+            event("extend with a low mark")
         assert vt.num_tokens == max(old, target)
+        assert vt.low == self.low.get(vt, 0)
         self.write_new_rows(vt, old)
+
+    @rule(data=st.data())
+    def lower_the_low_mark(self, data):
+        """A mark below the current one (the bytes are gone), or past the rows
+        asked for, is refused and changes nothing."""
+        vt = self.draw_vt(data)
+        if vt is None or self.low.get(vt, 0) == 0:
+            return
+        si, tokens = self.live[vt]
+        pages = vt.page_chunks()
+        with pytest.raises(vtm.InvalidArgument):
+            if data.draw(st.booleans()):
+                vt.extend(len(tokens), low=data.draw(st.integers(0, self.low[vt] - 1))).result()
+            else:
+                self.mgr.step({vt: (self.low[vt] - 1, self.low[vt])}).result()
+        assert (vt.num_tokens, vt.low, vt.page_chunks()) == (len(tokens), self.low[vt], pages)
 
     @rule(data=st.data())
     def step(self, data):
@@ -143,11 +182,16 @@ class VtmMachine(RuleBasedStateMachine):
         req = {}
         for vt in chosen:
             si, tokens = self.live[vt]
-            req[vt] = data.draw(st.integers(len(tokens), self.spaces[si].max_tokens))
+            target = data.draw(st.integers(len(tokens), self.spaces[si].max_tokens))
+            low = self.draw_low(data, vt, target)
+            req[vt] = target if low is None else (target, low)
         self.mgr.step(req).result()
         for vt, target in req.items():
+            if isinstance(target, tuple):
+                target, self.low[vt] = target
             old = self.grow(data, vt, target)
             assert vt.num_tokens == target
+            assert vt.low == self.low.get(vt, 0)
             self.write_new_rows(vt, old)
 
     @rule(data=st.data())
@@ -159,6 +203,11 @@ class VtmMachine(RuleBasedStateMachine):
         k = data.draw(st.integers(1, len(tokens)))
         seq = tuple(tokens[:k])
         ns = self.ns_of[si]
+        if self.low_page(vt) > 0:
+            # These spaces record whole prefixes; the rows below the mark are gone.
+            with pytest.raises(vtm.FailedPrecondition):
+                self.spaces[si].prefix_record(vt, list(seq)).result()
+            return
         expect = k - best_lcp(seq, self.recorded[ns])
         got = self.spaces[si].prefix_record(vt, list(seq)).result()
         assert got == expect, f"prefix_record({list(seq)}) added {got}, model says {expect}"
@@ -199,6 +248,7 @@ class VtmMachine(RuleBasedStateMachine):
         del self.live[vt]
         self.recorded_by.pop(vt, None)
         self.matched.pop(vt, None)
+        self.low.pop(vt, None)
 
     @rule()
     def trim(self):
@@ -247,14 +297,15 @@ class VtmMachine(RuleBasedStateMachine):
             mine = [(vt, t) for vt, (s, t) in self.live.items() if s == si]
             assert d["vtensors"] == len(mine), (sp.name, d)
             assert d["slots_free"] == sp.max_slots - len(mine) == sp.free_slots, (sp.name, d)
-            used = sum(len(t) for _, t in mine)
+            used = sum(len(t) - self.low.get(vt, 0) for vt, t in mine)  # the rows they hold
             assert d["used_tokens"] == used, (sp.name, d)
             assert d["used_bytes"] == used * sp.row_bytes, (sp.name, d)
             assert d["mapped_bytes"] >= d["used_bytes"], (sp.name, d)
         for vt, (si, tokens) in self.live.items():
             assert not vt.released
-            assert vt.num_tokens == len(tokens)
-            assert vt.mapped_bytes >= len(tokens) * self.spaces[si].row_bytes
+            assert vt.num_tokens == len(tokens) and vt.low == self.low.get(vt, 0)
+            assert vt.mapped_bytes >= (len(tokens) - vt.low) * self.spaces[si].row_bytes
+            assert vt.page_chunks()[:self.low_page(vt)] == [None] * self.low_page(vt)
             # every row of every live vTensor still holds what was written for it
             self.ios[si].verify(vt, tokens)
         chunk = self.mgr.chunk_bytes
@@ -452,3 +503,181 @@ def test_eviction_matches_never_longer_bytes_exact(data, n_ops):
         mgr.check()
     finally:
         mgr.close()
+
+
+# ---------------------------------------------------------------------------
+# window spaces: records with holes, windowed matches
+
+
+class WindowMachine(RuleBasedStateMachine):
+    """Two spaces sharing a window namespace (W = 30 rows; rows of 3000 B
+    straddle 64 KiB pages, 21.8 rows a page; 6 pages a slot). Requests grow
+    and then slide their low mark, as a sliding-window model computes every
+    row before it leaves the window. The model keeps, per recorded sequence,
+    the first page its recorder held: a match is never longer than a common
+    prefix, never shorter than any one record that holds its window alone,
+    and its rows [low, n) are exactly the recorded bytes."""
+
+    W = 30
+
+    def __init__(self):
+        super().__init__()
+        self.mgr = new_manager(chunks=2048)
+        self.spaces = [self.mgr.create_space(row_bytes=3000 * SCALE, max_tokens=120, max_slots=5,
+                                             namespace="win", window_tokens=self.W) for _ in range(2)]
+        self.ios = [RowIO(s) for s in self.spaces]
+        self.live = {}  # vt -> [space index, tokens, low]
+        self.records = {}  # sequence -> the first page its recorders held (the lowest over them)
+
+    def page_of(self, row):
+        return row * 3000 * SCALE // self.mgr.chunk_bytes
+
+    @initialize(data=st.data())
+    def seed(self, data):
+        """A long record with holes below its window and, often, a whole
+        record of a shorter prefix of it: their union serves matches that
+        neither serves alone, and shorter ones where it has holes."""
+        base = data.draw(toks(100))
+        vt = self.spaces[0].create(100).result()
+        self.ios[0].write(vt, base, 0, 100)
+        vt.extend(100, low=70).result()
+        self.spaces[0].prefix_record(vt, base).result()
+        self.records[tuple(base)] = self.page_of(70)
+        vt.release().result()
+        if data.draw(st.booleans()):
+            k = data.draw(st.integers(10, 90))
+            vt = self.spaces[1].create(k).result()
+            self.ios[1].write(vt, base, 0, k)
+            self.spaces[1].prefix_record(vt, base[:k]).result()
+            self.records[tuple(base[:k])] = 0
+            vt.release().result()
+
+    def pages_for(self, n):
+        return -(-n * 3000 * SCALE // self.mgr.chunk_bytes)
+
+    def first_needed(self, n):
+        return self.page_of(max(0, n - self.W + 1))
+
+    def draw_vt(self, data):
+        vts = sorted(self.live, key=lambda v: v.id)
+        return data.draw(st.sampled_from(vts)) if vts else None
+
+    def query(self, data):
+        recorded = sorted(self.records)
+        if recorded and data.draw(st.booleans()):
+            base = data.draw(st.sampled_from(recorded))
+            q = list(base[:data.draw(st.integers(0, len(base)))]) + data.draw(st.lists(TOK, max_size=4))
+        else:
+            q = data.draw(st.lists(TOK, max_size=120))
+        return q[:120]
+
+    @rule(data=st.data(), si=st.integers(0, 1))
+    def create(self, data, si):
+        if sum(1 for s, _, _ in self.live.values() if s == si) >= 5:
+            return
+        tokens = self.query(data)
+        vt = self.spaces[si].create(len(tokens)).result()
+        self.ios[si].write(vt, tokens, 0, len(tokens))
+        self.live[vt] = [si, list(tokens), 0]
+
+    @rule(data=st.data())
+    def grow_and_slide(self, data):
+        vt = self.draw_vt(data)
+        if vt is None:
+            return
+        si, tokens, low = self.live[vt]
+        target = data.draw(st.integers(len(tokens), 120))
+        self.mgr.step({vt: target}).result()
+        new = tokens + data.draw(toks(target - len(tokens)))
+        self.ios[si].write(vt, new, len(tokens), target)
+        mark = data.draw(st.integers(low, max(low, target - self.W + 1)))
+        vt.extend(target, low=mark).result()
+        assert (vt.num_tokens, vt.low) == (target, mark)
+        self.live[vt] = [si, new, mark]
+        event("window: low mark above page 0" if self.page_of(mark) > 0 else "window: low mark on page 0")
+
+    @rule(data=st.data())
+    def prefix_record(self, data):
+        vt = self.draw_vt(data)
+        if vt is None or not self.live[vt][1]:
+            return
+        si, tokens, low = self.live[vt]
+        seq = tuple(tokens[:data.draw(st.integers(1, len(tokens)))])
+        added = self.spaces[si].prefix_record(vt, list(seq)).result()
+        assert added == len(seq) - best_lcp(seq, self.records)
+        self.records[seq] = min(self.records.get(seq, 1 << 30), self.page_of(low))
+
+    @rule(data=st.data(), si=st.integers(0, 1))
+    def prefix_match(self, data, si):
+        if sum(1 for s, _, _ in self.live.values() if s == si) >= 5:
+            return
+        q = self.query(data) or [data.draw(TOK)]
+        upper = min(best_lcp(q, self.records), len(q) - 1)
+        lower = 0
+        for seq, first in self.records.items():
+            n = min(lcp(q, seq), len(q) - 1)
+            if n > 0 and self.first_needed(n) >= first:
+                lower = max(lower, n)
+        m = self.spaces[si].prefix_match(q).result()
+        assert lower <= m.num_tokens <= upper, (q, lower, m.num_tokens, upper)
+        event("window match: " + ("nothing in common" if upper == 0 else "none of the common prefix"
+                                  if m.num_tokens == 0 else "shorter than the common prefix"
+                                  if m.num_tokens < upper else "the whole common prefix"))
+        if m.num_tokens == 0:
+            assert m.vtensor is None
+            return
+        vt, n = m.vtensor, m.num_tokens
+        first, need = self.first_needed(n), self.pages_for(n)
+        low = n if first == need else -(-first * self.mgr.chunk_bytes // (3000 * SCALE))
+        assert (vt.num_tokens, vt.low) == (n, low)
+        pages = vt.page_chunks()
+        assert pages[:first] == [None] * first and None not in pages[first:need]
+        self.ios[si].verify(vt, q, low, n, what=f"window match({q}):")
+        self.live[vt] = [si, list(q[:n]), low]
+
+    @rule(data=st.data())
+    def release(self, data):
+        vt = self.draw_vt(data)
+        if vt is None:
+            return
+        vt.release().result()
+        del self.live[vt]
+
+    @rule()
+    def clear_prefixes(self):
+        self.spaces[0].clear_prefixes()
+        kept = leaf_paths(self.spaces[0].prefix_nodes())
+        self.records = {s: f for s, f in self.records.items() if any(k[:len(s)] == s for k in kept)}
+        # A kept path may end where a match split a dropped record: the
+        # tree holds it, with pages the model does not claim to know.
+        for k in kept:
+            self.records.setdefault(k, 1 << 30)
+
+    @invariant()
+    def consistent(self):
+        st_ = assert_pool_consistent(self.mgr)
+        nodes = self.spaces[0].prefix_nodes()
+        assert nodes == self.spaces[1].prefix_nodes()
+        assert leaf_paths(nodes) == maximal(self.records)
+        assert st_["chunks_in_tree"] == len({c for nd in nodes for c in nd["pages"] if c is not None})
+        for vt, (si, tokens, low) in self.live.items():
+            assert (vt.num_tokens, vt.low) == (len(tokens), low)
+            assert vt.page_chunks()[:self.page_of(low)] == [None] * self.page_of(low)
+            self.ios[si].verify(vt, tokens)
+
+    def teardown(self):
+        try:
+            for vt in list(self.live):
+                vt.release().result()
+            self.spaces[0].clear_prefixes()
+            self.mgr.trim()
+            st_ = self.mgr.stats()
+            assert st_["chunks_created"] == 0 and st_["tree_nodes"] == 0, st_
+            self.mgr.check()
+        finally:
+            self.mgr.close()
+
+
+TestWindowStateful = WindowMachine.TestCase
+TestWindowStateful.settings = settings(max_examples=int(200 * EXAMPLES), stateful_step_count=40, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

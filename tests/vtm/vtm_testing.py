@@ -174,8 +174,10 @@ class RowIO:
         self.torch.cuda.synchronize()
         return self.view[vt.slot, a:b].cpu().numpy()
 
-    def verify(self, vt, tokens, start=0, end=None, what=""):
-        """Assert rows [start, end) of `vt` hold the patterns of `tokens`."""
+    def verify(self, vt, tokens, start=None, end=None, what=""):
+        """Assert rows [start, end) of `vt` hold the patterns of `tokens`
+        (default: every row it holds, [vt.low, vt.num_tokens))."""
+        start = vt.low if start is None else start
         end = vt.num_tokens if end is None else end
         if end <= start:
             return
@@ -256,7 +258,7 @@ def snapshot(mgr, spaces, live, ios=None):
     snap = {
         "pool": {k: st[k] for k in POOL_KEYS},
         "spaces": {name: {k: d[k] for k in SPACE_KEYS} for name, d in st["spaces"].items()},
-        "vts": {vt.id: (vt.num_tokens, vt.released, tuple(vt.page_chunks()), vt.slot)
+        "vts": {vt.id: (vt.num_tokens, vt.low, vt.released, tuple(vt.page_chunks()), vt.slot)
                 for vt in live},
         "trees": {sp.name: sp.prefix_nodes() for sp in spaces},
         "free_slots": {sp.name: sp.free_slots for sp in spaces},

@@ -78,6 +78,7 @@ log = logging.getLogger("vtm.broker")
 
 _BYE_TIMEOUT_S = 2.0
 _PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
+_HOLE = (1 << 32) - 1  # PrefixNode.pages: a page a window space's tree does not hold
 
 
 def _message(cls, what: str, **fields):
@@ -416,7 +417,7 @@ class RemoteManager:
             for space in self._spaces.values():
                 request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=space.row_bytes,
                                    max_tokens=space.max_tokens, max_slots=space.max_slots,
-                                   namespace=space.namespace, name=space.name)
+                                   namespace=space.namespace, name=space.name, window_tokens=space.window_tokens)
                 reply = self._rpc("create_space", self._stub.CreateSpace, request)
                 made[space.id] = reply.space_id
                 if (reply.max_slots, reply.slot_bytes) != (space.max_slots, space.slot_bytes):
@@ -463,7 +464,7 @@ class RemoteManager:
                 vt._released = True
                 self._live.pop(vt.id, None)
             else:
-                vt._slot, vt._num_tokens = state.slot, state.num_tokens
+                vt._slot, vt._num_tokens, vt._low = state.slot, state.num_tokens, state.low
 
     def _import(self, serials) -> None:
         """Imports chunks by serial through the fd socket, MAX_FDS at a time,
@@ -485,10 +486,10 @@ class RemoteManager:
 
     def _new_vtensor(self, space: RemoteSpace, reply) -> RemoteVTensor:
         state = next(s for s in reply.vtensors if s.vtensor_id == reply.vtensor_id)
-        return self._add_vtensor(space, reply.vtensor_id, state.slot, state.num_tokens)
+        return self._add_vtensor(space, reply.vtensor_id, state.slot, state.num_tokens, state.low)
 
-    def _add_vtensor(self, space: RemoteSpace, vt_id: int, slot: int, num_tokens: int) -> RemoteVTensor:
-        vt = RemoteVTensor(self, space, vt_id, slot, num_tokens)
+    def _add_vtensor(self, space: RemoteSpace, vt_id: int, slot: int, num_tokens: int, low: int = 0) -> RemoteVTensor:
+        vt = RemoteVTensor(self, space, vt_id, slot, num_tokens, low)
         self._vtensors[vt.id] = vt
         self._live[vt.id] = vt
         return vt
@@ -520,39 +521,55 @@ class RemoteManager:
             return vt
         return self._submit(run, data_plane=True)
 
-    def _extend(self, vt: RemoteVTensor, n) -> RemoteFuture:
-        n = _count(n, "num_tokens")
-
-        if self._steps is not None and n < 1 << 64:
-            def fast():
-                self._fast("extend", step_channel.EXTEND, (vt.id, n))
-                vt._num_tokens = max(vt._num_tokens, n)
-            return self._submit(fast, data_plane=True)
-        request = _message(vtm_pb2.ExtendRequest, "extend", vtensor_id=vt.id, num_tokens=n)
-
-        def run():
-            self._apply(self._rpc("extend", self._stub.Extend, request))
-            vt._num_tokens = max(vt._num_tokens, n)
-        return self._submit(run, data_plane=True)
+    def _extend(self, vt: RemoteVTensor, n, low=None) -> RemoteFuture:
+        return self._grow([(vt, _count(n, "num_tokens"), _ask(low, "low"))], "extend")
 
     def step(self, targets) -> RemoteFuture:
-        sizes = [(self._own(vt, "step"), _count(n, "num_tokens")) for vt, n in targets.items()]
-        if self._steps is not None and len(sizes) <= step_channel.MAX_PAIRS and all(n < 1 << 64 for _, n in sizes):
-            pairs = [x for vt, n in sizes for x in (vt.id, n)]
+        sizes = []
+        for vt, target in targets.items():
+            # n_tokens, or (n_tokens, low) to raise the low mark too.
+            if isinstance(target, tuple):
+                if len(target) != 2:
+                    raise errors.InvalidArgument("step: a target is n_tokens or (n_tokens, low)")
+                n, low = target
+                sizes.append((self._own(vt, "step"), _count(n, "num_tokens"), _count(low, "low")))
+            else:
+                sizes.append((self._own(vt, "step"), _count(target, "num_tokens"), None))
+        return self._grow(sizes, "step")
+
+    def _grow(self, sizes, what: str) -> RemoteFuture:
+        """extend or step: sizes are (vTensor, tokens, low mark or None)."""
+        lows = any(low is not None for _, _, low in sizes)
+        fits = (len(sizes) <= (step_channel.MAX_TRIPLES if lows else step_channel.MAX_PAIRS)
+                and all(n < 1 << 64 and (low is None or low < step_channel.KEEP_LOW) for _, n, low in sizes))
+
+        def grown():
+            for vt, n, low in sizes:
+                vt._num_tokens = max(vt._num_tokens, n)
+                if low is not None:
+                    vt._low = low
+
+        if self._steps is not None and fits:
+            if lows:
+                op = step_channel.EXTEND_LOW if what == "extend" else step_channel.STEP_LOW
+                words = [x for vt, n, low in sizes for x in (vt.id, n, step_channel.KEEP_LOW if low is None else low)]
+            else:
+                op = step_channel.EXTEND if what == "extend" else step_channel.STEP
+                words = [x for vt, n, _ in sizes for x in (vt.id, n)]
 
             def fast():
-                self._fast("step", step_channel.STEP, pairs)
-                for vt, n in sizes:
-                    if n > vt._num_tokens:
-                        vt._num_tokens = n
+                self._fast(what, op, words)
+                grown()
             return self._submit(fast, data_plane=True)
-        request = _message(vtm_pb2.StepRequest, "step", targets=[
-            vtm_pb2.ExtendRequest(vtensor_id=vt.id, num_tokens=n) for vt, n in sizes])
+        targets = [_message(vtm_pb2.ExtendRequest, what, vtensor_id=vt.id, num_tokens=n, low=low)
+                   for vt, n, low in sizes]
 
         def run():
-            self._apply(self._rpc("step", self._stub.Step, request))
-            for vt, n in sizes:
-                vt._num_tokens = max(vt._num_tokens, n)
+            if what == "extend":
+                self._apply(self._rpc(what, self._stub.Extend, targets[0]))
+            else:
+                self._apply(self._rpc(what, self._stub.Step, vtm_pb2.StepRequest(targets=targets)))
+            grown()
         return self._submit(run, data_plane=True)
 
     def _unmap_first(self, vt: RemoteVTensor) -> None:
@@ -619,7 +636,7 @@ class RemoteManager:
         def run():
             reply = self._rpc("prefix_nodes", self._stub.PrefixNodes, vtm_pb2.SpaceRequest(space_id=space.id))
             return [{"start": n.start, "end": n.end, "tokens": list(n.tokens), "locks": n.locks,
-                     "pages": list(n.pages)} for n in reply.nodes]
+                     "pages": [None if c == _HOLE else c for c in n.pages]} for n in reply.nodes]
         return self._submit(run)
 
     def _close_space(self, space: RemoteSpace) -> RemoteFuture:
@@ -637,10 +654,12 @@ class RemoteManager:
 
     # -- the Manager API -----------------------------------------------------
 
-    def create_space(self, row_bytes, max_tokens, max_slots, namespace=None, name=None) -> RemoteSpace:
+    def create_space(self, row_bytes, max_tokens, max_slots, namespace=None, name=None, *,
+                     window_tokens=0) -> RemoteSpace:
         request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=_count(row_bytes, "row_bytes"),
                            max_tokens=_count(max_tokens, "max_tokens"), max_slots=_count(max_slots, "max_slots"),
-                           namespace=namespace or "", name=name or "")
+                           namespace=namespace or "", name=name or "",
+                           window_tokens=_count(window_tokens, "window_tokens"))
 
         def run():
             reply = self._rpc("create_space", self._stub.CreateSpace, request)

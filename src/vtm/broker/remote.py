@@ -52,14 +52,16 @@ class RemoteMatch:
 
 class RemoteVTensor:
     """One request's KV in a space of a broker client. State (slot,
-    num_tokens) is what the broker reported with the last reply."""
+    num_tokens, low) is what the broker reported with the last reply, or
+    what an extend it accepted asked for."""
 
-    def __init__(self, mgr, space, vt_id: int, slot: int, num_tokens: int):
+    def __init__(self, mgr, space, vt_id: int, slot: int, num_tokens: int, low: int = 0):
         self._mgr = mgr
         self._space = space
         self.id = vt_id
         self._slot = slot
         self._num_tokens = num_tokens
+        self._low = low
         self._released = False
 
     def _live(self):
@@ -84,6 +86,10 @@ class RemoteVTensor:
         return self._live()._num_tokens
 
     @property
+    def low(self) -> int:
+        return self._live()._low
+
+    @property
     def address(self) -> int:
         self._live()
         return self._space.base_address + self._slot * self._space.slot_bytes
@@ -97,8 +103,8 @@ class RemoteVTensor:
         self._live()
         return self._mgr._mapper.pages(self._space.id, self._slot)
 
-    def extend(self, num_tokens: int) -> RemoteFuture:
-        return self._mgr._extend(self, num_tokens)
+    def extend(self, num_tokens: int, low: int | None = None) -> RemoteFuture:
+        return self._mgr._extend(self, num_tokens, low)
 
     def release(self) -> RemoteFuture:
         return self._mgr._release(self)
@@ -129,6 +135,7 @@ class RemoteSpace:
         self.max_slots = reply.max_slots
         self.slot_bytes = reply.slot_bytes
         self.pages_per_slot = reply.pages_per_slot
+        self.window_tokens = reply.window_tokens
         self.closed = False
 
     @property

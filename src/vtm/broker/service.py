@@ -55,6 +55,7 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 log = logging.getLogger("vtm.broker")
 
 _MAX_COUNT = 1 << 62  # sizes above this are malformed (the manager takes int64)
+_HOLE = (1 << 32) - 1  # PrefixNode.pages: a page a window space's tree does not hold
 _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
 MAX_SPACES = 64  # per session
 # A session's spaces may describe page tables of this many entries per chunk
@@ -282,8 +283,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def collect(self, session: Session, vtensors=(), closed=()):
         """What a call changed, for a transport to encode: (groups, states,
         fresh). groups: (space id, closed, page effects) of the session's
-        spaces the call changed; states: (id, [space, slot, tokens] or None
-        when released) of the vTensors with ids `vtensors`; fresh: the
+        spaces the call changed; states: (id, VTensorState or None when
+        released) of the vTensors with ids `vtensors`; fresh: the
         serials the client maps now and mapped nowhere before."""
         groups, fresh = [], []
         for space_id in list(session.spaces) + list(closed):
@@ -308,25 +309,35 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if state is None:
                 reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt_id, released=True))
             else:
-                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt_id, space_id=state[0], slot=state[1],
-                                                           num_tokens=state[2]))
+                reply.vtensors.append(vtm_pb2.VTensorState(vtensor_id=vt_id, space_id=state.space_id,
+                                                           slot=state.slot, num_tokens=state.num_tokens,
+                                                           low=state.low))
         return reply
 
     def _pages_for(self, session: Session, space_id: int, num_tokens: int) -> int:
         return -(-num_tokens * session.geometry[space_id][0] // self._chunk_bytes)
 
-    def _missing_bytes(self, session: Session, vt_id: int, num_tokens: int) -> int:
-        """Bytes an extend of a vTensor to `num_tokens` rows would map."""
-        space_id, _, current = session.vt_state[vt_id]
-        if num_tokens <= current:
-            return 0  # the common decode step: within what is mapped
-        row_bytes, max_tokens = session.geometry[space_id]
-        if num_tokens > max_tokens:
-            return 0  # the manager refuses it with InvalidArgument
-        # A live vTensor maps exactly the pages covering its rows (the broker
-        # keeps no slot cache), so the difference is what it will map.
+    def _growth(self, session: Session, vt_id: int, num_tokens: int, low: int | None) -> tuple[int, int]:
+        """(bytes, new bytes): what an extend of a vTensor to `num_tokens`
+        rows and low mark `low` (None: kept) adds to the client's mapped
+        bytes, net of the pages below the mark it unmaps, and the bytes of
+        the pages it maps (taken from the pool, unless a page it unmaps
+        moves there)."""
+        state = session.vt_state[vt_id]
+        low = state.low if low is None else low
+        if num_tokens <= state.num_tokens and low == state.low:
+            return 0, 0  # the common decode step: within what is mapped
+        row_bytes, max_tokens = session.geometry[state.space_id]
+        if num_tokens > max_tokens or low < state.low:
+            return 0, 0  # the manager refuses it with InvalidArgument
+        # A live vTensor maps exactly the pages covering its rows [low,
+        # num_tokens) (the broker keeps no slot cache).
         chunk = self._chunk_bytes
-        return (-(-num_tokens * row_bytes // chunk) + (current * row_bytes // -chunk)) * chunk
+        first, end = state.low * row_bytes // chunk, -(-state.num_tokens * row_bytes // chunk)
+        new_first, new_end = low * row_bytes // chunk, max(end, -(-num_tokens * row_bytes // chunk))
+        mapped = max(0, new_end - max(end, new_first))
+        unmapped = max(0, min(new_first, end) - first)
+        return max(0, mapped - unmapped) * chunk, mapped * chunk
 
     def _free_bytes(self) -> int:
         stats = self.manager.stats()
@@ -421,7 +432,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                       f"{session.table_entries + entries} entries, more than the "
                                       f"{self._table_budget} a client may hold; close a space first")
             space = self.manager.create_space(row_bytes, max_tokens, max_slots, namespace=request.namespace or None,
-                                              name=f"c{session.client_id}/{name}")
+                                              name=f"c{session.client_id}/{name}",
+                                              window_tokens=_count(request.window_tokens, "window_tokens"))
             session.next_space += 1
             session.spaces[space.id] = space
             session.space_names[space.id] = name
@@ -430,7 +442,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             session.geometry[space.id] = (space.row_bytes, space.max_tokens)
             return vtm_pb2.SpaceReply(space_id=space.id, name=name, namespace=space.namespace,
                                       row_bytes=space.row_bytes, max_tokens=space.max_tokens, max_slots=space.max_slots,
-                                      slot_bytes=space.slot_bytes, pages_per_slot=space.pages_per_slot)
+                                      slot_bytes=space.slot_bytes, pages_per_slot=space.pages_per_slot,
+                                      window_tokens=space.window_tokens)
         return self._run(context, body)
 
     def CloseSpace(self, request, context):
@@ -441,7 +454,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             del session.space_names[request.space_id]
             del session.geometry[request.space_id]
             session.table_entries -= session.space_entries.pop(request.space_id)
-            gone = [vt_id for vt_id, state in session.vt_state.items() if state[0] == request.space_id]
+            gone = [vt_id for vt_id, state in session.vt_state.items() if state.space_id == request.space_id]
             for vt_id in gone:
                 session.drop_vtensor(vt_id)
             return self._reply(session, vtensors=gone, closed=(request.space_id,))
@@ -460,30 +473,43 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         session.add_vtensor(vt)
         return vt.id
 
-    def extend(self, session: Session, vt_id: int, num_tokens: int) -> None:
-        self._vtensor(session, vt_id)
-        n = _count(num_tokens, "num_tokens")
-        self._allocate(session, self._missing_bytes(session, vt_id, n),
-                       lambda: self._vtensor(session, vt_id).extend(n).result())
-        state = session.vt_state[vt_id]
-        state[2] = max(state[2], n)
+    def extend(self, session: Session, vt_id: int, num_tokens: int, low: int | None = None) -> None:
+        self.step(session, [(vt_id, num_tokens, low)], op="extend")
 
-    def step(self, session: Session, targets) -> None:
-        """targets: (vTensor id, tokens) pairs; a vTensor named twice gets the larger size."""
+    def step(self, session: Session, targets, op: str = "step") -> None:
+        """targets: (vTensor id, tokens, low mark or None to keep it); a
+        vTensor named twice gets the larger size and the larger mark. Each
+        target is checked as the manager checks it (the merge must not
+        hide a bad one)."""
         wanted = {}
-        for vt_id, n in targets:
+        for vt_id, n, low in targets:
+            state = session.vt_state.get(vt_id)
             self._vtensor(session, vt_id)
             n = _count(n, "num_tokens")
-            if n > wanted.get(vt_id, -1):
-                wanted[vt_id] = n
-        extra = sum(self._missing_bytes(session, vt_id, n) for vt_id, n in wanted.items())
-        self._allocate(session, extra, lambda: self.manager.step(
-            {self._vtensor(session, i): n for i, n in wanted.items()}).result())
-        states = session.vt_state
-        for vt_id, n in wanted.items():
-            state = states[vt_id]
-            if n > state[2]:
-                state[2] = n
+            if low is not None:
+                low = _count(low, "low")
+                if low < state.low:
+                    raise vtm.InvalidArgument(f"{op}: low {low} is below the low mark {state.low} of vTensor "
+                                              f"{vt_id}: the rows below it are gone")
+                if low > n:
+                    raise vtm.InvalidArgument(f"{op}: low {low} exceeds num_tokens {n}")
+            was_n, was_low = wanted.get(vt_id, (-1, None))
+            wanted[vt_id] = (max(n, was_n), low if was_low is None else max(was_low, low or 0))
+        growth = [self._growth(session, vt_id, n, low) for vt_id, (n, low) in wanted.items()]
+        extra, new = sum(g[0] for g in growth), sum(g[1] for g in growth)
+
+        def run():
+            if op == "extend":
+                [(vt_id, (n, low))] = wanted.items()
+                return self._vtensor(session, vt_id).extend(n, low=low).result()
+            return self.manager.step({self._vtensor(session, i): n if low is None else (n, low)
+                                      for i, (n, low) in wanted.items()}).result()
+        self._allocate(session, extra, run, gate_bytes=new)
+        for vt_id, (n, low) in wanted.items():
+            state = session.vt_state[vt_id]
+            state.num_tokens = max(state.num_tokens, n)
+            if low is not None:
+                state.low = low
 
     def release(self, session: Session, vt_id: int) -> None:
         vt = self._vtensor(session, vt_id)
@@ -498,14 +524,16 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def Extend(self, request, context):
         def body(session):
-            self.extend(session, request.vtensor_id, request.num_tokens)
-            return self._reply(session)  # the client knows the new size: max(old, n)
+            self.extend(session, request.vtensor_id, request.num_tokens,
+                        request.low if request.HasField("low") else None)
+            return self._reply(session)  # the client knows the new size, max(old, n), and mark
         return self._run(context, body)
 
     def Step(self, request, context):
         def body(session):
-            self.step(session, [(t.vtensor_id, t.num_tokens) for t in request.targets])
-            return self._reply(session)  # the client knows the new sizes: max(old, n)
+            self.step(session, [(t.vtensor_id, t.num_tokens, t.low if t.HasField("low") else None)
+                                for t in request.targets])
+            return self._reply(session)  # the client knows the new sizes, max(old, n), and marks
         return self._run(context, body)
 
     def Release(self, request, context):
@@ -554,7 +582,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             nodes = self._space(session, request.space_id).prefix_nodes()
             return vtm_pb2.PrefixNodesReply(nodes=[
                 vtm_pb2.PrefixNode(start=n["start"], end=n["end"], tokens=n["tokens"], locks=n["locks"],
-                                   pages=n["pages"]) for n in nodes])
+                                   pages=[_HOLE if c is None else c for c in n["pages"]]) for n in nodes])
         return self._run(context, body)
 
     # Control calls: no lease needed (see the proto).

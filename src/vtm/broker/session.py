@@ -32,6 +32,7 @@ Invariants (guarded by `lock`, which also serialises the client's calls):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import secrets
 import threading
@@ -40,6 +41,18 @@ import time
 from vtm.broker.quota import Quota
 
 PENDING, LIVE, QUARANTINED, CLOSED = "pending", "live", "quarantined", "closed"
+
+
+@dataclasses.dataclass(slots=True)
+class VTensorState:
+    """One vTensor as the client was last told: its space and slot (fixed
+    for its life), its rows, and its low mark (pages wholly below it are
+    unmapped)."""
+
+    space_id: int
+    slot: int
+    num_tokens: int
+    low: int
 
 
 class Session:
@@ -65,7 +78,7 @@ class Session:
         # nothing but the step: geometry never changes, a slot is fixed for
         # a vTensor's life, and num_tokens changes only through this session.
         self.geometry = {}  # space id -> (row_bytes, max_tokens)
-        self.vt_state = {}  # vTensor id -> [space id, slot, num_tokens]
+        self.vt_state = {}  # vTensor id -> VTensorState
         self.pages = {}  # (space, slot, page) -> (chunk, serial)
         self.serial_refs = collections.Counter()
         self.chunk_of = {}  # serial -> chunk id, for mapped serials
@@ -111,7 +124,7 @@ class Session:
 
     def add_vtensor(self, vt) -> None:
         self.vtensors[vt.id] = vt
-        self.vt_state[vt.id] = [vt.space.id, vt.slot, vt.num_tokens]
+        self.vt_state[vt.id] = VTensorState(vt.space.id, vt.slot, vt.num_tokens, vt.low)
 
     def drop_vtensor(self, vt_id: int) -> None:
         self.vtensors.pop(vt_id, None)

@@ -12,10 +12,12 @@ old brokers keep working over gRPC.
 Frames (little endian, fixed-size fields packed with struct; the table is in
 docs/broker.md):
 
-  request: op u32 | count u32 | request id u64 | count x (a u64, b u64)
-      AUTH     the lease (ASCII) instead of the pairs; the first frame, once
+  request: op u32 | count u32 | request id u64 | count x entries of u64s
+      AUTH     the lease (ASCII) instead of the entries; the first frame, once
       CREATE   (space id, tokens)       EXTEND (vTensor id, tokens)
       STEP     count x (vTensor id, tokens)      RELEASE (vTensor id, 0)
+      EXTEND_LOW (vTensor id, tokens, low)
+      STEP_LOW count x (vTensor id, tokens, low); low KEEP_LOW keeps the mark
   reply:   status u32 (0 ok, 1 error) | fds u32 | request id u64 | length u32 | 0 u32
       ok:    vTensor id u64 | slot u64 | tokens u64 | released u32 | groups u32
              | fds x serial u64 (the chunks of the attached fds, in order)
@@ -49,8 +51,12 @@ from vtm.broker.fd_channel import MAX_FDS
 from vtm.broker.seqpacket import SeqpacketServer
 from vtm.broker.session import LIVE
 
-AUTH, CREATE, EXTEND, STEP, RELEASE = 1, 2, 3, 4, 5
-OP_NAMES = {CREATE: "create", EXTEND: "extend", STEP: "step", RELEASE: "release"}
+AUTH, CREATE, EXTEND, STEP, RELEASE, EXTEND_LOW, STEP_LOW = 1, 2, 3, 4, 5, 6, 7
+OP_NAMES = {CREATE: "create", EXTEND: "extend", STEP: "step", RELEASE: "release", EXTEND_LOW: "extend",
+            STEP_LOW: "step"}
+# u64s an entry of each op has: the ops that set a low mark carry it third.
+WIDTH = {CREATE: 2, EXTEND: 2, STEP: 2, RELEASE: 2, EXTEND_LOW: 3, STEP_LOW: 3}
+KEEP_LOW = (1 << 64) - 1  # a STEP_LOW entry that keeps the vTensor's low mark
 
 REQUEST = struct.Struct("<IIQ")
 PAIR = struct.Struct("<QQ")
@@ -62,15 +68,16 @@ SERIAL = struct.Struct("<Q")
 NAME_LEN = struct.Struct("<H")
 
 MAX_DATAGRAM = 1 << 16
-MAX_REQUEST = MAX_DATAGRAM  # 4,095 pairs: larger steps go over gRPC
+MAX_REQUEST = MAX_DATAGRAM  # 4,095 pairs (2,730 triples): larger steps go over gRPC
 MAX_PAIRS = (MAX_REQUEST - REQUEST.size) // PAIR.size
+MAX_TRIPLES = (MAX_REQUEST - REQUEST.size) // (3 * 8)
 _MAX_LEASE = 256
 
 
-def encode_request(op: int, request_id: int, pairs) -> bytes:
-    """A request frame; `pairs` is a flat sequence a0, b0, a1, b1, ..."""
-    count = len(pairs) // 2
-    return REQUEST.pack(op, count, request_id) + struct.pack(f"<{2 * count}Q", *pairs)
+def encode_request(op: int, request_id: int, words) -> bytes:
+    """A request frame; `words` is the entries' u64s, flat (a0, b0, a1, b1, ...)."""
+    count = len(words) // WIDTH.get(op, 2)  # an unknown op (a test's) as pairs
+    return REQUEST.pack(op, count, request_id) + struct.pack(f"<{len(words)}Q", *words)
 
 
 def encode_ok(request_id: int, vtensor: tuple, groups, serials) -> bytes:
@@ -174,7 +181,8 @@ class StepServer(SeqpacketServer):
     def __init__(self, path: str, service, dup_fd, reactor, max_connections: int):
         self._service = service
         self._dup_fd = dup_fd
-        self._ops = {CREATE: self._create, EXTEND: self._extend, STEP: self._step, RELEASE: self._release}
+        self._ops = {CREATE: self._create, EXTEND: self._extend, STEP: self._step, RELEASE: self._release,
+                     EXTEND_LOW: self._extend_low, STEP_LOW: self._step_low}
         super().__init__(path, reactor, max_connections, MAX_REQUEST + 1)
 
     def _datagram(self, conn, data: bytes) -> bool:
@@ -225,12 +233,13 @@ class StepServer(SeqpacketServer):
             handler = self._ops.get(op)
             if handler is None:
                 raise vtm.InvalidArgument(f"unknown op {op}")
-            if len(data) != REQUEST.size + count * PAIR.size:
-                raise vtm.InvalidArgument(f"a frame of {count} pairs has {REQUEST.size + count * PAIR.size} "
-                                          f"bytes, got {len(data)}")
-            if op != STEP and count != 1:
-                raise vtm.InvalidArgument(f"{OP_NAMES[op]} takes one pair, got {count}")
-            pairs = struct.unpack_from(f"<{2 * count}Q", data, REQUEST.size)
+            width = WIDTH[op]
+            if len(data) != REQUEST.size + count * width * 8:
+                raise vtm.InvalidArgument(f"a frame of {count} entries of {width} u64s has "
+                                          f"{REQUEST.size + count * width * 8} bytes, got {len(data)}")
+            if op not in (STEP, STEP_LOW) and count != 1:
+                raise vtm.InvalidArgument(f"{OP_NAMES[op]} takes one entry, got {count}")
+            pairs = struct.unpack_from(f"<{width * count}Q", data, REQUEST.size)
 
             def body():
                 vtensor = handler(session, pairs)
@@ -257,15 +266,24 @@ class StepServer(SeqpacketServer):
 
     def _create(self, session, pairs):
         vt_id = self._service.create(session, pairs[0], pairs[1])
-        _, slot, tokens = session.vt_state[vt_id]
-        return vt_id, slot, tokens, 0
+        state = session.vt_state[vt_id]
+        return vt_id, state.slot, state.num_tokens, 0
 
     def _extend(self, session, pairs):
         self._service.extend(session, pairs[0], pairs[1])
         return 0, 0, 0, 0
 
     def _step(self, session, pairs):
-        self._service.step(session, zip(pairs[0::2], pairs[1::2]))
+        self._service.step(session, [(vt_id, n, None) for vt_id, n in zip(pairs[0::2], pairs[1::2])])
+        return 0, 0, 0, 0
+
+    def _extend_low(self, session, triple):
+        self._service.extend(session, triple[0], triple[1], None if triple[2] == KEEP_LOW else triple[2])
+        return 0, 0, 0, 0
+
+    def _step_low(self, session, triples):
+        self._service.step(session, [(vt_id, n, None if low == KEEP_LOW else low)
+                                     for vt_id, n, low in zip(triples[0::3], triples[1::3], triples[2::3])])
         return 0, 0, 0, 0
 
     def _release(self, session, pairs):
@@ -292,11 +310,11 @@ class StepClient:
             self._sock.close()
             raise
 
-    def call(self, op: int, pairs) -> Reply:
+    def call(self, op: int, words) -> Reply:
         """Runs one op; the caller closes reply.fds."""
         request_id = self._next_id
         self._next_id += 1
-        return self._call(encode_request(op, request_id, pairs), request_id)
+        return self._call(encode_request(op, request_id, words), request_id)
 
     def _call(self, frame: bytes, request_id: int) -> Reply:
         self._sock.send(frame)

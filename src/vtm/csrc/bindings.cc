@@ -333,13 +333,16 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("address", [](const PyVTensor& vt) { return LiveInfo(vt).address; })
       .def_property_readonly("mapped_bytes", [](const PyVTensor& vt) { return LiveInfo(vt).mapped_bytes; })
       .def("page_chunks", [](const PyVTensor& vt) { return PageList(LiveInfo(vt).pages); })
+      .def_property_readonly("low", [](const PyVTensor& vt) { return LiveInfo(vt).low; })
       .def(
           "extend",
-          [](const PyVTensor& vt, std::int64_t n) {
+          [](const PyVTensor& vt, std::int64_t n, std::optional<std::int64_t> low) {
             const std::size_t tokens = Count(n, "num_tokens");
-            return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Extend(vt.id, tokens); })};
+            std::optional<std::size_t> mark;
+            if (low) mark = Count(*low, "low");
+            return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Extend(vt.id, tokens, mark); })};
           },
-          py::arg("num_tokens"))
+          py::arg("num_tokens"), py::arg("low") = py::none())
       .def("release",
            [](const PyVTensor& vt) { return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Release(vt.id); })}; })
       .def("__hash__", [](const PyVTensor& vt) { return std::hash<std::uint64_t>()(vt.id); })
@@ -392,7 +395,7 @@ PYBIND11_MODULE(_core, m) {
                d["end"] = n.end;
                d["tokens"] = n.tokens;
                d["locks"] = n.locks;
-               d["pages"] = n.pages;
+               d["pages"] = PageList(n.pages);  // None: a hole (window spaces)
                out.append(d);
              }
              return out;
@@ -415,6 +418,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("name", [](const PySpace& s) { return s.fixed->name; })
       .def_property_readonly("namespace", [](const PySpace& s) { return s.fixed->ns; })
       .def_property_readonly("row_bytes", [](const PySpace& s) { return s.fixed->row_bytes; })
+      .def_property_readonly("window_tokens", [](const PySpace& s) { return s.fixed->window_tokens; })
       .def_property_readonly("max_tokens", [](const PySpace& s) { return s.fixed->max_tokens; })
       .def_property_readonly("max_slots", [](const PySpace& s) { return s.fixed->max_slots; })
       .def_property_readonly("slot_bytes", [](const PySpace& s) { return s.fixed->slot_bytes; })
@@ -477,26 +481,37 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "create_space",
           [](const std::shared_ptr<PyManager>& mgr, std::int64_t row_bytes, std::int64_t max_tokens,
-             std::int64_t max_slots, std::optional<std::string> ns, std::optional<std::string> name) {
+             std::int64_t max_slots, std::optional<std::string> ns, std::optional<std::string> name,
+             std::int64_t window_tokens) {
             const std::size_t r = Count(row_bytes, "row_bytes"), t = Count(max_tokens, "max_tokens"),
-                              n = Count(max_slots, "max_slots");
+                              n = Count(max_slots, "max_slots"), w = Count(window_tokens, "window_tokens");
             std::uint32_t id;
             {
               py::gil_scoped_release release;
-              id = Core(mgr).CreateSpace(r, t, n, ns.value_or(""), name.value_or(""));
+              id = Core(mgr).CreateSpace(r, t, n, ns.value_or(""), name.value_or(""), w);
             }
             return SpaceObject(mgr, id);
           },
           py::arg("row_bytes"), py::arg("max_tokens"), py::arg("max_slots"), py::arg("namespace") = py::none(),
-          py::arg("name") = py::none())
+          py::arg("name") = py::none(), py::kw_only(), py::arg("window_tokens") = 0)
       .def(
           "step",
           [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {
-            std::vector<std::pair<std::uint64_t, std::size_t>> list;
+            std::vector<StepTarget> list;
             for (auto item : targets) {
               const auto& vt = item.first.cast<const PyVTensor&>();
               if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, "step: vTensor of another manager");
-              list.emplace_back(vt.id, Count(item.second.cast<std::int64_t>(), "num_tokens"));
+              list.push_back(StepTarget{vt.id, 0, std::nullopt});
+              // n_tokens, or (n_tokens, low) to raise the low mark too.
+              if (py::isinstance<py::tuple>(item.second)) {
+                auto pair = item.second.cast<py::tuple>();
+                if (pair.size() != 2)
+                  Throw(ErrorCode::kInvalidArgument, "step: a target is n_tokens or (n_tokens, low)");
+                list.back().num_tokens = Count(pair[0].cast<std::int64_t>(), "num_tokens");
+                list.back().low = Count(pair[1].cast<std::int64_t>(), "low");
+              } else {
+                list.back().num_tokens = Count(item.second.cast<std::int64_t>(), "num_tokens");
+              }
             }
             return PyFuture{mgr, NoGil([&] { return Core(mgr).Step(std::move(list)); })};
           },

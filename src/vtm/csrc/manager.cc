@@ -138,9 +138,12 @@ void Manager::RecordOp(const char* op, double us, bool ok) {
 }
 
 std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens, std::size_t max_slots,
-                                   const std::string& ns, const std::string& name) {
+                                   const std::string& ns, const std::string& name, std::size_t window_tokens) {
   if (row_bytes == 0 || max_tokens == 0 || max_slots == 0)
     Throw(ErrorCode::kInvalidArgument, "row_bytes, max_tokens and max_slots must be positive");
+  if (window_tokens > max_tokens)
+    Throw(ErrorCode::kInvalidArgument, "window_tokens " + std::to_string(window_tokens) + " exceeds max_tokens " +
+                                           std::to_string(max_tokens) + ": every row is in the window");
   if (max_tokens > (std::size_t{1} << 40) / row_bytes)
     Throw(ErrorCode::kInvalidArgument, "max_tokens * row_bytes is too large");
   const std::size_t slot_bytes = (max_tokens * row_bytes + chunk_bytes_ - 1) / chunk_bytes_ * chunk_bytes_;
@@ -159,6 +162,11 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
     Throw(ErrorCode::kInvalidArgument, "namespace '" + space_ns + "' holds rows of " +
                                            std::to_string(tree_it->second->row_bytes()) + " bytes, not " +
                                            std::to_string(row_bytes));
+  // Records with holes serve windowed matches only.
+  if (tree_it != trees_.end() && tree_it->second->window_tokens() != window_tokens)
+    Throw(ErrorCode::kInvalidArgument, "namespace '" + space_ns + "' has window_tokens " +
+                                           std::to_string(tree_it->second->window_tokens()) + ", not " +
+                                           std::to_string(window_tokens));
   auto sp = std::make_unique<Space>();
   sp->id = id;
   sp->name = space_name;
@@ -168,6 +176,7 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   sp->max_slots = max_slots;
   sp->slot_bytes = slot_bytes;
   sp->pages_per_slot = slot_bytes / chunk_bytes_;
+  sp->window_tokens = window_tokens;
   mapper_->AddSpace(id, max_slots, slot_bytes);
   sp->slots.resize(max_slots);
   for (auto& s : sp->slots) {
@@ -176,7 +185,7 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   }
   for (int i = static_cast<int>(max_slots) - 1; i >= 0; --i) sp->clean_free.push_back(i);
   if (tree_it == trees_.end())
-    tree_it = trees_.emplace(space_ns, std::make_unique<PrefixTree>(row_bytes, chunk_bytes_, pool_.get()))
+    tree_it = trees_.emplace(space_ns, std::make_unique<PrefixTree>(row_bytes, chunk_bytes_, window_tokens, pool_.get()))
                   .first;
   sp->tree = tree_it->second.get();
   live_spaces_.emplace(id, std::move(sp));
@@ -195,13 +204,13 @@ std::shared_ptr<FutureState> Manager::Create(std::uint32_t space, std::size_t n)
   return Submit("create", {id}, false, [this, space, id, n] { return DoCreate(space, id, n); });
 }
 
-std::shared_ptr<FutureState> Manager::Extend(std::uint64_t vt, std::size_t n) {
-  return Submit("extend", {vt}, false, [this, vt, n] { return DoStep({{vt, n}}); });
+std::shared_ptr<FutureState> Manager::Extend(std::uint64_t vt, std::size_t n, std::optional<std::size_t> low) {
+  return Submit("extend", {vt}, false, [this, vt, n, low] { return DoStep({StepTarget{vt, n, low}}); });
 }
 
-std::shared_ptr<FutureState> Manager::Step(std::vector<std::pair<std::uint64_t, std::size_t>> targets) {
+std::shared_ptr<FutureState> Manager::Step(std::vector<StepTarget> targets) {
   std::vector<std::uint64_t> keys;
-  for (auto& [vt, n] : targets) keys.push_back(vt);
+  for (const StepTarget& t : targets) keys.push_back(t.vt);
   return Submit("step", keys, false, [this, targets = std::move(targets)] { return DoStep(targets); });
 }
 

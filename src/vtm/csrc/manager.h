@@ -25,7 +25,8 @@
 //  * refs(chunk) == mappings of it in slots + prefix-tree nodes holding it;
 //  * chunks with refs 0 are exactly the pool's free list;
 //  * a slot is owned by at most one live vTensor; a live vTensor's pages
-//    cover its num_tokens rows; a free slot's mapped pages are private
+//    cover its rows [low, num_tokens), and no page wholly below its low mark
+//    is mapped (docs/api.md, "low mark"); a free slot's mapped pages are private
 //    (refs 1): pages shared with the tree are unmapped when a vTensor is
 //    released, so a reused slot never writes a shared page;
 //  * cached_pages_ == mapped pages of free slots <= the cache budget;
@@ -90,14 +91,23 @@ struct VTensorInfo {
   std::uint32_t space = 0;
   int slot = -1;
   std::size_t num_tokens = 0;
+  std::size_t low = 0;
   std::uintptr_t address = 0;
   std::size_t mapped_bytes = 0;
   std::vector<ChunkId> pages;
 };
 
+// One entry of a step: cover `num_tokens` rows and, when `low` is given,
+// raise the low mark to it (unmapping every page wholly below it).
+struct StepTarget {
+  std::uint64_t vt = 0;
+  std::size_t num_tokens = 0;
+  std::optional<std::size_t> low;  // none: the vTensor keeps its low mark
+};
+
 struct SpaceInfo {
   std::string name, ns;
-  std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
+  std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0, window_tokens = 0;
   std::uintptr_t base = 0;
   std::size_t slots_free = 0, vtensors = 0, used_tokens = 0, mapped_bytes = 0, cached_bytes = 0;
   bool closed = false;
@@ -138,12 +148,14 @@ class Manager {
   // reservation. Idempotent.
   void Close();
 
+  // window_tokens W > 0 makes a window space: its tree records holes and
+  // its matches need only the pages under their last W rows.
   std::uint32_t CreateSpace(std::size_t row_bytes, std::size_t max_tokens, std::size_t max_slots,
-                            const std::string& ns, const std::string& name);
+                            const std::string& ns, const std::string& name, std::size_t window_tokens);
 
   std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);
-  std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens);
-  std::shared_ptr<FutureState> Step(std::vector<std::pair<std::uint64_t, std::size_t>> targets);
+  std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens, std::optional<std::size_t> low);
+  std::shared_ptr<FutureState> Step(std::vector<StepTarget> targets);
   std::shared_ptr<FutureState> Release(std::uint64_t vt);
   // The copies these make (the page being written, the copy-on-write page)
   // run after the work queued on `stream` before the call (a fence recorded
@@ -193,6 +205,7 @@ class Manager {
     std::string name, ns;
     PrefixTree* tree = nullptr;
     std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
+    std::size_t window_tokens = 0;  // its tree's (0: a space of whole prefixes)
     std::vector<Slot> slots;
     std::vector<int> clean_free;  // free slots with nothing mapped
   };
@@ -201,6 +214,7 @@ class Manager {
     int slot = -1;
     std::size_t num_tokens = 0;
     PrefixNode* lock_node = nullptr;
+    std::size_t low = 0;  // the low mark: pages wholly below row `low` are unmapped
   };
 
   // Executor keys of prefix trees have this bit set; vTensor ids never do.
@@ -214,7 +228,7 @@ class Manager {
 
   // Operation bodies, run on a worker.
   FutureValue DoCreate(std::uint32_t space, std::uint64_t id, std::size_t n);
-  FutureValue DoStep(const std::vector<std::pair<std::uint64_t, std::size_t>>& targets);
+  FutureValue DoStep(const std::vector<StepTarget>& targets);
   FutureValue DoRelease(std::uint64_t id);
   FutureValue DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
                        const Fence* after);
@@ -238,6 +252,9 @@ class Manager {
   }
   VTensor& LiveVTensor(std::uint64_t id);
   std::size_t PagesFor(const Space& sp, std::size_t tokens) const;
+  // The first page a vTensor with low mark `low` keeps: the pages before it
+  // lie wholly below row `low`.
+  std::size_t LowPage(const Space& sp, std::size_t low) const { return low * sp.row_bytes / chunk_bytes_; }
   int ClaimSlot(Space& sp, std::size_t need_pages, bool for_match, UndoLog& undo);
   // Gives a claimed slot to `owner`.
   void TakeSlot(Space& sp, int slot, std::uint64_t owner);

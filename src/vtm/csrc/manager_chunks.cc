@@ -26,7 +26,8 @@ std::size_t Manager::EvictableTreeChunks() const {
   for (const auto& [name, tree] : trees_)
     tree->ForEach([&](const PrefixNode& n) {
       if (n.locks == 0)
-        for (ChunkId c : n.pages) ++refs[c];
+        for (ChunkId c : n.pages)
+          if (c != kNoChunk) ++refs[c];
     });
   std::size_t n = 0;
   for (const auto& [c, r] : refs) n += pool_->refs(c) == r ? 1 : 0;

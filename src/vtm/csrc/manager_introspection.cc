@@ -22,6 +22,7 @@ VTensorInfo Manager::DescribeVTensor(std::uint64_t id) const {
   info.space = vt.space;
   info.slot = vt.slot;
   info.num_tokens = vt.num_tokens;
+  info.low = vt.low;
   const auto reservation = mapper_->reservation(vt.space);
   info.address = reservation ? reservation->va() + static_cast<std::size_t>(vt.slot) * sp.slot_bytes : 0;
   info.mapped_bytes = s.mapped * chunk_bytes_;
@@ -44,6 +45,7 @@ SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
   info.max_slots = sp.max_slots;
   info.slot_bytes = sp.slot_bytes;
   info.pages_per_slot = sp.pages_per_slot;
+  info.window_tokens = sp.window_tokens;
   const auto reservation = mapper_->reservation(space);
   info.base = reservation ? reservation->va() : 0;
   for (const Slot& s : sp.slots) {
@@ -56,7 +58,7 @@ SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
     }
   }
   for (const auto& [id, vt] : vtensors_)
-    if (vt.space == space) info.used_tokens += vt.num_tokens;
+    if (vt.space == space) info.used_tokens += vt.num_tokens - vt.low;  // the rows it holds
   return info;
 }
 
@@ -101,7 +103,8 @@ Stats Manager::GetStats() const {
     tree->ForEach([&](const PrefixNode& n) {
       ++st.tree_nodes;
       st.tree_tokens += n.tokens.size();
-      in_tree.insert(n.pages.begin(), n.pages.end());
+      for (ChunkId c : n.pages)
+        if (c != kNoChunk) in_tree.insert(c);  // a hole holds nothing
     });
   st.chunks_mapped = mapped.size();
   st.chunks_cached = cached.size();
@@ -122,6 +125,7 @@ Stats Manager::GetStats() const {
     info.max_tokens = sp->max_tokens;
     info.max_slots = sp->max_slots;
     info.slot_bytes = sp->slot_bytes;
+    info.window_tokens = sp->window_tokens;
     for (const Slot& s : sp->slots) {
       if (s.owner == 0) {
         ++info.slots_free;
@@ -134,7 +138,8 @@ Stats Manager::GetStats() const {
     index_of[id] = st.spaces.size();
     st.spaces.emplace_back(sp->name, info);
   }
-  for (const auto& [id, vt] : vtensors_) st.spaces[index_of.at(vt.space)].second.used_tokens += vt.num_tokens;
+  for (const auto& [id, vt] : vtensors_)
+    st.spaces[index_of.at(vt.space)].second.used_tokens += vt.num_tokens - vt.low;  // the rows it holds
   return st;
 }
 
@@ -184,7 +189,15 @@ void Manager::Check() const {
     const Space& sp = SpaceOf(vt.space);
     const Slot& s = sp.slots[vt.slot];
     if (s.owner != id) fail("vTensor " + std::to_string(id) + " does not own its slot");
-    for (std::size_t p = 0; p < PagesFor(sp, vt.num_tokens); ++p)
+    if (vt.low > vt.num_tokens)
+      fail("vTensor " + std::to_string(id) + " has low mark " + std::to_string(vt.low) + " past its " +
+           std::to_string(vt.num_tokens) + " tokens");
+    const std::size_t first = LowPage(sp, vt.low);
+    for (std::size_t p = 0; p < first; ++p)
+      if (s.pages[p] != kNoChunk)
+        fail("vTensor " + std::to_string(id) + " maps page " + std::to_string(p) + ", wholly below its low mark " +
+             std::to_string(vt.low));
+    for (std::size_t p = first; p < PagesFor(sp, vt.num_tokens); ++p)
       if (s.pages[p] == kNoChunk) fail("vTensor " + std::to_string(id) + " lacks page " + std::to_string(p));
     for (const PrefixNode* n = vt.lock_node; n != nullptr && n->parent != nullptr; n = n->parent) ++locks[n];
   }
@@ -195,7 +208,10 @@ void Manager::Check() const {
       if (n.parent->end() != n.start) fail(where + " does not start at its parent's end");
       if (n.first_page != tree->FirstPage(n.start) || n.first_page + n.pages.size() != tree->PageEnd(n.end()))
         fail(where + " keeps the wrong pages");
-      for (ChunkId c : n.pages) count(c, where);
+      for (ChunkId c : n.pages) {
+        if (c != kNoChunk) count(c, where);
+        else if (tree->window_tokens() == 0) fail(where + " has a hole in a tree of whole prefixes");
+      }
       auto it = locks.find(&n);
       if (n.locks != (it == locks.end() ? 0 : it->second))
         fail(where + " has " + std::to_string(n.locks) + " locks, expected " +

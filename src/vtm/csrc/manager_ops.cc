@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <unordered_set>
 
 #include "error.h"
 
@@ -31,38 +32,74 @@ FutureValue Manager::DoCreate(std::uint32_t space, std::uint64_t id, std::size_t
   return VTensorRef{id};
 }
 
-FutureValue Manager::DoStep(const std::vector<std::pair<std::uint64_t, std::size_t>>& targets) {
+FutureValue Manager::DoStep(const std::vector<StepTarget>& targets) {
   std::unique_lock<std::mutex> lock(mu_);
-  // Validate everything first; a vTensor named twice takes the larger size.
-  std::map<std::uint64_t, std::size_t> want;
-  for (auto [id, n] : targets) {
-    VTensor& vt = LiveVTensor(id);
+  // Validate everything first; a vTensor named twice takes the larger size
+  // and the larger low mark.
+  struct Want {
+    std::size_t n = 0, low = 0;
+  };
+  std::map<std::uint64_t, Want> want;
+  for (const StepTarget& t : targets) {
+    VTensor& vt = LiveVTensor(t.vt);
     const Space& sp = SpaceOf(vt.space);
-    if (n > sp.max_tokens)
-      Throw(ErrorCode::kInvalidArgument, "extend: " + std::to_string(n) + " tokens exceed max_tokens " +
+    if (t.num_tokens > sp.max_tokens)
+      Throw(ErrorCode::kInvalidArgument, "extend: " + std::to_string(t.num_tokens) + " tokens exceed max_tokens " +
                                              std::to_string(sp.max_tokens) + " of space '" + sp.name + "'");
-    want[id] = std::max(want[id], n);
+    if (t.low && *t.low < vt.low)
+      Throw(ErrorCode::kInvalidArgument, "extend: low " + std::to_string(*t.low) + " is below the low mark " +
+                                             std::to_string(vt.low) + " of vTensor " + std::to_string(t.vt) +
+                                             ": the rows below it are gone");
+    if (t.low && *t.low > t.num_tokens)
+      Throw(ErrorCode::kInvalidArgument, "extend: low " + std::to_string(*t.low) + " exceeds num_tokens " +
+                                             std::to_string(t.num_tokens));
+    auto [it, added] = want.try_emplace(t.vt, Want{t.num_tokens, t.low.value_or(vt.low)});
+    if (!added) {
+      it->second.n = std::max(it->second.n, t.num_tokens);
+      it->second.low = std::max(it->second.low, t.low.value_or(vt.low));
+    }
   }
+  // Each vTensor maps the pages of [low, n) it lacks and unmaps every page
+  // wholly below its low mark. An unmapped chunk nothing else holds moves to
+  // a page this step maps (a sliding window's steady state takes nothing
+  // from the pool); the others drop their reference at commit.
   struct Plan {
     std::uint64_t id;
-    std::size_t n;
-    std::vector<std::size_t> missing;
+    Want want;
+    std::vector<std::size_t> missing, dropped;
   };
   std::vector<Plan> plans;
+  std::vector<ChunkId> recycled;
   std::size_t total = 0;
-  for (auto [id, n] : want) {
+  for (auto [id, w] : want) {
     VTensor& vt = vtensors_.at(id);
     const Space& sp = SpaceOf(vt.space);
-    Plan plan{id, n, {}};
-    const std::size_t need = PagesFor(sp, n);
-    for (std::size_t p = 0; p < need; ++p)
-      if (sp.slots[vt.slot].pages[p] == kNoChunk) plan.missing.push_back(p);
+    const Slot& s = sp.slots[vt.slot];
+    Plan plan{id, w, {}, {}};
+    const std::size_t first = LowPage(sp, w.low), need = PagesFor(sp, w.n);
+    for (std::size_t p = 0; p < first; ++p)
+      if (s.pages[p] != kNoChunk) {
+        plan.dropped.push_back(p);
+        if (pool_->refs(s.pages[p]) == 1) recycled.push_back(s.pages[p]);
+      }
+    for (std::size_t p = first; p < need; ++p)
+      if (s.pages[p] == kNoChunk) plan.missing.push_back(p);
     total += plan.missing.size();
     plans.push_back(std::move(plan));
   }
+  if (recycled.size() > total) recycled.resize(total);
   UndoLog undo(&rollback_failures_total_);
-  std::vector<ChunkId> chunks = Acquire(total, undo, lock);
+  std::vector<ChunkId> chunks = recycled;
+  std::vector<ChunkId> acquired = Acquire(total - recycled.size(), undo, lock);
+  chunks.insert(chunks.end(), acquired.begin(), acquired.end());
   // Look the vTensors up again: Acquire may have waited without the lock.
+  // Unmapped first, so a recycled chunk is never mapped at two pages.
+  std::vector<ChunkId> unmapped;
+  for (Plan& plan : plans) {
+    const VTensor& vt = vtensors_.at(plan.id);
+    std::vector<ChunkId> gone = UnmapPages(SpaceOf(vt.space), vt.slot, plan.dropped, &undo);
+    unmapped.insert(unmapped.end(), gone.begin(), gone.end());
+  }
   std::size_t next = 0;
   for (Plan& plan : plans) {
     const VTensor& vt = vtensors_.at(plan.id);
@@ -71,9 +108,14 @@ FutureValue Manager::DoStep(const std::vector<std::pair<std::uint64_t, std::size
     MapPages(SpaceOf(vt.space), vt.slot, plan.missing, mine, undo);
   }
   undo.Commit();
+  // A recycled chunk keeps its one reference, now for its new page.
+  const std::unordered_set<ChunkId> moved(recycled.begin(), recycled.end());
+  for (ChunkId c : unmapped)
+    if (moved.count(c) == 0) pool_->Unref(c);
   for (Plan& plan : plans) {
     VTensor& vt = vtensors_.at(plan.id);
-    vt.num_tokens = std::max(vt.num_tokens, plan.n);
+    vt.num_tokens = std::max(vt.num_tokens, plan.want.n);
+    vt.low = plan.want.low;
   }
   AfterCommit();
   return std::monostate{};
@@ -136,14 +178,23 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   const std::size_t n = tokens.size();
   const int slot = vt.slot;
   std::vector<ChunkId> pages = sp.slots[slot].pages;
+  // A window space records the pages the vTensor holds, with holes where
+  // it unmapped them below its low mark; any other records whole prefixes.
+  if (LowPage(sp, vt.low) > 0 && sp.window_tokens == 0)
+    Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor " + std::to_string(id) +
+                                              " unmapped its rows below its low mark " + std::to_string(vt.low) +
+                                              ", and space '" + sp.name + "' records whole prefixes only");
   // The recorder's next row goes into the page holding byte n*R. When that
-  // page would join the tree, the tree gets a copy instead, so a page the
-  // tree holds is never written again (docs/design.md §3).
+  // page would join the tree (in a new node, or filling a hole), the tree
+  // gets a copy instead, so a page the tree holds is never written again
+  // (docs/design.md §3).
   ChunkId copy = kNoChunk;
   const std::size_t boundary = n * sp.row_bytes;
-  if (sp.tree->Find(tokens.data(), n).length < n && boundary % chunk_bytes_ != 0) {
+  const std::size_t p = boundary / chunk_bytes_;
+  const TreePosition recorded = sp.tree->Find(tokens.data(), n);
+  if (boundary % chunk_bytes_ != 0 && pages[p] != kNoChunk &&
+      (recorded.length < n || (sp.window_tokens > 0 && sp.tree->HoleAt(recorded, p)))) {
     UndoLog undo(&rollback_failures_total_);
-    const std::size_t p = boundary / chunk_bytes_;
     copy = Acquire(1, undo, lock).front();
     backend_->copy(pool_->handle(copy), pool_->handle(pages[p]), boundary - p * chunk_bytes_, after);
     pages[p] = copy;
@@ -172,13 +223,19 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // Capped at len - 1 (the last token's KV is what the caller computes) and
   // at this space's max_tokens (a space sharing the namespace may be longer).
   const std::size_t limit = tokens.empty() ? 0 : std::min(tokens.size() - 1, sp.max_tokens);
-  const TreePosition found = sp.tree->Find(tokens.data(), limit);
+  TreePosition found = sp.tree->Find(tokens.data(), limit);
+  // A window space matches as far as the tree holds the pages under the
+  // match's last W rows (they may have holes below); the vTensor maps those
+  // pages only, and its low mark is the first row wholly in them.
+  if (sp.window_tokens > 0) found = sp.tree->Windowed(found);
   const std::size_t m = found.length;
   if (m == 0) return MatchResult{0, 0};
 
   const std::size_t need = PagesFor(sp, m);
+  const std::size_t first = sp.tree->FirstNeededPage(m);
   const std::size_t shared_end = m * sp.row_bytes / chunk_bytes_;  // pages wholly below the match
   const bool partial = shared_end < need;
+  const std::size_t low = first == need ? m : (first * chunk_bytes_ + sp.row_bytes - 1) / sp.row_bytes;
   std::vector<ChunkId> source(need, kNoChunk);
   sp.tree->CollectPages(found, &source);
 
@@ -189,7 +246,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // workers run) cannot free them either.
   sp.tree->Lock(found.node);
   undo.Add([this, &sp, node = found.node] { sp.tree->Unlock(node); });
-  for (std::size_t p = 0; p < need; ++p) {
+  for (std::size_t p = first; p < need; ++p) {
     if (source[p] == kNoChunk) Throw(ErrorCode::kInternal, "prefix tree lacks page " + std::to_string(p));
     pool_->Ref(source[p]);
     undo.Add([this, c = source[p]] { pool_->Unref(c); });
@@ -203,7 +260,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
 
   std::vector<std::size_t> pages;
   std::vector<ChunkId> chunks;
-  for (std::size_t p = 0; p < shared_end; ++p) {
+  for (std::size_t p = first; p < shared_end; ++p) {
     pages.push_back(p);
     chunks.push_back(source[p]);
   }
@@ -232,7 +289,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   sp.tree->Touch(node, ++tick_);
   if (partial) ++cow_copies_total_;
   TakeSlot(sp, slot, id);
-  vtensors_[id] = VTensor{space, slot, m, node};
+  vtensors_[id] = VTensor{space, slot, m, node, low};
   AfterCommit();
   return MatchResult{id, m};
 }

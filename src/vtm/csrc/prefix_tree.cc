@@ -6,8 +6,8 @@
 
 namespace vtm {
 
-PrefixTree::PrefixTree(std::size_t row_bytes, std::size_t page_bytes, Pool* pool)
-    : row_bytes_(row_bytes), page_bytes_(page_bytes), pool_(pool) {}
+PrefixTree::PrefixTree(std::size_t row_bytes, std::size_t page_bytes, std::size_t window_tokens, Pool* pool)
+    : row_bytes_(row_bytes), page_bytes_(page_bytes), window_tokens_(window_tokens), pool_(pool) {}
 
 PrefixTree::~PrefixTree() {
   while (!root_.children.empty()) {
@@ -47,6 +47,36 @@ void PrefixTree::CollectPages(const TreePosition& pos, std::vector<ChunkId>* out
   }
 }
 
+std::size_t PrefixTree::FirstNeededPage(std::size_t length) const {
+  if (window_tokens_ == 0 || length < window_tokens_) return 0;
+  return FirstPage(length - window_tokens_ + 1);
+}
+
+TreePosition PrefixTree::Windowed(const TreePosition& found) const {
+  // Deepest node first: for a length ending inside a node, the pages are
+  // the versions of the path to that node.
+  for (const PrefixNode* node = found.node; node != &root_; node = node->parent) {
+    const std::size_t top = node == found.node ? found.length : node->end();
+    const TreePosition pos{const_cast<PrefixNode*>(node), top};
+    std::vector<ChunkId> pages(PageEnd(top), kNoChunk);
+    CollectPages(pos, &pages);
+    std::vector<std::size_t> holes(pages.size() + 1, 0);  // holes[p]: holes among pages [0, p)
+    for (std::size_t p = 0; p < pages.size(); ++p) holes[p + 1] = holes[p] + (pages[p] == kNoChunk ? 1 : 0);
+    for (std::size_t length = top; length > node->start; --length) {
+      const std::size_t lo = FirstNeededPage(length), hi = PageEnd(length);
+      if (lo >= hi || holes[hi] == holes[lo]) return TreePosition{pos.node, length};
+    }
+  }
+  return TreePosition{const_cast<PrefixNode*>(&root_), 0};
+}
+
+bool PrefixTree::HoleAt(const TreePosition& pos, std::size_t page) const {
+  for (const PrefixNode* n = pos.node; n != &root_; n = n->parent)
+    if (page >= n->first_page && page < n->first_page + n->pages.size() && n->pages[page - n->first_page] == kNoChunk)
+      return true;
+  return false;
+}
+
 PrefixNode* PrefixTree::SplitAt(const TreePosition& pos) {
   if (pos.length == pos.node->end() || pos.node == &root_) return pos.node;
   return Split(pos.node, pos.length);
@@ -71,8 +101,8 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   node->first_page = lower_first;
   node->tokens.erase(node->tokens.begin(), node->tokens.begin() + offset);
   node->start = at;
-  // The page holding byte at*R now belongs to both halves.
-  if (lower_first == upper_last) pool_->Ref(upper->pages.back());
+  // The page holding byte at*R now belongs to both halves (a hole in both).
+  if (lower_first == upper_last && upper->pages.back() != kNoChunk) pool_->Ref(upper->pages.back());
 
   PrefixNode* parent = node->parent;
   auto& slot = parent->children[upper->tokens.front()];
@@ -86,20 +116,30 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
 std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* tokens, std::size_t n,
                                                        const std::vector<ChunkId>& pages, std::uint64_t tick) {
   TreePosition pos = Find(tokens, n);
+  const std::size_t end_page = PageEnd(n);
+  for (std::size_t p = FirstPage(pos.length); pos.length < n && p < end_page && window_tokens_ == 0; ++p)
+    if (p >= pages.size() || pages[p] == kNoChunk)
+      Throw(ErrorCode::kInternal, "prefix_record: page " + std::to_string(p) + " is not mapped");
   PrefixNode* node = SplitAt(pos);
+  // Union: the path's holes take the recorder's chunks where it has them.
+  for (PrefixNode* m = node; window_tokens_ > 0 && m != &root_; m = m->parent)
+    for (std::size_t i = 0; i < m->pages.size(); ++i) {
+      const std::size_t p = m->first_page + i;
+      if (m->pages[i] == kNoChunk && p < pages.size() && pages[p] != kNoChunk) {
+        m->pages[i] = pages[p];
+        pool_->Ref(pages[p]);
+      }
+    }
   const std::size_t start = pos.length;
   if (start < n) {
     auto leaf = std::make_unique<PrefixNode>();
     leaf->tokens.assign(tokens + start, tokens + n);
     leaf->start = start;
     leaf->first_page = FirstPage(start);
-    const std::size_t end_page = PageEnd(n);
-    for (std::size_t p = leaf->first_page; p < end_page; ++p) {
-      if (p >= pages.size() || pages[p] == kNoChunk)
-        Throw(ErrorCode::kInternal, "prefix_record: page " + std::to_string(p) + " is not mapped");
-      leaf->pages.push_back(pages[p]);
-    }
-    for (ChunkId c : leaf->pages) pool_->Ref(c);
+    for (std::size_t p = leaf->first_page; p < end_page; ++p)
+      leaf->pages.push_back(p < pages.size() ? pages[p] : kNoChunk);
+    for (ChunkId c : leaf->pages)
+      if (c != kNoChunk) pool_->Ref(c);
     leaf->parent = node;
     PrefixNode* raw = leaf.get();
     node->children.emplace(leaf->tokens.front(), std::move(leaf));
@@ -128,7 +168,7 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
   if (leaf == &root_ || !leaf->children.empty() || leaf->locks != 0)
     Throw(ErrorCode::kInternal, "evicting a prefix node that is not an unlocked leaf");
   std::size_t freed = 0;
-  for (ChunkId c : leaf->pages) freed += pool_->Unref(c) ? 1 : 0;
+  for (ChunkId c : leaf->pages) freed += c != kNoChunk && pool_->Unref(c) ? 1 : 0;
   leaf->parent->children.erase(leaf->tokens.front());
   return freed;
 }
@@ -136,7 +176,8 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
 std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node) {
   std::size_t dropped = 1;
   for (auto& [token, child] : node->children) dropped += DropSubtree(std::move(child));
-  for (ChunkId c : node->pages) pool_->Unref(c);
+  for (ChunkId c : node->pages)
+    if (c != kNoChunk) pool_->Unref(c);
   return dropped;
 }
 

@@ -10,11 +10,21 @@
 // path that keeps it holds the correct bytes for the whole path up to that
 // node's end; CollectPages() relies on this.
 //
+// A window tree (the tree of a window space, window_tokens W > 0) may keep
+// holes: kNoChunk for a page the recording vTensor had unmapped below its
+// low mark. A later record through the same node fills the holes it can
+// (the recorder's page holds the right bytes for the path up to the node's
+// end, like any page a node keeps). A page's version is the deepest node's
+// on the path that covers the page, hole or not: an ancestor's version of a
+// straddling page may hold another branch's bytes (see above), so a hole is
+// never filled from above. A windowed match (Windowed) then needs only the
+// pages under its last W rows.
+//
 // Invariants:
 //  * children are keyed by their first token; no node but the root has an
 //    empty edge; a child's start is its parent's end;
-//  * pages.size() == pages intersecting [start*R, end*R), none kNoChunk, and
-//    the node holds one pool reference on each;
+//  * pages.size() == pages intersecting [start*R, end*R), kNoChunk only in a
+//    window tree, and the node holds one pool reference on each chunk;
 //  * locks = number of live vTensors whose locked node is this node or a
 //    descendant, so locks(parent) >= locks(child); only leaves with locks == 0
 //    are evicted.
@@ -56,22 +66,36 @@ struct TreePosition {
 
 class PrefixTree {
  public:
-  PrefixTree(std::size_t row_bytes, std::size_t page_bytes, Pool* pool);
+  // window_tokens 0: a tree of whole prefixes (no holes).
+  PrefixTree(std::size_t row_bytes, std::size_t page_bytes, std::size_t window_tokens, Pool* pool);
   ~PrefixTree();  // drops every reference (the pool must still exist)
   PrefixTree(const PrefixTree&) = delete;
   PrefixTree& operator=(const PrefixTree&) = delete;
 
   std::size_t row_bytes() const { return row_bytes_; }
+  std::size_t window_tokens() const { return window_tokens_; }
   PrefixNode* root() { return &root_; }
 
   // Longest recorded prefix of tokens[0..n). Does not change the tree.
   TreePosition Find(const std::int32_t* tokens, std::size_t n) const;
   // For each page p < out->size(), the chunk the deepest node on the path to
-  // `pos` keeps for p (kNoChunk where none does).
+  // `pos` that covers p keeps for p (kNoChunk where none does, or its a hole).
   void CollectPages(const TreePosition& pos, std::vector<ChunkId>* out) const;
+  // Window trees: the longest prefix of `found` (a Find result) of length L
+  // whose pages under rows [max(0, L - W + 1), L) the tree holds (length 0
+  // and the root when there is none).
+  TreePosition Windowed(const TreePosition& found) const;
+  // The first page a match of `length` tokens needs: the one holding row
+  // length - W + 1 in a window tree, else 0.
+  std::size_t FirstNeededPage(std::size_t length) const;
+  // Window trees: whether the path to `pos` has a hole at `page` that a
+  // record of pos.length tokens would fill.
+  bool HoleAt(const TreePosition& pos, std::size_t page) const;
   // The node that ends exactly at pos.length, splitting pos.node if needed.
   PrefixNode* SplitAt(const TreePosition& pos);
-  // Records tokens[0..n), whose KV lives in `pages` (a slot's page table).
+  // Records tokens[0..n), whose KV lives in `pages` (a slot's page table;
+  // kNoChunk for a page it does not hold: a hole, in a window tree only).
+  // In a window tree it also fills the path's holes that `pages` holds.
   // Returns the node ending at n and the number of tokens added.
   std::pair<PrefixNode*, std::size_t> Insert(const std::int32_t* tokens, std::size_t n,
                                              const std::vector<ChunkId>& pages, std::uint64_t tick);
@@ -101,6 +125,7 @@ class PrefixTree {
 
   const std::size_t row_bytes_;
   const std::size_t page_bytes_;
+  const std::size_t window_tokens_;
   Pool* pool_;
   PrefixNode root_;
 };

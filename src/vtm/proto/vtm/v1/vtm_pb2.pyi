@@ -61,21 +61,23 @@ class SetQuotaRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class CreateSpaceRequest(_message.Message):
-    __slots__ = ("row_bytes", "max_tokens", "max_slots", "namespace", "name")
+    __slots__ = ("row_bytes", "max_tokens", "max_slots", "namespace", "name", "window_tokens")
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     row_bytes: int
     max_tokens: int
     max_slots: int
     namespace: str
     name: str
-    def __init__(self, row_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_slots: _Optional[int] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    window_tokens: int
+    def __init__(self, row_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_slots: _Optional[int] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class SpaceReply(_message.Message):
-    __slots__ = ("space_id", "name", "namespace", "row_bytes", "max_tokens", "max_slots", "slot_bytes", "pages_per_slot")
+    __slots__ = ("space_id", "name", "namespace", "row_bytes", "max_tokens", "max_slots", "slot_bytes", "pages_per_slot", "window_tokens")
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,7 @@ class SpaceReply(_message.Message):
     MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     space_id: int
     name: str
     namespace: str
@@ -92,7 +95,8 @@ class SpaceReply(_message.Message):
     max_slots: int
     slot_bytes: int
     pages_per_slot: int
-    def __init__(self, space_id: _Optional[int] = ..., name: _Optional[str] = ..., namespace: _Optional[str] = ..., row_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., pages_per_slot: _Optional[int] = ...) -> None: ...
+    window_tokens: int
+    def __init__(self, space_id: _Optional[int] = ..., name: _Optional[str] = ..., namespace: _Optional[str] = ..., row_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., pages_per_slot: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class SpaceRequest(_message.Message):
     __slots__ = ("space_id",)
@@ -109,12 +113,14 @@ class CreateRequest(_message.Message):
     def __init__(self, space_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("vtensor_id", "num_tokens")
+    __slots__ = ("vtensor_id", "num_tokens", "low")
     VTENSOR_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
     vtensor_id: int
     num_tokens: int
-    def __init__(self, vtensor_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    low: int
+    def __init__(self, vtensor_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., low: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("targets",)
@@ -181,18 +187,20 @@ class SpaceEffects(_message.Message):
     def __init__(self, space_id: _Optional[int] = ..., pages: _Optional[_Iterable[_Union[PageEffect, _Mapping]]] = ..., closed: _Optional[bool] = ...) -> None: ...
 
 class VTensorState(_message.Message):
-    __slots__ = ("vtensor_id", "space_id", "slot", "num_tokens", "released")
+    __slots__ = ("vtensor_id", "space_id", "slot", "num_tokens", "released", "low")
     VTENSOR_ID_FIELD_NUMBER: _ClassVar[int]
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
     vtensor_id: int
     space_id: int
     slot: int
     num_tokens: int
     released: bool
-    def __init__(self, vtensor_id: _Optional[int] = ..., space_id: _Optional[int] = ..., slot: _Optional[int] = ..., num_tokens: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
+    low: int
+    def __init__(self, vtensor_id: _Optional[int] = ..., space_id: _Optional[int] = ..., slot: _Optional[int] = ..., num_tokens: _Optional[int] = ..., released: _Optional[bool] = ..., low: _Optional[int] = ...) -> None: ...
 
 class OpReply(_message.Message):
     __slots__ = ("effects", "vtensors", "value", "vtensor_id", "matched_tokens")
