@@ -104,6 +104,11 @@ class Engine:
                 raise InvalidArgument("cuda_graphs needs a CUDA device and attention='kernel' (or 'auto')")
             loaded = load_model(model, self.dtype)
             fingerprint = loaded.fingerprint()
+            if self.attention.name == "flash_attn" and loaded.config.sliding_window is not None:
+                # Its sliding window masks whole key blocks it has loaded:
+                # below a window, vtm has unmapped the pages.
+                raise InvalidArgument("attention='flash_attn' cannot run sliding-window layers on vtm's window "
+                                      "spaces; use 'kernel' (or 'auto')")
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
             self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear,
@@ -187,7 +192,8 @@ class Engine:
         if self.manager.limit_bytes:
             pool = min(pool, self.manager.limit_bytes)
         return KVBudget(tuple(space.row_bytes for space in self.kv_cache.spaces), self.manager.chunk_bytes,
-                        (pool - held) // self.manager.chunk_bytes, self.scheduler.prefix_caching)
+                        (pool - held) // self.manager.chunk_bytes, self.scheduler.prefix_caching,
+                        tuple(self.kv_cache.windows), self.scheduler.max_batch_tokens)
 
     def stats(self, timeout: float | None = None) -> dict:
         """Counters for metrics; read from any thread (plain ints and list lengths).

@@ -109,12 +109,19 @@ class KVBudget:
     fits 120 tokens of KV in 16 chunks, a 16-token one 128). A prefix hit
     whose matched length ends inside a page holds one more such copy, which
     this bound does not count: a request within a chunk of the whole pool
-    may still run out of memory after a hit."""
+    may still run out of memory after a hit.
+
+    `windows`: per group, its sliding window (0: every token). A window
+    group's vTensor holds at most the window and the tokens of one step
+    (`step_tokens`) and the page the window starts in, however long the
+    request grows."""
 
     row_bytes: tuple[int, ...]
     chunk_bytes: int
     chunks: int
     prefix_caching: bool
+    windows: tuple[int, ...] = ()
+    step_tokens: int = 0
 
     def chunks_needed(self, prompt_tokens: int, max_tokens: int) -> int:
         return self._chunks_for(prompt_tokens + max_tokens - 1) + self._prompt_copies(prompt_tokens)
@@ -130,7 +137,12 @@ class KVBudget:
         return self._most_tokens(self.chunks)
 
     def _chunks_for(self, tokens: int) -> int:
-        return sum(-(-tokens * row // self.chunk_bytes) for row in self.row_bytes)
+        windows = self.windows or (0,) * len(self.row_bytes)
+        total = 0
+        for row, window in zip(self.row_bytes, windows):
+            rows = tokens if not window else min(tokens, window + self.step_tokens)
+            total += -(-rows * row // self.chunk_bytes) + (1 if window and rows < tokens else 0)
+        return total
 
     def _prompt_copies(self, prompt_tokens: int) -> int:
         if not self.prefix_caching:

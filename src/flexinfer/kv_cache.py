@@ -13,6 +13,15 @@ each: rows get G times shorter, so attention's token stride shrinks (better
 locality on long contexts) at the price of up to G partial chunks per
 request. Each group's space has its own namespace, and every operation is
 applied to all groups, so their vTensors always hold the same tokens.
+
+A model with sliding-window layers (Mistral, Gemma 2/3) gets one space per
+layer type instead (Jenga's grouping): its full layers in one, its sliding
+layers in a *window space* of W tokens, where each request maps only the pages
+of its last W tokens: every step raises the vTensor's low mark to the first
+row the step's queries read, and vtm unmaps the pages wholly below it (their
+chunks go back to the pool, or stay with the prefix tree). A prefix hit needs
+every group: all tokens of a full group, the last W of a sliding one (vtm's
+windowed match), so `match` settles on the longest length all groups serve.
 """
 
 from __future__ import annotations
@@ -35,30 +44,31 @@ class KVCache:
         self.max_tokens = max_tokens
         self.max_slots = max_slots
         self.row_bytes = config.kv_row_bytes(itemsize)  # all groups together
-        bounds = [layers * g // layer_groups for g in range(layer_groups + 1)]
         self.group_of = [0] * layers  # layer -> group
+        self.windows: list[int] = []  # per group: its window (0: all tokens)
         self.spaces: list[vtm.Space] = []
         self.kv: list[torch.Tensor] = [None] * layers  # [slot, token, k|v, kv_head, head_dim] per layer
         self.k: list[torch.Tensor] = [None] * layers  # [slot, token, kv_head, head_dim] per layer
         self.v: list[torch.Tensor] = [None] * layers
-        for g in range(layer_groups):
-            first, last = bounds[g], bounds[g + 1]
-            row_bytes = config.kv_row_bytes(itemsize, layers=last - first)
+        groups = _layer_groups(config, layer_groups, max_tokens)
+        for g, (group_layers, window, label) in enumerate(groups):
+            row_bytes = config.kv_row_bytes(itemsize, layers=len(group_layers))
             # The namespace names the layers a row holds (what its bytes
             # mean), the space name only tells groups apart.
-            layers_held = f":layers{first}-{last - 1}"
             space = manager.create_space(row_bytes=row_bytes, max_tokens=max_tokens, max_slots=max_slots,
-                                         namespace=None if namespace is None else namespace + layers_held,
-                                         name=None if name is None or layer_groups == 1 else name + layers_held)
+                                         namespace=None if namespace is None else namespace + label,
+                                         name=None if name is None or len(groups) == 1 else name + label,
+                                         window_tokens=window)
             self.spaces.append(space)
+            self.windows.append(window)
             flat = space.tensor(dtype)  # [max_slots, slot_bytes // itemsize]
             row_elems = row_bytes // itemsize
-            rows = flat[:, : max_tokens * row_elems].view(max_slots, max_tokens, last - first, 2, heads, dim)
-            for layer in range(first, last):
+            rows = flat[:, : max_tokens * row_elems].view(max_slots, max_tokens, len(group_layers), 2, heads, dim)
+            for index, layer in enumerate(group_layers):
                 self.group_of[layer] = g
-                self.kv[layer] = rows[:, :, layer - first]
-                self.k[layer] = rows[:, :, layer - first, 0]
-                self.v[layer] = rows[:, :, layer - first, 1]
+                self.kv[layer] = rows[:, :, index]
+                self.k[layer] = rows[:, :, index, 0]
+                self.v[layer] = rows[:, :, index, 1]
         # The same views as [slot, kv_head, token, head_dim], the layout attention takes.
         self.k_heads = [k.permute(0, 2, 1, 3) for k in self.k]
         self.v_heads = [v.permute(0, 2, 1, 3) for v in self.v]
@@ -86,6 +96,14 @@ class KVCache:
 
     # -- vTensor operations over all groups ------------------------------
 
+    def targets(self, vtensors: list[vtm.VTensor], tokens: int, start: int) -> dict:
+        """Step targets covering `tokens` rows for a sequence whose next
+        queries begin at position `start`: a window group's vTensor also
+        raises its low mark to the first row those queries read (never
+        further: a step still computing reads from there)."""
+        return {vt: (tokens, max(0, start - window + 1)) if window else tokens
+                for vt, window in zip(vtensors, self.windows)}
+
     def create(self, tokens: int = 0) -> list[vtm.VTensor]:
         """A vTensor covering `tokens` rows in every group (all or none). The
         engine's CUDA graphs keep a one-token one as the sink that padding rows
@@ -105,7 +123,7 @@ class KVCache:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def match(self, token_ids: list[int]) -> tuple[list[vtm.VTensor] | None, int]:
-        """The longest prefix recorded in every group, as one vTensor per group."""
+        """The longest prefix every group serves, as one vTensor per group."""
         stream = self._stream()
         # Every match submitted is awaited, even after one failed, so that
         # none of the vTensors the others made is lost.
@@ -123,29 +141,30 @@ class KVCache:
         if error is not None:
             self.release([m.vtensor for m in found if m.vtensor is not None])
             raise error
-        length = min(m.num_tokens for m in found)
-        if length == 0:
-            self.release([m.vtensor for m in found if m.vtensor is not None])
-            return None, 0
         held = [m.vtensor for m in found]
+        lengths = [m.num_tokens for m in found]
         try:
-            for group, (space, m) in enumerate(zip(self.spaces, found)):
-                if m.num_tokens == length:
-                    continue
-                # This group remembers more (another group evicted some of it):
-                # match again up to the common length, so that no group's
-                # vTensor maps shared pages the next rows would be written into.
-                m.vtensor.release().result()
-                held[group] = None
-                again = space.prefix_match(token_ids[: length + 1], stream=stream).result()
-                held[group] = again.vtensor
-                if again.num_tokens != length:
-                    self.release(held)
-                    return None, 0
+            # A group that serves more (another group evicted some of it, or a
+            # window group lacks the window of the longer match) matches again
+            # up to the shorter length, so that no group's vTensor maps shared
+            # pages the next rows would be written into. A window group may
+            # then serve less still: repeat until every group agrees.
+            while 0 < min(lengths) < max(lengths):
+                length = min(lengths)
+                for group, space in enumerate(self.spaces):
+                    if lengths[group] == length:
+                        continue
+                    held[group].release().result()
+                    held[group] = None
+                    again = space.prefix_match(token_ids[: length + 1], stream=stream).result()
+                    held[group], lengths[group] = again.vtensor, again.num_tokens
         except vtm.Error:
             self.release(held)
             raise
-        return held, length
+        if min(lengths) == 0:
+            self.release(held)
+            return None, 0
+        return held, lengths[0]
 
     def record(self, vtensors: list[vtm.VTensor], token_ids: list[int]) -> list[vtm.Future]:
         stream = self._stream()
@@ -162,3 +181,26 @@ class KVCache:
         self.kv = self.k = self.v = self.k_heads = self.v_heads = []
         for space in self.spaces:
             space.close()
+
+
+def _layer_groups(config: ModelConfig, layer_groups: int, max_tokens: int) -> list[tuple[list[int], int, str]]:
+    """(layers, window, namespace label) of each space. Full-attention
+    models: `layer_groups` consecutive groups. Models with sliding layers:
+    one group per layer type, its window in the label (a window that
+    covers every slot's tokens is no window)."""
+    layers = config.num_hidden_layers
+    windows = [config.window(i) if config.window(i) < max_tokens else 0 for i in range(layers)]
+    if not any(windows):
+        if layer_groups == 1:
+            return [(list(range(layers)), 0, ":layers0-" + str(layers - 1))]
+        bounds = [layers * g // layer_groups for g in range(layer_groups + 1)]
+        return [(list(range(first, last)), 0, f":layers{first}-{last - 1}")
+                for first, last in zip(bounds, bounds[1:])]
+    if layer_groups != 1:
+        raise InvalidArgument("layer_groups applies to models whose layers all attend to every token; "
+                              "a model with sliding-window layers gets one space per layer type")
+    groups = []
+    for window in sorted(set(windows)):
+        members = [i for i in range(layers) if windows[i] == window]
+        groups.append((members, window, ":full" if window == 0 else f":window{window}"))
+    return groups

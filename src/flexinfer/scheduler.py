@@ -152,10 +152,15 @@ class Scheduler:
                 continue
             seq.extended = tokens
 
-    @staticmethod
-    def _targets(need: dict[Sequence, int]) -> dict:
-        """One step target per vTensor (one per layer group) of each sequence."""
-        return {vt: tokens for seq, tokens in need.items() for vt in seq.vtensors}
+    def _targets(self, need: dict[Sequence, int]) -> dict:
+        """One step target per vTensor (one per layer group) of each sequence;
+        a sliding group's also drops the pages below the window of the step
+        about to run (the pre-extend, submitted while a step computes, drops
+        only what that step does not read either)."""
+        targets = {}
+        for seq, tokens in need.items():
+            targets.update(self.kv.targets(seq.vtensors, tokens, seq.num_cached))
+        return targets
 
     def _victim(self) -> Sequence | None:
         """The lowest-priority (largest value), latest-arrived running sequence."""

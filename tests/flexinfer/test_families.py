@@ -15,6 +15,7 @@ variant (soft caps included), in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -206,14 +207,16 @@ def test_greedy_tokens_match_without_prefix_caching_and_under_preemption(familie
     folder, oracle = families[name]
     prompts = _prompts([12, 33, 47], seed=4)
     expected = [oracle.greedy(p, 64) for p in prompts]
-    with LLM(folder, max_model_len=128, enable_prefix_caching=False) as llm:
+    roomy = vtm.Manager(backend="host", capacity_bytes=1024 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    with LLM(folder, manager=roomy, max_model_len=128, enable_prefix_caching=False, max_batch_tokens=16) as llm:
         outputs = llm.generate(prompts, _greedy(64), use_tqdm=False)
         assert [o.token_ids for o in outputs] == expected
-    # A pool that holds about two of the three sequences: one is preempted and recomputed.
-    row_bytes = load_model(folder, torch.float32).config.kv_row_bytes(4)
-    pages = sum(-(-(len(p) + 64) * row_bytes // CHUNK) for p in prompts)
-    manager = vtm.Manager(backend="host", capacity_bytes=pages * 2 // 3 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
-    with LLM(folder, manager=manager, max_model_len=128) as llm:
+        budget = dataclasses.replace(llm.engine.kv_budget, prefix_caching=True)
+    roomy.close()
+    # A pool that holds the largest sequence and little more: the others are preempted and recomputed.
+    capacity = max(budget.chunks_needed(len(p), 64) for p in prompts) + 1
+    manager = vtm.Manager(backend="host", capacity_bytes=capacity * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    with LLM(folder, manager=manager, max_model_len=128, max_batch_tokens=16) as llm:
         outputs = llm.generate(prompts, _greedy(64), use_tqdm=False)
         assert [o.outputs[0].error for o in outputs] == [None] * 3
         assert [o.token_ids for o in outputs] == expected
@@ -255,3 +258,60 @@ def test_bfloat16_logits_match_transformers_bfloat16(families, name):
     ours_error = (ours - exact).abs().mean().item()
     reference_error = (reference - exact).abs().mean().item()
     assert ours_error <= 1.5 * reference_error + 1e-3 * scale, (ours_error, reference_error)
+
+
+def test_sliding_layers_map_only_their_window(families):
+    """Gemma 3's sliding layers live in a window space: while a request grows to
+    120 tokens, its vTensor there maps at most the window, one step's tokens
+    and the page the window starts in, while the full layers' space maps
+    every token. Attention never reads below the window: those pages are
+    unmapped and would fault (the greedy tests above run on them)."""
+    folder, oracle = families["gemma3"]
+    prompt = _prompts([40], seed=6)[0]
+    manager = vtm.Manager(backend="host", capacity_bytes=1024 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    with LLM(folder, manager=manager, max_model_len=128, max_batch_tokens=16, enable_prefix_caching=False) as llm:
+        kv = llm.engine.kv_cache
+        assert kv.windows == [0, WINDOW] and len(kv.spaces) == 2
+        full, window = (manager.stats()["spaces"][space.name] for space in kv.spaces)
+        assert full["row_bytes"] == kv.spaces[0].row_bytes and window["row_bytes"] == 3 * full["row_bytes"]
+        peaks = {space.name: 0 for space in kv.spaces}
+        schedule = llm.engine.scheduler.schedule
+
+        def watched_schedule():
+            plan = schedule()
+            for name, space in manager.stats()["spaces"].items():
+                peaks[name] = max(peaks[name], space["mapped_bytes"])
+            return plan
+
+        llm.engine.scheduler.schedule = watched_schedule
+        out = llm.generate([prompt], _greedy(80), use_tqdm=False)[0]
+        assert out.token_ids == oracle.greedy(prompt, 80)
+        full_space, window_space = kv.spaces
+        window_rows = WINDOW + 16 + 1  # the window, one step's tokens, the token the pre-extend maps ahead
+        bound = (-(-window_rows * window_space.row_bytes // CHUNK) + 1) * CHUNK
+        assert 0 < peaks[window_space.name] <= bound
+        assert peaks[full_space.name] >= (len(prompt) + 79) * full_space.row_bytes
+    manager.check()
+    manager.close()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral-sliding"])
+def test_multi_turn_chat_reuses_earlier_turns(families, name):
+    """Each turn's prompt is the conversation so far: the window spaces keep
+    the recorded window pages, so turn 2 and 3 map turns 1 and 2 (a hit in
+    every group) and their tokens still equal transformers'."""
+    folder, oracle = families[name]
+    conversation = _prompts([30], seed=7)[0]
+    manager = vtm.Manager(backend="host", capacity_bytes=1024 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    with LLM(folder, manager=manager, max_model_len=256) as llm:
+        for turn, user in enumerate(_prompts([11, 9, 14], seed=8)):
+            conversation = conversation + user
+            before = llm.stats()["prefix_hit_tokens"]
+            out = llm.generate([conversation], _greedy(20), use_tqdm=False)[0]
+            assert out.token_ids == oracle.greedy(conversation, 20), f"turn {turn}"
+            hit = llm.stats()["prefix_hit_tokens"] - before
+            if turn:  # all the previous turn computed: its prompt and its answer but the last token
+                assert hit == len(conversation) - len(user) - 1, (turn, hit)
+            conversation = conversation + out.token_ids
+        manager.check()
+    manager.close()
