@@ -1,0 +1,161 @@
+"""Memory and speed of sliding-window layers on vtm's window spaces (issue 19).
+
+A Gemma-3-shaped model (5 sliding layers to 1 full, window 1024; random
+weights, built with transformers) against its all-global twin: the same
+weights, every layer full attention. Both serve the same requests in this
+process, alternating, repeated; medians:
+
+1. Memory: chunks mapped (vtm's `chunks_mapped`) while requests grow to
+   `--context` tokens, sampled every step: at the peak, and when decoding at
+   the full context. The window spaces map each request's last W tokens (plus
+   the step being computed) in the sliding layers; the twin maps everything.
+2. Decode throughput at that context (tokens/s over `--new-tokens` steps) and
+   prefill throughput (prompt tokens/s).
+3. Greedy tokens of the windowed model against transformers (SDPA attention,
+   float32) on the same weights and prompt.
+
+Usage: python scripts/bench_models.py [--quick] [--json PATH] [--context 8192] [--batch 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import vtm
+from flexinfer import LLM, SamplingParams
+from machine import cpu_model
+
+CHUNK = 2 << 20
+
+
+def build(folder: Path, layers: int, window: int, context: int, seed: int = 0):
+    """The Gemma-3-shaped model in `folder`/windowed and its twin in `folder`/global; the HF model."""
+    import transformers
+
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    config = transformers.Gemma3TextConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=128, query_pre_attn_scalar=128, sliding_window=window, layer_types=types,
+        max_position_embeddings=context + 512, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    windowed, twin = folder / "windowed", folder / "global"
+    model.save_pretrained(windowed)
+    shutil.copytree(windowed, twin)
+    twin_config = json.loads((twin / "config.json").read_text())
+    twin_config["layer_types"] = ["full_attention"] * layers
+    (twin / "config.json").write_text(json.dumps(twin_config))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(2048))
+    for path in (windowed, twin):
+        tokenizer.save_pretrained(path)
+    return model, windowed, twin
+
+
+def _word_tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer
+
+
+def run(folder: Path, prompts: list[list[int]], new_tokens: int, max_batch_tokens: int, capacity: int) -> dict:
+    """One engine over `prompts`: prefill, then decode; chunks mapped sampled every step."""
+    manager = vtm.Manager(backend="host", capacity_bytes=capacity, chunk_bytes=CHUNK, workers=2)
+    samples = []
+    with LLM(str(folder), manager=manager, max_model_len=max(map(len, prompts)) + new_tokens,
+             max_batch_tokens=max_batch_tokens, max_num_seqs=len(prompts), enable_prefix_caching=False) as llm:
+        scheduler = llm.engine.scheduler
+        schedule = scheduler.schedule
+
+        def watched():
+            plan = schedule()
+            samples.append((manager.stats()["chunks_mapped"], all(n == 1 for _, n in plan) and bool(plan)))
+            return plan
+
+        # Warm up (kernels, thread pools) on a short request, then one timed generate.
+        llm.generate([prompts[0][:64]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+        scheduler.schedule = watched
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+    manager.close()
+    metrics = [o.metrics for o in outs]
+    arrival = min(m.arrival_s for m in metrics)
+    first = max(m.first_token_s for m in metrics)  # every prompt computed
+    finish = max(m.finish_s for m in metrics)
+    decode_steps = [m for m, is_decode in samples if is_decode]
+    return {"prefill_tok_s": sum(map(len, prompts)) / (first - arrival),
+            "decode_tok_s": len(prompts) * (new_tokens - 1) / (finish - first),
+            "peak_chunks": max(m for m, _ in samples), "decode_chunks": max(decode_steps),
+            "tokens": [o.token_ids for o in outs]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=8192, help="prompt tokens per request (default 8192)")
+    parser.add_argument("--batch", type=int, default=2, help="requests served together (default 2)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode steps (default 32)")
+    parser.add_argument("--layers", type=int, default=24, help="layers, every 6th full (default 24)")
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--max-batch-tokens", type=int, default=128,
+                        help="tokens a step computes: the prefill chunk, which a window space holds beside its "
+                             "window while the chunk computes (default 128)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="2K context, 1 repeat: a smoke test")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        args.context, args.window, args.repeats, args.new_tokens = 2048, 256, 1, 8
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 2048) for _ in range(args.context)] for _ in range(args.batch)]
+    twin_bytes = args.batch * (args.context + args.new_tokens) * args.layers * 2 * 128 * 4  # float32 K and V
+    capacity = (2 * twin_bytes // CHUNK + 64) * CHUNK
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, windowed, twin = build(Path(tmp), args.layers, args.window, args.context + args.new_tokens)
+        runs = {"windowed": [], "global": []}
+        for _ in range(args.repeats):
+            for name, folder in (("windowed", windowed), ("global", twin)):
+                runs[name].append(run(folder, prompts, args.new_tokens, args.max_batch_tokens, capacity))
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor(prompts[:1]), max_new_tokens=args.new_tokens, do_sample=False,
+                                   attention_mask=torch.ones(1, args.context, dtype=torch.long),
+                                   pad_token_id=0, eos_token_id=[])[0, args.context:].tolist()
+    result = {"cpu": cpu_model(), "context": args.context, "batch": args.batch, "layers": args.layers,
+              "window": args.window, "chunk_bytes": CHUNK, "max_batch_tokens": args.max_batch_tokens,
+              "greedy_equal_to_transformers": runs["windowed"][0]["tokens"][0] == expected}
+    for name, samples in runs.items():
+        result[name] = {key: statistics.median(s[key] for s in samples)
+                        for key in ("prefill_tok_s", "decode_tok_s", "peak_chunks", "decode_chunks")}
+    w, g = result["windowed"], result["global"]
+    result["ratios"] = {"peak_chunks": w["peak_chunks"] / g["peak_chunks"],
+                        "decode_chunks": w["decode_chunks"] / g["decode_chunks"],
+                        "decode_tok_s": w["decode_tok_s"] / g["decode_tok_s"],
+                        "prefill_tok_s": w["prefill_tok_s"] / g["prefill_tok_s"]}
+    print(f"CPU: {result['cpu']}; {args.layers} layers (every 6th full), window {args.window}, "
+          f"{args.batch} x {args.context} tokens, {CHUNK >> 20} MiB chunks, medians of {args.repeats}")
+    print(f"{'':>10} {'peak chunks':>12} {'at context':>11} {'decode tok/s':>13} {'prefill tok/s':>14}")
+    for name in ("windowed", "global"):
+        r = result[name]
+        print(f"{name:>10} {r['peak_chunks']:>12.0f} {r['decode_chunks']:>11.0f} {r['decode_tok_s']:>13.1f} "
+              f"{r['prefill_tok_s']:>14.1f}")
+    ratio = result["ratios"]
+    print(f"{'ratio':>10} {ratio['peak_chunks']:>12.3f} {ratio['decode_chunks']:>11.3f} {ratio['decode_tok_s']:>13.2f} "
+          f"{ratio['prefill_tok_s']:>14.2f}")
+    print(f"greedy tokens equal to transformers: {result['greedy_equal_to_transformers']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
