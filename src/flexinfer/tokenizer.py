@@ -15,14 +15,18 @@ from typing import Any, Mapping, Sequence
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from flexinfer.errors import ChatTemplateError, ModelLoadError
 
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
-_GGUF_TOKEN_CONTROL = 3
-_GGUF_TOKEN_USER_DEFINED = 4
+_GGUF_TOKEN_NORMAL, _GGUF_TOKEN_UNKNOWN, _GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED = 1, 2, 3, 4
+_GGUF_TOKENS_MATCHED_WHOLE = (_GGUF_TOKEN_UNKNOWN, _GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED)
+# SentencePiece tokens that pieces of text merge into (not <0xNN> bytes, not control tokens).
+_GGUF_MERGEABLE_TYPES = (_GGUF_TOKEN_NORMAL, _GGUF_TOKEN_USER_DEFINED)
+# SentencePiece's stand-in for a space.
+_SPM_SPACE = "\u2581"
 
 # GPT-2's split rule; the base of most byte-level BPE pre-tokenizers.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -93,42 +97,33 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str) -> Tokenizer:
-        """Byte-level BPE ("gpt2" tokenizer model) from `tokenizer.ggml.*` keys."""
+        """From `tokenizer.ggml.*` keys: byte-level BPE ("gpt2": Llama 3, Qwen,
+        SmolLM2) or SentencePiece ("llama": Gemma, Phi-3, Llama 2), tokenized
+        as llama.cpp tokenizes them."""
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} (only byte-level BPE, 'gpt2')")
-        pre = metadata.get("tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_PRE_TOKENIZERS:
-            raise ModelLoadError(f"{source}: unsupported GGUF pre-tokenizer {pre!r} "
-                                 f"(supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))})")
+        if kind not in ("gpt2", "llama"):
+            raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} "
+                                 "(supported: byte-level BPE 'gpt2', SentencePiece 'llama')")
         try:
             tokens = list(metadata["tokenizer.ggml.tokens"])
-            merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
         except KeyError as exc:
             raise ModelLoadError(f"{source}: GGUF metadata lacks {exc.args[0]}") from None
         token_types = list(metadata.get("tokenizer.ggml.token_type", ()))
         if token_types and len(token_types) != len(tokens):
             raise ModelLoadError(f"{source}: {len(token_types)} token types for {len(tokens)} tokens")
-        if any(len(m) != 2 for m in merges):
-            raise ModelLoadError(f"{source}: malformed entry in tokenizer.ggml.merges")
-
-        vocab = {token: index for index, token in enumerate(tokens)}
-        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                                              ignore_merges=pre in _GGUF_IGNORE_MERGES))
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _GGUF_PRE_TOKENIZERS[pre]]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens are special (matched whole, dropped by skip_special_tokens);
-        # user-defined ones are matched whole but are ordinary text when decoding.
-        backend.add_tokens([AddedToken(tokens[i], special=t == _GGUF_TOKEN_CONTROL, normalized=False)
-                            for i, t in enumerate(token_types)
-                            if t in (_GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED)])
+        backend = (_byte_level_bpe(metadata, tokens, source) if kind == "gpt2"
+                   else _sentencepiece(metadata, tokens, token_types, source))
+        # Control and unknown tokens are special (matched whole, dropped by
+        # skip_special_tokens); user-defined ones are matched whole but are
+        # ordinary text when decoding. llama.cpp matches all three in raw text first.
+        backend.add_tokens([AddedToken(tokens[i], special=t != _GGUF_TOKEN_USER_DEFINED, normalized=False)
+                            for i, t in enumerate(token_types) if t in _GGUF_TOKENS_MATCHED_WHOLE])
 
         bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
         eos_ids = [int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                                   "tokenizer.ggml.eom_token_id") if k in metadata]
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_token_id is not None
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos_token_id is not None
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and bool(eos_ids)
         if add_bos or add_eos:
             bos = [(tokens[bos_token_id], bos_token_id)] if add_bos else []
@@ -198,6 +193,63 @@ class Tokenizer:
                                                   bos_token=bos or "", eos_token=eos or "")
         except jinja2.TemplateError as exc:  # e.g. a message lacks a field the template reads
             raise ChatTemplateError(f"the chat template rejected the conversation: {exc}") from exc
+
+
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: str) -> BackendTokenizer:
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in _GGUF_PRE_TOKENIZERS:
+        raise ModelLoadError(f"{source}: unsupported GGUF pre-tokenizer {pre!r} "
+                             f"(supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))})")
+    if "tokenizer.ggml.merges" not in metadata:
+        raise ModelLoadError(f"{source}: GGUF metadata lacks tokenizer.ggml.merges")
+    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    if any(len(m) != 2 for m in merges):
+        raise ModelLoadError(f"{source}: malformed entry in tokenizer.ggml.merges")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                          ignore_merges=pre in _GGUF_IGNORE_MERGES))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _GGUF_PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int],
+                   source: str) -> BackendTokenizer:
+    """llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm) as a BPE model.
+
+    llama.cpp writes spaces as U+2581 (after a leading one where
+    `add_space_prefix`, its default), splits the text into characters, then
+    repeatedly joins the adjacent pair whose union is the vocabulary's
+    highest-scoring token (the leftmost on a tie); a character outside the
+    vocabulary becomes its UTF-8 bytes' <0xNN> tokens. A BPE model whose merges
+    are every split of every token into two tokens, ranked by that token's
+    score, makes the same choices. The text is never split into words."""
+    if "tokenizer.ggml.scores" not in metadata:
+        raise ModelLoadError(f"{source}: GGUF metadata lacks tokenizer.ggml.scores")
+    scores = list(metadata["tokenizer.ggml.scores"])
+    if len(scores) != len(tokens):
+        raise ModelLoadError(f"{source}: {len(scores)} token scores for {len(tokens)} tokens")
+    if metadata.get("tokenizer.ggml.precompiled_charsmap"):
+        raise ModelLoadError(f"{source}: unsupported SentencePiece normalisation (tokenizer.ggml.precompiled_charsmap)")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    mergeable = [i for i in range(len(tokens)) if not token_types or token_types[i] in _GGUF_MERGEABLE_TYPES]
+    ranked = sorted(((-scores[i], i, token[:cut], token[cut:]) for i in mergeable if len(token := tokens[i]) > 1
+                     for cut in range(1, len(token)) if token[:cut] in vocab and token[cut:] in vocab))
+    unknown_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    backend = BackendTokenizer(models.BPE(
+        vocab=vocab, merges=[(left, right) for _, _, left, right in ranked], byte_fallback=True, fuse_unk=True,
+        unk_token=tokens[unknown_id] if unknown_id is not None else None))
+    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    # A normaliser runs on each stretch of text between special tokens, so
+    # the prefix follows every special token too, as llama.cpp's does.
+    backend.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []) + [normalizers.Replace(" ", _SPM_SPACE)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    return backend
 
 
 def _raise_exception(message: str) -> None:

@@ -269,8 +269,8 @@ def test_gguf_pre_tokenizers_split_digits(pre, expected):
 def test_gguf_unsupported_tokenizer_is_an_error():
     with pytest.raises(ModelLoadError, match="test.gguf.*pre-tokenizer 'mystery'"):
         Tokenizer.from_gguf_metadata(_byte_level_metadata("mystery", [], []), "test.gguf")
-    with pytest.raises(ModelLoadError, match="test.gguf.*tokenizer model 'llama'"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"}, "test.gguf")
+    with pytest.raises(ModelLoadError, match="test.gguf.*tokenizer model 'bert'"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"}, "test.gguf")
 
 
 # ----------------------------------------------------------------------------- Hugging Face folders

@@ -17,14 +17,14 @@ import mmap
 import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from flexinfer.errors import ModelLoadError
-from flexinfer.model.config import ModelConfig, token_id_tuple
+from flexinfer.model.config import FULL, SLIDING, ModelConfig, token_id_tuple
 from flexinfer.tokenizer import Tokenizer
 
 
@@ -181,7 +181,8 @@ def _check_weights(source: Path, config: ModelConfig, weights: dict[str, torch.T
 
 # ------------------------------------------------------------------------- GGUF
 
-# GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
+# GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}."),
+# as llama.cpp's converter (gguf-py's tensor_mapping.py) names them.
 _GGUF_LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -190,20 +191,57 @@ _GGUF_LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Where an architecture departs from that map. Gemma's four norms: its
+# post_attention_layernorm follows attention (ATTN_POST_NORM), so the norm
+# before the MLP, "ffn_norm", is its pre_feedforward_layernorm (FFN_PRE_NORM).
+# Phi-3 keeps its fused projections: q|k|v in attn_qkv and gate|up in ffn_up,
+# in Hugging Face's row order (split below, as for its folders).
+_GEMMA_LAYER_TENSORS = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GGUF_ARCH_LAYER_TENSORS = {
+    "gemma2": _GEMMA_LAYER_TENSORS,
+    "gemma3": _GEMMA_LAYER_TENSORS,
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
 _GGUF_GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# GGUF architectures whose Q/K rows llama.cpp's converter permuted (see _unpermute_rotary_rows).
+# GGUF architectures whose Q/K rows llama.cpp's converter permuted (see
+# _unpermute_rotary_rows): only its LlamaModel does; the others run
+# NeoX-style RoPE, Hugging Face's own, on rows stored as they are.
 _GGUF_PERMUTED_QK = {"llama"}
-_GGUF_ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp architecture -> Hugging Face model_type.
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                       "gemma2": "gemma2", "gemma3": "gemma3_text"}
+# llama.cpp's Gemma converters store each RMSNorm weight as 1 + w (ggml's norm
+# multiplies by the weight alone); Hugging Face's Gemma weighs by (1 + w).
+_GGUF_NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# The `{arch}.` keys this loader reads; any other one describes something the
+# forward pass may not do (experts, a logit or residual scale, LongRoPE's
+# attention factor, ...) and is refused by name.
+_GGUF_KNOWN_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.sliding_window", "attention.sliding_window_pattern",
+    "attn_logit_softcapping", "final_logit_softcapping",
+    "rope.dimension_count", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor",
+    # Phi-3's converter always writes it; it matters only with LongRoPE's
+    # factors, which are refused (rope_factors_* tensors).
+    "rope.scaling.original_context_length",
+})
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
@@ -224,9 +262,10 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         config = _gguf_config(path, metadata, tensors)
         tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
 
+        arch = metadata["general.architecture"]
         weights: dict[str, torch.Tensor] = {}
         for gguf_name, tensor in tensors.items():
-            name = _hf_name_from_gguf(path, gguf_name, config)
+            name = _hf_name_from_gguf(path, arch, gguf_name, config)
             # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
             shape = tuple(int(n) for n in reversed(tensor.shape))
             try:
@@ -235,13 +274,17 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
                 raise ModelLoadError(f"{path}: tensor {gguf_name} has unsupported type "
                                      f"{tensor.tensor_type.name}") from None
             array = array.reshape(shape)
-            if name.endswith(("q_proj.weight", "q_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
+            if name.endswith(("q_proj.weight", "q_proj.bias")) and arch in _GGUF_PERMUTED_QK:
                 array = _unpermute_rotary_rows(array, config.num_attention_heads)
-            elif name.endswith(("k_proj.weight", "k_proj.bias")) and config.architecture in _GGUF_PERMUTED_QK:
+            elif name.endswith(("k_proj.weight", "k_proj.bias")) and arch in _GGUF_PERMUTED_QK:
                 array = _unpermute_rotary_rows(array, config.num_key_value_heads)
+            elif gguf_name.endswith("norm.weight") and arch in _GGUF_NORM_PLUS_ONE:
+                # Exact in float32 for the weights Gemma has (|w| < 1): 1 + w lies in [0.5, 2).
+                array = array.astype(np.float32) - np.float32(1)
             if not array.flags.writeable:  # a view of the memory-mapped file: copy it out
                 array = array.copy()
-            weights[name] = torch.from_numpy(array).to(dtype).contiguous()
+            for part, piece in _split_fused(path, name, torch.from_numpy(array), config):
+                weights[part] = piece.to(dtype).contiguous()
             bar.update()
     _check_weights(path, config, weights)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
@@ -334,21 +377,25 @@ def _unpermute_rotary_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
             .reshape(array.shape))
 
 
-def _hf_name_from_gguf(path: Path, gguf_name: str, config: ModelConfig) -> str:
+def _hf_name_from_gguf(path: Path, arch: str, gguf_name: str, config: ModelConfig) -> str:
     if gguf_name in _GGUF_GLOBAL_TENSORS:
         return _GGUF_GLOBAL_TENSORS[gguf_name]
     if gguf_name.startswith("blk."):
         _, layer, rest = gguf_name.split(".", 2)
-        if layer.isdigit() and int(layer) < config.num_hidden_layers and rest in _GGUF_LAYER_TENSORS:
-            return f"model.layers.{layer}.{_GGUF_LAYER_TENSORS[rest]}"
+        hf_rest = _GGUF_ARCH_LAYER_TENSORS.get(arch, {}).get(rest, _GGUF_LAYER_TENSORS.get(rest))
+        if layer.isdigit() and int(layer) < config.num_hidden_layers and hf_rest is not None:
+            return f"model.layers.{layer}.{hf_rest}"
     if gguf_name == "rope_freqs.weight":
         # llama.cpp stores Llama 3.1-style rope scaling as precomputed per-frequency
         # factors, from which Hugging Face's llama3 parameters cannot be recovered.
         raise ModelLoadError(f"{path}: unsupported per-frequency rope scaling tensor rope_freqs.weight")
-    raise ModelLoadError(f"{path}: unexpected tensor {gguf_name} for a {config.architecture} model")
+    if gguf_name.startswith("rope_factors_"):
+        # Phi-3's long-context variants (rope_scaling "longrope"/"su") store their factors so.
+        raise ModelLoadError(f"{path}: unsupported LongRoPE scaling (tensor {gguf_name}): not implemented")
+    raise ModelLoadError(f"{path}: unexpected tensor {gguf_name} for a {arch} model")
 
 
-def _gguf_config(path: Path, metadata: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+def _gguf_config(path: Path, metadata: dict[str, Any], tensors: Collection[str]) -> ModelConfig:
     try:
         return _gguf_config_from_metadata(metadata, tensors)
     except ModelLoadError as exc:
@@ -357,10 +404,13 @@ def _gguf_config(path: Path, metadata: dict[str, Any], tensors: dict[str, Any]) 
         raise ModelLoadError(f"{path}: malformed GGUF metadata: {exc}") from None
 
 
-def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str]) -> ModelConfig:
     arch = metadata.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_GGUF_ARCHITECTURES)})")
+    unknown = sorted(k for k in metadata if k.startswith(f"{arch}.") and k[len(arch) + 1:] not in _GGUF_KNOWN_KEYS)
+    if unknown:
+        raise ModelLoadError(f"unsupported GGUF metadata {', '.join(unknown)}")
 
     def key(name: str, default: Any = ModelLoadError) -> Any:
         value = metadata.get(f"{arch}.{name}", default)
@@ -370,7 +420,11 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: dict[str, Any]
 
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
+    num_layers = int(key("block_count"))
+    max_positions = int(key("context_length"))
     head_dim = int(key("attention.key_length", hidden // heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"unsupported value_length {key('attention.value_length')} != key_length {head_dim}")
     rotary_dim = int(key("rope.dimension_count", head_dim))
     if rotary_dim != head_dim:
         raise ModelLoadError(f"unsupported partial rotary embedding ({rotary_dim} of {head_dim} dims)")
@@ -383,28 +437,103 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: dict[str, Any]
     else:
         raise ModelLoadError(f"unsupported rope scaling type {scaling_type!r}")
 
+    gemma = arch in ("gemma2", "gemma3")
+    layer_types, window = _gguf_layer_types(arch, key, num_layers, max_positions)
+    rope_local_theta = None
+    if arch == "gemma3" and SLIDING in layer_types:
+        # llama.cpp hard-codes Gemma 3's local base (rope_freq_base_train_swa
+        # = 10000, unscaled); a file that states it is read.
+        rope_local_theta = float(key("rope.freq_base_swa", 10000.0))
+    if arch == "gemma2":
+        # llama.cpp always soft-caps Gemma 2, with its hparams' defaults where the file is silent.
+        attn_cap = float(key("attn_logit_softcapping", 50.0))
+        final_cap = float(key("final_logit_softcapping", 30.0))
+    else:
+        attn_cap = _positive_or_none(key("attn_logit_softcapping", 0.0))
+        final_cap = _positive_or_none(key("final_logit_softcapping", 0.0))
     eos_ids = [int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                           "tokenizer.ggml.eom_token_id") if k in metadata]
     bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        architecture=arch,
+        architecture=_GGUF_ARCHITECTURES[arch],
         vocab_size=int(key("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(key("context_length")),
+        max_position_embeddings=max_positions,
         # llama.cpp omits the output matrix when it is the embedding matrix.
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=None if bos_token_id is None else int(bos_token_id),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        layer_types=layer_types,
+        sliding_window=window,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        gemma_norms=gemma,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        scale_embeddings=gemma,
+        attn_logit_softcapping=attn_cap,
+        final_logit_softcapping=final_cap,
+        query_pre_attn_scalar=_gemma_query_pre_attn_scalar(arch, num_layers, hidden, heads, head_dim),
+        rope_local_theta=rope_local_theta,
     )
+
+
+def _positive_or_none(value: float) -> float | None:
+    # llama.cpp writes and reads 0 for "no cap".
+    return float(value) if value else None
+
+
+# llama.cpp's layer count of Gemma 2 27B and Gemma 3 27B (see _gemma_query_pre_attn_scalar).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_query_pre_attn_scalar(arch: str, num_layers: int, hidden: int, heads: int, head_dim: int) -> float | None:
+    """GGUF does not store Gemma's query_pre_attn_scalar. llama.cpp derives
+    the attention scale from the model size, after gemma_pytorch's configs:
+    1/sqrt(hidden / heads) for the 27B models (which it recognises by their
+    layer count), 1/sqrt(head_dim) for the others. The same rule here."""
+    if arch not in _GEMMA_27B_LAYERS:
+        return None
+    return float(hidden // heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim)
+
+
+# llama.cpp's sliding-window pattern where a file states none: every n-th layer is full.
+_GGUF_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+
+
+def _gguf_layer_types(arch: str, key: Callable[..., Any], num_layers: int,
+                      max_positions: int) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's type and the window, from `{arch}.attention.sliding_window`
+    (0 or absent: none; Gemma 2's default is llama.cpp's 4096) and
+    `{arch}.attention.sliding_window_pattern`: one bool per layer (true:
+    sliding) or a period n (layer i slides unless i % n == n - 1, llama.cpp's
+    set_swa_pattern), else the architecture's period, else every layer
+    slides (Mistral, Phi-3). A window that holds every position is none."""
+    window = int(key("attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    if window <= 0 or window >= max_positions:
+        return (), None
+    pattern = key("attention.sliding_window_pattern", _GGUF_SWA_PERIOD.get(arch))
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"sliding_window_pattern lists {len(pattern)} layers, block_count is {num_layers}")
+        sliding = [bool(p) for p in pattern]
+    elif pattern is None:
+        sliding = [True] * num_layers
+    else:
+        period = int(pattern)
+        if period <= 0:
+            raise ModelLoadError(f"sliding_window_pattern must be positive, got {period}")
+        sliding = [i % period < period - 1 for i in range(num_layers)]
+    if not any(sliding):
+        return (), None
+    return tuple(SLIDING if s else FULL for s in sliding), window
 
 
 # ------------------------------------------------------------- Hugging Face folder
