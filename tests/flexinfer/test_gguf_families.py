@@ -492,6 +492,11 @@ def test_unknown_metadata_and_architecture_are_refused(tmp_path, built):
     write_gguf(path, "qwen3", model, extra=lambda w: w.add_expert_count(8))
     with pytest.raises(ModelLoadError, match=f"{path}.*unsupported GGUF metadata qwen3.expert_count"):
         load_model(str(path), torch.float32)
+    # A dense model's converter may write no experts as 0, and say whether rope scaling was fine-tuned.
+    path = tmp_path / "dense.gguf"
+    write_gguf(path, "qwen3", model, extra=lambda w: (w.add_expert_count(0), w.add_expert_used_count(0),
+                                                      w.add_bool("qwen3.rope.scaling.finetuned", False)))
+    assert load_model(str(path), torch.float32).config.architecture == "qwen3"
     path = tmp_path / "qwen3moe.gguf"
     write_gguf(path, "qwen3moe", model)
     with pytest.raises(ModelLoadError, match=f"{path}.*unsupported GGUF architecture 'qwen3moe'"):

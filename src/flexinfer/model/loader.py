@@ -241,7 +241,11 @@ _GGUF_KNOWN_KEYS = frozenset({
     # Phi-3's converter always writes it; it matters only with LongRoPE's
     # factors, which are refused (rope_factors_* tensors).
     "rope.scaling.original_context_length",
+    # Informational: whether the model was fine-tuned at the scaled context.
+    "rope.scaling.finetuned",
 })
+# Keys some converters write for dense models too, harmless at these values.
+_GGUF_DENSE_DEFAULTS = {"expert_count": 0, "expert_used_count": 0}
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
@@ -408,7 +412,8 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
     arch = metadata.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_GGUF_ARCHITECTURES)})")
-    unknown = sorted(k for k in metadata if k.startswith(f"{arch}.") and k[len(arch) + 1:] not in _GGUF_KNOWN_KEYS)
+    unknown = sorted(k for k in metadata if k.startswith(f"{arch}.") and k[len(arch) + 1:] not in _GGUF_KNOWN_KEYS
+                     and _GGUF_DENSE_DEFAULTS.get(k[len(arch) + 1:], object()) != metadata[k])
     if unknown:
         raise ModelLoadError(f"unsupported GGUF metadata {', '.join(unknown)}")
 
