@@ -25,3 +25,58 @@ def test_bfloat16_follows_float32_on_smollm2():
     assert rows["bfloat16"] * 2 == rows["float32"]
     for a, b in zip(outs["float32"], outs["bfloat16"]):
         assert a[:6] == b[:6], (a, b)
+
+
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(smollm2_hf_model):
+    """Issue 19 measured FlexInfer's bfloat16 greedy tokens leaving float32's
+    sooner than transformers' bfloat16 does. That measure (the median position
+    of the first differing token over 32 prompts) swings with near-ties: on
+    one Intel Xeon it gave FlexInfer 21 vs transformers 11 with 64-token
+    prompts, and 20.5 vs 40 with 32-token ones. This test measures each step
+    instead, teacher-forced on float32's greedy continuation (40 steps after
+    16 prompts of 32 tokens): the mean distance of the logits from float32's
+    and how often the top token differs, FlexInfer's default CPU path
+    (one-call decoder, packed projections, the C++ attention kernel) against
+    transformers in bfloat16 on the same weights. Measured there: 0.107 vs
+    0.111, flips 1.7 % vs 2.2 %."""
+    import copy
+
+    import vtm
+    from flexinfer.attention import make_attention
+    from flexinfer.kv_cache import KVCache
+    from flexinfer.model.llama import ForwardBatch, LlamaModel
+    from flexinfer.model.loader import load_model
+
+    n, prompt_len, steps = 16, 32, 40
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, 40000, (n, prompt_len), generator=generator)
+    with torch.no_grad():
+        seqs = smollm2_hf_model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=steps,
+                                         min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        exact = smollm2_hf_model(seqs).logits[:, prompt_len - 1:-1].float()
+        theirs = copy.deepcopy(smollm2_hf_model).to(torch.bfloat16)(seqs).logits[:, prompt_len - 1:-1].float()
+
+    loaded = load_model("smollm2", torch.bfloat16)
+    model = LlamaModel(loaded.config, loaded.weights, torch.bfloat16)
+    ours = torch.empty_like(exact)
+    with vtm.Manager(backend="host", capacity_bytes=256 << 20) as manager:
+        kv = KVCache(manager, loaded.config, torch.bfloat16, max_tokens=128, max_slots=n)
+        attention = make_attention("auto", torch.device("cpu"))
+        vtensors = [kv.create(prompt_len + steps) for _ in range(n)]
+        slots = [tuple(vt.slot for vt in group) for group in vtensors]
+        batch = ForwardBatch.build(slots, [0] * n, [prompt_len] * n, torch.device("cpu"))
+        ours[:, 0] = model.forward(seqs[:, :prompt_len].reshape(-1), batch, kv, attention)
+        for step in range(1, steps):
+            position = prompt_len + step - 1
+            batch = ForwardBatch.build(slots, [position] * n, [1] * n, torch.device("cpu"))
+            ours[:, step] = model.forward(seqs[:, position], batch, kv, attention)
+        for group in vtensors:
+            kv.release(group)
+        kv.close()
+
+    def distance(logits):
+        return (logits - exact).abs().mean().item(), (logits.argmax(-1) != exact.argmax(-1)).float().mean().item()
+
+    (ours_error, ours_flips), (theirs_error, theirs_flips) = distance(ours), distance(theirs)
+    assert ours_error <= 1.05 * theirs_error, (ours_error, theirs_error)
+    assert ours_flips <= theirs_flips + 0.01, (ours_flips, theirs_flips)
