@@ -106,6 +106,13 @@ def tiny_gpu_folder(tmp_path_factory):
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def save_word_tokenizer():
+    """bench_gpu.py's word-level tokenizer writer, `(folder, vocab_size)`: for
+    random models fed token ids on machines without SmolLM2's package."""
+    return _bench_gpu_script().save_tokenizer
+
+
 @pytest.fixture
 def python_sigint():
     """SIGINT raises KeyboardInterrupt in this process for the test: a test

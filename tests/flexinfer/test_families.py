@@ -105,7 +105,7 @@ class Oracle:
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory, smollm2_hf_tokenizer):
+def families(tmp_path_factory, save_word_tokenizer):
     """{family: (folder, Oracle)}, built once per module."""
     built = {}
     for seed, name in enumerate(FAMILIES):
@@ -119,7 +119,7 @@ def families(tmp_path_factory, smollm2_hf_tokenizer):
                     parameter.copy_(torch.randn_like(parameter) * 0.5)
         folder = tmp_path_factory.mktemp(name)
         model.save_pretrained(folder)
-        smollm2_hf_tokenizer.save_pretrained(folder)
+        save_word_tokenizer(folder, VOCAB)
         built[name] = (str(folder), Oracle(model))
     return built
 
@@ -316,3 +316,32 @@ def test_multi_turn_chat_reuses_earlier_turns(families, name):
             conversation = conversation + out.token_ids
         manager.check()
     manager.close()
+
+
+def test_window_spaces_through_vtmd(families, tmp_path):
+    """Gemma 3 on a vtm broker: the window space lives in vtmd, a first
+    session's tokens equal transformers', and a second session (another
+    engine) maps the prompts the first recorded, in both groups."""
+    from broker_testing import BrokerProcess
+
+    folder, oracle = families["gemma3"]
+    prompts = _prompts([21, 37], seed=9)
+    expected = [oracle.greedy(p, 24) for p in prompts]
+    broker = BrokerProcess(tmp_path, capacity_chunks=1024, chunk_bytes=CHUNK)
+    first = vtm.connect(broker.address, name="engine-a")
+    second = vtm.connect(broker.address, name="engine-b")
+    try:
+        with LLM(folder, manager=first, max_model_len=128) as a:
+            assert a.engine.kv_cache.windows == [0, WINDOW]
+            outs = a.generate(prompts, _greedy(24), use_tqdm=False)
+            assert [o.token_ids for o in outs] == expected
+            first.check()
+            with LLM(folder, manager=second, max_model_len=128) as b:
+                again = b.generate(prompts, _greedy(24), use_tqdm=False)
+                assert [o.token_ids for o in again] == expected
+                assert [o.metrics.prefix_hit_tokens for o in again] == [len(p) - 1 for p in prompts]
+                second.check()
+    finally:
+        first.close()
+        second.close()
+        broker.kill()

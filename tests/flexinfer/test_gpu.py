@@ -101,3 +101,36 @@ def test_cuda_bytes_survive_sharing():
     mgr.check()
     del kv, rows, got
     mgr.close()
+
+
+@pytest.fixture(scope="module")
+def sliding_folders(tmp_path_factory, save_word_tokenizer):
+    """Tiny Gemma 3 (sliding and full layers, q/k norms, two RoPE bases) and
+    Mistral (every layer sliding), windows of 8 keys (test_families.py's)."""
+    from test_families import VOCAB, _family
+
+    folders = {}
+    for seed, name in enumerate(("gemma3", "mistral-sliding")):
+        model_class, config = _family(name)
+        torch.manual_seed(seed)
+        folder = tmp_path_factory.mktemp(name)
+        model_class(config).save_pretrained(folder)
+        save_word_tokenizer(folder, VOCAB)
+        folders[name] = str(folder)
+    return folders
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral-sliding"])
+def test_sliding_window_models_on_cuda_match_cpu(sliding_folders, name):
+    """The Triton kernels' windows and the window spaces on the cuda backend
+    (CUDA graphs included): float32 greedy tokens equal the CPU engine's on
+    prompts longer than the window, with prefix hits on the second round."""
+    folder = sliding_folders[name]
+    prompts = [[1] + list(range(3, 40)), [1, 5, 9] * 7, [1, 200, 201]]
+    with LLM(folder, dtype="float32", backend="host", max_model_len=128, max_num_seqs=4) as cpu:
+        expected = _greedy(cpu, prompts)
+    with LLM(folder, dtype="float32", backend="cuda", max_model_len=128, max_num_seqs=4) as gpu:
+        assert gpu.kv_cache.windows[-1] == 8 and gpu.kv_cache.device.type == "cuda"
+        for _ in range(2):
+            assert _greedy(gpu, prompts) == expected
+        gpu.manager.check()
