@@ -65,6 +65,16 @@ class GuardedRows:
                                prot) != 0:
             raise OSError(ctypes.get_errno(), "mprotect failed")
 
+    def run_guarded(self, starts: list[int], call):
+        """call() with rows [0, starts[slot]) of each slot unreadable, then readable again."""
+        for slot, start in enumerate(starts):
+            self.guard(slot, start)
+        try:
+            return call()
+        finally:
+            for slot, start in enumerate(starts):
+                self.guard(slot, start, readable=True)
+
 
 def window_start(pos: int, window: int) -> int:
     """The first key a query at `pos` sees."""

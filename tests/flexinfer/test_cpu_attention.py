@@ -337,15 +337,7 @@ GUARDED_CHECK = GUARDED_CACHE + """
 def i32(values):
     return torch.tensor(values, dtype=torch.int32)
 
-def guarded(starts, call):
-    for slot, start in enumerate(starts):
-        cache.guard(slot, start)
-    try:
-        return call()
-    finally:
-        for slot, start in enumerate(starts):
-            cache.guard(slot, start, readable=True)
-
+guarded = cache.run_guarded
 for window, softcap in ((1, 0.0), (17, 5.0), (520, 0.0)):
     variant = dict(window=window, softcap=softcap)
     for threads in (1, 2):

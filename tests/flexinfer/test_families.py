@@ -104,19 +104,25 @@ class Oracle:
         return self._greedy[key][:n]
 
 
+def random_model(model_class, config, seed: int):
+    """A transformers model with random weights, norms included (a norm read
+    wrongly, or Gemma's 1 + w mixed up, cannot pass), for eager attention."""
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.copy_(torch.randn_like(parameter) * 0.5)
+    return model
+
+
 @pytest.fixture(scope="module")
 def families(tmp_path_factory, save_word_tokenizer):
     """{family: (folder, Oracle)}, built once per module."""
     built = {}
     for seed, name in enumerate(FAMILIES):
-        model_class, config = _family(name)
-        config._attn_implementation = "eager"
-        torch.manual_seed(100 + seed)
-        model = model_class(config).eval()
-        with torch.no_grad():  # random norms, so that a norm read wrongly cannot pass
-            for parameter in model.parameters():
-                if parameter.ndim == 1:
-                    parameter.copy_(torch.randn_like(parameter) * 0.5)
+        model = random_model(*_family(name), seed=100 + seed)
         folder = tmp_path_factory.mktemp(name)
         model.save_pretrained(folder)
         save_word_tokenizer(folder, VOCAB)
@@ -345,3 +351,30 @@ def test_window_spaces_through_vtmd(families, tmp_path):
         first.close()
         second.close()
         broker.kill()
+
+
+def test_a_prefix_the_window_group_cannot_serve_falls_back(families):
+    """Prefilled in chunks of 8, a 60-token prompt's record keeps only the
+    sliding layers' last window (the pages below slid out while it was
+    computed). A second prompt that shares its first 40 tokens finds all 40
+    in the full layers' space but not the window before token 40 in the
+    sliding one: the match settles on a length both serve (here none), and
+    the tokens still equal transformers'."""
+    folder, oracle = families["gemma3"]
+    first = _prompts([60], seed=10)[0]
+    second = first[:40] + _prompts([9], seed=11)[0]
+    manager = vtm.Manager(backend="host", capacity_bytes=1024 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    with LLM(folder, manager=manager, max_model_len=128, max_batch_tokens=8) as llm:
+        llm.generate([first], _greedy(4), use_tqdm=False)
+        served = []
+        for space in llm.engine.kv_cache.spaces:
+            match = space.prefix_match(second).result()
+            served.append(match.num_tokens)
+            if match.vtensor is not None:
+                match.vtensor.release().result()
+        assert served[0] == 40 and served[1] < 40, served
+        out = llm.generate([second], _greedy(16), use_tqdm=False)[0]
+        assert out.token_ids == oracle.greedy(second, 16)
+        assert out.metrics.prefix_hit_tokens < 40
+        manager.check()
+    manager.close()

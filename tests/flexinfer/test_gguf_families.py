@@ -36,6 +36,7 @@ from flexinfer.model.config import FULL, SLIDING  # noqa: E402
 from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
 from flexinfer.model.loader import load_model, load_tokenizer  # noqa: E402
 from flexinfer.tokenizer import Tokenizer  # noqa: E402
+from test_families import random_model  # noqa: E402
 
 WINDOW = 8
 CHUNK = 4096
@@ -285,13 +286,7 @@ def built(tmp_path_factory):
     result = {}
     for seed, name in enumerate(FAMILIES):
         arch, model_class, config = _family(name)
-        config._attn_implementation = "eager"
-        torch.manual_seed(200 + seed)
-        model = model_class(config).eval()
-        with torch.no_grad():  # random norms, so that a norm read wrongly cannot pass
-            for parameter in model.parameters():
-                if parameter.ndim == 1:
-                    parameter.copy_(torch.randn_like(parameter) * 0.5)
+        model = random_model(model_class, config, seed=200 + seed)
         folder = tmp_path_factory.mktemp(name)
         model.save_pretrained(folder)
         path = folder / f"{name}.gguf"

@@ -169,15 +169,7 @@ def below_windows() -> None:
     def i32(values):
         return torch.tensor(values, dtype=torch.int32)
 
-    def guarded(starts, call):
-        for slot, start in enumerate(starts):
-            cache.guard(slot, start)
-        try:
-            return call()
-        finally:
-            for slot, start in enumerate(starts):
-                cache.guard(slot, start, readable=True)
-
+    guarded = cache.run_guarded
     errors = {}
     for window, softcap in ((1, 0.0), (17, 5.0), (130, 0.0)):
         variant = dict(window=window, softcap=softcap)
