@@ -100,7 +100,12 @@ class KVCache:
         """Step targets covering `tokens` rows for a sequence whose next
         queries begin at position `start`: a window group's vTensor also
         raises its low mark to the first row those queries read (never
-        further: a step still computing reads from there)."""
+        further: a step still computing reads from there). The rows a
+        mark drops were read only by earlier steps, which have finished:
+        the engine reads each step's sampled ids before it schedules the
+        next, so on CUDA no kernel still reads an unmapped page (an engine
+        that overlaps steps must order these unmaps after them, as vtm's
+        prefix copies wait for the caller's stream)."""
         return {vt: (tokens, max(0, start - window + 1)) if window else tokens
                 for vt, window in zip(vtensors, self.windows)}
 
