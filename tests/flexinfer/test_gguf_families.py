@@ -36,6 +36,7 @@ from flexinfer.model.config import FULL, SLIDING  # noqa: E402
 from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
 from flexinfer.model.loader import load_model, load_tokenizer  # noqa: E402
 from flexinfer.tokenizer import Tokenizer  # noqa: E402
+from gguf_testing import byte_level_metadata  # noqa: E402
 from test_families import random_model  # noqa: E402
 
 WINDOW = 8
@@ -82,17 +83,8 @@ def _spm_metadata(vocab_size: int, add_space_prefix: bool | None) -> dict:
 
 def _byte_level_metadata(vocab_size: int) -> dict:
     """A byte-level BPE vocabulary ("gpt2", pre "qwen2"), as Qwen's files have."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, shifted = [], 0
-    for byte in range(256):
-        if byte in printable:
-            symbols.append(chr(byte))
-        else:
-            symbols.append(chr(256 + shifted))
-            shifted += 1
-    tokens = symbols + ["ĠĠ", "he", "Ġhe"] + [f"<extra_{i}>" for i in range(vocab_size - 259)]
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.merges": ["Ġ Ġ", "h e", "Ġ he"], "tokenizer.ggml.token_type": [1] * vocab_size,
+    extra = ["ĠĠ", "he", "Ġhe"] + [f"<extra_{i}>" for i in range(vocab_size - 259)]
+    return {**byte_level_metadata("qwen2", extra, ["Ġ Ġ", "h e", "Ġ he"]),
             "tokenizer.ggml.eos_token_id": vocab_size - 1}
 
 

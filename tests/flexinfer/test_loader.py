@@ -22,6 +22,7 @@ from flexinfer.errors import ChatTemplateError, FlexInferError, ModelLoadError  
 from flexinfer.model.config import FULL, SLIDING, ModelConfig  # noqa: E402
 from flexinfer.model.loader import _unpermute_rotary_rows, load_model  # noqa: E402
 from flexinfer.tokenizer import Tokenizer  # noqa: E402
+from gguf_testing import byte_level_metadata  # noqa: E402
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -241,34 +242,19 @@ def test_chat_template_raise_exception_and_missing_template(smollm2):
         Tokenizer(backend, bos_token_id=None, eos_token_ids=[], chat_template=None).apply_chat_template([])
 
 
-def _byte_level_metadata(pre, extra_tokens, merges):
-    # The 256 byte-level symbols as GPT-2 maps them, then `extra_tokens`.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, shifted = [], 0
-    for byte in range(256):
-        if byte in printable:
-            symbols.append(chr(byte))
-        else:
-            symbols.append(chr(256 + shifted))
-            shifted += 1
-    tokens = symbols + extra_tokens
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": [1] * len(tokens)}
-
-
 @pytest.mark.parametrize("pre, expected", [
     ("default", ["123", "45"]), ("smollm", ["1", "2", "3", "4", "5"]),
     ("llama-bpe", ["123", "45"]), ("qwen2", ["1", "2", "3", "4", "5"]),
 ])
 def test_gguf_pre_tokenizers_split_digits(pre, expected):
-    metadata = _byte_level_metadata(pre, ["12", "123", "45"], ["1 2", "12 3", "4 5"])
+    metadata = byte_level_metadata(pre, ["12", "123", "45"], ["1 2", "12 3", "4 5"])
     tokenizer = Tokenizer.from_gguf_metadata(metadata, "test.gguf")
     assert [tokenizer.id_to_token(i) for i in tokenizer.encode("12345")] == expected
 
 
 def test_gguf_unsupported_tokenizer_is_an_error():
     with pytest.raises(ModelLoadError, match="test.gguf.*pre-tokenizer 'mystery'"):
-        Tokenizer.from_gguf_metadata(_byte_level_metadata("mystery", [], []), "test.gguf")
+        Tokenizer.from_gguf_metadata(byte_level_metadata("mystery", [], []), "test.gguf")
     with pytest.raises(ModelLoadError, match="test.gguf.*tokenizer model 'bert'"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"}, "test.gguf")
 
@@ -380,7 +366,7 @@ def _write_gguf(path, arch, model, raw_tensors=None):
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    metadata = _byte_level_metadata("smollm", ["ĠĠ"] + [f"<extra_{i}>" for i in range(config.vocab_size - 257)],
+    metadata = byte_level_metadata("smollm", ["ĠĠ"] + [f"<extra_{i}>" for i in range(config.vocab_size - 257)],
                                     ["Ġ Ġ"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
