@@ -1,0 +1,137 @@
+"""The host's share of a decode step: FlexInfer on a model whose forward pass is nearly free.
+
+A random Llama of 1 layer, hidden 64 (4 heads, 2 KV heads, vocabulary 512),
+saved as a Hugging Face folder with a word-level tokenizer (bench_gpu.py's),
+decodes at batch 1, 8, 32, 128 and 256 through `LLM.generate` (greedy, EOS
+ignored, 8-token prompts, 128 new tokens). What a step costs is then almost
+all Python: scheduling, the batch vectors, sampling, stop checks, outputs.
+
+Per decode step, two times (µs): `step`, the engine's step() call alone, and
+`loop`, from one decode step's start to the next one's (the step plus the
+engine loop's dispatch and inbox). Only steps in which every sequence of the
+batch decodes count (no prompt tokens, nobody waiting); each run's median,
+then the median over `--repeats` runs. `threads=1` by default: the forward
+pass has nothing to split, and the thread tuner's probes would only add noise.
+
+Usage: python scripts/bench_overhead.py [--batches 1,8,32,128,256] [--new-tokens 128] [--repeats 5]
+           [--threads 1] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench_gpu import build_model_folder, make_prompts
+from machine import cpu_model
+
+from flexinfer import LLM, SamplingParams
+
+SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
+             rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+PROMPT_TOKENS = 8
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+                   profile: cProfile.Profile | None = None) -> tuple[float, float]:
+    """Median µs of step() and of the loop iteration, over the decode steps
+    of one generate; with `profile`, those steps run under it."""
+    engine = llm.engine
+    step = engine.step
+    steps, starts = [], []
+
+    def timed_step():
+        s = engine.scheduler
+        # Outside the timed region: whether this step is a pure decode step of the whole batch.
+        decode = (not s.waiting and len(s.running) == len(prompts)
+                  and all(q.num_cached == q.num_tokens - 1 for q in s.running))
+        if decode and profile is not None:
+            profile.enable()
+        start = time.perf_counter()
+        try:
+            return step()
+        finally:
+            if profile is not None:
+                profile.disable()
+            if decode:
+                steps.append(time.perf_counter() - start)
+                starts.append(start)
+            else:
+                starts.append(None)
+
+    # The engine loop's thread calls engine.step: time it there.
+    engine.step = timed_step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del engine.step
+    loops = [b - a for a, b in zip(starts, starts[1:]) if a is not None and b is not None]
+    return statistics.median(steps) * 1e6, statistics.median(loops) * 1e6
+
+
+def _profile(llm: LLM, prompts: list[list[int]], params: SamplingParams, top: int = 30) -> str:
+    llm.kv_cache.clear_prefixes()
+    prof = cProfile.Profile()
+    timed_generate(llm, prompts, params, prof)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32,128,256")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", default="1", help="an int, or 'auto' (the engine's thread tuner)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each batch's decode steps under cProfile (top functions by own time)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    threads = args.threads if args.threads == "auto" else int(args.threads)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    results, profiles = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model_folder(Path(tmp), SHAPE)
+        with LLM(tmp, dtype="float32", threads=threads, max_num_seqs=max(batches),
+                 max_batch_tokens=max(batches) * PROMPT_TOKENS, kv_capacity_bytes=1 << 30) as llm:
+            for batch in batches:
+                prompts = make_prompts(batch, PROMPT_TOKENS, SHAPE["vocab_size"])
+                timed_generate(llm, prompts, params)  # warm-up
+                runs = []
+                for _ in range(args.repeats):
+                    llm.kv_cache.clear_prefixes()
+                    runs.append(timed_generate(llm, prompts, params))
+                step_us = statistics.median(r[0] for r in runs)
+                loop_us = statistics.median(r[1] for r in runs)
+                results[batch] = {"step_us": step_us, "loop_us": loop_us,
+                                  "step_us_per_seq": step_us / batch}
+                if args.profile:
+                    profiles[batch] = _profile(llm, prompts, params)
+    print(f"FlexInfer decode step, 1-layer hidden-64 Llama (host overhead), threads={args.threads}, "
+          f"{args.new_tokens} new tokens, median of {args.repeats} runs")
+    print(f"CPU: {cpu_model()}")
+    print(f"{'batch':>6} {'step µs':>9} {'loop µs':>9} {'µs/seq':>8}")
+    for batch, r in results.items():
+        print(f"{batch:>6} {r['step_us']:>9.1f} {r['loop_us']:>9.1f} {r['step_us_per_seq']:>8.2f}")
+    for batch, text in profiles.items():
+        print(f"\n--- cProfile, batch {batch}, decode steps only (cProfile inflates Python's share)")
+        print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cpu": cpu_model(), "date": datetime.date.today().isoformat(),
+                       "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
