@@ -6,9 +6,12 @@ decodes at batch 1, 8, 32, 128 and 256 through `LLM.generate` (greedy, EOS
 ignored, 8-token prompts, 128 new tokens). What a step costs is then almost
 all Python: scheduling, the batch vectors, sampling, stop checks, outputs.
 
-Per decode step, two times (µs): `step`, the engine's step() call alone, and
+Per decode step, three times (µs): `step`, the engine's step() call alone,
 `loop`, from one decode step's start to the next one's (the step plus the
-engine loop's dispatch and inbox). Only steps in which every sequence of the
+engine loop's dispatch and inbox), and `forward`, the model's forward pass
+within the step (at large batches its attention over the KV is real work: 256
+sequences of ~70 tokens read ~5 MB of KV a step); `rest µs/seq` is the step
+less the forward pass, per sequence. Only steps in which every sequence of the
 batch decodes count (no prompt tokens, nobody waiting); each run's median,
 then the median over `--repeats` runs. `threads=1` by default: the forward
 pass has nothing to split, and the thread tuner's probes would only add noise.
@@ -42,17 +45,28 @@ PROMPT_TOKENS = 8
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
-                   profile: cProfile.Profile | None = None) -> tuple[float, float]:
-    """Median µs of step() and of the loop iteration, over the decode steps
-    of one generate; with `profile`, those steps run under it."""
+                   profile: cProfile.Profile | None = None) -> tuple[float, float, float]:
+    """Median µs of step(), of the loop iteration and of the model's forward
+    pass, over the decode steps of one generate; with `profile`, those steps
+    run under it."""
     engine = llm.engine
-    step = engine.step
-    steps, starts = [], []
+    step, forward = engine.step, engine.model.forward
+    steps, starts, forwards = [], [], []
+    decoding = False
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            if decoding:
+                forwards.append(time.perf_counter() - start)
 
     def timed_step():
+        nonlocal decoding
         s = engine.scheduler
         # Outside the timed region: whether this step is a pure decode step of the whole batch.
-        decode = (not s.waiting and len(s.running) == len(prompts)
+        decoding = decode = (not s.waiting and len(s.running) == len(prompts)
                   and all(q.num_cached == q.num_tokens - 1 for q in s.running))
         if decode and profile is not None:
             profile.enable()
@@ -69,13 +83,13 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
                 starts.append(None)
 
     # The engine loop's thread calls engine.step: time it there.
-    engine.step = timed_step
+    engine.step, engine.model.forward = timed_step, timed_forward
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del engine.step
+        del engine.step, engine.model.forward
     loops = [b - a for a, b in zip(starts, starts[1:]) if a is not None and b is not None]
-    return statistics.median(steps) * 1e6, statistics.median(loops) * 1e6
+    return tuple(statistics.median(x) * 1e6 for x in (steps, loops, forwards))
 
 
 def _profile(llm: LLM, prompts: list[list[int]], params: SamplingParams, top: int = 30) -> str:
@@ -114,16 +128,18 @@ def main() -> None:
                     runs.append(timed_generate(llm, prompts, params))
                 step_us = statistics.median(r[0] for r in runs)
                 loop_us = statistics.median(r[1] for r in runs)
-                results[batch] = {"step_us": step_us, "loop_us": loop_us,
-                                  "step_us_per_seq": step_us / batch}
+                forward_us = statistics.median(r[2] for r in runs)
+                results[batch] = {"step_us": step_us, "loop_us": loop_us, "forward_us": forward_us,
+                                  "host_us_per_seq": (step_us - forward_us) / batch}
                 if args.profile:
                     profiles[batch] = _profile(llm, prompts, params)
     print(f"FlexInfer decode step, 1-layer hidden-64 Llama (host overhead), threads={args.threads}, "
           f"{args.new_tokens} new tokens, median of {args.repeats} runs")
     print(f"CPU: {cpu_model()}")
-    print(f"{'batch':>6} {'step µs':>9} {'loop µs':>9} {'µs/seq':>8}")
+    print(f"{'batch':>6} {'step µs':>9} {'loop µs':>9} {'forward µs':>11} {'rest µs/seq':>12}")
     for batch, r in results.items():
-        print(f"{batch:>6} {r['step_us']:>9.1f} {r['loop_us']:>9.1f} {r['step_us_per_seq']:>8.2f}")
+        print(f"{batch:>6} {r['step_us']:>9.1f} {r['loop_us']:>9.1f} {r['forward_us']:>11.1f} "
+              f"{r['host_us_per_seq']:>12.2f}")
     for batch, text in profiles.items():
         print(f"\n--- cProfile, batch {batch}, decode steps only (cProfile inflates Python's share)")
         print(text)
