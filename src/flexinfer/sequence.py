@@ -88,6 +88,11 @@ class Sequence:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:end] + self.output_ids[:max(0, end - p)]
 
+    def token_at(self, index: int) -> int:
+        """token_ids[index] without building the whole list."""
+        p = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < p else self.output_ids[index - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

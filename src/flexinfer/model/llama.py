@@ -90,6 +90,31 @@ class ForwardBatch:
         return ForwardBatch(groups, starts, new_lens, slot_index, positions_t, last_index, slot_vector,
                             take(b).int(), take(b + 1).int(), max(new_lens, default=0))
 
+    @staticmethod
+    def decode(slots: list[tuple[int, ...]], starts: list[int], device: torch.device) -> "ForwardBatch":
+        """build(slots, starts, [1] * len(starts), device) for a decode step,
+        whose vectors need no per-token expansion: `slots` per sequence, its
+        slot in each layer group."""
+        b = len(starts)
+        if not b:
+            return ForwardBatch.build(slots, starts, [], device)
+        groups = [list(column) for column in zip(*slots)]
+        flat_slots = [slot for group in groups for slot in group]
+        offsets = list(range(b + 1))
+        packed = torch.tensor(flat_slots + starts + offsets[1:] + flat_slots + [s + 1 for s in starts] + offsets,
+                              dtype=torch.long).to(device)
+        g = len(groups)
+        slot_index = [packed[i * b:(i + 1) * b] for i in range(g)]
+        at = g * b
+        positions = packed[at:at + b]
+        last_index = packed[at + b:at + 2 * b] - 1
+        at += 2 * b
+        ints = packed[at:].int()  # the int32 vectors in one conversion
+        slot_vector = [ints[i * b:(i + 1) * b] for i in range(g)]
+        at = g * b
+        return ForwardBatch(groups, starts, [1] * b, slot_index, positions, last_index, slot_vector,
+                            ints[at:at + b], ints[at + b:], 1)
+
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.new_lens)
