@@ -366,14 +366,12 @@ class Engine:
             if token == NON_FINITE:
                 self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
                 continue
-            out = seq.output_ids
-            out.append(token)
+            seq.append(token)
             metrics = seq.metrics
-            metrics.output_tokens = len(out)
             if metrics.first_token_s is None:
                 metrics.first_token_s = now
             # Only a stop token, a stop string or the length can end it.
-            if token in seq.stop_ids or seq.params.stop or len(out) >= seq.params.max_tokens:
+            if token in seq.stop_ids or seq.params.stop or metrics.output_tokens >= seq.params.max_tokens:
                 reason = self._stop_reason(seq, token)
                 if reason is not None:
                     metrics.finish_s = now

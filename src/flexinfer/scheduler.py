@@ -373,7 +373,8 @@ class Scheduler:
         # Pre-extend: map what the next step will write while this one computes.
         # Submitted for every sequence, mapped or not: it also advances the
         # vTensor's token count, which prefix_record relies on.
-        ahead = {s: min(s.num_cached + n + 1, self.kv.max_tokens) for s, n in plan}
+        most = self.kv.max_tokens
+        ahead = {s: min(s.num_cached + n + 1, most) for s, n in plan}
         if ahead:
             self._pending = (self.manager.step(self._targets(ahead)), ahead)
         return plan
