@@ -253,8 +253,9 @@ class LlamaModel:
         tables = {}
         for layer_type, inv_freq in self.inv_freq.items():
             freqs = positions.float()[:, None] * inv_freq[None, :]
-            cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
-            sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+            half_cos, half_sin = freqs.cos(), freqs.sin()
+            cos = torch.cat([half_cos, half_cos], dim=-1)
+            sin = torch.cat([-half_sin, half_sin], dim=-1)
             tables[layer_type] = (cos.to(self.dtype), sin.to(self.dtype))
         return tables
 
@@ -350,7 +351,10 @@ class LlamaModel:
                 and self.layers[0]["qkv"].kind_for(tokens) == "packed")
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        last = self._rms_norm(hidden.index_select(0, batch.last_index), self.norm)
+        if batch.max_q_len != 1 or hidden.shape[0] != batch.last_index.shape[0]:
+            hidden = hidden.index_select(0, batch.last_index)
+        # Else every sequence has one token, its own row: nothing to gather (decode steps).
+        last = self._rms_norm(hidden, self.norm)
         logits = self.lm_head(last)
         cap = self.config.final_logit_softcapping
         if cap is not None:  # in the model's dtype, as transformers caps them
