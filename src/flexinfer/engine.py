@@ -22,7 +22,7 @@ from flexinfer.host_memory import keep_freed_memory
 from flexinfer.inputs import KVBudget
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
-from flexinfer.model.llama import ForwardBatch, LlamaModel
+from flexinfer.model.llama import ForwardBatch, LlamaModel, long_tensor
 from flexinfer.model.loader import load_model
 from flexinfer.sampling import NON_FINITE, SamplingParams, greedy_choice, sample
 from flexinfer.scheduler import Scheduler
@@ -342,7 +342,7 @@ class Engine:
         else:
             batch = (ForwardBatch.decode(slots, starts, self.device) if decode_batch
                      else ForwardBatch.build(slots, starts, counts, self.device))
-            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            input_ids = long_tensor(ids).to(self.device)
             logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
         if self.thread_tuner is not None:
             self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)

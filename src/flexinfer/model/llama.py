@@ -27,6 +27,7 @@ Models with any of them run the loop (the one-call decoder is Llama's).
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,15 @@ import torch.nn.functional as F
 from flexinfer.errors import InvalidArgument
 from flexinfer.model.config import FULL, SLIDING, ModelConfig
 from flexinfer.model.linear import Linear, measure_kinds, resolve_linear_kind
+
+
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """torch.tensor(values, dtype=torch.long) on the CPU, ~3.5x faster: torch
+    converts a list element by element (~50 ns each), array packs it in C
+    (a decode step's vectors are ~5 ints per sequence)."""
+    if not values:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
 @dataclass
@@ -73,9 +83,8 @@ class ForwardBatch:
         # step must not pay a transfer per vector on CUDA).
         flat_slots = [slot for group in groups for slot, n in zip(group, new_lens) for _ in range(n)]
         positions = [p for start, n in zip(starts, new_lens) for p in range(start, start + n)]
-        packed = torch.tensor(flat_slots + positions + offsets[1:] + [s for g in groups for s in g]
-                              + [s + n for s, n in zip(starts, new_lens)] + offsets, dtype=torch.long)
-        packed = packed.to(device)
+        packed = long_tensor(flat_slots + positions + offsets[1:] + [s for g in groups for s in g]
+                             + [s + n for s, n in zip(starts, new_lens)] + offsets).to(device)
         at = 0
 
         def take(count: int) -> torch.Tensor:
@@ -101,8 +110,8 @@ class ForwardBatch:
         groups = [list(column) for column in zip(*slots)]
         flat_slots = [slot for group in groups for slot in group]
         offsets = list(range(b + 1))
-        packed = torch.tensor(flat_slots + starts + offsets[1:] + flat_slots + [s + 1 for s in starts] + offsets,
-                              dtype=torch.long).to(device)
+        lens = [s + 1 for s in starts]
+        packed = long_tensor(flat_slots + starts + offsets[1:] + flat_slots + lens + offsets).to(device)
         g = len(groups)
         slot_index = [packed[i * b:(i + 1) * b] for i in range(g)]
         at = g * b
