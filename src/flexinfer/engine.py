@@ -79,7 +79,7 @@ class Engine:
         self._sink = []
         self._unhealthy_since = None  # when the manager was first seen unhealthy (a broker away)
         self._keeps_sink = False
-        self._sampled_batch = None  # the last step's _SampledBatch
+        self._sampled_batch = None  # the last sampled batch's _SampledBatch (holds its sequences until the next)
         try:
             # This thread (the engine loop's) computes on the memory: a broker
             # client revokes a lost session's mappings here, and serves no
