@@ -3,8 +3,9 @@
 A random Llama of 1 layer, hidden 64 (4 heads, 2 KV heads, vocabulary 512),
 saved as a Hugging Face folder with a word-level tokenizer (bench_gpu.py's),
 decodes at batch 1, 8, 32, 128 and 256 through `LLM.generate` (greedy, EOS
-ignored, 8-token prompts, 128 new tokens). What a step costs is then almost
-all Python: scheduling, the batch vectors, sampling, stop checks, outputs.
+ignored, 8-token prompts, 128 new tokens). Beside the forward pass, what a
+step costs is then Python: scheduling, the batch vectors, sampling, stop
+checks, outputs.
 
 Per decode step, three times (µs): `step`, the engine's step() call alone,
 `loop`, from one decode step's start to the next one's (the step plus the
@@ -16,8 +17,14 @@ batch decodes count (no prompt tokens, nobody waiting); each run's median,
 then the median over `--repeats` runs. `threads=1` by default: the forward
 pass has nothing to split, and the thread tuner's probes would only add noise.
 
+Against a baseline (another commit's code): copy that build's installed
+`flexinfer` and `vtm` packages (site-packages) to a folder DIR, then alternate
+`PYTHONPATH=DIR python scripts/bench_overhead.py` with a plain run, several
+rounds, and compare `rest µs/seq` (the forward pass moves with the machine's
+memory traffic). docs/benchmarks.md has a table made so.
+
 Usage: python scripts/bench_overhead.py [--batches 1,8,32,128,256] [--new-tokens 128] [--repeats 5]
-           [--threads 1] [--json PATH]
+           [--threads 1] [--profile] [--json PATH]
 """
 
 from __future__ import annotations
