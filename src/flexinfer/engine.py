@@ -22,9 +22,9 @@ from flexinfer.host_memory import keep_freed_memory
 from flexinfer.inputs import KVBudget
 from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
-from flexinfer.model.llama import ForwardBatch, LlamaModel
+from flexinfer.model.llama import ForwardBatch, LlamaModel, long_tensor
 from flexinfer.model.loader import load_model
-from flexinfer.sampling import NON_FINITE, sample
+from flexinfer.sampling import NON_FINITE, SamplingParams, greedy_choice, sample
 from flexinfer.scheduler import Scheduler
 from flexinfer.sequence import Sequence, Status
 from flexinfer.threads import NeighbourLoad, ThreadTuner
@@ -79,6 +79,7 @@ class Engine:
         self._sink = []
         self._unhealthy_since = None  # when the manager was first seen unhealthy (a broker away)
         self._keeps_sink = False
+        self._sampled_batch = None  # the last sampled batch's _SampledBatch (holds its sequences until the next)
         try:
             # This thread (the engine loop's) computes on the memory: a broker
             # client revokes a lost session's mappings here, and serves no
@@ -322,25 +323,32 @@ class Engine:
                                        [vt.slot for vt in self._sink])
 
     def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
-        ids = []
-        for seq, n in plan:
-            ids.extend(seq.tokens_between(seq.num_cached, seq.num_cached + n))
-        decode_batch = len(plan) if all(n == 1 for _, n in plan) else None
+        seqs = [seq for seq, _ in plan]
+        counts = [n for _, n in plan]
+        starts = [seq.num_cached for seq in seqs]
+        decode_batch = len(plan) if counts.count(1) == len(counts) else None
+        if decode_batch:
+            ids = [seq.token_at(start) for seq, start in zip(seqs, starts)]
+        else:
+            ids = []
+            for seq, start, n in zip(seqs, starts, counts):
+                ids.extend(seq.tokens_between(start, start + n))
         if self.thread_tuner is not None:
             self.thread_tuner.before_step(decode_batch)
         started = time.perf_counter()
+        slots = [seq.slots for seq in seqs]
         if self.graphs is not None and decode_batch and self.graphs.bucket_for(decode_batch):
-            logits = self.graphs.run(ids, [seq.slots for seq, _ in plan], [seq.num_cached for seq, _ in plan])
+            logits = self.graphs.run(ids, slots, starts)
         else:
-            batch = ForwardBatch.build([seq.slots for seq, _ in plan], [seq.num_cached for seq, _ in plan],
-                                       [n for _, n in plan], self.device)
-            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            batch = (ForwardBatch.decode(slots, starts, self.device) if decode_batch
+                     else ForwardBatch.build(slots, starts, counts, self.device))
+            input_ids = long_tensor(ids).to(self.device)
             logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
         if self.thread_tuner is not None:
             self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)
         ready_rows, ready = [], []
-        for row, (seq, n) in enumerate(plan):
-            seq.num_cached += n
+        for row, seq in enumerate(seqs):
+            seq.num_cached += counts[row]
             if seq.num_cached == seq.num_tokens:  # not in the middle of a chunked prompt
                 if not seq.prompt_recorded:
                     self.scheduler.after_prefill(seq)
@@ -349,14 +357,7 @@ class Engine:
         if not ready:
             return []
         rows = logits[ready_rows] if len(ready_rows) < len(plan) else logits
-        params = [s.params for s in ready]
-        # Greedy rows are chosen where the logits are; only sampled ones come to the host.
-        if not all(p.greedy for p in params):
-            rows = rows.cpu()
-        # Before min_tokens, no token may end the sequence.
-        banned = [sorted(s.stop_ids) if s.stop_ids and len(s.output_ids) < s.params.min_tokens else None
-                  for s in ready]
-        tokens = sample(rows, params, [s.generator for s in ready], banned)
+        tokens = self._sample(rows, ready)
         now = time.perf_counter()
         for seq, token in zip(ready, tokens):
             if isinstance(token, Exception):
@@ -365,15 +366,37 @@ class Engine:
             if token == NON_FINITE:
                 self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
                 continue
-            seq.output_ids.append(token)
-            seq.metrics.output_tokens = len(seq.output_ids)
-            if seq.metrics.first_token_s is None:
-                seq.metrics.first_token_s = now
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                seq.metrics.finish_s = now
-                self.scheduler.finish(seq, reason)
+            seq.append(token)
+            metrics = seq.metrics
+            if metrics.first_token_s is None:
+                metrics.first_token_s = now
+            # Only a stop token, a stop string or the length can end it.
+            if token in seq.stop_ids or seq.params.stop or metrics.output_tokens >= seq.params.max_tokens:
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    metrics.finish_s = now
+                    self.scheduler.finish(seq, reason)
         return ready
+
+    def _sample(self, rows: torch.Tensor, ready: list[Sequence]) -> list[int | Exception]:
+        """One token per row. What sampling needs of the batch's parameters
+        is gathered once per batch of sequences (_SampledBatch), not per step."""
+        facts = self._sampled_batch
+        if facts is None or facts.seqs != ready:
+            facts = self._sampled_batch = _SampledBatch(ready)
+        # Before min_tokens, no token may end the sequence.
+        banned = None
+        if facts.may_ban:
+            banned = [sorted(s.stop_ids) if s.stop_ids and len(s.output_ids) < s.params.min_tokens else None
+                      for s in ready]
+            if not any(banned):
+                banned = None
+        if facts.greedy and banned is None:
+            return greedy_choice(rows)
+        # Greedy rows are chosen where the logits are; only sampled ones come to the host.
+        if not facts.greedy:
+            rows = rows.cpu()
+        return sample(rows, facts.params, facts.generators, banned)
 
     # -- helpers --------------------------------------------------------
 
@@ -397,6 +420,21 @@ class Engine:
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"
         return None
+
+
+class _SampledBatch:
+    """What sampling needs of a batch's sequences, gathered once while the
+    batch stays the same sequences in the same order (decode steps, mostly):
+    their parameters and generators never change."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = seqs
+        self.params: list[SamplingParams] = [s.params for s in seqs]
+        self.generators = [s.generator for s in seqs]
+        # Every row greedy: one argmax over the batch, where the logits are.
+        self.greedy = all(p.greedy for p in self.params)
+        # Some row may have stop ids to ban (those of rows below min_tokens).
+        self.may_ban = any(s.stop_ids and s.params.min_tokens for s in seqs)
 
 
 def prefix_namespace(fingerprint: str, dtype: str, salt: str | None) -> str:

@@ -301,7 +301,8 @@ class EngineLoop:
             handle = self._live.get(seq)
             if handle is None:
                 continue
-            handle._publish(seq)
+            if handle._stream:  # else nothing is sent before the request is done
+                handle._publish(seq)
             if seq.status is Status.FINISHED:
                 del self._live[seq]
                 finished.append(handle)

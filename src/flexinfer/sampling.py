@@ -94,7 +94,7 @@ def _require_int(name: str, value) -> None:
         raise InvalidArgument(f"{name} must be an int, got {value!r}")
 
 
-def _greedy_choice(rows: torch.Tensor) -> list[int]:
+def greedy_choice(rows: torch.Tensor) -> list[int]:
     """Per row of logits, the index of its first maximum; NON_FINITE where
     the row holds a NaN or +inf or nothing finite. One pass over the logits
     and one transfer for the choice and the check."""
@@ -135,7 +135,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             for r, i in enumerate(greedy_rows):
                 if banned[i]:
                     rows[r, banned[i]] = float("-inf")
-        for i, t in zip(greedy_rows, _greedy_choice(rows)):
+        for i, t in zip(greedy_rows, greedy_choice(rows)):
             tokens[i] = t
     for i, p in enumerate(params):
         if p.greedy or isinstance(tokens[i], Exception):

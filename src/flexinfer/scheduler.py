@@ -61,6 +61,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.prefix_caching = prefix_caching
+        self._windows = any(kv_cache.windows)  # some layer group is a sliding window's
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
@@ -157,6 +158,8 @@ class Scheduler:
         a sliding group's also drops the pages below the window of the step
         about to run (the pre-extend, submitted while a step computes, drops
         only what that step does not read either)."""
+        if not self._windows:  # a target is the token count alone
+            return {vt: tokens for seq, tokens in need.items() for vt in seq.vtensors}
         targets = {}
         for seq, tokens in need.items():
             targets.update(self.kv.targets(seq.vtensors, tokens, seq.num_cached))
@@ -370,7 +373,8 @@ class Scheduler:
         # Pre-extend: map what the next step will write while this one computes.
         # Submitted for every sequence, mapped or not: it also advances the
         # vTensor's token count, which prefix_record relies on.
-        ahead = {s: min(s.num_cached + n + 1, self.kv.max_tokens) for s, n in plan}
+        most = self.kv.max_tokens
+        ahead = {s: min(s.num_cached + n + 1, most) for s, n in plan}
         if ahead:
             self._pending = (self.manager.step(self._targets(ahead)), ahead)
         return plan

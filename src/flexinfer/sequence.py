@@ -54,7 +54,9 @@ class Sequence:
         self.request_index = request_index
         self.sample_index = sample_index
         self.prompt_ids = list(prompt_ids)
-        self.output_ids: list[int] = []
+        self.output_ids: list[int] = []  # grows by append() only
+        # len(prompt_ids) + len(output_ids): an attribute, read per sequence every step.
+        self.num_tokens = len(self.prompt_ids)
         self.params = params
         self.priority = priority
         self.status = Status.WAITING
@@ -88,9 +90,16 @@ class Sequence:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:end] + self.output_ids[:max(0, end - p)]
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+    def token_at(self, index: int) -> int:
+        """token_ids[index] without building the whole list."""
+        p = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < p else self.output_ids[index - p]
+
+    def append(self, token: int) -> None:
+        """A sampled token; the only way output_ids grows (num_tokens follows it)."""
+        self.output_ids.append(token)
+        self.num_tokens += 1
+        self.metrics.output_tokens = len(self.output_ids)
 
     def reset_cache_state(self) -> None:
         self.vtensors = []

@@ -247,6 +247,22 @@ def _check_forward_against_oracle(model: LlamaModel, oracle: Oracle, prompts, sc
 DECODE_SCHEDULE = [[1, 1, 1]] * 4 + [[6, 1, 3], [1, 1, 1], [1, 9, 1]]
 
 
+@pytest.mark.parametrize("slots", [[(3,), (0,), (7,)], [(3, 1), (0, 4)], []])
+def test_decode_batch_equals_the_general_build(slots):
+    """ForwardBatch.decode, the decode steps' shortcut, builds the vectors build() does."""
+    starts = [5, 0, 11][:len(slots)]
+    cpu = torch.device("cpu")
+    fast, general = ForwardBatch.decode(slots, starts, cpu), ForwardBatch.build(slots, starts, [1] * len(slots), cpu)
+    for field in dataclasses.fields(ForwardBatch):
+        a, b = getattr(fast, field.name), getattr(general, field.name)
+        pairs = list(zip(a, b)) if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else [(a, b)]
+        for x, y in pairs:
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y), field.name
+            else:
+                assert x == y, field.name
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 @pytest.mark.parametrize("linear", LINEAR_KINDS_HERE)
 def test_logits_match_transformers(tiny, arch, linear):

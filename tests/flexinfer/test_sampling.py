@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexinfer.sampling import NON_FINITE, SamplingParams, _greedy_choice, sample
+from flexinfer.sampling import NON_FINITE, SamplingParams, greedy_choice, sample
 
 
 def _reference(rows: torch.Tensor) -> list[int]:
@@ -19,10 +19,10 @@ def _reference(rows: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 49152])
 @pytest.mark.parametrize("rows", [1, 3, 32])
-def test_greedy_choice_is_the_first_maximum(vocab, rows):
+def testgreedy_choice_is_the_first_maximum(vocab, rows):
     gen = torch.Generator().manual_seed(vocab * 100 + rows)
     logits = torch.randn(rows, vocab, generator=gen)
-    assert _greedy_choice(logits) == _reference(logits) == logits.argmax(dim=-1).tolist()
+    assert greedy_choice(logits) == _reference(logits) == logits.argmax(dim=-1).tolist()
 
 
 def test_ties_and_non_finite_rows():
@@ -36,9 +36,9 @@ def test_ties_and_non_finite_rows():
     logits[5, 38] = -1.0  # only the tail holds a finite value
     logits[6, 39] = float("nan")  # NaN in the tail past the last 16 lanes
     want = [5, 3, NON_FINITE, NON_FINITE, NON_FINITE, 38, NON_FINITE]
-    assert _greedy_choice(logits) == _reference(logits) == want
+    assert greedy_choice(logits) == _reference(logits) == want
     # torch's path (any tensor the kernel does not take) agrees.
-    assert _greedy_choice(logits.double()) == want
+    assert greedy_choice(logits.double()) == want
 
 
 def test_strided_rows():
@@ -46,7 +46,7 @@ def test_strided_rows():
     wide = torch.randn(9, 300, generator=gen)
     rows = wide[::2, 10:250]
     assert rows.stride(-1) == 1 and rows.stride(0) == 600
-    assert _greedy_choice(rows) == _reference(rows)
+    assert greedy_choice(rows) == _reference(rows)
 
 
 def test_sample_bans_tokens_and_flags_non_finite_rows():

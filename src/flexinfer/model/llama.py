@@ -27,6 +27,7 @@ Models with any of them run the loop (the one-call decoder is Llama's).
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,15 @@ import torch.nn.functional as F
 from flexinfer.errors import InvalidArgument
 from flexinfer.model.config import FULL, SLIDING, ModelConfig
 from flexinfer.model.linear import Linear, measure_kinds, resolve_linear_kind
+
+
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """torch.tensor(values, dtype=torch.long) on the CPU, ~3.5x faster: torch
+    converts a list element by element (~50 ns each), array packs it in C
+    (a decode step's vectors are ~5 ints per sequence)."""
+    if not values:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
 @dataclass
@@ -73,9 +83,8 @@ class ForwardBatch:
         # step must not pay a transfer per vector on CUDA).
         flat_slots = [slot for group in groups for slot, n in zip(group, new_lens) for _ in range(n)]
         positions = [p for start, n in zip(starts, new_lens) for p in range(start, start + n)]
-        packed = torch.tensor(flat_slots + positions + offsets[1:] + [s for g in groups for s in g]
-                              + [s + n for s, n in zip(starts, new_lens)] + offsets, dtype=torch.long)
-        packed = packed.to(device)
+        packed = long_tensor(flat_slots + positions + offsets[1:] + [s for g in groups for s in g]
+                             + [s + n for s, n in zip(starts, new_lens)] + offsets).to(device)
         at = 0
 
         def take(count: int) -> torch.Tensor:
@@ -89,6 +98,31 @@ class ForwardBatch:
         slot_vector = [take(b).int() for _ in groups]
         return ForwardBatch(groups, starts, new_lens, slot_index, positions_t, last_index, slot_vector,
                             take(b).int(), take(b + 1).int(), max(new_lens, default=0))
+
+    @staticmethod
+    def decode(slots: list[tuple[int, ...]], starts: list[int], device: torch.device) -> "ForwardBatch":
+        """build(slots, starts, [1] * len(starts), device) for a decode step,
+        whose vectors need no per-token expansion: `slots` per sequence, its
+        slot in each layer group."""
+        b = len(starts)
+        if not b:
+            return ForwardBatch.build(slots, starts, [], device)
+        groups = [list(column) for column in zip(*slots)]
+        flat_slots = [slot for group in groups for slot in group]
+        offsets = list(range(b + 1))
+        lens = [s + 1 for s in starts]
+        packed = long_tensor(flat_slots + starts + offsets[1:] + flat_slots + lens + offsets).to(device)
+        g = len(groups)
+        slot_index = [packed[i * b:(i + 1) * b] for i in range(g)]
+        at = g * b
+        positions = packed[at:at + b]
+        last_index = packed[at + b:at + 2 * b] - 1
+        at += 2 * b
+        ints = packed[at:].int()  # the int32 vectors in one conversion
+        slot_vector = [ints[i * b:(i + 1) * b] for i in range(g)]
+        at = g * b
+        return ForwardBatch(groups, starts, [1] * b, slot_index, positions, last_index, slot_vector,
+                            ints[at:at + b], ints[at + b:], 1)
 
     @property
     def is_decode(self) -> bool:
@@ -228,8 +262,9 @@ class LlamaModel:
         tables = {}
         for layer_type, inv_freq in self.inv_freq.items():
             freqs = positions.float()[:, None] * inv_freq[None, :]
-            cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
-            sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+            half_cos, half_sin = freqs.cos(), freqs.sin()
+            cos = torch.cat([half_cos, half_cos], dim=-1)
+            sin = torch.cat([-half_sin, half_sin], dim=-1)
             tables[layer_type] = (cos.to(self.dtype), sin.to(self.dtype))
         return tables
 
@@ -325,7 +360,10 @@ class LlamaModel:
                 and self.layers[0]["qkv"].kind_for(tokens) == "packed")
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        last = self._rms_norm(hidden.index_select(0, batch.last_index), self.norm)
+        if batch.max_q_len != 1 or hidden.shape[0] != batch.last_index.shape[0]:
+            hidden = hidden.index_select(0, batch.last_index)
+        # Else every sequence has one token, its own row: nothing to gather (decode steps).
+        last = self._rms_norm(hidden, self.norm)
         logits = self.lm_head(last)
         cap = self.config.final_logit_softcapping
         if cap is not None:  # in the model's dtype, as transformers caps them
