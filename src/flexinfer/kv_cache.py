@@ -69,6 +69,7 @@ class KVCache:
                 self.kv[layer] = rows[:, :, index]
                 self.k[layer] = rows[:, :, index, 0]
                 self.v[layer] = rows[:, :, index, 1]
+        self._has_window = any(self.windows)
         # The same views as [slot, kv_head, token, head_dim], the layout attention takes.
         self.k_heads = [k.permute(0, 2, 1, 3) for k in self.k]
         self.v_heads = [v.permute(0, 2, 1, 3) for v in self.v]
@@ -96,18 +97,22 @@ class KVCache:
 
     # -- vTensor operations over all groups ------------------------------
 
-    def targets(self, vtensors: list[vtm.VTensor], tokens: int, start: int) -> dict:
-        """Step targets covering `tokens` rows for a sequence whose next
-        queries begin at position `start`: a window group's vTensor also
-        raises its low mark to the first row those queries read (never
-        further: a step still computing reads from there). The rows a
-        mark drops were read only by earlier steps, which have finished:
-        the engine reads each step's sampled ids before it schedules the
-        next, so on CUDA no kernel still reads an unmapped page (an engine
-        that overlaps steps must order these unmaps after them, as vtm's
-        prefix copies wait for the caller's stream)."""
+    def targets(self, entries) -> dict:
+        """Step targets for a batch: per (vtensors, tokens, start) of a
+        sequence whose next queries begin at position `start`, its vTensors
+        cover `tokens` rows, and a window group's also raises its low mark
+        to the first row those queries read (never further: a step still
+        computing reads from there). The rows a mark drops were read only
+        by earlier steps, which have finished: the engine reads each step's
+        sampled ids before it schedules the next, so on CUDA no kernel still
+        reads an unmapped page (an engine that overlaps steps must order
+        these unmaps after them, as vtm's prefix copies wait for the
+        caller's stream). Without a window group a target is the token
+        count alone, built in one pass for the batch."""
+        if not self._has_window:
+            return {vt: tokens for vtensors, tokens, _ in entries for vt in vtensors}
         return {vt: (tokens, max(0, start - window + 1)) if window else tokens
-                for vt, window in zip(vtensors, self.windows)}
+                for vtensors, tokens, start in entries for vt, window in zip(vtensors, self.windows)}
 
     def create(self, tokens: int = 0) -> list[vtm.VTensor]:
         """A vTensor covering `tokens` rows in every group (all or none). The

@@ -61,7 +61,6 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.prefix_caching = prefix_caching
-        self._windows = any(kv_cache.windows)  # some layer group is a sliding window's
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
@@ -154,16 +153,9 @@ class Scheduler:
             seq.extended = tokens
 
     def _targets(self, need: dict[Sequence, int]) -> dict:
-        """One step target per vTensor (one per layer group) of each sequence;
-        a sliding group's also drops the pages below the window of the step
-        about to run (the pre-extend, submitted while a step computes, drops
-        only what that step does not read either)."""
-        if not self._windows:  # a target is the token count alone
-            return {vt: tokens for seq, tokens in need.items() for vt in seq.vtensors}
-        targets = {}
-        for seq, tokens in need.items():
-            targets.update(self.kv.targets(seq.vtensors, tokens, seq.num_cached))
-        return targets
+        """One step target per vTensor (one per layer group) of each
+        sequence, for the step about to run (see KVCache.targets)."""
+        return self.kv.targets((seq.vtensors, tokens, seq.num_cached) for seq, tokens in need.items())
 
     def _victim(self) -> Sequence | None:
         """The lowest-priority (largest value), latest-arrived running sequence."""

@@ -169,9 +169,9 @@ class ModelConfig:
             gemma_norms=gemma,
             hidden_act=activation,
             scale_embeddings=gemma,
-            attn_logit_softcapping=_positive_or_none(d.get("attn_logit_softcapping")) if gemma else None,
-            final_logit_softcapping=_positive_or_none(d.get("final_logit_softcapping")) if gemma else None,
-            query_pre_attn_scalar=_positive_or_none(d.get("query_pre_attn_scalar")) if gemma else None,
+            attn_logit_softcapping=absent_or_float(d.get("attn_logit_softcapping")) if gemma else None,
+            final_logit_softcapping=absent_or_float(d.get("final_logit_softcapping")) if gemma else None,
+            query_pre_attn_scalar=absent_or_float(d.get("query_pre_attn_scalar")) if gemma else None,
             rope_local_theta=rope_local_theta,
         )
 
@@ -201,8 +201,10 @@ def token_id_tuple(value: int | list[int] | tuple[int, ...] | None) -> tuple[int
     return tuple(int(v) for v in value)
 
 
-def _positive_or_none(value: Any) -> float | None:
-    return None if value is None else float(value)
+def absent_or_float(value: Any) -> float | None:
+    """A cap or scale a config may leave out: None, or 0, which llama.cpp's
+    files write for "none", is absent (ModelConfig checks the rest)."""
+    return float(value) if value else None
 
 
 def _hf_layer_types(d: Mapping[str, Any], architecture: str, num_layers: int,

@@ -278,18 +278,17 @@ class LlamaModel:
         x.mul_(cos).add_(swapped.mul_(sin))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        eps = self.config.rms_norm_eps
         if self.config.gemma_norms:
-            # Gemma: normalise and weigh in float32, round once (weight holds 1 + w).
-            x32 = x.float()
-            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+            return self._rounded_norm(x, weight)
         if self.layer_ops is not None:
-            return self.layer_ops.rms_norm(x, weight, eps)
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+            return self.layer_ops.rms_norm(x, weight, self.config.rms_norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
-    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The q/k norm over each head of x [T, heads, head_dim] (a strided
-        slice of qkv), rounded as transformers rounds it."""
+    def _rounded_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over x's last dimension (any strides: the q/k norms take a
+        slice of qkv) in torch ops, rounded as transformers rounds it: Llama's
+        normalises in float32, rounds, then weighs; Gemma's weighs in float32
+        (weight holds 1 + w) and rounds once."""
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         if self.config.gemma_norms:
@@ -337,8 +336,8 @@ class LlamaModel:
             x = self._rms_norm(hidden, layer["input_norm"])
             qkv = layer["qkv"](x).view(t, heads + 2 * kv_heads, c.head_dim)
             if c.qk_norm:
-                qkv[:, :heads] = self._head_norm(qkv[:, :heads], layer["q_norm"])
-                qkv[:, heads:heads + kv_heads] = self._head_norm(qkv[:, heads:heads + kv_heads], layer["k_norm"])
+                qkv[:, :heads] = self._rounded_norm(qkv[:, :heads], layer["q_norm"])
+                qkv[:, heads:heads + kv_heads] = self._rounded_norm(qkv[:, heads:heads + kv_heads], layer["k_norm"])
             self._rotary_kv_write(i, qkv, *rope[self.layer_types[i]], batch, kv_cache)
             attn = attention.forward(i, qkv[:, :heads], batch, kv_cache, **self.attention_args[i])
             if c.gemma_norms:

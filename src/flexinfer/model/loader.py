@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from flexinfer.errors import ModelLoadError
-from flexinfer.model.config import FULL, SLIDING, ModelConfig, token_id_tuple
+from flexinfer.model.config import FULL, SLIDING, ModelConfig, absent_or_float, token_id_tuple
 from flexinfer.tokenizer import Tokenizer
 
 
@@ -454,8 +454,8 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
         attn_cap = float(key("attn_logit_softcapping", 50.0))
         final_cap = float(key("final_logit_softcapping", 30.0))
     else:
-        attn_cap = _positive_or_none(key("attn_logit_softcapping", 0.0))
-        final_cap = _positive_or_none(key("final_logit_softcapping", 0.0))
+        attn_cap = absent_or_float(key("attn_logit_softcapping", 0.0))
+        final_cap = absent_or_float(key("final_logit_softcapping", 0.0))
     eos_ids = [int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                           "tokenizer.ggml.eom_token_id") if k in metadata]
     bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
@@ -488,11 +488,6 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
         query_pre_attn_scalar=_gemma_query_pre_attn_scalar(arch, num_layers, hidden, heads, head_dim),
         rope_local_theta=rope_local_theta,
     )
-
-
-def _positive_or_none(value: float) -> float | None:
-    # llama.cpp writes and reads 0 for "no cap".
-    return float(value) if value else None
 
 
 # llama.cpp's layer count of Gemma 2 27B and Gemma 3 27B (see _gemma_query_pre_attn_scalar).
