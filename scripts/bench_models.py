@@ -5,12 +5,14 @@ weights, built with transformers) against its all-global twin: the same
 weights, every layer full attention. Both serve the same requests in this
 process, alternating, repeated; medians:
 
-1. Memory: chunks mapped (vtm's `chunks_mapped`) while requests grow to
-   `--context` tokens, sampled every step: at the peak, and when decoding at
-   the full context. The window spaces map each request's last W tokens (plus
-   the step being computed) in the sliding layers; the twin maps everything.
-2. Decode throughput at that context (tokens/s over `--new-tokens` steps) and
-   prefill throughput (prompt tokens/s).
+1. Memory: chunks mapped in the requests' vTensors while they grow to
+   `--context` tokens, sampled every step: at the peak (a prompt's chunked
+   prefill), and while the whole batch decodes at the full context. The
+   window spaces map each request's last W tokens (plus the step being
+   computed) in the sliding layers; the twin maps everything.
+2. Decode throughput at that context (the batch over the median time of a
+   step in which every request decodes) and prefill throughput (prompt
+   tokens over the prefill pass, one prompt's chunks at a time).
 3. Greedy tokens of the windowed model against transformers (SDPA attention,
    float32) on the same weights and prompt.
 
@@ -75,33 +77,57 @@ def _word_tokenizer(vocab: int):
 
 def run(folder: Path, prompts: list[list[int]], new_tokens: int, max_batch_tokens: int, capacity: int,
         backend: str, dtype: str) -> dict:
-    """One engine over `prompts`: prefill, then decode; chunks mapped sampled every step."""
+    """One engine, two passes. Prefill: the prompts with one new token each
+    (the scheduler computes one prompt's chunks at a time), which records
+    them in the prefix cache. Decode: the same prompts with `new_tokens`
+    each, admitted together by prefix hits, so every decode step holds the
+    whole batch at the full context. Each step samples the chunks mapped in
+    live vTensors (`chunks_mapped - chunks_cached`: vtm's slot cache and the
+    prefix tree's unmapped pages are not the requests' KV), outside the
+    timed part of the step."""
     manager = vtm.Manager(backend=backend, capacity_bytes=capacity, chunk_bytes=CHUNK, workers=2)
-    samples = []
+    batch = len(prompts)
+    live, decode_live, decode_step_s = [], [], []
+    previous = None  # (the last step's end, its schedule() seconds, whether it was a full decode step)
     with LLM(str(folder), manager=manager, dtype=dtype, max_model_len=max(map(len, prompts)) + new_tokens,
-             max_batch_tokens=max_batch_tokens, max_num_seqs=len(prompts), enable_prefix_caching=False) as llm:
+             max_batch_tokens=max_batch_tokens, max_num_seqs=batch) as llm:
         scheduler = llm.engine.scheduler
         schedule = scheduler.schedule
 
         def watched():
+            nonlocal previous
+            start = time.perf_counter()
+            if previous is not None and previous[2]:
+                decode_step_s.append(start - previous[0] + previous[1])
             plan = schedule()
-            samples.append((manager.stats()["chunks_mapped"], all(n == 1 for _, n in plan) and bool(plan)))
+            scheduled = time.perf_counter()
+            full_decode = len(plan) == batch and all(n == 1 for _, n in plan)
+            stats = manager.stats()
+            mapped = stats["chunks_mapped"] - stats["chunks_cached"]
+            live.append(mapped)
+            if full_decode:
+                decode_live.append(mapped)
+            previous = (time.perf_counter(), scheduled - start, full_decode)
             return plan
 
-        # Warm up (kernels, thread pools) on a short request, then one timed generate.
+        # Warm up (kernels, thread pools) on a short request, then the two passes.
         llm.generate([prompts[0][:64]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+        llm.engine.kv_cache.clear_prefixes()
         scheduler.schedule = watched
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        prefill_s = time.perf_counter() - start
+        previous = None
         outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
                             use_tqdm=False)
+        previous = None
     manager.close()
-    metrics = [o.metrics for o in outs]
-    arrival = min(m.arrival_s for m in metrics)
-    first = max(m.first_token_s for m in metrics)  # every prompt computed
-    finish = max(m.finish_s for m in metrics)
-    decode_steps = [m for m, is_decode in samples if is_decode]
-    return {"prefill_tok_s": sum(map(len, prompts)) / (first - arrival),
-            "decode_tok_s": len(prompts) * (new_tokens - 1) / (finish - first),
-            "peak_chunks": max(m for m, _ in samples), "decode_chunks": max(decode_steps),
+    hits = [o.metrics.prefix_hit_tokens for o in outs]
+    if hits != [len(p) - 1 for p in prompts]:
+        raise RuntimeError(f"the decode pass did not map the recorded prompts (hits {hits}): it would time prefill")
+    return {"prefill_tok_s": sum(map(len, prompts)) / prefill_s,
+            "decode_tok_s": batch / statistics.median(decode_step_s),
+            "peak_chunks": max(live), "decode_chunks": max(decode_live),
             "tokens": [o.token_ids for o in outs]}
 
 
