@@ -7,7 +7,8 @@ head_dim], reading K/V straight from the cache views, with the layer's
 variant: `scale` (None: head_dim ** -0.5), `window` (a query at position p
 sees keys max(0, p - window + 1) .. p; 0: every key up to p) and `softcap`
 (scores become softcap * tanh(score / softcap) before the mask; 0: none).
-Every backend reads no K/V row below a window: those pages may be unmapped.
+`kernel` and `sdpa` read no K/V row below a window (`bounds_windows`): those pages may
+be unmapped. `flash_attn` cannot bound its loads so, and refuses a window.
 
 - `kernel`: one call per layer for the whole batch over the whole-space
   per-layer views, with a slot vector and a length vector (plus query offsets
@@ -31,6 +32,7 @@ from flexinfer.kernels import check_variant
 
 class SdpaAttention:
     name = "sdpa"
+    bounds_windows = True  # reads no K/V row below a window (vtm's window spaces unmap them)
 
     def prepare(self, batch, kv_cache) -> None:
         # `_rows` does not clamp like slicing would: refuse lengths past the slot.
@@ -123,6 +125,7 @@ class KernelAttention:
     """The batched kernels: C++ on CPU, Triton on CUDA (same interface)."""
 
     name = "kernel"
+    bounds_windows = True
 
     def __init__(self, device: torch.device):
         self._cpu = device.type != "cuda"
@@ -159,6 +162,9 @@ class FlashAttention:
     """flash_attn_with_kvcache over the space's full views (CUDA only)."""
 
     name = "flash_attn"
+    # Its sliding window masks key blocks it has already loaded, below the
+    # window too, where vtm's window spaces have unmapped the pages.
+    bounds_windows = False
 
     def __init__(self):
         from flash_attn import flash_attn_with_kvcache  # noqa: F401  (fails early when missing)
@@ -175,9 +181,9 @@ class FlashAttention:
         # The new rows were already written by KVCache.write, so the kernel
         # sees cache_seqlens = start + n and is told not to append.
         scale, window, softcap = check_variant(scale, window, softcap)
-        # flash-attn's window counts keys left of the query: (window - 1, 0)
-        # is the last `window` keys, the query's own included.
-        variant = dict(softmax_scale=scale, window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap)
+        if window:
+            raise InvalidArgument("the flash_attn backend cannot bound its loads by a sliding window")
+        variant = dict(softmax_scale=scale, softcap=softcap)
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
         slots = self._slots[kv_cache.group_of[layer]]
         out = torch.empty_like(q)

@@ -105,11 +105,9 @@ class Engine:
                 raise InvalidArgument("cuda_graphs needs a CUDA device and attention='kernel' (or 'auto')")
             loaded = load_model(model, self.dtype)
             fingerprint = loaded.fingerprint()
-            if self.attention.name == "flash_attn" and loaded.config.sliding_window is not None:
-                # Its sliding window masks whole key blocks it has loaded:
-                # below a window, vtm has unmapped the pages.
-                raise InvalidArgument("attention='flash_attn' cannot run sliding-window layers on vtm's window "
-                                      "spaces; use 'kernel' (or 'auto')")
+            if loaded.config.sliding_window is not None and not self.attention.bounds_windows:
+                raise InvalidArgument(f"attention={self.attention.name!r} cannot run sliding-window layers on "
+                                      "vtm's window spaces (it reads rows below a window); use 'kernel' or 'auto'")
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
             self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear,
@@ -340,8 +338,7 @@ class Engine:
         if self.graphs is not None and decode_batch and self.graphs.bucket_for(decode_batch):
             logits = self.graphs.run(ids, slots, starts)
         else:
-            batch = (ForwardBatch.decode(slots, starts, self.device) if decode_batch
-                     else ForwardBatch.build(slots, starts, counts, self.device))
+            batch = ForwardBatch.build(slots, starts, counts, self.device)
             input_ids = long_tensor(ids).to(self.device)
             logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
         if self.thread_tuner is not None:
@@ -370,12 +367,10 @@ class Engine:
             metrics = seq.metrics
             if metrics.first_token_s is None:
                 metrics.first_token_s = now
-            # Only a stop token, a stop string or the length can end it.
-            if token in seq.stop_ids or seq.params.stop or metrics.output_tokens >= seq.params.max_tokens:
-                reason = self._stop_reason(seq, token)
-                if reason is not None:
-                    metrics.finish_s = now
-                    self.scheduler.finish(seq, reason)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                metrics.finish_s = now
+                self.scheduler.finish(seq, reason)
         return ready
 
     def _sample(self, rows: torch.Tensor, ready: list[Sequence]) -> list[int | Exception]:
@@ -401,7 +396,12 @@ class Engine:
     # -- helpers --------------------------------------------------------
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        may_stop = len(seq.output_ids) >= seq.params.min_tokens
+        output_tokens = seq.metrics.output_tokens
+        # Only a stop token, a stop string or the length can end it: the
+        # common decode step returns here.
+        if token not in seq.stop_ids and not seq.params.stop and output_tokens < seq.params.max_tokens:
+            return None
+        may_stop = output_tokens >= seq.params.min_tokens
         if may_stop and token in seq.stop_ids:
             return "stop"
         if seq.params.stop and may_stop:
@@ -417,7 +417,7 @@ class Engine:
                     return "stop"
                 keep = max(map(len, seq.params.stop)) - 1
                 seq.text = window[-keep:] if keep else ""
-        if len(seq.output_ids) >= seq.params.max_tokens:
+        if output_tokens >= seq.params.max_tokens:
             return "length"
         return None
 

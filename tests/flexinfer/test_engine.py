@@ -247,20 +247,27 @@ def _check_forward_against_oracle(model: LlamaModel, oracle: Oracle, prompts, sc
 DECODE_SCHEDULE = [[1, 1, 1]] * 4 + [[6, 1, 3], [1, 1, 1], [1, 9, 1]]
 
 
-@pytest.mark.parametrize("slots", [[(3,), (0,), (7,)], [(3, 1), (0, 4)], []])
-def test_decode_batch_equals_the_general_build(slots):
-    """ForwardBatch.decode, the decode steps' shortcut, builds the vectors build() does."""
-    starts = [5, 0, 11][:len(slots)]
-    cpu = torch.device("cpu")
-    fast, general = ForwardBatch.decode(slots, starts, cpu), ForwardBatch.build(slots, starts, [1] * len(slots), cpu)
-    for field in dataclasses.fields(ForwardBatch):
-        a, b = getattr(fast, field.name), getattr(general, field.name)
-        pairs = list(zip(a, b)) if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else [(a, b)]
-        for x, y in pairs:
-            if isinstance(x, torch.Tensor):
-                assert x.dtype == y.dtype and torch.equal(x, y), field.name
-            else:
-                assert x == y, field.name
+@pytest.mark.parametrize("slots, starts, new_lens", [
+    ([(3,), (0,), (7,)], [5, 0, 11], [1, 1, 1]),  # decode steps skip the per-token expansion
+    ([(3, 1), (0, 4)], [5, 0], [1, 1]),
+    ([(3, 1), (0, 4)], [5, 0], [2, 3]),
+    ([3, 0, 7], [5, 0, 11], [1, 4, 1]),
+    ([], [], []),
+])
+def test_forward_batch_vectors_follow_their_definition(slots, starts, new_lens):
+    batch = ForwardBatch.build(slots, starts, new_lens, torch.device("cpu"))
+    per_seq = [(s,) if isinstance(s, int) else s for s in slots]
+    offsets = [0]
+    for n in new_lens:
+        offsets.append(offsets[-1] + n)
+    for g in range(len(per_seq[0]) if per_seq else 1):
+        assert batch.slot_index[g].tolist() == [s[g] for s, n in zip(per_seq, new_lens) for _ in range(n)]
+        assert batch.slot_vector[g].dtype == torch.int32 and batch.slot_vector[g].tolist() == [s[g] for s in per_seq]
+    assert batch.positions.tolist() == [p for start, n in zip(starts, new_lens) for p in range(start, start + n)]
+    assert batch.last_index.tolist() == [o - 1 for o in offsets[1:]]
+    assert batch.seq_lens.dtype == torch.int32 and batch.seq_lens.tolist() == [s + n for s, n in zip(starts, new_lens)]
+    assert batch.cu_seqlens_q.dtype == torch.int32 and batch.cu_seqlens_q.tolist() == offsets
+    assert batch.max_q_len == max(new_lens, default=0)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

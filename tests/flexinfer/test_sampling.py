@@ -19,7 +19,7 @@ def _reference(rows: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 49152])
 @pytest.mark.parametrize("rows", [1, 3, 32])
-def testgreedy_choice_is_the_first_maximum(vocab, rows):
+def test_greedy_choice_is_the_first_maximum(vocab, rows):
     gen = torch.Generator().manual_seed(vocab * 100 + rows)
     logits = torch.randn(rows, vocab, generator=gen)
     assert greedy_choice(logits) == _reference(logits) == logits.argmax(dim=-1).tolist()

@@ -79,50 +79,26 @@ class ForwardBatch:
         for n in new_lens:
             offsets.append(offsets[-1] + n)
         t = offsets[-1]
+        if new_lens.count(1) == b:  # a decode step: one token per sequence, nothing to expand
+            flat_slots = [slot for group in groups for slot in group]
+            positions = list(starts)
+        else:
+            flat_slots = [slot for group in groups for slot, n in zip(group, new_lens) for _ in range(n)]
+            positions = [p for start, n in zip(starts, new_lens) for p in range(start, start + n)]
         # Every vector in one host tensor, then one copy to the device (a
-        # step must not pay a transfer per vector on CUDA).
-        flat_slots = [slot for group in groups for slot, n in zip(group, new_lens) for _ in range(n)]
-        positions = [p for start, n in zip(starts, new_lens) for p in range(start, start + n)]
-        packed = long_tensor(flat_slots + positions + offsets[1:] + [s for g in groups for s in g]
+        # step must not pay a transfer per vector on CUDA), and the int32
+        # ones converted in one call.
+        packed = long_tensor(flat_slots + positions + [o - 1 for o in offsets[1:]] + [s for g in groups for s in g]
                              + [s + n for s, n in zip(starts, new_lens)] + offsets).to(device)
-        at = 0
-
-        def take(count: int) -> torch.Tensor:
-            nonlocal at
-            at += count
-            return packed[at - count:at]
-
-        slot_index = [take(t) for _ in groups]
-        positions_t = take(t)
-        last_index = take(b) - 1
-        slot_vector = [take(b).int() for _ in groups]
-        return ForwardBatch(groups, starts, new_lens, slot_index, positions_t, last_index, slot_vector,
-                            take(b).int(), take(b + 1).int(), max(new_lens, default=0))
-
-    @staticmethod
-    def decode(slots: list[tuple[int, ...]], starts: list[int], device: torch.device) -> "ForwardBatch":
-        """build(slots, starts, [1] * len(starts), device) for a decode step,
-        whose vectors need no per-token expansion: `slots` per sequence, its
-        slot in each layer group."""
-        b = len(starts)
-        if not b:
-            return ForwardBatch.build(slots, starts, [], device)
-        groups = [list(column) for column in zip(*slots)]
-        flat_slots = [slot for group in groups for slot in group]
-        offsets = list(range(b + 1))
-        lens = [s + 1 for s in starts]
-        packed = long_tensor(flat_slots + starts + offsets[1:] + flat_slots + lens + offsets).to(device)
         g = len(groups)
-        slot_index = [packed[i * b:(i + 1) * b] for i in range(g)]
-        at = g * b
-        positions = packed[at:at + b]
-        last_index = packed[at + b:at + 2 * b] - 1
-        at += 2 * b
-        ints = packed[at:].int()  # the int32 vectors in one conversion
+        slot_index = [packed[i * t:(i + 1) * t] for i in range(g)]
+        at = g * t
+        positions_t, last_index = packed[at:at + t], packed[at + t:at + t + b]
+        ints = packed[at + t + b:].int()
         slot_vector = [ints[i * b:(i + 1) * b] for i in range(g)]
         at = g * b
-        return ForwardBatch(groups, starts, [1] * b, slot_index, positions, last_index, slot_vector,
-                            ints[at:at + b], ints[at + b:], 1)
+        return ForwardBatch(groups, starts, new_lens, slot_index, positions_t, last_index, slot_vector,
+                            ints[at:at + b], ints[at + b:], max(new_lens, default=0))
 
     @property
     def is_decode(self) -> bool:
