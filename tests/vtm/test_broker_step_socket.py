@@ -229,3 +229,23 @@ def test_fuzz_malformed_frames_change_nothing(broker):
         mine.step({own_vt: 20}).result()
         assert own_vt.num_tokens == 20
         assert other_space.prefix_match(list(range(101))).result().num_tokens == 100
+
+
+def test_a_page_that_slides_up_does_not_send_its_fd_again():
+    """A window's steady slide unmaps its lowest page and maps the same chunk
+    (serial 7) at the next page up, in one step's effects: the client holds
+    that chunk throughout, so it is not fresh (no fd dup'ed and sent), while
+    a chunk new to the client is, and one it drops for good is forgotten."""
+    from vtm.broker.quota import Ask, Quota
+    from vtm.broker.session import Session
+
+    session = Session(1, "window", Ask(), Quota())
+    assert session.note_effects(1, [(0, 0, 100, 7), (0, 1, 101, 8)]) == [7, 8]
+    # Page 0 slides out; its chunk moves to page 2; a new chunk 9 lands on page 3.
+    assert session.note_effects(1, [(0, 0, 0, 0), (0, 2, 100, 7), (0, 3, 102, 9)]) == [9]
+    assert session.chunk_of == {7: 100, 8: 101, 9: 102}
+    assert session.serial_refs == {7: 1, 8: 1, 9: 1}
+    # Page 1 slides out for good.
+    assert session.note_effects(1, [(0, 1, 0, 0)]) == []
+    assert session.chunk_of == {7: 100, 9: 102} and 8 not in session.serial_refs
+    assert set(session.pages) == {(1, 0, 2), (1, 0, 3)}

@@ -78,7 +78,6 @@ log = logging.getLogger("vtm.broker")
 
 _BYE_TIMEOUT_S = 2.0
 _PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
-_HOLE = (1 << 32) - 1  # PrefixNode.pages: a page a window space's tree does not hold
 
 
 def _message(cls, what: str, **fields):
@@ -636,7 +635,7 @@ class RemoteManager:
         def run():
             reply = self._rpc("prefix_nodes", self._stub.PrefixNodes, vtm_pb2.SpaceRequest(space_id=space.id))
             return [{"start": n.start, "end": n.end, "tokens": list(n.tokens), "locks": n.locks,
-                     "pages": [None if c == _HOLE else c for c in n.pages]} for n in reply.nodes]
+                     "pages": [None if c == status.HOLE_PAGE else c for c in n.pages]} for n in reply.nodes]
         return self._submit(run)
 
     def _close_space(self, space: RemoteSpace) -> RemoteFuture:

@@ -55,7 +55,6 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 log = logging.getLogger("vtm.broker")
 
 _MAX_COUNT = 1 << 62  # sizes above this are malformed (the manager takes int64)
-_HOLE = (1 << 32) - 1  # PrefixNode.pages: a page a window space's tree does not hold
 _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
 MAX_SPACES = 64  # per session
 # A session's spaces may describe page tables of this many entries per chunk
@@ -582,7 +581,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             nodes = self._space(session, request.space_id).prefix_nodes()
             return vtm_pb2.PrefixNodesReply(nodes=[
                 vtm_pb2.PrefixNode(start=n["start"], end=n["end"], tokens=n["tokens"], locks=n["locks"],
-                                   pages=[_HOLE if c is None else c for c in n["pages"]]) for n in nodes])
+                                   pages=[status.HOLE_PAGE if c is None else c for c in n["pages"]]) for n in nodes])
         return self._run(context, body)
 
     # Control calls: no lease needed (see the proto).

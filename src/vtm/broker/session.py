@@ -104,22 +104,28 @@ class Session:
 
     def note_effects(self, space_id: int, effects) -> list:
         """Record the page states the client is about to be told; returns the
-        serials the client did not map before (it may lack their fds)."""
-        fresh = []
+        serials the client did not map before (it may lack their fds). A
+        chunk the effects unmap and map again elsewhere (a sliding window's
+        page moving up) is not fresh: the client holds it until it applies
+        them, so its fd is not sent again."""
+        fresh, emptied = [], set()
         for slot, page, chunk, serial in effects:
             key = (space_id, slot, page)
             old = self.pages.pop(key, None)
             if old is not None:
                 self.serial_refs[old[1]] -= 1
                 if self.serial_refs[old[1]] == 0:
-                    del self.serial_refs[old[1]]
-                    del self.chunk_of[old[1]]
+                    emptied.add(old[1])
             if serial != 0:
                 self.pages[key] = (chunk, serial)
-                if self.serial_refs[serial] == 0:
+                if self.serial_refs[serial] == 0 and serial not in emptied:
                     fresh.append(serial)
                 self.serial_refs[serial] += 1
                 self.chunk_of[serial] = chunk
+        for serial in emptied:
+            if self.serial_refs[serial] == 0:
+                del self.serial_refs[serial]
+                del self.chunk_of[serial]
         return fresh
 
     def add_vtensor(self, vt) -> None:

@@ -14,6 +14,8 @@ from vtm import errors
 
 ERROR_KEY = "vtm-error"
 LEASE_KEY = "vtm-lease"
+# PrefixNode.pages: a page a window space's tree does not hold (a hole).
+HOLE_PAGE = (1 << 32) - 1
 
 _CODES = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

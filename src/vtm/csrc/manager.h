@@ -252,9 +252,6 @@ class Manager {
   }
   VTensor& LiveVTensor(std::uint64_t id);
   std::size_t PagesFor(const Space& sp, std::size_t tokens) const;
-  // The first page a vTensor with low mark `low` keeps: the pages before it
-  // lie wholly below row `low`.
-  std::size_t LowPage(const Space& sp, std::size_t low) const { return low * sp.row_bytes / chunk_bytes_; }
   int ClaimSlot(Space& sp, std::size_t need_pages, bool for_match, UndoLog& undo);
   // Gives a claimed slot to `owner`.
   void TakeSlot(Space& sp, int slot, std::uint64_t owner);

@@ -192,7 +192,7 @@ void Manager::Check() const {
     if (vt.low > vt.num_tokens)
       fail("vTensor " + std::to_string(id) + " has low mark " + std::to_string(vt.low) + " past its " +
            std::to_string(vt.num_tokens) + " tokens");
-    const std::size_t first = LowPage(sp, vt.low);
+    const std::size_t first = sp.tree->FirstPage(vt.low);
     for (std::size_t p = 0; p < first; ++p)
       if (s.pages[p] != kNoChunk)
         fail("vTensor " + std::to_string(id) + " maps page " + std::to_string(p) + ", wholly below its low mark " +

@@ -76,7 +76,7 @@ FutureValue Manager::DoStep(const std::vector<StepTarget>& targets) {
     const Space& sp = SpaceOf(vt.space);
     const Slot& s = sp.slots[vt.slot];
     Plan plan{id, w, {}, {}};
-    const std::size_t first = LowPage(sp, w.low), need = PagesFor(sp, w.n);
+    const std::size_t first = sp.tree->FirstPage(w.low), need = PagesFor(sp, w.n);
     for (std::size_t p = 0; p < first; ++p)
       if (s.pages[p] != kNoChunk) {
         plan.dropped.push_back(p);
@@ -180,7 +180,7 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   std::vector<ChunkId> pages = sp.slots[slot].pages;
   // A window space records the pages the vTensor holds, with holes where
   // it unmapped them below its low mark; any other records whole prefixes.
-  if (LowPage(sp, vt.low) > 0 && sp.window_tokens == 0)
+  if (sp.tree->FirstPage(vt.low) > 0 && sp.window_tokens == 0)
     Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor " + std::to_string(id) +
                                               " unmapped its rows below its low mark " + std::to_string(vt.low) +
                                               ", and space '" + sp.name + "' records whole prefixes only");
