@@ -17,6 +17,11 @@ here and saved as a Hugging Face folder; nothing is downloaded.
    graph, and the per-request SDPA loop the engine's `sdpa` backend runs; µs.
 3. Decode with and without CUDA graphs: FlexInfer `cuda_graphs=True` versus
    `False` (skipped, and said so, where the engine has no such option).
+4. Where a decode step's time goes, per batch size: the median step, split
+   into GPU busy time (the graph replay, timed with CUDA events) and host
+   time (the rest, while the GPU waits), against the weight-streaming bound
+   (the weights' bytes over a device copy's bandwidth measured in the run).
+5. The kernels of a decode step by time (eager steps under torch.profiler).
 
 Usage: python scripts/bench_gpu.py [--quick] [--json PATH] [--attention NAME] [--hf-attn sdpa|eager]
        python scripts/bench_gpu.py --dry-run   (CPU: build the model folder, load it in both engines,
@@ -327,6 +332,136 @@ def graphs_vs_eager(folder: Path, attention: str, batches: list[int], new_tokens
     return dict(available=True, rows=rows)
 
 
+def weight_stream_bound_us(folder: Path) -> tuple[float, float, float]:
+    """(µs to read the model's weights once at the bandwidth measured now,
+    weight bytes, GB/s): the floor of a decode step, which reads every
+    weight once whatever the batch. The bandwidth is a device-to-device copy
+    of 1 GiB (read + write bytes over its time), median of 10."""
+    from safetensors import safe_open
+
+    weight_bytes = 0
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            t = f.get_slice(name)
+            weight_bytes += torch.Size(t.get_shape()).numel() * torch.bfloat16.itemsize
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_us = _cuda_time_us(lambda s=src, d=dst: d.copy_(s), 10)
+    del src, dst
+    _close()
+    gb_s = 2 * (1 << 30) / copy_us / 1e3
+    return weight_bytes / (gb_s * 1e3), weight_bytes, gb_s
+
+
+class StepClock:
+    """Times an engine's decode steps on its own thread: each step's wall
+    time (Engine.step, from one call's start to the next one's, so the
+    loop's own work counts too) and the GPU time of its CUDA graph replay
+    (events just before and after DecodeGraphs.run: the replay is one
+    launch, so the GPU runs it without waiting for the host in between).
+    A step is a decode step when it replayed a graph."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.samples: list[tuple[float, float]] = []  # (step wall µs, graph GPU µs)
+        self._events = None  # the graph replay of the step running now
+        self._pending = None  # that of the step before
+        self._last_start = None
+        self._step, self._run = engine.step, engine.graphs.run
+        engine.step, engine.graphs.run = self._timed_step, self._timed_run
+
+    def _timed_run(self, *args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self._run(*args)
+        end.record()
+        self._events = (start, end)
+        return out
+
+    def _timed_step(self):
+        now = time.perf_counter()
+        if self._last_start is not None and self._pending is not None:
+            start, end = self._pending
+            end.synchronize()
+            self.samples.append(((now - self._last_start) * 1e6, start.elapsed_time(end) * 1e3))
+        self._events = None
+        self._last_start = now
+        out = self._step()
+        self._pending = self._events
+        return out
+
+    def reset(self) -> None:
+        self.samples, self._last_start, self._pending = [], None, None
+
+    def close(self) -> None:
+        self.engine.step, self.engine.graphs.run = self._step, self._run
+
+
+def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int, bound_us: float) -> list[dict]:
+    """Per batch size: the median decode step, the GPU's busy part of it (the
+    graph replay) and the host's (the rest: the GPU waits for the host), and
+    the step over the weight-streaming bound."""
+    llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches))
+    if llm.engine.graphs is None:
+        _close(llm)
+        print("  skipped: the engine does not decode with CUDA graphs here")
+        return []
+    clock = StepClock(llm.engine)
+    rows = []
+    print(f"  weight-streaming bound {bound_us:.1f} µs a step")
+    print("  batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
+    try:
+        for batch in batches:
+            prompts = make_prompts(batch, PROMPT_TOKENS, SMOLLM2_SHAPE["vocab_size"])
+            run_flexinfer(llm, prompts, 4)  # graphs captured, kernels compiled
+            clock.reset()
+            run_flexinfer(llm, prompts, new_tokens)
+            # The first decode steps follow the prefill; the last ones may end sequences.
+            samples = clock.samples[2:-2] or clock.samples
+            step = statistics.median(w for w, _ in samples)
+            gpu = statistics.median(g for _, g in samples)
+            row = dict(batch=batch, steps=len(samples), step_us=step, gpu_us=gpu, host_us=max(0.0, step - gpu),
+                       gpu_busy=min(1.0, gpu / step), tok_s=batch / step * 1e6, step_over_bound=step / bound_us)
+            rows.append(row)
+            print(f"  {batch:>5}   {step:>7.1f}   {gpu:>6.1f}   {row['host_us']:>7.1f}   {row['gpu_busy']:>7.0%}   "
+                  f"{row['tok_s']:>9.0f}   {row['step_over_bound']:>6.1f}x", flush=True)
+    finally:
+        clock.close()
+        _close(llm)
+    return rows
+
+
+def kernel_profile(folder: Path, attention: str, batch: int, steps: int, top: int = 12) -> list[dict]:
+    """The CUDA kernels of one decode step (eager, so that the profiler sees
+    each launch), by total time per step: what the GPU part of a step is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = make_llm(folder, "bfloat16", "cuda", attention, batch, cuda_graphs=False)
+    prompts = make_prompts(batch, PROMPT_TOKENS, SMOLLM2_SHAPE["vocab_size"])
+    try:
+        run_flexinfer(llm, prompts, 4)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_flexinfer(llm, prompts, steps)
+        torch.cuda.synchronize()
+        totals: dict[str, list[float]] = {}
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+            if us > 0:
+                totals[e.key] = [us, e.count]
+    finally:
+        _close(llm)
+    all_us = sum(us for us, _ in totals.values()) / steps
+    rows = [dict(kernel=k, us_per_step=us / steps, calls_per_step=n / steps)
+            for k, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
+    print(f"  batch {batch}: {all_us:.1f} µs of kernels a step (eager; prefill included, {steps} steps)")
+    for r in rows:
+        print(f"    {r['us_per_step']:>8.1f} µs  {r['calls_per_step']:>6.1f} calls  {r['kernel'][:90]}")
+    return [dict(kernel="(all)", us_per_step=all_us)] + rows
+
+
 def dry_run(folder: Path, shape: dict) -> dict:
     """CPU: the folder loads in FlexInfer and transformers, and both agree on float32 greedy tokens."""
     prompts = make_prompts(2, 8, shape["vocab_size"])
@@ -381,6 +516,15 @@ def main() -> None:
             print("\n3. Decode with and without CUDA graphs")
             result["cuda_graphs"] = graphs_vs_eager(folder, args.attention, [8] if args.quick else [8, 32],
                                                     new_tokens, repeats)
+            print("\n4. Where a decode step's time goes (bfloat16, CUDA graphs)")
+            bound_us, weight_bytes, gb_s = weight_stream_bound_us(folder)
+            print(f"  weights {weight_bytes / 1e6:.0f} MB, device copy bandwidth {gb_s:.0f} GB/s")
+            result["weight_stream"] = dict(bound_us=bound_us, weight_bytes=weight_bytes, copy_gb_s=gb_s)
+            result["step_split"] = step_split(folder, args.attention, [1, 8, 32, 128] if not args.quick
+                                              else [1, 32], new_tokens, bound_us)
+            print("\n5. The kernels of a decode step (eager, torch.profiler)")
+            result["kernels"] = {b: kernel_profile(folder, args.attention, b, 16 if args.quick else 32)
+                                 for b in ([1] if args.quick else [1, 128])}
     result["total_s"] = time.perf_counter() - started
     print(f"\ntotal {result['total_s']:.1f} s")
     if args.json:

@@ -12,7 +12,9 @@ Three parts, run on the host backend and, where a CUDA driver exists, on CUDA:
    (prealloc_chunks=64) and against the lazy-release free list.
 2. The raw backend floor: one chunk's map + set_access through
    vtm.RawBackend, timed in the same run; every manager row says how many
-   floors it costs.
+   floors it costs. Also, per chunk, 8 and 32 adjacent chunks' access set by
+   one set_access over the run against one call per chunk (the manager makes
+   one call per run of adjacent pages: in create, step and prefix_match).
 3. A simulated decode loop (B requests, N steps, one token per request per
    step, a fixed GIL-releasing CPU workload as "compute"): synchronous
    mgr.step(...).result() before compute, against FlexInfer's asynchronous
@@ -268,7 +270,54 @@ def bench_floor(backend: str, s: Settings) -> dict:
         for c in chunks:
             raw.release_chunk(c)
         raw.free_reservation(va, n * CHUNK)
+    for run in RUN_LENGTHS:
+        res.update(bench_access_runs(raw, run, s))
     return res
+
+
+# Runs of adjacent chunks whose access is set in one call or one call per chunk.
+RUN_LENGTHS = (8, 32)
+
+
+def bench_access_runs(raw, run: int, s: Settings) -> dict:
+    """Per chunk, µs: `run` adjacent chunks mapped, then their access set by
+    one set_access over the run against one set_access per chunk (issue 20,
+    item 4: the manager sets access once per run of adjacent pages; this is
+    what that saves). The two alternate, so drift hits both."""
+    va = raw.reserve(run * CHUNK)
+    chunks: list[int] = []
+    out = {f"set_access_run{run}": [], f"set_access_each{run}": [], f"map_each{run}": []}
+    mapped = False
+    reps = max(8, s.floor_reps // run * 2)
+    try:
+        chunks = [raw.create_chunk(CHUNK) for _ in range(run)]
+        gc.disable()
+        for i in range(reps + s.warmup):
+            t0 = now_ns()
+            for k, chunk in enumerate(chunks):
+                raw.map(va + k * CHUNK, CHUNK, chunk)
+            mapped = True
+            t1 = now_ns()
+            one_call = i % 2 == 0
+            if one_call:
+                raw.set_access(va, run * CHUNK)
+            else:
+                for k in range(run):
+                    raw.set_access(va + k * CHUNK, CHUNK)
+            t2 = now_ns()
+            raw.unmap(va, run * CHUNK)
+            mapped = False
+            if i >= s.warmup:
+                out[f"map_each{run}"].append((t1 - t0) / 1e3 / run)
+                out[f"set_access_run{run}" if one_call else f"set_access_each{run}"].append((t2 - t1) / 1e3 / run)
+    finally:
+        gc.enable()
+        if mapped:
+            raw.unmap(va, run * CHUNK)
+        for c in chunks:
+            raw.release_chunk(c)
+        raw.free_reservation(va, run * CHUNK)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -752,7 +801,11 @@ FLOOR_ROWS = (
     ("create_chunk", "create_chunk"),
     ("map_set_access_new", "map + set_access, new chunk"),
     ("release_chunk", "release_chunk"),
-)
+) + tuple(row for run in RUN_LENGTHS for row in (
+    (f"map_each{run}", f"map, {run} adjacent chunks, per chunk"),
+    (f"set_access_each{run}", "  set_access per chunk, per chunk"),
+    (f"set_access_run{run}", f"  set_access over the {run}, per chunk"),
+))
 
 
 def cpu_snapshot():
@@ -785,10 +838,14 @@ def print_report(res: dict, out=sys.stdout) -> None:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     be = res["backend"]
     p(f"\n== {be}: backend floor (RawBackend, one {CHUNK >> 20} MiB chunk)")
-    p(f"{'op':<34} {'median us':>10} {'p99 us':>10} {'x floor':>8}")
+    p(f"{'op':<40} {'median us':>10} {'p99 us':>10} {'x floor':>8}")
     for k, label in FLOOR_ROWS:
         f = res["floor"][k]
-        p(f"{label:<34} {f['median_us']:>10.1f} {f['p99_us']:>10.1f} {f['x_floor']:>8.2f}")
+        p(f"{label:<40} {f['median_us']:>10.1f} {f['p99_us']:>10.1f} {f['x_floor']:>8.2f}")
+    for run in RUN_LENGTHS:
+        each, one = res["floor"][f"set_access_each{run}"], res["floor"][f"set_access_run{run}"]
+        p(f"   set_access over {run} adjacent chunks in one call: {one['median_us'] / each['median_us']:.2f}x "
+          "the cost of one call per chunk")
     p(f"\n== {be}: manager operations (caller: submit + result(); worker: stats()['ops'] mean over the same reps)")
     p(f"{'op':<52} {'median us':>10} {'p99 us':>10} {'ratio':>7} {'x floor':>8} {'worker us':>10}  notes")
     for r in res["rows"]:

@@ -154,6 +154,6 @@ if [ "$BACKEND" = cuda ]; then
 fi
 step bench_vtm 120 "$PY" "$REPO/scripts/bench_vtm.py" --backend "$BACKEND" --quick --json "$OUT/bench_vtm.json"
 if [ "$BACKEND" = cuda ] && [ -f "$REPO/scripts/bench_gpu.py" ]; then
-  step bench_gpu 150 "$PY" "$REPO/scripts/bench_gpu.py" --quick --json "$OUT/bench_gpu.json"
+  step bench_gpu 200 "$PY" "$REPO/scripts/bench_gpu.py" --quick --json "$OUT/bench_gpu.json"
 fi
 finish
