@@ -20,7 +20,8 @@ here and saved as a Hugging Face folder; nothing is downloaded.
 4. Where a decode step's time goes, per batch size: the median step, split
    into GPU busy time (the graph replay, timed with CUDA events) and host
    time (the rest, while the GPU waits), against the weight-streaming bound
-   (the weights' bytes over a device copy's bandwidth measured in the run).
+   (the weights' bytes over a device copy's bandwidth measured in the run);
+   with the layer ops as Triton kernels (the default) and as torch ops.
 5. The kernels of a decode step by time (eager steps under torch.profiler).
 
 Usage: python scripts/bench_gpu.py [--quick] [--json PATH] [--attention NAME] [--hf-attn sdpa|eager]
@@ -401,34 +402,47 @@ class StepClock:
 def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int, bound_us: float) -> list[dict]:
     """Per batch size: the median decode step, the GPU's busy part of it (the
     graph replay) and the host's (the rest: the GPU waits for the host), and
-    the step over the weight-streaming bound."""
-    llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches))
-    if llm.engine.graphs is None:
-        _close(llm)
-        print("  skipped: the engine does not decode with CUDA graphs here")
-        return []
-    clock = StepClock(llm.engine)
+    the step over the weight-streaming bound; for the engine as it is (the
+    layer ops as Triton kernels on CUDA) and, as the baseline in the same run,
+    with the layer ops as torch ops (norm, residual add, rotary embedding and
+    K/V write, SiLU*up: the CUDA path before triton_layer_ops.py)."""
     rows = []
     print(f"  weight-streaming bound {bound_us:.1f} µs a step")
-    print("  batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
-    try:
-        for batch in batches:
-            prompts = make_prompts(batch, PROMPT_TOKENS, SMOLLM2_SHAPE["vocab_size"])
-            run_flexinfer(llm, prompts, 4)  # graphs captured, kernels compiled
-            clock.reset()
-            run_flexinfer(llm, prompts, new_tokens)
-            # The first decode steps follow the prefill; the last ones may end sequences.
-            samples = clock.samples[2:-2] or clock.samples
-            step = statistics.median(w for w, _ in samples)
-            gpu = statistics.median(g for _, g in samples)
-            row = dict(batch=batch, steps=len(samples), step_us=step, gpu_us=gpu, host_us=max(0.0, step - gpu),
-                       gpu_busy=min(1.0, gpu / step), tok_s=batch / step * 1e6, step_over_bound=step / bound_us)
-            rows.append(row)
-            print(f"  {batch:>5}   {step:>7.1f}   {gpu:>6.1f}   {row['host_us']:>7.1f}   {row['gpu_busy']:>7.0%}   "
-                  f"{row['tok_s']:>9.0f}   {row['step_over_bound']:>6.1f}x", flush=True)
-    finally:
-        clock.close()
-        _close(llm)
+    print("  layer ops     batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
+    for ops in ("triton", "torch"):
+        llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches))
+        if llm.engine.graphs is None:
+            _close(llm)
+            print("  skipped: the engine does not decode with CUDA graphs here")
+            return rows
+        if ops == "torch":  # before any graph is captured
+            llm.model.layer_ops, llm.model.norm_adds_residual = None, False
+        clock = StepClock(llm.engine)
+        try:
+            for batch in batches:
+                prompts = make_prompts(batch, PROMPT_TOKENS, SMOLLM2_SHAPE["vocab_size"])
+                run_flexinfer(llm, prompts, 4)  # graphs captured, kernels compiled
+                clock.reset()
+                run_flexinfer(llm, prompts, new_tokens)
+                # The first decode steps follow the prefill; the last ones may end sequences.
+                samples = clock.samples[2:-2] or clock.samples
+                step = statistics.median(w for w, _ in samples)
+                gpu = statistics.median(g for _, g in samples)
+                row = dict(layer_ops=ops, batch=batch, steps=len(samples), step_us=step, gpu_us=gpu,
+                           host_us=max(0.0, step - gpu), gpu_busy=min(1.0, gpu / step), tok_s=batch / step * 1e6,
+                           step_over_bound=step / bound_us)
+                rows.append(row)
+                print(f"  {ops:<12}  {batch:>5}   {step:>7.1f}   {gpu:>6.1f}   {row['host_us']:>7.1f}   "
+                      f"{row['gpu_busy']:>7.0%}   {row['tok_s']:>9.0f}   {row['step_over_bound']:>6.1f}x", flush=True)
+        finally:
+            clock.close()
+            _close(llm)
+    base = {r["batch"]: r for r in rows if r["layer_ops"] == "torch"}
+    for r in rows:
+        if r["layer_ops"] == "triton" and r["batch"] in base:
+            r["speedup_over_torch_ops"] = base[r["batch"]]["step_us"] / r["step_us"]
+            print(f"  batch {r['batch']}: the Triton layer ops' step is {r['speedup_over_torch_ops']:.2f}x faster "
+                  f"than the torch ops' (GPU {base[r['batch']]['gpu_us'] / r['gpu_us']:.2f}x)")
     return rows
 
 

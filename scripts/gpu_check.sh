@@ -24,6 +24,9 @@
 # and a host smoke test, says "no CUDA driver", and exits 0: that is how it is
 # smoke-tested on a CPU machine. GPU_CHECK_BACKEND=host runs every step
 # against the host backend instead, to test this script itself without a GPU.
+# GPU_CHECK_ONLY=name,name runs only those steps (after the build and import
+# checks), and GPU_CHECK_FLEXINFER_TESTS the FlexInfer test paths it names:
+# for a second call that rechecks one change within what is left of a budget.
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
@@ -51,6 +54,10 @@ step() {
   local name=$1 limit=$2
   shift 2
   local t0 rc detail left
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ ",$GPU_CHECK_ONLY,build,import,cuda_backend," != *",$name,"* ]]; then
+    SUMMARY+=("skipped $name (not in GPU_CHECK_ONLY)")
+    return 0
+  fi
   t0=$(date +%s)
   left=$(( BUDGET - (t0 - START) ))
   if [ "$left" -lt 5 ]; then
@@ -150,7 +157,7 @@ for file in "$REPO"/tests/vtm/test_*.py; do
 done
 if [ "$BACKEND" = cuda ]; then
   step flexinfer_gpu 180 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
-    -m gpu --junitxml "$OUT/flexinfer_gpu.xml" "$REPO/tests/flexinfer"
+    -m gpu --junitxml "$OUT/flexinfer_gpu.xml" ${GPU_CHECK_FLEXINFER_TESTS:-"$REPO/tests/flexinfer"}
 fi
 step bench_vtm 120 "$PY" "$REPO/scripts/bench_vtm.py" --backend "$BACKEND" --quick --json "$OUT/bench_vtm.json"
 if [ "$BACKEND" = cuda ] && [ -f "$REPO/scripts/bench_gpu.py" ]; then

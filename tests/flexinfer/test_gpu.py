@@ -134,3 +134,29 @@ def test_sliding_window_models_on_cuda_match_cpu(sliding_folders, name):
         for _ in range(2):
             assert _greedy(gpu, prompts) == expected
         gpu.manager.check()
+
+
+def test_triton_layer_ops_equal_the_torch_code_on_cuda():
+    """triton_layer_ops.py's checks (test_triton_layer_ops.py runs them in the
+    interpreter) on the GPU, where a conversion to bfloat16 rounds to nearest:
+    the residual add, the rotary embedding and the K/V write bit for bit in
+    every dtype, the model's forward on them close to the torch ops'."""
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
+    try:
+        from test_triton_layer_ops import check_layer_op_results
+        from triton_layer_ops_child import run_checks
+    finally:
+        sys.path.remove(here)
+    check_layer_op_results(run_checks("cuda"), bfloat16_rounds=True)
+
+
+def test_cuda_models_run_the_triton_layer_ops(tiny_gpu_folder):
+    """The CUDA engine's decoder uses the fused ops (and adds the residual in the norms)."""
+    from flexinfer.kernels import triton_layer_ops
+
+    with LLM(tiny_gpu_folder, dtype="bfloat16", backend="cuda", max_model_len=128, max_num_seqs=2) as gpu:
+        assert gpu.model.layer_ops is triton_layer_ops and gpu.model.norm_adds_residual

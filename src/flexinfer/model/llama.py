@@ -11,7 +11,9 @@ projection runs through `Linear`, which prepares its weight once for the
 fastest kernel on the device (see linear.py). On the CPU in float32 and bfloat16
 the norms, SiLU(gate)*up and the rotary embedding with the K/V write run as
 fused C++ loops (kernels/cpu_layer_ops.py), rounded as transformers rounds them;
-elsewhere they are torch ops. There, when a pass's projections run the
+on CUDA as Triton kernels of the same rounding (kernels/triton_layer_ops.py),
+where each residual add is made by the norm that follows it: a small model's
+GPU step is bound by its number of kernels. Elsewhere they are torch ops. There, when a pass's projections run the
 `packed` kernel and attention is the batched kernel, all its layers run as
 one C++ call (kernels/cpu_decoder.py) that makes the loop's kernel calls in
 the loop's order: the same bits without ~9 Python calls per layer.
@@ -105,6 +107,14 @@ class ForwardBatch:
         return all(n == 1 for n in self.new_lens)
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def rope_inv_freq(config: ModelConfig, layer_type: str = FULL) -> torch.Tensor:
     """Inverse frequencies of `layer_type`'s layers: the config's base with
     its rope scaling (default, linear, llama3), or Gemma 3's local base."""
@@ -164,6 +174,14 @@ class LlamaModel:
             from flexinfer.kernels import cpu_layer_ops
 
             self.layer_ops = cpu_layer_ops
+        elif self.device.type == "cuda" and not c.gemma_norms and _triton_available():
+            from flexinfer.kernels import triton_layer_ops
+
+            self.layer_ops = triton_layer_ops
+        # Where the residual add is made: on CUDA by the norm that follows it
+        # (triton_layer_ops.add_rms_norm, one kernel for both); on CPU by the
+        # projection that produces it (oneDNN adds it as the matmul writes).
+        self.norm_adds_residual = self.layer_ops is not None and hasattr(self.layer_ops, "add_rms_norm")
         # "auto" on CPU: time the kernels on this model's first layer (see
         # linear.py); `packed` wins ties where it lets the layers run in one
         # C++ call.
@@ -308,8 +326,12 @@ class LlamaModel:
             return self._logits(hidden, batch)
         attention.prepare(batch, kv_cache)
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        delta = None  # the MLP's output, still to be added to hidden (norm_adds_residual)
         for i, layer in enumerate(self.layers):
-            x = self._rms_norm(hidden, layer["input_norm"])
+            if delta is None:
+                x = self._rms_norm(hidden, layer["input_norm"])
+            else:
+                x, hidden = self.layer_ops.add_rms_norm(delta, hidden, layer["input_norm"], c.rms_norm_eps)
             qkv = layer["qkv"](x).view(t, heads + 2 * kv_heads, c.head_dim)
             if c.qk_norm:
                 qkv[:, :heads] = self._rounded_norm(qkv[:, :heads], layer["q_norm"])
@@ -322,10 +344,15 @@ class LlamaModel:
                 mlp = layer["down"](self._gated_mlp_activation(layer["gate_up"](x)))
                 hidden = hidden + self._rms_norm(mlp, layer["post_mlp_norm"])
                 continue
+            if self.norm_adds_residual:
+                x, hidden = self.layer_ops.add_rms_norm(layer["o"](attn.reshape(t, self.q_size)), hidden,
+                                                        layer["post_norm"], c.rms_norm_eps)
+                delta = layer["down"](self._gated_mlp_activation(layer["gate_up"](x)))
+                continue
             hidden = layer["o"](attn.reshape(t, self.q_size), residual=hidden)
             x = self._rms_norm(hidden, layer["post_norm"])
             hidden = layer["down"](self._gated_mlp_activation(layer["gate_up"](x)), residual=hidden)
-        return self._logits(hidden, batch)
+        return self._logits(hidden, batch, delta)
 
     def _runs_decoder(self, tokens: int, attention) -> bool:
         """Whether this pass runs as one C++ call: the projections' kernel for
@@ -334,11 +361,17 @@ class LlamaModel:
         return (self.decoder is not None and attention.name == "kernel"
                 and self.layers[0]["qkv"].kind_for(tokens) == "packed")
 
-    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """`delta`: the last layer's output, not yet added to `hidden` (norm_adds_residual)."""
         if batch.max_q_len != 1 or hidden.shape[0] != batch.last_index.shape[0]:
             hidden = hidden.index_select(0, batch.last_index)
+            if delta is not None:
+                delta = delta.index_select(0, batch.last_index)
         # Else every sequence has one token, its own row: nothing to gather (decode steps).
-        last = self._rms_norm(hidden, self.norm)
+        if delta is None:
+            last = self._rms_norm(hidden, self.norm)
+        else:
+            last = self.layer_ops.add_rms_norm(delta, hidden, self.norm, self.config.rms_norm_eps)[0]
         logits = self.lm_head(last)
         cap = self.config.final_logit_softcapping
         if cap is not None:  # in the model's dtype, as transformers caps them

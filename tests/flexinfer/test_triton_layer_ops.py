@@ -1,0 +1,58 @@
+"""The Triton layer ops (src/flexinfer/kernels/triton_layer_ops.py) in Triton's
+interpreter, on CPU tensors, in a child process (triton_layer_ops_child.py
+says why); tests/flexinfer/test_gpu.py runs the same checks on CUDA.
+
+Float16 is bit for bit what transformers' torch code gives, op by op, and so
+is every float32 op that sums nothing (the residual add, the rotary embedding,
+the K/V write); a float32 sum (the norm's variance) or exp (SiLU) may differ
+in the last bits. The interpreter converts float32 to bfloat16 by truncation
+where the GPU rounds to nearest, so bfloat16 here is checked to one unit in
+the last place for each conversion; on the GPU it is bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parent
+EXACT = ("add_rms_norm_sum", "rotary_qkv", "rotary_kv_write", "rotary_outside_is_skipped", "bad_arguments_refused",
+         "rms_norm_no_rows")
+
+
+@pytest.fixture(scope="module")
+def results():
+    run = subprocess.run([sys.executable, str(HERE / "triton_layer_ops_child.py")], capture_output=True, text=True,
+                         timeout=600, cwd=HERE)
+    assert run.returncode == 0, f"child died ({run.returncode}):\n{run.stdout}\n{run.stderr[-3000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def check_layer_op_results(results: dict, bfloat16_rounds: bool) -> None:
+    """The assertions for either device; `bfloat16_rounds`: conversions to
+    bfloat16 round to nearest (a GPU), else they may truncate (the interpreter)."""
+    for dtype, checks in results.items():
+        for name, r in checks.items():
+            where = f"{dtype} {name}: {r}"
+            if "scale" not in r:  # a yes or no
+                assert r["bitwise"], where
+            elif name.startswith("forward"):
+                # The torch path's F.rms_norm rounds 16-bit norms once, the kernels twice (as transformers).
+                rel = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 0.08}[dtype]
+                assert r["max_err"] <= rel * max(1.0, r["scale"]), where
+            elif dtype == "float16" or (name in EXACT and (dtype == "float32" or bfloat16_rounds)):
+                assert r["bitwise"], where
+            elif dtype == "float32":
+                assert r["max_err"] <= 1e-6 * max(1.0, r["scale"]), where
+            else:  # bfloat16: a unit in the last place (8 bits of mantissa) of the largest value per conversion
+                assert r["max_err"] <= 2.0 ** -6 * max(1.0, r["scale"]), where
+
+
+def test_layer_ops_equal_the_torch_code_in_the_interpreter(results):
+    assert set(results) == {"float32", "bfloat16", "float16"}
+    check_layer_op_results(results, bfloat16_rounds=False)
