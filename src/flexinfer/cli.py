@@ -129,6 +129,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-capacity-gib", type=_number(0, low_open=True), default=2.0,
                    help=f"physical KV memory the pool may use, in GiB, rounded up to a whole number of "
                         f"{CHUNK_BYTES >> 20} MiB chunks")
+    p.add_argument("--host-tier-gib", type=_number(0), default=0.0,
+                   help="host memory, in GiB, that keeps the KV of prefixes evicted from the pool, so that a later "
+                        "request (the next turn of a chat) copies it back instead of recomputing it; 0: none")
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"],
                    help="where the KV cache and the model live: auto is cuda when a driver exists, else host")
     p.add_argument("--manager", default=None, metavar="unix:PATH",
@@ -182,6 +185,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _engine(args) -> LLM:
     manager = None
+    if args.manager is not None and args.host_tier_gib > 0:
+        raise InvalidArgument("--host-tier-gib sizes the host tier of an in-process pool; the vtm broker "
+                              "(--manager) has none yet")
     if args.manager is not None:
         name = args.client_name or f"flexinfer-{args.command}"
         # Closed by main() after the command: an LLM never closes a manager it was given.
@@ -190,11 +196,12 @@ def _engine(args) -> LLM:
             log.warning("asked for priority %d; the operator's quota for '%s' grants %d", args.priority, name,
                         manager.priority)
     capacity = max(1, math.ceil(args.kv_capacity_gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
+    host_tier = math.ceil(args.host_tier_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
                attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
-               broker_wait_s=args.broker_wait)
+               broker_wait_s=args.broker_wait, host_tier_bytes=host_tier)
 
 
 def _load(args) -> LLM:

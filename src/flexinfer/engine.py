@@ -48,7 +48,7 @@ class Engine:
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,
-                 broker_wait_s: float = BROKER_WAIT_S):
+                 broker_wait_s: float = BROKER_WAIT_S, host_tier_bytes: int = 0):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
         if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
             dtype = _DTYPE_NAMES[dtype]
@@ -60,6 +60,11 @@ class Engine:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
         if isinstance(broker_wait_s, bool) or not isinstance(broker_wait_s, (int, float)) or not broker_wait_s >= 0:
             raise InvalidArgument(f"broker_wait_s must be a number >= 0, got {broker_wait_s!r}")
+        if isinstance(host_tier_bytes, bool) or not isinstance(host_tier_bytes, int) or host_tier_bytes < 0:
+            raise InvalidArgument(f"host_tier_bytes must be an int >= 0, got {host_tier_bytes!r}")
+        if host_tier_bytes and manager is not None:
+            raise InvalidArgument("host_tier_bytes sizes the host tier of the engine's own vtm manager; a manager "
+                                  "passed in (or a vtm broker) has its own (or none)")
         self.broker_wait_s = float(broker_wait_s)
         max_threads = _MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
         if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int)
@@ -70,8 +75,11 @@ class Engine:
         self._own_manager = manager is None
         if manager is None:
             # On the GPU this engine computes on: vtm's own default is device 0.
+            # The host tier in whole chunks: evicted prefixes wait there for their next turn.
+            tier = -(-host_tier_bytes // chunk_bytes) * chunk_bytes
             manager = vtm.Manager(backend=backend, capacity_bytes=kv_capacity_bytes, chunk_bytes=chunk_bytes,
-                                  workers=workers, prealloc_chunks=4, device=_cuda_index(device, backend))
+                                  workers=workers, prealloc_chunks=4, device=_cuda_index(device, backend),
+                                  host_tier_bytes=tier)
         self.manager = manager
         self.kv_cache = None
         self.graphs = None

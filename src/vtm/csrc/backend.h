@@ -110,6 +110,18 @@ class Backend {
   // mapped anywhere), after the work before `after` (null: nothing to wait
   // for). Completes before returning.
   virtual void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) = 0;
+
+  // Host memory for the host tier (a tree node's bytes kept off the device):
+  // `bytes` (a multiple of granularity()) this process reads and writes, in
+  // page-locked memory where the device copies it faster (CUDA:
+  // cuMemHostAlloc). free_host never throws.
+  virtual void* alloc_host(std::size_t bytes) = 0;
+  virtual void free_host(void* ptr, std::size_t bytes) noexcept = 0;
+  // Copy the first `bytes` of chunk `src` into host memory at `dst`, after
+  // the work before `after` and the copies order_copies_after asked for; or
+  // host memory `src` into chunk `dst`. Both complete before returning.
+  virtual void copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) = 0;
+  virtual void copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) = 0;
 };
 
 // The host backend: memfd chunks mapped into PROT_NONE reservations.

@@ -62,6 +62,10 @@ class CheckedBackend final : public Backend {
   std::shared_ptr<Fence> record_fence(std::uintptr_t stream) override { return inner_->record_fence(stream); }
   void order_copies_after(const Fence& fence) override { inner_->order_copies_after(fence); }
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) override;
+  void* alloc_host(std::size_t bytes) override;
+  void free_host(void* ptr, std::size_t bytes) noexcept override { inner_->free_host(ptr, bytes); }
+  void copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) override;
+  void copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) override;
 
  private:
   struct Range {

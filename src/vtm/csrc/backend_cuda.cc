@@ -72,6 +72,10 @@ namespace {
   X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle")     \
   X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle") \
   X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")                        \
+  X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2")                        \
+  X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2")                        \
+  X(cuMemHostAlloc, "cuMemHostAlloc")                                 \
+  X(cuMemFreeHost, "cuMemFreeHost")                                   \
   X(cuMemsetD8Async, "cuMemsetD8Async")
 
 // Stringify a name after macro expansion: VTM_CUDA_SYMBOL(cuMemcpyDtoD) is
@@ -589,6 +593,56 @@ class CudaBackend final : public Backend {
     Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
     dst_map.Unmap();
     src_map.Unmap();
+  }
+
+  void* alloc_host(std::size_t bytes) override {
+    ScopedContext current(fn_, context_.get());
+    void* ptr = nullptr;
+    // Page-locked and portable: the copy engine reads and writes it directly.
+    const CUresult result = fn_.cuMemHostAlloc(&ptr, bytes, CU_MEMHOSTALLOC_PORTABLE);
+    if (result == CUDA_ERROR_OUT_OF_MEMORY)
+      Throw(ErrorCode::kOutOfMemory, DescribeResult(fn_, "cuMemHostAlloc", result));
+    Check(fn_, "cuMemHostAlloc", result);
+    return ptr;
+  }
+
+  void free_host(void* ptr, std::size_t) noexcept override {
+    try {
+      ScopedContext current(fn_, context_.get());
+      fn_.cuMemFreeHost(ptr);
+    } catch (...) {
+      // No context to free it in: at teardown there is no one to tell.
+    }
+  }
+
+  // Both through the copy scratch range, like copy(), on vtm's own stream.
+  void copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) override {
+    const std::size_t src_bytes = ChunkBytes("copy_to_host", src);
+    const auto* fence = dynamic_cast<const CudaFence*>(after);
+    if (after != nullptr && fence == nullptr)
+      Throw(ErrorCode::kInvalidArgument, "copy_to_host: the fence was not recorded by a cuda backend");
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    ScopedContext current(fn_, context_.get());
+    if (scratch_.bytes() < src_bytes) scratch_.Reset(src_bytes, granularity_);
+    ScopedMapping map(fn_, scratch_.va(), src_bytes, src);
+    Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(scratch_.va(), src_bytes, &access_, 1));
+    if (fence != nullptr)
+      Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
+    Check(fn_, "cuMemcpyDtoHAsync", fn_.cuMemcpyDtoHAsync(dst, scratch_.va(), bytes, copy_stream_));
+    Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
+    map.Unmap();
+  }
+
+  void copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) override {
+    const std::size_t dst_bytes = ChunkBytes("copy_from_host", dst);
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    ScopedContext current(fn_, context_.get());
+    if (scratch_.bytes() < dst_bytes) scratch_.Reset(dst_bytes, granularity_);
+    ScopedMapping map(fn_, scratch_.va(), dst_bytes, dst);
+    Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(scratch_.va(), dst_bytes, &access_, 1));
+    Check(fn_, "cuMemcpyHtoDAsync", fn_.cuMemcpyHtoDAsync(scratch_.va(), src, bytes, copy_stream_));
+    Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
+    map.Unmap();
   }
 
  private:

@@ -10,7 +10,8 @@ namespace vtm {
 const char* FaultInjectingBackend::OpName(Op op) {
   static const char* const kNames[kNumOps] = {
       "reserve", "free_reservation", "create_chunk", "release_chunk", "map",
-      "set_access", "unmap", "export_fd", "import_fd", "copy", "seal", "record_fence",
+      "set_access", "unmap", "export_fd", "import_fd", "copy", "seal", "record_fence", "alloc_host",
+      "copy_to_host", "copy_from_host",
   };
   return kNames[op];
 }
@@ -155,6 +156,21 @@ std::shared_ptr<Fence> FaultInjectingBackend::record_fence(std::uintptr_t stream
 void FaultInjectingBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) {
   Enter(kCopy);
   inner_->copy(dst, src, bytes, after);
+}
+
+void* FaultInjectingBackend::alloc_host(std::size_t bytes) {
+  Enter(kAllocHost);
+  return inner_->alloc_host(bytes);
+}
+
+void FaultInjectingBackend::copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) {
+  Enter(kCopyToHost);
+  inner_->copy_to_host(dst, src, bytes, after);
+}
+
+void FaultInjectingBackend::copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) {
+  Enter(kCopyFromHost);
+  inner_->copy_from_host(dst, src, bytes);
 }
 
 }  // namespace vtm

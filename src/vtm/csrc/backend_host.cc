@@ -189,6 +189,25 @@ class HostBackend final : public Backend {
     std::memcpy(d.ptr, s.ptr, bytes);
   }
 
+  void* alloc_host(std::size_t bytes) override {
+    void* ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (ptr == MAP_FAILED) {
+      if (errno == ENOMEM) Throw(ErrorCode::kOutOfMemory, Errno("alloc_host: mmap"));
+      Throw(ErrorCode::kBackend, Errno("alloc_host: mmap"));
+    }
+    return ptr;
+  }
+  void free_host(void* ptr, std::size_t bytes) noexcept override { munmap(ptr, bytes); }
+
+  void copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence*) override {
+    TempMapping s(src, bytes, PROT_READ);
+    std::memcpy(dst, s.ptr, bytes);
+  }
+  void copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) override {
+    TempMapping d(dst, bytes, PROT_READ | PROT_WRITE);
+    std::memcpy(d.ptr, src, bytes);
+  }
+
  private:
   struct Mapping {
     std::size_t bytes;

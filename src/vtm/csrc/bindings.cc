@@ -180,6 +180,16 @@ py::dict StatsDict(const Stats& st) {
   d["chunks_released_total"] = st.chunks_released_total;
   d["rollback_failures_total"] = st.rollback_failures_total;
   d["reservation_free_failures_total"] = st.reservation_free_failures_total;
+  d["host_tier_capacity_bytes"] = st.host_tier_capacity_bytes;
+  d["host_tier_used_bytes"] = st.host_tier_used_bytes;
+  d["host_tier_nodes"] = st.host_tier_nodes;
+  d["spills_total"] = st.spills_total;
+  d["spilled_bytes_total"] = st.spilled_bytes_total;
+  d["spill_failures_total"] = st.spill_failures_total;
+  d["restores_total"] = st.restores_total;
+  d["restored_bytes_total"] = st.restored_bytes_total;
+  d["host_tier_drops_total"] = st.host_tier_drops_total;
+  d["restore_seconds_total"] = st.restore_seconds_total;
   py::dict spaces;
   for (const auto& [name, info] : st.spaces) spaces[py::str(name)] = SpaceDict(info);
   d["spaces"] = spaces;
@@ -213,7 +223,7 @@ std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::int64_t 
                                        std::optional<std::int64_t> max_free_chunks,
                                        std::optional<std::int64_t> slot_cache_bytes,
                                        std::optional<std::int64_t> granularity, bool faults, bool record_mappings,
-                                       bool export_chunks) {
+                                       bool export_chunks, std::int64_t host_tier_bytes) {
   ManagerOptions o;
   o.backend = backend;
   o.capacity_bytes = Count(capacity_bytes, "capacity_bytes");
@@ -227,6 +237,7 @@ std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::int64_t 
   o.faults = faults;
   o.record_mappings = record_mappings;
   o.export_chunks = export_chunks;
+  o.host_tier_bytes = Count(host_tier_bytes, "host_tier_bytes");
   auto mgr = std::make_shared<PyManager>();
   py::gil_scoped_release release;
   mgr->core = std::make_unique<Manager>(o);
@@ -395,7 +406,8 @@ PYBIND11_MODULE(_core, m) {
                d["end"] = n.end;
                d["tokens"] = n.tokens;
                d["locks"] = n.locks;
-               d["pages"] = PageList(n.pages);  // None: a hole (window spaces)
+               d["pages"] = PageList(n.pages);  // None: a hole (window spaces), or on the host
+               d["on_host"] = n.on_host;
                out.append(d);
              }
              return out;
@@ -460,7 +472,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("chunk_bytes") = std::size_t{2} << 20, py::kw_only(), py::arg("device") = 0, py::arg("workers") = 1,
            py::arg("prealloc_chunks") = 0, py::arg("max_free_chunks") = py::none(),
            py::arg("slot_cache_bytes") = py::none(), py::arg("granularity") = py::none(), py::arg("faults") = false,
-           py::arg("record_mappings") = false, py::arg("export_chunks") = false)
+           py::arg("record_mappings") = false, py::arg("export_chunks") = false, py::arg("host_tier_bytes") = 0)
       .def(
           "_drain_effects",
           [](const std::shared_ptr<PyManager>& mgr, std::uint32_t space) {

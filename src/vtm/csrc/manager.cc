@@ -29,6 +29,9 @@ Manager::Manager(const ManagerOptions& o) {
     Throw(ErrorCode::kInvalidArgument, "granularity applies to the host backend only");
   if (o.max_free_chunks && o.prealloc_chunks > *o.max_free_chunks)
     Throw(ErrorCode::kInvalidArgument, "prealloc_chunks exceeds max_free_chunks");
+  if (o.host_tier_bytes % o.chunk_bytes != 0)
+    Throw(ErrorCode::kInvalidArgument, "host_tier_bytes " + std::to_string(o.host_tier_bytes) +
+                                           " is not a multiple of chunk_bytes " + std::to_string(o.chunk_bytes));
   std::shared_ptr<Backend> device = OpenBackend(o);
   if (o.chunk_bytes % device->granularity() != 0)
     Throw(ErrorCode::kInvalidArgument, "chunk_bytes " + std::to_string(o.chunk_bytes) +
@@ -56,6 +59,7 @@ Manager::Manager(const ManagerOptions& o) {
   max_free_chunks_ = o.max_free_chunks;
   cache_budget_pages_ = o.slot_cache_bytes.value_or(o.capacity_bytes / 4) / chunk_bytes_;
   pool_ = std::make_unique<Pool>(backend_, capacity_chunks_);
+  if (o.host_tier_bytes > 0) tier_ = std::make_unique<HostTier>(backend_, chunk_bytes_, o.host_tier_bytes / chunk_bytes_);
   executor_ = std::make_unique<Executor>(o.workers);
   if (prealloc_chunks_ > 0) refill_thread_ = std::thread([this] { RefillThread(); });
 }
@@ -90,6 +94,7 @@ void Manager::Close() {
   cached_lru_.clear();
   cached_pages_ = 0;
   trees_.clear();
+  tier_.reset();  // the host memory goes back now, not when the manager object dies
   for (auto& [id, sp] : live_spaces_) mapper_->RemoveSpace(id);
   live_spaces_.clear();
   {
@@ -185,7 +190,10 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   }
   for (int i = static_cast<int>(max_slots) - 1; i >= 0; --i) sp->clean_free.push_back(i);
   if (tree_it == trees_.end())
-    tree_it = trees_.emplace(space_ns, std::make_unique<PrefixTree>(row_bytes, chunk_bytes_, window_tokens, pool_.get()))
+    // Whole-prefix trees only: a window tree's holes would need holes in the tier's bookkeeping too.
+    tree_it = trees_
+                  .emplace(space_ns, std::make_unique<PrefixTree>(row_bytes, chunk_bytes_, window_tokens, pool_.get(),
+                                                                  window_tokens == 0 ? tier_.get() : nullptr))
                   .first;
   sp->tree = tree_it->second.get();
   live_spaces_.emplace(id, std::move(sp));

@@ -59,6 +59,7 @@
 #include "backend_faulty.h"
 #include "executor.h"
 #include "future.h"
+#include "host_tier.h"
 #include "mapper.h"
 #include "mapper_recording.h"
 #include "pool.h"
@@ -84,6 +85,10 @@ struct ManagerOptions {
   // once, when it is created (DupChunkFd hands out copies).
   bool record_mappings = false;
   bool export_chunks = false;
+  // The host tier: evicted prefix-tree nodes of whole-prefix spaces keep
+  // their bytes in up to this much host memory (a multiple of chunk_bytes;
+  // 0: none), and a match copies them back (docs/api.md, "The host tier").
+  std::size_t host_tier_bytes = 0;
 };
 
 struct VTensorInfo {
@@ -118,6 +123,7 @@ struct NodeInfo {
   std::vector<std::int32_t> tokens;
   int locks = 0;
   std::vector<ChunkId> pages;
+  bool on_host = false;  // its bytes are in the host tier
 };
 
 struct OpStat {
@@ -133,6 +139,11 @@ struct Stats {
   std::uint64_t evictions_total = 0, cow_copies_total = 0, slot_reuses_total = 0,
                 prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0,
                 reservation_free_failures_total = 0;
+  // The host tier (all 0 without one).
+  std::size_t host_tier_capacity_bytes = 0, host_tier_used_bytes = 0, host_tier_nodes = 0;
+  std::uint64_t spills_total = 0, spilled_bytes_total = 0, spill_failures_total = 0, restores_total = 0,
+                restored_bytes_total = 0, host_tier_drops_total = 0;
+  double restore_seconds_total = 0;
   std::vector<std::pair<std::string, SpaceInfo>> spaces;
   std::map<std::string, OpStat> ops;
 };
@@ -263,6 +274,17 @@ class Manager {
   std::size_t EvictableTreeChunks() const;
   std::size_t ReclaimCachedPages(std::size_t need);
   std::size_t EvictTreeLeaves(std::size_t need);
+  // Host tier: spills `node` (Spillable) into the tier, making room there by
+  // dropping its least recently used leaves; where it cannot (the tier is
+  // full of locked nodes, or a copy fails), evicts the node's subtree as a
+  // tree without a tier would. Returns the chunks freed.
+  std::size_t SpillNode(PrefixTree& tree, PrefixNode* node);
+  // Drops the least recently used unlocked leaf on the host of any tree;
+  // false when there is none.
+  bool DropHostLeaf();
+  // Copies the host-tier nodes on the path from the root to `node` (locked
+  // by the caller) back into new chunks: all or none, a step of its own.
+  void RestorePath(PrefixTree& tree, PrefixNode* node, std::unique_lock<std::mutex>& lock);
   void MapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, const std::vector<ChunkId>& chunks,
                 UndoLog& undo);
   // Unmaps pages (in runs); chunk references are left for the caller.
@@ -290,7 +312,8 @@ class Manager {
   std::condition_variable refill_cv_;    // a chunk creation without the lock finished
   std::condition_variable refill_wake_;  // the refill thread may have work
   std::unique_ptr<Pool> pool_;
-  std::map<std::string, std::unique_ptr<PrefixTree>> trees_;  // after pool_: destroyed first
+  std::unique_ptr<HostTier> tier_;  // null: no host tier
+  std::map<std::string, std::unique_ptr<PrefixTree>> trees_;  // after pool_ and tier_: destroyed first
   std::map<std::uint32_t, std::unique_ptr<Space>> live_spaces_;
   std::uint32_t next_space_id_ = 1;
   std::unordered_map<std::uint64_t, VTensor> vtensors_;
@@ -302,6 +325,9 @@ class Manager {
   bool closed_ = false;
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
                 rollback_failures_total_ = 0;
+  std::uint64_t spills_total_ = 0, spilled_pages_total_ = 0, spill_failures_total_ = 0, restores_total_ = 0,
+                restored_pages_total_ = 0, tier_drops_total_ = 0;
+  double restore_seconds_total_ = 0;
   std::map<std::string, OpStat> op_stats_;
   // Shared with every Reservation, which may outlive the manager in a view.
   std::shared_ptr<std::atomic<std::uint64_t>> reservation_free_failures_ =

@@ -1,6 +1,7 @@
 #include "manager.h"
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <queue>
 #include <tuple>
@@ -115,23 +116,117 @@ std::size_t Manager::ReclaimCachedPages(std::size_t need) {
 }
 
 std::size_t Manager::EvictTreeLeaves(std::size_t need) {
+  // Least recently used first, over every tree. A tree with the host tier
+  // spills its unlocked nodes whose descendants are on the host already (the
+  // bytes stay matchable there); any other tree evicts its unlocked leaves.
   using Entry = std::tuple<std::uint64_t, PrefixNode*, PrefixTree*>;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
   for (auto& [name, tree] : trees_) {
     PrefixTree* t = tree.get();
-    t->ForEachEvictableLeaf([&](PrefixNode* n) { heap.emplace(n->last_access, n, t); });
+    const auto push = [&](PrefixNode* n) { heap.emplace(n->last_access, n, t); };
+    if (t->tier() != nullptr)
+      t->ForEachSpillable(push);
+    else
+      t->ForEachEvictableLeaf(push);
   }
   std::size_t freed = 0;
   while (freed < need && !heap.empty()) {
     auto [tick, node, tree] = heap.top();
     heap.pop();
     PrefixNode* parent = node->parent;
-    freed += tree->EvictLeaf(node);
+    if (tree->tier() != nullptr) {
+      if (!tree->Spillable(node)) continue;  // pushed twice, by two of its children
+      freed += SpillNode(*tree, node);
+      if (tree->Spillable(parent)) heap.emplace(parent->last_access, parent, tree);
+    } else {
+      freed += tree->EvictLeaf(node);
+      if (parent != tree->root() && parent->children.empty() && parent->locks == 0)
+        heap.emplace(parent->last_access, parent, tree);
+    }
     ++evictions_total_;
-    if (parent != tree->root() && parent->children.empty() && parent->locks == 0)
-      heap.emplace(parent->last_access, parent, tree);
   }
   return freed;
+}
+
+std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
+  std::vector<BlockId> blocks(node->pages.size(), kNoBlock);
+  const auto give_back = [&] {
+    for (BlockId b : blocks)
+      if (b != kNoBlock) tier_->Unref(b);
+  };
+  std::size_t pages = 0;
+  try {
+    for (std::size_t i = 0; i < node->pages.size(); ++i) {
+      if (node->pages[i] == kNoChunk) continue;
+      bool taken;
+      while (!(taken = tier_->Take(&blocks[i])) && DropHostLeaf()) {
+      }
+      if (!taken) {  // every block is held by a locked node
+        give_back();
+        return tree.EvictSubtree(node);
+      }
+      // After the kernels that wrote the page: a record shared it without a
+      // copy only after ordering the backend's copies after its stream.
+      backend_->copy_to_host(tier_->data(blocks[i]), pool_->handle(node->pages[i]), chunk_bytes_, nullptr);
+      ++pages;
+    }
+  } catch (const Error&) {
+    // No host memory, or a failed copy: the node goes as it would without a tier.
+    give_back();
+    ++spill_failures_total_;
+    return tree.EvictSubtree(node);
+  }
+  ++spills_total_;
+  spilled_pages_total_ += pages;
+  return tree.Spill(node, blocks);
+}
+
+bool Manager::DropHostLeaf() {
+  PrefixTree* owner = nullptr;
+  PrefixNode* oldest = nullptr;
+  for (auto& [name, tree] : trees_) {
+    if (tree->tier() == nullptr) continue;
+    tree->ForEachHostLeaf([&](PrefixNode* n) {
+      if (oldest == nullptr || n->last_access < oldest->last_access) {
+        oldest = n;
+        owner = tree.get();
+      }
+    });
+  }
+  if (oldest == nullptr) return false;
+  owner->EvictLeaf(oldest);
+  ++tier_drops_total_;
+  return true;
+}
+
+void Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::unique_lock<std::mutex>& lock) {
+  std::vector<PrefixNode*> cold;
+  std::size_t n = 0;
+  for (PrefixNode* p = node; p != tree.root(); p = p->parent) {
+    if (!p->on_host) continue;
+    cold.push_back(p);
+    for (BlockId b : p->host_pages) n += b != kNoBlock ? 1 : 0;
+  }
+  if (cold.empty()) return;
+  const auto started = std::chrono::steady_clock::now();
+  // The path is locked: the evictions Acquire makes room with never pick it.
+  UndoLog undo(&rollback_failures_total_);
+  const std::vector<ChunkId> chunks = Acquire(n, undo, lock);
+  std::vector<std::vector<ChunkId>> pages;
+  std::size_t next = 0;
+  for (PrefixNode* p : cold) {
+    std::vector<ChunkId>& own = pages.emplace_back(p->host_pages.size(), kNoChunk);
+    for (std::size_t i = 0; i < own.size(); ++i) {
+      if (p->host_pages[i] == kNoBlock) continue;
+      own[i] = chunks[next++];
+      backend_->copy_from_host(pool_->handle(own[i]), tier_->data(p->host_pages[i]), chunk_bytes_);
+    }
+  }
+  undo.Commit();
+  for (std::size_t k = 0; k < cold.size(); ++k) tree.Restore(cold[k], pages[k]);
+  ++restores_total_;
+  restored_pages_total_ += n;
+  restore_seconds_total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
 }
 
 bool Manager::RefillNeeded() const {

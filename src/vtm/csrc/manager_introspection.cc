@@ -68,7 +68,7 @@ std::vector<NodeInfo> Manager::PrefixNodes(std::uint32_t space) const {
   if (WasClosed(space)) return nodes;
   const Space& sp = LiveSpace(space);
   sp.tree->ForEach([&](const PrefixNode& n) {
-    nodes.push_back(NodeInfo{n.start, n.end(), n.tokens, n.locks, n.pages});
+    nodes.push_back(NodeInfo{n.start, n.end(), n.tokens, n.locks, n.pages, n.on_host});
   });
   return nodes;
 }
@@ -102,6 +102,7 @@ Stats Manager::GetStats() const {
   for (const auto& [name, tree] : trees_)
     tree->ForEach([&](const PrefixNode& n) {
       ++st.tree_nodes;
+      st.host_tier_nodes += n.on_host ? 1 : 0;
       st.tree_tokens += n.tokens.size();
       for (ChunkId c : n.pages)
         if (c != kNoChunk) in_tree.insert(c);  // a hole holds nothing
@@ -116,6 +117,17 @@ Stats Manager::GetStats() const {
   st.chunks_released_total = pool_->released_total();
   st.rollback_failures_total = rollback_failures_total_;
   st.reservation_free_failures_total = reservation_free_failures_->load(std::memory_order_relaxed);
+  if (tier_ != nullptr) {
+    st.host_tier_capacity_bytes = tier_->capacity() * chunk_bytes_;
+    st.host_tier_used_bytes = tier_->used() * chunk_bytes_;
+  }
+  st.spills_total = spills_total_;
+  st.spilled_bytes_total = spilled_pages_total_ * chunk_bytes_;
+  st.spill_failures_total = spill_failures_total_;
+  st.restores_total = restores_total_;
+  st.restored_bytes_total = restored_pages_total_ * chunk_bytes_;
+  st.host_tier_drops_total = tier_drops_total_;
+  st.restore_seconds_total = restore_seconds_total_;
   st.ops = op_stats_;
   std::unordered_map<std::uint32_t, std::size_t> index_of;  // space id -> its entry in st.spaces
   for (const auto& [id, sp] : live_spaces_) {
@@ -184,6 +196,7 @@ void Manager::Check() const {
       if (c != kNoChunk && pool_->refs(c) != 1) fail("a released slot maps shared chunk " + std::to_string(c));
   }
   std::map<const PrefixNode*, int> locks;
+  std::map<BlockId, int> block_holders;
   for (const auto& [id, vt] : vtensors_) {
     if (live_spaces_.count(vt.space) == 0) fail("vTensor " + std::to_string(id) + " lives in a closed space");
     const Space& sp = SpaceOf(vt.space);
@@ -210,7 +223,18 @@ void Manager::Check() const {
         fail(where + " keeps the wrong pages");
       for (ChunkId c : n.pages) {
         if (c != kNoChunk) count(c, where);
-        else if (tree->window_tokens() == 0) fail(where + " has a hole in a tree of whole prefixes");
+        else if (tree->window_tokens() == 0 && !n.on_host) fail(where + " has a hole in a tree of whole prefixes");
+      }
+      if (n.on_host) {
+        if (tree->tier() == nullptr) fail(where + " is on the host in a tree without a tier");
+        if (n.host_pages.size() != n.pages.size()) fail(where + " is on the host without a block per page");
+        for (std::size_t i = 0; i < n.pages.size(); ++i) {
+          if (n.pages[i] != kNoChunk) fail(where + " is on the host and holds a device chunk");
+          if (n.host_pages[i] == kNoBlock) fail(where + " is on the host without a block for page " + std::to_string(i));
+          ++block_holders[n.host_pages[i]];
+        }
+      } else if (!n.host_pages.empty()) {
+        fail(where + " is on the device and holds host blocks");
       }
       auto it = locks.find(&n);
       if (n.locks != (it == locks.end() ? 0 : it->second))
@@ -219,6 +243,22 @@ void Manager::Check() const {
       for (const auto& [token, child] : n.children)
         if (child->tokens.front() != token || child->parent != &n) fail(where + " has a misfiled child");
     });
+  }
+  if (tier_ != nullptr) {
+    std::size_t used = 0;
+    for (BlockId b = 0; b < tier_->allocated(); ++b) {
+      auto it = block_holders.find(b);
+      const int holders = it == block_holders.end() ? 0 : it->second;
+      if (tier_->refs(b) != holders)
+        fail("host block " + std::to_string(b) + " has " + std::to_string(tier_->refs(b)) + " references but " +
+             std::to_string(holders) + " holders");
+      used += holders > 0 ? 1 : 0;
+    }
+    if (used != tier_->used() || tier_->allocated() > tier_->capacity()) fail("host tier block count");
+    if (!block_holders.empty() && block_holders.rbegin()->first >= tier_->allocated())
+      fail("a node holds a host block that does not exist");
+  } else if (!block_holders.empty()) {
+    fail("nodes hold host blocks without a host tier");
   }
   std::vector<bool> is_free(pool_->id_limit(), false);
   for (ChunkId c : pool_->free_list()) {

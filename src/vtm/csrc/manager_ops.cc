@@ -236,8 +236,6 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   const std::size_t shared_end = m * sp.row_bytes / chunk_bytes_;  // pages wholly below the match
   const bool partial = shared_end < need;
   const std::size_t low = first == need ? m : (first * chunk_bytes_ + sp.row_bytes - 1) / sp.row_bytes;
-  std::vector<ChunkId> source(need, kNoChunk);
-  sp.tree->CollectPages(found, &source);
 
   UndoLog undo(&rollback_failures_total_);
   // Lock the matched path for the whole operation, so the eviction that
@@ -246,6 +244,12 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // workers run) cannot free them either.
   sp.tree->Lock(found.node);
   undo.Add([this, &sp, node = found.node] { sp.tree->Unlock(node); });
+  // Nodes of the path in the host tier come back to the device first. That
+  // step stands even if a later one fails: the prefix is as matchable as
+  // before, from the device.
+  if (sp.tree->tier() != nullptr) RestorePath(*sp.tree, found.node, lock);
+  std::vector<ChunkId> source(need, kNoChunk);
+  sp.tree->CollectPages(found, &source);
   for (std::size_t p = first; p < need; ++p) {
     if (source[p] == kNoChunk) Throw(ErrorCode::kInternal, "prefix tree lacks page " + std::to_string(p));
     pool_->Ref(source[p]);

@@ -6,8 +6,9 @@
 
 namespace vtm {
 
-PrefixTree::PrefixTree(std::size_t row_bytes, std::size_t page_bytes, std::size_t window_tokens, Pool* pool)
-    : row_bytes_(row_bytes), page_bytes_(page_bytes), window_tokens_(window_tokens), pool_(pool) {}
+PrefixTree::PrefixTree(std::size_t row_bytes, std::size_t page_bytes, std::size_t window_tokens, Pool* pool,
+                       HostTier* tier)
+    : row_bytes_(row_bytes), page_bytes_(page_bytes), window_tokens_(window_tokens), pool_(pool), tier_(tier) {}
 
 PrefixTree::~PrefixTree() {
   while (!root_.children.empty()) {
@@ -92,17 +93,25 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   upper->first_page = node->first_page;
   const std::size_t upper_last = (at * row_bytes_ - 1) / page_bytes_;
   upper->pages.assign(node->pages.begin(), node->pages.begin() + (upper_last - node->first_page + 1));
+  upper->on_host = node->on_host;
+  if (node->on_host)
+    upper->host_pages.assign(node->host_pages.begin(),
+                             node->host_pages.begin() + (upper_last - node->first_page + 1));
   upper->locks = node->locks;
   upper->last_access = node->last_access;
   upper->parent = node->parent;
 
   const std::size_t lower_first = FirstPage(at);
   node->pages.erase(node->pages.begin(), node->pages.begin() + (lower_first - node->first_page));
+  if (node->on_host)
+    node->host_pages.erase(node->host_pages.begin(), node->host_pages.begin() + (lower_first - node->first_page));
   node->first_page = lower_first;
   node->tokens.erase(node->tokens.begin(), node->tokens.begin() + offset);
   node->start = at;
   // The page holding byte at*R now belongs to both halves (a hole in both).
   if (lower_first == upper_last && upper->pages.back() != kNoChunk) pool_->Ref(upper->pages.back());
+  if (lower_first == upper_last && upper->on_host && upper->host_pages.back() != kNoBlock)
+    tier_->Ref(upper->host_pages.back());
 
   PrefixNode* parent = node->parent;
   auto& slot = parent->children[upper->tokens.front()];
@@ -167,18 +176,97 @@ void PrefixTree::Unlock(PrefixNode* node) {
 std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
   if (leaf == &root_ || !leaf->children.empty() || leaf->locks != 0)
     Throw(ErrorCode::kInternal, "evicting a prefix node that is not an unlocked leaf");
-  std::size_t freed = 0;
-  for (ChunkId c : leaf->pages) freed += c != kNoChunk && pool_->Unref(c) ? 1 : 0;
+  const std::size_t freed = DropReferences(leaf);
   leaf->parent->children.erase(leaf->tokens.front());
   return freed;
 }
 
-std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node) {
+std::size_t PrefixTree::DropReferences(PrefixNode* node) {
+  std::size_t freed = 0;
+  for (ChunkId c : node->pages) freed += c != kNoChunk && pool_->Unref(c) ? 1 : 0;
+  for (BlockId b : node->host_pages)
+    if (b != kNoBlock) tier_->Unref(b);
+  return freed;
+}
+
+std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed) {
   std::size_t dropped = 1;
-  for (auto& [token, child] : node->children) dropped += DropSubtree(std::move(child));
-  for (ChunkId c : node->pages)
-    if (c != kNoChunk) pool_->Unref(c);
+  for (auto& [token, child] : node->children) dropped += DropSubtree(std::move(child), freed);
+  const std::size_t chunks = DropReferences(node.get());
+  if (freed != nullptr) *freed += chunks;
   return dropped;
+}
+
+bool PrefixTree::Spillable(const PrefixNode* node) const {
+  if (tier_ == nullptr || node == &root_ || node->on_host || node->locks != 0) return false;
+  std::function<bool(const PrefixNode*)> below_on_host = [&](const PrefixNode* n) {
+    for (const auto& [token, child] : n->children)
+      if (!child->on_host || !below_on_host(child.get())) return false;
+    return true;
+  };
+  return below_on_host(node);
+}
+
+void PrefixTree::ForEachSpillable(const std::function<void(PrefixNode*)>& fn) {
+  // Post-order: a node is visited after its children, and is spillable only
+  // when none of them is on the device.
+  std::function<bool(PrefixNode*)> visit = [&](PrefixNode* n) {
+    bool all_host = true;
+    for (auto& [token, child] : n->children) {
+      const bool child_host = visit(child.get());
+      all_host = all_host && child_host && child->on_host;
+    }
+    if (n != &root_ && all_host && !n->on_host && n->locks == 0) fn(n);
+    return all_host;
+  };
+  if (tier_ != nullptr) visit(&root_);
+}
+
+void PrefixTree::ForEachHostLeaf(const std::function<void(PrefixNode*)>& fn) {
+  std::function<void(PrefixNode*)> visit = [&](PrefixNode* n) {
+    for (auto& [token, child] : n->children) {
+      if (child->children.empty()) {
+        if (child->on_host && child->locks == 0) fn(child.get());
+      } else {
+        visit(child.get());
+      }
+    }
+  };
+  visit(&root_);
+}
+
+std::size_t PrefixTree::Spill(PrefixNode* node, const std::vector<BlockId>& blocks) {
+  if (!Spillable(node) || blocks.size() != node->pages.size())
+    Throw(ErrorCode::kInternal, "spilling a prefix node that cannot be spilled");
+  std::size_t freed = 0;
+  for (ChunkId& c : node->pages) {
+    freed += c != kNoChunk && pool_->Unref(c) ? 1 : 0;
+    c = kNoChunk;
+  }
+  node->host_pages = blocks;
+  node->on_host = true;
+  return freed;
+}
+
+void PrefixTree::Restore(PrefixNode* node, const std::vector<ChunkId>& chunks) {
+  if (!node->on_host || chunks.size() != node->pages.size())
+    Throw(ErrorCode::kInternal, "restoring a prefix node that is not on the host");
+  node->pages = chunks;
+  for (BlockId b : node->host_pages)
+    if (b != kNoBlock) tier_->Unref(b);
+  node->host_pages.clear();
+  node->on_host = false;
+}
+
+std::size_t PrefixTree::EvictSubtree(PrefixNode* node) {
+  if (node == &root_ || node->locks != 0) Throw(ErrorCode::kInternal, "evicting a locked prefix subtree");
+  PrefixNode* parent = node->parent;
+  auto it = parent->children.find(node->tokens.front());
+  std::unique_ptr<PrefixNode> detached = std::move(it->second);
+  parent->children.erase(it);
+  std::size_t freed = 0;
+  DropSubtree(std::move(detached), &freed);
+  return freed;
 }
 
 std::size_t PrefixTree::DropUnlocked() {

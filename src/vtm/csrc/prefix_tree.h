@@ -20,11 +20,23 @@
 // never filled from above. A windowed match (Windowed) then needs only the
 // pages under its last W rows.
 //
+// A tree with a host tier (a whole-prefix tree of a manager given
+// host_tier_bytes) keeps the nodes the device pool evicts: a spilled node's
+// bytes are in host blocks (host_pages, one per page) and it holds no device
+// chunk, but stays in the tree, matchable; a match restores it (the Manager
+// copies the blocks into new chunks). A node is spilled only when every one
+// of its descendants is on the host already, so the tree empties the device
+// from its leaves up, as eviction does.
+//
 // Invariants:
 //  * children are keyed by their first token; no node but the root has an
 //    empty edge; a child's start is its parent's end;
 //  * pages.size() == pages intersecting [start*R, end*R), kNoChunk only in a
-//    window tree, and the node holds one pool reference on each chunk;
+//    window tree or a node on the host, and the node holds one pool
+//    reference on each chunk;
+//  * on_host: every page is kNoChunk and host_pages (as long as pages) holds
+//    one tier reference on each block; otherwise host_pages is empty; only a
+//    tree with a tier has nodes on the host;
 //  * locks = number of live vTensors whose locked node is this node or a
 //    descendant, so locks(parent) >= locks(child); only leaves with locks == 0
 //    are evicted.
@@ -40,6 +52,7 @@
 #include <string>
 #include <vector>
 
+#include "host_tier.h"
 #include "pool.h"
 
 namespace vtm {
@@ -53,6 +66,8 @@ struct PrefixNode {
   std::vector<ChunkId> pages;  // pages first_page, first_page + 1, ...
   int locks = 0;
   std::uint64_t last_access = 0;
+  bool on_host = false;
+  std::vector<BlockId> host_pages;  // on the host: the block of each page
 
   std::size_t end() const { return start + tokens.size(); }
 };
@@ -66,9 +81,11 @@ struct TreePosition {
 
 class PrefixTree {
  public:
-  // window_tokens 0: a tree of whole prefixes (no holes).
-  PrefixTree(std::size_t row_bytes, std::size_t page_bytes, std::size_t window_tokens, Pool* pool);
-  ~PrefixTree();  // drops every reference (the pool must still exist)
+  // window_tokens 0: a tree of whole prefixes (no holes). `tier`: where
+  // spilled nodes keep their bytes (null: none; a window tree has none).
+  PrefixTree(std::size_t row_bytes, std::size_t page_bytes, std::size_t window_tokens, Pool* pool,
+             HostTier* tier = nullptr);
+  ~PrefixTree();  // drops every reference (the pool and the tier must still exist)
   PrefixTree(const PrefixTree&) = delete;
   PrefixTree& operator=(const PrefixTree&) = delete;
 
@@ -107,6 +124,24 @@ class PrefixTree {
 
   // Removes a leaf with locks == 0; returns how many chunks became free.
   std::size_t EvictLeaf(PrefixNode* leaf);
+
+  // The host tier (trees that have one).
+  HostTier* tier() const { return tier_; }
+  // Whether `node` may be spilled: on the device, unlocked, every descendant on the host.
+  bool Spillable(const PrefixNode* node) const;
+  void ForEachSpillable(const std::function<void(PrefixNode*)>& fn);
+  // Visits every unlocked leaf on the host.
+  void ForEachHostLeaf(const std::function<void(PrefixNode*)>& fn);
+  // `node` (Spillable) keeps its bytes in `blocks` (one reference each,
+  // taken over; one per page) and drops its chunks; returns how many chunks
+  // became free.
+  std::size_t Spill(PrefixNode* node, const std::vector<BlockId>& blocks);
+  // `node` (on the host) holds `chunks` again (one reference each, taken
+  // over; one per page) and drops its blocks.
+  void Restore(PrefixNode* node, const std::vector<ChunkId>& chunks);
+  // Removes an unlocked node with all its descendants; returns how many
+  // chunks became free.
+  std::size_t EvictSubtree(PrefixNode* node);
   // Removes every node with locks == 0; returns how many were removed.
   std::size_t DropUnlocked();
 
@@ -121,12 +156,17 @@ class PrefixTree {
 
  private:
   PrefixNode* Split(PrefixNode* node, std::size_t at);
-  std::size_t DropSubtree(std::unique_ptr<PrefixNode> node);
+  // Drops a detached subtree's references; returns its node count and adds
+  // the chunks that became free to *freed.
+  std::size_t DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed = nullptr);
+  // Drops a node's references (chunks and blocks); returns the chunks freed.
+  std::size_t DropReferences(PrefixNode* node);
 
   const std::size_t row_bytes_;
   const std::size_t page_bytes_;
   const std::size_t window_tokens_;
   Pool* pool_;
+  HostTier* tier_;
   PrefixNode root_;
 };
 

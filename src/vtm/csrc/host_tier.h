@@ -1,0 +1,63 @@
+// HostTier: host memory that keeps the bytes of prefix-tree nodes the device
+// pool evicts, so that a later match copies them back instead of the caller
+// recomputing them (docs/design.md §3, "The host tier"; docs/api.md).
+//
+// Memory comes in blocks of one chunk's bytes, allocated through the backend
+// on first use (CUDA: page-locked, so the copy engine moves them at full
+// speed; host: anonymous memory) and kept for reuse until the tier dies.
+//
+// Invariants:
+//  * refs(block) == the host_pages entries of tree nodes that hold it (a
+//    split node's halves share the block of the page that straddles them);
+//  * blocks with refs 0 are exactly the free list; allocated() <= capacity().
+//
+// Not thread-safe: the Manager calls it with its mutex held.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend.h"
+
+namespace vtm {
+
+using BlockId = std::uint32_t;
+constexpr BlockId kNoBlock = UINT32_MAX;
+
+class HostTier {
+ public:
+  HostTier(std::shared_ptr<Backend> backend, std::size_t block_bytes, std::size_t capacity_blocks);
+  ~HostTier();  // frees every block, held or not
+  HostTier(const HostTier&) = delete;
+  HostTier& operator=(const HostTier&) = delete;
+
+  std::size_t block_bytes() const { return block_bytes_; }
+  std::size_t capacity() const { return capacity_; }
+  std::size_t allocated() const { return blocks_.size(); }
+  std::size_t used() const { return blocks_.size() - free_.size(); }
+
+  // A block with one reference: a free one, else a new one while under
+  // capacity. False when the tier is full (every block held). Throws when the
+  // backend cannot allocate one (kOutOfMemory), with nothing changed.
+  bool Take(BlockId* out);
+  void Ref(BlockId block);
+  void Unref(BlockId block);
+  int refs(BlockId block) const { return blocks_[block].refs; }
+  void* data(BlockId block) { return blocks_[block].ptr; }
+
+ private:
+  struct Block {
+    void* ptr = nullptr;
+    int refs = 0;
+  };
+
+  std::shared_ptr<Backend> backend_;
+  const std::size_t block_bytes_;
+  const std::size_t capacity_;
+  std::vector<Block> blocks_;
+  std::vector<BlockId> free_;
+};
+
+}  // namespace vtm

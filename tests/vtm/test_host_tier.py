@@ -1,0 +1,234 @@
+"""The host tier (Manager(host_tier_bytes=N)): prefix-tree nodes the device
+pool evicts keep their bytes in host memory and stay matchable; a match
+copies them back. Checked by the bytes: every row a vTensor holds is the
+pattern of its token prefix (vtm_testing.RowIO), so a restore of stale or
+misplaced bytes fails the test; and by Manager.check() after every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import vtm
+from vtm_testing import SENTINEL, RowIO, assert_pool_consistent, assert_same_state, chunk_for, snapshot
+
+CHUNKS = 8  # a small device pool, so that a few vTensors evict the tree
+
+
+def setup(make_manager, backend, tier_chunks, **kw):
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=tier_chunks * chunk, **kw)
+    row = chunk // 20 + 7  # rows straddle pages
+    sp = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8)
+    return mgr, sp, RowIO(sp, backend)
+
+
+def record(sp, io, tokens):
+    """A vTensor holding `tokens` (their patterns written), recorded whole, released."""
+    vt = sp.create(len(tokens)).result()
+    io.write(vt, tokens, 0, len(tokens))
+    sp.prefix_record(vt, tokens).result()
+    vt.release().result()
+
+
+def fill_pool(sp):
+    """vTensors holding every chunk of the pool (evicting the tree), then released."""
+    held = []
+    per = sp.max_tokens
+    while True:
+        try:
+            held.append(sp.create(per).result())
+        except vtm.OutOfMemory:
+            if per == 1:
+                break
+            per = max(1, per // 2)
+    for vt in held:
+        vt.release().result()
+
+
+def match(sp, tokens):
+    return sp.prefix_match(list(tokens) + [SENTINEL]).result()
+
+
+def on_host(sp):
+    return [n for n in sp.prefix_nodes() if n["on_host"]]
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier_byte_for_byte(backend, make_manager):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    A = [(7 * i + 3) % 101 for i in range(60)]
+    record(sp, io, A)
+    fill_pool(sp)
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] >= 1 and st["chunks_in_tree"] == 0 and on_host(sp)
+    assert st["host_tier_used_bytes"] == st["spilled_bytes_total"] > 0
+    m = match(sp, A)
+    assert m.num_tokens == len(A)
+    io.verify(m.vtensor, A)
+    st = assert_pool_consistent(mgr)
+    assert st["restores_total"] == 1 and st["restored_bytes_total"] == st["spilled_bytes_total"]
+    assert not on_host(sp) and st["host_tier_used_bytes"] == 0
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_without_a_tier_the_same_eviction_loses_the_prefix(backend, make_manager):
+    """The control: the test above would pass without a tier only if eviction kept the prefix."""
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=0)
+    A = [(7 * i + 3) % 101 for i in range(60)]
+    record(sp, io, A)
+    fill_pool(sp)
+    assert match(sp, A).num_tokens == 0
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] == 0 and st["host_tier_capacity_bytes"] == 0
+
+
+def test_a_full_tier_drops_its_least_recently_used_prefix(backend, make_manager):
+    chunk = chunk_for(backend)
+    pages = -(-40 * (chunk // 20 + 7) // chunk)  # of each 40-token prefix
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=2 * pages)  # room for two of the three
+    prefixes = [[100 * k + i for i in range(40)] for k in range(3)]
+    for tokens in prefixes:
+        record(sp, io, tokens)
+    fill_pool(sp)
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_drops_total"] >= 1 and st["host_tier_used_bytes"] <= 2 * pages * chunk
+    oldest, *newer = prefixes
+    assert match(sp, oldest).num_tokens == 0
+    for tokens in newer:
+        m = match(sp, tokens)
+        assert m.num_tokens == len(tokens)
+        io.verify(m.vtensor, tokens)
+        m.vtensor.release().result()
+        fill_pool(sp)  # back to the host, for the next one's room
+    assert_pool_consistent(mgr)
+
+
+def test_a_node_on_the_host_splits_and_both_halves_come_back(backend, make_manager):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    A = [(5 * i + 1) % 97 for i in range(60)]
+    B = A[:33] + [500 + i for i in range(20)]  # diverges inside A's node, mid-page
+    record(sp, io, A)
+    fill_pool(sp)
+    assert on_host(sp)
+    record(sp, io, B)  # splits the node on the host at 33: the halves share the straddling block
+    assert_pool_consistent(mgr)
+    assert any(n["on_host"] and n["end"] == 33 for n in sp.prefix_nodes())
+    for tokens in (A, B):
+        m = match(sp, tokens)
+        assert m.num_tokens == len(tokens)
+        io.verify(m.vtensor, tokens)
+        m.vtensor.release().result()
+        assert_pool_consistent(mgr)
+    fill_pool(sp)
+    for tokens in (B, A):
+        m = match(sp, tokens)
+        io.verify(m.vtensor, tokens)
+        m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+@pytest.mark.parametrize("op", ["copy_to_host", "alloc_host"])
+def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manager, op):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, faults=True)
+    A = [(3 * i) % 89 for i in range(60)]
+    record(sp, io, A)
+    mgr.faults.fail_nth(op, 1)
+    fill_pool(sp)
+    st = assert_pool_consistent(mgr)
+    assert st["spill_failures_total"] == 1 and not on_host(sp) and st["host_tier_used_bytes"] == 0
+    assert match(sp, A).num_tokens == 0
+
+
+@pytest.mark.parametrize("oom", [False, True])
+def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backend, make_manager, oom):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, faults=True)
+    A = [(11 * i + 2) % 83 for i in range(60)]
+    record(sp, io, A)
+    fill_pool(sp)
+    held = {}
+    if oom:  # live vTensors hold the whole pool: no room for the restored pages
+        while True:
+            try:
+                held[sp.create(1).result()] = [0]
+            except vtm.OutOfMemory:
+                break
+    else:
+        mgr.faults.fail_nth("copy_from_host", 1)
+    before = snapshot(mgr, [sp], held)
+    with pytest.raises(vtm.OutOfMemory if oom else vtm.BackendError):
+        match(sp, A)
+    assert_same_state(before, snapshot(mgr, [sp], held))
+    assert on_host(sp) and mgr.stats()["restores_total"] == 0
+    assert_pool_consistent(mgr)
+    mgr.faults.clear()
+    for vt in held:
+        vt.release().result()
+    m = match(sp, A)
+    assert m.num_tokens == len(A)
+    io.verify(m.vtensor, A)
+
+
+def test_clear_prefixes_and_close_give_the_host_memory_back(backend, make_manager):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    record(sp, io, list(range(60)))
+    fill_pool(sp)
+    assert mgr.stats()["host_tier_used_bytes"] > 0
+    sp.clear_prefixes()
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_used_bytes"] == 0 and st["host_tier_nodes"] == 0
+    record(sp, io, list(range(60)))
+    fill_pool(sp)
+    mgr.close()  # with nodes on the host
+
+
+def test_window_spaces_evict_without_the_tier(backend, make_manager):
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=16 * chunk)
+    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=30)
+    io = RowIO(sp, backend)
+    record(sp, io, list(range(60)))
+    fill_pool(sp)
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] == 0 and st["tree_nodes"] == 0
+
+
+def test_bad_host_tier_sizes_are_refused(backend):
+    chunk = chunk_for(backend)
+    with pytest.raises(vtm.InvalidArgument, match="host_tier_bytes"):
+        vtm.Manager(backend=backend, capacity_bytes=4 * chunk, chunk_bytes=chunk, host_tier_bytes=chunk + 1,
+                    **({"granularity": min(chunk, 64 << 10)} if backend == "host" else {}))
+    with pytest.raises(vtm.InvalidArgument, match="host_tier_bytes"):
+        vtm.Manager(backend=backend, capacity_bytes=4 * chunk, chunk_bytes=chunk, host_tier_bytes=-chunk)
+
+
+def test_random_records_matches_and_pressure_never_return_stale_bytes(backend, make_manager):
+    """A random mix of records, matches, releases and pool-filling over a
+    small pool and a smaller tier: every match returns the pattern of its
+    own tokens, and the invariants hold after every step."""
+    rng = np.random.default_rng(7)
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=6)
+    stems = [[1000 * k + i for i in range(25)] for k in range(4)]
+    live = []
+    for step in range(120):
+        roll = rng.random()
+        stem = stems[rng.integers(len(stems))]
+        tokens = stem[:int(rng.integers(5, 25))] + [int(t) for t in rng.integers(0, 50, int(rng.integers(0, 30)))]
+        try:
+            if roll < 0.35:
+                record(sp, io, tokens)
+            elif roll < 0.75:
+                m = match(sp, tokens)
+                if m.num_tokens:
+                    io.verify(m.vtensor, tokens, 0, m.num_tokens, what=f"step {step}")
+                    live.append(m.vtensor)
+            elif roll < 0.9 and live:
+                live.pop(int(rng.integers(len(live)))).release().result()
+            else:
+                fill_pool(sp)
+        except vtm.OutOfMemory:
+            while live:
+                live.pop().release().result()
+        mgr.check()
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] > 0 and st["restores_total"] > 0 and st["host_tier_drops_total"] > 0, st
