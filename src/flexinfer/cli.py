@@ -186,8 +186,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _engine(args) -> LLM:
     manager = None
     if args.manager is not None and args.host_tier_gib > 0:
-        raise InvalidArgument("--host-tier-gib sizes the host tier of an in-process pool; the vtm broker "
-                              "(--manager) has none yet")
+        raise InvalidArgument("--host-tier-gib sizes the host tier of an in-process pool; with --manager the "
+                              "tier is the broker's (vtmd --host-tier-bytes)")
     if args.manager is not None:
         name = args.client_name or f"flexinfer-{args.command}"
         # Closed by main() after the command: an LLM never closes a manager it was given.

@@ -47,9 +47,9 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
 
 
-def small_manager(chunks: int, chunk_bytes: int = SMALL_CHUNK) -> vtm.Manager:
+def small_manager(chunks: int, chunk_bytes: int = SMALL_CHUNK, host_tier_chunks: int = 0) -> vtm.Manager:
     return vtm.Manager(backend="host", capacity_bytes=chunks * chunk_bytes, chunk_bytes=chunk_bytes,
-                       granularity=chunk_bytes)
+                       granularity=chunk_bytes, host_tier_bytes=host_tier_chunks * chunk_bytes)
 
 
 def run(llm: LLM, prompts, params, **kwargs):
@@ -399,6 +399,26 @@ def test_greedy_under_preemption(tiny, tiny_prompts, arch, prefix_caching):
     assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
     assert sum(o.metrics.preemptions for o in outputs) > 0
     assert manager.stats()["chunks_created"] <= chunks
+    assert_all_memory_returned(llm)
+    llm.close()
+    manager.close()
+
+
+def test_preempted_sequences_come_back_from_the_host_tier(tiny_llama, tiny_prompts):
+    """With vtm's host tier, a preempted sequence's recorded KV spills to host
+    memory when the pool needs its chunks, and its readmission copies it back
+    instead of recomputing it (vLLM's swap, through the prefix tree); outputs
+    unchanged."""
+    folder, oracle = tiny_llama
+    per_sequence = [-(-(len(p) + TINY_NEW_TOKENS) * TINY_ROW_BYTES // SMALL_CHUNK) for p in tiny_prompts]
+    chunks = max(per_sequence) + 4
+    manager = small_manager(chunks, host_tier_chunks=4 * sum(per_sequence))
+    llm = LLM(folder, manager=manager)
+    outputs = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
+    assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
+    stats = manager.stats()
+    assert sum(o.metrics.preemptions for o in outputs) > 0
+    assert stats["spills_total"] > 0 and stats["restores_total"] > 0, stats
     assert_all_memory_returned(llm)
     llm.close()
     manager.close()

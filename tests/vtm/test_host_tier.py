@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import vtm
+from broker_testing import spawn  # noqa: F401 (a fixture)
 from vtm_testing import SENTINEL, RowIO, assert_pool_consistent, assert_same_state, chunk_for, snapshot
 
 CHUNKS = 8  # a small device pool, so that a few vTensors evict the tree
@@ -232,3 +233,48 @@ def test_random_records_matches_and_pressure_never_return_stale_bytes(backend, m
         mgr.check()
     st = assert_pool_consistent(mgr)
     assert st["spills_total"] > 0 and st["restores_total"] > 0 and st["host_tier_drops_total"] > 0, st
+
+
+def test_through_vtmd_one_client_restores_what_another_recorded_and_the_broker_spilled(tmp_path, spawn, backend,
+                                                                                       capsys):
+    """vtmd --host-tier-bytes: the tier is the broker's. A writer process
+    records a prefix and leaves; the reader fills the pool (the broker spills
+    the prefix), then matches it: the broker restores it, and the reader
+    maps the restored chunks and reads the writer's bytes."""
+    import multiprocessing
+
+    from broker_testing import CHUNK as BROKER_CHUNK
+    from broker_testing import ROW, BrokerProcess, RowView, child_record, pattern
+
+    ctx = multiprocessing.get_context("spawn")
+    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
+    b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=chunk, backend=backend,
+                      extra_args=["--host-tier-bytes", str(32 * chunk)])
+    try:
+        q, go_on, done = ctx.Queue(), ctx.Event(), ctx.Event()
+        tokens = list(range(100, 400))  # 300 rows: several pages
+        writer = spawn(child_record, b.address, tokens, q, go_on, done, row, backend)
+        assert q.get(timeout=120)[0] == "recorded"
+        with vtm.connect(b.address, name="reader") as mgr:
+            # Opened before the writer leaves: a namespace's tree lives while a space of it is open.
+            space = mgr.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="shared")
+            go_on.set()
+            assert q.get(timeout=30) == ("intact", True)
+            done.set()
+            writer.join(30)
+            fill_pool(space)
+            stats = mgr.stats()
+            assert stats["spills_total"] >= 1 and stats["host_tier_nodes"] >= 1, stats
+            match = space.prefix_match(tokens + [7]).result()
+            assert match.num_tokens == len(tokens)
+            got = RowView(space, backend).read(match.vtensor.slot, 0, len(tokens) * row)
+            assert (got == pattern(tokens, row)).all()
+            assert mgr.stats()["restores_total"] == 1
+            match.vtensor.release().result()
+        from vtm.broker import ctl
+
+        capsys.readouterr()
+        assert ctl.main(["--address", b.address, "stats"]) == 0
+        assert "host tier:" in capsys.readouterr().out  # vtmctl stats and top show the tier
+    finally:
+        b.kill()

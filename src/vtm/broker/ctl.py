@@ -66,7 +66,17 @@ def _summary(stats: dict) -> list[str]:
             f"mapped {stats['chunks_mapped']}, in prefix trees {stats['chunks_in_tree']} "
             f"({stats['tree_nodes']} nodes, {stats['tree_tokens']} tokens)",
             f"evictions {stats['evictions_total']}, copy-on-write {stats['cow_copies_total']}, "
-            f"released to the device {stats['chunks_released_total']}"]
+            f"released to the device {stats['chunks_released_total']}"] + _tier(stats)
+
+
+def _tier(stats: dict) -> list[str]:
+    """The host tier's line, where the broker has one."""
+    if not stats.get("host_tier_capacity_bytes"):
+        return []
+    return [f"host tier: {_mib(stats['host_tier_used_bytes'])} of {_mib(stats['host_tier_capacity_bytes'])} MiB "
+            f"({stats['host_tier_nodes']} nodes); spills {stats['spills_total']}, restores "
+            f"{stats['restores_total']}, dropped {stats['host_tier_drops_total']}, failed spills "
+            f"{stats['spill_failures_total']}"]
 
 
 # The terminal's alternate screen (as `top` and `less` use): entered, each frame
@@ -86,7 +96,7 @@ def _top(read_stats, interval: float, iterations: int) -> None:
         n = 0
         while iterations == 0 or n < iterations:
             stats = read_stats()
-            frame = "\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _clients_table(stats))
+            frame = "\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _tier(stats) + _clients_table(stats))
             out.write(_HOME_CLEAR + frame if terminal else frame + "\n")
             out.flush()
             n += 1

@@ -1,7 +1,8 @@
 """vtmd: the vtm broker daemon.
 
     vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
-         [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--max-sessions N] [--quota-file PATH]
+         [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--host-tier-bytes SIZE] [--max-sessions N]
+         [--quota-file PATH]
 
 SIZE: a byte count or a number with a binary suffix, e.g. 64GiB (src/vtm/sizes.py).
 
@@ -125,7 +126,7 @@ class Broker:
     def __init__(self, listen: str, backend: str = "auto", capacity_bytes: int = 1 << 30,
                  chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2,
                  control: str | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS, quota_file: str | None = None,
-                 control_token_file: str | None = None):
+                 control_token_file: str | None = None, host_tier_bytes: int = 0):
         self.path = unix_path(listen)
         control_target = tcp_target(control) if control else None
         if max_sessions < 1:
@@ -144,7 +145,7 @@ class Broker:
         # mappings (the effects of a call are on the caller's spaces only).
         self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
                                    workers=workers, granularity=granularity, slot_cache_bytes=0,
-                                   record_mappings=True, export_chunks=True)
+                                   record_mappings=True, export_chunks=True, host_tier_bytes=host_tier_bytes)
         self.service = self.fds = self.steps = self.control = self.reactor = None
         self.control_address = None
         try:
@@ -233,6 +234,9 @@ def main(argv=None) -> int:
                         help="the pool: bounds the chunks of every client together")
     parser.add_argument("--chunk-bytes", type=size, default="2MiB", metavar="SIZE",
                         help="bytes of one chunk (one page)")
+    parser.add_argument("--host-tier-bytes", type=size, default="0", metavar="SIZE",
+                        help="host memory that keeps the prefixes the pool evicts, for any client's later match to "
+                             "copy back (a multiple of --chunk-bytes; 0: none); see docs/api.md, the host tier")
     parser.add_argument("--granularity", type=size, default=None, metavar="SIZE",
                         help="the host backend's mapping granularity (default: 2MiB; cuda: the driver's)")
     parser.add_argument("--workers", type=int, default=2, help="the manager's worker threads")
@@ -247,12 +251,15 @@ def main(argv=None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
-                        args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file)
+                        args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file,
+                        args.host_tier_bytes)
     except (vtm.Error, OSError, ValueError) as exc:
         print(f"vtmd: error: {exc}", file=sys.stderr)
         return 2
+    tier = broker.manager.stats()["host_tier_capacity_bytes"]
     print(f"vtmd: listening on unix:{broker.path} ({broker.manager.backend}, "
-          f"{broker.manager.capacity_bytes} bytes in chunks of {broker.manager.chunk_bytes})"
+          f"{broker.manager.capacity_bytes} bytes in chunks of {broker.manager.chunk_bytes}"
+          + (f", a host tier of {tier} bytes" if tier else "") + ")"
           + (f", control on {broker.control_address}" if broker.control_address else ""), flush=True)
     while not stop.wait(0.5):
         pass

@@ -59,7 +59,8 @@ Manager::Manager(const ManagerOptions& o) {
   max_free_chunks_ = o.max_free_chunks;
   cache_budget_pages_ = o.slot_cache_bytes.value_or(o.capacity_bytes / 4) / chunk_bytes_;
   pool_ = std::make_unique<Pool>(backend_, capacity_chunks_);
-  if (o.host_tier_bytes > 0) tier_ = std::make_unique<HostTier>(backend_, chunk_bytes_, o.host_tier_bytes / chunk_bytes_);
+  if (o.host_tier_bytes > 0)
+    tier_ = std::make_unique<HostTier>(backend_, chunk_bytes_, o.host_tier_bytes / chunk_bytes_);
   executor_ = std::make_unique<Executor>(o.workers);
   if (prealloc_chunks_ > 0) refill_thread_ = std::thread([this] { RefillThread(); });
 }

@@ -230,7 +230,8 @@ void Manager::Check() const {
         if (n.host_pages.size() != n.pages.size()) fail(where + " is on the host without a block per page");
         for (std::size_t i = 0; i < n.pages.size(); ++i) {
           if (n.pages[i] != kNoChunk) fail(where + " is on the host and holds a device chunk");
-          if (n.host_pages[i] == kNoBlock) fail(where + " is on the host without a block for page " + std::to_string(i));
+          if (n.host_pages[i] == kNoBlock)
+            fail(where + " is on the host without a block for page " + std::to_string(i));
           ++block_holders[n.host_pages[i]];
         }
       } else if (!n.host_pages.empty()) {
