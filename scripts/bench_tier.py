@@ -14,6 +14,8 @@ the greedy replies must be equal.
 
 On the host backend a restore is a memory copy and a recompute is a prefill;
 the issue's target is TTFT of turns >= 2 at least 3x better with the tier.
+On CUDA the run also times a pinned host-to-device copy of 64 MiB in the same
+process, the bound a restore's bandwidth is compared with (target >= 70 %).
 
 Usage: python scripts/bench_tier.py [--quick] [--json PATH] [--model smollm2|random|FOLDER]
            [--users 8] [--turns 3] [--history 512] [--pool 2] [--backend host|cuda]
@@ -99,6 +101,21 @@ def run(args, path: str, row_bytes: int, vocab: int, tier: bool) -> dict:
                 evictions=vtm_stats["evictions_total"])
 
 
+def pinned_copy_gb_s(mib: int = 64, repeats: int = 10) -> float:
+    """Host-to-device bandwidth of a page-locked copy (GB/s, median)."""
+    src = torch.empty(mib << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return (mib << 20) / statistics.median(times[1:]) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -136,6 +153,14 @@ def main() -> None:
     ratios = dict(ttft_later_p50=without["ttft_later_p50_ms"] / with_tier["ttft_later_p50_ms"],
                   ttft_later_p99=without["ttft_later_p99_ms"] / with_tier["ttft_later_p99_ms"],
                   tokens_per_s=with_tier["tokens_per_s"] / without["tokens_per_s"])
+    if with_tier["restore_ms_mean"]:
+        restore_gb_s = with_tier["restored_mib"] * (1 << 20) / (with_tier["restore_ms_mean"] / 1e3
+                                                                * with_tier["restores"]) / 1e9
+        line = f"restores moved {restore_gb_s:.2f} GB/s (copies, allocation and mapping included)"
+        if args.backend == "cuda":
+            ratios["restore_over_pinned_copy"] = restore_gb_s / pinned_copy_gb_s()
+            line += f", {ratios['restore_over_pinned_copy']:.0%} of a pinned host-to-device copy"
+        print(line)
     print(f"with the tier: turns >= 2 TTFT {ratios['ttft_later_p50']:.2f}x better at p50, "
           f"{ratios['ttft_later_p99']:.2f}x at p99; throughput {ratios['tokens_per_s']:.2f}x; "
           f"greedy replies {'equal' if same else 'DIFFERENT'}")

@@ -199,13 +199,25 @@ class HostBackend final : public Backend {
   }
   void free_host(void* ptr, std::size_t bytes) noexcept override { munmap(ptr, bytes); }
 
+  // Through the memfd itself: the kernel copies its pages, with no mapping
+  // to set up and tear down (and fault in) for each copy.
   void copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence*) override {
-    TempMapping s(src, bytes, PROT_READ);
-    std::memcpy(dst, s.ptr, bytes);
+    auto* out = static_cast<char*>(dst);
+    for (std::size_t done = 0; done < bytes;) {
+      const ssize_t n = pread(static_cast<int>(src), out + done, bytes - done, static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) Throw(ErrorCode::kBackend, Errno("copy_to_host: pread"));
+      done += static_cast<std::size_t>(n);
+    }
   }
   void copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) override {
-    TempMapping d(dst, bytes, PROT_READ | PROT_WRITE);
-    std::memcpy(d.ptr, src, bytes);
+    const auto* in = static_cast<const char*>(src);
+    for (std::size_t done = 0; done < bytes;) {
+      const ssize_t n = pwrite(static_cast<int>(dst), in + done, bytes - done, static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) Throw(ErrorCode::kBackend, Errno("copy_from_host: pwrite"));
+      done += static_cast<std::size_t>(n);
+    }
   }
 
  private:
