@@ -156,7 +156,7 @@ def main() -> None:
     if with_tier["restore_ms_mean"]:
         restore_gb_s = with_tier["restored_mib"] * (1 << 20) / (with_tier["restore_ms_mean"] / 1e3
                                                                 * with_tier["restores"]) / 1e9
-        line = f"restores moved {restore_gb_s:.2f} GB/s (copies, allocation and mapping included)"
+        line = f"restores moved {restore_gb_s:.2f} GB/s (the copies and the chunks' allocation)"
         if args.backend == "cuda":
             ratios["restore_over_pinned_copy"] = restore_gb_s / pinned_copy_gb_s()
             line += f", {ratios['restore_over_pinned_copy']:.0%} of a pinned host-to-device copy"
