@@ -210,6 +210,7 @@ class Engine:
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
                 "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
+                "prefix_hit_tokens_host": s.prefix_hit_tokens_host,
                 "prefix_failures": s.num_prefix_failures, "memory_faults": s.num_memory_faults,
                 "vtm": self.manager.stats(timeout=timeout)}
 

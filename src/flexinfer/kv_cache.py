@@ -132,8 +132,10 @@ class KVCache:
         of recorded pages wait for what is queued there (None on the CPU)."""
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def match(self, token_ids: list[int]) -> tuple[list[vtm.VTensor] | None, int]:
-        """The longest prefix every group serves, as one vTensor per group."""
+    def match(self, token_ids: list[int]) -> tuple[list[vtm.VTensor] | None, int, int]:
+        """The longest prefix every group serves, as one vTensor per group,
+        its length, and how many of its tokens vtm copied back from the host
+        tier (the most any group's match did)."""
         stream = self._stream()
         # Every match submitted is awaited, even after one failed, so that
         # none of the vTensors the others made is lost.
@@ -153,6 +155,7 @@ class KVCache:
             raise error
         held = [m.vtensor for m in found]
         lengths = [m.num_tokens for m in found]
+        restored = max((m.restored_tokens for m in found), default=0)
         try:
             # A group that serves more (another group evicted some of it, or a
             # window group lacks the window of the longer match) matches again
@@ -168,13 +171,14 @@ class KVCache:
                     held[group] = None
                     again = space.prefix_match(token_ids[: length + 1], stream=stream).result()
                     held[group], lengths[group] = again.vtensor, again.num_tokens
+                    restored = max(restored, again.restored_tokens)
         except vtm.Error:
             self.release(held)
             raise
         if min(lengths) == 0:
             self.release(held)
-            return None, 0
-        return held, lengths[0]
+            return None, 0, 0
+        return held, lengths[0], min(restored, lengths[0])
 
     def record(self, vtensors: list[vtm.VTensor], token_ids: list[int]) -> list[vtm.Future]:
         stream = self._stream()

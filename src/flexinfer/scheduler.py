@@ -76,6 +76,7 @@ class Scheduler:
         self.failed: list[Sequence] = []  # failed by schedule() (no memory), for the engine to report
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens_host = 0  # of those, tokens vtm copied back from its host tier
         self.num_prefix_failures = 0  # prefix records and matches that failed (the prefix is not reused)
         self.num_memory_faults = 0  # maps and releases that failed and were contained
         add_handler = getattr(self.manager, "add_reclaim_handler", None)
@@ -295,7 +296,7 @@ class Scheduler:
         try:
             if self.prefix_caching and seq.num_tokens > 1:
                 self.prefix_query_tokens += len(seq.prompt_ids)
-                vtensors, matched = self._match(seq)
+                vtensors, matched, restored = self._match(seq)
                 if vtensors is not None:
                     seq.vtensors = vtensors
                     seq.num_cached = matched
@@ -303,6 +304,7 @@ class Scheduler:
                     seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens,
                                                         min(matched, len(seq.prompt_ids)))
                     self.prefix_hit_tokens += min(matched, len(seq.prompt_ids))
+                    self.prefix_hit_tokens_host += min(restored, len(seq.prompt_ids))
             if not seq.vtensors:
                 seq.vtensors = self.kv.create()
         except vtm.OutOfMemory as exc:
@@ -332,7 +334,7 @@ class Scheduler:
         except vtm.Error as exc:
             log.warning("prefix match failed (%s); computing the prompt instead", exc)
             self.num_prefix_failures += 1
-            return None, 0
+            return None, 0, 0
 
     # -- the step -------------------------------------------------------
 

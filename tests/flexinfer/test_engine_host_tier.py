@@ -53,6 +53,7 @@ def test_evicted_chat_history_comes_back_from_the_host_tier(wide_kv_folder):
     assert stats["vtm"]["host_tier_capacity_bytes"] == 16 * CHUNK
     assert stats["vtm"]["spills_total"] > 0 and stats["vtm"]["restores_total"] >= 8  # turns 2 and 3 of 4 users
     assert stats["prefix_hit_tokens"] > without["prefix_hit_tokens"] + 8 * 300
+    assert without["prefix_hit_tokens_host"] == 0 and stats["prefix_hit_tokens_host"] >= 8 * 300
 
 
 def test_a_host_tier_needs_the_engines_own_manager(tiny_gpu_folder):

@@ -238,8 +238,9 @@ def test_metrics(server, client):
     assert delta("flexinfer_generation_tokens_total") == 10
     assert delta("flexinfer_requests_total{finish_reason=length}") == 2
     # The second request found the first one's prompt in the prefix cache.
-    assert delta("flexinfer_prefix_cache_hits_total") > 0
-    assert after["flexinfer_prefix_cache_hits_total"] <= after["flexinfer_prefix_cache_queries_total"]
+    assert delta("flexinfer_prefix_cache_hits_total{tier=device}") > 0
+    assert after["flexinfer_prefix_cache_hits_total{tier=host}"] == 0  # no host tier here
+    assert after["flexinfer_prefix_cache_hits_total{tier=device}"] <= after["flexinfer_prefix_cache_queries_total"]
     assert after["flexinfer_kv_cache_usage_ratio"] == 0  # nothing runs
     assert after["vtm_capacity_bytes"] == 64 << 20 and after["vtm_chunks_held"] > 0  # the prefix tree's
 

@@ -64,12 +64,15 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_byte_for_byte(backend, 
     assert st["spills_total"] >= 1 and st["chunks_in_tree"] == 0 and on_host(sp)
     assert st["host_tier_used_bytes"] == st["spilled_bytes_total"] > 0
     m = match(sp, A)
-    assert m.num_tokens == len(A)
+    assert m.num_tokens == m.restored_tokens == len(A)
     io.verify(m.vtensor, A)
     st = assert_pool_consistent(mgr)
     assert st["restores_total"] == 1 and st["restored_bytes_total"] == st["spilled_bytes_total"]
     assert not on_host(sp) and st["host_tier_used_bytes"] == 0
     m.vtensor.release().result()
+    again = match(sp, A)  # from the device now
+    assert again.num_tokens == len(A) and again.restored_tokens == 0
+    again.vtensor.release().result()
     assert_pool_consistent(mgr)
 
 
@@ -265,8 +268,9 @@ def test_through_vtmd_one_client_restores_what_another_recorded_and_the_broker_s
             fill_pool(space)
             stats = mgr.stats()
             assert stats["spills_total"] >= 1 and stats["host_tier_nodes"] >= 1, stats
+            assert any(n["on_host"] for n in space.prefix_nodes())
             match = space.prefix_match(tokens + [7]).result()
-            assert match.num_tokens == len(tokens)
+            assert match.num_tokens == match.restored_tokens == len(tokens)
             got = RowView(space, backend).read(match.vtensor.slot, 0, len(tokens) * row)
             assert (got == pattern(tokens, row)).all()
             assert mgr.stats()["restores_total"] == 1

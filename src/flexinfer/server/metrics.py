@@ -154,8 +154,12 @@ class _EngineCollector(Collector):
         yield _counter("flexinfer_num_preemptions", "Sequences preempted to free memory", stats["preemptions"])
         yield _counter("flexinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                        stats["prefix_query_tokens"])
-        yield _counter("flexinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache (not recomputed)",
-                       stats["prefix_hit_tokens"])
+        hits = CounterMetricFamily("flexinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "recomputed), by where vtm found them: mapped on the device, or copied back "
+                                   "from its host tier", labels=["tier"])
+        hits.add_metric(["device"], stats["prefix_hit_tokens"] - stats["prefix_hit_tokens_host"])
+        hits.add_metric(["host"], stats["prefix_hit_tokens_host"])
+        yield hits
         vtm_stats = stats["vtm"]
         yield _gauge("flexinfer_kv_cache_usage_ratio",
                      "Share of the KV pool's capacity mapped by live requests (reclaimable cached and "

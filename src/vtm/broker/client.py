@@ -621,7 +621,7 @@ class RemoteManager:
             reply = self._rpc("prefix_match", self._stub.PrefixMatch, request)
             vt = self._new_vtensor(space, reply) if reply.vtensor_id else None
             self._apply(reply)
-            return RemoteMatch(vt, reply.matched_tokens)
+            return RemoteMatch(vt, reply.matched_tokens, reply.restored_tokens)
         return self._submit(run, data_plane=True)
 
     def _clear_prefixes(self, space: RemoteSpace) -> RemoteFuture:
@@ -635,7 +635,8 @@ class RemoteManager:
         def run():
             reply = self._rpc("prefix_nodes", self._stub.PrefixNodes, vtm_pb2.SpaceRequest(space_id=space.id))
             return [{"start": n.start, "end": n.end, "tokens": list(n.tokens), "locks": n.locks,
-                     "pages": [None if c == status.HOLE_PAGE else c for c in n.pages]} for n in reply.nodes]
+                     "pages": [None if c == status.HOLE_PAGE else c for c in n.pages], "on_host": n.on_host}
+                    for n in reply.nodes]
         return self._submit(run)
 
     def _close_space(self, space: RemoteSpace) -> RemoteFuture:

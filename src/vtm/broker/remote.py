@@ -41,9 +41,10 @@ class RemoteFuture:
 
 
 class RemoteMatch:
-    def __init__(self, vtensor, num_tokens: int):
+    def __init__(self, vtensor, num_tokens: int, restored_tokens: int = 0):
         self.vtensor = vtensor
         self.num_tokens = num_tokens
+        self.restored_tokens = restored_tokens  # of num_tokens, those the broker copied back from its host tier
 
     def __repr__(self):
         vt = "None" if self.vtensor is None else str(self.vtensor.id)

@@ -567,7 +567,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                       f"the match would map {mapped} more")
             session.add_vtensor(match.vtensor)
             return self._reply(session, vtensors=[match.vtensor.id], vtensor_id=match.vtensor.id,
-                               matched_tokens=match.num_tokens)
+                               matched_tokens=match.num_tokens, restored_tokens=match.restored_tokens)
         return self._run(context, body)
 
     def ClearPrefixes(self, request, context):
@@ -581,7 +581,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             nodes = self._space(session, request.space_id).prefix_nodes()
             return vtm_pb2.PrefixNodesReply(nodes=[
                 vtm_pb2.PrefixNode(start=n["start"], end=n["end"], tokens=n["tokens"], locks=n["locks"],
-                                   pages=[status.HOLE_PAGE if c is None else c for c in n["pages"]]) for n in nodes])
+                                   pages=[status.HOLE_PAGE if c is None else c for c in n["pages"]],
+                                   on_host=n["on_host"]) for n in nodes])
         return self._run(context, body)
 
     # Control calls: no lease needed (see the proto).

@@ -52,6 +52,7 @@ struct PySpace {
 struct PyMatch {
   std::shared_ptr<PyVTensor> vtensor;
   std::size_t num_tokens;
+  std::size_t restored_tokens;  // of num_tokens, those copied back from the host tier
 };
 
 struct PyFuture {
@@ -81,7 +82,8 @@ py::object ToPython(const std::shared_ptr<PyManager>& mgr, const FutureValue& va
   if (std::holds_alternative<VTensorRef>(value)) return py::cast(VTensorObject(mgr, std::get<VTensorRef>(value).id));
   if (std::holds_alternative<MatchResult>(value)) {
     const MatchResult& m = std::get<MatchResult>(value);
-    return py::cast(PyMatch{m.vtensor == 0 ? nullptr : VTensorObject(mgr, m.vtensor), m.num_tokens});
+    return py::cast(
+        PyMatch{m.vtensor == 0 ? nullptr : VTensorObject(mgr, m.vtensor), m.num_tokens, m.restored_tokens});
   }
   if (std::holds_alternative<std::int64_t>(value)) return py::int_(std::get<std::int64_t>(value));
   return py::none();
@@ -327,6 +329,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PyMatch>(m, "Match", "A prefix match: the new vTensor (or None) and the matched token count.")
       .def_readonly("vtensor", &PyMatch::vtensor)
       .def_readonly("num_tokens", &PyMatch::num_tokens)
+      .def_readonly("restored_tokens", &PyMatch::restored_tokens)
       .def("__repr__", [](const PyMatch& mt) {
         return "Match(num_tokens=" + std::to_string(mt.num_tokens) +
                (mt.vtensor ? ", vtensor=" + std::to_string(mt.vtensor->id) : std::string(", vtensor=None")) + ")";

@@ -22,6 +22,7 @@ struct VTensorRef {
 struct MatchResult {
   std::uint64_t vtensor = 0;  // 0 when nothing matched
   std::size_t num_tokens = 0;
+  std::size_t restored_tokens = 0;  // of num_tokens, those copied back from the host tier
 };
 
 using FutureValue = std::variant<std::monostate, VTensorRef, MatchResult, std::int64_t>;

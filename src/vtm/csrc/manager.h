@@ -284,7 +284,8 @@ class Manager {
   bool DropHostLeaf();
   // Copies the host-tier nodes on the path from the root to `node` (locked
   // by the caller) back into new chunks: all or none, a step of its own.
-  void RestorePath(PrefixTree& tree, PrefixNode* node, std::unique_lock<std::mutex>& lock);
+  // Returns how many of the path's first `length` tokens they hold.
+  std::size_t RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length, std::unique_lock<std::mutex>& lock);
   void MapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, const std::vector<ChunkId>& chunks,
                 UndoLog& undo);
   // Unmaps pages (in runs); chunk references are left for the caller.

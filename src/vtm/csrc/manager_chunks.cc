@@ -199,15 +199,17 @@ bool Manager::DropHostLeaf() {
   return true;
 }
 
-void Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::unique_lock<std::mutex>& lock) {
+std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length,
+                                 std::unique_lock<std::mutex>& lock) {
   std::vector<PrefixNode*> cold;
-  std::size_t n = 0;
+  std::size_t n = 0, tokens = 0;
   for (PrefixNode* p = node; p != tree.root(); p = p->parent) {
     if (!p->on_host) continue;
     cold.push_back(p);
     for (BlockId b : p->host_pages) n += b != kNoBlock ? 1 : 0;
+    tokens += std::min(p->end(), length) - std::min(p->start, length);
   }
-  if (cold.empty()) return;
+  if (cold.empty()) return 0;
   const auto started = std::chrono::steady_clock::now();
   // The path is locked: the evictions Acquire makes room with never pick it.
   UndoLog undo(&rollback_failures_total_);
@@ -227,6 +229,7 @@ void Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::unique_lock<s
   ++restores_total_;
   restored_pages_total_ += n;
   restore_seconds_total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return tokens;
 }
 
 bool Manager::RefillNeeded() const {

@@ -247,7 +247,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // Nodes of the path in the host tier come back to the device first. That
   // step stands even if a later one fails: the prefix is as matchable as
   // before, from the device.
-  if (sp.tree->tier() != nullptr) RestorePath(*sp.tree, found.node, lock);
+  const std::size_t restored = sp.tree->tier() != nullptr ? RestorePath(*sp.tree, found.node, m, lock) : 0;
   std::vector<ChunkId> source(need, kNoChunk);
   sp.tree->CollectPages(found, &source);
   for (std::size_t p = first; p < need; ++p) {
@@ -295,7 +295,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   TakeSlot(sp, slot, id);
   vtensors_[id] = VTensor{space, slot, m, node, low};
   AfterCommit();
-  return MatchResult{id, m};
+  return MatchResult{id, m, restored};
 }
 
 FutureValue Manager::DoClearPrefixes(std::uint32_t space) {

@@ -203,32 +203,36 @@ class VTensorState(_message.Message):
     def __init__(self, vtensor_id: _Optional[int] = ..., space_id: _Optional[int] = ..., slot: _Optional[int] = ..., num_tokens: _Optional[int] = ..., released: _Optional[bool] = ..., low: _Optional[int] = ...) -> None: ...
 
 class OpReply(_message.Message):
-    __slots__ = ("effects", "vtensors", "value", "vtensor_id", "matched_tokens")
+    __slots__ = ("effects", "vtensors", "value", "vtensor_id", "matched_tokens", "restored_tokens")
     EFFECTS_FIELD_NUMBER: _ClassVar[int]
     VTENSORS_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     VTENSOR_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     effects: _containers.RepeatedCompositeFieldContainer[SpaceEffects]
     vtensors: _containers.RepeatedCompositeFieldContainer[VTensorState]
     value: int
     vtensor_id: int
     matched_tokens: int
-    def __init__(self, effects: _Optional[_Iterable[_Union[SpaceEffects, _Mapping]]] = ..., vtensors: _Optional[_Iterable[_Union[VTensorState, _Mapping]]] = ..., value: _Optional[int] = ..., vtensor_id: _Optional[int] = ..., matched_tokens: _Optional[int] = ...) -> None: ...
+    restored_tokens: int
+    def __init__(self, effects: _Optional[_Iterable[_Union[SpaceEffects, _Mapping]]] = ..., vtensors: _Optional[_Iterable[_Union[VTensorState, _Mapping]]] = ..., value: _Optional[int] = ..., vtensor_id: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefixNode(_message.Message):
-    __slots__ = ("start", "end", "tokens", "locks", "pages")
+    __slots__ = ("start", "end", "tokens", "locks", "pages", "on_host")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCKS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    ON_HOST_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     locks: int
     pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., locks: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    on_host: bool
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., locks: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., on_host: _Optional[bool] = ...) -> None: ...
 
 class PrefixNodesReply(_message.Message):
     __slots__ = ("nodes",)
