@@ -132,6 +132,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier-gib", type=_number(0), default=0.0,
                    help="host memory, in GiB, that keeps the KV of prefixes evicted from the pool, so that a later "
                         "request (the next turn of a chat) copies it back instead of recomputing it; 0: none")
+    p.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],
+                   help="a request preempted for memory: recompute its KV when it is readmitted (what prefix caching "
+                        "still holds is mapped), or swap: keep its KV through vtm's host tier and copy it back "
+                        "(needs --host-tier-gib, or a broker with a tier)")
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"],
                    help="where the KV cache and the model live: auto is cuda when a driver exists, else host")
     p.add_argument("--manager", default=None, metavar="unix:PATH",
@@ -201,7 +205,7 @@ def _engine(args) -> LLM:
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
                attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
-               broker_wait_s=args.broker_wait, host_tier_bytes=host_tier)
+               broker_wait_s=args.broker_wait, host_tier_bytes=host_tier, preemption=args.preemption)
 
 
 def _load(args) -> LLM:

@@ -48,7 +48,7 @@ class Engine:
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,
-                 broker_wait_s: float = BROKER_WAIT_S, host_tier_bytes: int = 0):
+                 broker_wait_s: float = BROKER_WAIT_S, host_tier_bytes: int = 0, preemption: str = "recompute"):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
         if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
             dtype = _DTYPE_NAMES[dtype]
@@ -62,6 +62,8 @@ class Engine:
             raise InvalidArgument(f"broker_wait_s must be a number >= 0, got {broker_wait_s!r}")
         if isinstance(host_tier_bytes, bool) or not isinstance(host_tier_bytes, int) or host_tier_bytes < 0:
             raise InvalidArgument(f"host_tier_bytes must be an int >= 0, got {host_tier_bytes!r}")
+        if preemption not in ("recompute", "swap"):
+            raise InvalidArgument(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
         if host_tier_bytes and manager is not None:
             raise InvalidArgument("host_tier_bytes sizes the host tier of the engine's own vtm manager; a manager "
                                   "passed in (or a vtm broker) has its own (or none)")
@@ -150,7 +152,11 @@ class Engine:
 
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, max_num_seqs,
                                            [vt.slot for vt in self._sink])
-            self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching)
+            if preemption == "swap" and not manager.stats().get("host_tier_capacity_bytes"):
+                raise InvalidArgument("preemption='swap' keeps preempted requests' KV in vtm's host tier: give "
+                                      "host_tier_bytes (or a vtm broker started with --host-tier-bytes)")
+            self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching,
+                                       swap=preemption == "swap")
             self.kv_budget = self._kv_budget()
             # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
             if self.device.type == "cpu":

@@ -9,8 +9,11 @@ step's extend before the model runs, so mapping overlaps compute.
 New request: `prefix_match` (a hit maps the recorded chunks), else
 `create`. Out of memory: vtm first evicts prefix-tree leaves itself; if it
 still cannot, the lowest-priority, latest sequence is preempted (its
-computed prefix is recorded, its vTensor released; it is recomputed later
-with its output so far, so its output is unchanged). A sequence that cannot
+computed prefix is recorded, its vTensor released; it is readmitted later
+with its output so far, mapping what the tree still holds of it, from the
+device or vtm's host tier, and computing the rest, so its output is
+unchanged). With prefix caching off it is recorded only under
+preemption="swap", which needs a host tier. A sequence that cannot
 fit even alone fails with an error while the others go on. Finished
 sequences are recorded so the next chat turn maps them.
 
@@ -55,12 +58,17 @@ def _weak_handler(method):
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_batch_tokens: int, prefix_caching: bool):
+    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_batch_tokens: int, prefix_caching: bool,
+                 swap: bool = False):
         self.kv = kv_cache
         self.manager = kv_cache.manager
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.prefix_caching = prefix_caching
+        # Preemption by swap: a preempted sequence's KV is recorded and matched
+        # again when it is readmitted, with prefix caching on or off (the tree
+        # keeps it, on the device or in vtm's host tier).
+        self.swap = swap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
@@ -165,7 +173,7 @@ class Scheduler:
         return max(self.running, key=lambda s: (s.priority, s.metrics.arrival_s, s.id))
 
     def _preempt(self, seq: Sequence) -> None:
-        self._drop_vtensors(seq, record=True)
+        self._drop_vtensors(seq, record=self.prefix_caching or self.swap)
         self.running.remove(seq)
         seq.status = Status.WAITING
         seq.metrics.preemptions += 1
@@ -250,7 +258,7 @@ class Scheduler:
         # Recording first keeps the computed prefix matchable (the tree holds
         # the chunks, evictable LRU when memory runs out): a preempted or
         # finished conversation is resumed by mapping instead of recomputing.
-        if record and self.prefix_caching and seq.num_cached > 0:
+        if record and seq.num_cached > 0:
             self._record(seq.vtensors, seq.token_ids[: seq.num_cached])
         self._release(seq.vtensors)
         seq.reset_cache_state()
@@ -294,7 +302,7 @@ class Scheduler:
         wait (out of memory), or when it failed alone (a device error: then
         it is finished)."""
         try:
-            if self.prefix_caching and seq.num_tokens > 1:
+            if (self.prefix_caching or (self.swap and seq.metrics.preemptions)) and seq.num_tokens > 1:
                 self.prefix_query_tokens += len(seq.prompt_ids)
                 vtensors, matched, restored = self._match(seq)
                 if vtensors is not None:
@@ -383,7 +391,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.status = Status.FINISHED
         self.running.remove(seq)
-        self._drop_vtensors(seq, record=True)
+        self._drop_vtensors(seq, record=self.prefix_caching)
 
     def drain(self) -> None:
         """Wait for every queued memory operation (end of generate)."""

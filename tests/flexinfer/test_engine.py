@@ -424,6 +424,31 @@ def test_preempted_sequences_come_back_from_the_host_tier(tiny_llama, tiny_promp
     manager.close()
 
 
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_by_swap_keeps_the_kv_with_prefix_caching_off(tiny_llama, tiny_prompts, preemption):
+    """preemption="swap": a preempted sequence's KV goes to the tree and the
+    host tier even with prefix caching off, and its readmission maps it back;
+    "recompute" computes it again. Outputs unchanged either way."""
+    folder, oracle = tiny_llama
+    per_sequence = [-(-(len(p) + TINY_NEW_TOKENS) * TINY_ROW_BYTES // SMALL_CHUNK) for p in tiny_prompts]
+    manager = small_manager(max(per_sequence) + 4, host_tier_chunks=4 * sum(per_sequence))
+    llm = LLM(folder, manager=manager, enable_prefix_caching=False, preemption=preemption)
+    outputs = run(llm, tiny_prompts, greedy(TINY_NEW_TOKENS))
+    assert_greedy_equal(oracle, tiny_prompts, outputs, TINY_NEW_TOKENS)
+    assert sum(o.metrics.preemptions for o in outputs) > 0
+    hits = llm.stats()["prefix_hit_tokens"]
+    assert (hits > 0) == (preemption == "swap")
+    llm.close()
+    manager.close()
+
+
+def test_preemption_by_swap_needs_a_host_tier(tiny_llama):
+    with pytest.raises(InvalidArgument, match="host tier"):
+        LLM(tiny_llama[0], kv_capacity_bytes=4 << 20, preemption="swap")
+    with pytest.raises(InvalidArgument, match="preemption"):
+        LLM(tiny_llama[0], kv_capacity_bytes=4 << 20, preemption="later")
+
+
 def test_greedy_under_preemption_with_kv_capacity_bytes(tiny_llama, tiny_prompts):
     """The engine's own manager, sized by kv_capacity_bytes (2 MiB chunks, 4096 tiny
     rows each): three chunks for five sequences of one chunk each (tiny rows fit 4096 a
