@@ -205,27 +205,22 @@ void* CheckedBackend::alloc_host(std::size_t bytes) {
   return inner_->alloc_host(bytes);
 }
 
+void CheckedBackend::CheckHostCopy(const char* op, ChunkHandle chunk, const void* host, std::size_t bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::size_t chunk_bytes = ChunkBytesLocked(op, chunk);
+  if (host == nullptr) Invalid(op, "no host memory");
+  if (bytes == 0 || bytes > chunk_bytes)
+    Invalid(op, std::to_string(bytes) + " bytes: must be positive and at most the chunk's " +
+                    std::to_string(chunk_bytes));
+}
+
 void CheckedBackend::copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    const std::size_t src_bytes = ChunkBytesLocked("copy_to_host", src);
-    if (dst == nullptr) Invalid("copy_to_host", "no destination");
-    if (bytes == 0 || bytes > src_bytes)
-      Invalid("copy_to_host", std::to_string(bytes) + " bytes: must be positive and at most the chunk's " +
-                                  std::to_string(src_bytes));
-  }
+  CheckHostCopy("copy_to_host", src, dst, bytes);
   inner_->copy_to_host(dst, src, bytes, after);
 }
 
 void CheckedBackend::copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    const std::size_t dst_bytes = ChunkBytesLocked("copy_from_host", dst);
-    if (src == nullptr) Invalid("copy_from_host", "no source");
-    if (bytes == 0 || bytes > dst_bytes)
-      Invalid("copy_from_host", std::to_string(bytes) + " bytes: must be positive and at most the chunk's " +
-                                    std::to_string(dst_bytes));
-  }
+  CheckHostCopy("copy_from_host", dst, src, bytes);
   inner_->copy_from_host(dst, src, bytes);
 }
 

@@ -86,6 +86,8 @@ class CheckedBackend final : public Backend {
   void CheckRangeLocked(const char* op, std::uintptr_t va, std::size_t bytes) const;
   void CheckWholeMappingsLocked(const char* op, std::uintptr_t va, std::size_t bytes) const;
   std::size_t ChunkBytesLocked(const char* op, ChunkHandle chunk) const;
+  // A copy between `chunk` and `host` memory of `bytes`, which the chunk must hold.
+  void CheckHostCopy(const char* op, ChunkHandle chunk, const void* host, std::size_t bytes) const;
   // The reservation that is exactly [va, va + bytes) and holds no mapping.
   std::map<std::uintptr_t, Range>::iterator WholeEmptyReservationLocked(const char* op, std::uintptr_t va,
                                                                         std::size_t bytes);
