@@ -160,8 +160,11 @@ def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backe
     else:
         mgr.faults.fail_nth("copy_from_host", 1)
     before = snapshot(mgr, [sp], held)
-    with pytest.raises(vtm.OutOfMemory if oom else vtm.BackendError):
-        match(sp, A)
+    if oom:  # a miss, as without a tier (the prefix would have been evicted), not an error
+        assert match(sp, A).num_tokens == 0
+    else:
+        with pytest.raises(vtm.BackendError):
+            match(sp, A)
     assert_same_state(before, snapshot(mgr, [sp], held))
     assert on_host(sp) and mgr.stats()["restores_total"] == 0
     assert_pool_consistent(mgr)
@@ -171,6 +174,66 @@ def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backe
     m = match(sp, A)
     assert m.num_tokens == len(A)
     io.verify(m.vtensor, A)
+
+
+def test_a_match_restores_only_the_pages_it_maps(backend, make_manager):
+    """A short match into a long prefix on the host splits its node and copies
+    back the part it maps, not the whole node."""
+    chunk = chunk_for(backend)
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    A = [(13 * i + 5) % 91 for i in range(100)]  # one node of 6 pages
+    record(sp, io, A)
+    fill_pool(sp)
+    spilled = mgr.stats()["spilled_bytes_total"]
+    short = A[:20] + [777, 778]
+    m = match(sp, short)
+    assert m.num_tokens == m.restored_tokens == 20
+    io.verify(m.vtensor, short, 0, 20)
+    st = assert_pool_consistent(mgr)
+    pages = -(-20 * sp.row_bytes // chunk)
+    assert st["restored_bytes_total"] == pages * chunk < spilled
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 20, False), (20, 100, True)]
+    m.vtensor.release().result()
+    full = match(sp, A)  # the rest comes back too, and the bytes join up
+    assert full.num_tokens == len(A) and full.restored_tokens == len(A) - 20
+    io.verify(full.vtensor, A)
+    assert_pool_consistent(mgr)
+
+
+def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(backend, make_manager):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    A = [(17 * i + 1) % 79 for i in range(100)]
+    record(sp, io, A)
+    fill_pool(sp)
+    first = match(sp, A[:20] + [5])  # restores [0, 20), which it keeps locked on the device
+    held = []
+    while True:  # live vTensors hold every other chunk: the rest of A cannot come back
+        try:
+            held.append(sp.create(1).result())
+        except vtm.OutOfMemory:
+            break
+    held.pop().release().result()  # one chunk free: the match's copy of its last page
+    m = match(sp, A)
+    assert m.num_tokens == 20 and m.restored_tokens == 0
+    io.verify(m.vtensor, A, 0, 20)
+    assert [n["on_host"] for n in sp.prefix_nodes()] == [False, True]
+    for vt in held + [m.vtensor, first.vtensor]:
+        vt.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_a_node_too_big_for_the_tier_is_evicted_without_emptying_it(backend, make_manager):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=2)
+    small = [[900 + k, 901 + k] for k in range(2)]  # one page each
+    for tokens in small:
+        record(sp, io, tokens)
+    fill_pool(sp)
+    assert mgr.stats()["host_tier_used_bytes"] == 2 * chunk_for(backend)
+    record(sp, io, list(range(100)))  # 5+ pages: more than the whole tier
+    fill_pool(sp)
+    st = assert_pool_consistent(mgr)
+    assert st["spill_failures_total"] == 1 and st["host_tier_drops_total"] == 0
+    assert [n["on_host"] for n in sp.prefix_nodes()] == [True, True]  # the two small ones, kept
 
 
 def test_clear_prefixes_and_close_give_the_host_memory_back(backend, make_manager):

@@ -155,6 +155,11 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
       if (b != kNoBlock) tier_->Unref(b);
   };
   std::size_t pages = 0;
+  for (ChunkId c : node->pages) pages += c != kNoChunk ? 1 : 0;
+  if (pages > tier_->capacity()) {  // it would never fit: keep what the tier holds
+    ++spill_failures_total_;
+    return tree.EvictSubtree(node);
+  }
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
@@ -163,12 +168,12 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
       }
       if (!taken) {  // every block is held by a locked node
         give_back();
+        ++spill_failures_total_;
         return tree.EvictSubtree(node);
       }
       // After the kernels that wrote the page: a record shared it without a
       // copy only after ordering the backend's copies after its stream.
       backend_->copy_to_host(tier_->data(blocks[i]), pool_->handle(node->pages[i]), chunk_bytes_, nullptr);
-      ++pages;
     }
   } catch (const Error&) {
     // No host memory, or a failed copy: the node goes as it would without a tier.
@@ -226,6 +231,7 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   }
   undo.Commit();
   for (std::size_t k = 0; k < cold.size(); ++k) tree.Restore(cold[k], pages[k]);
+  tree.Touch(node, ++tick_);  // just copied back: the last to spill again, whatever follows
   ++restores_total_;
   restored_pages_total_ += n;
   restore_seconds_total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();

@@ -228,26 +228,43 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // match's last W rows (they may have holes below); the vTensor maps those
   // pages only, and its low mark is the first row wholly in them.
   if (sp.window_tokens > 0) found = sp.tree->Windowed(found);
-  const std::size_t m = found.length;
+  std::size_t m = found.length;
   if (m == 0) return MatchResult{0, 0};
-
-  const std::size_t need = PagesFor(sp, m);
-  const std::size_t first = sp.tree->FirstNeededPage(m);
-  const std::size_t shared_end = m * sp.row_bytes / chunk_bytes_;  // pages wholly below the match
-  const bool partial = shared_end < need;
-  const std::size_t low = first == need ? m : (first * chunk_bytes_ + sp.row_bytes - 1) / sp.row_bytes;
 
   UndoLog undo(&rollback_failures_total_);
   // Lock the matched path for the whole operation, so the eviction that
   // makes room for the copy below never picks the prefix being matched; and
   // hold its chunks, so a refill wait inside Acquire (which lets other
   // workers run) cannot free them either.
-  sp.tree->Lock(found.node);
-  undo.Add([this, &sp, node = found.node] { sp.tree->Unlock(node); });
-  // Nodes of the path in the host tier come back to the device first. That
-  // step stands even if a later one fails: the prefix is as matchable as
-  // before, from the device.
-  const std::size_t restored = sp.tree->tier() != nullptr ? RestorePath(*sp.tree, found.node, m, lock) : 0;
+  PrefixNode* const locked = found.node;
+  sp.tree->Lock(locked);
+  undo.Add([this, &sp, locked] { sp.tree->Unlock(locked); });
+  std::size_t restored = 0;
+  if (sp.tree->tier() != nullptr) {
+    // Nodes of the path in the host tier come back to the device first, and
+    // only as far as the match reaches: a node on the host that it ends
+    // inside is split there (the lock counts go to both halves). The restore
+    // is a step of its own and stands even if a later one fails: the prefix
+    // is as matchable as before, from the device.
+    if (found.node->on_host) found.node = sp.tree->SplitAt(found);
+    try {
+      restored = RestorePath(*sp.tree, found.node, m, lock);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kOutOfMemory) throw;
+      // No device memory for the part on the host: match what the device
+      // holds above it, as a manager without the tier would have kept it.
+      for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
+        if (p->on_host) m = p->start;
+      if (m == 0) return MatchResult{0, 0};
+      found = sp.tree->Find(tokens.data(), m);
+    }
+  }
+
+  const std::size_t need = PagesFor(sp, m);
+  const std::size_t first = sp.tree->FirstNeededPage(m);
+  const std::size_t shared_end = m * sp.row_bytes / chunk_bytes_;  // pages wholly below the match
+  const bool partial = shared_end < need;
+  const std::size_t low = first == need ? m : (first * chunk_bytes_ + sp.row_bytes - 1) / sp.row_bytes;
   std::vector<ChunkId> source(need, kNoChunk);
   sp.tree->CollectPages(found, &source);
   for (std::size_t p = first; p < need; ++p) {
@@ -289,7 +306,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   const TreePosition now = sp.tree->Find(tokens.data(), m);
   PrefixNode* node = sp.tree->SplitAt(now);
   sp.tree->Lock(node);
-  sp.tree->Unlock(found.node);
+  sp.tree->Unlock(locked);
   sp.tree->Touch(node, ++tick_);
   if (partial) ++cow_copies_total_;
   TakeSlot(sp, slot, id);
