@@ -135,7 +135,7 @@ std::size_t Manager::EvictTreeLeaves(std::size_t need) {
     heap.pop();
     PrefixNode* parent = node->parent;
     if (tree->tier() != nullptr) {
-      if (!tree->Spillable(node)) continue;  // pushed twice, by two of its children
+      if (!tree->Spillable(node)) continue;  // only what is still spillable now
       freed += SpillNode(*tree, node);
       if (tree->Spillable(parent)) heap.emplace(parent->last_access, parent, tree);
     } else {
