@@ -193,3 +193,84 @@ def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
         service.close_all()
         reactor.close()
         manager.close()
+
+
+def test_closing_the_session_channel_leaves_its_fd_to_the_reader(tmp_path):
+    # The client closed the channel's fd while its listener thread was still
+    # reading it (TSan saw close() race recv()): the fd number is then free
+    # for the next socket this process opens, under a read that still holds
+    # it. Now close() only shuts the connection down, and the reader closes
+    # the fd once it has left its read.
+    import json
+    import threading
+
+    from vtm.broker.session_channel import SessionChannel
+
+    path = str(tmp_path / "fds")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(1)
+    accepted = []
+
+    def broker():
+        conn, _ = server.accept()
+        accepted.append(conn)
+        conn.recv(1 << 16)
+        conn.send(json.dumps({"attached": True}).encode())
+        conn.send(json.dumps({"notice": "reclaim", "id": 1}).encode())
+
+    serving = threading.Thread(target=broker)
+    serving.start()
+    channel = SessionChannel(path, "lease", timeout=10)
+    serving.join()
+    reader_in_body, release_reader, seen = threading.Event(), threading.Event(), []
+
+    def listen():
+        for notice in channel.notices():
+            seen.append(notice)
+            reader_in_body.set()
+            release_reader.wait(10)
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    try:
+        assert reader_in_body.wait(10)
+        channel.close()  # the reader is between two reads: it still owns the fd
+        assert channel._sock.fileno() != -1
+        release_reader.set()
+        listener.join(10)
+        assert not listener.is_alive() and seen == [{"notice": "reclaim", "id": 1}]
+        assert channel._sock.fileno() == -1  # the reader closed it on its way out
+        channel.close()  # idempotent
+        assert list(channel.notices()) == []  # a closed channel reads nothing
+    finally:
+        release_reader.set()
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+def test_closing_a_session_channel_nobody_reads_closes_its_fd(tmp_path):
+    import json
+    import threading
+
+    from vtm.broker.session_channel import SessionChannel
+
+    path = str(tmp_path / "fds")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(1)
+
+    def broker():
+        conn, _ = server.accept()
+        conn.recv(1 << 16)
+        conn.send(json.dumps({"attached": True}).encode())
+        conn.close()
+
+    serving = threading.Thread(target=broker)
+    serving.start()
+    channel = SessionChannel(path, "lease", timeout=10)
+    serving.join()
+    channel.close()
+    assert channel._sock.fileno() == -1
+    server.close()

@@ -752,8 +752,7 @@ class RemoteManager:
                 pass  # the broker is gone (or hung), and the session with it
             self._lease = None
         if self._session is not None:
-            self._session.drop()  # ends the listener's wait
-            self._session.close()
+            self._session.close()  # ends the listener's wait; the listener closes the fd
             self._session = None
         if self._channel is not None:
             self._channel.close()

@@ -25,13 +25,18 @@ Messages, one JSON object a datagram:
     {"notice": "shutdown", "reason": R}
 
 Threading: one thread reads the channel (the client's listener); ack() may
-be called from it, drop() from any thread.
+be called from it, drop() and close() from any thread. The reader owns the socket while
+it reads: close() from another thread only shuts the connection down (the
+read returns) and the reader closes the fd on its way out. Closing it under
+the blocked read would free the fd number while the read still holds it,
+and the next socket opened in this process could be read in its place.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
 
 from vtm import errors
 
@@ -67,20 +72,34 @@ class SessionChannel:
         except BaseException:
             self._sock.close()
             raise
+        self._mu = threading.Lock()
+        self._reading = False  # a thread is inside notices(): it closes the socket
+        self._closed = False
 
     def notices(self):
-        """The broker's notices, as dicts, until the channel ends."""
-        while True:
-            try:
-                data = self._sock.recv(MAX_MESSAGE)
-            except OSError:
+        """The broker's notices, as dicts, until the channel ends (or is closed)."""
+        with self._mu:
+            if self._closed or self._reading:
                 return
-            if not data:
-                return
-            try:
-                yield json.loads(data)
-            except ValueError:
-                return  # not the broker speaking: the channel is unusable
+            self._reading = True
+        try:
+            while True:
+                try:
+                    data = self._sock.recv(MAX_MESSAGE)
+                except OSError:
+                    return
+                if not data:
+                    return
+                try:
+                    yield json.loads(data)
+                except ValueError:
+                    return  # not the broker speaking: the channel is unusable
+        finally:
+            with self._mu:
+                self._reading = False
+                close = self._closed
+            if close:
+                self._sock.close()
 
     def ack(self, notice_id: int) -> None:
         try:
@@ -89,14 +108,24 @@ class SessionChannel:
             pass  # the channel ending tells the listener
 
     def drop(self) -> None:
-        """Ends the channel from this side (the listener's read returns)."""
+        """Ends the connection (the listener's read returns) and keeps the fd:
+        what a transport reset does to a session's channel."""
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
     def close(self) -> None:
-        self._sock.close()
+        """Ends the channel from this side; the listener's read returns.
+        Idempotent. The fd is closed here, or by the reader if one is reading."""
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+            reading = self._reading
+        self.drop()
+        if not reading:
+            self._sock.close()
 
 
 def say_bye(path: str, lease: str, timeout: float, wait: bool = True) -> None:
