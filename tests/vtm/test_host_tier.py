@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import vtm
-from broker_testing import spawn  # noqa: F401 (a fixture)
+from broker_testing import broker, spawn  # noqa: F401 (fixtures)
 from vtm_testing import SENTINEL, RowIO, assert_pool_consistent, assert_same_state, chunk_for, snapshot
 
 CHUNKS = 8  # a small device pool, so that a few vTensors evict the tree
@@ -269,6 +269,88 @@ def test_bad_host_tier_sizes_are_refused(backend):
         vtm.Manager(backend=backend, capacity_bytes=4 * chunk, chunk_bytes=chunk, host_tier_bytes=-chunk)
 
 
+def test_an_account_at_its_limit_drops_its_own_prefixes_and_not_another_accounts(backend, make_manager):
+    """Two tenants share a tier with room for two prefixes. Without limits,
+    tenant A's second spill would drop tenant B's prefix (the least recently
+    used); with A limited to one prefix's pages, A's spill drops A's own."""
+    chunk = chunk_for(backend)
+    row = chunk // 20 + 7
+    pages = -(-40 * row // chunk)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=2 * pages * chunk)
+    a = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, tier_account=1)
+    b = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, tier_account=2)
+    io_a, io_b = RowIO(a, backend), RowIO(b, backend)
+    mgr.set_host_tier_limit(1, pages * chunk)
+    b0, a0, a1 = ([100 * k + i for i in range(40)] for k in range(3))
+    record(b, io_b, b0)  # the least recently used of the three
+    record(a, io_a, a0)
+    record(a, io_a, a1)
+    fill_pool(a)
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_limit_drops_total"] == 1 and st["host_tier_drops_total"] == 1, st
+    assert st["host_tier_accounts"] == {1: {"used_bytes": pages * chunk, "limit_bytes": pages * chunk},
+                                        2: {"used_bytes": pages * chunk, "limit_bytes": None}}
+    assert match(a, a0).num_tokens == 0
+    for space, io, tokens in ((a, io_a, a1), (b, io_b, b0)):
+        m = match(space, tokens)
+        assert m.num_tokens == m.restored_tokens == len(tokens)
+        io.verify(m.vtensor, tokens)
+        m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_a_lowered_limit_drops_that_accounts_prefixes_at_once(backend, make_manager):
+    chunk = chunk_for(backend)
+    row = chunk // 20 + 7
+    pages = -(-40 * row // chunk)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=16 * chunk)
+    a = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, tier_account=7)
+    io = RowIO(a, backend)
+    a0, a1 = ([100 * k + i for i in range(40)] for k in range(2))
+    record(a, io, a0)
+    record(a, io, a1)
+    fill_pool(a)
+    assert assert_pool_consistent(mgr)["host_tier_accounts"][7] == {"used_bytes": 2 * pages * chunk,
+                                                                     "limit_bytes": None}
+    mgr.set_host_tier_limit(7, pages * chunk + chunk // 2)  # rounded down to whole chunks
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_accounts"][7] == {"used_bytes": pages * chunk, "limit_bytes": pages * chunk}
+    assert st["host_tier_limit_drops_total"] == 1
+    assert match(a, a0).num_tokens == 0  # the older one went
+    m = match(a, a1)
+    assert m.restored_tokens == len(a1)
+    io.verify(m.vtensor, a1)
+    m.vtensor.release().result()
+    # Under one chunk: nothing of the account stays on the host, and its
+    # next spill evicts (a failed spill) instead.
+    mgr.set_host_tier_limit(7, chunk - 1)
+    failures = mgr.stats()["spill_failures_total"]
+    fill_pool(a)
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_used_bytes"] == 0 and st["spill_failures_total"] == failures + 1
+    assert match(a, a1).num_tokens == 0
+    mgr.set_host_tier_limit(7, 0)  # no limit again
+    assert 7 not in mgr.stats()["host_tier_accounts"]
+
+
+def test_bad_tier_accounts_and_limits_are_refused(backend, make_manager):
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=4 * chunk)
+    for account in (-1, 1 << 32):
+        with pytest.raises(vtm.InvalidArgument, match="tier_account"):
+            mgr.create_space(row_bytes=64, max_tokens=10, max_slots=1, tier_account=account)
+        with pytest.raises(vtm.InvalidArgument, match="tier_account"):
+            mgr.set_host_tier_limit(account, chunk)
+    with pytest.raises(vtm.InvalidArgument, match="account 0"):
+        mgr.set_host_tier_limit(0, chunk)
+    with pytest.raises(vtm.InvalidArgument, match="bytes"):
+        mgr.set_host_tier_limit(1, -1)
+    assert mgr.stats()["host_tier_accounts"] == {}
+    without = make_manager(backend, chunks=CHUNKS)
+    with pytest.raises(vtm.FailedPrecondition, match="no host tier"):
+        without.set_host_tier_limit(1, chunk)
+
+
 def test_random_records_matches_and_pressure_never_return_stale_bytes(backend, make_manager):
     """A random mix of records, matches, releases and pool-filling over a
     small pool and a smaller tier: every match returns the pattern of its
@@ -299,6 +381,49 @@ def test_random_records_matches_and_pressure_never_return_stale_bytes(backend, m
         mgr.check()
     st = assert_pool_consistent(mgr)
     assert st["spills_total"] > 0 and st["restores_total"] > 0 and st["host_tier_drops_total"] > 0, st
+
+
+def test_random_work_of_two_accounts_in_one_tree_keeps_each_within_its_limit(backend, make_manager):
+    """Two spaces of one namespace charged to two accounts, one of them
+    limited: nodes of both accounts share paths and split each other's. Every
+    match returns its own tokens' bytes, the limited account never holds more
+    than its limit, and the invariants (blocks charged per account) hold."""
+    rng = np.random.default_rng(11)
+    chunk = chunk_for(backend)
+    row = chunk // 20 + 7
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=8 * chunk)
+    spaces = [mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="shared", name=f"s{a}",
+                               tier_account=a) for a in (1, 2)]
+    ios = [RowIO(sp, backend) for sp in spaces]
+    mgr.set_host_tier_limit(1, 3 * chunk)
+    stems = [[1000 * k + i for i in range(25)] for k in range(3)]
+    live = []
+    for step in range(150):
+        roll = rng.random()
+        k = int(rng.integers(2))
+        sp, io = spaces[k], ios[k]
+        stem = stems[rng.integers(len(stems))]
+        tokens = stem[:int(rng.integers(5, 25))] + [int(t) for t in rng.integers(0, 50, int(rng.integers(0, 30)))]
+        try:
+            if roll < 0.35:
+                record(sp, io, tokens)
+            elif roll < 0.75:
+                m = match(sp, tokens)
+                if m.num_tokens:
+                    io.verify(m.vtensor, tokens, 0, m.num_tokens, what=f"step {step}")
+                    live.append(m.vtensor)
+            elif roll < 0.9 and live:
+                live.pop(int(rng.integers(len(live)))).release().result()
+            else:
+                fill_pool(sp)
+        except vtm.OutOfMemory:
+            while live:
+                live.pop().release().result()
+        mgr.check()
+        used = mgr.stats()["host_tier_accounts"].get(1, {}).get("used_bytes", 0)
+        assert used <= 3 * chunk, f"step {step}: account 1 holds {used} bytes"
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] > 0 and st["restores_total"] > 0 and st["host_tier_limit_drops_total"] > 0, st
 
 
 def test_through_vtmd_one_client_restores_what_another_recorded_and_the_broker_spilled(tmp_path, spawn, backend,
@@ -345,3 +470,61 @@ def test_through_vtmd_one_client_restores_what_another_recorded_and_the_broker_s
         assert "host tier:" in capsys.readouterr().out  # vtmctl stats and top show the tier
     finally:
         b.kill()
+
+
+def test_through_vtmd_a_client_names_host_tier_limit_keeps_its_spills_off_another_names_prefixes(
+        tmp_path, backend, capsys):
+    """vtmd's quota file limits client "a" to one prefix's pages of a tier
+    with room for two. "b" recorded first (its prefix is the least recently
+    used), then "a" recorded two; when the pool spills all three, a's
+    second spill drops a's first, and b's prefix comes back byte for byte."""
+    from broker_testing import CHUNK as BROKER_CHUNK
+    from broker_testing import ROW, BrokerProcess, RowView, pattern
+    from vtm.broker import ctl
+
+    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
+    n = 3 * chunk // row  # three pages of tokens
+    pages = -(-n * row // chunk)
+    quota_file = tmp_path / "quotas.toml"
+    quota_file.write_text(f'[clients."a"]\nhost_tier_limit_bytes = {pages * chunk}\n')
+    b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=chunk, backend=backend,
+                      extra_args=["--host-tier-bytes", str(2 * pages * chunk), "--quota-file", str(quota_file)])
+    try:
+        with vtm.connect(b.address, name="a") as ma, vtm.connect(b.address, name="b") as mb:
+            sa = ma.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="ns-a")
+            sb = mb.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="ns-b")
+            va, vb = RowView(sa, backend), RowView(sb, backend)
+            b0, a0, a1 = ([10000 * k + i for i in range(n)] for k in range(1, 4))
+            for space, view, tokens in ((sb, vb, b0), (sa, va, a0), (sa, va, a1)):
+                vt = space.create(len(tokens)).result()
+                view.write(vt.slot, 0, pattern(tokens, row))
+                space.prefix_record(vt, tokens).result()
+                vt.release().result()
+            fill_pool(sa)
+            stats = ma.stats()
+            clients = {c["name"]: c for c in stats["clients"]}
+            assert clients["a"]["host_tier_bytes"] == clients["a"]["host_tier_limit_bytes"] == pages * chunk
+            assert clients["b"]["host_tier_bytes"] == pages * chunk and clients["b"]["host_tier_limit_bytes"] == 0
+            assert stats["host_tier_limit_drops_total"] == 1, stats
+            assert sa.prefix_match(a0 + [7]).result().num_tokens == 0
+            for space, view, tokens in ((sa, va, a1), (sb, vb, b0)):
+                m = space.prefix_match(tokens + [7]).result()
+                assert m.num_tokens == m.restored_tokens == len(tokens)
+                assert (view.read(m.vtensor.slot, 0, len(tokens) * row) == pattern(tokens, row)).all()
+                m.vtensor.release().result()
+            capsys.readouterr()
+            assert ctl.main(["--address", b.address, "set-quota", "a", "--host-tier-limit", "0"]) == 0
+            assert "host tier limit 0 bytes" in capsys.readouterr().out
+            assert ctl.main(["--address", b.address, "stats"]) == 0
+            assert "tier MiB" in capsys.readouterr().out
+            assert {c["name"]: c for c in ma.stats()["clients"]}["a"]["host_tier_limit_bytes"] == 0
+            ma.check()
+    finally:
+        b.kill()
+
+
+def test_vtmd_without_a_tier_refuses_a_host_tier_limit(broker, capsys):
+    from vtm.broker import ctl
+
+    assert ctl.main(["--address", broker.address, "set-quota", "a", "--host-tier-limit", "1MiB"]) == 2
+    assert "no host tier" in capsys.readouterr().err

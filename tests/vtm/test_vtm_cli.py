@@ -87,9 +87,12 @@ def test_the_quota_file_takes_human_sizes(tmp_path):
 
     path = tmp_path / "quotas.toml"
     path.write_text('[clients."a"]\npriority = 3\nguaranteed_bytes = "1GiB"\nlimit_bytes = "1.5GiB"\n'
-                    '[default]\nlimit_bytes = 4096\n')
+                    'host_tier_limit_bytes = "8GiB"\n[default]\nlimit_bytes = 4096\n')
     quotas = Quotas.load(str(path), 4 * GiB)
-    assert quotas.offered("a") == Quota(3, GiB, 3 * GiB // 2) and quotas.default == Quota(0, 0, 4096)
+    assert quotas.offered("a") == Quota(3, GiB, 3 * GiB // 2, 8 * GiB) and quotas.default == Quota(0, 0, 4096)
+    path.write_text('[default]\nhost_tier_limit_bytes = -1\n')
+    with pytest.raises(Exception, match=r"host_tier_limit_bytes -1 is out of range"):
+        Quotas.load(str(path), 4 * GiB)
     path.write_text('[default]\nlimit_bytes = "2GB"\n')
     with pytest.raises(Exception, match=r"\[default\]: limit_bytes: expected .*write 2GiB"):
         Quotas.load(str(path), 4 * GiB)

@@ -3,6 +3,7 @@
     vtmctl --address unix:PATH stats [--json]
     vtmctl --address unix:PATH top [--interval S] [--iterations N]
     vtmctl --address unix:PATH set-quota NAME [LIMIT] [--limit SIZE] [--guaranteed SIZE] [--priority P]
+                                         [--host-tier-limit SIZE]
     vtmctl --address unix:PATH trim [--bytes SIZE]
 
 SIZE: a byte count or a number with a binary suffix, e.g. 20MiB (src/vtm/sizes.py).
@@ -49,13 +50,18 @@ def _mib(n: int) -> str:
 
 
 def _clients_table(stats: dict) -> list[str]:
+    """One row a client; with a host tier, what its name keeps there and may keep (per name: quota.py)."""
+    tier = bool(stats.get("host_tier_capacity_bytes"))
     rows = [f"{'client':<20} {'pid':>8} {'state':>11} {'prio':>5} {'mapped MiB':>11} {'guar MiB':>9} "
-            f"{'limit MiB':>10} {'owes MiB':>9} {'spaces':>6} {'vts':>5}"]
+            f"{'limit MiB':>10} {'owes MiB':>9} {'spaces':>6} {'vts':>5}"
+            + (f" {'tier MiB':>9} {'tier lim':>9}" if tier else "")]
     for c in stats["clients"]:
         pid = "-" if c["pid"] is None else c["pid"]  # none before the session attaches
         rows.append(f"{c['name'][:20]:<20} {pid:>8} {c['state']:>11} {c['priority']:>5} {_mib(c['mapped_bytes']):>11} "
                     f"{_mib(c['guaranteed_bytes']):>9} {_mib(c['limit_bytes']) if c['limit_bytes'] else '-':>10} "
-                    f"{_mib(c['owes_bytes']):>9} {c['spaces']:>6} {c['vtensors']:>5}")
+                    f"{_mib(c['owes_bytes']):>9} {c['spaces']:>6} {c['vtensors']:>5}"
+                    + (f" {_mib(c['host_tier_bytes']):>9} "
+                       f"{_mib(c['host_tier_limit_bytes']) if c['host_tier_limit_bytes'] else '-':>9}" if tier else ""))
     return rows
 
 
@@ -132,6 +138,9 @@ def main(argv=None) -> int:
                        help="bytes never reclaimed from them (default: unchanged)")
     quota.add_argument("--priority", type=int, default=None, metavar="P",
                        help="higher keeps memory longer under pressure (default: unchanged)")
+    quota.add_argument("--host-tier-limit", type=size, default=None, metavar="SIZE",
+                       help="most bytes of vtmd's host tier the prefixes they record may keep; 0: no limit "
+                            "(default: unchanged)")
     trim = sub.add_parser("trim", help="give free chunks back to the device")
     trim.add_argument("--bytes", type=size, default=None, metavar="SIZE",
                       help="at most this much (default: every free chunk)")
@@ -160,11 +169,12 @@ def main(argv=None) -> int:
                     raise errors.InvalidArgument("give the limit once: LIMIT or --limit")
                 limit = args.limit if args.limit is not None else args.bytes
                 request = vtm_pb2.SetQuotaRequest(name=args.name, limit_bytes=limit, guaranteed_bytes=args.guaranteed,
-                                                  priority=args.priority)
+                                                  priority=args.priority, host_tier_limit_bytes=args.host_tier_limit)
                 reply = json.loads(_call(stub.SetQuota, request, args.timeout, "set-quota", metadata).json)
                 quota = reply["quota"]
                 print(f"{args.name}: limit {quota['limit_bytes']} bytes, guaranteed {quota['guaranteed_bytes']} "
-                      f"bytes, priority {quota['priority']} ({len(reply['clients'])} connected client(s))")
+                      f"bytes, priority {quota['priority']}, host tier limit {quota['host_tier_limit_bytes']} bytes "
+                      f"({len(reply['clients'])} connected client(s))")
             else:
                 request = vtm_pb2.TrimRequest(all=args.bytes is None, bytes=args.bytes or 0)
                 print(f"released {_call(stub.Trim, request, args.timeout, 'trim', metadata).value} bytes")

@@ -10,11 +10,20 @@ The quota file (vtmd --quota-file PATH), TOML:
     priority = 0
     guaranteed_bytes = 0
     limit_bytes = 0              # 0: no limit but the pool's capacity
+    host_tier_limit_bytes = 0    # of vtmd --host-tier-bytes; 0: no limit but the tier's
 
     [clients."llama-a"]          # the clients named llama-a
     priority = 10
     guaranteed_bytes = "8GiB"    # a byte count, or a string as src/vtm/sizes.py reads
     limit_bytes = 34359738368
+    host_tier_limit_bytes = "16GiB"
+
+host_tier_limit_bytes caps the broker's host tier memory that the prefixes
+recorded by the clients of a name keep (rounded down to whole chunks): at
+the limit, their spills drop their own least recently used prefixes on the
+host, never another name's. It is charged per name, not per session, since
+a prefix outlives the session that recorded it, and a client cannot ask for
+another value. Without a host tier it has no effect.
 
 A field missing from a table is 0; no file means every client gets the
 [default] above. `vtmctl set-quota NAME ...` changes or adds a table while
@@ -36,13 +45,14 @@ from vtm import errors
 from vtm.sizes import parse_size
 
 _MAX_BYTES = 1 << 62
-_FIELDS = ("priority", "guaranteed_bytes", "limit_bytes")
+_FIELDS = ("priority", "guaranteed_bytes", "limit_bytes", "host_tier_limit_bytes")
 
 
 class Quota(NamedTuple):
     priority: int = 0
     guaranteed_bytes: int = 0
     limit_bytes: int = 0  # 0: none
+    host_tier_limit_bytes: int = 0  # 0: none
 
 
 class Ask(NamedTuple):
@@ -60,7 +70,7 @@ def grant(offered: Quota, asked: Ask) -> Quota:
                                                                                      offered.guaranteed_bytes)
     limits = [b for b in (offered.limit_bytes, asked.limit_bytes) if b]
     limit = min(limits) if limits else 0
-    return Quota(priority, min(guaranteed, limit) if limit else guaranteed, limit)
+    return Quota(priority, min(guaranteed, limit) if limit else guaranteed, limit, offered.host_tier_limit_bytes)
 
 
 def check(quota: Quota, what: str) -> Quota:
@@ -114,13 +124,14 @@ class Quotas:
         """Sets the entry of `name` to a quota with_entry() returned."""
         self.named[name] = quota
 
-    def with_entry(self, name: str, priority=None, guaranteed_bytes=None, limit_bytes=None) -> Quota:
+    def with_entry(self, name: str, **fields) -> Quota:
         """The entry of `name` with the given fields changed (the others as
         offered now), checked against the capacity but not stored."""
+        unknown = set(fields) - set(_FIELDS)
+        if unknown:
+            raise errors.InvalidArgument(f"unknown quota fields {sorted(unknown)}")
         old = self.offered(name)
-        new = check(Quota(old.priority if priority is None else priority,
-                          old.guaranteed_bytes if guaranteed_bytes is None else guaranteed_bytes,
-                          old.limit_bytes if limit_bytes is None else limit_bytes), f"the quota of '{name}'")
+        new = check(old._replace(**{f: v for f, v in fields.items() if v is not None}), f"the quota of '{name}'")
         self._check_sum({**self.named, name: new})
         return new
 

@@ -94,6 +94,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._mu = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._next_client = 1
+        # The host tier charges the prefixes a client records to its name's
+        # account (quota.py): name -> account, for the broker's life.
+        self._tier_accounts: dict[str, int] = {}
+        self._has_tier = manager.stats()["host_tier_capacity_bytes"] > 0
         self._stopping = False
         self.policy = Policy(self._open_sessions, manager.chunk_bytes, self._free_bytes)
         self._reaper_stop = threading.Event()
@@ -216,12 +220,18 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         for session in sessions:
             self.end_session(session)
 
-    def clients(self) -> list[dict]:
+    def clients(self, tier: dict | None = None) -> list[dict]:
+        """`tier`: the manager's stats()["host_tier_accounts"], where the caller has them."""
         with self._mu:
             sessions = list(self._sessions.values())
+            accounts = dict(self._tier_accounts)
         chunk_bytes = self.manager.chunk_bytes
+        if tier is None:
+            tier = self.manager.stats()["host_tier_accounts"] if accounts else {}
         return [{"id": s.client_id, "name": s.name, "pid": s.pid, "state": s.state, "priority": s.priority,
                  "guaranteed_bytes": s.guaranteed_bytes, "limit_bytes": s.limit_bytes,
+                 "host_tier_bytes": tier.get(accounts.get(s.name), {}).get("used_bytes", 0),
+                 "host_tier_limit_bytes": s.host_tier_limit_bytes,
                  "mapped_bytes": s.mapped_bytes(chunk_bytes), "spaces": len(s.spaces),
                  "vtensors": len(s.vtensors), "owes_bytes": (0 if s.owed_target is None else
                                                              max(0, s.mapped_bytes(chunk_bytes) - s.owed_target))}
@@ -375,6 +385,19 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         finally:
             self.policy.unreserve(session)
 
+    def _tier_account(self, name: str) -> int:
+        """The host-tier account of the clients named `name`, made on first
+        use with the operator's host_tier_limit_bytes for the name."""
+        with self._mu:
+            account = self._tier_accounts.get(name)
+            if account is None:
+                account = len(self._tier_accounts) + 1
+                limit = self.quotas.offered(name).host_tier_limit_bytes
+                if limit and self._has_tier:
+                    self.manager.set_host_tier_limit(account, limit)
+                self._tier_accounts[name] = account
+            return account
+
     def _table_entries(self, row_bytes: int, max_tokens: int, max_slots: int) -> int:
         pages_per_slot = -(-row_bytes * max_tokens // self._chunk_bytes)
         return max_slots * (pages_per_slot + _SLOT_ENTRIES)
@@ -432,7 +455,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                       f"{self._table_budget} a client may hold; close a space first")
             space = self.manager.create_space(row_bytes, max_tokens, max_slots, namespace=request.namespace or None,
                                               name=f"c{session.client_id}/{name}",
-                                              window_tokens=_count(request.window_tokens, "window_tokens"))
+                                              window_tokens=_count(request.window_tokens, "window_tokens"),
+                                              tier_account=self._tier_account(session.name))
             session.next_space += 1
             session.spaces[space.id] = space
             session.space_names[space.id] = name
@@ -597,7 +621,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def Stats(self, request, context):
         def body(_):
             stats = self.manager.stats()
-            stats["clients"] = self.clients()
+            stats["clients"] = self.clients(stats.pop("host_tier_accounts"))
             return vtm_pb2.StatsReply(json=json.dumps(stats))
         return self._run(context, body, session_required=False)
 
@@ -609,10 +633,12 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def SetQuota(self, request, context):
         def body(_):
-            fields = {f: getattr(request, f) for f in ("priority", "guaranteed_bytes", "limit_bytes")
-                      if request.HasField(f)}
+            fields = {f: getattr(request, f) for f in ("priority", "guaranteed_bytes", "limit_bytes",
+                                                       "host_tier_limit_bytes") if request.HasField(f)}
             if not fields:
                 raise vtm.InvalidArgument("set-quota: nothing to set (a priority, guarantee or limit)")
+            if fields.get("host_tier_limit_bytes") and not self._has_tier:
+                raise vtm.InvalidArgument("set-quota: this vtmd has no host tier (--host-tier-bytes) to limit")
             name = request.name
             capacity = self.manager.capacity_bytes
             with self._mu:
@@ -627,6 +653,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 self.quotas.store(name, quota)
                 for session, granted in grants.items():
                     session.grant(granted)
+                if name in self._tier_accounts and self._has_tier:
+                    self.manager.set_host_tier_limit(self._tier_accounts[name], quota.host_tier_limit_bytes)
             for session in matching:
                 if session.limit_bytes and session.state == LIVE:
                     # Over a lowered limit: ask for the excess, as for a

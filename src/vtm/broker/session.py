@@ -25,8 +25,9 @@ Invariants (guarded by `lock`, which also serialises the client's calls):
     holds nothing, and its pidfd is closed;
   * table_entries is the page-table size of its open spaces (service.py);
   * asked holds what the client asked for in Hello (None: the operator's
-    value); priority / guaranteed_bytes / limit_bytes are what it was
-    granted (quota.py); owed_* are the policy's (policy.py).
+    value); priority / guaranteed_bytes / limit_bytes /
+    host_tier_limit_bytes are what it was granted (quota.py); owed_* are
+    the policy's (policy.py).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Session:
         self.priority = granted.priority
         self.guaranteed_bytes = granted.guaranteed_bytes
         self.limit_bytes = granted.limit_bytes
+        self.host_tier_limit_bytes = granted.host_tier_limit_bytes  # charged per name (quota.py)
         self.lease = secrets.token_hex(16)
         self.lock = threading.Lock()
         self.state = PENDING
@@ -93,7 +95,7 @@ class Session:
         return self.state == CLOSED
 
     def grant(self, granted: Quota) -> None:
-        self.priority, self.guaranteed_bytes, self.limit_bytes = granted
+        self.priority, self.guaranteed_bytes, self.limit_bytes, self.host_tier_limit_bytes = granted
 
     def notify(self, message: dict) -> bool:
         """Sends a notice on the session's channel without waiting: a client

@@ -147,6 +147,12 @@ std::size_t Count(std::int64_t n, const char* what) {
   return static_cast<std::size_t>(n);
 }
 
+std::uint32_t TierAccount(std::int64_t account) {
+  if (account < 0 || account > std::int64_t{UINT32_MAX})
+    Throw(ErrorCode::kInvalidArgument, "tier_account must be in [0, 2^32), got " + std::to_string(account));
+  return static_cast<std::uint32_t>(account);
+}
+
 py::dict SpaceDict(const SpaceInfo& s) {
   py::dict d;
   d["namespace"] = s.ns;
@@ -191,6 +197,15 @@ py::dict StatsDict(const Stats& st) {
   d["restores_total"] = st.restores_total;
   d["restored_bytes_total"] = st.restored_bytes_total;
   d["host_tier_drops_total"] = st.host_tier_drops_total;
+  d["host_tier_limit_drops_total"] = st.host_tier_limit_drops_total;
+  py::dict accounts;
+  for (const auto& [account, usage] : st.host_tier_accounts) {
+    py::dict a;
+    a["used_bytes"] = usage.first;
+    a["limit_bytes"] = usage.second ? py::cast(*usage.second) : py::none();
+    accounts[py::int_(account)] = a;
+  }
+  d["host_tier_accounts"] = accounts;
   d["restore_seconds_total"] = st.restore_seconds_total;
   py::dict spaces;
   for (const auto& [name, info] : st.spaces) spaces[py::str(name)] = SpaceDict(info);
@@ -497,18 +512,30 @@ PYBIND11_MODULE(_core, m) {
           "create_space",
           [](const std::shared_ptr<PyManager>& mgr, std::int64_t row_bytes, std::int64_t max_tokens,
              std::int64_t max_slots, std::optional<std::string> ns, std::optional<std::string> name,
-             std::int64_t window_tokens) {
+             std::int64_t window_tokens, std::int64_t tier_account) {
             const std::size_t r = Count(row_bytes, "row_bytes"), t = Count(max_tokens, "max_tokens"),
                               n = Count(max_slots, "max_slots"), w = Count(window_tokens, "window_tokens");
+            const std::uint32_t account = TierAccount(tier_account);
             std::uint32_t id;
             {
               py::gil_scoped_release release;
-              id = Core(mgr).CreateSpace(r, t, n, ns.value_or(""), name.value_or(""), w);
+              id = Core(mgr).CreateSpace(r, t, n, ns.value_or(""), name.value_or(""), w, account);
             }
             return SpaceObject(mgr, id);
           },
           py::arg("row_bytes"), py::arg("max_tokens"), py::arg("max_slots"), py::arg("namespace") = py::none(),
-          py::arg("name") = py::none(), py::kw_only(), py::arg("window_tokens") = 0)
+          py::arg("name") = py::none(), py::kw_only(), py::arg("window_tokens") = 0, py::arg("tier_account") = 0)
+      .def(
+          "set_host_tier_limit",
+          [](const std::shared_ptr<PyManager>& mgr, std::int64_t account, std::int64_t bytes) {
+            const std::uint32_t a = TierAccount(account);
+            const std::size_t b = Count(bytes, "bytes");
+            NoGil([&] { Core(mgr).SetHostTierLimit(a, b); });
+          },
+          py::arg("account"), py::arg("bytes"),
+          "The most host-tier bytes the prefixes recorded by spaces of tier_account `account` may hold "
+          "(rounded down to whole chunks; 0: no limit but the tier's). Lowering it drops that account's "
+          "least recently used prefixes on the host now.")
       .def(
           "step",
           [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {

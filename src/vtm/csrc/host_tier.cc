@@ -11,22 +11,31 @@ HostTier::~HostTier() {
   for (const Block& b : blocks_) backend_->free_host(b.ptr, block_bytes_);
 }
 
-bool HostTier::Take(BlockId* out) {
+bool HostTier::Take(std::uint32_t account, BlockId* out) {
+  std::size_t& charged = used_by_[account];  // may throw: before anything changes
   if (!free_.empty()) {
     *out = free_.back();
     free_.pop_back();
     blocks_[*out].refs = 1;
+    blocks_[*out].account = account;
+    ++charged;
     return true;
   }
-  if (blocks_.size() >= capacity_) return false;
-  void* ptr = backend_->alloc_host(block_bytes_);
+  if (blocks_.size() >= capacity_) {
+    if (charged == 0) used_by_.erase(account);
+    return false;
+  }
+  void* ptr = nullptr;
   try {
-    blocks_.push_back(Block{ptr, 1});
+    ptr = backend_->alloc_host(block_bytes_);
+    blocks_.push_back(Block{ptr, 1, account});
   } catch (...) {
-    backend_->free_host(ptr, block_bytes_);
+    if (ptr != nullptr) backend_->free_host(ptr, block_bytes_);
+    if (charged == 0) used_by_.erase(account);
     throw;
   }
   *out = static_cast<BlockId>(blocks_.size() - 1);
+  ++charged;
   return true;
 }
 
@@ -39,7 +48,10 @@ void HostTier::Ref(BlockId block) {
 void HostTier::Unref(BlockId block) {
   if (block >= blocks_.size() || blocks_[block].refs <= 0)
     Throw(ErrorCode::kInternal, "host tier: block " + std::to_string(block) + " released more than held");
-  if (--blocks_[block].refs == 0) free_.push_back(block);
+  if (--blocks_[block].refs > 0) return;
+  free_.push_back(block);
+  auto it = used_by_.find(blocks_[block].account);
+  if (--it->second == 0) used_by_.erase(it);
 }
 
 }  // namespace vtm

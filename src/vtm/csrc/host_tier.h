@@ -6,10 +6,15 @@
 // on first use (CUDA: page-locked, so the copy engine moves them at full
 // speed; host: anonymous memory) and kept for reuse until the tier dies.
 //
+// Each held block is charged to an account (the tier account of the space
+// whose record made the node: docs/api.md, "The host tier"), so that a
+// manager can cap what one tenant keeps here.
+//
 // Invariants:
 //  * refs(block) == the host_pages entries of tree nodes that hold it (a
 //    split node's halves share the block of the page that straddles them);
-//  * blocks with refs 0 are exactly the free list; allocated() <= capacity().
+//  * blocks with refs 0 are exactly the free list; allocated() <= capacity();
+//  * used_by(a) == the held blocks charged to a.
 //
 // Not thread-safe: the Manager calls it with its mutex held.
 #pragma once
@@ -17,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "backend.h"
@@ -38,19 +44,27 @@ class HostTier {
   std::size_t allocated() const { return blocks_.size(); }
   std::size_t used() const { return blocks_.size() - free_.size(); }
 
-  // A block with one reference: a free one, else a new one while under
-  // capacity. False when the tier is full (every block held). Throws when the
-  // backend cannot allocate one (kOutOfMemory), with nothing changed.
-  bool Take(BlockId* out);
+  // A block with one reference, charged to `account`: a free one, else a
+  // new one while under capacity. False when the tier is full (every block
+  // held). Throws when the backend cannot allocate one (kOutOfMemory), with
+  // nothing changed.
+  bool Take(std::uint32_t account, BlockId* out);
   void Ref(BlockId block);
   void Unref(BlockId block);
   int refs(BlockId block) const { return blocks_[block].refs; }
+  std::uint32_t account(BlockId block) const { return blocks_[block].account; }
+  std::size_t used_by(std::uint32_t account) const {
+    auto it = used_by_.find(account);
+    return it == used_by_.end() ? 0 : it->second;
+  }
+  const std::unordered_map<std::uint32_t, std::size_t>& used_by_account() const { return used_by_; }
   void* data(BlockId block) { return blocks_[block].ptr; }
 
  private:
   struct Block {
     void* ptr = nullptr;
     int refs = 0;
+    std::uint32_t account = 0;
   };
 
   std::shared_ptr<Backend> backend_;
@@ -58,6 +72,7 @@ class HostTier {
   const std::size_t capacity_;
   std::vector<Block> blocks_;
   std::vector<BlockId> free_;
+  std::unordered_map<std::uint32_t, std::size_t> used_by_;  // accounts with held blocks only
 };
 
 }  // namespace vtm

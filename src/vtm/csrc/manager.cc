@@ -144,7 +144,8 @@ void Manager::RecordOp(const char* op, double us, bool ok) {
 }
 
 std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens, std::size_t max_slots,
-                                   const std::string& ns, const std::string& name, std::size_t window_tokens) {
+                                   const std::string& ns, const std::string& name, std::size_t window_tokens,
+                                   std::uint32_t tier_account) {
   if (row_bytes == 0 || max_tokens == 0 || max_slots == 0)
     Throw(ErrorCode::kInvalidArgument, "row_bytes, max_tokens and max_slots must be positive");
   if (window_tokens > max_tokens)
@@ -183,6 +184,7 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   sp->slot_bytes = slot_bytes;
   sp->pages_per_slot = slot_bytes / chunk_bytes_;
   sp->window_tokens = window_tokens;
+  sp->tier_account = tier_account;
   mapper_->AddSpace(id, max_slots, slot_bytes);
   sp->slots.resize(max_slots);
   for (auto& s : sp->slots) {

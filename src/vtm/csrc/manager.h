@@ -142,7 +142,10 @@ struct Stats {
   // The host tier (all 0 without one).
   std::size_t host_tier_capacity_bytes = 0, host_tier_used_bytes = 0, host_tier_nodes = 0;
   std::uint64_t spills_total = 0, spilled_bytes_total = 0, spill_failures_total = 0, restores_total = 0,
-                restored_bytes_total = 0, host_tier_drops_total = 0;
+                restored_bytes_total = 0, host_tier_drops_total = 0, host_tier_limit_drops_total = 0;
+  // Per tier account with blocks held or a limit set: (used bytes, limit
+  // bytes; absent: none).
+  std::map<std::uint32_t, std::pair<std::size_t, std::optional<std::size_t>>> host_tier_accounts;
   double restore_seconds_total = 0;
   std::vector<std::pair<std::string, SpaceInfo>> spaces;
   std::map<std::string, OpStat> ops;
@@ -160,9 +163,18 @@ class Manager {
   void Close();
 
   // window_tokens W > 0 makes a window space: its tree records holes and
-  // its matches need only the pages under their last W rows.
+  // its matches need only the pages under their last W rows. The prefixes
+  // the space records are charged to `tier_account` in the host tier.
   std::uint32_t CreateSpace(std::size_t row_bytes, std::size_t max_tokens, std::size_t max_slots,
-                            const std::string& ns, const std::string& name, std::size_t window_tokens);
+                            const std::string& ns, const std::string& name, std::size_t window_tokens,
+                            std::uint32_t tier_account = 0);
+  // The most host-tier bytes the nodes charged to `account` (not 0) may hold,
+  // rounded down to whole chunks (under one chunk: nothing); 0: no limit
+  // but the tier's. Lowering it
+  // drops the account's least recently used unlocked nodes on the host at
+  // once, down to the limit where they are unlocked. kFailedPrecondition
+  // without a host tier.
+  void SetHostTierLimit(std::uint32_t account, std::size_t bytes);
 
   std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);
   std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens, std::optional<std::size_t> low);
@@ -217,6 +229,7 @@ class Manager {
     PrefixTree* tree = nullptr;
     std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0;
     std::size_t window_tokens = 0;  // its tree's (0: a space of whole prefixes)
+    std::uint32_t tier_account = 0;
     std::vector<Slot> slots;
     std::vector<int> clean_free;  // free slots with nothing mapped
   };
@@ -275,13 +288,16 @@ class Manager {
   std::size_t ReclaimCachedPages(std::size_t need);
   std::size_t EvictTreeLeaves(std::size_t need);
   // Host tier: spills `node` (Spillable) into the tier, making room there by
-  // dropping its least recently used leaves; where it cannot (the tier is
-  // full of locked nodes, or a copy fails), evicts the node's subtree as a
-  // tree without a tier would. Returns the chunks freed.
+  // dropping least recently used leaves (its account's first, while the
+  // account is at its limit); where it cannot (the tier, or the account's
+  // share, is full of locked nodes, or a copy fails), evicts the node's
+  // subtree as a tree without a tier would. Returns the chunks freed.
   std::size_t SpillNode(PrefixTree& tree, PrefixNode* node);
-  // Drops the least recently used unlocked leaf on the host of any tree;
-  // false when there is none.
-  bool DropHostLeaf();
+  // Drops the least recently used unlocked leaf on the host of any tree
+  // (charged to `account`, when given); false when there is none.
+  bool DropHostLeaf(std::optional<std::uint32_t> account = std::nullopt);
+  // The account's limit in blocks; none when it has none.
+  std::optional<std::size_t> HostTierLimit(std::uint32_t account) const;
   // Copies the host-tier nodes on the path from the root to `node` (locked
   // by the caller) back into new chunks: all or none, a step of its own.
   // Returns how many of the path's first `length` tokens they hold.
@@ -314,6 +330,7 @@ class Manager {
   std::condition_variable refill_wake_;  // the refill thread may have work
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<HostTier> tier_;  // null: no host tier
+  std::unordered_map<std::uint32_t, std::size_t> tier_limits_;  // account -> blocks (maybe 0); absent: no limit
   std::map<std::string, std::unique_ptr<PrefixTree>> trees_;  // after pool_ and tier_: destroyed first
   std::map<std::uint32_t, std::unique_ptr<Space>> live_spaces_;
   std::uint32_t next_space_id_ = 1;
@@ -327,7 +344,7 @@ class Manager {
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
                 rollback_failures_total_ = 0;
   std::uint64_t spills_total_ = 0, spilled_pages_total_ = 0, spill_failures_total_ = 0, restores_total_ = 0,
-                restored_pages_total_ = 0, tier_drops_total_ = 0;
+                restored_pages_total_ = 0, tier_drops_total_ = 0, tier_limit_drops_total_ = 0;
   double restore_seconds_total_ = 0;
   std::map<std::string, OpStat> op_stats_;
   // Shared with every Reservation, which may outlive the manager in a view.

@@ -156,17 +156,25 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   };
   std::size_t pages = 0;
   for (ChunkId c : node->pages) pages += c != kNoChunk ? 1 : 0;
-  if (pages > tier_->capacity()) {  // it would never fit: keep what the tier holds
+  const std::uint32_t account = node->tier_account;
+  const std::optional<std::size_t> limit = HostTierLimit(account);
+  if (pages > tier_->capacity() || (limit && pages > *limit)) {
+    // It would never fit: keep what the tier (and the account) holds.
     ++spill_failures_total_;
     return tree.EvictSubtree(node);
   }
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
-      bool taken;
-      while (!(taken = tier_->Take(&blocks[i])) && DropHostLeaf()) {
+      // The account makes room in its own share first: one tenant's spills
+      // never push out another's nodes while it is at its limit.
+      while (limit && tier_->used_by(account) >= *limit && DropHostLeaf(account)) ++tier_limit_drops_total_;
+      bool taken = false;
+      if (!limit || tier_->used_by(account) < *limit) {
+        while (!(taken = tier_->Take(account, &blocks[i])) && DropHostLeaf()) {
+        }
       }
-      if (!taken) {  // every block is held by a locked node
+      if (!taken) {  // every block (of the tier, or of the account's share) is held by a locked node
         give_back();
         ++spill_failures_total_;
         return tree.EvictSubtree(node);
@@ -186,12 +194,33 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   return tree.Spill(node, blocks);
 }
 
-bool Manager::DropHostLeaf() {
+std::optional<std::size_t> Manager::HostTierLimit(std::uint32_t account) const {
+  auto it = tier_limits_.find(account);
+  if (it == tier_limits_.end()) return std::nullopt;
+  return it->second;
+}
+
+void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
+  if (account == 0) Throw(ErrorCode::kInvalidArgument, "host tier account 0 (the default one) cannot be limited");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) Throw(ErrorCode::kFailedPrecondition, "the manager is closed");
+  if (tier_ == nullptr) Throw(ErrorCode::kFailedPrecondition, "this manager has no host tier (host_tier_bytes)");
+  const std::size_t blocks = bytes / chunk_bytes_;
+  if (bytes == 0) {
+    tier_limits_.erase(account);
+    return;
+  }
+  tier_limits_[account] = blocks;
+  while (tier_->used_by(account) > blocks && DropHostLeaf(account)) ++tier_limit_drops_total_;
+}
+
+bool Manager::DropHostLeaf(std::optional<std::uint32_t> account) {
   PrefixTree* owner = nullptr;
   PrefixNode* oldest = nullptr;
   for (auto& [name, tree] : trees_) {
     if (tree->tier() == nullptr) continue;
     tree->ForEachHostLeaf([&](PrefixNode* n) {
+      if (account && n->tier_account != *account) return;
       if (oldest == nullptr || n->last_access < oldest->last_access) {
         oldest = n;
         owner = tree.get();

@@ -120,6 +120,9 @@ Stats Manager::GetStats() const {
   if (tier_ != nullptr) {
     st.host_tier_capacity_bytes = tier_->capacity() * chunk_bytes_;
     st.host_tier_used_bytes = tier_->used() * chunk_bytes_;
+    for (const auto& [account, blocks] : tier_->used_by_account())
+      st.host_tier_accounts[account].first = blocks * chunk_bytes_;
+    for (const auto& [account, blocks] : tier_limits_) st.host_tier_accounts[account].second = blocks * chunk_bytes_;
   }
   st.spills_total = spills_total_;
   st.spilled_bytes_total = spilled_pages_total_ * chunk_bytes_;
@@ -127,6 +130,7 @@ Stats Manager::GetStats() const {
   st.restores_total = restores_total_;
   st.restored_bytes_total = restored_pages_total_ * chunk_bytes_;
   st.host_tier_drops_total = tier_drops_total_;
+  st.host_tier_limit_drops_total = tier_limit_drops_total_;
   st.restore_seconds_total = restore_seconds_total_;
   st.ops = op_stats_;
   std::unordered_map<std::uint32_t, std::size_t> index_of;  // space id -> its entry in st.spaces
@@ -233,6 +237,9 @@ void Manager::Check() const {
           if (n.host_pages[i] == kNoBlock)
             fail(where + " is on the host without a block for page " + std::to_string(i));
           ++block_holders[n.host_pages[i]];
+          if (tier_ != nullptr && n.host_pages[i] < tier_->allocated() &&
+              tier_->account(n.host_pages[i]) != n.tier_account)
+            fail(where + " holds a host block charged to another tier account");
         }
       } else if (!n.host_pages.empty()) {
         fail(where + " is on the device and holds host blocks");
@@ -247,6 +254,7 @@ void Manager::Check() const {
   }
   if (tier_ != nullptr) {
     std::size_t used = 0;
+    std::unordered_map<std::uint32_t, std::size_t> used_by;
     for (BlockId b = 0; b < tier_->allocated(); ++b) {
       auto it = block_holders.find(b);
       const int holders = it == block_holders.end() ? 0 : it->second;
@@ -254,7 +262,9 @@ void Manager::Check() const {
         fail("host block " + std::to_string(b) + " has " + std::to_string(tier_->refs(b)) + " references but " +
              std::to_string(holders) + " holders");
       used += holders > 0 ? 1 : 0;
+      if (holders > 0) ++used_by[tier_->account(b)];
     }
+    if (used_by != tier_->used_by_account()) fail("host tier blocks charged per account");
     if (used != tier_->used() || tier_->allocated() > tier_->capacity()) fail("host tier block count");
     if (!block_holders.empty() && block_holders.rbegin()->first >= tier_->allocated())
       fail("a node holds a host block that does not exist");

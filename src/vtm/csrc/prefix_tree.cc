@@ -99,6 +99,7 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
                              node->host_pages.begin() + (upper_last - node->first_page + 1));
   upper->locks = node->locks;
   upper->last_access = node->last_access;
+  upper->tier_account = node->tier_account;
   upper->parent = node->parent;
 
   const std::size_t lower_first = FirstPage(at);
@@ -123,7 +124,8 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
 }
 
 std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* tokens, std::size_t n,
-                                                       const std::vector<ChunkId>& pages, std::uint64_t tick) {
+                                                       const std::vector<ChunkId>& pages, std::uint64_t tick,
+                                                       std::uint32_t tier_account) {
   TreePosition pos = Find(tokens, n);
   const std::size_t end_page = PageEnd(n);
   for (std::size_t p = FirstPage(pos.length); pos.length < n && p < end_page && window_tokens_ == 0; ++p)
@@ -145,6 +147,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     leaf->tokens.assign(tokens + start, tokens + n);
     leaf->start = start;
     leaf->first_page = FirstPage(start);
+    leaf->tier_account = tier_account;
     for (std::size_t p = leaf->first_page; p < end_page; ++p)
       leaf->pages.push_back(p < pages.size() ? pages[p] : kNoChunk);
     for (ChunkId c : leaf->pages)

@@ -68,6 +68,7 @@ struct PrefixNode {
   std::uint64_t last_access = 0;
   bool on_host = false;
   std::vector<BlockId> host_pages;  // on the host: the block of each page
+  std::uint32_t tier_account = 0;   // the recorder's space's: the host tier charges its blocks there
 
   std::size_t end() const { return start + tokens.size(); }
 };
@@ -113,9 +114,11 @@ class PrefixTree {
   // Records tokens[0..n), whose KV lives in `pages` (a slot's page table;
   // kNoChunk for a page it does not hold: a hole, in a window tree only).
   // In a window tree it also fills the path's holes that `pages` holds.
+  // The nodes it adds are charged to `tier_account` when they spill.
   // Returns the node ending at n and the number of tokens added.
   std::pair<PrefixNode*, std::size_t> Insert(const std::int32_t* tokens, std::size_t n,
-                                             const std::vector<ChunkId>& pages, std::uint64_t tick);
+                                             const std::vector<ChunkId>& pages, std::uint64_t tick,
+                                             std::uint32_t tier_account = 0);
 
   // Marks the path from the root to `node` as used at `tick`.
   void Touch(PrefixNode* node, std::uint64_t tick);
