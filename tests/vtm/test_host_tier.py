@@ -222,6 +222,56 @@ def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(back
     assert_pool_consistent(mgr)
 
 
+def test_a_match_restores_no_more_than_its_budget(backend, make_manager):
+    """prefix_restore_bytes says what a match would copy back; a match with
+    max_restore_bytes below that takes the part the device holds instead."""
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    chunk = chunk_for(backend)
+    A = [(5 * i + 1) % 97 for i in range(40)]
+    AB = A + [200 + i for i in range(40)]
+    record(sp, io, AB)
+    record(sp, io, A)  # the tree: [0, 40) and [40, 80) below it
+    fill_pool(sp)
+    assert sp.prefix_restore_bytes(A + [SENTINEL]) > 0
+    before = mgr.stats()["restored_bytes_total"]
+    m = match(sp, A)  # restores the upper node only
+    restored = mgr.stats()["restored_bytes_total"] - before
+    assert restored > 0 and m.restored_tokens == len(A)
+    m.vtensor.release().result()
+    tail = sp.prefix_restore_bytes(AB + [SENTINEL])  # the lower node, still on the host
+    assert tail > 0 and tail % chunk == 0
+    short = sp.prefix_match(AB + [SENTINEL], max_restore_bytes=tail - 1).result()
+    assert short.num_tokens == len(A) and short.restored_tokens == 0
+    io.verify(short.vtensor, A)
+    short.vtensor.release().result()
+    assert sp.prefix_restore_bytes(AB + [SENTINEL]) == tail  # nothing came back
+    before = mgr.stats()["restored_bytes_total"]
+    full = sp.prefix_match(AB + [SENTINEL], max_restore_bytes=tail).result()
+    assert full.num_tokens == full.restored_tokens + len(A) == len(AB)
+    assert mgr.stats()["restored_bytes_total"] - before == tail
+    io.verify(full.vtensor, AB)
+    full.vtensor.release().result()
+    assert sp.prefix_restore_bytes(AB + [SENTINEL]) == 0
+    with pytest.raises(vtm.InvalidArgument, match="max_restore_bytes"):
+        sp.prefix_match(AB, max_restore_bytes=-1)
+    assert_pool_consistent(mgr)
+
+
+def test_restore_bytes_of_a_match_that_ends_inside_a_node_count_its_upper_half(backend, make_manager):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    tokens = [(3 * i + 2) % 89 for i in range(100)]
+    record(sp, io, tokens)
+    fill_pool(sp)
+    for n in (10, 61, 99):
+        predicted = sp.prefix_restore_bytes(tokens[:n] + [SENTINEL])
+        before = mgr.stats()["restored_bytes_total"]
+        m = match(sp, tokens[:n])
+        assert m.num_tokens == n and mgr.stats()["restored_bytes_total"] - before == predicted > 0
+        m.vtensor.release().result()
+        fill_pool(sp)
+    assert_pool_consistent(mgr)
+
+
 def test_a_node_too_big_for_the_tier_is_evicted_without_emptying_it(backend, make_manager):
     mgr, sp, io = setup(make_manager, backend, tier_chunks=2)
     small = [[900 + k, 901 + k] for k in range(2)]  # one page each
@@ -528,3 +578,42 @@ def test_vtmd_without_a_tier_refuses_a_host_tier_limit(broker, capsys):
 
     assert ctl.main(["--address", broker.address, "set-quota", "a", "--host-tier-limit", "1MiB"]) == 2
     assert "no host tier" in capsys.readouterr().err
+
+
+def test_through_vtmd_a_match_past_the_clients_limit_restores_nothing(tmp_path, backend):
+    """vtmd admits a match as the pages it would restore: a client whose
+    limit leaves no room for them gets OutOfMemory before any restore (it
+    used to restore first and be refused after, having taken the memory)."""
+    from broker_testing import CHUNK as BROKER_CHUNK
+    from broker_testing import ROW, BrokerProcess, RowView, pattern
+
+    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
+    n = 3 * chunk // row  # three pages of tokens
+    quota_file = tmp_path / "quotas.toml"
+    quota_file.write_text(f'[clients."a"]\nlimit_bytes = {4 * chunk}\n')
+    b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=chunk, backend=backend,
+                      extra_args=["--host-tier-bytes", str(8 * chunk), "--quota-file", str(quota_file)])
+    try:
+        with vtm.connect(b.address, name="w") as mw, vtm.connect(b.address, name="a") as ma:
+            sw = mw.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="shared")
+            sa = ma.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="shared")
+            tokens = list(range(500, 500 + n))
+            vt = sw.create(n).result()
+            RowView(sw, backend).write(vt.slot, 0, pattern(tokens, row))
+            sw.prefix_record(vt, tokens).result()
+            vt.release().result()
+            held = sa.create(3 * chunk // row).result()  # 3 of a's 4 chunks
+            fill_pool(sw)
+            assert any(node["on_host"] for node in sa.prefix_nodes())
+            with pytest.raises(vtm.OutOfMemory, match="limited"):
+                sa.prefix_match(tokens + [7]).result()
+            stats = ma.stats()
+            assert stats["restores_total"] == 0 and stats["host_tier_nodes"] >= 1, stats
+            held.release().result()
+            m = sa.prefix_match(tokens + [7]).result()  # with room now
+            assert m.num_tokens == m.restored_tokens == n
+            assert (RowView(sa, backend).read(m.vtensor.slot, 0, n * row) == pattern(tokens, row)).all()
+            m.vtensor.release().result()
+            ma.check()
+    finally:
+        b.kill()

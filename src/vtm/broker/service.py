@@ -575,13 +575,19 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def PrefixMatch(self, request, context):
         def body(session):
-            space_id = self._space(session, request.space_id).id
-            tokens = list(request.token_ids)
-            # A match maps recorded chunks and copies at most its partial last
-            # page: admitted as one chunk, so a client over its limit, or
-            # past a reclaim notice's deadline, gets no memory this way either.
-            match = self._allocate(session, self._chunk_bytes,
-                                   lambda: self._space(session, space_id).prefix_match(tokens).result())
+            space = self._space(session, request.space_id)
+            space_id, tokens = space.id, list(request.token_ids)
+            # A match maps recorded chunks, copies at most its partial last
+            # page, and with a host tier restores the path's pages on the
+            # host: admitted as that many chunks, so a client over its limit,
+            # or past a reclaim notice's deadline, gets no memory this way
+            # either, and memory reserved for another's retry stays free. The
+            # match restores no more than was admitted (the tree may change
+            # in between): past that, it takes what the device holds above.
+            restore = space.prefix_restore_bytes(tokens)
+            match = self._allocate(session, self._chunk_bytes + restore,
+                                   lambda: self._space(session, space_id).prefix_match(
+                                       tokens, max_restore_bytes=restore).result())
             if match.vtensor is None:
                 return self._reply(session, matched_tokens=0)
             mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes

@@ -407,11 +407,23 @@ PYBIND11_MODULE(_core, m) {
           py::arg("vtensor"), py::arg("token_ids"), py::kw_only(), py::arg("stream") = py::none())
       .def(
           "prefix_match",
-          [](const PySpace& s, std::vector<std::int32_t> tokens, const py::object& stream) {
+          [](const PySpace& s, std::vector<std::int32_t> tokens, const py::object& stream,
+             std::optional<std::int64_t> max_restore_bytes) {
             const std::uintptr_t handle = StreamHandle(stream);
-            return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).PrefixMatch(s.id, std::move(tokens), handle); })};
+            std::size_t max_pages = SIZE_MAX;
+            if (max_restore_bytes) max_pages = Count(*max_restore_bytes, "max_restore_bytes") / Core(s.mgr).chunk_bytes();
+            return PyFuture{s.mgr, NoGil([&] {
+                              return Core(s.mgr).PrefixMatch(s.id, std::move(tokens), handle, max_pages);
+                            })};
           },
-          py::arg("token_ids"), py::kw_only(), py::arg("stream") = py::none())
+          py::arg("token_ids"), py::kw_only(), py::arg("stream") = py::none(), py::arg("max_restore_bytes") = py::none())
+      .def(
+          "prefix_restore_bytes",
+          [](const PySpace& s, const std::vector<std::int32_t>& tokens) {
+            return NoGil([&] { return Core(s.mgr).PrefixRestorePages(s.id, tokens) * Core(s.mgr).chunk_bytes(); });
+          },
+          py::arg("token_ids"),
+          "The host-tier bytes a prefix_match of token_ids would copy back if it ran now (0 without a tier).")
       .def("clear_prefixes",
            [](const PySpace& s) { return Wait(s.mgr, NoGil([&] { return Core(s.mgr).ClearPrefixes(s.id); })); })
       .def("close", [](const PySpace& s) { Wait(s.mgr, NoGil([&] { return Core(s.mgr).CloseSpace(s.id); })); })

@@ -239,13 +239,20 @@ std::shared_ptr<FutureState> Manager::PrefixRecord(std::uint32_t space, std::uin
 }
 
 std::shared_ptr<FutureState> Manager::PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens,
-                                                  std::uintptr_t stream) {
+                                                  std::uintptr_t stream, std::size_t max_restore_pages) {
   std::shared_ptr<Fence> after = backend_->record_fence(stream);
   const std::uint64_t id = next_vtensor_id_.fetch_add(1, std::memory_order_relaxed);
   return Submit("prefix_match", {id, TreeKey(space)}, false,
-                [this, space, id, tokens = std::move(tokens), after = std::move(after)] {
-                  return DoMatch(space, id, tokens, after.get());
+                [this, space, id, tokens = std::move(tokens), after = std::move(after), max_restore_pages] {
+                  return DoMatch(space, id, tokens, after.get(), max_restore_pages);
                 });
+}
+
+std::size_t Manager::PrefixRestorePages(std::uint32_t space, const std::vector<std::int32_t>& tokens) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Space& sp = LiveSpace(space);
+  if (sp.tree->tier() == nullptr) return 0;
+  return sp.tree->HostPagesOnPath(MatchPosition(sp, tokens));
 }
 
 std::uint64_t Manager::TreeKey(std::uint32_t space) const {

@@ -186,8 +186,14 @@ class Manager {
   // the kernels that wrote those bytes may still be running (docs/design.md §5).
   std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
                                             std::uintptr_t stream);
+  // A match restores at most `max_restore_pages` pages from the host tier:
+  // past that, it matches what the device holds above them (as without room
+  // for them). A broker admits that many pages before the match.
   std::shared_ptr<FutureState> PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens,
-                                           std::uintptr_t stream);
+                                           std::uintptr_t stream, std::size_t max_restore_pages = SIZE_MAX);
+  // The pages a match of `tokens` would restore from the host tier if it ran
+  // now (0 without a tier); ops queued before this call are not waited for.
+  std::size_t PrefixRestorePages(std::uint32_t space, const std::vector<std::int32_t>& tokens) const;
   // Barriers: they run after everything submitted before them.
   std::shared_ptr<FutureState> ClearPrefixes(std::uint32_t space);
   std::shared_ptr<FutureState> Trim(std::optional<std::size_t> bytes);
@@ -257,7 +263,9 @@ class Manager {
   FutureValue DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
                        const Fence* after);
   FutureValue DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
-                      const Fence* after);
+                      const Fence* after, std::size_t max_restore_pages);
+  // Where a match of `tokens` in `sp` ends, before any restore.
+  TreePosition MatchPosition(const Space& sp, const std::vector<std::int32_t>& tokens) const;
   FutureValue DoClearPrefixes(std::uint32_t space);
   FutureValue DoTrim(std::optional<std::size_t> bytes);
   FutureValue DoCloseSpace(std::uint32_t space);

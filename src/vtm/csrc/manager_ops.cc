@@ -216,18 +216,22 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   return static_cast<std::int64_t>(added);
 }
 
-FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
-                             const Fence* after) {
-  std::unique_lock<std::mutex> lock(mu_);
-  Space& sp = LiveSpace(space);
+TreePosition Manager::MatchPosition(const Space& sp, const std::vector<std::int32_t>& tokens) const {
   // Capped at len - 1 (the last token's KV is what the caller computes) and
   // at this space's max_tokens (a space sharing the namespace may be longer).
   const std::size_t limit = tokens.empty() ? 0 : std::min(tokens.size() - 1, sp.max_tokens);
-  TreePosition found = sp.tree->Find(tokens.data(), limit);
+  const TreePosition found = sp.tree->Find(tokens.data(), limit);
   // A window space matches as far as the tree holds the pages under the
   // match's last W rows (they may have holes below); the vTensor maps those
   // pages only, and its low mark is the first row wholly in them.
-  if (sp.window_tokens > 0) found = sp.tree->Windowed(found);
+  return sp.window_tokens > 0 ? sp.tree->Windowed(found) : found;
+}
+
+FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
+                             const Fence* after, std::size_t max_restore_pages) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Space& sp = LiveSpace(space);
+  TreePosition found = MatchPosition(sp, tokens);
   std::size_t m = found.length;
   if (m == 0) return MatchResult{0, 0};
 
@@ -247,12 +251,18 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     // is a step of its own and stands even if a later one fails: the prefix
     // is as matchable as before, from the device.
     if (found.node->on_host) found.node = sp.tree->SplitAt(found);
-    try {
-      restored = RestorePath(*sp.tree, found.node, m, lock);
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::kOutOfMemory) throw;
-      // No device memory for the part on the host: match what the device
-      // holds above it, as a manager without the tier would have kept it.
+    bool fall_back = sp.tree->HostPagesOnPath(found) > max_restore_pages;
+    if (!fall_back) {
+      try {
+        restored = RestorePath(*sp.tree, found.node, m, lock);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kOutOfMemory) throw;
+        fall_back = true;
+      }
+    }
+    if (fall_back) {
+      // No device memory (or budget) for the part on the host: match what
+      // the device holds above it, as a manager without the tier would have.
       for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
         if (p->on_host) m = p->start;
       if (m == 0) return MatchResult{0, 0};

@@ -161,6 +161,18 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   return {node, n - start};
 }
 
+std::size_t PrefixTree::HostPagesOnPath(const TreePosition& pos) const {
+  std::size_t pages = 0;
+  for (const PrefixNode* p = pos.node; p != nullptr && p != &root_; p = p->parent) {
+    if (!p->on_host) continue;
+    // The node the position ends inside would be split there: its upper half's pages.
+    const std::size_t end = p == pos.node ? std::min(PageEnd(pos.length), p->first_page + p->host_pages.size())
+                                          : p->first_page + p->host_pages.size();
+    for (std::size_t i = 0; i + p->first_page < end; ++i) pages += p->host_pages[i] != kNoBlock ? 1 : 0;
+  }
+  return pages;
+}
+
 void PrefixTree::Touch(PrefixNode* node, std::uint64_t tick) {
   for (PrefixNode* n = node; n != nullptr; n = n->parent) n->last_access = tick;
 }

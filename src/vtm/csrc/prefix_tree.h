@@ -133,6 +133,9 @@ class PrefixTree {
   // Whether `node` may be spilled: on the device, unlocked, every descendant on the host.
   bool Spillable(const PrefixNode* node) const;
   void ForEachSpillable(const std::function<void(PrefixNode*)>& fn);
+  // The pages that nodes on the host hold on the path to `pos`, counting
+  // those of pos.node only up to pos.length: what restoring it would copy.
+  std::size_t HostPagesOnPath(const TreePosition& pos) const;
   // Visits every unlocked leaf on the host.
   void ForEachHostLeaf(const std::function<void(PrefixNode*)>& fn);
   // `node` (Spillable) keeps its bytes in `blocks` (one reference each,
