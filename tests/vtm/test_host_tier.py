@@ -115,9 +115,12 @@ def test_a_node_on_the_host_splits_and_both_halves_come_back(backend, make_manag
     record(sp, io, A)
     fill_pool(sp)
     assert on_host(sp)
-    record(sp, io, B)  # splits the node on the host at 33: the halves share the straddling block
+    # Splits the node on the host at 33; the upper half takes the recorder's
+    # chunks, the lower one keeps its blocks (the straddling page's too).
+    record(sp, io, B)
     assert_pool_consistent(mgr)
-    assert any(n["on_host"] and n["end"] == 33 for n in sp.prefix_nodes())
+    nodes = {(n["start"], n["end"]): n["on_host"] for n in sp.prefix_nodes()}
+    assert nodes == {(0, 33): False, (33, 60): True, (33, 53): False}, nodes
     for tokens in (A, B):
         m = match(sp, tokens)
         assert m.num_tokens == len(tokens)
@@ -269,6 +272,50 @@ def test_restore_bytes_of_a_match_that_ends_inside_a_node_count_its_upper_half(b
         assert m.num_tokens == n and mgr.stats()["restored_bytes_total"] - before == predicted > 0
         m.vtensor.release().result()
         fill_pool(sp)
+    assert_pool_consistent(mgr)
+
+
+def test_a_record_through_nodes_on_the_host_gives_them_the_recorders_chunks(backend, make_manager):
+    """A request that computed a prefix the tree keeps on the host (its match
+    found no room to restore it, say) and records it: the nodes take the
+    recorder's chunks, which hold the same bytes, and give their blocks back.
+    They used to stay on the host, locked by the recorder."""
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    A = [(11 * i + 4) % 103 for i in range(60)]
+    record(sp, io, A)
+    fill_pool(sp)
+    assert on_host(sp) and mgr.stats()["host_tier_used_bytes"] > 0
+    record(sp, io, A + [500 + i for i in range(20)])  # computed again, not matched
+    st = assert_pool_consistent(mgr)
+    assert not on_host(sp) and st["host_tier_used_bytes"] == 0 and st["restores_total"] == 0, st
+    m = match(sp, A)
+    assert m.num_tokens == len(A) and m.restored_tokens == 0
+    io.verify(m.vtensor, A)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_a_record_ending_inside_a_node_on_the_host_leaves_the_page_it_writes_on_the_host(backend, make_manager):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+    chunk = chunk_for(backend)
+    row = chunk // 20 + 7
+    A = [(13 * i + 6) % 107 for i in range(60)]
+    record(sp, io, A)
+    fill_pool(sp)
+    n = next(k for k in range(30, 60) if k * row % chunk)  # ends mid-page
+    vt = sp.create(n).result()
+    io.write(vt, A[:n], 0, n)
+    sp.prefix_record(vt, A[:n]).result()  # the recorder keeps writing that page
+    nodes = {(node["start"], node["end"]): node["on_host"] for node in sp.prefix_nodes()}
+    assert nodes[(0, n)] is True and nodes[(n, len(A))] is True, nodes
+    vt.extend(n + 5).result()
+    io.write(vt, A[:n] + [777] * 5, n, n + 5)  # rows the tree must not see
+    assert_pool_consistent(mgr)
+    vt.release().result()
+    m = match(sp, A)
+    assert m.num_tokens == len(A) and m.restored_tokens == len(A)
+    io.verify(m.vtensor, A)
+    m.vtensor.release().result()
     assert_pool_consistent(mgr)
 
 

@@ -204,7 +204,9 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   // Pages shared without a copy may still be being written: a later match's
   // copy-on-write of one must not overtake their writers either.
   if (copy == kNoChunk && after != nullptr) backend_->order_copies_after(*after);
-  auto [node, added] = sp.tree->Insert(tokens.data(), n, pages, ++tick_, sp.tier_account);
+  auto [node, added] = sp.tree->Insert(tokens.data(), n, pages, ++tick_, sp.tier_account,
+                                         // The page the recorder writes next is the tree's only as a copy.
+                                         boundary % chunk_bytes_ != 0 && copy == kNoChunk ? p : pages.size());
   if (copy != kNoChunk) pool_->Unref(copy);  // the tree took its own reference (or, if unused, it is free)
   // The vTensor now locks the path it recorded (it maps those chunks). Look
   // it up again: Acquire may have waited without the lock.

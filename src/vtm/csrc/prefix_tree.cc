@@ -125,13 +125,31 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
 
 std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* tokens, std::size_t n,
                                                        const std::vector<ChunkId>& pages, std::uint64_t tick,
-                                                       std::uint32_t tier_account) {
+                                                       std::uint32_t tier_account, std::size_t adopt_end) {
   TreePosition pos = Find(tokens, n);
   const std::size_t end_page = PageEnd(n);
   for (std::size_t p = FirstPage(pos.length); pos.length < n && p < end_page && window_tokens_ == 0; ++p)
     if (p >= pages.size() || pages[p] == kNoChunk)
       Throw(ErrorCode::kInternal, "prefix_record: page " + std::to_string(p) + " is not mapped");
   PrefixNode* node = SplitAt(pos);
+  // Adoption: nodes of the path on the host take the recorder's chunks.
+  // Only the deepest can be left out (it holds the page the recorder writes
+  // next); its ancestors' pages lie at or below its first.
+  for (PrefixNode* m = node; tier_ != nullptr && m != &root_; m = m->parent) {
+    if (!m->on_host) continue;
+    const std::size_t end = m->first_page + m->pages.size();
+    if (end > adopt_end || end > pages.size()) continue;
+    bool whole = true;
+    for (std::size_t p = m->first_page; p < end; ++p) whole = whole && pages[p] != kNoChunk;
+    if (!whole) continue;
+    for (std::size_t i = 0; i < m->pages.size(); ++i) {
+      m->pages[i] = pages[m->first_page + i];
+      pool_->Ref(m->pages[i]);
+      tier_->Unref(m->host_pages[i]);
+    }
+    m->host_pages.clear();
+    m->on_host = false;
+  }
   // Union: the path's holes take the recorder's chunks where it has them.
   for (PrefixNode* m = node; window_tokens_ > 0 && m != &root_; m = m->parent)
     for (std::size_t i = 0; i < m->pages.size(); ++i) {

@@ -114,11 +114,14 @@ class PrefixTree {
   // Records tokens[0..n), whose KV lives in `pages` (a slot's page table;
   // kNoChunk for a page it does not hold: a hole, in a window tree only).
   // In a window tree it also fills the path's holes that `pages` holds.
-  // The nodes it adds are charged to `tier_account` when they spill.
+  // The nodes it adds are charged to `tier_account` when they spill. A node
+  // of the path on the host whose pages all lie below `adopt_end` (pages the
+  // recorder will not write again) takes the recorder's chunks for them and
+  // gives its blocks back: the recorder holds the same bytes on the device.
   // Returns the node ending at n and the number of tokens added.
   std::pair<PrefixNode*, std::size_t> Insert(const std::int32_t* tokens, std::size_t n,
                                              const std::vector<ChunkId>& pages, std::uint64_t tick,
-                                             std::uint32_t tier_account = 0);
+                                             std::uint32_t tier_account = 0, std::size_t adopt_end = 0);
 
   // Marks the path from the root to `node` as used at `tick`.
   void Touch(PrefixNode* node, std::uint64_t tick);
