@@ -44,6 +44,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -301,9 +302,10 @@ class Manager {
   // share, is full of locked nodes, or a copy fails), evicts the node's
   // subtree as a tree without a tier would. Returns the chunks freed.
   std::size_t SpillNode(PrefixTree& tree, PrefixNode* node);
-  // Drops the least recently used unlocked leaf on the host of any tree
-  // (charged to `account`, when given); false when there is none.
-  bool DropHostLeaf(std::optional<std::uint32_t> account = std::nullopt);
+  // Drops unlocked leaves on the host (charged to `account`, when given),
+  // least recently used first, until enough(); false when none is left to
+  // drop and it is still not enough. One walk over the trees per call.
+  bool DropHostLeaves(std::optional<std::uint32_t> account, const std::function<bool()>& enough);
   // The account's limit in blocks; none when it has none.
   std::optional<std::size_t> HostTierLimit(std::uint32_t account) const;
   // Copies the host-tier nodes on the path from the root to `node` (locked

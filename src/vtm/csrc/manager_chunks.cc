@@ -163,18 +163,16 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
     ++spill_failures_total_;
     return tree.EvictSubtree(node);
   }
+  // The account makes room in its own share first: one tenant's spills
+  // never push out another's nodes while it is at its limit. Then the tier.
+  const bool room =
+      (!limit || DropHostLeaves(account, [&] { return tier_->used_by(account) + pages <= *limit; })) &&
+      DropHostLeaves(std::nullopt, [&] { return tier_->used() + pages <= tier_->capacity(); });
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
-      // The account makes room in its own share first: one tenant's spills
-      // never push out another's nodes while it is at its limit.
-      while (limit && tier_->used_by(account) >= *limit && DropHostLeaf(account)) ++tier_limit_drops_total_;
-      bool taken = false;
-      if (!limit || tier_->used_by(account) < *limit) {
-        while (!(taken = tier_->Take(account, &blocks[i])) && DropHostLeaf()) {
-        }
-      }
-      if (!taken) {  // every block (of the tier, or of the account's share) is held by a locked node
+      if (!room || !tier_->Take(account, &blocks[i])) {
+        // Every block (of the tier, or of the account's share) is held by a locked node.
         give_back();
         ++spill_failures_total_;
         return tree.EvictSubtree(node);
@@ -211,26 +209,36 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
     return;
   }
   tier_limits_[account] = blocks;
-  while (tier_->used_by(account) > blocks && DropHostLeaf(account)) ++tier_limit_drops_total_;
+  DropHostLeaves(account, [&] { return tier_->used_by(account) <= blocks; });
 }
 
-bool Manager::DropHostLeaf(std::optional<std::uint32_t> account) {
-  PrefixTree* owner = nullptr;
-  PrefixNode* oldest = nullptr;
+bool Manager::DropHostLeaves(std::optional<std::uint32_t> account, const std::function<bool()>& enough) {
+  if (enough()) return true;
+  // One walk over the trees, then least recently used first; a parent whose
+  // last child went is a candidate from then on.
+  using Entry = std::tuple<std::uint64_t, PrefixNode*, PrefixTree*>;
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  const auto candidate = [&](const PrefixNode* n) { return !account || n->tier_account == *account; };
   for (auto& [name, tree] : trees_) {
     if (tree->tier() == nullptr) continue;
-    tree->ForEachHostLeaf([&](PrefixNode* n) {
-      if (account && n->tier_account != *account) return;
-      if (oldest == nullptr || n->last_access < oldest->last_access) {
-        oldest = n;
-        owner = tree.get();
-      }
+    PrefixTree* t = tree.get();
+    t->ForEachHostLeaf([&](PrefixNode* n) {
+      if (candidate(n)) heap.emplace(n->last_access, n, t);
     });
   }
-  if (oldest == nullptr) return false;
-  owner->EvictLeaf(oldest);
-  ++tier_drops_total_;
-  return true;
+  while (!heap.empty()) {
+    auto [tick, leaf, tree] = heap.top();
+    heap.pop();
+    PrefixNode* parent = leaf->parent;
+    tree->EvictLeaf(leaf);
+    ++tier_drops_total_;
+    if (account) ++tier_limit_drops_total_;
+    if (parent != tree->root() && parent->on_host && parent->children.empty() && parent->locks == 0 &&
+        candidate(parent))
+      heap.emplace(parent->last_access, parent, tree);
+    if (enough()) return true;
+  }
+  return false;
 }
 
 std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length,
