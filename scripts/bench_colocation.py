@@ -96,8 +96,10 @@ def stop_broker(proc):
 
 # ----------------------------------------------------------------------------- 1. RPC round trip
 
-def time_steps(mgr, repeats, batch, row, grow):
-    space = mgr.create_space(row_bytes=row, max_tokens=8192, max_slots=batch, name=f"bench{grow}")
+def time_steps(mgr, repeats, batch, row, grow, gap_s=0.0):
+    """Step times (µs). `gap_s`: the wait between two steps, as a decode's
+    compute would leave (a refill of pages ahead runs meanwhile)."""
+    space = mgr.create_space(row_bytes=row, max_tokens=8192, max_slots=batch, name=f"bench{grow}{gap_s}")
     vts = [space.create(1).result() for _ in range(batch)]
     n = 1
     samples = []
@@ -107,6 +109,8 @@ def time_steps(mgr, repeats, batch, row, grow):
         mgr.step({vt: n for vt in vts}).result()
         if i >= 10:  # warm-up: imports, first pages
             samples.append((time.perf_counter() - t0) * 1e6)
+        if gap_s:
+            time.sleep(gap_s)
     for vt in vts:
         vt.release().result()
     space.close()
@@ -125,29 +129,38 @@ def part_rpc(args, folder):
     try:
         local = vtm.Manager(backend=args.backend, capacity_bytes=capacity, chunk_bytes=chunk)
         remote = vtm.connect(address, name="bench-rpc")
+        ahead = vtm.connect(address, name="bench-rpc-ahead", map_ahead_pages=1)
         over_grpc = vtm.connect(address, name="bench-rpc-grpc", fast_path=False)
-        for grow, label in ((False, "step, no mapping"), (True, "step, +1 token each")):
-            base = time_steps(local, args.repeats, 32, 46080, grow)
-            over = time_steps(remote, args.repeats, 32, 46080, grow)
-            grpc_only = time_steps(over_grpc, args.repeats, 32, 46080, grow)
-            rows.append({"case": label, "batch": 32, "in_process_p50_us": pct(base, 50),
+        cases = ((False, 0.0, "step, no mapping"), (True, 0.0, "step, +1 token each"),
+                 (True, 0.001, "+1 each, 1 ms apart"))
+        for grow, gap, label in cases:
+            base = time_steps(local, args.repeats, 32, 46080, grow, gap)
+            over = time_steps(remote, args.repeats, 32, 46080, grow, gap)
+            mapped_ahead = time_steps(ahead, args.repeats, 32, 46080, grow, gap)
+            grpc_only = time_steps(over_grpc, args.repeats, 32, 46080, grow, gap)
+            rows.append({"case": label, "batch": 32, "gap_s": gap, "in_process_p50_us": pct(base, 50),
                          "in_process_p99_us": pct(base, 99), "broker_p50_us": pct(over, 50),
                          "broker_p99_us": pct(over, 99), "ratio_p50": pct(over, 50) / pct(base, 50),
+                         "ahead_p50_us": pct(mapped_ahead, 50), "ahead_p99_us": pct(mapped_ahead, 99),
+                         "ahead_ratio_p50": pct(mapped_ahead, 50) / pct(base, 50),
+                         "ahead_ratio_p99": pct(mapped_ahead, 99) / pct(base, 99),
                          "grpc_p50_us": pct(grpc_only, 50), "grpc_p99_us": pct(grpc_only, 99),
-                         "grpc_over_broker_p50": pct(grpc_only, 50) / pct(over, 50), "target_p50_us": 300})
+                         "grpc_over_broker_p50": pct(grpc_only, 50) / pct(over, 50), "target_ratio": 1.3})
         over_grpc.close()
+        ahead.close()
         remote.close()
         local.close()
     finally:
         stop_broker(proc)
-    print(f"\n1. batched step over 32 vTensors ({args.backend}, {args.repeats} repeats; "
-          f"broker = the step socket, gRPC = the same client over gRPC only)")
-    print(f"{'case':<22} {'in-proc p50':>12} {'p99':>9} {'broker p50':>11} {'p99':>9} {'ratio':>7} "
-          f"{'gRPC p50':>10} {'p99':>9} {'gRPC/broker':>12}")
+    print(f"\n1. batched step over 32 vTensors ({args.backend}, {args.repeats} repeats; broker = the step "
+          f"socket, ahead = the same with map_ahead_pages=1, gRPC = the client over gRPC only)")
+    print(f"{'case':<22} {'in-proc p50':>12} {'p99':>9} {'broker p50':>11} {'p99':>9} {'ahead p50':>10} "
+          f"{'p99':>9} {'ratio p50':>10} {'p99':>6} {'gRPC p50':>10} {'p99':>9}")
     for r in rows:
         print(f"{r['case']:<22} {r['in_process_p50_us']:>10.1f}us {r['in_process_p99_us']:>7.1f}us "
-              f"{r['broker_p50_us']:>9.1f}us {r['broker_p99_us']:>7.1f}us {r['ratio_p50']:>6.1f}x "
-              f"{r['grpc_p50_us']:>8.1f}us {r['grpc_p99_us']:>7.1f}us {r['grpc_over_broker_p50']:>11.1f}x")
+              f"{r['broker_p50_us']:>9.1f}us {r['broker_p99_us']:>7.1f}us {r['ahead_p50_us']:>8.1f}us "
+              f"{r['ahead_p99_us']:>7.1f}us {r['ahead_ratio_p50']:>9.2f}x {r['ahead_ratio_p99']:>5.2f}x "
+              f"{r['grpc_p50_us']:>8.1f}us {r['grpc_p99_us']:>7.1f}us")
     return rows
 
 

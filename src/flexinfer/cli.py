@@ -195,7 +195,8 @@ def _engine(args) -> LLM:
     if args.manager is not None:
         name = args.client_name or f"flexinfer-{args.command}"
         # Closed by main() after the command: an LLM never closes a manager it was given.
-        manager = args.broker = vtm.connect(args.manager, name=name, priority=args.priority)
+        # One page mapped ahead of each sequence: most decode steps need no round trip to vtmd.
+        manager = args.broker = vtm.connect(args.manager, name=name, priority=args.priority, map_ahead_pages=1)
         if args.priority is not None and manager.priority < args.priority:
             log.warning("asked for priority %d; the operator's quota for '%s' grants %d", args.priority, name,
                         manager.priority)

@@ -37,12 +37,13 @@ def broker(tmp_path):
     b.kill()
 
 
-def test_greedy_over_a_broker_equals_in_process(tiny_folder, broker):
+@pytest.mark.parametrize("map_ahead_pages", [0, 1])
+def test_greedy_over_a_broker_equals_in_process(tiny_folder, broker, map_ahead_pages):
     prompts = random_prompts(TINY_PROMPT_LENGTHS, seed=20)
     with LLM(tiny_folder, backend="host") as local:
         want = [o.token_ids for o in local.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)]
-    first = vtm.connect(broker.address, name="engine-a")
-    second = vtm.connect(broker.address, name="engine-b")
+    first = vtm.connect(broker.address, name="engine-a", map_ahead_pages=map_ahead_pages)
+    second = vtm.connect(broker.address, name="engine-b", map_ahead_pages=map_ahead_pages)
     try:
         a = LLM(tiny_folder, manager=first)
         outs = a.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)

@@ -77,6 +77,7 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 log = logging.getLogger("vtm.broker")
 
 _BYE_TIMEOUT_S = 2.0
+_NEVER = 1 << 62  # a row count no vTensor reaches
 _PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
 
 
@@ -102,10 +103,16 @@ def _ask(value, what: str):
 class RemoteManager:
     def __init__(self, address: str, name: str | None = None, priority: int | None = None,
                  guaranteed_bytes: int | None = None, limit_bytes: int | None = None, timeout: float = 10.0,
-                 fast_path: bool = True):
+                 fast_path: bool = True, map_ahead_pages: int = 0):
         self._timeout = float(timeout)
         self._address = address
         self._fast_path = fast_path
+        self._map_ahead = _count(map_ahead_pages, "map_ahead_pages")
+        # Operations submitted and finished (refills not counted): equal when
+        # nothing is queued or running, so a step may be decided here.
+        self._submit_mu = threading.Lock()
+        self._submitted = 0
+        self._finished = 0
         self._broken: errors.Error | None = None
         self._closed = False
         self._revoked = False
@@ -144,6 +151,9 @@ class RemoteManager:
             self._teardown()
             raise
         self._queue: queue.Queue = queue.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(None)
+        self._done = RemoteFuture(done)  # what a growth decided here returns
         self._worker = threading.Thread(target=self._work, name=f"vtm-client-{self.client_id}", daemon=True)
         self._worker.start()
 
@@ -317,9 +327,11 @@ class RemoteManager:
             item = self._queue.get()
             if item is None:
                 return
-            fn, future, epoch = item
+            fn, future, epoch, counted = item
             if not future.set_running_or_notify_cancel():
+                self._finished += counted
                 continue
+            result, error = None, None
             with self._op_mu:
                 try:
                     if epoch != self._epoch:
@@ -327,17 +339,28 @@ class RemoteManager:
                                                  "lost (the client has reconnected since)")
                     if self._broken is not None:
                         raise type(self._broken)(str(self._broken))
-                    future.set_result(fn())
+                    result = fn()
                 except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                    future.set_exception(exc)
+                    error = exc
+            # Counted before the caller wakes: its next step may be decided here.
+            self._finished += counted
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
-    def _submit(self, fn, data_plane: bool = False) -> RemoteFuture:
+    def _submit(self, fn, data_plane: bool = False, counted: bool = True) -> RemoteFuture:
         """Queues fn for the worker. A data-plane op's future revokes this
-        process's mappings before it reports a lost session (_lost)."""
+        process's mappings before it reports a lost session (_lost).
+        `counted` False: a map-ahead refill, which a step decided here need
+        not wait for (it only maps more)."""
         if self._closed:
             raise errors.FailedPrecondition("the manager is closed")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((fn, future, self._epoch))
+        with self._submit_mu:
+            if counted:
+                self._submitted += 1
+            self._queue.put((fn, future, self._epoch, counted))
         return RemoteFuture(future, self._lost if data_plane else None)
 
     # -- a lost session ----------------------------------------------------------
@@ -463,7 +486,10 @@ class RemoteManager:
                 vt._released = True
                 self._live.pop(vt.id, None)
             else:
-                vt._slot, vt._num_tokens, vt._low = state.slot, state.num_tokens, state.low
+                # The broker's num_tokens is the vTensor's own, or more where it maps ahead.
+                vt._slot, vt._low = state.slot, state.low
+                self._set_mapped(vt, state.num_tokens)
+                vt._num_tokens = min(vt._num_tokens, state.num_tokens)
 
     def _import(self, serials) -> None:
         """Imports chunks by serial through the fd socket, MAX_FDS at a time,
@@ -508,8 +534,16 @@ class RemoteManager:
 
         if self._steps is not None:
             def fast():
-                vt_id, slot, num_tokens, _ = self._fast("create", step_channel.CREATE, (space.id, n))
-                return self._add_vtensor(space, vt_id, slot, num_tokens)
+                ask = self._ahead(space, n)
+                try:
+                    vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE, (space.id, ask))
+                except errors.OutOfMemory:
+                    if ask == n:
+                        raise
+                    vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE, (space.id, n))
+                vt = self._add_vtensor(space, vt_id, slot, n)
+                self._set_mapped(vt, mapped)
+                return vt
             return self._submit(fast, data_plane=True)
         request = _message(vtm_pb2.CreateRequest, "create", space_id=space.id, num_tokens=n)
 
@@ -521,9 +555,13 @@ class RemoteManager:
         return self._submit(run, data_plane=True)
 
     def _extend(self, vt: RemoteVTensor, n, low=None) -> RemoteFuture:
+        if low is None and self._map_ahead and self._grown_here(((vt, n),)):
+            return self._done
         return self._grow([(vt, _count(n, "num_tokens"), _ask(low, "low"))], "extend")
 
     def step(self, targets) -> RemoteFuture:
+        if self._map_ahead and self._grown_here(targets.items()):
+            return self._done
         sizes = []
         for vt, target in targets.items():
             # n_tokens, or (n_tokens, low) to raise the low mark too.
@@ -542,9 +580,10 @@ class RemoteManager:
         fits = (len(sizes) <= (step_channel.MAX_TRIPLES if lows else step_channel.MAX_PAIRS)
                 and all(n < 1 << 64 and (low is None or low < step_channel.KEEP_LOW) for _, n, low in sizes))
 
-        def grown():
-            for vt, n, low in sizes:
+        def grown(asked=None):
+            for i, (vt, n, low) in enumerate(sizes):
                 vt._num_tokens = max(vt._num_tokens, n)
+                self._set_mapped(vt, max(vt._mapped_tokens, n if asked is None else asked[i]))
                 if low is not None:
                     vt._low = low
 
@@ -552,13 +591,23 @@ class RemoteManager:
             if lows:
                 op = step_channel.EXTEND_LOW if what == "extend" else step_channel.STEP_LOW
                 words = [x for vt, n, low in sizes for x in (vt.id, n, step_channel.KEEP_LOW if low is None else low)]
+                asked = None
             else:
                 op = step_channel.EXTEND if what == "extend" else step_channel.STEP
                 words = [x for vt, n, _ in sizes for x in (vt.id, n)]
+                asked = [self._ahead(vt._space, n) for vt, n, _ in sizes]
 
             def fast():
-                self._fast(what, op, words)
-                grown()
+                if asked is None or asked == words[1::2]:
+                    self._fast(what, op, words)
+                    grown()
+                    return
+                try:
+                    self._fast(what, op, [x for (vt, _, _), a in zip(sizes, asked) for x in (vt.id, a)])
+                    grown(asked)
+                except errors.OutOfMemory:
+                    self._fast(what, op, words)  # the rows asked for, without the pages ahead
+                    grown()
             return self._submit(fast, data_plane=True)
         targets = [_message(vtm_pb2.ExtendRequest, what, vtensor_id=vt.id, num_tokens=n, low=low)
                    for vt, n, low in sizes]
@@ -570,6 +619,75 @@ class RemoteManager:
                 self._apply(self._rpc(what, self._stub.Step, vtm_pb2.StepRequest(targets=targets)))
             grown()
         return self._submit(run, data_plane=True)
+
+    # -- mapping ahead -----------------------------------------------------------
+    # With map_ahead_pages L > 0, a vTensor that grows over the step socket
+    # asks the broker for the rows of L pages more than it needs; the broker
+    # maps them and counts them as the vTensor's (_mapped_tokens). A growth
+    # that fits in them is decided here, without a round trip, when no
+    # operation is queued before it (its order would not show otherwise).
+    # When a vTensor enters its last L pages, a refill asks for L more on the
+    # worker, not waited for: a decode step that crosses a page boundary
+    # finds the page mapped already. The pages ahead count against the
+    # client's limit like any other; when the broker refuses them (out of
+    # memory), the rows asked for are asked again without them.
+
+    def _ahead(self, space: RemoteSpace, n: int) -> int:
+        """The rows to ask the broker for, for n rows of `space`."""
+        if not self._map_ahead:
+            return n
+        row, chunk = space.row_bytes, self.chunk_bytes
+        pages = -(-n * row // chunk) + self._map_ahead
+        return max(n, min(space.max_tokens, pages * chunk // row))
+
+    def _set_mapped(self, vt: RemoteVTensor, mapped: int) -> None:
+        """The broker's num_tokens for vt is `mapped` now."""
+        vt._mapped_tokens = mapped
+        if self._map_ahead:
+            row, chunk = vt._space.row_bytes, self.chunk_bytes
+            # Past this many rows, fewer than L mapped pages lie ahead of the last row.
+            vt._refill_at = (-(-mapped * row // chunk) - self._map_ahead) * chunk // row
+        else:
+            vt._refill_at = _NEVER
+
+    def _grown_here(self, pairs) -> bool:
+        """Grows the vTensors here when every (vTensor, rows) target fits in
+        what the broker mapped for it and nothing is queued before this
+        call; queues the refills that keep L pages ahead. False: ask the
+        broker. The hot path of a decode step: a few comparisons a vTensor."""
+        if self._finished != self._submitted or self._broken is not None:
+            return False
+        for vt, n in pairs:
+            if (type(vt) is not RemoteVTensor or type(n) is not int or vt._mgr is not self or vt._released
+                    or not 0 <= n <= vt._mapped_tokens):
+                return False
+        refills = None
+        for vt, n in pairs:
+            if n > vt._num_tokens:
+                vt._num_tokens = n
+            if n > vt._refill_at:
+                want = self._ahead(vt._space, n)
+                vt._refill_at = _NEVER  # until the refill lands
+                if want > vt._mapped_tokens:
+                    refills = refills or []
+                    refills.append((vt, want))
+        if refills:
+            self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
+        return True
+
+    def _refill(self, refills) -> None:
+        """Runs on the worker: maps the pages ahead that _grown_here asked for."""
+        live = [(vt, want) for vt, want in refills if not vt._released]
+        for start in range(0, len(live), step_channel.MAX_PAIRS):
+            part = live[start:start + step_channel.MAX_PAIRS]
+            try:
+                self._fast("step", step_channel.STEP, [x for vt, want in part for x in (vt.id, want)])
+            except errors.OutOfMemory:
+                # The step that needs the rows asks for them itself; no
+                # refill of these until a step of theirs reaches the broker.
+                continue
+            for vt, want in part:
+                self._set_mapped(vt, max(vt._mapped_tokens, want))
 
     def _unmap_first(self, vt: RemoteVTensor) -> None:
         """Unmaps a vTensor's pages here before the broker is asked to free
@@ -775,7 +893,8 @@ class RemoteManager:
 
 
 def connect(address: str, name: str | None = None, priority: int | None = None, guaranteed_bytes: int | None = None,
-            limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True) -> RemoteManager:
+            limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True,
+            map_ahead_pages: int = 0) -> RemoteManager:
     """A manager served by the vtm broker at `address` ("unix:PATH"), with
     vtm.Manager's API. Raises vtm.Unavailable when no broker answers within
     `timeout` seconds, which is also the deadline of every later call.
@@ -784,5 +903,8 @@ def connect(address: str, name: str | None = None, priority: int | None = None, 
     (None: what the operator gives; the granted values are the manager's
     priority, guaranteed_bytes and limit_bytes).
     fast_path=False sends every call over gRPC, even where the broker offers
-    its step socket (a baseline for scripts/bench_colocation.py)."""
-    return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path)
+    its step socket (a baseline for scripts/bench_colocation.py).
+    map_ahead_pages=L: a growing vTensor keeps L pages mapped ahead of its
+    rows (they count against the limit), so that a step needs a round trip
+    to the broker only when it outgrows them (see "mapping ahead" below)."""
+    return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path, map_ahead_pages)

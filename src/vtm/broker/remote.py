@@ -64,6 +64,11 @@ class RemoteVTensor:
         self._num_tokens = num_tokens
         self._low = low
         self._released = False
+        # The broker's num_tokens: >= _num_tokens, larger when the client
+        # maps ahead (client.py); rows up to it need no new page. Past
+        # _refill_at rows the pages ahead run short (client.py sets both).
+        self._mapped_tokens = num_tokens
+        self._refill_at = num_tokens
 
     def _live(self):
         if self._released:

@@ -1,0 +1,108 @@
+"""vtm.connect(..., map_ahead_pages=L): a growing vTensor keeps L pages
+mapped ahead of its rows, and a step that fits in them is decided in the
+client, without a round trip (src/vtm/broker/client.py, "mapping ahead").
+Checked by the bytes written through the tensor view row by row, by the
+broker's own count of the steps it ran, and against the limit and the order
+of operations, which must not change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import vtm
+from broker_testing import CHUNK, ROW, BrokerProcess, pattern
+from broker_testing import broker  # noqa: F401 (a fixture)
+
+ROWS_PER_PAGE = CHUNK / ROW  # 65.5: rows straddle pages
+
+
+def broker_steps(mgr) -> int:
+    """Steps the broker's manager ran (every client's)."""
+    return mgr.stats()["ops"].get("step", {}).get("count", 0)
+
+
+def test_steps_inside_the_pages_ahead_take_no_round_trip_and_every_row_is_mapped(broker):
+    tokens = [(7 * i + 3) % 1009 for i in range(600)]
+    want = pattern(tokens)
+    with vtm.connect(broker.address, name="ahead", map_ahead_pages=1) as mgr, \
+            vtm.connect(broker.address, name="reader") as other:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=2, namespace="ns")
+        view = space.tensor(np.uint8)
+        vt = space.create(1).result()
+        view[vt.slot, :ROW] = want[:ROW]
+        before = broker_steps(mgr)
+        for n in range(2, len(tokens) + 1):
+            mgr.step({vt: n}).result()
+            assert vt.num_tokens == n
+            view[vt.slot, (n - 1) * ROW:n * ROW] = want[(n - 1) * ROW:n * ROW]  # faults if not mapped
+        ran = broker_steps(mgr) - before
+        # One refill a page (about 9 pages), not one step a row (599).
+        assert 0 < ran <= -(-len(tokens) // int(ROWS_PER_PAGE)) + 1, ran
+        assert vt.mapped_bytes <= (-(-len(tokens) * ROW // CHUNK) + 1) * CHUNK
+        space.prefix_record(vt, tokens).result()  # the broker holds at least the rows asked for
+        vt.release().result()
+        mgr.check()
+        theirs = other.create_space(row_bytes=ROW, max_tokens=1000, max_slots=2, namespace="ns")
+        match = theirs.prefix_match(tokens + [1]).result()
+        assert match.num_tokens == len(tokens)
+        assert (np.asarray(theirs.tensor(np.uint8)[match.vtensor.slot, :len(tokens) * ROW]) == want).all()
+        match.vtensor.release().result()
+
+
+def test_a_create_maps_ahead_too_and_a_batched_step_decides_each_vtensor(broker):
+    with vtm.connect(broker.address, name="ahead", map_ahead_pages=2) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+        vts = [space.create(10 * k + 1).result() for k in range(4)]
+        for vt, k in zip(vts, range(4)):
+            assert vt.num_tokens == 10 * k + 1 and vt.mapped_bytes == 3 * CHUNK  # its page and two ahead
+        before = broker_steps(mgr)
+        for i in range(1, 120):
+            mgr.step({vt: 10 * k + 1 + i for k, vt in enumerate(vts)}).result()
+        assert [vt.num_tokens for vt in vts] == [10 * k + 120 for k in range(4)]
+        crossed = sum(-(-(10 * k + 120) * ROW // CHUNK) - (-(-(10 * k + 1) * ROW // CHUNK)) for k in range(4))
+        assert 0 < broker_steps(mgr) - before <= crossed  # refills only, at most one a page
+        view = space.tensor(np.uint8)
+        for vt in vts:
+            view[vt.slot, :vt.num_tokens * ROW] = 1
+        for vt in vts:
+            vt.release().result()
+        mgr.check()
+
+
+def test_pages_ahead_past_the_limit_are_not_taken_and_the_rows_asked_for_are(tmp_path):
+    quota = tmp_path / "quotas.toml"
+    quota.write_text(f'[clients."tight"]\nlimit_bytes = {2 * CHUNK}\n')
+    b = BrokerProcess(tmp_path, capacity_chunks=16, extra_args=["--quota-file", str(quota)])
+    try:
+        with vtm.connect(b.address, name="tight", map_ahead_pages=4) as mgr:
+            space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+            vt = space.create(100).result()  # 2 pages: all the limit allows
+            assert vt.mapped_bytes == 2 * CHUNK
+            mgr.step({vt: 131}).result()  # still the second page
+            assert vt.num_tokens == 131
+            with pytest.raises(vtm.OutOfMemory, match="limited"):
+                mgr.step({vt: 132}).result()  # a third page: past the limit, ahead or not
+            assert vt.num_tokens == 131 and vt.mapped_bytes == 2 * CHUNK
+            vt.release().result()
+            mgr.check()
+    finally:
+        b.kill()
+
+
+def test_a_step_after_a_release_still_fails_in_order(broker):
+    """A step submitted after its vTensor's release is not decided in the
+    client: it runs after the release, on the broker, and fails there."""
+    with vtm.connect(broker.address, name="ahead", map_ahead_pages=1) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+        vt = space.create(10).result()
+        released = vt.release()
+        with pytest.raises(vtm.Error):
+            mgr.step({vt: 11}).result()
+        released.result()
+        mgr.check()
+
+
+def test_map_ahead_pages_must_be_a_count(broker):
+    with pytest.raises(vtm.InvalidArgument, match="map_ahead_pages"):
+        vtm.connect(broker.address, map_ahead_pages=-1)
