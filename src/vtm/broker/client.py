@@ -69,6 +69,7 @@ import grpc
 from vtm import _core, errors
 from vtm.broker import status
 from vtm.broker.fd_channel import MAX_FDS, FdClient
+from vtm.broker.map_ahead import MapAhead
 from vtm.broker import step_channel
 from vtm.broker.remote import RemoteFuture, RemoteMatch, RemoteSpace, RemoteVTensor
 from vtm.broker.session_channel import SessionChannel, say_bye
@@ -77,7 +78,6 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 log = logging.getLogger("vtm.broker")
 
 _BYE_TIMEOUT_S = 2.0
-_NEVER = 1 << 62  # a row count no vTensor reaches
 _PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
 
 
@@ -107,7 +107,7 @@ class RemoteManager:
         self._timeout = float(timeout)
         self._address = address
         self._fast_path = fast_path
-        self._map_ahead = _count(map_ahead_pages, "map_ahead_pages")
+        self._map_ahead = MapAhead(_count(map_ahead_pages, "map_ahead_pages"), chunk_bytes=0)  # set at hello
         # Operations submitted and finished (refills not counted): equal when
         # nothing is queued or running, so a step may be decided here.
         self._submit_mu = threading.Lock()
@@ -182,7 +182,7 @@ class RemoteManager:
         self.name = hello.name
         self.client_id = hello.client_id
         self.backend = hello.backend
-        self.chunk_bytes = hello.chunk_bytes
+        self.chunk_bytes = self._map_ahead.chunk_bytes = hello.chunk_bytes
         self.capacity_bytes = hello.capacity_bytes
         self.granularity = hello.granularity
         # What the operator granted (less where this client asked for less).
@@ -488,7 +488,7 @@ class RemoteManager:
             else:
                 # The broker's num_tokens is the vTensor's own, or more where it maps ahead.
                 vt._slot, vt._low = state.slot, state.low
-                self._set_mapped(vt, state.num_tokens)
+                self._map_ahead.set_mapped(vt, state.num_tokens)
                 vt._num_tokens = min(vt._num_tokens, state.num_tokens)
 
     def _import(self, serials) -> None:
@@ -534,7 +534,7 @@ class RemoteManager:
 
         if self._steps is not None:
             def fast():
-                ask = self._ahead(space, n)
+                ask = self._map_ahead.rows(space, n)
                 try:
                     vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE, (space.id, ask))
                 except errors.OutOfMemory:
@@ -542,7 +542,7 @@ class RemoteManager:
                         raise
                     vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE, (space.id, n))
                 vt = self._add_vtensor(space, vt_id, slot, n)
-                self._set_mapped(vt, mapped)
+                self._map_ahead.set_mapped(vt, mapped)
                 return vt
             return self._submit(fast, data_plane=True)
         request = _message(vtm_pb2.CreateRequest, "create", space_id=space.id, num_tokens=n)
@@ -555,12 +555,12 @@ class RemoteManager:
         return self._submit(run, data_plane=True)
 
     def _extend(self, vt: RemoteVTensor, n, low=None) -> RemoteFuture:
-        if low is None and self._map_ahead and self._grown_here(((vt, n),)):
+        if low is None and self._map_ahead.pages and self._grown_here(((vt, n),)):
             return self._done
         return self._grow([(vt, _count(n, "num_tokens"), _ask(low, "low"))], "extend")
 
     def step(self, targets) -> RemoteFuture:
-        if self._map_ahead and self._grown_here(targets.items()):
+        if self._map_ahead.pages and self._grown_here(targets.items()):
             return self._done
         sizes = []
         for vt, target in targets.items():
@@ -583,7 +583,7 @@ class RemoteManager:
         def grown(asked=None):
             for i, (vt, n, low) in enumerate(sizes):
                 vt._num_tokens = max(vt._num_tokens, n)
-                self._set_mapped(vt, max(vt._mapped_tokens, n if asked is None else asked[i]))
+                self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, n if asked is None else asked[i]))
                 if low is not None:
                     vt._low = low
 
@@ -595,7 +595,7 @@ class RemoteManager:
             else:
                 op = step_channel.EXTEND if what == "extend" else step_channel.STEP
                 words = [x for vt, n, _ in sizes for x in (vt.id, n)]
-                asked = [self._ahead(vt._space, n) for vt, n, _ in sizes]
+                asked = [self._map_ahead.rows(vt._space, n) for vt, n, _ in sizes]
 
             def fast():
                 if asked is None or asked == words[1::2]:
@@ -620,63 +620,23 @@ class RemoteManager:
             grown()
         return self._submit(run, data_plane=True)
 
-    # -- mapping ahead -----------------------------------------------------------
-    # With map_ahead_pages L > 0, a vTensor that grows over the step socket
-    # asks the broker for the rows of L pages more than it needs; the broker
-    # maps them and counts them as the vTensor's (_mapped_tokens). A growth
-    # that fits in them is decided here, without a round trip, when no
-    # operation is queued before it (its order would not show otherwise).
-    # When a vTensor enters its last L pages, a refill asks for L more on the
-    # worker, not waited for: a decode step that crosses a page boundary
-    # finds the page mapped already. The pages ahead count against the
-    # client's limit like any other; when the broker refuses them (out of
-    # memory), the rows asked for are asked again without them.
-
-    def _ahead(self, space: RemoteSpace, n: int) -> int:
-        """The rows to ask the broker for, for n rows of `space`."""
-        if not self._map_ahead:
-            return n
-        row, chunk = space.row_bytes, self.chunk_bytes
-        pages = -(-n * row // chunk) + self._map_ahead
-        return max(n, min(space.max_tokens, pages * chunk // row))
-
-    def _set_mapped(self, vt: RemoteVTensor, mapped: int) -> None:
-        """The broker's num_tokens for vt is `mapped` now."""
-        vt._mapped_tokens = mapped
-        if self._map_ahead:
-            row, chunk = vt._space.row_bytes, self.chunk_bytes
-            # Past this many rows, fewer than L mapped pages lie ahead of the last row.
-            vt._refill_at = (-(-mapped * row // chunk) - self._map_ahead) * chunk // row
-        else:
-            vt._refill_at = _NEVER
+    # -- mapping ahead (map_ahead.py) ----------------------------------------------
 
     def _grown_here(self, pairs) -> bool:
-        """Grows the vTensors here when every (vTensor, rows) target fits in
-        what the broker mapped for it and nothing is queued before this
-        call; queues the refills that keep L pages ahead. False: ask the
-        broker. The hot path of a decode step: a few comparisons a vTensor."""
+        """A growth decided here (MapAhead.grow), when nothing but refills is
+        queued before it (its order would not show otherwise); False: ask
+        the broker."""
         if self._finished != self._submitted or self._broken is not None:
             return False
-        for vt, n in pairs:
-            if (type(vt) is not RemoteVTensor or type(n) is not int or vt._mgr is not self or vt._released
-                    or not 0 <= n <= vt._mapped_tokens):
-                return False
-        refills = None
-        for vt, n in pairs:
-            if n > vt._num_tokens:
-                vt._num_tokens = n
-            if n > vt._refill_at:
-                want = self._ahead(vt._space, n)
-                vt._refill_at = _NEVER  # until the refill lands
-                if want > vt._mapped_tokens:
-                    refills = refills or []
-                    refills.append((vt, want))
+        refills = self._map_ahead.grow(pairs, self)
+        if refills is None:
+            return False
         if refills:
             self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
         return True
 
     def _refill(self, refills) -> None:
-        """Runs on the worker: maps the pages ahead that _grown_here asked for."""
+        """Runs on the worker: maps the pages ahead that MapAhead.grow asked for."""
         live = [(vt, want) for vt, want in refills if not vt._released]
         for start in range(0, len(live), step_channel.MAX_PAIRS):
             part = live[start:start + step_channel.MAX_PAIRS]
@@ -687,7 +647,7 @@ class RemoteManager:
                 # refill of these until a step of theirs reaches the broker.
                 continue
             for vt, want in part:
-                self._set_mapped(vt, max(vt._mapped_tokens, want))
+                self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, want))
 
     def _unmap_first(self, vt: RemoteVTensor) -> None:
         """Unmaps a vTensor's pages here before the broker is asked to free
