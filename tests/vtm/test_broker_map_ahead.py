@@ -70,24 +70,61 @@ def test_a_create_maps_ahead_too_and_a_batched_step_decides_each_vtensor(broker)
         mgr.check()
 
 
-def test_pages_ahead_past_the_limit_are_not_taken_and_the_rows_asked_for_are(tmp_path):
+def test_a_client_with_a_limit_maps_exactly_and_fits_what_it_fit_before(tmp_path):
+    """Pages ahead are given back only with their vTensor: under a limit
+    they would refuse an allocation that fits without them (4 one-page
+    vTensors under a 4-page limit), so a client with a limit maps none."""
     quota = tmp_path / "quotas.toml"
-    quota.write_text(f'[clients."tight"]\nlimit_bytes = {2 * CHUNK}\n')
+    quota.write_text(f'[clients."tight"]\nlimit_bytes = {4 * CHUNK}\n')
     b = BrokerProcess(tmp_path, capacity_chunks=16, extra_args=["--quota-file", str(quota)])
     try:
-        with vtm.connect(b.address, name="tight", map_ahead_pages=4) as mgr:
-            space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
-            vt = space.create(100).result()  # 2 pages: all the limit allows
-            assert vt.mapped_bytes == 2 * CHUNK
-            mgr.step({vt: 131}).result()  # still the second page
-            assert vt.num_tokens == 131
+        with vtm.connect(b.address, name="tight", map_ahead_pages=2) as mgr:
+            space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+            vts = [space.create(10).result() for _ in range(4)]
+            assert [vt.mapped_bytes for vt in vts] == [CHUNK] * 4
             with pytest.raises(vtm.OutOfMemory, match="limited"):
-                mgr.step({vt: 132}).result()  # a third page: past the limit, ahead or not
-            assert vt.num_tokens == 131 and vt.mapped_bytes == 2 * CHUNK
-            vt.release().result()
+                mgr.step({vts[0]: 70}).result()  # a fifth page
+            for vt in vts:
+                vt.release().result()
             mgr.check()
     finally:
         b.kill()
+
+
+def test_pages_ahead_never_ask_other_clients_for_memory(broker):
+    """A full pool refuses the rows asked ahead at once (the exact rows are
+    then asked as usual): no lower-priority client gets a reclaim notice
+    for pages nobody needs yet."""
+    from vtm.broker import ctl
+
+    assert ctl.main(["--address", broker.address, "set-quota", "high", "--priority", "10"]) == 0
+    with vtm.connect(broker.address, name="low") as low, \
+            vtm.connect(broker.address, name="high", map_ahead_pages=4) as high:
+        held = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(14 * int(ROWS_PER_PAGE)).result()
+        space = high.create_space(row_bytes=ROW, max_tokens=1000, max_slots=2)
+        vt = space.create(10).result()  # 1 page of the 2 free: the 4 ahead would need a reclaim
+        assert vt.mapped_bytes == CHUNK and low.reclaim_notices == 0
+        mgr_steps = [high.step({vt: n}).result() for n in range(11, 60)]  # inside its page: no round trip
+        assert len(mgr_steps) == 49 and vt.num_tokens == 59
+        assert low.reclaim_notices == 0 and held.mapped_bytes == 14 * CHUNK
+        vt.release().result()
+        held.release().result()
+
+
+def test_a_record_past_the_rows_the_vtensor_holds_is_refused_as_without_map_ahead(broker):
+    """The broker counts the rows mapped ahead as the vTensor's; the client
+    still refuses a record of rows never grown into (they hold no KV)."""
+    for ahead in (0, 2):
+        with vtm.connect(broker.address, name=f"rec{ahead}", map_ahead_pages=ahead) as mgr:
+            space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+            vt = space.create(10).result()
+            with pytest.raises(vtm.InvalidArgument, match="holds only 10"):
+                space.prefix_record(vt, list(range(100))).result()
+            mgr.step({vt: 12}).result()
+            assert space.prefix_record(vt, list(range(12))).result() == 12
+            assert space.prefix_nodes()[0]["end"] == 12
+            vt.release().result()
+            mgr.check()
 
 
 def test_a_step_after_a_release_still_fails_in_order(broker):

@@ -149,9 +149,9 @@ def _malformed(rng: random.Random, own_space: int, other_space: int, own_vt: int
         size += size == sc.PAIR.size * count  # count 0 and a negative change: one byte too many
         return sc.REQUEST.pack(op, count, rid) + rng.randbytes(size)
     if choice == 2:  # an unknown op (AUTH again included)
-        return sc.encode_request(rng.choice([0, sc.AUTH, 8, 99, 2**32 - 1]), rid, [own_vt, 11])
+        return sc.encode_request(rng.choice([0, sc.AUTH, 10, 99, 2**32 - 1]), rid, [own_vt, 11])
     if choice == 3:  # one-pair ops with several pairs
-        op = rng.choice([sc.CREATE, sc.EXTEND, sc.RELEASE])
+        op = rng.choice([sc.CREATE, sc.EXTEND, sc.RELEASE, sc.CREATE_AHEAD])
         return sc.encode_request(op, rid, [own_vt, 11] * rng.choice([0, 2, 3]))
     if choice == 4:
         return sc.encode_request(sc.CREATE, rid, [rng.choice([other_space, 0, 999, 2**32 - 1, 2**64 - 1]), 1])
@@ -164,7 +164,7 @@ def _malformed(rng: random.Random, own_space: int, other_space: int, own_vt: int
     if choice == 8:
         targets = [[own_vt, 50], [rng.choice([other_vt, 12345]), 50]] if rng.random() < 0.5 else [[own_vt, big]]
         rng.shuffle(targets)
-        return sc.encode_request(sc.STEP, rid, [x for t in targets for x in t])
+        return sc.encode_request(rng.choice([sc.STEP, sc.STEP_AHEAD]), rid, [x for t in targets for x in t])
     if choice == 9:
         return sc.encode_request(sc.RELEASE, rid, [rng.choice([other_vt, 0, 777]), 0])
     if choice == 11:  # a low mark past the rows asked for, or another client's vTensor; pairs where triples go

@@ -396,6 +396,38 @@ def test_an_account_at_its_limit_drops_its_own_prefixes_and_not_another_accounts
     assert_pool_consistent(mgr)
 
 
+def test_a_node_its_account_has_no_room_for_is_charged_to_the_accounts_below_it(backend, make_manager):
+    """Account 2 recorded two stems and is limited to one; account 1 extended
+    both stems. Evicting the second stem would drop account 1's prefix below
+    it, so the stem's spill is charged to account 1, which has room (it used
+    to be evicted with account 1's prefix, a miss caused by another
+    account's limit)."""
+    chunk = chunk_for(backend)
+    row = chunk // 20 + 7
+    mgr = make_manager(backend, chunks=16, host_tier_bytes=32 * chunk)
+    one = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns", name="one", tier_account=1)
+    two = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns", name="two", tier_account=2)
+    io_one, io_two = RowIO(one, backend), RowIO(two, backend)
+    stem_pages = -(-40 * row // chunk)
+    mgr.set_host_tier_limit(2, stem_pages * chunk + chunk)  # one stem and a bit
+    mgr.set_host_tier_limit(1, 16 * chunk)
+    stems = [[100 + i for i in range(40)], [300 + i for i in range(40)]]
+    longer = [stems[0] + list(range(40)), stems[1] + [500 + i for i in range(40)]]
+    for stem, tokens in zip(stems, longer):
+        record(two, io_two, stem)
+        record(one, io_one, tokens)
+    fill_pool(one)
+    st = assert_pool_consistent(mgr)
+    assert st["spill_failures_total"] == 0, st
+    assert st["host_tier_accounts"][2]["used_bytes"] <= stem_pages * chunk + chunk
+    for tokens in longer:
+        m = match(one, tokens)
+        assert m.num_tokens == len(tokens)
+        io_one.verify(m.vtensor, tokens)
+        m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
 def test_a_lowered_limit_drops_that_accounts_prefixes_at_once(backend, make_manager):
     chunk = chunk_for(backend)
     row = chunk // 20 + 7

@@ -107,7 +107,8 @@ class RemoteManager:
         self._timeout = float(timeout)
         self._address = address
         self._fast_path = fast_path
-        self._map_ahead = MapAhead(_count(map_ahead_pages, "map_ahead_pages"), chunk_bytes=0)  # set at hello
+        self._map_ahead_asked = _count(map_ahead_pages, "map_ahead_pages")
+        self._map_ahead = MapAhead(0, chunk_bytes=0)  # set at hello
         # Operations submitted and finished (refills not counted): equal when
         # nothing is queued or running, so a step may be decided here.
         self._submit_mu = threading.Lock()
@@ -183,6 +184,9 @@ class RemoteManager:
         self.client_id = hello.client_id
         self.backend = hello.backend
         self.chunk_bytes = self._map_ahead.chunk_bytes = hello.chunk_bytes
+        # Under a limit, pages ahead (which nothing gives back before their
+        # vTensor goes) could refuse an allocation that fits without them.
+        self._map_ahead.pages = 0 if hello.limit_bytes else self._map_ahead_asked
         self.capacity_bytes = hello.capacity_bytes
         self.granularity = hello.granularity
         # What the operator granted (less where this client asked for less).
@@ -536,7 +540,8 @@ class RemoteManager:
             def fast():
                 ask = self._map_ahead.rows(space, n)
                 try:
-                    vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE, (space.id, ask))
+                    vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE if ask == n
+                                                       else step_channel.CREATE_AHEAD, (space.id, ask))
                 except errors.OutOfMemory:
                     if ask == n:
                         raise
@@ -603,7 +608,8 @@ class RemoteManager:
                     grown()
                     return
                 try:
-                    self._fast(what, op, [x for (vt, _, _), a in zip(sizes, asked) for x in (vt.id, a)])
+                    self._fast(what, step_channel.STEP_AHEAD,
+                               [x for (vt, _, _), a in zip(sizes, asked) for x in (vt.id, a)])
                     grown(asked)
                 except errors.OutOfMemory:
                     self._fast(what, op, words)  # the rows asked for, without the pages ahead
@@ -626,7 +632,7 @@ class RemoteManager:
         """A growth decided here (MapAhead.grow), when nothing but refills is
         queued before it (its order would not show otherwise); False: ask
         the broker."""
-        if self._finished != self._submitted or self._broken is not None:
+        if self._finished != self._submitted or self._broken is not None or self._steps is None:
             return False
         refills = self._map_ahead.grow(pairs, self)
         if refills is None:
@@ -641,7 +647,7 @@ class RemoteManager:
         for start in range(0, len(live), step_channel.MAX_PAIRS):
             part = live[start:start + step_channel.MAX_PAIRS]
             try:
-                self._fast("step", step_channel.STEP, [x for vt, want in part for x in (vt.id, want)])
+                self._fast("step", step_channel.STEP_AHEAD, [x for vt, want in part for x in (vt.id, want)])
             except errors.OutOfMemory:
                 # The step that needs the rows asks for them itself; no
                 # refill of these until a step of theirs reaches the broker.
@@ -682,6 +688,11 @@ class RemoteManager:
         fence = self._mapper.record_fence(stream)
 
         def run():
+            # Checked here, in order after the vTensor's earlier growth: the
+            # broker's count includes the rows mapped ahead, never written.
+            if len(request.token_ids) > vt._num_tokens and not vt._released:
+                raise errors.InvalidArgument(f"prefix_record: {len(request.token_ids)} tokens, but the vTensor "
+                                             f"holds only {vt._num_tokens}")
             if fence is not None:
                 fence.wait()
             reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)

@@ -90,13 +90,14 @@ class Policy:
         return sum(b for s, (b, deadline) in self._reserved.items() if s is not session and deadline > now)
 
     @contextlib.contextmanager
-    def gate(self, session, extra_bytes: int):
+    def gate(self, session, extra_bytes: int, wait: bool = True):
         """Runs an allocation of `extra_bytes` by `session` (the with-block)
         so that it leaves the bytes reserved for others' retries free:
         while it would not, it waits (until they retried or their
-        reservations expired). With no reservation of others, it runs at
-        once and concurrently with any other; otherwise gated allocations
-        run one at a time, so two of them cannot both pass the check."""
+        reservations expired; wait=False: raises OutOfMemory instead). With
+        no reservation of others, it runs at once and concurrently with any
+        other; otherwise gated allocations run one at a time, so two of them
+        cannot both pass the check."""
         with self._mu:
             owes = session.owed_target is not None
         with self._gate:
@@ -106,6 +107,8 @@ class Policy:
                 others = self._reserved_for_others(session)
                 if others == 0 or self._free_bytes() - extra_bytes >= others:
                     break
+                if not wait:
+                    raise errors.OutOfMemory(f"{others} bytes are reserved for other clients' retries")
                 now = time.monotonic()
                 deadlines = [d for s, (_, d) in self._reserved.items() if s is not session and d > now]
                 self._gate.wait(min(deadlines) - now if deadlines else 0)

@@ -97,6 +97,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         # The host tier charges the prefixes a client records to its name's
         # account (quota.py): name -> account, for the broker's life.
         self._tier_accounts: dict[str, int] = {}
+        self._tier_mu = threading.Lock()  # orders the host-tier limits given to the manager
         self._has_tier = manager.stats()["host_tier_capacity_bytes"] > 0
         self._stopping = False
         self.policy = Policy(self._open_sessions, manager.chunk_bytes, self._free_bytes)
@@ -352,15 +353,21 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         stats = self.manager.stats()
         return stats["capacity_bytes"] - stats["chunks_held"] * self._chunk_bytes
 
-    def _allocate(self, session: Session, extra_bytes: int, op, gate_bytes: int | None = None):
+    def _allocate(self, session: Session, extra_bytes: int, op, gate_bytes: int | None = None,
+                  speculative: bool = False):
         """Runs an allocating op under the policy: the client's limit and
         debts first; memory reserved for another client's retry left alone
         (`gate_bytes`, default extra_bytes: what the op may take); on out of
         memory, reclaim from lower priorities, with what they free reserved
         for this op, and retry once. Called with the session's lock held;
-        `op` looks up what it works on when it runs (see below)."""
+        `op` looks up what it works on when it runs (see below).
+        `speculative` (rows mapped ahead of need): out of memory, or memory
+        reserved for another's retry, refuses it at once; nobody is asked."""
         self.policy.admit(session, extra_bytes)
         gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
+        if speculative:
+            with self.policy.gate(session, gate_bytes, wait=False):
+                return op()
         try:
             with self.policy.gate(session, gate_bytes):
                 return op()
@@ -390,12 +397,22 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         use with the operator's host_tier_limit_bytes for the name."""
         with self._mu:
             account = self._tier_accounts.get(name)
-            if account is None:
-                account = len(self._tier_accounts) + 1
+        if account is None:
+            account = self._apply_tier_limit(name)
+        return account
+
+    def _apply_tier_limit(self, name: str) -> int:
+        """Gives the manager the operator's host-tier limit of `name` (making
+        its account if needed); returns the account. Not under _mu: the
+        manager's lock may be held through a long copy meanwhile, and every
+        RPC needs _mu. _tier_mu orders the calls, so the last one applies
+        the last quota stored."""
+        with self._tier_mu:
+            with self._mu:
+                account = self._tier_accounts.setdefault(name, len(self._tier_accounts) + 1)
                 limit = self.quotas.offered(name).host_tier_limit_bytes
-                if limit and self._has_tier:
-                    self.manager.set_host_tier_limit(account, limit)
-                self._tier_accounts[name] = account
+            if self._has_tier:
+                self.manager.set_host_tier_limit(account, limit)
             return account
 
     def _table_entries(self, row_bytes: int, max_tokens: int, max_slots: int) -> int:
@@ -488,18 +505,19 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     # Their ops look the space or vTensors up when they run: a retry after a
     # reclaim runs after the session's lock was let go (see _allocate).
 
-    def create(self, session: Session, space_id: int, num_tokens: int) -> int:
+    def create(self, session: Session, space_id: int, num_tokens: int, speculative: bool = False) -> int:
         space = self._space(session, space_id)
         n = _count(num_tokens, "num_tokens")
         extra = self._pages_for(session, space.id, min(n, session.geometry[space.id][1])) * self._chunk_bytes
-        vt = self._allocate(session, extra, lambda: self._space(session, space_id).create(n).result())
+        vt = self._allocate(session, extra, lambda: self._space(session, space_id).create(n).result(),
+                            speculative=speculative)
         session.add_vtensor(vt)
         return vt.id
 
     def extend(self, session: Session, vt_id: int, num_tokens: int, low: int | None = None) -> None:
         self.step(session, [(vt_id, num_tokens, low)], op="extend")
 
-    def step(self, session: Session, targets, op: str = "step") -> None:
+    def step(self, session: Session, targets, op: str = "step", speculative: bool = False) -> None:
         """targets: (vTensor id, tokens, low mark or None to keep it); a
         vTensor named twice gets the larger size and the larger mark. Each
         target is checked as the manager checks it (the merge must not
@@ -527,7 +545,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 return self._vtensor(session, vt_id).extend(n, low=low).result()
             return self.manager.step({self._vtensor(session, i): n if low is None else (n, low)
                                       for i, (n, low) in wanted.items()}).result()
-        self._allocate(session, extra, run, gate_bytes=new)
+        self._allocate(session, extra, run, gate_bytes=new, speculative=speculative)
         for vt_id, (n, low) in wanted.items():
             state = session.vt_state[vt_id]
             state.num_tokens = max(state.num_tokens, n)
@@ -659,8 +677,9 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 self.quotas.store(name, quota)
                 for session, granted in grants.items():
                     session.grant(granted)
-                if name in self._tier_accounts and self._has_tier:
-                    self.manager.set_host_tier_limit(self._tier_accounts[name], quota.host_tier_limit_bytes)
+                tiered = name in self._tier_accounts
+            if tiered and "host_tier_limit_bytes" in fields:
+                self._apply_tier_limit(name)
             for session in matching:
                 if session.limit_bytes and session.state == LIVE:
                     # Over a lowered limit: ask for the excess, as for a

@@ -123,7 +123,7 @@ class SessionChannel:
                 return
             self._closed = True
             reading = self._reading
-        self.drop()
+            self.drop()  # before the reader can leave and close the fd
         if not reading:
             self._sock.close()
 

@@ -18,6 +18,9 @@ docs/broker.md):
       STEP     count x (vTensor id, tokens)      RELEASE (vTensor id, 0)
       EXTEND_LOW (vTensor id, tokens, low)
       STEP_LOW count x (vTensor id, tokens, low); low KEEP_LOW keeps the mark
+      CREATE_AHEAD, STEP_AHEAD  as CREATE and STEP, for rows mapped ahead of
+               need (client.py, map_ahead.py): refused at once rather than
+               waiting for, or asking other clients for, memory
   reply:   status u32 (0 ok, 1 error) | fds u32 | request id u64 | length u32 | 0 u32
       ok:    vTensor id u64 | slot u64 | tokens u64 | released u32 | groups u32
              | fds x serial u64 (the chunks of the attached fds, in order)
@@ -51,11 +54,11 @@ from vtm.broker.fd_channel import MAX_FDS
 from vtm.broker.seqpacket import SeqpacketServer
 from vtm.broker.session import LIVE
 
-AUTH, CREATE, EXTEND, STEP, RELEASE, EXTEND_LOW, STEP_LOW = 1, 2, 3, 4, 5, 6, 7
+AUTH, CREATE, EXTEND, STEP, RELEASE, EXTEND_LOW, STEP_LOW, CREATE_AHEAD, STEP_AHEAD = 1, 2, 3, 4, 5, 6, 7, 8, 9
 OP_NAMES = {CREATE: "create", EXTEND: "extend", STEP: "step", RELEASE: "release", EXTEND_LOW: "extend",
-            STEP_LOW: "step"}
+            STEP_LOW: "step", CREATE_AHEAD: "create", STEP_AHEAD: "step"}
 # u64s an entry of each op has: the ops that set a low mark carry it third.
-WIDTH = {CREATE: 2, EXTEND: 2, STEP: 2, RELEASE: 2, EXTEND_LOW: 3, STEP_LOW: 3}
+WIDTH = {CREATE: 2, EXTEND: 2, STEP: 2, RELEASE: 2, EXTEND_LOW: 3, STEP_LOW: 3, CREATE_AHEAD: 2, STEP_AHEAD: 2}
 KEEP_LOW = (1 << 64) - 1  # a STEP_LOW entry that keeps the vTensor's low mark
 
 REQUEST = struct.Struct("<IIQ")
@@ -182,7 +185,8 @@ class StepServer(SeqpacketServer):
         self._service = service
         self._dup_fd = dup_fd
         self._ops = {CREATE: self._create, EXTEND: self._extend, STEP: self._step, RELEASE: self._release,
-                     EXTEND_LOW: self._extend_low, STEP_LOW: self._step_low}
+                     EXTEND_LOW: self._extend_low, STEP_LOW: self._step_low, CREATE_AHEAD: self._create_ahead,
+                     STEP_AHEAD: self._step_ahead}
         super().__init__(path, reactor, max_connections, MAX_REQUEST + 1)
 
     def _datagram(self, conn, data: bytes) -> bool:
@@ -237,7 +241,7 @@ class StepServer(SeqpacketServer):
             if len(data) != REQUEST.size + count * width * 8:
                 raise vtm.InvalidArgument(f"a frame of {count} entries of {width} u64s has "
                                           f"{REQUEST.size + count * width * 8} bytes, got {len(data)}")
-            if op not in (STEP, STEP_LOW) and count != 1:
+            if op not in (STEP, STEP_LOW, STEP_AHEAD) and count != 1:
                 raise vtm.InvalidArgument(f"{OP_NAMES[op]} takes one entry, got {count}")
             pairs = struct.unpack_from(f"<{width * count}Q", data, REQUEST.size)
 
@@ -264,18 +268,25 @@ class StepServer(SeqpacketServer):
 
     # Each returns the (id, slot, tokens, released) of the vTensor it made or released.
 
-    def _create(self, session, pairs):
-        vt_id = self._service.create(session, pairs[0], pairs[1])
+    def _create(self, session, pairs, speculative=False):
+        vt_id = self._service.create(session, pairs[0], pairs[1], speculative=speculative)
         state = session.vt_state[vt_id]
         return vt_id, state.slot, state.num_tokens, 0
+
+    def _create_ahead(self, session, pairs):
+        return self._create(session, pairs, speculative=True)
 
     def _extend(self, session, pairs):
         self._service.extend(session, pairs[0], pairs[1])
         return 0, 0, 0, 0
 
-    def _step(self, session, pairs):
-        self._service.step(session, [(vt_id, n, None) for vt_id, n in zip(pairs[0::2], pairs[1::2])])
+    def _step(self, session, pairs, speculative=False):
+        self._service.step(session, [(vt_id, n, None) for vt_id, n in zip(pairs[0::2], pairs[1::2])],
+                           speculative=speculative)
         return 0, 0, 0, 0
+
+    def _step_ahead(self, session, pairs):
+        return self._step(session, pairs, speculative=True)
 
     def _extend_low(self, session, triple):
         self._service.extend(session, triple[0], triple[1], None if triple[2] == KEEP_LOW else triple[2])

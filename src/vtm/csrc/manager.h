@@ -296,16 +296,20 @@ class Manager {
   std::size_t EvictableTreeChunks() const;
   std::size_t ReclaimCachedPages(std::size_t need);
   std::size_t EvictTreeLeaves(std::size_t need);
-  // Host tier: spills `node` (Spillable) into the tier, making room there by
-  // dropping least recently used leaves (its account's first, while the
-  // account is at its limit); where it cannot (the tier, or the account's
-  // share, is full of locked nodes, or a copy fails), evicts the node's
-  // subtree as a tree without a tier would. Returns the chunks freed.
+  // Host tier: spills `node` (Spillable) into the tier, charged to its
+  // account, or to one of its descendants' where its own has no room, making
+  // room by dropping least recently used leaves (the charged account's first,
+  // while it is at its limit); where it cannot (no account has room, the
+  // tier is full of locked nodes, or a copy fails), evicts the node's subtree
+  // as a tree without a tier would. Returns the chunks freed.
   std::size_t SpillNode(PrefixTree& tree, PrefixNode* node);
   // Drops unlocked leaves on the host (charged to `account`, when given),
   // least recently used first, until enough(); false when none is left to
   // drop and it is still not enough. One walk over the trees per call.
   bool DropHostLeaves(std::optional<std::uint32_t> account, const std::function<bool()>& enough);
+  // The accounts a spill of `node` may be charged to: its own, then those of
+  // its descendants, most recently used first.
+  std::vector<std::uint32_t> ChargeableAccounts(const PrefixNode* node) const;
   // The account's limit in blocks; none when it has none.
   std::optional<std::size_t> HostTierLimit(std::uint32_t account) const;
   // Copies the host-tier nodes on the path from the root to `node` (locked

@@ -156,22 +156,32 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   };
   std::size_t pages = 0;
   for (ChunkId c : node->pages) pages += c != kNoChunk ? 1 : 0;
-  const std::uint32_t account = node->tier_account;
-  const std::optional<std::size_t> limit = HostTierLimit(account);
-  if (pages > tier_->capacity() || (limit && pages > *limit)) {
-    // It would never fit: keep what the tier (and the account) holds.
+  if (pages > tier_->capacity()) {  // it would never fit: keep what the tier holds
     ++spill_failures_total_;
     return tree.EvictSubtree(node);
   }
-  // The account makes room in its own share first: one tenant's spills
-  // never push out another's nodes while it is at its limit. Then the tier.
+  // The account charged makes room in its own share first: one tenant's
+  // spills never push out another's nodes while it is at its limit. The
+  // node's own account first; when it has no room, an account whose nodes
+  // on the host hang below this one (they are matchable only through it),
+  // most recently used first: evicting the node would drop those too.
+  std::optional<std::uint32_t> account;
+  for (std::uint32_t candidate : ChargeableAccounts(node)) {
+    const std::optional<std::size_t> limit = HostTierLimit(candidate);
+    if (!limit || (pages <= *limit && DropHostLeaves(candidate, [&] {
+                     return tier_->used_by(candidate) + pages <= *limit;
+                   }))) {
+      account = candidate;
+      break;
+    }
+  }
+  // Then the tier.
   const bool room =
-      (!limit || DropHostLeaves(account, [&] { return tier_->used_by(account) + pages <= *limit; })) &&
-      DropHostLeaves(std::nullopt, [&] { return tier_->used() + pages <= tier_->capacity(); });
+      account && DropHostLeaves(std::nullopt, [&] { return tier_->used() + pages <= tier_->capacity(); });
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
-      if (!room || !tier_->Take(account, &blocks[i])) {
+      if (!room || !tier_->Take(*account, &blocks[i])) {
         // Every block (of the tier, or of the account's share) is held by a locked node.
         give_back();
         ++spill_failures_total_;
@@ -189,7 +199,26 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   }
   ++spills_total_;
   spilled_pages_total_ += pages;
+  node->tier_account = *account;  // whoever pays for it keeps it from now on
   return tree.Spill(node, blocks);
+}
+
+std::vector<std::uint32_t> Manager::ChargeableAccounts(const PrefixNode* node) const {
+  std::vector<std::uint32_t> accounts{node->tier_account};
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> below;  // (last access, account) of its descendants
+  std::vector<const PrefixNode*> stack{node};
+  while (!stack.empty()) {
+    const PrefixNode* n = stack.back();
+    stack.pop_back();
+    for (const auto& [token, child] : n->children) {
+      if (child->tier_account != node->tier_account) below.emplace_back(child->last_access, child->tier_account);
+      stack.push_back(child.get());
+    }
+  }
+  std::sort(below.begin(), below.end(), std::greater<>());
+  for (const auto& [tick, account] : below)
+    if (std::find(accounts.begin(), accounts.end(), account) == accounts.end()) accounts.push_back(account);
+  return accounts;
 }
 
 std::optional<std::size_t> Manager::HostTierLimit(std::uint32_t account) const {

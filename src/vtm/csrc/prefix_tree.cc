@@ -132,9 +132,9 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     if (p >= pages.size() || pages[p] == kNoChunk)
       Throw(ErrorCode::kInternal, "prefix_record: page " + std::to_string(p) + " is not mapped");
   PrefixNode* node = SplitAt(pos);
-  // Adoption: nodes of the path on the host take the recorder's chunks.
-  // Only the deepest can be left out (it holds the page the recorder writes
-  // next); its ancestors' pages lie at or below its first.
+  // Adoption: nodes of the path on the host take the recorder's chunks,
+  // except those holding the page the recorder writes next (the deepest,
+  // and its parent too when the page straddles their boundary).
   for (PrefixNode* m = node; tier_ != nullptr && m != &root_; m = m->parent) {
     if (!m->on_host) continue;
     const std::size_t end = m->first_page + m->pages.size();
