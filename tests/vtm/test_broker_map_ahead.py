@@ -111,6 +111,51 @@ def test_pages_ahead_never_ask_other_clients_for_memory(broker):
         held.release().result()
 
 
+def test_pages_ahead_take_free_memory_only_and_never_evict_a_cached_prefix(broker):
+    """'low' holds 10 pages and keeps a 4-page prefix in the tree, 2 chunks
+    are free. A create of 1 page with 4 ahead would have evicted the prefix
+    for pages nobody needs yet; it takes its 1 page from the free 2 instead."""
+    with vtm.connect(broker.address, name="low") as low, \
+            vtm.connect(broker.address, name="ahead", map_ahead_pages=4) as ahead:
+        space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2, namespace="ns")
+        held = space.create(int(10 * ROWS_PER_PAGE)).result()
+        tokens = list(range(int(4 * ROWS_PER_PAGE) - 1))
+        vt = space.create(len(tokens)).result()
+        space.prefix_record(vt, tokens).result()
+        vt.release().result()
+        assert low.stats()["chunks_in_tree"] == 4
+        theirs = ahead.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1, namespace="other")
+        mine = theirs.create(10).result()
+        assert mine.mapped_bytes == CHUNK
+        stats = low.stats()
+        assert stats["chunks_in_tree"] == 4 and stats["evictions_total"] == 0, stats
+        match = space.prefix_match(tokens + [10**6]).result()
+        assert match.num_tokens == len(tokens)
+        for v in (match.vtensor, mine, held):
+            v.release().result()
+
+
+def test_a_limit_set_while_connected_stops_mapping_ahead(tmp_path):
+    """The operator limits the client after it connected: the broker refuses
+    its pages ahead from then on, and it maps exactly (4 one-page vTensors
+    fit a 4-page limit)."""
+    from vtm.broker import ctl
+
+    b = BrokerProcess(tmp_path, capacity_chunks=16)
+    try:
+        with vtm.connect(b.address, name="tight", map_ahead_pages=2) as mgr:
+            assert ctl.main(["--address", b.address, "set-quota", "tight", "--limit", str(4 * CHUNK)]) == 0
+            space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+            vts = [space.create(10).result() for _ in range(4)]
+            assert [vt.mapped_bytes for vt in vts] == [CHUNK] * 4
+            mgr.step({vts[0]: 60}).result()  # inside its page: fine
+            for vt in vts:
+                vt.release().result()
+            mgr.check()
+    finally:
+        b.kill()
+
+
 def test_a_record_past_the_rows_the_vtensor_holds_is_refused_as_without_map_ahead(broker):
     """The broker counts the rows mapped ahead as the vTensor's; the client
     still refuses a record of rows never grown into (they hold no KV)."""

@@ -542,8 +542,8 @@ class RemoteManager:
                 try:
                     vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE if ask == n
                                                        else step_channel.CREATE_AHEAD, (space.id, ask))
-                except errors.OutOfMemory:
-                    if ask == n:
+                except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
+                    if ask == n or not self._ahead_refused(exc):
                         raise
                     vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE, (space.id, n))
                 vt = self._add_vtensor(space, vt_id, slot, n)
@@ -611,7 +611,9 @@ class RemoteManager:
                     self._fast(what, step_channel.STEP_AHEAD,
                                [x for (vt, _, _), a in zip(sizes, asked) for x in (vt.id, a)])
                     grown(asked)
-                except errors.OutOfMemory:
+                except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
+                    if not self._ahead_refused(exc):
+                        raise
                     self._fast(what, op, words)  # the rows asked for, without the pages ahead
                     grown()
             return self._submit(fast, data_plane=True)
@@ -641,6 +643,16 @@ class RemoteManager:
             self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
         return True
 
+    def _ahead_refused(self, exc: errors.Error) -> bool:
+        """Whether the broker refused pages ahead (not the rows needed): out
+        of free memory, or this client has a limit now (set while it was
+        connected), which ends mapping ahead until the next session."""
+        if isinstance(exc, errors.FailedPrecondition):
+            if str(exc) != step_channel.LIMITED_AHEAD:
+                return False
+            self._map_ahead.pages = 0
+        return True
+
     def _refill(self, refills) -> None:
         """Runs on the worker: maps the pages ahead that MapAhead.grow asked for."""
         live = [(vt, want) for vt, want in refills if not vt._released]
@@ -648,7 +660,9 @@ class RemoteManager:
             part = live[start:start + step_channel.MAX_PAIRS]
             try:
                 self._fast("step", step_channel.STEP_AHEAD, [x for vt, want in part for x in (vt.id, want)])
-            except errors.OutOfMemory:
+            except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
+                if not self._ahead_refused(exc):
+                    raise
                 # The step that needs the rows asks for them itself; no
                 # refill of these until a step of theirs reaches the broker.
                 continue

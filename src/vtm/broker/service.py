@@ -45,7 +45,7 @@ import time
 import grpc
 
 import vtm
-from vtm.broker import status
+from vtm.broker import status, step_channel
 from vtm.broker.policy import Policy
 from vtm.broker.quota import Ask, grant
 from vtm.broker.seqpacket import peer_pidfd
@@ -361,11 +361,20 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         memory, reclaim from lower priorities, with what they free reserved
         for this op, and retry once. Called with the session's lock held;
         `op` looks up what it works on when it runs (see below).
-        `speculative` (rows mapped ahead of need): out of memory, or memory
-        reserved for another's retry, refuses it at once; nobody is asked."""
+        `speculative` (rows mapped ahead of need) takes free memory only: it
+        is refused at once rather than evict a cached prefix, reclaim, wait
+        for memory reserved for another's retry, or add to a debt; and a
+        client with a limit gets none (pages ahead return only with their
+        vTensor, so they could refuse an allocation that fits without them)."""
         self.policy.admit(session, extra_bytes)
         gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
         if speculative:
+            if session.limit_bytes:
+                raise vtm.FailedPrecondition(step_channel.LIMITED_AHEAD)
+            if session.owed_target is not None:
+                raise vtm.OutOfMemory(f"client '{session.name}' owes memory: no pages ahead")
+            if self._free_bytes() < gate_bytes:
+                raise vtm.OutOfMemory("pages ahead take free memory only, and the pool has too little")
             with self.policy.gate(session, gate_bytes, wait=False):
                 return op()
         try:

@@ -307,9 +307,9 @@ class Manager {
   // least recently used first, until enough(); false when none is left to
   // drop and it is still not enough. One walk over the trees per call.
   bool DropHostLeaves(std::optional<std::uint32_t> account, const std::function<bool()>& enough);
-  // The accounts a spill of `node` may be charged to: its own, then those of
-  // its descendants, most recently used first.
-  std::vector<std::uint32_t> ChargeableAccounts(const PrefixNode* node) const;
+  // The accounts of `node`'s descendants other than its own, most recently
+  // used first: those a spill of it may be charged to when its own has no room.
+  std::vector<std::uint32_t> AccountsBelow(const PrefixNode* node) const;
   // The account's limit in blocks; none when it has none.
   std::optional<std::size_t> HostTierLimit(std::uint32_t account) const;
   // Copies the host-tier nodes on the path from the root to `node` (locked

@@ -161,18 +161,25 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
     return tree.EvictSubtree(node);
   }
   // The account charged makes room in its own share first: one tenant's
-  // spills never push out another's nodes while it is at its limit. The
-  // node's own account first; when it has no room, an account whose nodes
-  // on the host hang below this one (they are matchable only through it),
-  // most recently used first: evicting the node would drop those too.
+  // spills never push out another's nodes while it is at its limit. When
+  // the node's own account has no room, it goes to an account whose nodes
+  // on the host hang below it (they are matchable only through it), most
+  // recently used first, if that one has room as it is: evicting the node
+  // would drop those nodes anyway, and no other account loses a leaf for it.
   std::optional<std::uint32_t> account;
-  for (std::uint32_t candidate : ChargeableAccounts(node)) {
-    const std::optional<std::size_t> limit = HostTierLimit(candidate);
-    if (!limit || (pages <= *limit && DropHostLeaves(candidate, [&] {
-                     return tier_->used_by(candidate) + pages <= *limit;
-                   }))) {
-      account = candidate;
-      break;
+  const std::uint32_t own = node->tier_account;
+  const std::optional<std::size_t> own_limit = HostTierLimit(own);
+  if (!own_limit || (pages <= *own_limit && DropHostLeaves(own, [&] {
+                       return tier_->used_by(own) + pages <= *own_limit;
+                     }))) {
+    account = own;
+  } else {
+    for (std::uint32_t candidate : AccountsBelow(node)) {
+      const std::optional<std::size_t> limit = HostTierLimit(candidate);
+      if (!limit || tier_->used_by(candidate) + pages <= *limit) {
+        account = candidate;
+        break;
+      }
     }
   }
   // Then the tier.
@@ -203,8 +210,8 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   return tree.Spill(node, blocks);
 }
 
-std::vector<std::uint32_t> Manager::ChargeableAccounts(const PrefixNode* node) const {
-  std::vector<std::uint32_t> accounts{node->tier_account};
+std::vector<std::uint32_t> Manager::AccountsBelow(const PrefixNode* node) const {
+  std::vector<std::uint32_t> accounts;
   std::vector<std::pair<std::uint64_t, std::uint32_t>> below;  // (last access, account) of its descendants
   std::vector<const PrefixNode*> stack{node};
   while (!stack.empty()) {
