@@ -195,12 +195,9 @@ def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
         manager.close()
 
 
-def test_closing_the_session_channel_leaves_its_fd_to_the_reader(tmp_path):
-    # The client closed the channel's fd while its listener thread was still
-    # reading it (TSan saw close() race recv()): the fd number is then free
-    # for the next socket this process opens, under a read that still holds
-    # it. Now close() only shuts the connection down, and the reader closes
-    # the fd once it has left its read.
+def attached_channel(tmp_path, notices):
+    """A SessionChannel attached to a stand-in broker that sends `notices`
+    after the attach; returns it and the broker's end (close both)."""
     import json
     import threading
 
@@ -217,12 +214,28 @@ def test_closing_the_session_channel_leaves_its_fd_to_the_reader(tmp_path):
         accepted.append(conn)
         conn.recv(1 << 16)
         conn.send(json.dumps({"attached": True}).encode())
-        conn.send(json.dumps({"notice": "reclaim", "id": 1}).encode())
+        for notice in notices:
+            conn.send(json.dumps(notice).encode())
 
     serving = threading.Thread(target=broker)
     serving.start()
-    channel = SessionChannel(path, "lease", timeout=10)
-    serving.join()
+    try:
+        channel = SessionChannel(path, "lease", timeout=10)
+    finally:
+        serving.join()
+        server.close()
+    return channel, accepted[0]
+
+
+def test_closing_the_session_channel_leaves_its_fd_to_the_reader(tmp_path):
+    # The client closed the channel's fd while its listener thread was still
+    # reading it (TSan saw close() race recv()): the fd number is then free
+    # for the next socket this process opens, under a read that still holds
+    # it. Now close() only shuts the connection down, and the reader closes
+    # the fd once it has left its read.
+    import threading
+
+    channel, peer = attached_channel(tmp_path, [{"notice": "reclaim", "id": 1}])
     reader_in_body, release_reader, seen = threading.Event(), threading.Event(), []
 
     def listen():
@@ -245,32 +258,11 @@ def test_closing_the_session_channel_leaves_its_fd_to_the_reader(tmp_path):
         assert list(channel.notices()) == []  # a closed channel reads nothing
     finally:
         release_reader.set()
-        for conn in accepted:
-            conn.close()
-        server.close()
+        peer.close()
 
 
 def test_closing_a_session_channel_nobody_reads_closes_its_fd(tmp_path):
-    import json
-    import threading
-
-    from vtm.broker.session_channel import SessionChannel
-
-    path = str(tmp_path / "fds")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server.bind(path)
-    server.listen(1)
-
-    def broker():
-        conn, _ = server.accept()
-        conn.recv(1 << 16)
-        conn.send(json.dumps({"attached": True}).encode())
-        conn.close()
-
-    serving = threading.Thread(target=broker)
-    serving.start()
-    channel = SessionChannel(path, "lease", timeout=10)
-    serving.join()
+    channel, peer = attached_channel(tmp_path, [])
     channel.close()
     assert channel._sock.fileno() == -1
-    server.close()
+    peer.close()

@@ -480,6 +480,30 @@ def test_bad_tier_accounts_and_limits_are_refused(backend, make_manager):
         without.set_host_tier_limit(1, chunk)
 
 
+def random_step(rng, sp, io, stems, live, step):
+    """One random record, match (its bytes checked), release or pool fill
+    on `sp`; tokens start with one of `stems`. `live`: the matched vTensors
+    held (all released when the pool runs out)."""
+    roll = rng.random()
+    stem = stems[rng.integers(len(stems))]
+    tokens = stem[:int(rng.integers(5, 25))] + [int(t) for t in rng.integers(0, 50, int(rng.integers(0, 30)))]
+    try:
+        if roll < 0.35:
+            record(sp, io, tokens)
+        elif roll < 0.75:
+            m = match(sp, tokens)
+            if m.num_tokens:
+                io.verify(m.vtensor, tokens, 0, m.num_tokens, what=f"step {step}")
+                live.append(m.vtensor)
+        elif roll < 0.9 and live:
+            live.pop(int(rng.integers(len(live)))).release().result()
+        else:
+            fill_pool(sp)
+    except vtm.OutOfMemory:
+        while live:
+            live.pop().release().result()
+
+
 def test_random_records_matches_and_pressure_never_return_stale_bytes(backend, make_manager):
     """A random mix of records, matches, releases and pool-filling over a
     small pool and a smaller tier: every match returns the pattern of its
@@ -489,24 +513,7 @@ def test_random_records_matches_and_pressure_never_return_stale_bytes(backend, m
     stems = [[1000 * k + i for i in range(25)] for k in range(4)]
     live = []
     for step in range(120):
-        roll = rng.random()
-        stem = stems[rng.integers(len(stems))]
-        tokens = stem[:int(rng.integers(5, 25))] + [int(t) for t in rng.integers(0, 50, int(rng.integers(0, 30)))]
-        try:
-            if roll < 0.35:
-                record(sp, io, tokens)
-            elif roll < 0.75:
-                m = match(sp, tokens)
-                if m.num_tokens:
-                    io.verify(m.vtensor, tokens, 0, m.num_tokens, what=f"step {step}")
-                    live.append(m.vtensor)
-            elif roll < 0.9 and live:
-                live.pop(int(rng.integers(len(live)))).release().result()
-            else:
-                fill_pool(sp)
-        except vtm.OutOfMemory:
-            while live:
-                live.pop().release().result()
+        random_step(rng, sp, io, stems, live, step)
         mgr.check()
     st = assert_pool_consistent(mgr)
     assert st["spills_total"] > 0 and st["restores_total"] > 0 and st["host_tier_drops_total"] > 0, st
@@ -528,26 +535,8 @@ def test_random_work_of_two_accounts_in_one_tree_keeps_each_within_its_limit(bac
     stems = [[1000 * k + i for i in range(25)] for k in range(3)]
     live = []
     for step in range(150):
-        roll = rng.random()
         k = int(rng.integers(2))
-        sp, io = spaces[k], ios[k]
-        stem = stems[rng.integers(len(stems))]
-        tokens = stem[:int(rng.integers(5, 25))] + [int(t) for t in rng.integers(0, 50, int(rng.integers(0, 30)))]
-        try:
-            if roll < 0.35:
-                record(sp, io, tokens)
-            elif roll < 0.75:
-                m = match(sp, tokens)
-                if m.num_tokens:
-                    io.verify(m.vtensor, tokens, 0, m.num_tokens, what=f"step {step}")
-                    live.append(m.vtensor)
-            elif roll < 0.9 and live:
-                live.pop(int(rng.integers(len(live)))).release().result()
-            else:
-                fill_pool(sp)
-        except vtm.OutOfMemory:
-            while live:
-                live.pop().release().result()
+        random_step(rng, spaces[k], ios[k], stems, live, step)
         mgr.check()
         used = mgr.stats()["host_tier_accounts"].get(1, {}).get("used_bytes", 0)
         assert used <= 3 * chunk, f"step {step}: account 1 holds {used} bytes"
