@@ -15,8 +15,9 @@ on CUDA as Triton kernels of the same rounding (kernels/triton_layer_ops.py),
 where each residual add is made by the norm that follows it: a small model's
 GPU step is bound by its number of kernels. Elsewhere they are torch ops. On
 the CPU, when a pass's projections run the `packed` kernel and attention is
-the batched kernel, all its layers run as one C++ call (kernels/cpu_decoder.py) that makes the loop's kernel calls in
-the loop's order: the same bits without ~9 Python calls per layer.
+the batched kernel, all its layers run as one C++ call
+(kernels/cpu_decoder.py) that makes the loop's kernel calls in the loop's
+order: the same bits without ~9 Python calls per layer.
 
 The families differ from Llama only in what ModelConfig says, and each
 difference is one branch in the loop, rounded as transformers rounds it: q/k

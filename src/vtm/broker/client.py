@@ -538,14 +538,9 @@ class RemoteManager:
 
         if self._steps is not None:
             def fast():
-                ask = self._map_ahead.rows(space, n)
-                try:
-                    vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE if ask == n
-                                                       else step_channel.CREATE_AHEAD, (space.id, ask))
-                except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
-                    if ask == n or not self._ahead_refused(exc):
-                        raise
-                    vt_id, slot, mapped, _ = self._fast("create", step_channel.CREATE, (space.id, n))
+                (vt_id, slot, mapped, _), _ = self._fast_ahead(
+                    "create", step_channel.CREATE_AHEAD, step_channel.CREATE, [space.id],
+                    [self._map_ahead.rows(space, n)], [self._map_ahead.rows(space, n, ahead=0)])
                 vt = self._add_vtensor(space, vt_id, slot, n)
                 self._map_ahead.set_mapped(vt, mapped)
                 return vt
@@ -585,10 +580,11 @@ class RemoteManager:
         fits = (len(sizes) <= (step_channel.MAX_TRIPLES if lows else step_channel.MAX_PAIRS)
                 and all(n < 1 << 64 and (low is None or low < step_channel.KEEP_LOW) for _, n, low in sizes))
 
-        def grown(asked=None):
+        def grown(granted=None):
+            """`granted`: the rows the broker now holds for each (default the rows asked)."""
             for i, (vt, n, low) in enumerate(sizes):
                 vt._num_tokens = max(vt._num_tokens, n)
-                self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, n if asked is None else asked[i]))
+                self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, n if granted is None else granted[i]))
                 if low is not None:
                     vt._low = low
 
@@ -596,26 +592,18 @@ class RemoteManager:
             if lows:
                 op = step_channel.EXTEND_LOW if what == "extend" else step_channel.STEP_LOW
                 words = [x for vt, n, low in sizes for x in (vt.id, n, step_channel.KEEP_LOW if low is None else low)]
-                asked = None
-            else:
-                op = step_channel.EXTEND if what == "extend" else step_channel.STEP
-                words = [x for vt, n, _ in sizes for x in (vt.id, n)]
-                asked = [self._map_ahead.rows(vt._space, n) for vt, n, _ in sizes]
 
-            def fast():
-                if asked is None or asked == words[1::2]:
+                def fast():
                     self._fast(what, op, words)
                     grown()
-                    return
-                try:
-                    self._fast(what, step_channel.STEP_AHEAD,
-                               [x for (vt, _, _), a in zip(sizes, asked) for x in (vt.id, a)])
-                    grown(asked)
-                except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
-                    if not self._ahead_refused(exc):
-                        raise
-                    self._fast(what, op, words)  # the rows asked for, without the pages ahead
-                    grown()
+            else:
+                op = step_channel.EXTEND if what == "extend" else step_channel.STEP
+                ids = [vt.id for vt, _, _ in sizes]
+                ahead = [self._map_ahead.rows(vt._space, n) for vt, n, _ in sizes]
+                exact = [self._map_ahead.rows(vt._space, n, ahead=0) for vt, n, _ in sizes]
+
+                def fast():
+                    grown(self._fast_ahead(what, step_channel.STEP_AHEAD, op, ids, ahead, exact)[1])
             return self._submit(fast, data_plane=True)
         targets = [_message(vtm_pb2.ExtendRequest, what, vtensor_id=vt.id, num_tokens=n, low=low)
                    for vt, n, low in sizes]
@@ -642,6 +630,20 @@ class RemoteManager:
         if refills:
             self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
         return True
+
+    def _fast_ahead(self, what: str, ahead_op: int, exact_op: int, keys, ahead, exact):
+        """Runs `what` on the step socket for (key, rows) pairs: with the
+        `ahead` rows (the pages ahead too) where they differ from `exact`,
+        else, or when the broker refuses the pages ahead, with `exact` (the
+        rows of the pages needed; n itself without mapping ahead). Returns
+        the reply and the rows the broker granted."""
+        if ahead != exact:
+            try:
+                return self._fast(what, ahead_op, [x for k, r in zip(keys, ahead) for x in (k, r)]), ahead
+            except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
+                if not self._ahead_refused(exc):
+                    raise
+        return self._fast(what, exact_op, [x for k, r in zip(keys, exact) for x in (k, r)]), exact
 
     def _ahead_refused(self, exc: errors.Error) -> bool:
         """Whether the broker refused pages ahead (not the rows needed): out

@@ -32,12 +32,14 @@ class MapAhead:
         self.pages = pages
         self.chunk_bytes = chunk_bytes
 
-    def rows(self, space, n: int) -> int:
-        """The rows to ask the broker for, for n rows of `space`."""
+    def rows(self, space, n: int, ahead: int | None = None) -> int:
+        """The rows to ask the broker for, for n rows of `space`: all the rows
+        of the pages n needs and of `ahead` more (default L). Without mapping
+        ahead, n."""
         if not self.pages:
             return n
         row, chunk = space.row_bytes, self.chunk_bytes
-        pages = -(-n * row // chunk) + self.pages
+        pages = -(-n * row // chunk) + (self.pages if ahead is None else ahead)
         return max(n, min(space.max_tokens, pages * chunk // row))
 
     def set_mapped(self, vt: RemoteVTensor, mapped: int) -> None:

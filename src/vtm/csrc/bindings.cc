@@ -410,8 +410,9 @@ PYBIND11_MODULE(_core, m) {
           [](const PySpace& s, std::vector<std::int32_t> tokens, const py::object& stream,
              std::optional<std::int64_t> max_restore_bytes) {
             const std::uintptr_t handle = StreamHandle(stream);
-            std::size_t max_pages = SIZE_MAX;
-            if (max_restore_bytes) max_pages = Count(*max_restore_bytes, "max_restore_bytes") / Core(s.mgr).chunk_bytes();
+            const std::size_t max_pages =
+                max_restore_bytes ? Count(*max_restore_bytes, "max_restore_bytes") / Core(s.mgr).chunk_bytes()
+                                  : SIZE_MAX;
             return PyFuture{s.mgr, NoGil([&] {
                               return Core(s.mgr).PrefixMatch(s.id, std::move(tokens), handle, max_pages);
                             })};

@@ -44,8 +44,8 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -170,11 +170,10 @@ class Manager {
                             const std::string& ns, const std::string& name, std::size_t window_tokens,
                             std::uint32_t tier_account = 0);
   // The most host-tier bytes the nodes charged to `account` (not 0) may hold,
-  // rounded down to whole chunks (under one chunk: nothing); 0: no limit
-  // but the tier's. Lowering it
-  // drops the account's least recently used unlocked nodes on the host at
-  // once, down to the limit where they are unlocked. kFailedPrecondition
-  // without a host tier.
+  // rounded down to whole chunks (under one chunk: nothing); 0: no limit but
+  // the tier's. Lowering it drops the account's least recently used unlocked
+  // leaves on the host at once, down to the limit where they are unlocked.
+  // kFailedPrecondition without a host tier.
   void SetHostTierLimit(std::uint32_t account, std::size_t bytes);
 
   std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);

@@ -138,10 +138,9 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   for (PrefixNode* m = node; tier_ != nullptr && m != &root_; m = m->parent) {
     if (!m->on_host) continue;
     const std::size_t end = m->first_page + m->pages.size();
-    if (end > adopt_end || end > pages.size()) continue;
-    bool whole = true;
-    for (std::size_t p = m->first_page; p < end; ++p) whole = whole && pages[p] != kNoChunk;
-    if (!whole) continue;
+    if (end > adopt_end || end > pages.size() ||
+        std::any_of(pages.begin() + m->first_page, pages.begin() + end, [](ChunkId c) { return c == kNoChunk; }))
+      continue;
     for (std::size_t i = 0; i < m->pages.size(); ++i) {
       m->pages[i] = pages[m->first_page + i];
       pool_->Ref(m->pages[i]);
