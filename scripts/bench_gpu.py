@@ -21,7 +21,9 @@ here and saved as a Hugging Face folder; nothing is downloaded.
    into GPU busy time (the graph replay, timed with CUDA events) and host
    time (the rest, while the GPU waits), against the weight-streaming bound
    (the weights' bytes over a device copy's bandwidth measured in the run);
-   with the layer ops as Triton kernels (the default) and as torch ops.
+   the engine as it is (Triton layer ops, overlap), then as baselines in the
+   same run without overlap (the host reads each step's tokens before it
+   plans the next) and with the layer ops as torch ops.
 5. The kernels of a decode step by time (eager steps under torch.profiler).
 
 Usage: python scripts/bench_gpu.py [--quick] [--json PATH] [--attention NAME] [--hf-attn sdpa|eager]
@@ -127,8 +129,9 @@ def run_flexinfer(llm, prompts, new_tokens) -> tuple[float, list[list[int]]]:
     return len(prompts) * new_tokens / elapsed, [o.token_ids for o in outs]
 
 
-def make_llm(folder: Path, dtype: str, backend: str, attention: str, max_batch: int, cuda_graphs: bool | None = None):
-    """An LLM, or None when `cuda_graphs` is asked for and the engine has no such option.
+def make_llm(folder: Path, dtype: str, backend: str, attention: str, max_batch: int, cuda_graphs: bool | None = None,
+             overlap: bool | None = None):
+    """An LLM, or None when `cuda_graphs` or `overlap` is asked for and the engine has no such option.
     An attention backend the engine does not know falls back to sdpa, and says so."""
     from flexinfer import LLM, InvalidArgument
 
@@ -136,10 +139,12 @@ def make_llm(folder: Path, dtype: str, backend: str, attention: str, max_batch: 
                   max_num_seqs=max_batch, max_batch_tokens=max_batch * PROMPT_TOKENS, enable_prefix_caching=False)
     if cuda_graphs is not None:
         kwargs["cuda_graphs"] = cuda_graphs
+    if overlap is not None:
+        kwargs["overlap"] = overlap
     try:
         return LLM(str(folder), **kwargs)
     except TypeError:
-        if cuda_graphs is None:
+        if cuda_graphs is None and overlap is None:
             raise
         return None
     except InvalidArgument as exc:
@@ -361,11 +366,13 @@ class StepClock:
     loop's own work counts too) and the GPU time of its CUDA graph replay
     (events just before and after DecodeGraphs.run: the replay is one
     launch, so the GPU runs it without waiting for the host in between).
-    A step is a decode step when it replayed a graph."""
+    A step is a decode step when it replayed a graph. The events are read
+    after the run (`samples`): waiting for them during it would stop the
+    host from running ahead of the device, which is what overlap does."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.samples: list[tuple[float, float]] = []  # (step wall µs, graph GPU µs)
+        self._timed: list[tuple[float, tuple | None]] = []  # (step wall µs, its replay's events)
         self._events = None  # the graph replay of the step running now
         self._pending = None  # that of the step before
         self._last_start = None
@@ -382,18 +389,23 @@ class StepClock:
 
     def _timed_step(self):
         now = time.perf_counter()
-        if self._last_start is not None and self._pending is not None:
-            start, end = self._pending
-            end.synchronize()
-            self.samples.append(((now - self._last_start) * 1e6, start.elapsed_time(end) * 1e3))
+        if self._last_start is not None:
+            self._timed.append(((now - self._last_start) * 1e6, self._pending))
         self._events = None
         self._last_start = now
         out = self._step()
         self._pending = self._events
         return out
 
+    @property
+    def samples(self) -> list[tuple[float, float]]:
+        """(step wall µs, graph GPU µs) of each decode step so far."""
+        torch.cuda.synchronize()
+        return [(wall, start.elapsed_time(end) * 1e3) for wall, events in self._timed if events is not None
+                for start, end in [events]]
+
     def reset(self) -> None:
-        self.samples, self._last_start, self._pending = [], None, None
+        self._timed, self._last_start, self._pending = [], None, None
 
     def close(self) -> None:
         self.engine.step, self.engine.graphs.run = self._step, self._run
@@ -403,18 +415,19 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
     """Per batch size: the median decode step, the GPU's busy part of it (the
     graph replay) and the host's (the rest: the GPU waits for the host), and
     the step over the weight-streaming bound; for the engine as it is (the
-    layer ops as Triton kernels on CUDA) and, as the baseline in the same run,
-    with the layer ops as torch ops (norm, residual add, rotary embedding and
-    K/V write, SiLU*up: the CUDA path before triton_layer_ops.py)."""
+    layer ops as Triton kernels on CUDA, overlap on) and, as baselines in the
+    same run, without overlap, and with the layer ops as torch ops (norm,
+    residual add, rotary embedding and K/V write, SiLU*up: the CUDA path
+    before triton_layer_ops.py)."""
     rows = []
     print(f"  weight-streaming bound {bound_us:.1f} µs a step")
-    print("  layer ops     batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
-    for ops in ("triton", "torch"):
-        llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches))
-        if llm.engine.graphs is None:
+    print("  engine          batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
+    for name, ops, overlap in (("now", "triton", True), ("no overlap", "triton", False), ("torch ops", "torch", True)):
+        llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches), overlap=overlap)
+        if llm is None or llm.engine.graphs is None:
             _close(llm)
-            print("  skipped: the engine does not decode with CUDA graphs here")
-            return rows
+            print(f"  {name}: skipped, the engine has no such option or does not decode with CUDA graphs here")
+            continue
         if ops == "torch":  # before any graph is captured
             llm.model.layer_ops, llm.model.norm_adds_residual = None, False
         clock = StepClock(llm.engine)
@@ -425,24 +438,26 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
                 clock.reset()
                 run_flexinfer(llm, prompts, new_tokens)
                 # The first decode steps follow the prefill; the last ones may end sequences.
-                samples = clock.samples[2:-2] or clock.samples
+                samples = clock.samples
+                samples = samples[2:-2] or samples
                 step = statistics.median(w for w, _ in samples)
                 gpu = statistics.median(g for _, g in samples)
-                row = dict(layer_ops=ops, batch=batch, steps=len(samples), step_us=step, gpu_us=gpu,
-                           host_us=max(0.0, step - gpu), gpu_busy=min(1.0, gpu / step), tok_s=batch / step * 1e6,
-                           step_over_bound=step / bound_us)
+                row = dict(engine=name, layer_ops=ops, overlap=overlap, batch=batch, steps=len(samples), step_us=step,
+                           gpu_us=gpu, host_us=max(0.0, step - gpu), gpu_busy=min(1.0, gpu / step),
+                           tok_s=batch / step * 1e6, step_over_bound=step / bound_us)
                 rows.append(row)
-                print(f"  {ops:<12}  {batch:>5}   {step:>7.1f}   {gpu:>6.1f}   {row['host_us']:>7.1f}   "
+                print(f"  {name:<14}  {batch:>5}   {step:>7.1f}   {gpu:>6.1f}   {row['host_us']:>7.1f}   "
                       f"{row['gpu_busy']:>7.0%}   {row['tok_s']:>9.0f}   {row['step_over_bound']:>6.1f}x", flush=True)
         finally:
             clock.close()
             _close(llm)
-    base = {r["batch"]: r for r in rows if r["layer_ops"] == "torch"}
+    now = {r["batch"]: r for r in rows if r["engine"] == "now"}
     for r in rows:
-        if r["layer_ops"] == "triton" and r["batch"] in base:
-            r["speedup_over_torch_ops"] = base[r["batch"]]["step_us"] / r["step_us"]
-            print(f"  batch {r['batch']}: the Triton layer ops' step is {r['speedup_over_torch_ops']:.2f}x faster "
-                  f"than the torch ops' (GPU {base[r['batch']]['gpu_us'] / r['gpu_us']:.2f}x)")
+        if r["engine"] != "now" and r["batch"] in now:
+            key = "speedup_of_overlap" if r["engine"] == "no overlap" else "speedup_over_torch_ops"
+            now[r["batch"]][key] = r["step_us"] / now[r["batch"]]["step_us"]
+            print(f"  batch {r['batch']}: the engine's step is {now[r['batch']][key]:.2f}x faster than "
+                  f"{r['engine']!r} (GPU {r['gpu_us'] / now[r['batch']]['gpu_us']:.2f}x)")
     return rows
 
 

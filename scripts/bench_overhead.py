@@ -23,8 +23,11 @@ Against a baseline (another commit's code): copy that build's installed
 rounds, and compare `rest µs/seq` (the forward pass moves with the machine's
 memory traffic). docs/benchmarks.md has a table made so.
 
+`--overlap on` runs the engine with overlap (off by default on a CPU, where
+a step computes while it is launched): what its bookkeeping costs the host.
+
 Usage: python scripts/bench_overhead.py [--batches 1,8,32,128,256] [--new-tokens 128] [--repeats 5]
-           [--threads 1] [--profile] [--json PATH]
+           [--threads 1] [--overlap default|on|off] [--profile] [--json PATH]
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1", help="an int, or 'auto' (the engine's thread tuner)")
+    ap.add_argument("--overlap", default="default", choices=["default", "on", "off"],
+                    help="the engine's overlap (default: its own default, off on a CPU)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each batch's decode steps under cProfile (top functions by own time)")
     ap.add_argument("--json", default=None)
@@ -124,8 +129,9 @@ def main() -> None:
     results, profiles = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         build_model_folder(Path(tmp), SHAPE)
+        options = {} if args.overlap == "default" else {"overlap": args.overlap == "on"}
         with LLM(tmp, dtype="float32", threads=threads, max_num_seqs=max(batches),
-                 max_batch_tokens=max(batches) * PROMPT_TOKENS, kv_capacity_bytes=1 << 30) as llm:
+                 max_batch_tokens=max(batches) * PROMPT_TOKENS, kv_capacity_bytes=1 << 30, **options) as llm:
             for batch in batches:
                 prompts = make_prompts(batch, PROMPT_TOKENS, SHAPE["vocab_size"])
                 timed_generate(llm, prompts, params)  # warm-up

@@ -5,7 +5,11 @@ whole life and vtm maps new pages *under* that address, so the only things
 that change between two decode steps are a handful of small vectors (token
 ids, positions, slots, lengths). A graph captured once over static copies of
 those vectors stays valid while the cache grows: each step copies the new
-values into the static buffers (one host-to-device copy) and replays.
+values into the static buffers (one host-to-device copy, and the token ids
+from where the engine has them: on the device, when the step before chose
+them) and replays. Nothing in `run` waits for the device: the host copy is
+a new pinned tensor per step, which torch's pinned-memory cache does not
+hand out again before the copy that reads it has run.
 
 Padding: a batch of B requests replays the graph of the smallest bucket >= B.
 The extra rows are idle: their length is 0, so attention reads nothing for
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from flexinfer.model.llama import ForwardBatch
+from flexinfer.model.llama import ForwardBatch, long_tensor
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -46,7 +50,6 @@ class DecodeGraphs:
         size = self.buckets[-1]
         # Rows of the static input: token ids, positions, lengths, then the slot per group.
         self._rows = 3 + groups
-        self._host = torch.zeros(self._rows, size, dtype=torch.long).pin_memory()
         self._static = torch.zeros(self._rows, size, dtype=torch.long, device=device)
         self._slots32 = torch.zeros(groups, size, dtype=torch.int32, device=device)
         self._lens32 = torch.zeros(size, dtype=torch.int32, device=device)
@@ -54,36 +57,37 @@ class DecodeGraphs:
         self._cu = torch.arange(size + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        self._fill_idle(0, size)
-        self._static.copy_(self._host)
+        self._static.copy_(self._idle_host(size))
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, token_ids: list[int], slots, starts: list[int]) -> torch.Tensor:
-        """Logits [B, vocab] of one decode step: token_ids[i] at position
-        starts[i] of the vTensor in `slots[i]` (an int, or one per group)."""
-        batch = len(token_ids)
+    def run(self, token_ids: torch.Tensor, slots, starts: list[int]) -> torch.Tensor:
+        """Logits [B, vocab] of one decode step: token_ids[i] (a tensor of B
+        ids, on the device or the host) at position starts[i] of the
+        vTensor in `slots[i]` (an int, or one per group)."""
+        batch = len(starts)
         size = self.bucket_for(batch)
         if size not in self._graphs:
             self._capture(size)
-        host = self._host
-        host[0, :batch] = torch.tensor(token_ids, dtype=torch.long)
-        host[1, :batch] = torch.tensor(starts, dtype=torch.long)
+        host = self._idle_host(size)
+        host[1, :batch] = long_tensor(starts)
         host[2, :batch] = host[1, :batch] + 1
         per_seq = [(s,) if isinstance(s, int) else tuple(s) for s in slots]
         host[3:, :batch] = torch.tensor(per_seq, dtype=torch.long).T
-        self._fill_idle(batch, size)
-        self._static[:, :size].copy_(host[:, :size], non_blocking=True)
+        self._static[:, :size].copy_(host, non_blocking=True)
+        self._static[0, :batch].copy_(token_ids, non_blocking=True)
         graph, logits = self._graphs[size]
         graph.replay()
         return logits[:batch]
 
-    def _fill_idle(self, first: int, last: int) -> None:
-        host = self._host
-        host[:3, first:last] = 0  # token 0 at position 0, length 0: reads nothing
+    def _idle_host(self, size: int) -> torch.Tensor:
+        """Static rows for `size` idle columns, in new pinned host memory:
+        token 0 at position 0, length 0 (attention reads nothing), the sink's slots."""
+        host = torch.zeros(self._rows, size, dtype=torch.long, pin_memory=True)
         for g, sink in enumerate(self.sink_slots):
-            host[3 + g, first:last] = sink
+            host[3 + g] = sink
+        return host
 
     def _forward(self, size: int) -> torch.Tensor:
         """The captured body: casts of the static vectors, then the model."""
@@ -100,8 +104,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int) -> None:
         # Every static row idle first: warm-up and capture write only into the sink.
-        self._fill_idle(0, size)
-        self._static[:, :size].copy_(self._host[:, :size])
+        self._static[:, :size].copy_(self._idle_host(size))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

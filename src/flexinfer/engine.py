@@ -5,6 +5,17 @@ Invariant: one thread drives an Engine (the EngineLoop's); nothing in it is
 locked. A failure inside a step fails the sequences it concerns, releases
 their memory and leaves the engine ready for the next step: no request can
 break the ones after it.
+
+Overlap (on by default on CUDA): a step is launched, then the host reads the
+tokens of the step before it, so the device computes step N while the host
+plans step N+1 and checks, detokenises and delivers step N-1's tokens. A
+greedy step's tokens stay on the device as the next step's input ids (see
+_Step); the host waits for the device once per step, for the step before the
+one it just queued. A sequence that stops has had one more token computed,
+which is discarded, never emitted; one that reaches max_tokens is not planned
+again (Scheduler). Greedy outputs equal those of the engine without overlap.
+Steps with sampled (non-greedy) rows choose on the host, with the requests'
+own CPU generators, and are read at once.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 
 import torch
 
@@ -24,7 +36,7 @@ from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel, long_tensor
 from flexinfer.model.loader import load_model
-from flexinfer.sampling import NON_FINITE, SamplingParams, greedy_choice, sample
+from flexinfer.sampling import NON_FINITE, SamplingParams, greedy_tokens, sample
 from flexinfer.scheduler import Scheduler
 from flexinfer.sequence import Sequence, Status
 from flexinfer.threads import NeighbourLoad, ThreadTuner
@@ -48,7 +60,8 @@ class Engine:
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,
-                 broker_wait_s: float = BROKER_WAIT_S, host_tier_bytes: int = 0, preemption: str = "recompute"):
+                 broker_wait_s: float = BROKER_WAIT_S, host_tier_bytes: int = 0, preemption: str = "recompute",
+                 overlap: bool | None = None):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
         if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
             dtype = _DTYPE_NAMES[dtype]
@@ -64,6 +77,8 @@ class Engine:
             raise InvalidArgument(f"host_tier_bytes must be an int >= 0, got {host_tier_bytes!r}")
         if preemption not in ("recompute", "swap"):
             raise InvalidArgument(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise InvalidArgument(f"overlap must be True, False or None (on for CUDA), got {overlap!r}")
         if host_tier_bytes and manager is not None:
             raise InvalidArgument("host_tier_bytes sizes the host tier of the engine's own vtm manager; a manager "
                                   "passed in (or a vtm broker) has its own (or none)")
@@ -83,6 +98,7 @@ class Engine:
                                   workers=workers, prealloc_chunks=4, device=_cuda_index(device, backend),
                                   host_tier_bytes=tier)
         self.manager = manager
+        self.device = None
         self.kv_cache = None
         self.graphs = None
         self.thread_tuner = None
@@ -90,12 +106,13 @@ class Engine:
         self._unhealthy_since = None  # when the manager was first seen unhealthy (a broker away)
         self._keeps_sink = False
         self._sampled_batch = None  # the last sampled batch's _SampledBatch (holds its sequences until the next)
+        self._in_flight: _Step | None = None  # launched, its tokens not read yet (overlap)
         try:
             # This thread (the engine loop's) computes on the memory: a broker
-            # client revokes a lost session's mappings here, and serves no
-            # other engine's thread.
+            # client revokes a lost session's mappings here, once the steps
+            # in flight have completed, and serves no other engine's thread.
             try:
-                manager.bind_thread()
+                manager.bind_thread(before_revoke=_weak_call(self._wait_for_device))
             except vtm.FailedPrecondition as exc:
                 raise InvalidArgument(str(exc)) from None
             if device is None:
@@ -157,6 +174,9 @@ class Engine:
                                       "host_tier_bytes (or a vtm broker started with --host-tier-bytes)")
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching,
                                        swap=preemption == "swap")
+            # On a CPU a step computes while it is launched: overlap would only add a discarded token.
+            self.overlap = self.device.type == "cuda" if overlap is None else overlap
+            self.scheduler.wait_for_device = _weak_call(self._wait_for_device)
             self.kv_budget = self._kv_budget()
             # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
             if self.device.type == "cpu":
@@ -188,10 +208,11 @@ class Engine:
             seq.metrics.finish_s = time.perf_counter()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def drain(self) -> None:
         """Wait for every queued memory operation (when the engine goes idle)."""
+        self._finish_in_flight()
         self.scheduler.drain()
 
     def _kv_budget(self) -> KVBudget:
@@ -224,6 +245,10 @@ class Engine:
         """Release the KV space (and the manager, when this engine made it)."""
         if self.thread_tuner is not None:
             self.thread_tuner.close()
+        try:
+            self._finish_in_flight()
+        except Exception:  # the device failing: the KV space goes all the same
+            log.exception("reading the last step at close failed")
         self.graphs = None
         try:
             self.kv_cache.release(self._sink)
@@ -247,6 +272,9 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that gained a token or finished.
 
+        With overlap, the step is launched and the tokens returned are those
+        of the step before it (see the module's docstring).
+
         A failure fails only what it concerns: an error in planning (a bug)
         fails every sequence in the scheduler, an error in the forward pass
         or sampling the sequences of this batch, a row of non-finite logits
@@ -254,39 +282,60 @@ class Engine:
         running sequences wait, and resume by recompute once the engine has
         reconnected (see _recover)."""
         if not self.manager.healthy:
+            done = self._finish_in_flight()
             self._recover()
-            return self._take_failed()
+            return done + self._take_failed()
         if self._keeps_sink and not self._sink:
             try:
                 self._make_sink()
             except vtm.Error as exc:  # lost again, or others hold the whole pool for now
                 self._memory_not_back(exc)
-                return self._take_failed()
+                return self._finish_in_flight() + self._take_failed()
         self._unhealthy_since = None
         # Sequences the scheduler failed (one that can never fit in memory).
         failed = self._take_failed()
         try:
             plan = self.scheduler.schedule()
         except vtm.Unavailable as exc:
+            done = self._finish_in_flight()
             self.scheduler.lose_memory(exc)
-            return failed + self._take_failed()
+            return failed + done + self._take_failed()
         except Exception as exc:
             log.exception("scheduling failed; failing every queued request")
             failed += list(self.scheduler.running) + list(self.scheduler.waiting)
             for seq in failed:
                 self.abort(seq, "error", _engine_error("scheduling failed", exc))
+            self._finish_in_flight()
             return failed
         failed += self._take_failed()
-        if not plan:
-            return failed
-        try:
-            return failed + self._run(plan)
-        except Exception as exc:
-            log.exception("a step failed; failing its %d requests", len(plan))
-            broken = [seq for seq, _ in plan if seq.status is not Status.FINISHED]
-            for seq in broken:
-                self.abort(seq, "error", _engine_error("the model step failed", exc))
-            return failed + broken
+        if not self.manager.healthy:
+            # The session went away while planning, and a failed wait for
+            # vtm there unmapped its chunks (a broker client revokes on this
+            # thread): the model must not read them.
+            done = self._finish_in_flight()
+            self.scheduler.lose_memory(vtm.Unavailable("the vtm broker went away while a step was planned"))
+            return failed + done + self._take_failed()
+        launched = None
+        if plan:
+            try:
+                launched = self._launch(plan)
+            except Exception as exc:
+                log.exception("a step failed; failing its %d requests", len(plan))
+                broken = [seq for seq, _ in plan if seq.status is not Status.FINISHED]
+                for seq in broken:
+                    self.abort(seq, "error", _engine_error("the model step failed", exc))
+                self.scheduler.settle_steps()  # their memory back now, not when the next step is read
+                failed += broken
+        done = self._finish_in_flight()
+        if launched is not None:
+            # Read at once: without overlap; tokens the host chose already;
+            # nothing but discarded tokens (the last requests stopped).
+            if not self.overlap or (launched.seqs and (launched.feed is None or all(
+                    seq.status is Status.FINISHED for seq in launched.seqs))):
+                done += self._resolve(launched)
+            else:
+                self._in_flight = launched
+        return failed + done
 
     def _take_failed(self) -> list[Sequence]:
         failed, self.scheduler.failed = self.scheduler.failed, []
@@ -335,26 +384,34 @@ class Engine:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, self.graphs.buckets[-1],
                                        [vt.slot for vt in self._sink])
 
-    def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
+    def _launch(self, plan: list[tuple[Sequence, int]]) -> "_Step":
+        """Queue the forward pass of `plan` and the choice of its tokens on
+        the device; the tokens become pending in their sequences."""
         seqs = [seq for seq, _ in plan]
         counts = [n for _, n in plan]
         starts = [seq.num_cached for seq in seqs]
         decode_batch = len(plan) if counts.count(1) == len(counts) else None
-        if decode_batch:
-            ids = [seq.token_at(start) for seq, start in zip(seqs, starts)]
-        else:
-            ids = []
-            for seq, start, n in zip(seqs, starts, counts):
+        # A pending token (a sequence's only token in this step, at its
+        # num_cached) is read from the device, where the step before chose it.
+        ids, fed = [], []
+        for seq, start, n in zip(seqs, starts, counts):
+            if seq.pending:
+                fed.append((len(ids), seq.feed_row))
+                ids.append(0)
+            elif n == 1:
+                ids.append(seq.token_at(start))
+            else:
                 ids.extend(seq.tokens_between(start, start + n))
+        input_ids = self._input_ids(ids, fed)
+        number = self.scheduler.launched(seqs)
         if self.thread_tuner is not None:
             self.thread_tuner.before_step(decode_batch)
         started = time.perf_counter()
         slots = [seq.slots for seq in seqs]
         if self.graphs is not None and decode_batch and self.graphs.bucket_for(decode_batch):
-            logits = self.graphs.run(ids, slots, starts)
+            logits = self.graphs.run(input_ids, slots, starts)
         else:
             batch = ForwardBatch.build(slots, starts, counts, self.device)
-            input_ids = long_tensor(ids).to(self.device)
             logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
         if self.thread_tuner is not None:
             self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)
@@ -366,47 +423,117 @@ class Engine:
                     self.scheduler.after_prefill(seq)
                 ready_rows.append(row)
                 ready.append(seq)
-        if not ready:
-            return []
-        rows = logits[ready_rows] if len(ready_rows) < len(plan) else logits
-        tokens = self._sample(rows, ready)
+        step = _Step(number, ready)
+        if ready:
+            rows = logits if len(ready_rows) == len(plan) else logits.index_select(
+                0, self._to_device(long_tensor(ready_rows)))
+            step.tokens, step.feed = self._sample(rows, ready)
+            for row, seq in enumerate(ready):
+                seq.add_pending(row)
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def _input_ids(self, ids: list[int], fed: list[tuple[int, int]]) -> torch.Tensor:
+        """The step's input ids on the device: `ids`, where each (position,
+        row) of `fed` takes the in-flight step's token at that row."""
+        if not fed:
+            return self._to_device(long_tensor(ids))
+        feed = self._in_flight.feed
+        if len(fed) == len(ids) == feed.shape[0] and all(p == r for p, r in fed):
+            return feed  # decoding the same batch: the previous choices, as they are
+        n, k = len(ids), len(fed)
+        packed = self._to_device(long_tensor(ids + [p for p, _ in fed] + [r for _, r in fed]))
+        input_ids = packed[:n]
+        input_ids.index_copy_(0, packed[n:n + k], feed.index_select(0, packed[n + k:]))
+        return input_ids
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device without waiting for the
+        device: a copy from pageable memory would wait for the queued steps."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _resolve(self, step: "_Step") -> list[Sequence]:
+        """Read a launched step's tokens (waiting for the device if it has
+        not finished), then deliver them: stop checks, outputs, releases."""
+        try:
+            if step.done is not None:
+                step.done.synchronize()
+            tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.tolist()
+        except Exception as exc:  # noqa: BLE001 - the step failed on the device: its requests fail
+            log.exception("reading a step's tokens failed; failing its %d requests", len(step.seqs))
+            tokens = [exc] * len(step.seqs)
+        self.scheduler.completed(step.number)
         now = time.perf_counter()
-        for seq, token in zip(ready, tokens):
+        changed = []
+        for seq, token in zip(step.seqs, tokens):
+            if seq.status is Status.FINISHED:  # cancelled, or stopped at the token before
+                seq.discard_pending()
+                continue
+            changed.append(seq)
             if isinstance(token, Exception):
+                seq.discard_pending()
                 self.abort(seq, "error", _engine_error("sampling failed", token))
                 continue
             if token == NON_FINITE:
+                seq.discard_pending()
                 self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
                 continue
-            seq.append(token)
+            seq.resolve_pending(token)
             metrics = seq.metrics
             if metrics.first_token_s is None:
                 metrics.first_token_s = now
-            reason = self._stop_reason(seq, token)
+            try:
+                reason = self._stop_reason(seq, token)
+            except Exception as exc:  # noqa: BLE001 - a bug: this request fails alone
+                log.exception("checking a request's stop conditions failed")
+                self.abort(seq, "error", _engine_error("checking the stop conditions failed", exc))
+                continue
             if reason is not None:
                 metrics.finish_s = now
                 self.scheduler.finish(seq, reason)
-        return ready
+        return changed
 
-    def _sample(self, rows: torch.Tensor, ready: list[Sequence]) -> list[int | Exception]:
-        """One token per row. What sampling needs of the batch's parameters
-        is gathered once per batch of sequences (_SampledBatch), not per step."""
+    def _finish_in_flight(self) -> list[Sequence]:
+        step, self._in_flight = self._in_flight, None
+        return [] if step is None else self._resolve(step)
+
+    def _wait_for_device(self) -> None:
+        """Every launched step has completed (the scheduler needs memory they use)."""
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _sample(self, rows: torch.Tensor, ready: list[Sequence]):
+        """One token per row: (tokens, feed). Greedy rows are chosen on the
+        device: tokens a host tensor the device fills, feed the choice as
+        the next step's input ids on the device. Otherwise the host chooses
+        (tokens a list, feed None). What sampling needs of the batch's
+        parameters is gathered once per batch of sequences (_SampledBatch),
+        not per step."""
         facts = self._sampled_batch
         if facts is None or facts.seqs != ready:
             facts = self._sampled_batch = _SampledBatch(ready)
-        # Before min_tokens, no token may end the sequence.
+        # Before min_tokens, no token may end the sequence (pending tokens count: they come first).
         banned = None
         if facts.may_ban:
-            banned = [sorted(s.stop_ids) if s.stop_ids and len(s.output_ids) < s.params.min_tokens else None
-                      for s in ready]
+            banned = [sorted(s.stop_ids) if s.stop_ids and len(s.output_ids) + s.pending < s.params.min_tokens
+                      else None for s in ready]
             if not any(banned):
                 banned = None
         if facts.greedy and banned is None:
-            return greedy_choice(rows)
+            choice, feed = greedy_tokens(rows)
+            if choice.device.type == "cpu":
+                return choice, feed
+            tokens = torch.empty(choice.shape, dtype=choice.dtype, pin_memory=True)
+            tokens.copy_(choice, non_blocking=True)
+            return tokens, feed
         # Greedy rows are chosen where the logits are; only sampled ones come to the host.
         if not facts.greedy:
             rows = rows.cpu()
-        return sample(rows, facts.params, facts.generators, banned)
+        return sample(rows, facts.params, facts.generators, banned), None
 
     # -- helpers --------------------------------------------------------
 
@@ -437,6 +564,24 @@ class Engine:
         return None
 
 
+class _Step:
+    """A launched step: `seqs[i]` sampled `tokens[i]`. `tokens` is a list
+    when the host chose them, else a host tensor the device fills, complete
+    once `done` (a CUDA event; None on a CPU) has completed; `feed` holds the
+    device's choices as the next step's input ids (None when the host chose).
+    `number` is the step's in the scheduler (its sequences' vTensors are
+    released only after it completes)."""
+
+    __slots__ = ("number", "seqs", "tokens", "feed", "done")
+
+    def __init__(self, number: int, seqs: list[Sequence]):
+        self.number = number
+        self.seqs = seqs
+        self.tokens: list | torch.Tensor = []
+        self.feed: torch.Tensor | None = None
+        self.done = None
+
+
 class _SampledBatch:
     """What sampling needs of a batch's sequences, gathered once while the
     batch stays the same sequences in the same order (decode steps, mostly):
@@ -450,6 +595,18 @@ class _SampledBatch:
         self.greedy = all(p.greedy for p in self.params)
         # Some row may have stop ids to ban (those of rows below min_tokens).
         self.may_ban = any(s.stop_ids and s.params.min_tokens for s in seqs)
+
+
+def _weak_call(method):
+    """A callback that does not keep its object alive (the scheduler's
+    wait_for_device, which would make a cycle with its engine)."""
+    ref = weakref.WeakMethod(method)
+
+    def call():
+        target = ref()
+        if target is not None:
+            target()
+    return call
 
 
 def prefix_namespace(fingerprint: str, dtype: str, salt: str | None) -> str:

@@ -98,6 +98,14 @@ def greedy_choice(rows: torch.Tensor) -> list[int]:
     """Per row of logits, the index of its first maximum; NON_FINITE where
     the row holds a NaN or +inf or nothing finite. One pass over the logits
     and one transfer for the choice and the check."""
+    return greedy_tokens(rows)[0].tolist()
+
+
+def greedy_tokens(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_choice as tensors where the logits are, queued without waiting
+    for them: (the choice, NON_FINITE included; the choice as the next
+    step's input ids, where NON_FINITE reads 0, so that a row failing on the
+    host never feeds the device an id outside the vocabulary)."""
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2 and rows.stride(-1) == 1:
         # torch's max over the vocabulary runs under 1 GB/s on the CPU (see
         # src/flexinfer/csrc/sampling_cpu.h). Imported here: the compiled
@@ -107,10 +115,11 @@ def greedy_choice(rows: torch.Tensor) -> list[int]:
         out = torch.empty(rows.shape[0], dtype=torch.long)
         _kernels.greedy_pick(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), torch.get_num_threads(),
                              out.data_ptr())
-        return out.tolist()
-    # A row's max is NaN when any logit is NaN, +inf when any is +inf.
+        return out, out.clamp(min=0)
+    # A row's max is NaN when any logit is NaN, +inf when any is +inf; its
+    # index is a valid id either way.
     best, chosen = rows.max(dim=-1)
-    return torch.where(torch.isfinite(best), chosen, NON_FINITE).tolist()
+    return torch.where(torch.isfinite(best), chosen, NON_FINITE), chosen
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

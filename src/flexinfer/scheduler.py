@@ -31,6 +31,17 @@ is answered the same way: the next step preempts running sequences until
 about the asked bytes are unmapped, and admits nobody in that step. The
 broker reserves the freed memory for the asker's retry (an admission meanwhile
 waits there), so re-admitting a preempted sequence cannot take it first.
+
+Steps in flight (the engine's overlap, see Engine.step): the engine plans
+step N+1 while the device still runs step N, so a running sequence may carry
+a pending token (see Sequence). Its vTensors may be released only once every
+step that used them has completed: the engine numbers its steps
+(`launched`) and says which have completed (`completed`). A finished or
+cancelled sequence's release (and the record of its prefix) waits for that;
+a preemption, which needs the memory now, first waits for the device
+(`wait_for_device`, the engine's). A running sequence whose pending token is
+its last (max_tokens) is not planned again: no token is computed to be
+thrown away.
 """
 
 from __future__ import annotations
@@ -74,6 +85,15 @@ class Scheduler:
         self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
         self._background: list = []  # prefix_record futures, checked as they complete
         self._unreleased: list = []  # vTensors whose release failed, retried each step
+        # Steps the engine launched (numbered from 1) and the last one known
+        # complete on the device; releases waiting for a step to complete:
+        # (step, vTensors, tokens to record or None).
+        self._launched = 0
+        self._completed = 0
+        self._retiring: list[tuple[int, list, list[int] | None]] = []
+        # The engine's: waits until every launched step has completed (and
+        # calls completed()). None: nothing is ever in flight.
+        self.wait_for_device = None
         # A broker's reclaim request, [bytes, done event, bytes freed], set by
         # reclaim() on the client's notice thread, answered in schedule().
         self._reclaim_mu = threading.Lock()
@@ -98,6 +118,40 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # -- steps in flight ------------------------------------------------
+
+    def launched(self, seqs) -> int:
+        """A step over `seqs` is queued on the device; returns its number."""
+        self._launched += 1
+        for seq in seqs:
+            seq.last_step = self._launched
+        return self._launched
+
+    def completed(self, step: int) -> None:
+        """Step `step` (and every one before it) has completed on the device:
+        the releases that waited for it happen now."""
+        self._completed = max(self._completed, step)
+        if not self._retiring:
+            return
+        ready = [r for r in self._retiring if r[0] <= self._completed]
+        self._retiring = [r for r in self._retiring if r[0] > self._completed]
+        if ready:
+            self._await_pending()  # the pre-extend submitted last may still target them
+        for _, vtensors, tokens in ready:
+            if tokens:
+                self._record(vtensors, tokens)
+            self._release(vtensors)
+
+    def _in_use(self, seq: Sequence) -> bool:
+        return seq.last_step > self._completed
+
+    def settle_steps(self) -> None:
+        """Wait until every launched step has completed, and release what waited for them."""
+        if self._launched > self._completed:
+            if self.wait_for_device is not None:
+                self.wait_for_device()
+            self.completed(self._launched)
 
     # -- memory ---------------------------------------------------------
 
@@ -126,6 +180,11 @@ class Scheduler:
             try:
                 self.manager.step(self._targets(need)).result()
             except vtm.OutOfMemory as exc:
+                if self._retiring:
+                    # Finished sequences' memory, held only until the step
+                    # that used it completes: take it before preempting anyone.
+                    self.settle_steps()
+                    continue
                 victim = self._victim()
                 if victim is None or (victim in need and len(self.running) == 1):
                     # Alone and still too big: this request can never fit.
@@ -173,6 +232,9 @@ class Scheduler:
         return max(self.running, key=lambda s: (s.priority, s.metrics.arrival_s, s.id))
 
     def _preempt(self, seq: Sequence) -> None:
+        # The memory is needed now: wait for the steps still using it.
+        if self._in_use(seq):
+            self.settle_steps()
         self._drop_vtensors(seq, record=self.prefix_caching or self.swap)
         self.running.remove(seq)
         seq.status = Status.WAITING
@@ -221,6 +283,7 @@ class Scheduler:
         self._pending = None
         self._background.clear()
         self._unreleased.clear()
+        self._retiring.clear()
 
     def fail_waiting(self, exc: Exception) -> None:
         """Fails every queued sequence with `exc` (no memory will come back in time)."""
@@ -237,10 +300,7 @@ class Scheduler:
         prefix was recorded when its prefill ended."""
         if seq.status is Status.FINISHED:
             return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        self._unqueue(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -254,13 +314,26 @@ class Scheduler:
                               "failed" if reason == "error" else "cancelled")
                 seq.reset_cache_state()
 
+    def _unqueue(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
     def _drop_vtensors(self, seq: Sequence, record: bool) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds
         # the chunks, evictable LRU when memory runs out): a preempted or
         # finished conversation is resumed by mapping instead of recomputing.
-        if record and seq.num_cached > 0:
-            self._record(seq.vtensors, seq.token_ids[: seq.num_cached])
-        self._release(seq.vtensors)
+        # Every token below num_cached is resolved (pending ones are at or
+        # above it), and its KV is written by steps launched already.
+        tokens = seq.token_ids[: seq.num_cached] if record and seq.num_cached > 0 else None
+        if self._in_use(seq):
+            # A step in flight still reads or writes these pages.
+            self._retiring.append((seq.last_step, seq.vtensors, tokens))
+        else:
+            if tokens:
+                self._record(seq.vtensors, tokens)
+            self._release(seq.vtensors)
         seq.reset_cache_state()
 
     def _record(self, vtensors: list, token_ids: list[int]) -> None:
@@ -294,6 +367,9 @@ class Scheduler:
     def _admissible(self, seq: Sequence) -> bool:
         # Parallel samples (n > 1) wait for their first sibling's prompt to be
         # recorded, then fork from it by prefix match.
+        # A sequence preempted while a step computed its next token waits for it.
+        if seq.pending:
+            return False
         leader = getattr(seq, "leader", None)
         return leader is None or leader.prompt_recorded or leader.status is Status.FINISHED
 
@@ -357,6 +433,8 @@ class Scheduler:
         for seq in self.running:
             if budget == 0:
                 break
+            if seq.pending_is_last:
+                continue  # it ends when its pending token is read: nothing left to compute
             n = min(seq.num_tokens - seq.num_cached, budget)
             plan.append((seq, n))
             budget -= n
@@ -388,13 +466,17 @@ class Scheduler:
         seq.prompt_recorded = True
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """`seq` ended (a stop, or its length). It may be waiting: preempted
+        while a step computed the token that ended it."""
         seq.finish_reason = reason
         seq.status = Status.FINISHED
-        self.running.remove(seq)
-        self._drop_vtensors(seq, record=self.prefix_caching)
+        self._unqueue(seq)
+        if seq.vtensors:
+            self._drop_vtensors(seq, record=self.prefix_caching)
 
     def drain(self) -> None:
         """Wait for every queued memory operation (end of generate)."""
+        self.settle_steps()
         self._await_pending()
         background, self._background = self._background, []
         for fut in background:

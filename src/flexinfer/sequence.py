@@ -46,6 +46,16 @@ class Sequence:
     forward computes tokens from there. `extended` is the vTensor's token
     count in vtm: its pages cover that many tokens, and prefix_record may
     cover no more.
+
+    `pending` tokens (0 to 2) were sampled by steps the host has not read
+    yet (the engine overlaps a step with the next one's preparation, see
+    Engine.step): they count in `num_tokens`, so the scheduler plans and
+    maps for them, but not in `output_ids` or `token_ids` until resolved,
+    in order. The first pending token is always at index `num_cached` or
+    later: a pending token's KV is computed by a later step, whose input
+    comes from the device (`feed_row` of the step that sampled it).
+    `last_step` is the latest step that used the vTensors: they may be
+    released only once that step has completed on the device.
     """
 
     def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
@@ -64,6 +74,9 @@ class Sequence:
         self.slots: tuple[int, ...] = ()
         self.num_cached = 0
         self.extended = 0
+        self.pending = 0
+        self.feed_row = 0
+        self.last_step = 0
         self.prompt_recorded = False
         self.finish_reason: str | None = None
         self.text = ""  # the end of the decoded output a stop string may still complete (Engine._stop_reason)
@@ -95,11 +108,28 @@ class Sequence:
         p = len(self.prompt_ids)
         return self.prompt_ids[index] if index < p else self.output_ids[index - p]
 
-    def append(self, token: int) -> None:
-        """A sampled token; the only way output_ids grows (num_tokens follows it)."""
-        self.output_ids.append(token)
+    @property
+    def pending_is_last(self) -> bool:
+        """A token is pending and it is the last one max_tokens allows: no
+        later step needs to compute anything for this sequence."""
+        return self.pending > 0 and len(self.output_ids) + self.pending >= self.params.max_tokens
+
+    def add_pending(self, feed_row: int) -> None:
+        """A step sampled a token for this sequence, still on the device at row `feed_row`."""
+        self.pending += 1
         self.num_tokens += 1
+        self.feed_row = feed_row
+
+    def resolve_pending(self, token: int) -> None:
+        """The oldest pending token, read back; the only way output_ids grows."""
+        self.pending -= 1
+        self.output_ids.append(token)
         self.metrics.output_tokens = len(self.output_ids)
+
+    def discard_pending(self) -> None:
+        """The oldest pending token is dropped (the sequence ended before it)."""
+        self.pending -= 1
+        self.num_tokens -= 1
 
     def reset_cache_state(self) -> None:
         self.vtensors = []

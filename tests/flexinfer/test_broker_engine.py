@@ -16,6 +16,8 @@ import vtm  # noqa: E402
 from broker_testing import BrokerProcess  # noqa: E402
 from flexinfer import LLM, InvalidArgument  # noqa: E402
 from flexinfer.cli import main  # noqa: E402
+from flexinfer.engine import Engine  # noqa: E402
+from flexinfer.sequence import Sequence, Status  # noqa: E402
 from vtm.broker import ctl  # noqa: E402
 from test_engine import TINY_PROMPT_LENGTHS, _build_tiny, greedy, random_prompts  # noqa: E402
 
@@ -191,6 +193,56 @@ def test_a_broker_restart_is_a_preemption(tiny_folder, broker):
         manager.check()
     finally:
         llm.close()
+        manager.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_session_lost_while_planning_computes_nothing_on_revoked_memory(tiny_folder, broker, overlap):
+    """The broker dies while a step waits for its pre-extend. The failed
+    wait unmaps every chunk of the session on this thread (the revoke), and
+    the scheduler swallows that error (the synchronous path retries); the
+    step then ran the model on the unmapped pages: a segfault, seen in CI
+    runs. Now the step notices the lost session and computes nothing; the
+    request resumes by recompute once the broker is back, with its tokens
+    unchanged. With overlap, the step in flight is read first."""
+    prompt = random_prompts([20], seed=23)[0]
+    with LLM(tiny_folder, backend="host") as local:
+        want = local.generate([prompt], greedy(30), use_tqdm=False)[0].token_ids
+    manager = vtm.connect(broker.address, name="engine-revoke", timeout=2)
+    engine = Engine(tiny_folder, manager=manager, overlap=overlap)
+    forward, computed = engine.model.forward, []
+
+    def counting(input_ids, *args, **kwargs):
+        computed.append(input_ids.shape[0])
+        return forward(input_ids, *args, **kwargs)
+    engine.model.forward = counting
+    await_pending = engine.scheduler._await_pending
+
+    def broker_dies_first():
+        broker.kill()
+        await_pending()
+    seq = Sequence(1, 0, 0, prompt, greedy(30), 0, ())
+    try:
+        engine.add(seq)
+        for _ in range(4):
+            engine.step()
+        assert seq.status is Status.RUNNING and len(seq.output_ids) >= 2
+        engine.scheduler._await_pending = broker_dies_first
+        before = len(computed)
+        engine.step()  # a segfault here before the fix
+        engine.scheduler._await_pending = await_pending
+        assert len(computed) == before, "the step computed on a lost session's memory"
+        assert not manager.healthy and seq.status is Status.WAITING and seq.pending == 0
+        broker.start()
+        deadline = time.monotonic() + 60
+        while engine.has_work() and time.monotonic() < deadline:
+            engine.step()
+        assert seq.finish_reason == "length" and seq.output_ids == want
+        assert seq.metrics.preemptions >= 1
+        engine.drain()
+        manager.check()
+    finally:
+        engine.close()
         manager.close()
 
 

@@ -32,8 +32,8 @@ def _manager(faults: bool) -> vtm.Manager:
                        faults=faults)
 
 
-def _llm(folder, manager) -> LLM:
-    return LLM(folder, manager=manager, max_model_len=256, max_num_seqs=8, max_batch_tokens=64)
+def _llm(folder, manager, overlap: bool = False) -> LLM:
+    return LLM(folder, manager=manager, max_model_len=256, max_num_seqs=8, max_batch_tokens=64, overlap=overlap)
 
 
 def _tokens(outputs) -> list[list[list[int]]]:
@@ -62,9 +62,12 @@ def expected(tiny_gpu_folder):
 
 
 @pytest.mark.parametrize("op", ENGINE_OPS)
-def test_one_failed_backend_call_fails_at_most_its_own_requests(tiny_gpu_folder, expected, op):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_one_failed_backend_call_fails_at_most_its_own_requests(tiny_gpu_folder, expected, op, overlap):
+    """With overlap too: a failure while a step is in flight, and releases
+    that wait for it (the oracle is the engine without overlap)."""
     manager = _manager(faults=True)
-    llm = _llm(tiny_gpu_folder, manager)
+    llm = _llm(tiny_gpu_folder, manager, overlap)
     fired = 0
     for nth in (1, 2, 3, 5, 8, 13):
         manager.trim()  # chunks come from the device again, not the pool's free list

@@ -90,9 +90,12 @@ class ForwardBatch:
             positions = [p for start, n in zip(starts, new_lens) for p in range(start, start + n)]
         # Every vector in one host tensor, then one copy to the device (a
         # step must not pay a transfer per vector on CUDA), and the int32
-        # ones converted in one call.
+        # ones converted in one call. From pinned memory: a copy from
+        # pageable memory would wait for the steps queued before it.
         packed = long_tensor(flat_slots + positions + [o - 1 for o in offsets[1:]] + [s for g in groups for s in g]
-                             + [s + n for s, n in zip(starts, new_lens)] + offsets).to(device)
+                             + [s + n for s, n in zip(starts, new_lens)] + offsets)
+        device = torch.device(device)
+        packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
         g = len(groups)
         slot_index = [packed[i * t:(i + 1) * t] for i in range(g)]
         at = g * t

@@ -121,6 +121,7 @@ class RemoteManager:
         self._op_mu = threading.Lock()  # held by the worker around each operation, and by reconnect()
         self._epoch = 0  # sessions opened after the first
         self._compute_thread = None  # bind_thread()
+        self._before_revoke = None  # bind_thread()
         self._spaces: dict[int, RemoteSpace] = {}
         self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, RemoteVTensor] = {}
@@ -298,8 +299,10 @@ class RemoteManager:
                 return
             self._revoked = True
             try:
+                if self._before_revoke is not None:
+                    self._before_revoke()  # the kernels queued on this memory finish first
                 self._mapper.revoke()
-            except errors.Error:
+            except Exception:  # noqa: BLE001 - the session is gone either way; the caller gets its error
                 log.exception("unmapping the chunks of a lost vtm session failed")
         lease, self._lease = self._lease, None  # said once
         if lease is None:
@@ -374,19 +377,23 @@ class RemoteManager:
         """True while operations can run: the session is up and not closed."""
         return not self._closed and self._broken is None
 
-    def bind_thread(self) -> None:
+    def bind_thread(self, before_revoke=None) -> None:
         """Names the calling thread as the one that computes on this
         manager's memory (a FlexInfer engine's loop): a lost session's
         mappings are revoked there and nowhere else, since a revoke on any
-        other thread could unmap pages under its kernels. A second thread is
-        refused (vtm.FailedPrecondition): connect once per computing thread;
-        each connection is a session of its own."""
+        other thread could unmap pages under its kernels. `before_revoke`,
+        when given, is called there first: a caller that queues device work
+        ahead (an engine with steps in flight) waits for it, so nothing
+        reads pages being unmapped. A second thread is refused
+        (vtm.FailedPrecondition): connect once per computing thread; each
+        connection is a session of its own."""
         current = threading.get_ident()
         if self._compute_thread not in (None, current):
             raise errors.FailedPrecondition(
                 "this vtm.connect manager already serves another computing thread (an engine): its mappings "
                 "are revoked on that thread when the broker goes away; connect once per engine")
         self._compute_thread = current
+        self._before_revoke = before_revoke
 
     def reconnect(self, timeout: float | None = None) -> None:
         """After a lost session (healthy is False): a new one. Call it on the

@@ -601,9 +601,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("reconnects", [](const std::shared_ptr<PyManager>&) { return 0; })
       .def_property_readonly("limit_bytes", [](const std::shared_ptr<PyManager>&) { return 0; },
                              "0: no limit but the capacity (a broker client's is the operator's)")
-      .def("bind_thread", [](const std::shared_ptr<PyManager>&) {},
-           "A broker client's: it revokes on that thread. In process there is nothing to revoke, and every "
-           "thread may compute on the memory.")
+      .def("bind_thread", [](const std::shared_ptr<PyManager>&, const py::object&) {},
+           py::arg("before_revoke") = py::none(),
+           "A broker client's: it revokes on that thread, after calling before_revoke. In process there is "
+           "nothing to revoke, and every thread may compute on the memory.")
       .def(
           "reconnect",
           [](const std::shared_ptr<PyManager>& mgr, std::optional<double>) {

@@ -1,0 +1,332 @@
+"""The engine's overlap (issue 20, item 1): a step is launched before the host
+reads the tokens of the step before it, so the device computes step N while the
+host plans step N+1 and delivers step N-1.
+
+Oracle: the same engine without overlap (itself checked against transformers in
+test_engine.py), on the same weights, prompts and parameters. On the CPU a step
+computes as it is launched, so these tests check the bookkeeping that makes
+overlap exact: pending tokens, stop conditions (at most one discarded token per
+stopped sequence, none for one that reaches max_tokens), releases that wait for
+the step still using the memory, preemption, cancels and faults. On a GPU
+(marker gpu) the same outputs with CUDA graphs, and no host-device
+synchronisation while a step is launched.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import vtm
+from flexinfer import LLM, InvalidArgument, SamplingParams
+from flexinfer.engine import Engine
+from flexinfer.sequence import Sequence, Status
+
+CHUNK = 4096  # a few tiny rows a page: sequences grow through several pages
+VOCAB = 512
+
+
+def _prompts(lengths, seed=3):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, VOCAB) for _ in range(n - 1)] for n in lengths]
+
+
+PROMPTS = _prompts([5, 17, 9, 30, 2, 12])
+MAX_TOKENS = [1, 7, 12, 20, 3, 16]
+
+
+def _greedy(max_tokens, **kwargs):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def _manager(chunks=512):
+    return vtm.Manager(backend="host", capacity_bytes=chunks * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+
+
+class Counted:
+    """Runs prompts on a fresh engine and counts the tokens its forward
+    passes computed or mapped from the prefix cache."""
+
+    def __init__(self, folder, overlap, manager=None, **kwargs):
+        self.manager = manager or _manager()
+        self.llm = LLM(folder, manager=self.manager, overlap=overlap, max_model_len=256, max_num_seqs=8, **kwargs)
+        self.computed = 0
+        forward = self.llm.model.forward
+
+        def counting(input_ids, *args, **kw):
+            self.computed += input_ids.shape[0]
+            return forward(input_ids, *args, **kw)
+        self.llm.model.forward = counting
+
+    def generate(self, prompts, params):
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        # Tokens mapped from the prefix cache count as computed: which
+        # requests hit depends on when others' prompts were recorded.
+        self.computed += sum(out.metrics.prefix_hit_tokens for out in outputs)
+        self.llm.manager.check()
+        stats = self.llm.manager.stats()["spaces"][self.llm.kv_cache.space.name]
+        assert stats["vtensors"] == 0, "a finished generate left a vTensor alive"
+        assert not self.llm.engine.has_work()
+        return outputs
+
+    def close(self, empty=True):
+        if empty:
+            self.llm.kv_cache.space.clear_prefixes()
+            self.llm.manager.trim()
+            self.llm.manager.check()
+            assert self.llm.manager.stats()["chunks_held"] == 0
+        self.llm.close()
+        self.manager.close()
+
+
+def _samples(outputs):
+    return [[(s.token_ids, s.finish_reason) for s in out.outputs] for out in outputs]
+
+
+def test_overlap_is_checked():
+    with pytest.raises(InvalidArgument, match="overlap"):
+        LLM("no-such-model", backend="host", overlap="yes", max_model_len=64)
+
+
+def test_overlap_is_on_by_default_only_on_cuda(tiny_gpu_folder):
+    with LLM(tiny_gpu_folder, backend="host", max_model_len=64) as llm:
+        assert llm.engine.overlap is False  # a CPU step computes as it is launched: nothing to overlap
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-on", "prefix-off"])
+@pytest.mark.parametrize("max_batch_tokens", [7, 1024], ids=["chunked", "whole"])
+def test_greedy_outputs_and_work_equal_the_engine_without_overlap(tiny_gpu_folder, prefix_caching, max_batch_tokens):
+    """Requests of different lengths end at different steps (1 to 20 tokens);
+    chunked prompts run beside decodes. Each reaches max_tokens, so overlap
+    computes not one token more: a sequence whose pending token is its last
+    is not planned again."""
+    params = [_greedy(m) for m in MAX_TOKENS]
+    runs = {}
+    for overlap in (False, True):
+        run = Counted(tiny_gpu_folder, overlap, enable_prefix_caching=prefix_caching,
+                      max_batch_tokens=max_batch_tokens)
+        first = run.generate(PROMPTS, params)
+        # Again: prefix hits (with prefix caching) and reused slots.
+        again = run.generate(PROMPTS, params)
+        runs[overlap] = (_samples(first), _samples(again), run.computed,
+                         [o.metrics.prefix_hit_tokens for o in again])
+        run.close()
+    assert runs[True] == runs[False]
+    assert [len(s[0][0]) for s in runs[True][0]] == MAX_TOKENS
+
+
+def _stop_ids_from(outputs, at=3):
+    """Per request, its own output token at index `at` as a stop token (where it has one)."""
+    return [[out.outputs[0].token_ids[at]] if len(out.outputs[0].token_ids) > at else [] for out in outputs]
+
+
+def test_a_stop_costs_at_most_one_discarded_token(tiny_gpu_folder):
+    """Stop tokens met before max_tokens: the outputs and finish reasons equal
+    the engine's without overlap, and overlap computed at most one token
+    more per stopped sequence (the token after the stop, never emitted).
+    That token's KV is the stop token's, so the next turn of the
+    conversation maps it too."""
+    results, stop_ids = {}, None
+    for overlap in (False, True):
+        run = Counted(tiny_gpu_folder, overlap)
+        reference = run.generate(PROMPTS, [_greedy(m) for m in MAX_TOKENS])
+        stop_ids = stop_ids or _stop_ids_from(reference)
+        run.llm.kv_cache.space.clear_prefixes()  # the follow-ups below map only what the stopped requests recorded
+        params = [_greedy(m, stop_token_ids=ids) for m, ids in zip(MAX_TOKENS, stop_ids)]
+        before = run.computed
+        outputs = run.generate(PROMPTS, params)
+        work = run.computed - before
+        follow_ups = [p + out.outputs[0].token_ids + [5, 6] for p, out in zip(PROMPTS, outputs)]
+        second = run.generate(follow_ups, [_greedy(4)] * len(follow_ups))
+        results[overlap] = (_samples(outputs), work, _samples(second), [o.metrics.prefix_hit_tokens for o in second])
+        run.close()
+    samples, work, second, hits = results[True]
+    assert samples == results[False][0] and second == results[False][2]
+    stopped = sum(sample[0][1] == "stop" for sample in samples)
+    assert stopped >= 3, "the stop tokens stopped too few requests: the test checks nothing"
+    assert 0 < work - results[False][1] <= stopped, (work, results[False][1], stopped)
+    assert all(h >= h0 for h, h0 in zip(hits, results[False][3])) and sum(hits) > sum(results[False][3])
+
+
+def test_stop_strings_min_tokens_and_sampling_equal_the_engine_without_overlap(tiny_gpu_folder):
+    """Stop strings (checked on the host while the next step computes),
+    min_tokens with stop tokens (chosen on the host while a stop is banned),
+    seeded sampling (chosen on the host with the requests' generators) and
+    greedy requests in the same batches."""
+    results, params = {}, None
+    for overlap in (False, True):
+        run = Counted(tiny_gpu_folder, overlap)
+        reference = run.generate(PROMPTS, [_greedy(m) for m in MAX_TOKENS])
+        if params is None:
+            stop_word = run.llm.tokenizer.decode(reference[3].outputs[0].token_ids[4:5]).strip()
+            stop_ids = _stop_ids_from(reference, at=1)
+            params = [
+                _greedy(MAX_TOKENS[0]),
+                _greedy(MAX_TOKENS[1], stop_token_ids=stop_ids[1], min_tokens=4),
+                SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
+                _greedy(MAX_TOKENS[3], stop=[stop_word]),
+                SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True, n=2),
+                _greedy(MAX_TOKENS[5], stop_token_ids=stop_ids[5]),
+            ]
+        results[overlap] = _samples(run.generate(PROMPTS, params))
+        run.close()
+    assert results[True] == results[False]
+    reasons = [s[1] for out in results[True] for s in out]
+    assert reasons.count("stop") >= 2, reasons
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_with_a_step_in_flight(tiny_gpu_folder, preemption):
+    """Room for a few requests at a time: the scheduler preempts sequences
+    whose next token is still in flight (it waits for the device before it
+    releases their memory) and readmits them once that token is read."""
+    params = [_greedy(24) for _ in PROMPTS]
+    results = {}
+    for overlap in (False, True):
+        manager = vtm.Manager(backend="host", capacity_bytes=24 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
+                              host_tier_bytes=512 * CHUNK)
+        run = Counted(tiny_gpu_folder, overlap, manager=manager, preemption=preemption)
+        outputs = run.generate(PROMPTS, params)
+        results[overlap] = (_samples(outputs), sum(o.metrics.preemptions for o in outputs))
+        run.close()
+    assert results[True][0] == results[False][0]
+    assert results[True][1] > 0 and results[False][1] > 0
+
+
+def _engine(folder, **kwargs):
+    return Engine(folder, manager=_manager(), max_model_len=256, max_num_seqs=8, overlap=True, **kwargs)
+
+
+def _vtensors(engine):
+    return engine.manager.stats()["spaces"][engine.kv_cache.space.name]["vtensors"]
+
+
+def _close(engine):
+    manager = engine.manager
+    engine.drain()
+    engine.kv_cache.space.clear_prefixes()
+    manager.trim()
+    manager.check()
+    assert manager.stats()["chunks_held"] == 0
+    engine.close()
+    manager.close()
+
+
+def test_a_finished_sequence_keeps_its_memory_until_the_step_in_flight_completes(tiny_gpu_folder):
+    """A stops at a stop token while the next step, which still computes A's
+    discarded token, is in flight: A is reported finished at once, but its
+    vTensor is released only when that step has been read (on a GPU the step
+    still writes A's pages)."""
+    engine = _engine(tiny_gpu_folder)
+    probe = Sequence(1, 0, 0, PROMPTS[1], _greedy(8), 0, ())
+    engine.add(probe)
+    while engine.has_work():
+        engine.step()
+    stop = probe.output_ids[2]
+    a = Sequence(2, 1, 0, PROMPTS[1], _greedy(8, stop_token_ids=[stop]), 0, ())
+    b = Sequence(3, 2, 0, PROMPTS[3], _greedy(12), 0, ())
+    engine.add(a)
+    engine.add(b)
+    seen = []
+    while a.status is not Status.FINISHED:
+        seen += [s.id for s in engine.step()]
+    assert a.finish_reason == "stop" and a.output_ids == probe.output_ids[:3]
+    assert a.pending == 1 and _vtensors(engine) == 2  # A's discarded token is in flight, and its memory held
+    engine.step()
+    assert a.pending == 0 and _vtensors(engine) == 1
+    assert a.output_ids == probe.output_ids[:3]  # the discarded token was never emitted
+    while engine.has_work():
+        engine.step()
+    assert b.finish_reason == "length" and len(b.output_ids) == 12
+    assert _vtensors(engine) == 0
+    _close(engine)
+
+
+def test_a_cancel_while_its_token_is_in_flight(tiny_gpu_folder):
+    """A request cancelled between steps has a token in flight: it is never
+    emitted, the memory is released after that step, the others go on."""
+    engine = _engine(tiny_gpu_folder)
+    seqs = [Sequence(i, i, 0, p, _greedy(10), 0, ()) for i, p in enumerate(PROMPTS[:3])]
+    for seq in seqs:
+        engine.add(seq)
+    for _ in range(4):
+        engine.step()
+    victim = seqs[1]
+    assert victim.pending == 1
+    emitted = list(victim.output_ids)
+    engine.abort(victim)
+    assert victim.status is Status.FINISHED
+    while engine.has_work():
+        engine.step()
+    assert victim.output_ids == emitted and victim.pending == 0
+    assert [len(s.output_ids) for s in (seqs[0], seqs[2])] == [10, 10]
+    assert _vtensors(engine) == 0
+    _close(engine)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_gpu_folder):
+    """The forward pass raises once with a step in flight: the requests of
+    the failed step fail, the step in flight is still read, nothing leaks,
+    and the next requests run as before."""
+    engine = _engine(tiny_gpu_folder)
+    forward, calls = engine.model.forward, [0]
+
+    def failing_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("injected")
+        return forward(*args, **kwargs)
+    engine.model.forward = failing_once
+    seqs = [Sequence(i, i, 0, p, _greedy(8), 0, ()) for i, p in enumerate(PROMPTS[:3])]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    assert all(s.status is Status.FINISHED for s in seqs)
+    assert {s.finish_reason for s in seqs} == {"error"}, [s.finish_reason for s in seqs]
+    assert _vtensors(engine) == 0
+    engine.manager.check()
+    again = Sequence(9, 9, 0, PROMPTS[0], _greedy(8), 0, ())
+    engine.add(again)
+    while engine.has_work():
+        engine.step()
+    assert again.finish_reason == "length" and len(again.output_ids) == 8
+    _close(engine)
+
+
+gpu = pytest.mark.skipif(not (vtm.cuda_available() and torch.cuda.is_available()),
+                         reason="needs a CUDA driver, a device and a CUDA build of torch")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_gpu_overlap_equals_the_synchronous_engine_and_launches_without_waiting(tiny_gpu_folder, cuda_graphs):
+    """bfloat16 on CUDA, graphs and eager: the same tokens with and without
+    overlap, and a step is launched without any host-device synchronisation
+    (torch's sync debug mode turns one into an error)."""
+    prompts = PROMPTS + _prompts([40, 3, 25], seed=5)
+    params = [_greedy(m) for m in MAX_TOKENS + [30, 9, 17]]
+    outs = {}
+    for overlap in (False, True):
+        with LLM(tiny_gpu_folder, dtype="bfloat16", backend="cuda", max_model_len=256, max_num_seqs=16,
+                 cuda_graphs=cuda_graphs, overlap=overlap) as llm:
+            engine = llm.engine
+            launch, launches = engine._launch, [0]
+
+            def strict(plan):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return launch(plan)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    launches[0] += 1
+            if overlap:
+                llm.generate(prompts[:2], params[:2], use_tqdm=False)  # kernels compiled, graphs captured
+                engine._launch = strict
+            outs[overlap] = _samples(llm.generate(prompts, params, use_tqdm=False))
+            if overlap:
+                assert launches[0] > max(MAX_TOKENS)
+    assert outs[True] == outs[False]
