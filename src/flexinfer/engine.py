@@ -330,7 +330,7 @@ class Engine:
         if launched is not None:
             # Read at once: without overlap; tokens the host chose already;
             # nothing but discarded tokens (the last requests stopped).
-            if not self.overlap or (launched.seqs and (launched.feed is None or all(
+            if not self.overlap or (launched.seqs and (launched.chosen_on_host or all(
                     seq.status is Status.FINISHED for seq in launched.seqs))):
                 done += self._resolve(launched)
             else:
@@ -428,6 +428,7 @@ class Engine:
             rows = logits if len(ready_rows) == len(plan) else logits.index_select(
                 0, self._to_device(long_tensor(ready_rows)))
             step.tokens, step.feed = self._sample(rows, ready)
+            step.chosen_on_host = isinstance(step.tokens, list)
             for row, seq in enumerate(ready):
                 seq.add_pending(row)
         if self.device.type == "cuda":
@@ -440,7 +441,7 @@ class Engine:
         row) of `fed` takes the in-flight step's token at that row."""
         if not fed:
             return self._to_device(long_tensor(ids))
-        feed = self._in_flight.feed
+        feed = self._in_flight.next_inputs()
         if len(fed) == len(ids) == feed.shape[0] and all(p == r for p, r in fed):
             return feed  # decoding the same batch: the previous choices, as they are
         n, k = len(ids), len(fed)
@@ -509,8 +510,8 @@ class Engine:
     def _sample(self, rows: torch.Tensor, ready: list[Sequence]):
         """One token per row: (tokens, feed). Greedy rows are chosen on the
         device: tokens a host tensor the device fills, feed the choice as
-        the next step's input ids on the device. Otherwise the host chooses
-        (tokens a list, feed None). What sampling needs of the batch's
+        the next step's input ids on the device (see greedy_tokens: None on
+        a CPU). Otherwise the host chooses (tokens a list, feed None). What sampling needs of the batch's
         parameters is gathered once per batch of sequences (_SampledBatch),
         not per step."""
         facts = self._sampled_batch
@@ -566,13 +567,13 @@ class Engine:
 
 class _Step:
     """A launched step: `seqs[i]` sampled `tokens[i]`. `tokens` is a list
-    when the host chose them, else a host tensor the device fills, complete
-    once `done` (a CUDA event; None on a CPU) has completed; `feed` holds the
-    device's choices as the next step's input ids (None when the host chose).
-    `number` is the step's in the scheduler (its sequences' vTensors are
-    released only after it completes)."""
+    when the host chose them (`chosen_on_host`), else a host tensor the
+    device fills, complete once `done` (a CUDA event; None on a CPU) has
+    completed; `next_inputs()` gives the device's choices as the next step's
+    input ids. `number` is the step's in the scheduler (its sequences'
+    vTensors are released only after it completes)."""
 
-    __slots__ = ("number", "seqs", "tokens", "feed", "done")
+    __slots__ = ("number", "seqs", "tokens", "feed", "done", "chosen_on_host")
 
     def __init__(self, number: int, seqs: list[Sequence]):
         self.number = number
@@ -580,6 +581,12 @@ class _Step:
         self.tokens: list | torch.Tensor = []
         self.feed: torch.Tensor | None = None
         self.done = None
+        self.chosen_on_host = False
+
+    def next_inputs(self) -> torch.Tensor:
+        if self.feed is None:  # chosen on a CPU: NON_FINITE must not reach the embedding
+            self.feed = self.tokens.clamp(min=0)
+        return self.feed
 
 
 class _SampledBatch:

@@ -101,11 +101,13 @@ def greedy_choice(rows: torch.Tensor) -> list[int]:
     return greedy_tokens(rows)[0].tolist()
 
 
-def greedy_tokens(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_tokens(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """greedy_choice as tensors where the logits are, queued without waiting
     for them: (the choice, NON_FINITE included; the choice as the next
     step's input ids, where NON_FINITE reads 0, so that a row failing on the
-    host never feeds the device an id outside the vocabulary)."""
+    host never feeds the device an id outside the vocabulary). The second is
+    None on the CPU: there it would cost a pass of its own, and only a step
+    launched before this one is read needs it (clamp the choice then)."""
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2 and rows.stride(-1) == 1:
         # torch's max over the vocabulary runs under 1 GB/s on the CPU (see
         # src/flexinfer/csrc/sampling_cpu.h). Imported here: the compiled
@@ -115,7 +117,7 @@ def greedy_tokens(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(rows.shape[0], dtype=torch.long)
         _kernels.greedy_pick(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), torch.get_num_threads(),
                              out.data_ptr())
-        return out, out.clamp(min=0)
+        return out, None
     # A row's max is NaN when any logit is NaN, +inf when any is +inf; its
     # index is a valid id either way.
     best, chosen = rows.max(dim=-1)

@@ -433,7 +433,7 @@ class Scheduler:
         for seq in self.running:
             if budget == 0:
                 break
-            if seq.pending_is_last:
+            if seq.pending and seq.pending_is_last:
                 continue  # it ends when its pending token is read: nothing left to compute
             n = min(seq.num_tokens - seq.num_cached, budget)
             plan.append((seq, n))

@@ -296,6 +296,40 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_gpu_folder
     _close(engine)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_row_of_nan_logits_fails_its_request_alone(tiny_gpu_folder, overlap):
+    """One step's logits for one request are NaN. Its choice reads
+    NON_FINITE: that request fails with an EngineError, and with overlap
+    the step launched meanwhile, which was fed that choice, must not read
+    an id outside the vocabulary (it feeds 0 and its token is discarded):
+    the other requests end exactly as without the fault."""
+    clean = {}
+    for faulty in (False, True):
+        engine = _engine(tiny_gpu_folder) if overlap else Engine(
+            tiny_gpu_folder, manager=_manager(), max_model_len=256, max_num_seqs=8, overlap=False)
+        forward, calls = engine.model.forward, [0]
+
+        def nan_once(*args, **kwargs):
+            logits = forward(*args, **kwargs)
+            calls[0] += 1
+            if faulty and calls[0] == 5:
+                logits = logits.clone()  # the model's is an inference tensor
+                logits[1] = float("nan")
+            return logits
+        engine.model.forward = nan_once
+        seqs = [Sequence(i, i, 0, p, _greedy(10), 0, ()) for i, p in enumerate(PROMPTS[:3])]
+        for seq in seqs:
+            engine.add(seq)
+        while engine.has_work():
+            engine.step()
+        clean[faulty] = [(s.finish_reason, list(s.output_ids)) for s in seqs]
+        if faulty:
+            assert seqs[1].finish_reason == "error" and "NaN" in str(seqs[1].error)
+        assert _vtensors(engine) == 0
+        _close(engine)
+    assert clean[True][0] == clean[False][0] and clean[True][2] == clean[False][2]
+
+
 gpu = pytest.mark.skipif(not (vtm.cuda_available() and torch.cuda.is_available()),
                          reason="needs a CUDA driver, a device and a CUDA build of torch")
 
