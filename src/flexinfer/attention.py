@@ -172,9 +172,10 @@ class FlashAttention:
         self._fn = flash_attn_with_kvcache
 
     def prepare(self, batch, kv_cache) -> None:
-        device = kv_cache.device
-        self._slots = [torch.tensor(group, dtype=torch.int32, device=device) for group in batch.slots]
-        self._cache_seqlens = torch.tensor(batch.starts, dtype=torch.int32, device=device)
+        # The batch's own int32 vectors, on the device already: building
+        # them here from lists would copy from pageable memory, which waits
+        # for the steps queued before (the engine overlaps steps).
+        self._slots = batch.slot_vector
 
     def forward(self, layer: int, q: torch.Tensor, batch, kv_cache, scale=None, window=0,
                 softcap=0.0) -> torch.Tensor:
@@ -189,12 +190,11 @@ class FlashAttention:
         out = torch.empty_like(q)
         offset = 0
         if batch.is_decode:
-            o = self._fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=self._cache_seqlens + 1,
+            o = self._fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=batch.seq_lens,
                          cache_batch_idx=slots, causal=True, **variant)
             return o.squeeze(1)
-        for i, (start, n) in enumerate(zip(batch.starts, batch.new_lens)):
-            lens = torch.tensor([start + n], dtype=torch.int32, device=q.device)
-            o = self._fn(q[offset:offset + n].unsqueeze(0), k_cache, v_cache, cache_seqlens=lens,
+        for i, n in enumerate(batch.new_lens):
+            o = self._fn(q[offset:offset + n].unsqueeze(0), k_cache, v_cache, cache_seqlens=batch.seq_lens[i:i + 1],
                          cache_batch_idx=slots[i:i + 1], causal=True, **variant)
             out[offset:offset + n] = o[0]
             offset += n

@@ -210,6 +210,12 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
+    def settle(self) -> None:
+        """Release now the memory that waits for the steps in flight (the
+        host waits for the device): a cancelled request's KV, freed by the
+        time its caller hears it ended."""
+        self.scheduler.settle_steps()
+
     def drain(self) -> None:
         """Wait for every queued memory operation (when the engine goes idle)."""
         self._finish_in_flight()
@@ -324,17 +330,20 @@ class Engine:
                 broken = [seq for seq, _ in plan if seq.status is not Status.FINISHED]
                 for seq in broken:
                     self.abort(seq, "error", _engine_error("the model step failed", exc))
-                self.scheduler.settle_steps()  # their memory back now, not when the next step is read
+                try:
+                    self.scheduler.settle_steps()  # their memory back now, not when the next step is read
+                except Exception:  # noqa: BLE001 - a device that fails here fails the next step too
+                    log.exception("waiting for the device after a failed step failed")
                 failed += broken
-        done = self._finish_in_flight()
-        if launched is not None:
-            # Read at once: without overlap; tokens the host chose already;
-            # nothing but discarded tokens (the last requests stopped).
-            if not self.overlap or (launched.seqs and (launched.chosen_on_host or all(
-                    seq.status is Status.FINISHED for seq in launched.seqs))):
-                done += self._resolve(launched)
-            else:
-                self._in_flight = launched
+        # The launched step is in flight before the one before it is read:
+        # should reading raise, it is still there to be read.
+        previous, self._in_flight = self._in_flight, launched
+        done = [] if previous is None else self._resolve(previous)
+        # Read at once: without overlap; tokens the host chose already;
+        # nothing but discarded tokens (the last requests stopped).
+        if launched is not None and (not self.overlap or (launched.seqs and (launched.chosen_on_host or all(
+                seq.status is Status.FINISHED for seq in launched.seqs)))):
+            done += self._finish_in_flight()
         return failed + done
 
     def _take_failed(self) -> list[Sequence]:

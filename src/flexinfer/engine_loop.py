@@ -290,6 +290,10 @@ class EngineLoop:
                     log.exception("aborting a sequence failed")
                     seq.status, seq.finish_reason = Status.FINISHED, "error"
                     seq.error = error or EngineError(f"cancelling failed: {type(exc).__name__}: {exc}")
+        try:
+            self.engine.settle()  # the KV is released when the stream ends, not a step later
+        except Exception:  # noqa: BLE001 - released at the next step instead
+            log.exception("releasing a cancelled request's KV failed")
         for seq in handle._seqs:
             self._live.pop(seq, None)
             handle._publish(seq)

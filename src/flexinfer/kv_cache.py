@@ -103,11 +103,10 @@ class KVCache:
         cover `tokens` rows, and a window group's also raises its low mark
         to the first row those queries read (never further: a step still
         computing reads from there). The rows a mark drops were read only
-        by earlier steps, which have finished: the engine reads each step's
-        sampled ids before it schedules the next, so on CUDA no kernel still
-        reads an unmapped page (an engine that overlaps steps must order
-        these unmaps after them, as vtm's prefix copies wait for the
-        caller's stream). Without a window group a target is the token
+        by earlier steps, which have finished: with steps in flight (the
+        engine's overlap) the scheduler passes the start of the oldest step
+        of the sequence that may still run, so on CUDA no kernel still reads
+        an unmapped page. Without a window group a target is the token
         count alone, built in one pass for the batch."""
         if not self._has_window:
             return {vt: tokens for vtensors, tokens, _ in entries for vt in vtensors}

@@ -37,9 +37,11 @@ step N+1 while the device still runs step N, so a running sequence may carry
 a pending token (see Sequence). Its vTensors may be released only once every
 step that used them has completed: the engine numbers its steps
 (`launched`) and says which have completed (`completed`). A finished or
-cancelled sequence's release (and the record of its prefix) waits for that;
-a preemption, which needs the memory now, first waits for the device
-(`wait_for_device`, the engine's). A running sequence whose pending token is
+cancelled sequence's release waits for that (its prefix is recorded at once:
+vtm orders the record's copies after the kernels queued), and so do a
+window's low marks (planned from the start of the step in flight); a
+preemption, or an admission that finds no memory while some waits to be
+released, first waits for the device (`wait_for_device`, the engine's). A running sequence whose pending token is
 its last (max_tokens) is not planned again: no token is computed to be
 thrown away.
 """
@@ -87,10 +89,10 @@ class Scheduler:
         self._unreleased: list = []  # vTensors whose release failed, retried each step
         # Steps the engine launched (numbered from 1) and the last one known
         # complete on the device; releases waiting for a step to complete:
-        # (step, vTensors, tokens to record or None).
+        # (step, vTensors).
         self._launched = 0
         self._completed = 0
-        self._retiring: list[tuple[int, list, list[int] | None]] = []
+        self._retiring: list[tuple[int, list]] = []
         # The engine's: waits until every launched step has completed (and
         # calls completed()). None: nothing is ever in flight.
         self.wait_for_device = None
@@ -122,10 +124,12 @@ class Scheduler:
     # -- steps in flight ------------------------------------------------
 
     def launched(self, seqs) -> int:
-        """A step over `seqs` is queued on the device; returns its number."""
+        """A step over `seqs` (before their num_cached advances) is queued
+        on the device; returns its number."""
         self._launched += 1
         for seq in seqs:
             seq.last_step = self._launched
+            seq.last_start = seq.num_cached
         return self._launched
 
     def completed(self, step: int) -> None:
@@ -138,9 +142,7 @@ class Scheduler:
         self._retiring = [r for r in self._retiring if r[0] > self._completed]
         if ready:
             self._await_pending()  # the pre-extend submitted last may still target them
-        for _, vtensors, tokens in ready:
-            if tokens:
-                self._record(vtensors, tokens)
+        for _, vtensors in ready:
             self._release(vtensors)
 
     def _in_use(self, seq: Sequence) -> bool:
@@ -223,7 +225,9 @@ class Scheduler:
     def _targets(self, need: dict[Sequence, int]) -> dict:
         """One step target per vTensor (one per layer group) of each
         sequence, for the step about to run (see KVCache.targets)."""
-        return self.kv.targets((seq.vtensors, tokens, seq.num_cached) for seq, tokens in need.items())
+        # A window's low mark stays below what a step in flight still reads.
+        return self.kv.targets((seq.vtensors, tokens, seq.last_start if self._in_use(seq) else seq.num_cached)
+                               for seq, tokens in need.items())
 
     def _victim(self) -> Sequence | None:
         """The lowest-priority (largest value), latest-arrived running sequence."""
@@ -326,13 +330,15 @@ class Scheduler:
         # finished conversation is resumed by mapping instead of recomputing.
         # Every token below num_cached is resolved (pending ones are at or
         # above it), and its KV is written by steps launched already.
-        tokens = seq.token_ids[: seq.num_cached] if record and seq.num_cached > 0 else None
+        # Recorded now, whatever is in flight: the record orders its copies
+        # after the kernels queued so far (vtm's fence), and a caller told
+        # its request is done may ask for the next turn at once.
+        if record and seq.num_cached > 0:
+            self._record(seq.vtensors, seq.token_ids[: seq.num_cached])
         if self._in_use(seq):
             # A step in flight still reads or writes these pages.
-            self._retiring.append((seq.last_step, seq.vtensors, tokens))
+            self._retiring.append((seq.last_step, seq.vtensors))
         else:
-            if tokens:
-                self._record(seq.vtensors, tokens)
             self._release(seq.vtensors)
         seq.reset_cache_state()
 
@@ -392,6 +398,11 @@ class Scheduler:
             if not seq.vtensors:
                 seq.vtensors = self.kv.create()
         except vtm.OutOfMemory as exc:
+            if self._retiring:
+                # Finished sequences' memory, held only until the step in
+                # flight completes: wait for it rather than fail or wait.
+                self.settle_steps()
+                return self._admit(seq)
             if not self.running:
                 self._fail(seq, exc)
             return False

@@ -55,7 +55,8 @@ class Sequence:
     later: a pending token's KV is computed by a later step, whose input
     comes from the device (`feed_row` of the step that sampled it).
     `last_step` is the latest step that used the vTensors: they may be
-    released only once that step has completed on the device.
+    released only once that step has completed on the device, and no row
+    from `last_start - window + 1` on (what it reads) may be unmapped before.
     """
 
     def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
@@ -77,6 +78,7 @@ class Sequence:
         self.pending = 0
         self.feed_row = 0
         self.last_step = 0
+        self.last_start = 0  # num_cached when last_step was launched: the first query row it computes
         self.prompt_recorded = False
         self.finish_reason: str | None = None
         self.text = ""  # the end of the decoded output a stop string may still complete (Engine._stop_reason)

@@ -196,49 +196,91 @@ def test_a_broker_restart_is_a_preemption(tiny_folder, broker):
         manager.close()
 
 
+class _Proxy:
+    """Forwards everything to `target`, except what a subclass defines."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_a_session_lost_while_planning_computes_nothing_on_revoked_memory(tiny_folder, broker, overlap):
-    """The broker dies while a step waits for its pre-extend. The failed
-    wait unmaps every chunk of the session on this thread (the revoke), and
-    the scheduler swallows that error (the synchronous path retries); the
-    step then ran the model on the unmapped pages: a segfault, seen in CI
-    runs. Now the step notices the lost session and computes nothing; the
-    request resumes by recompute once the broker is back, with its tokens
-    unchanged. With overlap, the step in flight is read first."""
-    prompt = random_prompts([20], seed=23)[0]
+    """The broker dies while a step, which found the session up, checks a
+    prompt's record. The failed record unmaps every chunk of the session on
+    this thread (the revoke), and the scheduler swallows that error (a
+    record concerns no running request); with its mapping done ahead, the
+    step then ran the model on the unmapped pages: a segfault, seen in
+    local runs. Now a step that finds the session lost after planning
+    computes nothing; the requests resume by recompute once the broker is
+    back, with their tokens unchanged. With overlap, the step in flight is
+    read first."""
+    prompts = random_prompts([20, 6], seed=23)
     with LLM(tiny_folder, backend="host") as local:
-        want = local.generate([prompt], greedy(30), use_tqdm=False)[0].token_ids
+        want = [o.token_ids for o in local.generate(prompts, greedy(30), use_tqdm=False)]
     manager = vtm.connect(broker.address, name="engine-revoke", timeout=2)
     engine = Engine(tiny_folder, manager=manager, overlap=overlap)
-    forward, computed = engine.model.forward, []
+    revoked, computed_after = [], []
+    forward = engine.model.forward
 
     def counting(input_ids, *args, **kwargs):
-        computed.append(input_ids.shape[0])
+        if revoked and manager.reconnects == 0:
+            computed_after.append(input_ids.shape[0])
         return forward(input_ids, *args, **kwargs)
-    engine.model.forward = counting
-    await_pending = engine.scheduler._await_pending
 
-    def broker_dies_first():
-        broker.kill()
-        await_pending()
-    seq = Sequence(1, 0, 0, prompt, greedy(30), 0, ())
+    class WatchedMapper(_Proxy):
+        def revoke(self):
+            revoked.append(True)
+            return self._target.revoke()
+
+    class LateRecord:
+        """A prompt's record, sent only when the next step checks it, and
+        only after the broker died: after that step found the session up."""
+
+        def __init__(self, kv, args):
+            self.kv, self.args = kv, args
+
+        def done(self):
+            return True
+
+        def result(self, timeout=None):
+            broker.kill()
+            for future in self.kv.record(*self.args):
+                future.result(timeout)
+
+    class RecordsLate(_Proxy):
+        armed = False
+
+        def record(self, *args):
+            if RecordsLate.armed:
+                RecordsLate.armed = False
+                return [LateRecord(self._target, args)]
+            return self._target.record(*args)
+    engine.model.forward = counting
+    manager._mapper = WatchedMapper(manager._mapper)
+    engine.scheduler.kv = RecordsLate(engine.scheduler.kv)
+    first = Sequence(1, 0, 0, prompts[0], greedy(30), 0, ())
+    second = Sequence(2, 1, 0, prompts[1], greedy(30), 0, ())
     try:
-        engine.add(seq)
+        engine.add(first)
         for _ in range(4):
             engine.step()
-        assert seq.status is Status.RUNNING and len(seq.output_ids) >= 2
-        engine.scheduler._await_pending = broker_dies_first
-        before = len(computed)
-        engine.step()  # a segfault here before the fix
-        engine.scheduler._await_pending = await_pending
-        assert len(computed) == before, "the step computed on a lost session's memory"
-        assert not manager.healthy and seq.status is Status.WAITING and seq.pending == 0
+        assert first.status is Status.RUNNING and len(first.output_ids) >= 2
+        RecordsLate.armed = True
+        engine.add(second)  # its prompt's record is the late one
+        for _ in range(4):
+            engine.step()  # a segfault here before the fix
+        assert revoked, "the session was never revoked: the test checks nothing"
+        assert computed_after == [], "a step computed on a revoked session's memory"
+        assert not manager.healthy and first.status is second.status is Status.WAITING
         broker.start()
         deadline = time.monotonic() + 60
         while engine.has_work() and time.monotonic() < deadline:
             engine.step()
-        assert seq.finish_reason == "length" and seq.output_ids == want
-        assert seq.metrics.preemptions >= 1
+        assert [first.output_ids, second.output_ids] == want
+        assert first.metrics.preemptions >= 1
         engine.drain()
         manager.check()
     finally:

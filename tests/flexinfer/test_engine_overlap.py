@@ -15,6 +15,7 @@ synchronisation while a step is launched.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -225,6 +226,7 @@ def test_a_finished_sequence_keeps_its_memory_until_the_step_in_flight_completes
     while engine.has_work():
         engine.step()
     stop = probe.output_ids[2]
+    engine.kv_cache.space.clear_prefixes()  # the next turn below can map only what A records
     a = Sequence(2, 1, 0, PROMPTS[1], _greedy(8, stop_token_ids=[stop]), 0, ())
     b = Sequence(3, 2, 0, PROMPTS[3], _greedy(12), 0, ())
     engine.add(a)
@@ -234,14 +236,96 @@ def test_a_finished_sequence_keeps_its_memory_until_the_step_in_flight_completes
         seen += [s.id for s in engine.step()]
     assert a.finish_reason == "stop" and a.output_ids == probe.output_ids[:3]
     assert a.pending == 1 and _vtensors(engine) == 2  # A's discarded token is in flight, and its memory held
+    # A's conversation is recorded already: its next turn, asked for now, maps all of it.
+    turn = Sequence(4, 3, 0, PROMPTS[1] + a.output_ids + [5], _greedy(2), 0, ())
+    engine.add(turn)
     engine.step()
-    assert a.pending == 0 and _vtensors(engine) == 1
+    assert a.pending == 0 and _vtensors(engine) == 2  # A's released, the next turn's created
+    assert turn.metrics.prefix_hit_tokens == len(PROMPTS[1]) + len(a.output_ids)
     assert a.output_ids == probe.output_ids[:3]  # the discarded token was never emitted
     while engine.has_work():
         engine.step()
     assert b.finish_reason == "length" and len(b.output_ids) == 12
     assert _vtensors(engine) == 0
     _close(engine)
+
+
+def test_a_request_waiting_for_memory_that_a_step_in_flight_holds_is_admitted(tiny_gpu_folder):
+    """Two slots, both held by requests cancelled while their step is in
+    flight: their release waits for that step, and the waiting request's
+    admission, which finds no free slot, waits for it too (it failed before:
+    "no memory", with nothing running)."""
+    engine = Engine(tiny_gpu_folder, manager=_manager(), max_model_len=256, max_num_seqs=2, overlap=True)
+    a, b, x = (Sequence(i, i, 0, PROMPTS[i], _greedy(10), 0, ()) for i in range(3))
+    for seq in (a, b, x):
+        engine.add(seq)
+    for _ in range(3):
+        engine.step()
+    assert a.pending and b.pending and x.status is Status.WAITING
+    engine.abort(a)
+    engine.abort(b)
+    while engine.has_work():
+        engine.step()
+    assert x.finish_reason == "length" and len(x.output_ids) == 10, x.error
+    assert _vtensors(engine) == 0
+    _close(engine)
+
+
+class _WatchedSteps:
+    """A manager whose step() calls are checked first (the scheduler's)."""
+
+    def __init__(self, manager, check):
+        self._manager, self._check = manager, check
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+    def step(self, targets):
+        self._check(targets)
+        return self._manager.step(targets)
+
+
+def test_a_window_low_mark_keeps_what_the_step_in_flight_reads(tmp_path, save_word_tokenizer):
+    """A sliding-window model: each step raises the window's low mark
+    (unmapping pages wholly below it). With a step in flight, the mark must
+    stay at the first row that step reads; planned from the next step's
+    start, it unmapped a page the step in flight still read (on CUDA an
+    illegal address). Outputs equal the engine without overlap."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                        max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    save_word_tokenizer(tmp_path, VOCAB)
+    prompts, params = _prompts([20, 33, 9], seed=9), [_greedy(30), _greedy(25), _greedy(40)]
+    outputs = {}
+    for overlap in (False, True):
+        engine = Engine(str(tmp_path), manager=_manager(), max_model_len=256, max_num_seqs=4, max_batch_tokens=7,
+                        overlap=overlap)
+        window = max(engine.kv_cache.windows)
+        assert window == 8
+        scheduler, marks, early = engine.scheduler, [0], []
+
+        def check(targets):
+            owner = {vt: seq for seq in scheduler.running for vt in seq.vtensors}
+            for vt, target in targets.items():
+                seq = owner.get(vt)
+                if not isinstance(target, tuple) or seq is None:
+                    continue
+                marks[0] += 1
+                if seq.last_step > scheduler._completed and target[1] > max(0, seq.last_start - window + 1):
+                    early.append((seq.id, target[1], seq.last_start))
+        scheduler.manager = _WatchedSteps(scheduler.manager, check)
+        seqs = [Sequence(i, i, 0, p, q, 0, ()) for i, (p, q) in enumerate(zip(prompts, params))]
+        for seq in seqs:
+            engine.add(seq)
+        while engine.has_work():
+            engine.step()
+        outputs[overlap] = [(s.finish_reason, s.output_ids) for s in seqs]
+        assert marks[0] > 50 and early == [], early[:5]
+        _close(engine)
+    assert outputs[True] == outputs[False]
 
 
 def test_a_cancel_while_its_token_is_in_flight(tiny_gpu_folder):
@@ -264,6 +348,43 @@ def test_a_cancel_while_its_token_is_in_flight(tiny_gpu_folder):
     assert [len(s.output_ids) for s in (seqs[0], seqs[2])] == [10, 10]
     assert _vtensors(engine) == 0
     _close(engine)
+
+
+def test_a_cancelled_stream_ends_with_its_memory_released(tiny_gpu_folder):
+    """RequestStream.cancel: once wait() returns, the KV is released. With
+    overlap the release waits for the step in flight, so the engine loop
+    waits for the device when it cancels; the step after the cancel is held
+    here until the count is read."""
+    llm = LLM(tiny_gpu_folder, manager=_manager(), overlap=True, max_model_len=256)
+    engine, gate, aborted = llm.engine, threading.Event(), threading.Event()
+    step, abort = engine.step, engine.abort
+
+    def gated_step():
+        if aborted.is_set():
+            gate.wait(30)
+        return step()
+
+    def noted_abort(*args, **kwargs):
+        abort(*args, **kwargs)
+        aborted.set()
+    engine.step, engine.abort = gated_step, noted_abort
+    try:
+        keep = llm.submit(PROMPTS[3], _greedy(60))
+        victim = llm.submit(PROMPTS[1], _greedy(60))
+        events = iter(victim)
+        next(events)
+        next(events)  # decoding, a step in flight
+        victim.cancel()
+        assert victim.wait(30)
+        held = _vtensors(engine)
+        gate.set()
+        assert held == 1, "the cancelled request's KV outlived its stream"
+        assert keep.result(timeout=60).finish_reason == "length"
+    finally:
+        gate.set()
+        manager = llm.manager
+        llm.close()
+        manager.close()
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_gpu_folder):
