@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import vtm
+from vtm.broker.transport import StepTransport
 from broker_testing import (CHUNK, ROW, BrokerProcess, RowView, child_allocate, child_extend_forever, child_record,
                             held, pattern)
 from broker_testing import broker  # noqa: F401 (a fixture)
@@ -41,7 +42,7 @@ def wait_until(predicate, timeout: float, step: float = 0.02, on_fail=None) -> f
 @pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
 def test_same_api_and_bytes_in_one_client(broker, fast_path):
     with vtm.connect(broker.address, name="solo", fast_path=fast_path) as mgr:
-        assert (mgr._steps is not None) == fast_path
+        assert isinstance(mgr._transport, StepTransport) == fast_path
         assert (mgr.backend, mgr.chunk_bytes, mgr.capacity_bytes) == ("host", CHUNK, 16 * CHUNK)
         space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=3, name="kv")
         assert (space.name, space.row_bytes, space.max_slots, space.free_slots) == ("kv", ROW, 3, 3)

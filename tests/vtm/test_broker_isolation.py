@@ -105,13 +105,13 @@ def test_a_release_unmaps_in_the_client_before_the_broker_frees(broker, fast_pat
         assert mgr._mapper.mapped_pages(space.id, slot) == 4 and mgr.imports == 4
         seen = []  # (pages mapped, chunks imported) when the release leaves for the broker
         if fast_path:
-            call = mgr._steps.call
+            call = mgr._transport._steps.call
 
             def spy(op, pairs):
                 if op == step_channel.RELEASE:
                     seen.append((mgr._mapper.mapped_pages(space.id, slot), mgr.imports))
                 return call(op, pairs)
-            mgr._steps.call = spy
+            mgr._transport._steps.call = spy
         else:
             release = mgr._stub.Release
 

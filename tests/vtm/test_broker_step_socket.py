@@ -22,6 +22,7 @@ import vtm
 from broker_testing import ROW, BrokerProcess, held, pattern
 from broker_testing import broker  # noqa: F401 (a fixture)
 from vtm.broker import step_channel as sc
+from vtm.broker.transport import StepTransport
 
 
 def raw_connection(broker, lease=None) -> socket.socket:
@@ -51,7 +52,7 @@ def test_the_client_uses_it_and_a_large_reply_spans_datagrams(tmp_path):
     b = BrokerProcess(tmp_path, capacity_chunks=3100, chunk_bytes=chunk)
     try:
         with vtm.connect(b.address, name="big") as mgr:
-            assert mgr._steps is not None
+            assert isinstance(mgr._transport, StepTransport)
             rows = 3000 * chunk // ROW
             space = mgr.create_space(row_bytes=ROW, max_tokens=rows, max_slots=1)
             vt = space.create(rows).result()

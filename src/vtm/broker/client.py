@@ -9,9 +9,11 @@ vTensors' state and only then resolves the future. So, as in process, a
 caller may submit the next step's extend and compute meanwhile; the memory is
 mapped when its future resolves.
 
-The hot calls (create, extend, step, release) go over the broker's step
-socket when it advertises one (src/vtm/broker/step_channel.py: one datagram each
-way, the new chunks' fds attached), everything else over gRPC. The session
+The hot calls (create, extend, step, release) go through a transport
+(transport.py): the broker's step socket when it advertises one (one datagram
+each way, the new chunks' fds attached), else gRPC; everything else over
+gRPC. Mapping ahead (map_ahead.py) decides what a growth asks for, and
+whether it needs to ask at all. The session
 itself lives on a channel to the broker's fd socket
 (src/vtm/broker/session_channel.py): the broker learns this process's pid from
 the kernel there and sends its reclaim notices there.
@@ -73,20 +75,13 @@ from vtm.broker.map_ahead import MapAhead
 from vtm.broker import step_channel
 from vtm.broker.remote import RemoteFuture, RemoteMatch, RemoteSpace, RemoteVTensor
 from vtm.broker.session_channel import SessionChannel, say_bye
+from vtm.broker.transport import GrpcTransport, StepTransport, _message
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 
 log = logging.getLogger("vtm.broker")
 
 _BYE_TIMEOUT_S = 2.0
 _PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
-
-
-def _message(cls, what: str, **fields):
-    """A request message; a field out of its proto range is InvalidArgument."""
-    try:
-        return cls(**fields)
-    except (ValueError, TypeError) as exc:
-        raise errors.InvalidArgument(f"{what}: {exc}") from None
 
 
 def _count(n, what: str) -> int:
@@ -128,7 +123,7 @@ class RemoteManager:
         self._mapper = None
         self._channel = None
         self._fds = None
-        self._steps = None
+        self._transport = None  # create, extend, step and release (transport.py)
         self._session = None
         self._lease = None
         self._reclaim_handlers = []
@@ -201,13 +196,15 @@ class RemoteManager:
         except (OSError, ValueError) as exc:
             raise errors.Unavailable(f"attaching to the vtm broker failed: {exc}") from None
         self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
+        self._transport = GrpcTransport(self)
         if self._fast_path and hello.step_socket:
             try:
-                self._steps = step_channel.StepClient(hello.step_socket, hello.lease, self._timeout)
+                steps = step_channel.StepClient(hello.step_socket, hello.lease, self._timeout)
             except errors.Error:
                 raise
             except (OSError, ValueError) as exc:
                 raise errors.Unavailable(f"the vtm broker's step socket failed: {exc}") from None
+            self._transport = StepTransport(self, steps)
         threading.Thread(target=self._listen, args=(self._session,), name=f"vtm-notices-{self.client_id}",
                          daemon=True).start()
         return hello
@@ -226,22 +223,16 @@ class RemoteManager:
                 self._broken = self._broken or error
             raise error from None
 
-    def _fast(self, what: str, op: int, pairs):
-        """Runs one op on the step socket and maps what it changed; the
-        reply (its vTensor fields) for the caller."""
-        try:
-            reply = self._steps.call(op, pairs)
-        except errors.Error as exc:
-            # The broker's answer (InvalidArgument is a ValueError too);
-            # Unavailable: it ended the session.
-            if isinstance(exc, errors.Unavailable):
-                self._broken = self._broken or exc
-            raise
-        except (OSError, ValueError) as exc:
-            # Dead, hung or confused broker: the connection's state is
-            # unknown from here on, like a gRPC call past its deadline.
-            self._broken = self._broken or errors.Unavailable(f"the vtm broker did not answer {what}: {exc}")
-            raise type(self._broken)(str(self._broken)) from None
+    def _lose(self, error: errors.Error) -> errors.Error:
+        """The session is lost (the connection's state is unknown): every
+        later call fails with the first such error; returns it to raise."""
+        self._broken = self._broken or error
+        return type(self._broken)(str(self._broken))
+
+    def _apply_step_reply(self, reply):
+        """Maps what a step-socket reply changed (importing its chunks, from
+        the fds it carries or else through the fd socket); its vTensor
+        fields for the caller."""
         try:
             received = dict(zip(reply.serials, reply.fds))
             for space_id, effects in reply.groups:
@@ -543,21 +534,11 @@ class RemoteManager:
     def _create(self, space: RemoteSpace, n) -> RemoteFuture:
         n = _count(n, "num_tokens")
 
-        if self._steps is not None:
-            def fast():
-                (vt_id, slot, mapped, _), _ = self._fast_ahead(
-                    "create", step_channel.CREATE_AHEAD, step_channel.CREATE, [space.id],
-                    [self._map_ahead.rows(space, n)], [self._map_ahead.rows(space, n, ahead=0)])
-                vt = self._add_vtensor(space, vt_id, slot, n)
-                self._map_ahead.set_mapped(vt, mapped)
-                return vt
-            return self._submit(fast, data_plane=True)
-        request = _message(vtm_pb2.CreateRequest, "create", space_id=space.id, num_tokens=n)
-
         def run():
-            reply = self._rpc("create", self._stub.Create, request)
-            vt = self._new_vtensor(space, reply)
-            self._apply(reply)
+            ahead, exact = self._map_ahead.rows(space, n), self._map_ahead.rows(space, n, ahead=0)
+            vt_id, slot, mapped = self._transport.create(space.id, n, ahead, exact)
+            vt = self._add_vtensor(space, vt_id, slot, n)
+            self._map_ahead.set_mapped(vt, mapped)
             return vt
         return self._submit(run, data_plane=True)
 
@@ -583,44 +564,16 @@ class RemoteManager:
 
     def _grow(self, sizes, what: str) -> RemoteFuture:
         """extend or step: sizes are (vTensor, tokens, low mark or None)."""
-        lows = any(low is not None for _, _, low in sizes)
-        fits = (len(sizes) <= (step_channel.MAX_TRIPLES if lows else step_channel.MAX_PAIRS)
-                and all(n < 1 << 64 and (low is None or low < step_channel.KEEP_LOW) for _, n, low in sizes))
-
-        def grown(granted=None):
-            """`granted`: the rows the broker now holds for each (default the rows asked)."""
-            for i, (vt, n, low) in enumerate(sizes):
-                vt._num_tokens = max(vt._num_tokens, n)
-                self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, n if granted is None else granted[i]))
-                if low is not None:
-                    vt._low = low
-
-        if self._steps is not None and fits:
-            if lows:
-                op = step_channel.EXTEND_LOW if what == "extend" else step_channel.STEP_LOW
-                words = [x for vt, n, low in sizes for x in (vt.id, n, step_channel.KEEP_LOW if low is None else low)]
-
-                def fast():
-                    self._fast(what, op, words)
-                    grown()
-            else:
-                op = step_channel.EXTEND if what == "extend" else step_channel.STEP
-                ids = [vt.id for vt, _, _ in sizes]
-                ahead = [self._map_ahead.rows(vt._space, n) for vt, n, _ in sizes]
-                exact = [self._map_ahead.rows(vt._space, n, ahead=0) for vt, n, _ in sizes]
-
-                def fast():
-                    grown(self._fast_ahead(what, step_channel.STEP_AHEAD, op, ids, ahead, exact)[1])
-            return self._submit(fast, data_plane=True)
-        targets = [_message(vtm_pb2.ExtendRequest, what, vtensor_id=vt.id, num_tokens=n, low=low)
-                   for vt, n, low in sizes]
+        ahead = [self._map_ahead.rows(vt._space, n) for vt, n, _ in sizes]
+        exact = [self._map_ahead.rows(vt._space, n, ahead=0) for vt, n, _ in sizes]
 
         def run():
-            if what == "extend":
-                self._apply(self._rpc(what, self._stub.Extend, targets[0]))
-            else:
-                self._apply(self._rpc(what, self._stub.Step, vtm_pb2.StepRequest(targets=targets)))
-            grown()
+            granted = self._transport.grow(what, sizes, ahead, exact)
+            for (vt, n, low), rows in zip(sizes, granted):
+                vt._num_tokens = max(vt._num_tokens, n)
+                self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, rows))
+                if low is not None:
+                    vt._low = low
         return self._submit(run, data_plane=True)
 
     # -- mapping ahead (map_ahead.py) ----------------------------------------------
@@ -629,7 +582,9 @@ class RemoteManager:
         """A growth decided here (MapAhead.grow), when nothing but refills is
         queued before it (its order would not show otherwise); False: ask
         the broker."""
-        if self._finished != self._submitted or self._broken is not None or self._steps is None:
+        transport = self._transport
+        if (self._finished != self._submitted or self._broken is not None or transport is None
+                or not transport.maps_ahead):
             return False
         refills = self._map_ahead.grow(pairs, self)
         if refills is None:
@@ -638,44 +593,13 @@ class RemoteManager:
             self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
         return True
 
-    def _fast_ahead(self, what: str, ahead_op: int, exact_op: int, keys, ahead, exact):
-        """Runs `what` on the step socket for (key, rows) pairs: with the
-        `ahead` rows (the pages ahead too) where they differ from `exact`,
-        else, or when the broker refuses the pages ahead, with `exact` (the
-        rows of the pages needed; n itself without mapping ahead). Returns
-        the reply and the rows the broker granted."""
-        if ahead != exact:
-            try:
-                return self._fast(what, ahead_op, [x for k, r in zip(keys, ahead) for x in (k, r)]), ahead
-            except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
-                if not self._ahead_refused(exc):
-                    raise
-        return self._fast(what, exact_op, [x for k, r in zip(keys, exact) for x in (k, r)]), exact
-
-    def _ahead_refused(self, exc: errors.Error) -> bool:
-        """Whether the broker refused pages ahead (not the rows needed): out
-        of free memory, or this client has a limit now (set while it was
-        connected), which ends mapping ahead until the next session."""
-        if isinstance(exc, errors.FailedPrecondition):
-            if str(exc) != step_channel.LIMITED_AHEAD:
-                return False
-            self._map_ahead.pages = 0
-        return True
-
     def _refill(self, refills) -> None:
-        """Runs on the worker: maps the pages ahead that MapAhead.grow asked for."""
+        """Runs on the worker: maps the pages ahead that MapAhead.grow asked
+        for. A refused one is asked for by the step that needs its rows; no
+        refill of it until a step of its reaches the broker."""
         live = [(vt, want) for vt, want in refills if not vt._released]
-        for start in range(0, len(live), step_channel.MAX_PAIRS):
-            part = live[start:start + step_channel.MAX_PAIRS]
-            try:
-                self._fast("step", step_channel.STEP_AHEAD, [x for vt, want in part for x in (vt.id, want)])
-            except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
-                if not self._ahead_refused(exc):
-                    raise
-                # The step that needs the rows asks for them itself; no
-                # refill of these until a step of theirs reaches the broker.
-                continue
-            for vt, want in part:
+        for (vt, want), granted in zip(live, self._transport.refill(live)):
+            if granted:
                 self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, want))
 
     def _unmap_first(self, vt: RemoteVTensor) -> None:
@@ -689,15 +613,9 @@ class RemoteManager:
         self._mapper.unmap_slot(vt._space.id, vt._slot)
 
     def _release(self, vt: RemoteVTensor) -> RemoteFuture:
-        if self._steps is not None:
-            def fast():
-                self._unmap_first(vt)
-                self._fast("release", step_channel.RELEASE, (vt.id, 0))
-            return self._submit(fast, data_plane=True)
-
         def run():
             self._unmap_first(vt)
-            self._apply(self._rpc("release", self._stub.Release, vtm_pb2.VTensorRequest(vtensor_id=vt.id)))
+            self._transport.release(vt.id)
         return self._submit(run, data_plane=True)
 
     def _prefix_record(self, space: RemoteSpace, vt, token_ids, stream=None) -> RemoteFuture:
@@ -872,9 +790,9 @@ class RemoteManager:
         if self._fds is not None:
             self._fds.close()
             self._fds = None
-        if self._steps is not None:
-            self._steps.close()
-            self._steps = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
 
     def __enter__(self):
         return self
