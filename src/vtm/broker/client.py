@@ -28,12 +28,9 @@ A broker that dies or stops answering, or ends the session, makes every
 pending and later call raise vtm.Unavailable within the call deadline; the
 session (and with it the client's memory) is lost: `healthy` is False.
 Before the first such error of a vTensor operation reaches its caller, this
-client unmaps every chunk it maps and releases every import (revoke): on the
-caller's thread, the one that computes on the memory, so no kernel of this
-process is reading a page as it goes (from the worker, the unmap could pull
-the memory from under one: a fault on the host, an illegal address on CUDA).
-Then it says goodbye, so a broker that still holds the session frees it at
-once.
+client unmaps every chunk it maps and releases every import (the revoke, on
+the thread that computes on the memory: liveness.py). Then it says goodbye,
+so a broker that still holds the session frees it at once.
 
 A lost session is a preemption, not the end (docs/design.md §6): `reconnect()`, on
 that same thread, opens a new session (the broker restarted, or came back)
@@ -71,6 +68,7 @@ import grpc
 from vtm import _core, errors
 from vtm.broker import status
 from vtm.broker.fd_channel import MAX_FDS, FdClient
+from vtm.broker.liveness import Liveness
 from vtm.broker.map_ahead import MapAhead
 from vtm.broker import step_channel
 from vtm.broker.remote import RemoteFuture, RemoteMatch, RemoteSpace, RemoteVTensor
@@ -109,14 +107,10 @@ class RemoteManager:
         self._submit_mu = threading.Lock()
         self._submitted = 0
         self._finished = 0
-        self._broken: errors.Error | None = None
+        self._liveness = Liveness()  # the session up or lost, the revoke (liveness.py)
         self._closed = False
-        self._revoked = False
-        self._revoke_mu = threading.Lock()
         self._op_mu = threading.Lock()  # held by the worker around each operation, and by reconnect()
         self._epoch = 0  # sessions opened after the first
-        self._compute_thread = None  # bind_thread()
-        self._before_revoke = None  # bind_thread()
         self._spaces: dict[int, RemoteSpace] = {}
         self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, RemoteVTensor] = {}
@@ -220,14 +214,8 @@ class RemoteManager:
         except grpc.RpcError as err:
             error = status.from_rpc_error(err, what)
             if fatal and isinstance(error, errors.Unavailable):
-                self._broken = self._broken or error
+                self._liveness.lose(error)
             raise error from None
-
-    def _lose(self, error: errors.Error) -> errors.Error:
-        """The session is lost (the connection's state is unknown): every
-        later call fails with the first such error; returns it to raise."""
-        self._broken = self._broken or error
-        return type(self._broken)(str(self._broken))
 
     def _apply_step_reply(self, reply):
         """Maps what a step-socket reply changed (importing its chunks, from
@@ -261,7 +249,7 @@ class RemoteManager:
 
     def _session_lost(self, session: SessionChannel, why: str) -> None:
         if session is self._session:
-            self._broken = self._broken or errors.Unavailable(why)
+            self._liveness.lose(errors.Unavailable(why))
 
     def _answer_reclaim(self, notice: dict, session: SessionChannel) -> None:
         """Runs the reclaim handlers in turn (on this listener thread, so they
@@ -281,20 +269,10 @@ class RemoteManager:
         """The caller is about to see `error`: when it says the session is
         gone, this process gives up every chunk first (revoke, see the top of
         this file), then says goodbye so the broker frees them now."""
-        if not isinstance(error, errors.Unavailable) or self._broken is None:
+        if not isinstance(error, errors.Unavailable) or self._liveness.broken is None:
             return
-        if self._compute_thread not in (None, threading.get_ident()):
-            return  # the bound thread revokes, at its own first error or in reconnect()
-        with self._revoke_mu:
-            if self._revoked or self._closed:
-                return
-            self._revoked = True
-            try:
-                if self._before_revoke is not None:
-                    self._before_revoke()  # the kernels queued on this memory finish first
-                self._mapper.revoke()
-            except Exception:  # noqa: BLE001 - the session is gone either way; the caller gets its error
-                log.exception("unmapping the chunks of a lost vtm session failed")
+        if not self._liveness.revoke(self._mapper.revoke, self._closed):
+            return
         lease, self._lease = self._lease, None  # said once
         if lease is None:
             return
@@ -335,8 +313,8 @@ class RemoteManager:
                     if epoch != self._epoch:
                         raise errors.Unavailable("the vtm broker session this operation was submitted in was "
                                                  "lost (the client has reconnected since)")
-                    if self._broken is not None:
-                        raise type(self._broken)(str(self._broken))
+                    if self._liveness.broken is not None:
+                        raise self._liveness.error()
                     result = fn()
                 except BaseException as exc:  # noqa: BLE001 - delivered through the future
                     error = exc
@@ -366,7 +344,7 @@ class RemoteManager:
     @property
     def healthy(self) -> bool:
         """True while operations can run: the session is up and not closed."""
-        return not self._closed and self._broken is None
+        return not self._closed and self._liveness.broken is None
 
     def bind_thread(self, before_revoke=None) -> None:
         """Names the calling thread as the one that computes on this
@@ -378,13 +356,7 @@ class RemoteManager:
         reads pages being unmapped. A second thread is refused
         (vtm.FailedPrecondition): connect once per computing thread; each
         connection is a session of its own."""
-        current = threading.get_ident()
-        if self._compute_thread not in (None, current):
-            raise errors.FailedPrecondition(
-                "this vtm.connect manager already serves another computing thread (an engine): its mappings "
-                "are revoked on that thread when the broker goes away; connect once per engine")
-        self._compute_thread = current
-        self._before_revoke = before_revoke
+        self._liveness.bind(before_revoke)
 
     def reconnect(self, timeout: float | None = None) -> None:
         """After a lost session (healthy is False): a new one. Call it on the
@@ -402,13 +374,13 @@ class RemoteManager:
         the bound thread. Returns at once when the session is up."""
         if self._closed:
             raise errors.FailedPrecondition("the manager is closed")
-        if self._broken is None:
+        if self._liveness.broken is None:
             return
-        if self._compute_thread not in (None, threading.get_ident()):
+        if not self._liveness.on_bound_thread():
             raise errors.FailedPrecondition("reconnect() belongs to the thread bound with bind_thread()")
         deadline = time.monotonic() + (self._timeout if timeout is None else float(timeout))
         with self._op_mu:
-            self._lost(self._broken)
+            self._lost(self._liveness.broken)
             backend, chunk_bytes, granularity = self.backend, self.chunk_bytes, self.granularity
             self._disconnect()
             try:
@@ -427,8 +399,7 @@ class RemoteManager:
             self._live.clear()
             self._rename_spaces(replies)
             self._epoch += 1
-            self._revoked = False
-            self._broken = None
+            self._liveness.renew()
             self.reconnects += 1
         log.info("reconnected to the vtm broker at %s: %d spaces rebuilt", self._address, len(self._spaces))
 
@@ -501,9 +472,8 @@ class RemoteManager:
             try:
                 fetched = self._fds.fetch(serials[start:start + MAX_FDS])
             except (OSError, ValueError) as exc:
-                self._broken = self._broken or errors.Unavailable(
-                    f"fetching chunk fds from the vtm broker failed: {exc}")
-                raise type(self._broken)(str(self._broken)) from None
+                raise self._liveness.lose(errors.Unavailable(
+                    f"fetching chunk fds from the vtm broker failed: {exc}")) from None
             try:
                 for serial, fd in fetched:
                     self._mapper.import_fd(serial, fd)
@@ -583,7 +553,7 @@ class RemoteManager:
         queued before it (its order would not show otherwise); False: ask
         the broker."""
         transport = self._transport
-        if (self._finished != self._submitted or self._broken is not None or transport is None
+        if (self._finished != self._submitted or self._liveness.broken is not None or transport is None
                 or not transport.maps_ahead):
             return False
         refills = self._map_ahead.grow(pairs, self)
@@ -734,8 +704,8 @@ class RemoteManager:
             return self._submit(run).result()
         if self._closed:
             raise errors.FailedPrecondition("the manager is closed")
-        if self._broken is not None:
-            raise type(self._broken)(str(self._broken))
+        if self._liveness.broken is not None:
+            raise self._liveness.error()
         return run()
 
     def check(self) -> None:

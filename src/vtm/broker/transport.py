@@ -17,8 +17,8 @@ the rows mapped for it; a growth gives the rows mapped for each vTensor. What
 a reply changed is mapped through the client (`_apply` for gRPC replies,
 `_apply_step_reply` for the step socket's), which owns the mapper and the
 vTensors' state; `_rpc` makes a gRPC call. A failure that leaves the
-connection's state unknown goes through `client._lose(error)`, which marks
-the session lost.
+connection's state unknown marks the session lost (`client._liveness`,
+liveness.py).
 """
 
 from __future__ import annotations
@@ -145,12 +145,13 @@ class StepTransport(Transport):
             # The broker's answer (InvalidArgument is a ValueError too);
             # Unavailable: it ended the session.
             if isinstance(exc, errors.Unavailable):
-                self._client._lose(exc)
+                self._client._liveness.lose(exc)
             raise
         except (OSError, ValueError) as exc:
             # Dead, hung or confused broker: the connection's state is
             # unknown from here on, like a gRPC call past its deadline.
-            raise self._client._lose(errors.Unavailable(f"the vtm broker did not answer {what}: {exc}")) from None
+            raise self._client._liveness.lose(
+                errors.Unavailable(f"the vtm broker did not answer {what}: {exc}")) from None
         return self._client._apply_step_reply(reply)
 
     def _ahead_or_exact(self, what: str, ahead_op: int, exact_op: int, keys, ahead, exact):
