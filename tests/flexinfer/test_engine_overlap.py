@@ -200,6 +200,14 @@ def _engine(folder, **kwargs):
     return Engine(folder, manager=_manager(), max_model_len=256, max_num_seqs=8, overlap=True, **kwargs)
 
 
+def _run(engine, seqs=()):
+    """Adds `seqs`, then steps until the engine is idle."""
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+
+
 def _vtensors(engine):
     return engine.manager.stats()["spaces"][engine.kv_cache.space.name]["vtensors"]
 
@@ -222,9 +230,7 @@ def test_a_finished_sequence_keeps_its_memory_until_the_step_in_flight_completes
     still writes A's pages)."""
     engine = _engine(tiny_gpu_folder)
     probe = Sequence(1, 0, 0, PROMPTS[1], _greedy(8), 0, ())
-    engine.add(probe)
-    while engine.has_work():
-        engine.step()
+    _run(engine, [probe])
     stop = probe.output_ids[2]
     engine.kv_cache.space.clear_prefixes()  # the next turn below can map only what A records
     a = Sequence(2, 1, 0, PROMPTS[1], _greedy(8, stop_token_ids=[stop]), 0, ())
@@ -243,8 +249,7 @@ def test_a_finished_sequence_keeps_its_memory_until_the_step_in_flight_completes
     assert a.pending == 0 and _vtensors(engine) == 2  # A's released, the next turn's created
     assert turn.metrics.prefix_hit_tokens == len(PROMPTS[1]) + len(a.output_ids)
     assert a.output_ids == probe.output_ids[:3]  # the discarded token was never emitted
-    while engine.has_work():
-        engine.step()
+    _run(engine)
     assert b.finish_reason == "length" and len(b.output_ids) == 12
     assert _vtensors(engine) == 0
     _close(engine)
@@ -264,8 +269,7 @@ def test_a_request_waiting_for_memory_that_a_step_in_flight_holds_is_admitted(ti
     assert a.pending and b.pending and x.status is Status.WAITING
     engine.abort(a)
     engine.abort(b)
-    while engine.has_work():
-        engine.step()
+    _run(engine)
     assert x.finish_reason == "length" and len(x.output_ids) == 10, x.error
     assert _vtensors(engine) == 0
     _close(engine)
@@ -318,10 +322,7 @@ def test_a_window_low_mark_keeps_what_the_step_in_flight_reads(tmp_path, save_wo
                     early.append((seq.id, target[1], seq.last_start))
         scheduler.manager = _WatchedSteps(scheduler.manager, check)
         seqs = [Sequence(i, i, 0, p, q, 0, ()) for i, (p, q) in enumerate(zip(prompts, params))]
-        for seq in seqs:
-            engine.add(seq)
-        while engine.has_work():
-            engine.step()
+        _run(engine, seqs)
         outputs[overlap] = [(s.finish_reason, s.output_ids) for s in seqs]
         assert marks[0] > 50 and early == [], early[:5]
         _close(engine)
@@ -342,8 +343,7 @@ def test_a_cancel_while_its_token_is_in_flight(tiny_gpu_folder):
     emitted = list(victim.output_ids)
     engine.abort(victim)
     assert victim.status is Status.FINISHED
-    while engine.has_work():
-        engine.step()
+    _run(engine)
     assert victim.output_ids == emitted and victim.pending == 0
     assert [len(s.output_ids) for s in (seqs[0], seqs[2])] == [10, 10]
     assert _vtensors(engine) == 0
@@ -401,18 +401,13 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_gpu_folder
         return forward(*args, **kwargs)
     engine.model.forward = failing_once
     seqs = [Sequence(i, i, 0, p, _greedy(8), 0, ()) for i, p in enumerate(PROMPTS[:3])]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
+    _run(engine, seqs)
     assert all(s.status is Status.FINISHED for s in seqs)
     assert {s.finish_reason for s in seqs} == {"error"}, [s.finish_reason for s in seqs]
     assert _vtensors(engine) == 0
     engine.manager.check()
     again = Sequence(9, 9, 0, PROMPTS[0], _greedy(8), 0, ())
-    engine.add(again)
-    while engine.has_work():
-        engine.step()
+    _run(engine, [again])
     assert again.finish_reason == "length" and len(again.output_ids) == 8
     _close(engine)
 
@@ -439,10 +434,7 @@ def test_a_row_of_nan_logits_fails_its_request_alone(tiny_gpu_folder, overlap):
             return logits
         engine.model.forward = nan_once
         seqs = [Sequence(i, i, 0, p, _greedy(10), 0, ()) for i, p in enumerate(PROMPTS[:3])]
-        for seq in seqs:
-            engine.add(seq)
-        while engine.has_work():
-            engine.step()
+        _run(engine, seqs)
         clean[faulty] = [(s.finish_reason, list(s.output_ids)) for s in seqs]
         if faulty:
             assert seqs[1].finish_reason == "error" and "NaN" in str(seqs[1].error)
