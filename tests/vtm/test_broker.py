@@ -80,9 +80,17 @@ def test_errors_map_to_the_in_process_exceptions(broker, fast_path):
             mgr.create_space(row_bytes=0, max_tokens=10, max_slots=1)
         with pytest.raises(vtm.InvalidArgument):
             space.create(-1)
+        # Past a frame's 64-bit word: refused at the call on both transports
+        # (the step socket's create raised struct.error through its future).
+        with pytest.raises(vtm.InvalidArgument):
+            space.create(1 << 64)
         with pytest.raises(vtm.InvalidArgument):
             space.create(101).result()
         vt = space.create(10).result()
+        with pytest.raises(vtm.InvalidArgument):
+            mgr.step({vt: 1 << 64})
+        with pytest.raises(vtm.InvalidArgument):
+            vt.extend(1 << 64)
         with pytest.raises(vtm.OutOfMemory, match="no free slot"):
             space.create(10).result()
         big = mgr.create_space(row_bytes=CHUNK, max_tokens=100, max_slots=1)

@@ -83,9 +83,11 @@ _PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): recon
 
 
 def _count(n, what: str) -> int:
+    """A count the broker's frames carry (an unsigned 64-bit word), checked
+    at the call: a bad one is refused before anything is queued."""
     n = int(n)
-    if n < 0:
-        raise errors.InvalidArgument(f"{what} must be >= 0, got {n}")
+    if not 0 <= n < 1 << 64:
+        raise errors.InvalidArgument(f"{what} must be >= 0 and < 2**64, got {n}")
     return n
 
 
@@ -271,7 +273,7 @@ class RemoteManager:
         this file), then says goodbye so the broker frees them now."""
         if not isinstance(error, errors.Unavailable) or self._liveness.broken is None:
             return
-        if not self._liveness.revoke(self._mapper.revoke, self._closed):
+        if not self._liveness.revoke(self._mapper.revoke, lambda: self._closed):
             return
         lease, self._lease = self._lease, None  # said once
         if lease is None:
@@ -567,10 +569,10 @@ class RemoteManager:
         """Runs on the worker: maps the pages ahead that MapAhead.grow asked
         for. A refused one is asked for by the step that needs its rows; no
         refill of it until a step of its reaches the broker."""
-        live = [(vt, want) for vt, want in refills if not vt._released]
-        for (vt, want), granted in zip(live, self._transport.refill(live)):
-            if granted:
+        def mapped(part):
+            for vt, want in part:
                 self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, want))
+        self._transport.refill([(vt, want) for vt, want in refills if not vt._released], mapped)
 
     def _unmap_first(self, vt: RemoteVTensor) -> None:
         """Unmaps a vTensor's pages here before the broker is asked to free

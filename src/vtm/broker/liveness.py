@@ -38,12 +38,13 @@ class Liveness:
     def lose(self, error: errors.Error) -> errors.Error:
         """The session is lost, by `error` unless it was already; returns
         the error to raise (the first one's kind and words)."""
-        self.broken = self.broken or error
-        return self.error()
+        broken = self.broken = self.broken or error
+        return type(broken)(str(broken))
 
     def error(self) -> errors.Error:
         """A new exception saying why the session was lost (it must be lost)."""
-        return type(self.broken)(str(self.broken))
+        broken = self.broken
+        return type(broken)(str(broken))
 
     def bind(self, before_revoke=None) -> None:
         """The calling thread computes on the memory: the revoke runs there.
@@ -58,15 +59,15 @@ class Liveness:
     def on_bound_thread(self) -> bool:
         return self._thread in (None, threading.get_ident())
 
-    def revoke(self, unmap, closed: bool) -> bool:
+    def revoke(self, unmap, closed) -> bool:
         """Runs `unmap` (after before_revoke) if this session's revoke is
-        due here: on the bound thread, once, and not after close. Returns
-        whether it ran now. A failure is logged: the session is gone either
-        way, and the caller is owed its own error."""
+        due here: on the bound thread, once, and not once `closed()`.
+        Returns whether it ran now. A failure is logged: the session is gone
+        either way, and the caller is owed its own error."""
         if not self.on_bound_thread():
             return False  # the bound thread revokes, at its own first error or in reconnect()
         with self._mu:
-            if self._revoked or closed:
+            if self._revoked or closed():
                 return False
             self._revoked = True
             try:

@@ -117,10 +117,10 @@ class StepTransport(Transport):
     def release(self, vt_id: int) -> None:
         self.call("release", step_channel.RELEASE, (vt_id, 0))
 
-    def refill(self, wants) -> list[bool]:
-        """Maps pages ahead, (vTensor, rows) each: whether each was granted
-        (the broker refuses them without free memory as it is)."""
-        granted = []
+    def refill(self, wants, mapped) -> None:
+        """Maps pages ahead, (vTensor, rows) each, in parts of a datagram;
+        `mapped(part)` as each part is granted (the broker refuses them
+        without free memory as it is)."""
         for start in range(0, len(wants), step_channel.MAX_PAIRS):
             part = wants[start:start + step_channel.MAX_PAIRS]
             try:
@@ -128,10 +128,8 @@ class StepTransport(Transport):
             except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
                 if not self._ahead_refused(exc):
                     raise
-                granted += [False] * len(part)
                 continue
-            granted += [True] * len(part)
-        return granted
+            mapped(part)
 
     def close(self) -> None:
         self._steps.close()
