@@ -161,6 +161,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reference) or flash_attn (CUDA, where flash-attn is installed)")
     p.add_argument("--threads", default="auto", type=_threads,
                    help="CPU compute threads: auto (measured while decoding) or a number")
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="launch each step before reading the one before it, so the GPU computes while the host "
+                        "plans and delivers (same outputs): auto is on for CUDA, off on a CPU")
     p.add_argument("--broker-wait", type=_number(0), default=BROKER_WAIT_S, metavar="S",
                    help="with --manager: how long requests wait for a vtm broker that went away to come back "
                         "(they resume by recompute) before they fail")
@@ -206,7 +209,8 @@ def _engine(args) -> LLM:
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
                attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
-               broker_wait_s=args.broker_wait, host_tier_bytes=host_tier, preemption=args.preemption)
+               broker_wait_s=args.broker_wait, host_tier_bytes=host_tier, preemption=args.preemption,
+               overlap=None if args.overlap == "auto" else args.overlap == "on")
 
 
 def _load(args) -> LLM:

@@ -229,6 +229,15 @@ def test_kv_capacity_is_rounded_up_to_whole_chunks(capsys, monkeypatch, tiny):
     assert capsys.readouterr().out.count("\n") == 1
 
 
+@pytest.mark.parametrize("flag, overlap", [([], None), (["--overlap", "on"], True), (["--overlap", "off"], False)])
+def test_overlap_flag_reaches_the_engine(capsys, monkeypatch, tiny, flag, overlap):
+    """--overlap: auto leaves the engine's default (on for CUDA), on and off force it."""
+    recorder = Recorder()
+    monkeypatch.setattr(cli, "LLM", recorder)
+    assert main(["generate", *tiny_args(tiny), *flag, "--prompt", "hi", "--max-tokens", "2"]) == 0
+    assert recorder.options[0]["overlap"] is overlap
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -243,6 +252,7 @@ def test_kv_capacity_is_rounded_up_to_whole_chunks(capsys, monkeypatch, tiny):
     (["generate", "--prompt", "hi", "--top-p", "0"], "argument --top-p: expected a number in (0, 1]"),
     (["generate", "--prompt", "hi", "--top-k", "-2"], "argument --top-k: expected an integer >= 0"),
     (["generate", "--prompt", "hi", "--threads", "0"], "argument --threads"),
+    (["generate", "--prompt", "hi", "--overlap", "maybe"], "argument --overlap: invalid choice: 'maybe'"),
     (["bench", "--batch", "0"], "argument --batch"),
     (["generate", "--prompt", "hello \udcff\udcfe"], "argument --prompt: not valid UTF-8 (byte 0xff at offset 6)"),
     (["chat", "--system", "\udcc3"], "argument --system: not valid UTF-8 (byte 0xc3 at offset 0)"),
