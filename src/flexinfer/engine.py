@@ -437,7 +437,6 @@ class Engine:
             rows = logits if len(ready_rows) == len(plan) else logits.index_select(
                 0, self._to_device(long_tensor(ready_rows)))
             step.tokens, step.feed = self._sample(rows, ready)
-            step.chosen_on_host = isinstance(step.tokens, list)
             for row, seq in enumerate(ready):
                 seq.add_pending(row)
         if self.device.type == "cuda":
@@ -472,7 +471,7 @@ class Engine:
         try:
             if step.done is not None:
                 step.done.synchronize()
-            tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.tolist()
+            tokens = step.tokens if step.chosen_on_host else step.tokens.tolist()
         except Exception as exc:  # noqa: BLE001 - the step failed on the device: its requests fail
             log.exception("reading a step's tokens failed; failing its %d requests", len(step.seqs))
             tokens = [exc] * len(step.seqs)
@@ -520,9 +519,9 @@ class Engine:
         """One token per row: (tokens, feed). Greedy rows are chosen on the
         device: tokens a host tensor the device fills, feed the choice as
         the next step's input ids on the device (see greedy_tokens: None on
-        a CPU). Otherwise the host chooses (tokens a list, feed None). What sampling needs of the batch's
-        parameters is gathered once per batch of sequences (_SampledBatch),
-        not per step."""
+        a CPU). Otherwise the host chooses (tokens a list, feed None). What
+        sampling needs of the batch's parameters is gathered once per batch
+        of sequences (_SampledBatch), not per step."""
         facts = self._sampled_batch
         if facts is None or facts.seqs != ready:
             facts = self._sampled_batch = _SampledBatch(ready)
@@ -582,7 +581,7 @@ class _Step:
     input ids. `number` is the step's in the scheduler (its sequences'
     vTensors are released only after it completes)."""
 
-    __slots__ = ("number", "seqs", "tokens", "feed", "done", "chosen_on_host")
+    __slots__ = ("number", "seqs", "tokens", "feed", "done")
 
     def __init__(self, number: int, seqs: list[Sequence]):
         self.number = number
@@ -590,7 +589,10 @@ class _Step:
         self.tokens: list | torch.Tensor = []
         self.feed: torch.Tensor | None = None
         self.done = None
-        self.chosen_on_host = False
+
+    @property
+    def chosen_on_host(self) -> bool:
+        return isinstance(self.tokens, list)
 
     def next_inputs(self) -> torch.Tensor:
         if self.feed is None:  # chosen on a CPU: NON_FINITE must not reach the embedding

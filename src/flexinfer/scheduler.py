@@ -41,9 +41,9 @@ cancelled sequence's release waits for that (its prefix is recorded at once:
 vtm orders the record's copies after the kernels queued), and so do a
 window's low marks (planned from the start of the step in flight); a
 preemption, or an admission that finds no memory while some waits to be
-released, first waits for the device (`wait_for_device`, the engine's). A running sequence whose pending token is
-its last (max_tokens) is not planned again: no token is computed to be
-thrown away.
+released, first waits for the device (`wait_for_device`, the engine's). A
+running sequence whose pending token is its last (max_tokens) is not
+planned again: no token is computed to be thrown away.
 """
 
 from __future__ import annotations

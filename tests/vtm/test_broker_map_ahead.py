@@ -70,18 +70,29 @@ def test_a_create_maps_ahead_too_and_a_batched_step_decides_each_vtensor(broker)
         mgr.check()
 
 
-def test_a_client_with_a_limit_maps_exactly_and_fits_what_it_fit_before(tmp_path):
+@pytest.mark.parametrize("limited", ["at-connect", "while-connected"])
+def test_a_client_with_a_limit_maps_exactly_and_fits_what_it_fit_before(tmp_path, limited):
     """Pages ahead are given back only with their vTensor: under a limit
     they would refuse an allocation that fits without them (4 one-page
-    vTensors under a 4-page limit), so a client with a limit maps none."""
-    quota = tmp_path / "quotas.toml"
-    quota.write_text(f'[clients."tight"]\nlimit_bytes = {4 * CHUNK}\n')
-    b = BrokerProcess(tmp_path, capacity_chunks=16, extra_args=["--quota-file", str(quota)])
+    vTensors under a 4-page limit), so a client with a limit maps none.
+    A limit the operator sets after the client connected: the broker
+    refuses its pages ahead from then on, and it maps exactly too."""
+    from vtm.broker import ctl
+
+    extra = []
+    if limited == "at-connect":
+        quota = tmp_path / "quotas.toml"
+        quota.write_text(f'[clients."tight"]\nlimit_bytes = {4 * CHUNK}\n')
+        extra = ["--quota-file", str(quota)]
+    b = BrokerProcess(tmp_path, capacity_chunks=16, extra_args=extra)
     try:
         with vtm.connect(b.address, name="tight", map_ahead_pages=2) as mgr:
+            if limited == "while-connected":
+                assert ctl.main(["--address", b.address, "set-quota", "tight", "--limit", str(4 * CHUNK)]) == 0
             space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
             vts = [space.create(10).result() for _ in range(4)]
             assert [vt.mapped_bytes for vt in vts] == [CHUNK] * 4
+            mgr.step({vts[0]: 60}).result()  # inside its page: fine
             with pytest.raises(vtm.OutOfMemory, match="limited"):
                 mgr.step({vts[0]: 70}).result()  # a fifth page
             for vt in vts:
@@ -136,27 +147,6 @@ def test_pages_ahead_take_free_memory_only_and_never_evict_a_cached_prefix(broke
         assert match.num_tokens == len(tokens)
         for v in (match.vtensor, mine, held):
             v.release().result()
-
-
-def test_a_limit_set_while_connected_stops_mapping_ahead(tmp_path):
-    """The operator limits the client after it connected: the broker refuses
-    its pages ahead from then on, and it maps exactly (4 one-page vTensors
-    fit a 4-page limit)."""
-    from vtm.broker import ctl
-
-    b = BrokerProcess(tmp_path, capacity_chunks=16)
-    try:
-        with vtm.connect(b.address, name="tight", map_ahead_pages=2) as mgr:
-            assert ctl.main(["--address", b.address, "set-quota", "tight", "--limit", str(4 * CHUNK)]) == 0
-            space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
-            vts = [space.create(10).result() for _ in range(4)]
-            assert [vt.mapped_bytes for vt in vts] == [CHUNK] * 4
-            mgr.step({vts[0]: 60}).result()  # inside its page: fine
-            for vt in vts:
-                vt.release().result()
-            mgr.check()
-    finally:
-        b.kill()
 
 
 def test_a_record_past_the_rows_the_vtensor_holds_is_refused_as_without_map_ahead(broker):
