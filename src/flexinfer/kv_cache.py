@@ -32,6 +32,8 @@ import vtm
 from flexinfer.errors import InvalidArgument
 from flexinfer.model.config import ModelConfig
 
+NO_LIMIT = 1 << 62  # a token count no sequence reaches
+
 
 class KVCache:
     def __init__(self, manager: vtm.Manager, config: ModelConfig, dtype: torch.dtype, max_tokens: int,
@@ -69,7 +71,9 @@ class KVCache:
                 self.kv[layer] = rows[:, :, index]
                 self.k[layer] = rows[:, :, index, 0]
                 self.v[layer] = rows[:, :, index, 1]
-        self._has_window = any(self.windows)
+        self.has_window = any(self.windows)
+        self._chunk_bytes = manager.chunk_bytes
+        self._layouts = [(space.row_bytes, window) for space, window in zip(self.spaces, self.windows)]
         # The same views as [slot, kv_head, token, head_dim], the layout attention takes.
         self.k_heads = [k.permute(0, 2, 1, 3) for k in self.k]
         self.v_heads = [v.permute(0, 2, 1, 3) for v in self.v]
@@ -108,10 +112,30 @@ class KVCache:
         of the sequence that may still run, so on CUDA no kernel still reads
         an unmapped page. Without a window group a target is the token
         count alone, built in one pass for the batch."""
-        if not self._has_window:
+        if not self.has_window:
             return {vt: tokens for vtensors, tokens, _ in entries for vt in vtensors}
         return {vt: (tokens, max(0, start - window + 1)) if window else tokens
                 for vtensors, tokens, start in entries for vt, window in zip(vtensors, self.windows)}
+
+    def limits(self, tokens: int, start: int) -> tuple[int, int]:
+        """What a step leaves mapped, for the scheduler to skip the steps that
+        would change nothing: after the vTensors of a sequence cover `tokens`
+        rows, with low marks raised for queries from `start`, (the rows their
+        mapped pages hold in every group; the first query start at which a
+        window group's low mark would unmap one more page, NO_LIMIT without a
+        window group). A step whose target stays within both maps and unmaps
+        nothing: vtm would only advance the vTensor's token count."""
+        chunk, hold, unmap = self._chunk_bytes, NO_LIMIT, NO_LIMIT
+        for row_bytes, window in self._layouts:
+            pages = -(-tokens * row_bytes // chunk)
+            hold = min(hold, pages * chunk // row_bytes)
+            if window:
+                # Pages wholly below the low mark are unmapped; the next one
+                # goes once the mark reaches its end.
+                low = max(0, start - window + 1)
+                next_low = -(-(low * row_bytes // chunk + 1) * chunk // row_bytes)
+                unmap = min(unmap, next_low + window - 1)
+        return hold, unmap
 
     def create(self, tokens: int = 0) -> list[vtm.VTensor]:
         """A vTensor covering `tokens` rows in every group (all or none). The

@@ -4,7 +4,10 @@ Each step: await the pre-extend submitted last step; plan a batch under a
 token budget (running sequences first, one token each when decoding, then
 prompt chunks of newly admitted ones); make sure every planned sequence's
 vTensor covers the tokens it is about to write; then submit the *next*
-step's extend before the model runs, so mapping overlaps compute.
+step's extend before the model runs, so mapping overlaps compute. Only the
+steps that map or unmap a page go to vtm (a page holds many tokens: most
+decode steps need none); vtm's token count of a vTensor then lags, and is
+raised before the vTensor is recorded (a record may cover no more).
 
 New request: `prefix_match` (a hit maps the recorded chunks), else
 `create`. Out of memory: vtm first evicts prefix-tree leaves itself; if it
@@ -84,7 +87,7 @@ class Scheduler:
         self.swap = swap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._pending = None  # (future, {seq: tokens}) of the pre-extend for this step
+        self._pending = None  # (future, {seq: (tokens, start)}) of the pre-extend for this step
         self._background: list = []  # prefix_record futures, checked as they complete
         self._unreleased: list = []  # vTensors whose release failed, retried each step
         # Steps the engine launched (numbered from 1) and the last one known
@@ -166,9 +169,9 @@ class Scheduler:
             future.result()
         except vtm.Error:
             return  # the synchronous path retries: it preempts, or fails only what fails again
-        for seq, tokens in targets.items():
+        for seq, (tokens, start) in targets.items():
             if seq.vtensors:
-                seq.extended = max(seq.extended, tokens)
+                self._stepped(seq, tokens, start)
 
     def _ensure(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Map what `plan` writes, preempting until it fits; returns the surviving plan."""
@@ -176,7 +179,7 @@ class Scheduler:
             # Also extend where pages are mapped but the vTensor's token count
             # lags (after a prefix hit, or a pre-extend that ran out of
             # memory): prefix_record may only cover tokens the vTensor holds.
-            need = {s: s.num_cached + n for s, n in plan if s.extended < s.num_cached + n}
+            need = self._with_starts({s: s.num_cached + n for s, n in plan if s.map_limit < s.num_cached + n})
             if not need:
                 return plan
             try:
@@ -204,15 +207,15 @@ class Scheduler:
                 self._ensure_each(need)
                 plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
                 continue
-            for s, t in need.items():
-                s.extended = t
+            for seq, (tokens, start) in need.items():
+                self._stepped(seq, tokens, start)
 
-    def _ensure_each(self, need: dict[Sequence, int]) -> None:
+    def _ensure_each(self, need: dict[Sequence, tuple[int, int]]) -> None:
         """After a batched map failed: map each sequence alone and fail those
         whose own map fails again (out of memory is left to _ensure's loop)."""
-        for seq, tokens in need.items():
+        for seq, (tokens, start) in need.items():
             try:
-                self.manager.step(self._targets({seq: tokens})).result()
+                self.manager.step(self._targets({seq: (tokens, start)})).result()
             except vtm.OutOfMemory:
                 continue  # _ensure's loop preempts for it
             except vtm.Unavailable:
@@ -220,14 +223,32 @@ class Scheduler:
             except vtm.Error as exc:
                 self._fail(seq, exc)
                 continue
-            seq.extended = tokens
+            self._stepped(seq, tokens, start)
 
-    def _targets(self, need: dict[Sequence, int]) -> dict:
+    def _with_starts(self, wanted: dict[Sequence, int]) -> dict[Sequence, tuple[int, int]]:
+        """(tokens, start) per sequence: the first query row a window's low
+        mark may rise to. It stays below what a step in flight still reads."""
+        return {seq: (tokens, self._low_start(seq)) for seq, tokens in wanted.items()}
+
+    def _low_start(self, seq: Sequence) -> int:
+        return seq.last_start if self._in_use(seq) else seq.num_cached
+
+    def _targets(self, need: dict[Sequence, tuple[int, int]]) -> dict:
         """One step target per vTensor (one per layer group) of each
         sequence, for the step about to run (see KVCache.targets)."""
-        # A window's low mark stays below what a step in flight still reads.
-        return self.kv.targets((seq.vtensors, tokens, seq.last_start if self._in_use(seq) else seq.num_cached)
-                               for seq, tokens in need.items())
+        return self.kv.targets((seq.vtensors, tokens, start) for seq, (tokens, start) in need.items())
+
+    def _stepped(self, seq: Sequence, tokens: int, start: int) -> None:
+        """vtm completed a step of `seq` to `tokens`, low marks from `start`."""
+        seq.extended = max(seq.extended, tokens)
+        seq.map_limit, seq.unmap_at = self.kv.limits(seq.extended, start)
+
+    def _count_to(self, seq: Sequence, tokens: int) -> None:
+        """Raise vtm's token count of `seq`'s vTensors to `tokens` (their
+        pages hold them): the steps that mapped nothing were not sent."""
+        if seq.extended < tokens:
+            self.manager.step({vt: tokens for vt in seq.vtensors}).result()
+            seq.extended = tokens
 
     def _victim(self) -> Sequence | None:
         """The lowest-priority (largest value), latest-arrived running sequence."""
@@ -334,7 +355,7 @@ class Scheduler:
         # after the kernels queued so far (vtm's fence), and a caller told
         # its request is done may ask for the next turn at once.
         if record and seq.num_cached > 0:
-            self._record(seq.vtensors, seq.token_ids[: seq.num_cached])
+            self._record(seq, seq.token_ids[: seq.num_cached])
         if self._in_use(seq):
             # A step in flight still reads or writes these pages.
             self._retiring.append((seq.last_step, seq.vtensors))
@@ -342,9 +363,10 @@ class Scheduler:
             self._release(seq.vtensors)
         seq.reset_cache_state()
 
-    def _record(self, vtensors: list, token_ids: list[int]) -> None:
+    def _record(self, seq: Sequence, token_ids: list[int]) -> None:
         try:
-            self._background += self.kv.record(vtensors, token_ids)
+            self._count_to(seq, len(token_ids))
+            self._background += self.kv.record(seq.vtensors, token_ids)
         except vtm.Error as exc:  # refused at submission: a fence the device would not record, a lost broker
             self._record_failed(exc)
 
@@ -391,6 +413,8 @@ class Scheduler:
                     seq.vtensors = vtensors
                     seq.num_cached = matched
                     seq.extended = matched
+                    # A window group's low mark after a match is vtm's: the next step sets it.
+                    seq.map_limit, seq.unmap_at = self.kv.limits(matched, matched)[0], 0
                     seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens,
                                                         min(matched, len(seq.prompt_ids)))
                     self.prefix_hit_tokens += min(matched, len(seq.prompt_ids))
@@ -464,8 +488,14 @@ class Scheduler:
         # Pre-extend: map what the next step will write while this one computes.
         # Submitted for every sequence, mapped or not: it also advances the
         # vTensor's token count, which prefix_record relies on.
+        # Only where it maps or unmaps a page: a step within both limits would
+        # only advance vtm's token count, which a record raises first instead.
         most = self.kv.max_tokens
-        ahead = {s: min(s.num_cached + n + 1, most) for s, n in plan}
+        ahead = self._with_starts({s: t for s, n in plan if (t := min(s.num_cached + n + 1, most)) > s.map_limit})
+        if self.kv.has_window:
+            for seq, n in plan:
+                if seq not in ahead and (start := self._low_start(seq)) >= seq.unmap_at:
+                    ahead[seq] = (min(seq.num_cached + n + 1, most), start)
         if ahead:
             self._pending = (self.manager.step(self._targets(ahead)), ahead)
         return plan
@@ -473,7 +503,7 @@ class Scheduler:
     def after_prefill(self, seq: Sequence) -> None:
         """The prompt's KV is complete: make it matchable (n > 1 siblings, shared prompts)."""
         if self.prefix_caching and not seq.prompt_recorded:
-            self._record(seq.vtensors, seq.prompt_ids)
+            self._record(seq, seq.prompt_ids)
         seq.prompt_recorded = True
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -43,9 +43,12 @@ class Sequence:
     """Token state and cache state of one sample.
 
     `num_cached` tokens of `token_ids` have their KV in `vtensors`; the next
-    forward computes tokens from there. `extended` is the vTensor's token
-    count in vtm: its pages cover that many tokens, and prefix_record may
-    cover no more.
+    forward computes tokens from there. `extended` is the vTensors' token
+    count in vtm: their pages cover that many tokens, and prefix_record may
+    cover no more. `map_limit` is how many rows their mapped pages hold, and
+    `unmap_at` the query start from which a window group could unmap a page
+    (KVCache.limits): the scheduler sends vtm a step only where one of the
+    two is crossed, and raises `extended` before a record.
 
     `pending` tokens (0 to 2) were sampled by steps the host has not read
     yet (the engine overlaps a step with the next one's preparation, see
@@ -75,6 +78,10 @@ class Sequence:
         self.slots: tuple[int, ...] = ()
         self.num_cached = 0
         self.extended = 0
+        self.map_limit = 0
+        self.unmap_at = 0
+        self.map_limit = 0
+        self.unmap_at = 0
         self.pending = 0
         self.feed_row = 0
         self.last_step = 0
@@ -138,3 +145,5 @@ class Sequence:
         self.slots = ()
         self.num_cached = 0
         self.extended = 0
+        self.map_limit = 0
+        self.unmap_at = 0

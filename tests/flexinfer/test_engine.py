@@ -154,6 +154,44 @@ def tiny_llama(tiny):
     return tiny["llama"]
 
 
+class _CountedSteps:
+    """A manager whose step() calls are counted (the scheduler's)."""
+
+    def __init__(self, manager):
+        self._manager, self.steps = manager, 0
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+    def step(self, targets):
+        self.steps += 1
+        return self._manager.step(targets)
+
+
+def test_decode_steps_that_map_no_page_are_not_sent_to_vtm(tiny_llama):
+    """A page holds 8 tiny rows: a request of 5 + 40 tokens crosses 6 pages,
+    so only a few of its 40 steps map anything. Those are the only ones sent
+    to vtm (each used to be: a host round trip per step, through vtmd a
+    broker's). vtm's token count then lags; it is raised before the finished
+    request is recorded, so its next turn maps all of it. Outputs equal
+    transformers'."""
+    folder, oracle = tiny_llama
+    manager = small_manager(64)
+    llm = LLM(folder, manager=manager)
+    counted = llm.scheduler.manager = _CountedSteps(manager)
+    prompt = random_prompts([5], seed=23)[0]
+    out = run(llm, [prompt], greedy(40))
+    assert_greedy_equal(oracle, [prompt], out, 40)
+    assert counted.steps <= 8, counted.steps  # 6 pages mapped (some ahead), one count raised for the record
+    follow_up = prompt + out[0].token_ids + [5, 6, 7]
+    again = run(llm, [follow_up], greedy(2))
+    assert again[0].metrics.prefix_hit_tokens == len(prompt) + 40 - 1  # all but the last token, never computed
+    assert_greedy_equal(oracle, [follow_up], again, 2)
+    assert_all_memory_returned(llm)
+    llm.close()
+    manager.close()
+
+
 # ----------------------------------------------------------------------------- SmolLM2
 
 SMOLLM2_TEXTS = [

@@ -324,7 +324,7 @@ def test_a_window_low_mark_keeps_what_the_step_in_flight_reads(tmp_path, save_wo
         seqs = [Sequence(i, i, 0, p, q, 0, ()) for i, (p, q) in enumerate(zip(prompts, params))]
         _run(engine, seqs)
         outputs[overlap] = [(s.finish_reason, s.output_ids) for s in seqs]
-        assert marks[0] > 50 and early == [], early[:5]
+        assert marks[0] > 15 and early == [], early[:5]  # only steps that map or unmap go to vtm
         _close(engine)
     assert outputs[True] == outputs[False]
 
