@@ -107,6 +107,8 @@ class Engine:
         self._keeps_sink = False
         self._sampled_batch = None  # the last sampled batch's _SampledBatch (holds its sequences until the next)
         self._in_flight: _Step | None = None  # launched, its tokens not read yet (overlap)
+        self._last_launched: _Step | None = None  # the last step launched (in flight or read)
+        self._batch: ForwardBatch | None = None  # the last forward pass's (the next decode step advances it)
         try:
             # This thread (the engine loop's) computes on the memory: a broker
             # client revokes a lost session's mappings here, once the steps
@@ -338,6 +340,7 @@ class Engine:
         # The launched step is in flight before the one before it is read:
         # should reading raise, it is still there to be read.
         previous, self._in_flight = self._in_flight, launched
+        self._last_launched = launched
         done = [] if previous is None else self._resolve(previous)
         # Read at once: without overlap; tokens the host chose already;
         # nothing but discarded tokens (the last requests stopped).
@@ -400,18 +403,16 @@ class Engine:
         counts = [n for _, n in plan]
         starts = [seq.num_cached for seq in seqs]
         decode_batch = len(plan) if counts.count(1) == len(counts) else None
-        # A pending token (a sequence's only token in this step, at its
-        # num_cached) is read from the device, where the step before chose it.
-        ids, fed = [], []
-        for seq, start, n in zip(seqs, starts, counts):
-            if seq.pending:
-                fed.append((len(ids), seq.feed_row))
-                ids.append(0)
-            elif n == 1:
-                ids.append(seq.token_at(start))
-            else:
-                ids.extend(seq.tokens_between(start, start + n))
-        input_ids = self._input_ids(ids, fed)
+        previous = self._last_launched
+        # The sequences the step before sampled decode on, one token each:
+        # all of them end this step with a token to sample.
+        continuing = decode_batch is not None and previous is not None and previous.seqs == seqs
+        if continuing and not previous.chosen_on_host:
+            # Each one's input is the token the step before chose at its
+            # row, as it lies on the device (pending, or read already).
+            input_ids = previous.next_inputs()
+        else:
+            input_ids = self._input_ids(seqs, starts, counts)
         number = self.scheduler.launched(seqs)
         if self.thread_tuner is not None:
             self.thread_tuner.before_step(decode_batch)
@@ -420,21 +421,26 @@ class Engine:
         if self.graphs is not None and decode_batch and self.graphs.bucket_for(decode_batch):
             logits = self.graphs.run(input_ids, slots, starts)
         else:
-            batch = ForwardBatch.build(slots, starts, counts, self.device)
+            batch = self._batch = ForwardBatch.build(slots, starts, counts, self.device, self._batch)
             logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
         if self.thread_tuner is not None:
             self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)
-        ready_rows, ready = [], []
-        for row, seq in enumerate(seqs):
-            seq.num_cached += counts[row]
-            if seq.num_cached == seq.num_tokens:  # not in the middle of a chunked prompt
-                if not seq.prompt_recorded:
-                    self.scheduler.after_prefill(seq)
-                ready_rows.append(row)
-                ready.append(seq)
+        if continuing:
+            for seq in seqs:
+                seq.num_cached += 1
+            ready_rows, ready = None, seqs
+        else:
+            ready_rows, ready = [], []
+            for row, (seq, n) in enumerate(plan):
+                seq.num_cached += n
+                if seq.num_cached == seq.num_tokens:  # not in the middle of a chunked prompt
+                    if not seq.prompt_recorded:
+                        self.scheduler.after_prefill(seq)
+                    ready_rows.append(row)
+                    ready.append(seq)
         step = _Step(number, ready)
         if ready:
-            rows = logits if len(ready_rows) == len(plan) else logits.index_select(
+            rows = logits if len(ready) == len(plan) else logits.index_select(
                 0, self._to_device(long_tensor(ready_rows)))
             step.tokens, step.feed = self._sample(rows, ready)
             for row, seq in enumerate(ready):
@@ -444,14 +450,23 @@ class Engine:
             step.done.record()
         return step
 
-    def _input_ids(self, ids: list[int], fed: list[tuple[int, int]]) -> torch.Tensor:
-        """The step's input ids on the device: `ids`, where each (position,
-        row) of `fed` takes the in-flight step's token at that row."""
+    def _input_ids(self, seqs: list[Sequence], starts: list[int], counts: list[int]) -> torch.Tensor:
+        """The step's input ids on the device: each sequence's tokens from
+        its start. A pending token (a sequence's only token in this step, at
+        its num_cached) is read from the device, where the step in flight
+        chose it."""
+        ids, fed = [], []
+        for seq, start, n in zip(seqs, starts, counts):
+            if seq.pending:
+                fed.append((len(ids), seq.feed_row))
+                ids.append(0)
+            elif n == 1:
+                ids.append(seq.token_at(start))
+            else:
+                ids.extend(seq.tokens_between(start, start + n))
         if not fed:
             return self._to_device(long_tensor(ids))
         feed = self._in_flight.next_inputs()
-        if len(fed) == len(ids) == feed.shape[0] and all(p == r for p, r in fed):
-            return feed  # decoding the same batch: the previous choices, as they are
         n, k = len(ids), len(fed)
         packed = self._to_device(long_tensor(ids + [p for p, _ in fed] + [r for _, r in fed]))
         input_ids = packed[:n]
@@ -468,33 +483,33 @@ class Engine:
     def _resolve(self, step: "_Step") -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device if it has
         not finished), then deliver them: stop checks, outputs, releases."""
+        # Host sampling reports a row's failure as its exception instead of a token.
+        may_fail = step.chosen_on_host
         try:
             if step.done is not None:
                 step.done.synchronize()
             tokens = step.tokens if step.chosen_on_host else step.tokens.tolist()
         except Exception as exc:  # noqa: BLE001 - the step failed on the device: its requests fail
             log.exception("reading a step's tokens failed; failing its %d requests", len(step.seqs))
-            tokens = [exc] * len(step.seqs)
+            tokens, may_fail = [exc] * len(step.seqs), True
         self.scheduler.completed(step.number)
         now = time.perf_counter()
         changed = []
+        # Once per sequence per step: the common token costs resolve_pending
+        # alone. (Status.FINISHED is read once: an enum member costs ~60 ns a read.)
+        finished = Status.FINISHED
         for seq, token in zip(step.seqs, tokens):
-            if seq.status is Status.FINISHED:  # cancelled, or stopped at the token before
+            if seq.status is finished:  # cancelled, or stopped at the token before
                 seq.discard_pending()
                 continue
             changed.append(seq)
-            if isinstance(token, Exception):
+            if token == NON_FINITE or (may_fail and isinstance(token, Exception)):
                 seq.discard_pending()
-                self.abort(seq, "error", _engine_error("sampling failed", token))
+                self.abort(seq, "error", _engine_error("sampling failed", token) if isinstance(token, Exception)
+                           else EngineError("the model produced NaN or infinite logits for this request"))
                 continue
-            if token == NON_FINITE:
-                seq.discard_pending()
-                self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
+            if not seq.resolve_pending(token, now):
                 continue
-            seq.resolve_pending(token)
-            metrics = seq.metrics
-            if metrics.first_token_s is None:
-                metrics.first_token_s = now
             try:
                 reason = self._stop_reason(seq, token)
             except Exception as exc:  # noqa: BLE001 - a bug: this request fails alone
@@ -502,7 +517,7 @@ class Engine:
                 self.abort(seq, "error", _engine_error("checking the stop conditions failed", exc))
                 continue
             if reason is not None:
-                metrics.finish_s = now
+                seq.metrics.finish_s = now
                 self.scheduler.finish(seq, reason)
         return changed
 
@@ -548,10 +563,6 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         output_tokens = seq.metrics.output_tokens
-        # Only a stop token, a stop string or the length can end it: the
-        # common decode step returns here.
-        if token not in seq.stop_ids and not seq.params.stop and output_tokens < seq.params.max_tokens:
-            return None
         may_stop = output_tokens >= seq.params.min_tokens
         if may_stop and token in seq.stop_ids:
             return "stop"

@@ -173,13 +173,12 @@ class Scheduler:
             if seq.vtensors:
                 self._stepped(seq, tokens, start)
 
-    def _ensure(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """Map what `plan` writes, preempting until it fits; returns the surviving plan."""
+    def _ensure(self, plan: list[tuple[Sequence, int]], late: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Map what `plan` writes, preempting until it fits; returns the
+        surviving plan. `late`: the entries of `plan` that may need a page."""
         while True:
-            # Also extend where pages are mapped but the vTensor's token count
-            # lags (after a prefix hit, or a pre-extend that ran out of
-            # memory): prefix_record may only cover tokens the vTensor holds.
-            need = self._with_starts({s: s.num_cached + n for s, n in plan if s.map_limit < s.num_cached + n})
+            need = self._with_starts({s: s.num_cached + n for s, n in late
+                                      if s.map_limit < s.num_cached + n and s.status is Status.RUNNING})
             if not need:
                 return plan
             try:
@@ -465,14 +464,22 @@ class Scheduler:
         reclaimed = self._answer_reclaim()
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
+        # Of the plan, those whose next step or the one after needs a page
+        # mapped: the only ones the mapping below looks at. Per sequence per
+        # step, this loop is the scheduler's whole cost of a decode step.
+        late: list[tuple[Sequence, int]] = []
         for seq in self.running:
             if budget == 0:
                 break
             if seq.pending and seq.pending_is_last:
                 continue  # it ends when its pending token is read: nothing left to compute
-            n = min(seq.num_tokens - seq.num_cached, budget)
+            n = seq.num_tokens - seq.num_cached
+            if n > budget:
+                n = budget
             plan.append((seq, n))
             budget -= n
+            if seq.num_cached + n >= seq.map_limit:
+                late.append((seq, n))
         while budget > 0 and len(self.running) < self.max_num_seqs and not reclaimed:
             seq = next((s for s in self.waiting if self._admissible(s)), None)
             if seq is None:
@@ -483,15 +490,16 @@ class Scheduler:
                 break
             n = min(seq.num_tokens - seq.num_cached, budget)
             plan.append((seq, n))
+            late.append((seq, n))
             budget -= n
-        plan = self._ensure(plan)
-        # Pre-extend: map what the next step will write while this one computes.
-        # Submitted for every sequence, mapped or not: it also advances the
-        # vTensor's token count, which prefix_record relies on.
-        # Only where it maps or unmaps a page: a step within both limits would
-        # only advance vtm's token count, which a record raises first instead.
+        plan = self._ensure(plan, late)
+        # Pre-extend: map what the next step will write while this one
+        # computes. Only where it maps or unmaps a page: a step within both
+        # limits would only advance vtm's token count, which a record raises
+        # first instead (_count_to).
         most = self.kv.max_tokens
-        ahead = self._with_starts({s: t for s, n in plan if (t := min(s.num_cached + n + 1, most)) > s.map_limit})
+        ahead = self._with_starts({s: t for s, n in late if s.status is Status.RUNNING
+                                   and (t := min(s.num_cached + n + 1, most)) > s.map_limit})
         if self.kv.has_window:
             for seq, n in plan:
                 if seq not in ahead and (start := self._low_start(seq)) >= seq.unmap_at:

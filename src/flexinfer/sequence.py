@@ -93,6 +93,9 @@ class Sequence:
         self.error: Exception | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        # Read per sequence every step (resolve_pending): attributes of its own.
+        self.max_tokens = params.max_tokens
+        self.has_stop_strings = bool(params.stop)
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -121,7 +124,7 @@ class Sequence:
     def pending_is_last(self) -> bool:
         """A token is pending and it is the last one max_tokens allows: no
         later step needs to compute anything for this sequence."""
-        return self.pending > 0 and len(self.output_ids) + self.pending >= self.params.max_tokens
+        return self.pending > 0 and len(self.output_ids) + self.pending >= self.max_tokens
 
     def add_pending(self, feed_row: int) -> None:
         """A step sampled a token for this sequence, still on the device at row `feed_row`."""
@@ -129,11 +132,19 @@ class Sequence:
         self.num_tokens += 1
         self.feed_row = feed_row
 
-    def resolve_pending(self, token: int) -> None:
-        """The oldest pending token, read back; the only way output_ids grows."""
+    def resolve_pending(self, token: int, now: float) -> bool:
+        """The oldest pending token, read back at `now`; the only way
+        output_ids grows. Returns whether the token may end the sequence (a
+        stop id, a stop string to look for, or max_tokens): the stop checks
+        proper (Engine._stop_reason) run for those only."""
         self.pending -= 1
-        self.output_ids.append(token)
-        self.metrics.output_tokens = len(self.output_ids)
+        output = self.output_ids
+        output.append(token)
+        metrics = self.metrics
+        count = metrics.output_tokens = len(output)
+        if metrics.first_token_s is None:
+            metrics.first_token_s = now
+        return token in self.stop_ids or self.has_stop_strings or count >= self.max_tokens
 
     def discard_pending(self) -> None:
         """The oldest pending token is dropped (the sequence ended before it)."""

@@ -293,7 +293,43 @@ DECODE_SCHEDULE = [[1, 1, 1]] * 4 + [[6, 1, 3], [1, 1, 1], [1, 9, 1]]
     ([], [], []),
 ])
 def test_forward_batch_vectors_follow_their_definition(slots, starts, new_lens):
-    batch = ForwardBatch.build(slots, starts, new_lens, torch.device("cpu"))
+    _assert_batch_vectors(ForwardBatch.build(slots, starts, new_lens, torch.device("cpu")), slots, starts, new_lens)
+
+
+def test_a_decode_batch_advanced_from_the_one_before_follows_the_definition():
+    """A step that decodes the same sequences one row further takes the step
+    before's vectors, advanced (no per-int packing); any other change (a
+    sequence in or out, another slot, a start that moved otherwise, a
+    prompt chunk, an idle row) builds them again. Either way every vector is
+    what its definition says."""
+    rng = random.Random(31)
+    previous, advanced = None, 0
+    slots, starts, new_lens = [(2, 5), (0, 1), (7, 3)], [4, 9, 0], [1, 1, 1]
+    for _ in range(300):
+        batch = ForwardBatch.build(slots, starts, new_lens, torch.device("cpu"), previous)
+        _assert_batch_vectors(batch, slots, starts, new_lens)
+        if previous is not None and batch.slot_vector[0] is previous.slot_vector[0]:
+            advanced += 1
+        previous = batch
+        starts = [s + n for s, n in zip(starts, new_lens)]
+        change = rng.random()
+        if change < 0.6:
+            new_lens = [1] * len(starts)
+        elif change < 0.7:
+            new_lens = [rng.choice([0, 1, 2, 5]) for _ in starts]
+        elif change < 0.8 and len(slots) > 1:
+            del slots[0], starts[0], new_lens[0]
+        elif change < 0.9:
+            slots = slots + [(rng.randrange(16), rng.randrange(16))]
+            starts, new_lens = starts + [rng.randrange(20)], [1] * (len(starts) + 1)
+        else:
+            i = rng.randrange(len(slots))
+            slots = slots[:i] + [(rng.randrange(16), rng.randrange(16))] + slots[i + 1:]
+            starts[i] = rng.randrange(1, 30)
+    assert advanced > 100
+
+
+def _assert_batch_vectors(batch, slots, starts, new_lens):
     per_seq = [(s,) if isinstance(s, int) else s for s in slots]
     offsets = [0]
     for n in new_lens:

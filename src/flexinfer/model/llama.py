@@ -71,29 +71,54 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int32: starts + new_lens
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: offsets of each sequence's tokens in the flat batch
     max_q_len: int
+    seq_slots: list | None = None  # a copy of the `slots` build() was given
 
     @staticmethod
-    def build(slots, starts: list[int], new_lens: list[int], device: torch.device) -> "ForwardBatch":
-        """`slots`: per sequence, its slot (an int) or its slot in each layer group (a tuple)."""
-        per_seq = [(s,) if isinstance(s, int) else tuple(s) for s in slots]
+    def build(slots, starts: list[int], new_lens: list[int], device: torch.device,
+              previous: "ForwardBatch | None" = None) -> "ForwardBatch":
+        """`slots`: per sequence, its slot (an int) or its slot in each layer
+        group (a tuple). `previous`: the batch of the step before. When this
+        one decodes the same sequences one row further, its vectors are that
+        batch's, advanced on the device: packing them costs ~30 ns per int,
+        about 120 µs a step at batch 256, and on CUDA a copy."""
+        if (previous is not None and previous.is_decode and new_lens.count(1) == len(new_lens) == len(starts)
+                and slots == previous.seq_slots and starts == [s + 1 for s in previous.starts]):
+            return ForwardBatch(previous.slots, starts, new_lens, previous.slot_index, previous.positions + 1,
+                                previous.last_index, previous.slot_vector, previous.seq_lens + 1,
+                                previous.cu_seqlens_q, 1, list(slots))
+        per_seq = slots if all(type(s) is tuple for s in slots) else [
+            (s,) if isinstance(s, int) else tuple(s) for s in slots]
         groups = [list(column) for column in zip(*per_seq)] if per_seq else [[]]
         b = len(new_lens)
-        offsets = [0]
-        for n in new_lens:
-            offsets.append(offsets[-1] + n)
-        t = offsets[-1]
-        if new_lens.count(1) == b:  # a decode step: one token per sequence, nothing to expand
-            flat_slots = [slot for group in groups for slot in group]
-            positions = list(starts)
-        else:
-            flat_slots = [slot for group in groups for slot, n in zip(group, new_lens) for _ in range(n)]
-            positions = [p for start, n in zip(starts, new_lens) for p in range(start, start + n)]
-        # Every vector in one host tensor, then one copy to the device (a
+        # Every vector in one host buffer, then one copy to the device (a
         # step must not pay a transfer per vector on CUDA), and the int32
         # ones converted in one call. From pinned memory: a copy from
         # pageable memory would wait for the steps queued before it.
-        packed = long_tensor(flat_slots + positions + [o - 1 for o in offsets[1:]] + [s for g in groups for s in g]
-                             + [s + n for s, n in zip(starts, new_lens)] + offsets)
+        packed = array("q")
+        if new_lens.count(1) == b:  # a decode step: one token per sequence, nothing to expand
+            t = b
+            for group in groups:
+                packed.extend(group)  # slot_index
+            packed.extend(starts)  # positions
+            packed.extend(range(b))  # last_index
+            for group in groups:
+                packed.extend(group)  # slot_vector
+            packed.extend([s + 1 for s in starts])  # seq_lens
+            packed.extend(range(b + 1))  # cu_seqlens_q
+        else:
+            offsets = [0]
+            for n in new_lens:
+                offsets.append(offsets[-1] + n)
+            t = offsets[-1]
+            for group in groups:
+                packed.extend([slot for slot, n in zip(group, new_lens) for _ in range(n)])
+            packed.extend([p for start, n in zip(starts, new_lens) for p in range(start, start + n)])
+            packed.extend([o - 1 for o in offsets[1:]])
+            for group in groups:
+                packed.extend(group)
+            packed.extend([s + n for s, n in zip(starts, new_lens)])
+            packed.extend(offsets)
+        packed = torch.frombuffer(packed, dtype=torch.long) if packed else torch.empty(0, dtype=torch.long)
         device = torch.device(device)
         packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
         g = len(groups)
@@ -104,11 +129,11 @@ class ForwardBatch:
         slot_vector = [ints[i * b:(i + 1) * b] for i in range(g)]
         at = g * b
         return ForwardBatch(groups, starts, new_lens, slot_index, positions_t, last_index, slot_vector,
-                            ints[at:at + b], ints[at + b:], max(new_lens, default=0))
+                            ints[at:at + b], ints[at + b:], max(new_lens, default=0), list(slots))
 
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.new_lens)
+        return self.new_lens.count(1) == len(self.new_lens)  # every sequence computes one token
 
 
 def _triton_available() -> bool:
