@@ -107,7 +107,7 @@ class Engine:
         self._keeps_sink = False
         self._sampled_batch = None  # the last sampled batch's _SampledBatch (holds its sequences until the next)
         self._in_flight: _Step | None = None  # launched, its tokens not read yet (overlap)
-        self._last_launched: _Step | None = None  # the last step launched (in flight or read)
+        self._last_launched: _Step | None = None  # the last step() call's launch, if it launched one
         self._batch: ForwardBatch | None = None  # the last forward pass's (the next decode step advances it)
         try:
             # This thread (the engine loop's) computes on the memory: a broker
@@ -219,9 +219,14 @@ class Engine:
         self.scheduler.settle_steps()
 
     def drain(self) -> None:
-        """Wait for every queued memory operation (when the engine goes idle)."""
+        """Wait for every queued memory operation (when the engine goes idle),
+        and hold no finished batch (its sequences, its vectors) while idle."""
         self._finish_in_flight()
         self.scheduler.drain()
+        self._forget_batches()
+
+    def _forget_batches(self) -> None:
+        self._last_launched = self._batch = self._sampled_batch = None
 
     def _kv_budget(self) -> KVBudget:
         """What one request's KV can ever take: the pool, or with vtm.connect
@@ -257,6 +262,7 @@ class Engine:
             self._finish_in_flight()
         except Exception:  # the device failing: the KV space goes all the same
             log.exception("reading the last step at close failed")
+        self._forget_batches()
         self.graphs = None
         try:
             self.kv_cache.release(self._sink)
@@ -289,6 +295,9 @@ class Engine:
         its own sequence. A broker that went away is a preemption: the
         running sequences wait, and resume by recompute once the engine has
         reconnected (see _recover)."""
+        # The step before, for a decode batch that continues it (_launch);
+        # any step that launches nothing (a lost session, a failure) forgets it.
+        previous_launch, self._last_launched = self._last_launched, None
         if not self.manager.healthy:
             done = self._finish_in_flight()
             self._recover()
@@ -326,7 +335,7 @@ class Engine:
         launched = None
         if plan:
             try:
-                launched = self._launch(plan)
+                launched = self._launch(plan, previous_launch)
             except Exception as exc:
                 log.exception("a step failed; failing its %d requests", len(plan))
                 broken = [seq for seq, _ in plan if seq.status is not Status.FINISHED]
@@ -396,14 +405,15 @@ class Engine:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, self.graphs.buckets[-1],
                                        [vt.slot for vt in self._sink])
 
-    def _launch(self, plan: list[tuple[Sequence, int]]) -> "_Step":
+    def _launch(self, plan: list[tuple[Sequence, int]], previous: "_Step | None") -> "_Step":
         """Queue the forward pass of `plan` and the choice of its tokens on
-        the device; the tokens become pending in their sequences."""
+        the device; the tokens become pending in their sequences. `previous`:
+        the step launched by the engine's step() call before this one, if it
+        launched one."""
         seqs = [seq for seq, _ in plan]
         counts = [n for _, n in plan]
         starts = [seq.num_cached for seq in seqs]
         decode_batch = len(plan) if counts.count(1) == len(counts) else None
-        previous = self._last_launched
         # The sequences the step before sampled decode on, one token each:
         # all of them end this step with a token to sample.
         continuing = decode_batch is not None and previous is not None and previous.seqs == seqs

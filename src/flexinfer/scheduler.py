@@ -181,6 +181,14 @@ class Scheduler:
                                       if s.map_limit < s.num_cached + n and s.status is Status.RUNNING})
             if not need:
                 return plan
+            if self.kv.has_window:
+                # Low marks due go with it: the pages they unmap are the first
+                # this step's mapping takes (the pre-extend that carried them
+                # may have run out of memory), before anything is evicted.
+                for seq, n in plan:
+                    if seq not in need and seq.status is Status.RUNNING and (
+                            start := self._low_start(seq)) >= seq.unmap_at:
+                        need[seq] = (seq.num_cached + n, start)
             try:
                 self.manager.step(self._targets(need)).result()
             except vtm.OutOfMemory as exc:
@@ -244,9 +252,12 @@ class Scheduler:
 
     def _count_to(self, seq: Sequence, tokens: int) -> None:
         """Raise vtm's token count of `seq`'s vTensors to `tokens` (their
-        pages hold them): the steps that mapped nothing were not sent."""
+        pages hold them): the steps that mapped nothing were not sent. Not
+        waited for: vtm runs a vTensor's operations in submission order (a
+        broker client too), so the record submitted next finds the count
+        raised; should this step fail, that record fails and is counted."""
         if seq.extended < tokens:
-            self.manager.step({vt: tokens for vt in seq.vtensors}).result()
+            self.manager.step({vt: tokens for vt in seq.vtensors})
             seq.extended = tokens
 
     def _victim(self) -> Sequence | None:

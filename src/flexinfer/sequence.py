@@ -80,8 +80,6 @@ class Sequence:
         self.extended = 0
         self.map_limit = 0
         self.unmap_at = 0
-        self.map_limit = 0
-        self.unmap_at = 0
         self.pending = 0
         self.feed_row = 0
         self.last_step = 0

@@ -98,6 +98,41 @@ def test_one_failed_backend_call_fails_at_most_its_own_requests(tiny_gpu_folder,
     manager.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_session_lost_between_decode_steps_recomputes_exactly(tiny_gpu_folder, overlap):
+    """The session is lost (vtm.Unavailable while planning) as a request
+    decodes, one token a step (max_batch_tokens=1): it resumes by computing
+    its tokens again, one a step, the same sequence as before. That must not
+    pass for a decode continuing the step before the loss: the engine fed
+    that step's token at a prompt row and sampled a token there."""
+    prompt = [1, 17, 99, 23, 250, 7]
+
+    def run(lose_at):
+        manager = _manager(faults=False)
+        engine = Engine(tiny_gpu_folder, manager=manager, max_model_len=256, max_num_seqs=8, max_batch_tokens=1,
+                        enable_prefix_caching=False, overlap=overlap)
+        seq = Sequence(1, 0, 0, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), 0, ())
+        engine.add(seq)
+        schedule, steps = engine.scheduler.schedule, 0
+
+        def lost():
+            engine.scheduler.schedule = schedule
+            raise vtm.Unavailable("the broker went away (simulated)")
+        while engine.has_work():
+            steps += 1
+            if steps == lose_at:
+                engine.scheduler.schedule = lost
+            engine.step()
+        engine.drain()
+        engine.close()
+        manager.close()
+        return seq.finish_reason, seq.output_ids, seq.metrics.preemptions
+
+    reason, tokens, _ = run(None)
+    assert (reason, len(tokens)) == ("length", 12)
+    assert run(len(prompt) + 4) == (reason, tokens, 1)
+
+
 def test_a_failed_background_record_does_not_wedge_the_engine(tiny_gpu_folder, expected):
     """Finding 2: a prefix_record whose copy failed stayed in the scheduler's
     background list, and drain() / the next step re-raised its error forever."""
