@@ -462,6 +462,37 @@ def test_a_lowered_limit_drops_that_accounts_prefixes_at_once(backend, make_mana
     assert 7 not in mgr.stats()["host_tier_accounts"]
 
 
+def test_an_account_is_forgotten_only_when_no_space_and_no_prefix_uses_it(backend, make_manager):
+    """forget_host_tier_accounts (a broker's way to bound its per-name
+    accounts) forgets an account, and erases its limit, only when no open
+    space records into it and no prefix, on the device or the host, is
+    charged to it; 0 never; a bad number is refused and forgets nothing."""
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=4 * chunk)
+    row = chunk // 20 + 7
+    recorder = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns", tier_account=1)
+    other = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns", tier_account=2)
+    for account in (1, 2, 3):
+        mgr.set_host_tier_limit(account, 4 * chunk)
+    with pytest.raises(vtm.InvalidArgument, match="tier_account"):
+        mgr.forget_host_tier_accounts([3, 1 << 32])
+    assert sorted(mgr.stats()["host_tier_accounts"]) == [1, 2, 3]
+    assert mgr.forget_host_tier_accounts([0, 1, 2, 3, 3]) == [3]  # 1 and 2 have open spaces
+    io = RowIO(recorder, backend)
+    tokens = list(range(40))
+    record(recorder, io, tokens)
+    recorder.close()
+    assert mgr.forget_host_tier_accounts([1, 2]) == []  # 1's prefix is in the tree, on the device
+    fill_pool(other)
+    assert on_host(other), "the prefix spilled to the host"
+    assert mgr.forget_host_tier_accounts([1]) == []  # and on the host now
+    assert sorted(mgr.stats()["host_tier_accounts"]) == [1, 2]
+    other.clear_prefixes()
+    assert mgr.forget_host_tier_accounts([1, 2]) == [1]
+    assert sorted(mgr.stats()["host_tier_accounts"]) == [2]
+    mgr.check()
+
+
 def test_bad_tier_accounts_and_limits_are_refused(backend, make_manager):
     chunk = chunk_for(backend)
     mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=4 * chunk)
@@ -637,6 +668,56 @@ def test_through_vtmd_a_client_names_host_tier_limit_keeps_its_spills_off_anothe
             assert "tier MiB" in capsys.readouterr().out
             assert {c["name"]: c for c in ma.stats()["clients"]}["a"]["host_tier_limit_bytes"] == 0
             ma.check()
+    finally:
+        b.kill()
+
+
+def test_vtmd_forgets_the_tier_accounts_of_names_that_hold_nothing(tmp_path, backend):
+    """vtmd keeps a host-tier account per client name. It used to keep each
+    for its life: clients under ever new names grew the broker's memory
+    without bound. Now a name no session has and no prefix is charged to is
+    forgotten, and its account's number reused. A name whose prefix stays in
+    the tree keeps its account through the churn, and its spilled bytes are
+    charged to it, not to a name given a reused number."""
+    from broker_testing import CHUNK as BROKER_CHUNK
+    from broker_testing import ROW, BrokerProcess
+
+    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
+    n = 2 * chunk // row  # two pages of tokens
+    pages = -(-n * row // chunk)
+    quota_file = tmp_path / "quotas.toml"
+    quota_file.write_text(f"[default]\nhost_tier_limit_bytes = {4 * pages * chunk}\n")
+    b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=chunk, backend=backend,
+                      extra_args=["--host-tier-bytes", str(8 * pages * chunk), "--quota-file", str(quota_file),
+                                  "--max-sessions", "4"])
+    kept = [10000 + i for i in range(n)]
+    try:
+        with vtm.connect(b.address, name="keeper") as keeper:
+            space = keeper.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="ns")
+            vt = space.create(n).result()
+            space.prefix_record(vt, kept).result()
+            vt.release().result()
+            with vtm.connect(b.address, name="watcher") as watcher:
+                watching = watcher.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="ns")
+                for i in range(24):
+                    with vtm.connect(b.address, name=f"passer-{i}") as passer:
+                        passer.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace=f"own-{i}")
+                        assert passer.stats()["tier_accounts"] <= 8, i
+                keeper.close()
+                # The keeper's prefix outlived its session: charged to it, it spills to its account.
+                with vtm.connect(b.address, name="last") as last:
+                    last.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="own-last")
+                    fill_pool(watching)
+                    with vtm.connect(b.address, name="keeper") as again:
+                        again.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace="ns")
+                        clients = {c["name"]: c for c in again.stats()["clients"]}
+                    assert clients["keeper"]["host_tier_bytes"] == pages * chunk, clients
+                    assert clients["last"]["host_tier_bytes"] == clients["watcher"]["host_tier_bytes"] == 0
+                    assert clients["keeper"]["host_tier_limit_bytes"] == 4 * pages * chunk
+                    m = watching.prefix_match(kept + [7]).result()
+                    assert m.num_tokens == m.restored_tokens == n
+                    m.vtensor.release().result()
+                    watcher.check()
     finally:
         b.kill()
 

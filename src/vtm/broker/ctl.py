@@ -82,7 +82,7 @@ def _tier(stats: dict) -> list[str]:
     return [f"host tier: {_mib(stats['host_tier_used_bytes'])} of {_mib(stats['host_tier_capacity_bytes'])} MiB "
             f"({stats['host_tier_nodes']} nodes); spills {stats['spills_total']}, restores "
             f"{stats['restores_total']}, dropped {stats['host_tier_drops_total']}, failed spills "
-            f"{stats['spill_failures_total']}"]
+            f"{stats['spill_failures_total']}; accounts of {stats.get('tier_accounts', 0)} client names"]
 
 
 # The terminal's alternate screen (as `top` and `less` use): entered, each frame

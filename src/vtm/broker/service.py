@@ -20,7 +20,10 @@ What a client can make the broker hold is bounded: at most max_sessions
 sessions (Hello beyond is RESOURCE_EXHAUSTED), at most MAX_SPACES spaces a
 session, and page tables (slots x pages a slot) of at most
 TABLE_ENTRIES_PER_CHUNK entries per chunk of the pool's capacity a session;
-a closed space leaves nothing behind (the manager erases it).
+a closed space leaves nothing behind (the manager erases it). The host
+tier's per-name accounts are forgotten once no session has the name and no
+prefix is charged to it (_forget_idle_accounts), so clients that connect
+under ever new names do not grow them either.
 
 Invariants:
   * sessions holds every session not CLOSED, by lease; a session is removed
@@ -95,8 +98,14 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._sessions: dict[str, Session] = {}
         self._next_client = 1
         # The host tier charges the prefixes a client records to its name's
-        # account (quota.py): name -> account, for the broker's life.
+        # account (quota.py): name -> account, while a session has the name
+        # or a prefix is charged to it. Numbers of forgotten accounts are
+        # reused; the idle ones are looked for once the accounts reach
+        # _sweep_at (see _forget_idle_accounts).
         self._tier_accounts: dict[str, int] = {}
+        self._free_accounts: list[int] = []
+        self._next_account = 1
+        self._sweep_at = max_sessions
         self._tier_mu = threading.Lock()  # orders the host-tier limits given to the manager
         self._has_tier = manager.stats()["host_tier_capacity_bytes"] > 0
         self._stopping = False
@@ -418,11 +427,52 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         the last quota stored."""
         with self._tier_mu:
             with self._mu:
-                account = self._tier_accounts.setdefault(name, len(self._tier_accounts) + 1)
+                account = self._tier_accounts.get(name)
+                sweep = account is None and len(self._tier_accounts) >= self._sweep_at
+            if sweep:
+                self._forget_idle_accounts()
+            with self._mu:
+                account = self._tier_accounts.get(name)
+                if account is None:
+                    if self._free_accounts:
+                        account = self._free_accounts.pop()
+                    else:
+                        account, self._next_account = self._next_account, self._next_account + 1
+                    self._tier_accounts[name] = account
                 limit = self.quotas.offered(name).host_tier_limit_bytes
             if self._has_tier:
                 self.manager.set_host_tier_limit(account, limit)
             return account
+
+    def _forget_idle_accounts(self) -> None:
+        """Forgets the accounts of the names no session has and the manager
+        finds unused (no open space records into them, no prefix is charged
+        to them: nothing can charge them again), and frees their numbers.
+        Under _tier_mu. A walk over every prefix tree: it runs when a new
+        account would reach _sweep_at, which then doubles what survives (at
+        least max_sessions), so the walks stay few per new name however
+        many names keep prefixes."""
+        with self._mu:
+            live = {s.name for s in self._sessions.values()}
+            idle = {name: account for name, account in self._tier_accounts.items() if name not in live}
+        forgotten = set(self.manager.forget_host_tier_accounts(list(idle.values()))) if idle else set()
+        revived = []
+        with self._mu:
+            live = {s.name for s in self._sessions.values()}
+            for name, account in idle.items():
+                if account not in forgotten:
+                    continue
+                if name in live:
+                    # A session of the name came meanwhile, and may record
+                    # into the account already: it stays, its limit again.
+                    revived.append((account, self.quotas.offered(name).host_tier_limit_bytes))
+                    continue
+                del self._tier_accounts[name]
+                self._free_accounts.append(account)
+            self._sweep_at = max(self.max_sessions, 2 * len(self._tier_accounts))
+        if self._has_tier:
+            for account, limit in revived:
+                self.manager.set_host_tier_limit(account, limit)
 
     def _table_entries(self, row_bytes: int, max_tokens: int, max_slots: int) -> int:
         pages_per_slot = -(-row_bytes * max_tokens // self._chunk_bytes)
@@ -655,6 +705,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         def body(_):
             stats = self.manager.stats()
             stats["clients"] = self.clients(stats.pop("host_tier_accounts"))
+            with self._mu:
+                stats["tier_accounts"] = len(self._tier_accounts)
             return vtm_pb2.StatsReply(json=json.dumps(stats))
         return self._run(context, body, session_required=False)
 
