@@ -6,6 +6,8 @@ misplaced bytes fails the test; and by Manager.check() after every step."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -462,11 +464,11 @@ def test_a_lowered_limit_drops_that_accounts_prefixes_at_once(backend, make_mana
     assert 7 not in mgr.stats()["host_tier_accounts"]
 
 
-def test_an_account_is_forgotten_only_when_no_space_and_no_prefix_uses_it(backend, make_manager):
-    """forget_host_tier_accounts (a broker's way to bound its per-name
-    accounts) forgets an account, and erases its limit, only when no open
-    space records into it and no prefix, on the device or the host, is
-    charged to it; 0 never; a bad number is refused and forgets nothing."""
+def test_an_account_is_unused_only_when_no_space_and_no_prefix_uses_it(backend, make_manager):
+    """unused_host_tier_accounts (a broker's way to bound its per-name
+    accounts) names an account only when no open space records into it and
+    no prefix, on the device or the host, is charged to it; never 0, each
+    once; a bad number is refused. It changes nothing (limits stay)."""
     chunk = chunk_for(backend)
     mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=4 * chunk)
     row = chunk // 20 + 7
@@ -475,21 +477,70 @@ def test_an_account_is_forgotten_only_when_no_space_and_no_prefix_uses_it(backen
     for account in (1, 2, 3):
         mgr.set_host_tier_limit(account, 4 * chunk)
     with pytest.raises(vtm.InvalidArgument, match="tier_account"):
-        mgr.forget_host_tier_accounts([3, 1 << 32])
-    assert sorted(mgr.stats()["host_tier_accounts"]) == [1, 2, 3]
-    assert mgr.forget_host_tier_accounts([0, 1, 2, 3, 3]) == [3]  # 1 and 2 have open spaces
+        mgr.unused_host_tier_accounts([3, 1 << 32])
+    assert mgr.unused_host_tier_accounts([0, 1, 2, 3, 3, 4]) == [3, 4]  # 1 and 2 have open spaces
     io = RowIO(recorder, backend)
-    tokens = list(range(40))
-    record(recorder, io, tokens)
+    record(recorder, io, list(range(40)))
     recorder.close()
-    assert mgr.forget_host_tier_accounts([1, 2]) == []  # 1's prefix is in the tree, on the device
+    assert mgr.unused_host_tier_accounts([1, 2]) == []  # 1's prefix is in the tree, on the device
     fill_pool(other)
     assert on_host(other), "the prefix spilled to the host"
-    assert mgr.forget_host_tier_accounts([1]) == []  # and on the host now
-    assert sorted(mgr.stats()["host_tier_accounts"]) == [1, 2]
+    assert mgr.unused_host_tier_accounts([1]) == []  # and on the host now
     other.clear_prefixes()
-    assert mgr.forget_host_tier_accounts([1, 2]) == [1]
-    assert sorted(mgr.stats()["host_tier_accounts"]) == [2]
+    assert mgr.unused_host_tier_accounts([1, 2]) == [1]
+    assert sorted(mgr.stats()["host_tier_accounts"]) == [1, 2, 3]
+    mgr.check()
+
+
+def test_vtmd_keeps_an_account_a_session_took_while_it_looked_for_idle_ones(backend, make_manager):
+    """vtmd looks for idle accounts in a walk of the trees, not under its
+    own lock. A session of an idle name that comes, records a prefix and
+    goes while the walk runs has charged the account the walk found unused:
+    it must stay that name's, with its limit, not be freed and given to the
+    next new name (which would then carry the prefix's bytes)."""
+    from vtm.broker.quota import Quota, Quotas
+    from vtm.broker.service import BrokerService
+
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=8 * chunk)
+    row = chunk // 20 + 7
+    watcher = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns")
+
+    class Walking:
+        def __init__(self, manager):
+            self._manager = manager
+
+        def __getattr__(self, name):
+            return getattr(self._manager, name)
+
+        def unused_host_tier_accounts(self, accounts):
+            unused = self._manager.unused_host_tier_accounts(accounts)
+            session = SimpleNamespace(name="k", lease="k-lease")
+            with service._mu:
+                service._sessions[session.lease] = session  # Hello
+            with service._tier_account("k") as account:  # CreateSpace
+                space = self._manager.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns",
+                                                   tier_account=account)
+            record(space, RowIO(space, backend), list(range(40)))
+            with service._mu:
+                del service._sessions[session.lease]  # goodbye
+            space.close()
+            return unused
+
+    quotas = Quotas(mgr.capacity_bytes, default=Quota(host_tier_limit_bytes=4 * chunk))
+    service = BrokerService(Walking(mgr), backend, 0, "", None, quotas, max_sessions=2)
+    try:
+        with service._tier_account("k") as k, service._tier_account("x"):
+            pass
+        service._apply_tier_limit("n")  # a third name: the walk, with k's whole session in it
+        assert service._tier_accounts == {"k": k, "n": service._tier_accounts["n"]}
+        fill_pool(watcher)  # k's prefix spills, charged to k's account
+        accounts = mgr.stats()["host_tier_accounts"]
+        assert accounts[k] == {"used_bytes": 3 * chunk, "limit_bytes": 4 * chunk}, accounts
+        m = service._apply_tier_limit("m")
+        assert m != k and mgr.stats()["host_tier_accounts"][m]["used_bytes"] == 0
+    finally:
+        service.close_all()
     mgr.check()
 
 
@@ -702,7 +753,8 @@ def test_vtmd_forgets_the_tier_accounts_of_names_that_hold_nothing(tmp_path, bac
                 for i in range(24):
                     with vtm.connect(b.address, name=f"passer-{i}") as passer:
                         passer.create_space(row_bytes=row, max_tokens=4096, max_slots=8, namespace=f"own-{i}")
-                        assert passer.stats()["tier_accounts"] <= 8, i
+                        # At most max(--max-sessions, twice the 3 names in use) before a walk.
+                        assert passer.stats()["tier_accounts"] <= 6, i
                 keeper.close()
                 # The keeper's prefix outlived its session: charged to it, it spills to its account.
                 with vtm.connect(b.address, name="last") as last:

@@ -37,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -106,6 +107,11 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._free_accounts: list[int] = []
         self._next_account = 1
         self._sweep_at = max_sessions
+        # Names whose account a space is being created with (count), and
+        # names whose account was taken since a sweep began: neither is
+        # forgotten by that sweep.
+        self._tier_users: dict[str, int] = {}
+        self._tier_touched: set[str] = set()
         self._tier_mu = threading.Lock()  # orders the host-tier limits given to the manager
         self._has_tier = manager.stats()["host_tier_capacity_bytes"] > 0
         self._stopping = False
@@ -410,29 +416,40 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         finally:
             self.policy.unreserve(session)
 
-    def _tier_account(self, name: str) -> int:
-        """The host-tier account of the clients named `name`, made on first
-        use with the operator's host_tier_limit_bytes for the name."""
+    @contextlib.contextmanager
+    def _tier_account(self, name: str):
+        """The host-tier account of the clients named `name` (made on first
+        use with the operator's host_tier_limit_bytes for the name), kept
+        from being forgotten until the block, which creates a space with it,
+        ends."""
         with self._mu:
+            self._tier_users[name] = self._tier_users.get(name, 0) + 1
+            self._tier_touched.add(name)
             account = self._tier_accounts.get(name)
-        if account is None:
-            account = self._apply_tier_limit(name)
-        return account
+        try:
+            yield account if account is not None else self._apply_tier_limit(name)
+        finally:
+            with self._mu:
+                self._tier_users[name] -= 1
+                if not self._tier_users[name]:
+                    del self._tier_users[name]
 
-    def _apply_tier_limit(self, name: str) -> int:
+    def _apply_tier_limit(self, name: str, make: bool = True) -> int | None:
         """Gives the manager the operator's host-tier limit of `name` (making
-        its account if needed); returns the account. Not under _mu: the
-        manager's lock may be held through a long copy meanwhile, and every
-        RPC needs _mu. _tier_mu orders the calls, so the last one applies
-        the last quota stored."""
+        its account if needed, unless `make` is False); returns the account.
+        Not under _mu: the manager's lock may be held through a long copy
+        meanwhile, and every RPC needs _mu. _tier_mu orders the calls, so
+        the last one applies the last quota stored."""
         with self._tier_mu:
             with self._mu:
                 account = self._tier_accounts.get(name)
-                sweep = account is None and len(self._tier_accounts) >= self._sweep_at
+                sweep = account is None and make and len(self._tier_accounts) >= self._sweep_at
             if sweep:
                 self._forget_idle_accounts()
             with self._mu:
                 account = self._tier_accounts.get(name)
+                if account is None and not make:
+                    return None
                 if account is None:
                     if self._free_accounts:
                         account = self._free_accounts.pop()
@@ -447,32 +464,32 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def _forget_idle_accounts(self) -> None:
         """Forgets the accounts of the names no session has and the manager
         finds unused (no open space records into them, no prefix is charged
-        to them: nothing can charge them again), and frees their numbers.
-        Under _tier_mu. A walk over every prefix tree: it runs when a new
-        account would reach _sweep_at, which then doubles what survives (at
-        least max_sessions), so the walks stay few per new name however
-        many names keep prefixes."""
+        to them: nothing can charge them again), erases their limits and
+        frees their numbers. Under _tier_mu, which every new account and
+        limit takes too. A name whose account was taken since the walk began
+        (_tier_touched: a session that came, and maybe went, may have charged
+        it), or is being taken (_tier_users), is kept. The walk goes over
+        every prefix tree: it runs when a new account would reach
+        _sweep_at, which then doubles what survives (at least
+        max_sessions), so the walks stay few per new name however many
+        names keep prefixes."""
         with self._mu:
-            live = {s.name for s in self._sessions.values()}
-            idle = {name: account for name, account in self._tier_accounts.items() if name not in live}
-        forgotten = set(self.manager.forget_host_tier_accounts(list(idle.values()))) if idle else set()
-        revived = []
+            self._tier_touched.clear()
+            busy = {s.name for s in self._sessions.values()} | self._tier_users.keys()
+            idle = {name: account for name, account in self._tier_accounts.items() if name not in busy}
+        unused = set(self.manager.unused_host_tier_accounts(list(idle.values()))) if idle else set()
         with self._mu:
-            live = {s.name for s in self._sessions.values()}
-            for name, account in idle.items():
-                if account not in forgotten:
-                    continue
-                if name in live:
-                    # A session of the name came meanwhile, and may record
-                    # into the account already: it stays, its limit again.
-                    revived.append((account, self.quotas.offered(name).host_tier_limit_bytes))
-                    continue
+            busy = {s.name for s in self._sessions.values()} | self._tier_users.keys() | self._tier_touched
+            gone = {name: account for name, account in idle.items() if account in unused and name not in busy}
+            for name in gone:
                 del self._tier_accounts[name]
-                self._free_accounts.append(account)
+            freed = list(gone.values())
             self._sweep_at = max(self.max_sessions, 2 * len(self._tier_accounts))
         if self._has_tier:
-            for account, limit in revived:
-                self.manager.set_host_tier_limit(account, limit)
+            for account in freed:
+                self.manager.set_host_tier_limit(account, 0)  # 0 erases it
+        with self._mu:
+            self._free_accounts += freed
 
     def _table_entries(self, row_bytes: int, max_tokens: int, max_slots: int) -> int:
         pages_per_slot = -(-row_bytes * max_tokens // self._chunk_bytes)
@@ -529,10 +546,12 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 raise vtm.OutOfMemory(f"this client's spaces would need page tables of "
                                       f"{session.table_entries + entries} entries, more than the "
                                       f"{self._table_budget} a client may hold; close a space first")
-            space = self.manager.create_space(row_bytes, max_tokens, max_slots, namespace=request.namespace or None,
-                                              name=f"c{session.client_id}/{name}",
-                                              window_tokens=_count(request.window_tokens, "window_tokens"),
-                                              tier_account=self._tier_account(session.name))
+            window_tokens = _count(request.window_tokens, "window_tokens")
+            with self._tier_account(session.name) as account:
+                space = self.manager.create_space(row_bytes, max_tokens, max_slots,
+                                                  namespace=request.namespace or None,
+                                                  name=f"c{session.client_id}/{name}", window_tokens=window_tokens,
+                                                  tier_account=account)
             session.next_space += 1
             session.spaces[space.id] = space
             session.space_names[space.id] = name
@@ -738,9 +757,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 self.quotas.store(name, quota)
                 for session, granted in grants.items():
                     session.grant(granted)
-                tiered = name in self._tier_accounts
-            if tiered and "host_tier_limit_bytes" in fields:
-                self._apply_tier_limit(name)
+            if "host_tier_limit_bytes" in fields:
+                self._apply_tier_limit(name, make=False)  # a name without an account gets it when it makes one
             for session in matching:
                 if session.limit_bytes and session.state == LIVE:
                     # Over a lowered limit: ask for the excess, as for a

@@ -550,16 +550,16 @@ PYBIND11_MODULE(_core, m) {
           "(rounded down to whole chunks; 0: no limit but the tier's). Lowering it drops that account's "
           "least recently used prefixes on the host now.")
       .def(
-          "forget_host_tier_accounts",
+          "unused_host_tier_accounts",
           [](const std::shared_ptr<PyManager>& mgr, const std::vector<std::int64_t>& accounts) {
             std::vector<std::uint32_t> checked;
             for (std::int64_t a : accounts) checked.push_back(TierAccount(a));
-            return NoGil([&] { return Core(mgr).ForgetTierAccounts(checked); });
+            return NoGil([&] { return Core(mgr).UnusedTierAccounts(checked); });
           },
           py::arg("accounts"),
           "Of `accounts`, those that no open space records into and no prefix (on the device or the host) "
-          "is charged to, their limits erased; the others, and 0, are kept. A broker forgets its idle "
-          "clients' accounts this way and may reuse their numbers.")
+          "is charged to, each once, never 0: nothing can charge them again until a space names them. A "
+          "broker forgets its idle clients' accounts this way (erasing their limits) and reuses their numbers.")
       .def(
           "step",
           [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {

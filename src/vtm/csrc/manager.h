@@ -176,11 +176,11 @@ class Manager {
   // kFailedPrecondition without a host tier.
   void SetHostTierLimit(std::uint32_t account, std::size_t bytes);
   // Of `accounts`, those no open space records into and no prefix-tree
-  // node (on the device or the host) is charged to, with their limits
-  // erased: nothing can charge them again until a space names them, so a
-  // broker may hand their numbers to other clients. Account 0 is never
-  // forgotten. One walk over the trees.
-  std::vector<std::uint32_t> ForgetTierAccounts(const std::vector<std::uint32_t>& accounts);
+  // node (on the device or the host) is charged to: nothing can charge them
+  // again until a space names them, so a broker may erase their limits and
+  // hand their numbers to other clients. Never 0; each once. One walk over
+  // the trees.
+  std::vector<std::uint32_t> UnusedTierAccounts(const std::vector<std::uint32_t>& accounts) const;
 
   std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);
   std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens, std::optional<std::size_t> low);

@@ -249,20 +249,19 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
   DropHostLeaves(account, [&] { return tier_->used_by(account) <= blocks; });
 }
 
-std::vector<std::uint32_t> Manager::ForgetTierAccounts(const std::vector<std::uint32_t>& accounts) {
-  std::unique_lock<std::mutex> lock(mu_);
+std::vector<std::uint32_t> Manager::UnusedTierAccounts(const std::vector<std::uint32_t>& accounts) const {
+  std::lock_guard<std::mutex> lock(mu_);
   if (closed_) Throw(ErrorCode::kFailedPrecondition, "the manager is closed");
   std::unordered_set<std::uint32_t> in_use{0};
   for (const auto& [id, sp] : live_spaces_) in_use.insert(sp->tier_account);
   for (const auto& [name, tree] : trees_) tree->ForEach([&](const PrefixNode& n) { in_use.insert(n.tier_account); });
-  std::vector<std::uint32_t> forgotten;
+  std::vector<std::uint32_t> unused;
   for (std::uint32_t account : accounts) {
     if (in_use.count(account)) continue;
-    tier_limits_.erase(account);
-    forgotten.push_back(account);
+    unused.push_back(account);
     in_use.insert(account);  // once, however often it is named
   }
-  return forgotten;
+  return unused;
 }
 
 bool Manager::DropHostLeaves(std::optional<std::uint32_t> account, const std::function<bool()>& enough) {
