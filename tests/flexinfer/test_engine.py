@@ -25,6 +25,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import vtm  # noqa: E402
+from manager_testing import WatchedSteps  # noqa: E402
 from vtm_testing import lcp  # noqa: E402
 from flexinfer import LLM, SamplingParams  # noqa: E402
 from flexinfer import InvalidArgument, ModelLoadError  # noqa: E402
@@ -154,20 +155,6 @@ def tiny_llama(tiny):
     return tiny["llama"]
 
 
-class _CountedSteps:
-    """A manager whose step() calls are counted (the scheduler's)."""
-
-    def __init__(self, manager):
-        self._manager, self.steps = manager, 0
-
-    def __getattr__(self, name):
-        return getattr(self._manager, name)
-
-    def step(self, targets):
-        self.steps += 1
-        return self._manager.step(targets)
-
-
 def test_decode_steps_that_map_no_page_are_not_sent_to_vtm(tiny_llama):
     """A page holds 8 tiny rows: a request of 5 + 40 tokens crosses 6 pages,
     so only a few of its 40 steps map anything. Those are the only ones sent
@@ -178,7 +165,7 @@ def test_decode_steps_that_map_no_page_are_not_sent_to_vtm(tiny_llama):
     folder, oracle = tiny_llama
     manager = small_manager(64)
     llm = LLM(folder, manager=manager)
-    counted = llm.scheduler.manager = _CountedSteps(manager)
+    counted = llm.scheduler.manager = WatchedSteps(manager)
     prompt = random_prompts([5], seed=23)[0]
     out = run(llm, [prompt], greedy(40))
     assert_greedy_equal(oracle, [prompt], out, 40)

@@ -24,6 +24,7 @@ import vtm
 from flexinfer import LLM, InvalidArgument, SamplingParams
 from flexinfer.engine import Engine
 from flexinfer.sequence import Sequence, Status
+from manager_testing import WatchedSteps
 
 CHUNK = 4096  # a few tiny rows a page: sequences grow through several pages
 VOCAB = 512
@@ -275,20 +276,6 @@ def test_a_request_waiting_for_memory_that_a_step_in_flight_holds_is_admitted(ti
     _close(engine)
 
 
-class _WatchedSteps:
-    """A manager whose step() calls are checked first (the scheduler's)."""
-
-    def __init__(self, manager, check):
-        self._manager, self._check = manager, check
-
-    def __getattr__(self, name):
-        return getattr(self._manager, name)
-
-    def step(self, targets):
-        self._check(targets)
-        return self._manager.step(targets)
-
-
 def test_a_window_low_mark_keeps_what_the_step_in_flight_reads(tmp_path, save_word_tokenizer):
     """A sliding-window model: each step raises the window's low mark
     (unmapping pages wholly below it). With a step in flight, the mark must
@@ -320,7 +307,7 @@ def test_a_window_low_mark_keeps_what_the_step_in_flight_reads(tmp_path, save_wo
                 marks[0] += 1
                 if seq.last_step > scheduler._completed and target[1] > max(0, seq.last_start - window + 1):
                     early.append((seq.id, target[1], seq.last_start))
-        scheduler.manager = _WatchedSteps(scheduler.manager, check)
+        scheduler.manager = WatchedSteps(scheduler.manager, check)
         seqs = [Sequence(i, i, 0, p, q, 0, ()) for i, (p, q) in enumerate(zip(prompts, params))]
         _run(engine, seqs)
         outputs[overlap] = [(s.finish_reason, s.output_ids) for s in seqs]

@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 import vtm  # noqa: E402
 from flexinfer import LLM, SamplingParams  # noqa: E402
+from manager_testing import WatchedSteps  # noqa: E402
 from flexinfer.attention import KernelAttention, SdpaAttention  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
 from flexinfer.model.config import FULL, SLIDING  # noqa: E402
@@ -330,26 +331,12 @@ def test_a_step_that_maps_pages_carries_every_low_mark_due(families, name, chunk
                        and not all(vt in targets for vt in seq.vtensors)]
                 assert due == [], due
 
-        scheduler.manager = _WatchedSteps(manager, check)
+        scheduler.manager = WatchedSteps(manager, check)
         outputs = llm.generate(prompts, _greedy(40), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [oracle.greedy(p, 40) for p in prompts]
         assert checked[0] > 10 and llm.stats()["preemptions"] > 0
     manager.check()
     manager.close()
-
-
-class _WatchedSteps:
-    """A manager whose step() calls are checked first (the scheduler's)."""
-
-    def __init__(self, manager, check):
-        self._manager, self._check = manager, check
-
-    def __getattr__(self, name):
-        return getattr(self._manager, name)
-
-    def step(self, targets):
-        self._check(targets)
-        return self._manager.step(targets)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "mistral-sliding"])

@@ -672,19 +672,26 @@ def test_through_vtmd_one_client_restores_what_another_recorded_and_the_broker_s
         b.kill()
 
 
+def _broker_prefix(backend, pages_of_tokens):
+    """(chunk, row, tokens, pages) of a prefix that spans `pages_of_tokens` pages of a broker's space."""
+    from broker_testing import CHUNK as BROKER_CHUNK
+    from broker_testing import ROW
+
+    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
+    n = pages_of_tokens * chunk // row
+    return chunk, row, n, -(-n * row // chunk)
+
+
 def test_through_vtmd_a_client_names_host_tier_limit_keeps_its_spills_off_another_names_prefixes(
         tmp_path, backend, capsys):
     """vtmd's quota file limits client "a" to one prefix's pages of a tier
     with room for two. "b" recorded first (its prefix is the least recently
     used), then "a" recorded two; when the pool spills all three, a's
     second spill drops a's first, and b's prefix comes back byte for byte."""
-    from broker_testing import CHUNK as BROKER_CHUNK
-    from broker_testing import ROW, BrokerProcess, RowView, pattern
+    from broker_testing import BrokerProcess, RowView, pattern
     from vtm.broker import ctl
 
-    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
-    n = 3 * chunk // row  # three pages of tokens
-    pages = -(-n * row // chunk)
+    chunk, row, n, pages = _broker_prefix(backend, 3)
     quota_file = tmp_path / "quotas.toml"
     quota_file.write_text(f'[clients."a"]\nhost_tier_limit_bytes = {pages * chunk}\n')
     b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=chunk, backend=backend,
@@ -730,12 +737,9 @@ def test_vtmd_forgets_the_tier_accounts_of_names_that_hold_nothing(tmp_path, bac
     forgotten, and its account's number reused. A name whose prefix stays in
     the tree keeps its account through the churn, and its spilled bytes are
     charged to it, not to a name given a reused number."""
-    from broker_testing import CHUNK as BROKER_CHUNK
-    from broker_testing import ROW, BrokerProcess
+    from broker_testing import BrokerProcess
 
-    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
-    n = 2 * chunk // row  # two pages of tokens
-    pages = -(-n * row // chunk)
+    chunk, row, n, pages = _broker_prefix(backend, 2)
     quota_file = tmp_path / "quotas.toml"
     quota_file.write_text(f"[default]\nhost_tier_limit_bytes = {4 * pages * chunk}\n")
     b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=chunk, backend=backend,
