@@ -300,14 +300,15 @@ class EngineLoop:
         handle._finish_if_done()
 
     def _dispatch(self, seqs: list[Sequence]) -> None:
-        finished = []
+        # Once per sequence per step: the enum member is read once (~60 ns a read).
+        finished, ended = [], Status.FINISHED
         for seq in seqs:
             handle = self._live.get(seq)
             if handle is None:
                 continue
             if handle._stream:  # else nothing is sent before the request is done
                 handle._publish(seq)
-            if seq.status is Status.FINISHED:
+            if seq.status is ended:
                 del self._live[seq]
                 finished.append(handle)
         for handle in finished:
