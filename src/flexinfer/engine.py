@@ -513,10 +513,13 @@ class Engine:
                 seq.discard_pending()
                 continue
             changed.append(seq)
-            if token == NON_FINITE or (may_fail and isinstance(token, Exception)):
+            if may_fail and isinstance(token, Exception):
                 seq.discard_pending()
-                self.abort(seq, "error", _engine_error("sampling failed", token) if isinstance(token, Exception)
-                           else EngineError("the model produced NaN or infinite logits for this request"))
+                self.abort(seq, "error", _engine_error("sampling failed", token))
+                continue
+            if token == NON_FINITE:
+                seq.discard_pending()
+                self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
                 continue
             if not seq.resolve_pending(token, now):
                 continue

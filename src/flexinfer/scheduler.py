@@ -181,14 +181,10 @@ class Scheduler:
                                       if s.map_limit < s.num_cached + n and s.status is Status.RUNNING})
             if not need:
                 return plan
-            if self.kv.has_window:
-                # Low marks due go with it: the pages they unmap are the first
-                # this step's mapping takes (the pre-extend that carried them
-                # may have run out of memory), before anything is evicted.
-                for seq, n in plan:
-                    if seq not in need and seq.status is Status.RUNNING and (
-                            start := self._low_start(seq)) >= seq.unmap_at:
-                        need[seq] = (seq.num_cached + n, start)
+            # Low marks due go with it: the pages they unmap are the first
+            # this step's mapping takes (the pre-extend that carried them may
+            # have run out of memory), before anything is evicted.
+            self._add_due_low_marks(need, plan, ahead=0)
             try:
                 self.manager.step(self._targets(need)).result()
             except vtm.OutOfMemory as exc:
@@ -239,6 +235,19 @@ class Scheduler:
 
     def _low_start(self, seq: Sequence) -> int:
         return seq.last_start if self._in_use(seq) else seq.num_cached
+
+    def _add_due_low_marks(self, targets: dict[Sequence, tuple[int, int]], plan: list[tuple[Sequence, int]],
+                           ahead: int) -> None:
+        """Adds to `targets` each running sequence of `plan` whose window has
+        slid past a page (its low mark is due), covering the rows it writes
+        and `ahead` more. Nothing without a window group."""
+        if not self.kv.has_window:
+            return
+        most = self.kv.max_tokens
+        for seq, n in plan:
+            if seq not in targets and seq.status is Status.RUNNING and (
+                    start := self._low_start(seq)) >= seq.unmap_at:
+                targets[seq] = (min(seq.num_cached + n + ahead, most), start)
 
     def _targets(self, need: dict[Sequence, tuple[int, int]]) -> dict:
         """One step target per vTensor (one per layer group) of each
@@ -511,10 +520,7 @@ class Scheduler:
         most = self.kv.max_tokens
         ahead = self._with_starts({s: t for s, n in late if s.status is Status.RUNNING
                                    and (t := min(s.num_cached + n + 1, most)) > s.map_limit})
-        if self.kv.has_window:
-            for seq, n in plan:
-                if seq not in ahead and (start := self._low_start(seq)) >= seq.unmap_at:
-                    ahead[seq] = (min(seq.num_cached + n + 1, most), start)
+        self._add_due_low_marks(ahead, plan, ahead=1)
         if ahead:
             self._pending = (self.manager.step(self._targets(ahead)), ahead)
         return plan

@@ -91,9 +91,6 @@ class Sequence:
         self.error: Exception | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        # Read per sequence every step (resolve_pending): attributes of its own.
-        self.max_tokens = params.max_tokens
-        self.has_stop_strings = bool(params.stop)
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -122,7 +119,7 @@ class Sequence:
     def pending_is_last(self) -> bool:
         """A token is pending and it is the last one max_tokens allows: no
         later step needs to compute anything for this sequence."""
-        return self.pending > 0 and len(self.output_ids) + self.pending >= self.max_tokens
+        return self.pending > 0 and len(self.output_ids) + self.pending >= self.params.max_tokens
 
     def add_pending(self, feed_row: int) -> None:
         """A step sampled a token for this sequence, still on the device at row `feed_row`."""
@@ -142,7 +139,8 @@ class Sequence:
         count = metrics.output_tokens = len(output)
         if metrics.first_token_s is None:
             metrics.first_token_s = now
-        return token in self.stop_ids or self.has_stop_strings or count >= self.max_tokens
+        params = self.params
+        return token in self.stop_ids or bool(params.stop) or count >= params.max_tokens
 
     def discard_pending(self) -> None:
         """The oldest pending token is dropped (the sequence ended before it)."""

@@ -318,7 +318,7 @@ def test_a_step_that_maps_pages_carries_every_low_mark_due(families, name, chunk
     manager = vtm.Manager(backend="host", capacity_bytes=chunks * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
     with LLM(folder, manager=manager, max_model_len=128, max_num_seqs=4, max_batch_tokens=256,
              overlap=False) as llm:
-        scheduler, checked = llm.engine.scheduler, [0]
+        scheduler, checked, missed = llm.engine.scheduler, [0], []
 
         def check(targets):
             owner = {vt: seq for seq in scheduler.running for vt in seq.vtensors}
@@ -326,15 +326,15 @@ def test_a_step_that_maps_pages_carries_every_low_mark_due(families, name, chunk
                        for vt, t in targets.items() if vt in owner)
             if maps:
                 checked[0] += 1
-                due = [seq.id for seq in scheduler.running
-                       if seq.vtensors and scheduler._low_start(seq) >= seq.unmap_at
-                       and not all(vt in targets for vt in seq.vtensors)]
-                assert due == [], due
+                # Recorded, not raised: this runs on the engine's thread.
+                missed.extend(seq.id for seq in scheduler.running
+                              if seq.vtensors and scheduler._low_start(seq) >= seq.unmap_at
+                              and not all(vt in targets for vt in seq.vtensors))
 
         scheduler.manager = WatchedSteps(manager, check)
         outputs = llm.generate(prompts, _greedy(40), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [oracle.greedy(p, 40) for p in prompts]
-        assert checked[0] > 10 and llm.stats()["preemptions"] > 0
+        assert missed == [] and checked[0] > 10 and llm.stats()["preemptions"] > 0
     manager.check()
     manager.close()
 

@@ -789,11 +789,9 @@ def test_through_vtmd_a_match_past_the_clients_limit_restores_nothing(tmp_path, 
     """vtmd admits a match as the pages it would restore: a client whose
     limit leaves no room for them gets OutOfMemory before any restore (it
     used to restore first and be refused after, having taken the memory)."""
-    from broker_testing import CHUNK as BROKER_CHUNK
-    from broker_testing import ROW, BrokerProcess, RowView, pattern
+    from broker_testing import BrokerProcess, RowView, pattern
 
-    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
-    n = 3 * chunk // row  # three pages of tokens
+    chunk, row, n, _ = _broker_prefix(backend, 3)
     quota_file = tmp_path / "quotas.toml"
     quota_file.write_text(f'[clients."a"]\nlimit_bytes = {4 * chunk}\n')
     b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=chunk, backend=backend,
