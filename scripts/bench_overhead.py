@@ -12,7 +12,9 @@ Per decode step, three times (µs): `step`, the engine's step() call alone,
 engine loop's dispatch and inbox), and `forward`, the model's forward pass
 within the step (at large batches its attention over the KV is real work: 256
 sequences of ~70 tokens read ~5 MB of KV a step); `rest µs/seq` is the step
-less the forward pass, per sequence. Only steps in which every sequence of the
+less the forward pass, per sequence, taken step by step (the median of each
+step's difference: the forward pass's own noise, ±5 % at batch 256, would
+swamp a difference of medians). Only steps in which every sequence of the
 batch decodes count (no prompt tokens, nobody waiting); each run's median,
 then the median over `--repeats` runs. `threads=1` by default: the forward
 pass has nothing to split, and the thread tuner's probes would only add noise.
@@ -55,31 +57,35 @@ PROMPT_TOKENS = 8
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
-                   profile: cProfile.Profile | None = None) -> tuple[float, float, float]:
-    """Median µs of step(), of the loop iteration and of the model's forward
-    pass, over the decode steps of one generate; with `profile`, those steps
-    run under it."""
+                   profile: cProfile.Profile | None = None) -> tuple[float, float, float, float]:
+    """Median µs of step(), of the loop iteration, of the model's forward
+    pass, and of the step less its forward pass, over the decode steps of
+    one generate; with `profile`, those steps run under it."""
     engine = llm.engine
     step, forward = engine.step, engine.model.forward
-    steps, starts, forwards = [], [], []
+    steps, starts, forwards, rests = [], [], [], []
     decoding = False
+    forward_s = 0.0  # the forward pass of the step being timed
 
     def timed_forward(*args, **kwargs):
+        nonlocal forward_s
         start = time.perf_counter()
         try:
             return forward(*args, **kwargs)
         finally:
             if decoding:
-                forwards.append(time.perf_counter() - start)
+                forward_s = time.perf_counter() - start
+                forwards.append(forward_s)
 
     def timed_step():
-        nonlocal decoding
+        nonlocal decoding, forward_s
         s = engine.scheduler
         # Outside the timed region: whether this step is a pure decode step of the whole batch.
         decoding = decode = (not s.waiting and len(s.running) == len(prompts)
                   and all(q.num_cached == q.num_tokens - 1 for q in s.running))
         if decode and profile is not None:
             profile.enable()
+        forward_s = 0.0
         start = time.perf_counter()
         try:
             return step()
@@ -88,6 +94,7 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
                 profile.disable()
             if decode:
                 steps.append(time.perf_counter() - start)
+                rests.append(steps[-1] - forward_s)
                 starts.append(start)
             else:
                 starts.append(None)
@@ -99,7 +106,7 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams,
     finally:
         del engine.step, engine.model.forward
     loops = [b - a for a, b in zip(starts, starts[1:]) if a is not None and b is not None]
-    return tuple(statistics.median(x) * 1e6 for x in (steps, loops, forwards))
+    return tuple(statistics.median(x) * 1e6 for x in (steps, loops, forwards, rests))
 
 
 def _profile(llm: LLM, prompts: list[list[int]], params: SamplingParams, top: int = 30) -> str:
@@ -142,17 +149,18 @@ def main() -> None:
                 step_us = statistics.median(r[0] for r in runs)
                 loop_us = statistics.median(r[1] for r in runs)
                 forward_us = statistics.median(r[2] for r in runs)
+                rest_us = statistics.median(r[3] for r in runs)
                 results[batch] = {"step_us": step_us, "loop_us": loop_us, "forward_us": forward_us,
-                                  "host_us_per_seq": (step_us - forward_us) / batch}
+                                  "rest_us": rest_us, "host_us_per_seq": rest_us / batch}
                 if args.profile:
                     profiles[batch] = _profile(llm, prompts, params)
     print(f"FlexInfer decode step, 1-layer hidden-64 Llama (host overhead), threads={args.threads}, "
           f"{args.new_tokens} new tokens, median of {args.repeats} runs")
     print(f"CPU: {cpu_model()}")
-    print(f"{'batch':>6} {'step µs':>9} {'loop µs':>9} {'forward µs':>11} {'rest µs/seq':>12}")
+    print(f"{'batch':>6} {'step µs':>9} {'loop µs':>9} {'forward µs':>11} {'rest µs':>9} {'rest µs/seq':>12}")
     for batch, r in results.items():
         print(f"{batch:>6} {r['step_us']:>9.1f} {r['loop_us']:>9.1f} {r['forward_us']:>11.1f} "
-              f"{r['host_us_per_seq']:>12.2f}")
+              f"{r['rest_us']:>9.1f} {r['host_us_per_seq']:>12.2f}")
     for batch, text in profiles.items():
         print(f"\n--- cProfile, batch {batch}, decode steps only (cProfile inflates Python's share)")
         print(text)

@@ -436,8 +436,6 @@ class Engine:
         if self.thread_tuner is not None:
             self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)
         if continuing:
-            for seq in seqs:
-                seq.num_cached += 1
             ready_rows, ready = None, seqs
         else:
             ready_rows, ready = [], []
@@ -453,8 +451,17 @@ class Engine:
             rows = logits if len(ready) == len(plan) else logits.index_select(
                 0, self._to_device(long_tensor(ready_rows)))
             step.tokens, step.feed = self._sample(rows, ready)
-            for row, seq in enumerate(ready):
-                seq.add_pending(row)
+            if continuing:
+                # One pass per sequence per step: its token computed, the
+                # next one pending (add_pending inlined; each sequence keeps
+                # its row, so its feed_row stands).
+                for seq in seqs:
+                    seq.num_cached += 1
+                    seq.pending += 1
+                    seq.num_tokens += 1
+            else:
+                for row, seq in enumerate(ready):
+                    seq.add_pending(row)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -506,20 +513,16 @@ class Engine:
         now = time.perf_counter()
         changed = []
         # Once per sequence per step: the common token costs resolve_pending
-        # alone. (Status.FINISHED is read once: an enum member costs ~60 ns a read.)
+        # alone. (Status.FINISHED is read once: an enum member costs ~60 ns a
+        # read; a failed row is looked for once per step, in C.)
         finished = Status.FINISHED
+        suspect = may_fail or NON_FINITE in tokens
         for seq, token in zip(step.seqs, tokens):
             if seq.status is finished:  # cancelled, or stopped at the token before
                 seq.discard_pending()
                 continue
             changed.append(seq)
-            if may_fail and isinstance(token, Exception):
-                seq.discard_pending()
-                self.abort(seq, "error", _engine_error("sampling failed", token))
-                continue
-            if token == NON_FINITE:
-                seq.discard_pending()
-                self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
+            if suspect and self._row_failed(seq, token):
                 continue
             if not seq.resolve_pending(token, now):
                 continue
@@ -533,6 +536,19 @@ class Engine:
                 seq.metrics.finish_s = now
                 self.scheduler.finish(seq, reason)
         return changed
+
+    def _row_failed(self, seq: Sequence, token) -> bool:
+        """Fail `seq` if its row of a step has no token: sampling raised
+        (host sampling reports it in the row), or the logits were not finite."""
+        if isinstance(token, Exception):
+            seq.discard_pending()
+            self.abort(seq, "error", _engine_error("sampling failed", token))
+            return True
+        if token == NON_FINITE:
+            seq.discard_pending()
+            self.abort(seq, "error", EngineError("the model produced NaN or infinite logits for this request"))
+            return True
+        return False
 
     def _finish_in_flight(self) -> list[Sequence]:
         step, self._in_flight = self._in_flight, None

@@ -91,6 +91,9 @@ class Sequence:
         self.error: Exception | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        # The output length from which each new token needs the stop checks
+        # beyond its id: from the first with stop strings, else at max_tokens.
+        self.checks_from = 1 if params.stop else params.max_tokens
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -122,7 +125,9 @@ class Sequence:
         return self.pending > 0 and len(self.output_ids) + self.pending >= self.params.max_tokens
 
     def add_pending(self, feed_row: int) -> None:
-        """A step sampled a token for this sequence, still on the device at row `feed_row`."""
+        """A step sampled a token for this sequence, still on the device at
+        row `feed_row` (Engine._launch inlines this for a decode batch that
+        continues the step before: same sequences, same rows)."""
         self.pending += 1
         self.num_tokens += 1
         self.feed_row = feed_row
@@ -135,12 +140,10 @@ class Sequence:
         self.pending -= 1
         output = self.output_ids
         output.append(token)
-        metrics = self.metrics
-        count = metrics.output_tokens = len(output)
-        if metrics.first_token_s is None:
-            metrics.first_token_s = now
-        params = self.params
-        return token in self.stop_ids or bool(params.stop) or count >= params.max_tokens
+        count = self.metrics.output_tokens = len(output)
+        if count == 1:  # output_ids only grows: once per sequence
+            self.metrics.first_token_s = now
+        return token in self.stop_ids or count >= self.checks_from
 
     def discard_pending(self) -> None:
         """The oldest pending token is dropped (the sequence ended before it)."""
