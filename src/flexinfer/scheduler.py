@@ -417,7 +417,7 @@ class Scheduler:
         # A sequence preempted while a step computed its next token waits for it.
         if seq.pending:
             return False
-        leader = getattr(seq, "leader", None)
+        leader = seq.leader
         return leader is None or leader.prompt_recorded or leader.status is Status.FINISHED
 
     def _admit(self, seq: Sequence) -> bool:

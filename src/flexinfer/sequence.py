@@ -23,9 +23,15 @@ class RequestMetrics:
     first_token_s: float | None = None
     finish_s: float | None = None
     prompt_tokens: int = 0
-    output_tokens: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens mapped from the prefix cache instead of computed
     preemptions: int = 0
+    # The sample's output ids, counted when asked: a count kept here would
+    # be one more object each decode step touches per sequence.
+    outputs: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.outputs)
 
     @property
     def ttft_s(self) -> float | None:
@@ -60,7 +66,18 @@ class Sequence:
     `last_step` is the latest step that used the vTensors: they may be
     released only once that step has completed on the device, and no row
     from `last_start - window + 1` on (what it reads) may be unmapped before.
+
+    Slots, not a __dict__: a decode step reads and writes a few attributes
+    of every sequence, after a forward pass that evicted them from the
+    CPU's caches; at fixed offsets in one object they take fewer cache
+    lines and no key lookup.
     """
+
+    __slots__ = ("id", "request_index", "sample_index", "prompt_ids", "output_ids", "num_tokens", "params",
+                 "priority", "status", "vtensors", "slots", "num_cached", "extended", "map_limit", "unmap_at",
+                 "pending", "feed_row", "last_step", "last_start", "prompt_recorded", "finish_reason", "text",
+                 "prefix_offset", "read_offset", "error", "metrics", "stop_ids", "checks_from", "generator",
+                 "leader")
 
     def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
                  params: SamplingParams, priority: int, eos_ids: tuple[int, ...]):
@@ -89,11 +106,13 @@ class Sequence:
         self.text = ""  # the end of the decoded output a stop string may still complete (Engine._stop_reason)
         self.prefix_offset = self.read_offset = 0
         self.error: Exception | None = None
-        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
+        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids), outputs=self.output_ids)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         # The output length from which each new token needs the stop checks
         # beyond its id: from the first with stop strings, else at max_tokens.
         self.checks_from = 1 if params.stop else params.max_tokens
+        # n > 1: the first sample, whose recorded prompt the others map (EngineLoop.submit).
+        self.leader: Sequence | None = None
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -140,7 +159,7 @@ class Sequence:
         self.pending -= 1
         output = self.output_ids
         output.append(token)
-        count = self.metrics.output_tokens = len(output)
+        count = len(output)
         if count == 1:  # output_ids only grows: once per sequence
             self.metrics.first_token_s = now
         return token in self.stop_ids or count >= self.checks_from

@@ -264,6 +264,30 @@ def test_min_tokens_defers_stop_tokens(tiny):
         assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_min_tokens_bans_stop_tokens_for_exactly_the_first_min_tokens(tiny, overlap):
+    """The boundary of min_tokens, in a decode batch that continues step
+    after step (where a sampled token becomes pending before its row is
+    sampled): with the first new occurrence of a greedy token s at output
+    position j + 1, min_tokens=j lets it stop there, and min_tokens=j + 1
+    bans it there. Another prompt decodes beside it."""
+    folder, oracle = tiny
+    prompts = clean_prompts([9, 7], seed=16)
+    want = oracle.greedy(prompts[0], 12)
+    j = next(i for i in range(2, len(want)) if want[i] not in want[:i])
+    s = want[j]
+    beside = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(folder, overlap=overlap) as llm:
+        allowed = llm.generate(prompts, [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                        stop_token_ids=[s], min_tokens=j), beside],
+                               use_tqdm=False)[0].outputs[0]
+        assert allowed.finish_reason == "stop" and allowed.token_ids == want[:j + 1]
+        banned = llm.generate(prompts, [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                       stop_token_ids=[s], min_tokens=j + 1), beside],
+                              use_tqdm=False)[0].outputs[0]
+        assert banned.token_ids[:j] == want[:j] and banned.token_ids[j] != s and len(banned.token_ids) > j + 1
+
+
 def test_an_unclosed_llm_stops_its_thread_when_collected(tiny):
     folder, _ = tiny
     before = {t.ident for t in threading.enumerate()}
