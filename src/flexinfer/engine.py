@@ -424,46 +424,61 @@ class Engine:
         else:
             input_ids = self._input_ids(seqs, starts, counts)
         number = self.scheduler.launched(seqs)
+        # The sequences whose sampled token this step makes pending.
+        pending: list[Sequence] = []
         if continuing:
             # Each one's token is computed by this step and the next one
             # sampled (add_pending inlined: each keeps its row, so its
             # feed_row stands). Done before the forward pass, which evicts
             # the sequences from the CPU's caches: after it, this one pass
-            # cost ~0.2 µs a sequence more at batch 256. A step that raises
-            # fails its sequences (step()), whose counts nothing reads then.
+            # cost ~0.2 µs a sequence more at batch 256.
             for seq in seqs:
                 seq.num_cached += 1
                 seq.pending += 1
                 seq.num_tokens += 1
-        if self.thread_tuner is not None:
-            self.thread_tuner.before_step(decode_batch)
-        started = time.perf_counter()
-        slots = [seq.slots for seq in seqs]
-        if self.graphs is not None and decode_batch and self.graphs.bucket_for(decode_batch):
-            logits = self.graphs.run(input_ids, slots, starts)
-        else:
-            batch = self._batch = ForwardBatch.build(slots, starts, counts, self.device, self._batch)
-            logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
-        if self.thread_tuner is not None:
-            self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)
-        if continuing:
-            ready_rows, ready = None, seqs
-        else:
-            ready_rows, ready = [], []
-            for row, (seq, n) in enumerate(plan):
-                seq.num_cached += n
-                if seq.num_cached == seq.num_tokens:  # not in the middle of a chunked prompt
-                    if not seq.prompt_recorded:
-                        self.scheduler.after_prefill(seq)
-                    ready_rows.append(row)
-                    ready.append(seq)
-            for row, seq in enumerate(ready):
-                seq.add_pending(row)
-        step = _Step(number, ready)
-        if ready:
-            rows = logits if len(ready) == len(plan) else logits.index_select(
-                0, self._to_device(long_tensor(ready_rows)))
-            step.tokens, step.feed = self._sample(rows, ready)
+            pending = seqs
+        try:
+            if self.thread_tuner is not None:
+                self.thread_tuner.before_step(decode_batch)
+            started = time.perf_counter()
+            slots = [seq.slots for seq in seqs]
+            if self.graphs is not None and decode_batch and self.graphs.bucket_for(decode_batch):
+                logits = self.graphs.run(input_ids, slots, starts)
+            else:
+                batch = self._batch = ForwardBatch.build(slots, starts, counts, self.device, self._batch)
+                logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
+            if self.thread_tuner is not None:
+                self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)
+            if continuing:
+                ready_rows, ready = None, seqs
+            else:
+                ready_rows, ready = [], []
+                for row, (seq, n) in enumerate(plan):
+                    seq.num_cached += n
+                    if seq.num_cached == seq.num_tokens:  # not in the middle of a chunked prompt
+                        if not seq.prompt_recorded:
+                            self.scheduler.after_prefill(seq)
+                        ready_rows.append(row)
+                        ready.append(seq)
+                for row, seq in enumerate(ready):
+                    seq.add_pending(row)
+                pending = ready
+            step = _Step(number, ready)
+            if ready:
+                rows = logits if len(ready) == len(plan) else logits.index_select(
+                    0, self._to_device(long_tensor(ready_rows)))
+                step.tokens, step.feed = self._sample(rows, ready)
+        except BaseException:
+            # A step that raises, or is interrupted (KeyboardInterrupt in a
+            # caller that drives step() itself and goes on), leaves no token
+            # pending, and a continuing decode's row still to compute: the
+            # next step computes it again.
+            for seq in pending:
+                seq.discard_pending()
+            if continuing:
+                for seq in seqs:
+                    seq.num_cached -= 1
+            raise
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()

@@ -133,6 +133,79 @@ def test_a_session_lost_between_decode_steps_recomputes_exactly(tiny_gpu_folder,
     assert run(len(prompt) + 4) == (reason, tokens, 1)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_decode_step_interrupted_in_its_forward_pass_is_computed_again(tiny_gpu_folder, overlap):
+    """A caller driving Engine.step() itself is interrupted (Ctrl-C) during
+    a decode step's forward pass, catches it and steps on: the sequences are
+    as the step found them, and their tokens those of an uninterrupted run.
+    The continuing decode advanced each sequence before its forward pass and
+    left it so: a token pending that no step had sampled."""
+    prompts = [[1, 17, 99, 23], [1, 250, 7, 31, 64]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def run(interrupt_at):
+        manager = _manager(faults=False)
+        engine = Engine(tiny_gpu_folder, manager=manager, max_model_len=256, overlap=overlap)
+        seqs = [Sequence(i, i, 0, p, params, 0, ()) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            engine.add(seq)
+        forward, calls, interrupted = engine.model.forward, [0], []
+
+        def interrupting(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == interrupt_at:
+                raise KeyboardInterrupt
+            return forward(*args, **kwargs)
+        engine.model.forward = interrupting
+        steps = 0
+        while engine.has_work():
+            steps += 1
+            assert steps < 100, "the sequences never finish"
+            try:
+                engine.step()
+            except KeyboardInterrupt:
+                interrupted.append([(s.pending, s.num_tokens - len(s.prompt_ids) - len(s.output_ids)) for s in seqs])
+        engine.drain()
+        engine.close()
+        manager.close()
+        return [(s.finish_reason, s.output_ids) for s in seqs], interrupted
+
+    expected, _ = run(None)
+    assert all(reason == "length" and len(tokens) == 10 for reason, tokens in expected)
+    got, interrupted = run(4)  # a decode of both, continuing the one before
+    assert len(interrupted) == 1 and got == expected
+    # With overlap the step before's tokens are still pending: one each, counted in num_tokens.
+    assert interrupted[0] == ([(1, 1)] * 2 if overlap else [(0, 0)] * 2)
+
+
+@pytest.mark.parametrize("where", ["forward", "sampling"])
+def test_sequences_a_failed_step_fails_hold_no_pending_token(tiny_gpu_folder, where):
+    """A step whose forward pass or sampling raises fails its requests; none
+    of them is left with a token pending that no step will resolve."""
+    manager = _manager(faults=False)
+    engine = Engine(tiny_gpu_folder, manager=manager, max_model_len=256)
+    seqs = [Sequence(i, i, 0, [1, 40 + i, 9], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), 0, ())
+            for i in range(2)]
+    for seq in seqs:
+        engine.add(seq)
+    for _ in range(3):
+        engine.step()
+    target = engine.model if where == "forward" else engine
+    name = "forward" if where == "forward" else "_sample"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a failed step (simulated)")
+    setattr(target, name, broken)
+    engine.step()
+    delattr(target, name)
+    for seq in seqs:
+        assert seq.status is Status.FINISHED and seq.finish_reason == "error"
+        assert seq.pending == 0 and seq.num_tokens == len(seq.prompt_ids) + len(seq.output_ids) == 3 + 3
+    engine.drain()
+    engine.close()
+    manager.close()
+
+
 def test_a_failed_background_record_does_not_wedge_the_engine(tiny_gpu_folder, expected):
     """Finding 2: a prefix_record whose copy failed stayed in the scheduler's
     background list, and drain() / the next step re-raised its error forever."""
