@@ -303,7 +303,7 @@ def test_sliding_layers_map_only_their_window(families):
     manager.close()
 
 
-@pytest.mark.parametrize("name, chunks", [("gemma2", 48), ("mistral-sliding", 12)])
+@pytest.mark.parametrize("name, chunks", [("gemma2", 48), ("mistral-sliding", 16)])
 def test_a_step_that_maps_pages_carries_every_low_mark_due(families, name, chunks):
     """Requests arrive while others decode, in a pool that runs out: every
     step vtm gets that maps a page also raises the low mark of each running
@@ -359,6 +359,40 @@ def test_multi_turn_chat_reuses_earlier_turns(families, name):
             conversation = conversation + out.token_ids
         manager.check()
     manager.close()
+
+
+def _round_robin_chat(folder, oracle, pool_chunks, host_tier_chunks):
+    """Three users take three turns each, one request at a time, on a pool of
+    `pool_chunks`; every reply equals transformers'. Returns the engine's stats."""
+    conversations = [_prompts([30], seed=20 + u)[0] for u in range(3)]
+    manager = vtm.Manager(backend="host", capacity_bytes=pool_chunks * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
+                          host_tier_bytes=host_tier_chunks * CHUNK)
+    with LLM(folder, manager=manager, max_model_len=256, max_num_seqs=1) as llm:
+        for turn in range(3):
+            for u in range(3):
+                conversations[u] = conversations[u] + _prompts([7], seed=30 + 3 * turn + u)[0]
+                out = llm.generate([conversations[u]], _greedy(12), use_tqdm=False)[0]
+                assert out.token_ids == oracle.greedy(conversations[u], 12), (turn, u)
+                conversations[u] = conversations[u] + out.token_ids
+        stats = llm.stats()
+        manager.check()
+    manager.close()
+    return stats
+
+
+@pytest.mark.parametrize("name, pool_chunks", [("gemma3", 64), ("mistral-sliding", 16)])
+def test_the_host_tier_keeps_the_window_groups_prefixes_too(families, name, pool_chunks):
+    """Three conversations on a pool that holds about one: with a host tier,
+    each later turn maps its history back from host memory in every layer
+    group, the sliding layers' window included (a window space's prefix
+    spills with its holes). Without one, or before window spaces had it,
+    the window group's prefix was lost and the turn was computed again."""
+    folder, oracle = families[name]
+    without = _round_robin_chat(folder, oracle, pool_chunks, host_tier_chunks=0)
+    tiered = _round_robin_chat(folder, oracle, pool_chunks, host_tier_chunks=512)
+    assert tiered["vtm"]["spills_total"] > 0 and tiered["vtm"]["restores_total"] > 0
+    assert without["prefix_hit_tokens"] < tiered["prefix_hit_tokens"] and tiered["prefix_hit_tokens_host"] > 0, (
+        without, tiered)
 
 
 def test_window_spaces_through_vtmd(families, tmp_path):

@@ -18,18 +18,43 @@ from vtm_testing import SENTINEL, RowIO, assert_pool_consistent, assert_same_sta
 CHUNKS = 8  # a small device pool, so that a few vTensors evict the tree
 
 
-def setup(make_manager, backend, tier_chunks, **kw):
+def setup(make_manager, backend, tier_chunks, window_tokens=0, **kw):
     chunk = chunk_for(backend)
     mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=tier_chunks * chunk, **kw)
     row = chunk // 20 + 7  # rows straddle pages
-    sp = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8)
+    sp = mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, window_tokens=window_tokens)
     return mgr, sp, RowIO(sp, backend)
+
+
+def record_any(sp, io, tokens):
+    """record(), or in a window space record_window() with holes below row 20."""
+    if sp.window_tokens:
+        record_window(sp, io, tokens, low=20)
+    else:
+        record(sp, io, tokens)
 
 
 def record(sp, io, tokens):
     """A vTensor holding `tokens` (their patterns written), recorded whole, released."""
     vt = sp.create(len(tokens)).result()
     io.write(vt, tokens, 0, len(tokens))
+    sp.prefix_record(vt, tokens).result()
+    vt.release().result()
+
+
+def window_setup(make_manager, backend, tier_chunks=16, window=30):
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=tier_chunks * chunk)
+    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=window)
+    return mgr, sp, RowIO(sp, backend)
+
+
+def record_window(sp, io, tokens, low):
+    """A vTensor of `tokens` that unmapped its pages below row `low` (a
+    sliding window slid past them), recorded with those holes, released."""
+    vt = sp.create(len(tokens)).result()
+    io.write(vt, tokens, 0, len(tokens))
+    vt.extend(len(tokens), low=low).result()
     sp.prefix_record(vt, tokens).result()
     vt.release().result()
 
@@ -137,11 +162,15 @@ def test_a_node_on_the_host_splits_and_both_halves_come_back(backend, make_manag
     assert_pool_consistent(mgr)
 
 
+WINDOWS = pytest.mark.parametrize("window", [0, 30], ids=["whole", "window"])
+
+
+@WINDOWS
 @pytest.mark.parametrize("op", ["copy_to_host", "alloc_host"])
-def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manager, op):
-    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, faults=True)
+def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manager, op, window):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window, faults=True)
     A = [(3 * i) % 89 for i in range(60)]
-    record(sp, io, A)
+    record_any(sp, io, A)
     mgr.faults.fail_nth(op, 1)
     fill_pool(sp)
     st = assert_pool_consistent(mgr)
@@ -149,11 +178,12 @@ def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manage
     assert match(sp, A).num_tokens == 0
 
 
+@WINDOWS
 @pytest.mark.parametrize("oom", [False, True])
-def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backend, make_manager, oom):
-    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, faults=True)
+def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backend, make_manager, oom, window):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window, faults=True)
     A = [(11 * i + 2) % 83 for i in range(60)]
-    record(sp, io, A)
+    record_any(sp, io, A)
     fill_pool(sp)
     held = {}
     if oom:  # live vTensors hold the whole pool: no room for the restored pages
@@ -177,8 +207,8 @@ def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backe
     for vt in held:
         vt.release().result()
     m = match(sp, A)
-    assert m.num_tokens == len(A)
-    io.verify(m.vtensor, A)
+    assert m.num_tokens == len(A) and m.restored_tokens == len(A)
+    io.verify(m.vtensor, A, m.vtensor.low, len(A))
 
 
 def test_a_match_restores_only_the_pages_it_maps(backend, make_manager):
@@ -348,15 +378,110 @@ def test_clear_prefixes_and_close_give_the_host_memory_back(backend, make_manage
     mgr.close()  # with nodes on the host
 
 
-def test_window_spaces_evict_without_the_tier(backend, make_manager):
+def test_a_window_prefix_spills_with_its_holes_and_comes_back_byte_for_byte(backend, make_manager):
+    """A window space's prefix (holes below its window) goes to the host tier
+    with the pages it holds only, and a match of it restores them: the rows
+    under its window are the recorded bytes. Without a tier it is lost."""
     chunk = chunk_for(backend)
-    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=16 * chunk)
-    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=30)
-    io = RowIO(sp, backend)
-    record(sp, io, list(range(60)))
+    mgr, sp, io = window_setup(make_manager, backend)
+    row = sp.row_bytes
+    A = [(7 * i + 3) % 101 for i in range(100)]
+    record_window(sp, io, A, low=70)
+    held = -(-100 * row // chunk) - 70 * row // chunk  # pages from the one holding row 70 on
     fill_pool(sp)
     st = assert_pool_consistent(mgr)
-    assert st["spills_total"] == 0 and st["tree_nodes"] == 0
+    assert st["spills_total"] == 1 and st["host_tier_used_bytes"] == held * chunk, st
+    assert [n["on_host"] for n in sp.prefix_nodes()] == [True]
+    m = match(sp, A)
+    first = (100 - 30 + 1) * row // chunk  # the page holding the window's first row
+    assert m.num_tokens == len(A) and m.restored_tokens == len(A)
+    assert m.vtensor.low == -(-first * chunk // row)
+    io.verify(m.vtensor, A, m.vtensor.low, len(A))
+    st = assert_pool_consistent(mgr)
+    assert st["restored_bytes_total"] == held * chunk and st["host_tier_used_bytes"] == 0, st
+    m.vtensor.release().result()
+
+    without = make_manager(backend, chunks=CHUNKS)
+    sp = without.create_space(row_bytes=row, max_tokens=200, max_slots=8, window_tokens=30)
+    io = RowIO(sp, backend)
+    record_window(sp, io, A, low=70)
+    fill_pool(sp)
+    assert assert_pool_consistent(without)["tree_nodes"] == 0 and match(sp, A).num_tokens == 0
+
+
+def test_without_room_for_its_host_part_a_window_match_takes_the_window_the_device_holds(backend, make_manager):
+    mgr, sp, io = window_setup(make_manager, backend)
+    A = [(19 * i + 2) % 97 for i in range(100)]
+    record_window(sp, io, A, low=0)
+    fill_pool(sp)
+    first = match(sp, A[:50] + [5])  # restores [0, 50), which it keeps locked on the device
+    held = []
+    while True:  # live vTensors hold every other chunk: the rest of A cannot come back
+        try:
+            held.append(sp.create(1).result())
+        except vtm.OutOfMemory:
+            break
+    held.pop().release().result()  # one chunk free: the match's copy of its last page
+    m = match(sp, A)
+    assert m.num_tokens == 50 and m.restored_tokens == 0
+    io.verify(m.vtensor, A, m.vtensor.low, 50)
+    assert [n["on_host"] for n in sp.prefix_nodes()] == [False, True]
+    for vt in held + [m.vtensor, first.vtensor]:
+        vt.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_a_window_record_through_a_node_on_the_host_adopts_it_only_where_it_holds_the_nodes_pages(
+        backend, make_manager):
+    """A record through a window tree's node on the host gives the node its
+    chunks only if it holds every page the host does: a recorder that slid
+    past some of them leaves the node on the host, as matchable as before."""
+    mgr, sp, io = window_setup(make_manager, backend)
+    A = [(23 * i + 9) % 89 for i in range(60)]
+    record_window(sp, io, A, low=0)  # every page of A
+    fill_pool(sp)
+    assert [n["on_host"] for n in sp.prefix_nodes()] == [True]
+    record_window(sp, io, A + [400 + i for i in range(40)], low=70)  # holds none of A's pages
+    st = assert_pool_consistent(mgr)
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 60, True), (60, 100, False)]
+    assert st["restores_total"] == 0 and st["host_tier_used_bytes"] > 0
+    m = match(sp, A)  # still there: restored
+    assert m.num_tokens == len(A) and m.restored_tokens == len(A)
+    io.verify(m.vtensor, A, m.vtensor.low, len(A))
+    m.vtensor.release().result()
+    fill_pool(sp)
+    record_window(sp, io, A + [600 + i for i in range(10)], low=0)  # holds them all: adopted
+    st = assert_pool_consistent(mgr)
+    assert not sp.prefix_nodes()[0]["on_host"] and st["restores_total"] == 1, st
+    m = match(sp, A)
+    assert m.num_tokens == len(A) and m.restored_tokens == 0
+    io.verify(m.vtensor, A, m.vtensor.low, len(A))
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_a_window_record_ending_in_a_page_a_node_on_the_host_keeps_still_fills_that_nodes_holes(
+        backend, make_manager):
+    """The recorder writes on in the page its record ends in, and a node on
+    the host keeps that page: the tree takes a copy of it, so the record can
+    still adopt the node, and the pages the node lacked (below an earlier
+    recorder's low mark) join the tree. Without the copy the node stayed on
+    the host with its holes, and a shorter match found nothing."""
+    mgr, sp, io = window_setup(make_manager, backend)
+    row = sp.row_bytes
+    A = [(29 * i + 8) % 83 for i in range(60)]
+    assert 60 * row % chunk_for(backend)  # the record ends inside a page
+    record_window(sp, io, A, low=50)  # holds the pages from row 50's on
+    fill_pool(sp)
+    assert match(sp, A[:40]).num_tokens == 0  # its window is in the holes
+    record_window(sp, io, A, low=0)  # computed again, every page held
+    st = assert_pool_consistent(mgr)
+    assert [n["on_host"] for n in sp.prefix_nodes()] == [False] and st["host_tier_used_bytes"] == 0, st
+    m = match(sp, A[:40])
+    assert m.num_tokens == 40 and m.restored_tokens == 0
+    io.verify(m.vtensor, A, m.vtensor.low, 40)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
 
 
 def test_bad_host_tier_sizes_are_refused(backend):

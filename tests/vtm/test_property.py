@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import vtm
-from vtm_testing import (SCALE, RowIO, assert_pool_consistent, best_lcp, lcp, leaf_paths, maximal,
+from vtm_testing import (CHUNK, SCALE, RowIO, assert_pool_consistent, best_lcp, lcp, leaf_paths, maximal,
                       new_manager, node_paths)
 
 VOCAB = 4
@@ -522,12 +522,15 @@ class WindowMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.mgr = new_manager(chunks=2048)
+        self.mgr = self.make_manager()
         self.spaces = [self.mgr.create_space(row_bytes=3000 * SCALE, max_tokens=120, max_slots=5,
                                              namespace="win", window_tokens=self.W) for _ in range(2)]
         self.ios = [RowIO(s) for s in self.spaces]
         self.live = {}  # vt -> [space index, tokens, low]
         self.records = {}  # sequence -> the first page its recorders held (the lowest over them)
+
+    def make_manager(self):
+        return new_manager(chunks=2048)
 
     def page_of(self, row):
         return row * 3000 * SCALE // self.mgr.chunk_bytes
@@ -681,3 +684,51 @@ class WindowMachine(RuleBasedStateMachine):
 TestWindowStateful = WindowMachine.TestCase
 TestWindowStateful.settings = settings(max_examples=int(200 * EXAMPLES), stateful_step_count=40, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+class WindowTierMachine(WindowMachine):
+    """WindowMachine on a device pool of 80 chunks with a host tier that
+    drops nothing: `pressure` fills the pool from a space of another
+    namespace, so the window tree spills to the host, holes and all, and
+    matches restore it; records go through nodes on the host. The model is
+    WindowMachine's, unchanged: a prefix on the host serves exactly what it
+    served on the device (the pool always has room to restore one: the live
+    vTensors hold at most 10 x 6 pages)."""
+
+    def make_manager(self):
+        mgr = new_manager(chunks=80, host_tier_bytes=4096 * CHUNK)
+        self.filler = mgr.create_space(row_bytes=mgr.chunk_bytes, max_tokens=16, max_slots=8, namespace="filler")
+        return mgr
+
+    @rule()
+    def release_all_and_spill(self):
+        """Nothing locks the tree: the pressure spills all of it."""
+        for vt in list(self.live):
+            vt.release().result()
+        self.live.clear()
+        self.pressure()
+
+    @rule()
+    def pressure(self):
+        held = []
+        try:
+            while True:
+                held.append(self.filler.create(16).result())
+        except vtm.OutOfMemory:
+            pass
+        for vt in held:
+            vt.release().result()
+        st_ = self.mgr.stats()
+        event("tier: nodes on the host" if st_["host_tier_nodes"] else "tier: nothing on the host")
+
+    @invariant()
+    def tier_drops_nothing(self):
+        st_ = self.mgr.stats()
+        assert st_["host_tier_drops_total"] == 0 and st_["spill_failures_total"] == 0, st_
+        if st_["restores_total"]:
+            event("tier: a match restored")
+
+
+TestWindowTierStateful = WindowTierMachine.TestCase
+TestWindowTierStateful.settings = settings(max_examples=int(150 * EXAMPLES), stateful_step_count=40, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

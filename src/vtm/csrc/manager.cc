@@ -193,10 +193,9 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   }
   for (int i = static_cast<int>(max_slots) - 1; i >= 0; --i) sp->clean_free.push_back(i);
   if (tree_it == trees_.end())
-    // Whole-prefix trees only: a window tree's holes would need holes in the tier's bookkeeping too.
     tree_it = trees_
                   .emplace(space_ns, std::make_unique<PrefixTree>(row_bytes, chunk_bytes_, window_tokens, pool_.get(),
-                                                                  window_tokens == 0 ? tier_.get() : nullptr))
+                                                                  tier_.get()))
                   .first;
   sp->tree = tree_it->second.get();
   live_spaces_.emplace(id, std::move(sp));

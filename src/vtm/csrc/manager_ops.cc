@@ -224,9 +224,10 @@ TreePosition Manager::MatchPosition(const Space& sp, const std::vector<std::int3
   const std::size_t limit = tokens.empty() ? 0 : std::min(tokens.size() - 1, sp.max_tokens);
   const TreePosition found = sp.tree->Find(tokens.data(), limit);
   // A window space matches as far as the tree holds the pages under the
-  // match's last W rows (they may have holes below); the vTensor maps those
-  // pages only, and its low mark is the first row wholly in them.
-  return sp.window_tokens > 0 ? sp.tree->Windowed(found) : found;
+  // match's last W rows, on the device or in the host tier (they may have
+  // holes below); the vTensor maps those pages only, and its low mark is the
+  // first row wholly in them.
+  return sp.window_tokens > 0 ? sp.tree->Windowed(found, /*with_host=*/sp.tree->tier() != nullptr) : found;
 }
 
 FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
@@ -267,8 +268,11 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
       // the device holds above it, as a manager without the tier would have.
       for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
         if (p->on_host) m = p->start;
-      if (m == 0) return MatchResult{0, 0};
       found = sp.tree->Find(tokens.data(), m);
+      // A window space: as far as the device holds the window's pages.
+      if (sp.window_tokens > 0) found = sp.tree->Windowed(found, /*with_host=*/false);
+      m = found.length;
+      if (m == 0) return MatchResult{0, 0};
     }
   }
 

@@ -53,16 +53,30 @@ std::size_t PrefixTree::FirstNeededPage(std::size_t length) const {
   return FirstPage(length - window_tokens_ + 1);
 }
 
-TreePosition PrefixTree::Windowed(const TreePosition& found) const {
+void PrefixTree::CollectHeld(const TreePosition& pos, bool with_host, std::vector<bool>* out) const {
+  std::vector<const PrefixNode*> path;
+  for (const PrefixNode* n = pos.node; n != &root_; n = n->parent) path.push_back(n);
+  // Root first, as in CollectPages: a page's version is the deepest node's.
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    const PrefixNode* n = *it;
+    for (std::size_t i = 0; i < n->pages.size(); ++i) {
+      const std::size_t page = n->first_page + i;
+      if (page < out->size())
+        (*out)[page] = n->on_host ? with_host && n->host_pages[i] != kNoBlock : n->pages[i] != kNoChunk;
+    }
+  }
+}
+
+TreePosition PrefixTree::Windowed(const TreePosition& found, bool with_host) const {
   // Deepest node first: for a length ending inside a node, the pages are
   // the versions of the path to that node.
   for (const PrefixNode* node = found.node; node != &root_; node = node->parent) {
     const std::size_t top = node == found.node ? found.length : node->end();
     const TreePosition pos{const_cast<PrefixNode*>(node), top};
-    std::vector<ChunkId> pages(PageEnd(top), kNoChunk);
-    CollectPages(pos, &pages);
-    std::vector<std::size_t> holes(pages.size() + 1, 0);  // holes[p]: holes among pages [0, p)
-    for (std::size_t p = 0; p < pages.size(); ++p) holes[p + 1] = holes[p] + (pages[p] == kNoChunk ? 1 : 0);
+    std::vector<bool> held(PageEnd(top), false);
+    CollectHeld(pos, with_host, &held);
+    std::vector<std::size_t> holes(held.size() + 1, 0);  // holes[p]: holes among pages [0, p)
+    for (std::size_t p = 0; p < held.size(); ++p) holes[p + 1] = holes[p] + (held[p] ? 0 : 1);
     for (std::size_t length = top; length > node->start; --length) {
       const std::size_t lo = FirstNeededPage(length), hi = PageEnd(length);
       if (lo >= hi || holes[hi] == holes[lo]) return TreePosition{pos.node, length};
@@ -72,9 +86,10 @@ TreePosition PrefixTree::Windowed(const TreePosition& found) const {
 }
 
 bool PrefixTree::HoleAt(const TreePosition& pos, std::size_t page) const {
-  for (const PrefixNode* n = pos.node; n != &root_; n = n->parent)
-    if (page >= n->first_page && page < n->first_page + n->pages.size() && n->pages[page - n->first_page] == kNoChunk)
-      return true;
+  for (const PrefixNode* n = pos.node; n != &root_; n = n->parent) {
+    if (page < n->first_page || page >= n->first_page + n->pages.size()) continue;
+    if (n->on_host || n->pages[page - n->first_page] == kNoChunk) return true;
+  }
   return false;
 }
 
@@ -134,23 +149,29 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   PrefixNode* node = SplitAt(pos);
   // Adoption: nodes of the path on the host take the recorder's chunks,
   // except those holding the page the recorder writes next (the deepest,
-  // and its parent too when the page straddles their boundary).
+  // and its parent too when the page straddles their boundary), and those
+  // with a page on the host that the recorder does not hold (a window
+  // recorder below its low mark). A hole on both sides stays a hole.
   for (PrefixNode* m = node; tier_ != nullptr && m != &root_; m = m->parent) {
     if (!m->on_host) continue;
     const std::size_t end = m->first_page + m->pages.size();
-    if (end > adopt_end || end > pages.size() ||
-        std::any_of(pages.begin() + m->first_page, pages.begin() + end, [](ChunkId c) { return c == kNoChunk; }))
-      continue;
+    if (end > adopt_end || end > pages.size()) continue;
+    bool covered = true;
+    for (std::size_t i = 0; i < m->pages.size() && covered; ++i)
+      covered = m->host_pages[i] == kNoBlock || pages[m->first_page + i] != kNoChunk;
+    if (!covered) continue;
     for (std::size_t i = 0; i < m->pages.size(); ++i) {
       m->pages[i] = pages[m->first_page + i];
-      pool_->Ref(m->pages[i]);
-      tier_->Unref(m->host_pages[i]);
+      if (m->pages[i] != kNoChunk) pool_->Ref(m->pages[i]);
+      if (m->host_pages[i] != kNoBlock) tier_->Unref(m->host_pages[i]);
     }
     m->host_pages.clear();
     m->on_host = false;
   }
-  // Union: the path's holes take the recorder's chunks where it has them.
-  for (PrefixNode* m = node; window_tokens_ > 0 && m != &root_; m = m->parent)
+  // Union: the holes of the path's nodes on the device take the recorder's
+  // chunks where it has them (a node on the host holds no chunk).
+  for (PrefixNode* m = node; window_tokens_ > 0 && m != &root_; m = m->parent) {
+    if (m->on_host) continue;
     for (std::size_t i = 0; i < m->pages.size(); ++i) {
       const std::size_t p = m->first_page + i;
       if (m->pages[i] == kNoChunk && p < pages.size() && pages[p] != kNoChunk) {
@@ -158,6 +179,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
         pool_->Ref(pages[p]);
       }
     }
+  }
   const std::size_t start = pos.length;
   if (start < n) {
     auto leaf = std::make_unique<PrefixNode>();

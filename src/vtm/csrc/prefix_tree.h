@@ -20,13 +20,18 @@
 // never filled from above. A windowed match (Windowed) then needs only the
 // pages under its last W rows.
 //
-// A tree with a host tier (a whole-prefix tree of a manager given
-// host_tier_bytes) keeps the nodes the device pool evicts: a spilled node's
-// bytes are in host blocks (host_pages, one per page) and it holds no device
-// chunk, but stays in the tree, matchable; a match restores it (the Manager
-// copies the blocks into new chunks). A node is spilled only when every one
-// of its descendants is on the host already, so the tree empties the device
-// from its leaves up, as eviction does.
+// A tree with a host tier (the trees of a manager given host_tier_bytes)
+// keeps the nodes the device pool evicts: a spilled node's bytes are in host
+// blocks (host_pages, one per page; kNoBlock where a window tree's node has
+// a hole) and it holds no device chunk, but stays in the tree, matchable; a
+// match restores it (the Manager copies the blocks into new chunks, and a
+// hole stays a hole). A node is spilled only when every one of its
+// descendants is on the host already, so the tree empties the device from
+// its leaves up, as eviction does. A record may bring a node of its path
+// back to the device (adoption) above descendants still on the host, and
+// in a window tree it may leave an ancestor on the host (a page the
+// recorder no longer holds): nothing relies on the host nodes forming
+// whole subtrees, only spilling goes from the leaves up.
 //
 // Invariants:
 //  * children are keyed by their first token; no node but the root has an
@@ -35,8 +40,9 @@
 //    window tree or a node on the host, and the node holds one pool
 //    reference on each chunk;
 //  * on_host: every page is kNoChunk and host_pages (as long as pages) holds
-//    one tier reference on each block; otherwise host_pages is empty; only a
-//    tree with a tier has nodes on the host;
+//    one tier reference on each block, kNoBlock only in a window tree;
+//    otherwise host_pages is empty; only a tree with a tier has nodes on the
+//    host;
 //  * locks = number of live vTensors whose locked node is this node or a
 //    descendant, so locks(parent) >= locks(child); only leaves with locks == 0
 //    are evicted.
@@ -83,7 +89,7 @@ struct TreePosition {
 class PrefixTree {
  public:
   // window_tokens 0: a tree of whole prefixes (no holes). `tier`: where
-  // spilled nodes keep their bytes (null: none; a window tree has none).
+  // spilled nodes keep their bytes (null: none).
   PrefixTree(std::size_t row_bytes, std::size_t page_bytes, std::size_t window_tokens, Pool* pool,
              HostTier* tier = nullptr);
   ~PrefixTree();  // drops every reference (the pool and the tier must still exist)
@@ -99,15 +105,22 @@ class PrefixTree {
   // For each page p < out->size(), the chunk the deepest node on the path to
   // `pos` that covers p keeps for p (kNoChunk where none does, or its a hole).
   void CollectPages(const TreePosition& pos, std::vector<ChunkId>* out) const;
+  // For each page p < out->size(), whether the deepest node on the path to
+  // `pos` that covers p holds its bytes: a chunk, or (`with_host`) a block
+  // on the host.
+  void CollectHeld(const TreePosition& pos, bool with_host, std::vector<bool>* out) const;
   // Window trees: the longest prefix of `found` (a Find result) of length L
-  // whose pages under rows [max(0, L - W + 1), L) the tree holds (length 0
-  // and the root when there is none).
-  TreePosition Windowed(const TreePosition& found) const;
+  // whose pages under rows [max(0, L - W + 1), L) the tree holds, on the
+  // device or (`with_host`) on the host (length 0 and the root when there
+  // is none).
+  TreePosition Windowed(const TreePosition& found, bool with_host) const;
   // The first page a match of `length` tokens needs: the one holding row
   // length - W + 1 in a window tree, else 0.
   std::size_t FirstNeededPage(std::size_t length) const;
-  // Window trees: whether the path to `pos` has a hole at `page` that a
-  // record of pos.length tokens would fill.
+  // Window trees: whether a record of pos.length tokens may give the tree
+  // its chunk for `page`: a node of the path lacks it (a hole), or keeps it
+  // on the host (the record may adopt the node; without a copy of that page
+  // it may not, and the holes the record would fill below stay holes).
   bool HoleAt(const TreePosition& pos, std::size_t page) const;
   // The node that ends exactly at pos.length, splitting pos.node if needed.
   PrefixNode* SplitAt(const TreePosition& pos);
