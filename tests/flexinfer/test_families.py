@@ -303,7 +303,7 @@ def test_sliding_layers_map_only_their_window(families):
     manager.close()
 
 
-@pytest.mark.parametrize("name, chunks", [("gemma2", 48), ("mistral-sliding", 16)])
+@pytest.mark.parametrize("name, chunks", [("gemma2", 48), ("mistral-sliding", 12)])
 def test_a_step_that_maps_pages_carries_every_low_mark_due(families, name, chunks):
     """Requests arrive while others decode, in a pool that runs out: every
     step vtm gets that maps a page also raises the low mark of each running

@@ -59,6 +59,9 @@ def record_window(sp, io, tokens, low):
     vt.release().result()
 
 
+WINDOWS = pytest.mark.parametrize("window", [0, 30], ids=["whole", "window"])
+
+
 def fill_pool(sp):
     """vTensors holding every chunk of the pool (evicting the tree), then released."""
     held = []
@@ -162,9 +165,6 @@ def test_a_node_on_the_host_splits_and_both_halves_come_back(backend, make_manag
     assert_pool_consistent(mgr)
 
 
-WINDOWS = pytest.mark.parametrize("window", [0, 30], ids=["whole", "window"])
-
-
 @WINDOWS
 @pytest.mark.parametrize("op", ["copy_to_host", "alloc_host"])
 def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manager, op, window):
@@ -235,12 +235,14 @@ def test_a_match_restores_only_the_pages_it_maps(backend, make_manager):
     assert_pool_consistent(mgr)
 
 
-def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(backend, make_manager):
-    mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
+@WINDOWS
+def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(backend, make_manager, window):
+    """In a window space, what the device holds of the match's window."""
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window)
     A = [(17 * i + 1) % 79 for i in range(100)]
     record(sp, io, A)
     fill_pool(sp)
-    first = match(sp, A[:20] + [5])  # restores [0, 20), which it keeps locked on the device
+    first = match(sp, A[:50] + [5])  # restores [0, 50), which it keeps locked on the device
     held = []
     while True:  # live vTensors hold every other chunk: the rest of A cannot come back
         try:
@@ -249,8 +251,8 @@ def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(back
             break
     held.pop().release().result()  # one chunk free: the match's copy of its last page
     m = match(sp, A)
-    assert m.num_tokens == 20 and m.restored_tokens == 0
-    io.verify(m.vtensor, A, 0, 20)
+    assert m.num_tokens == 50 and m.restored_tokens == 0
+    io.verify(m.vtensor, A, m.vtensor.low, 50)
     assert [n["on_host"] for n in sp.prefix_nodes()] == [False, True]
     for vt in held + [m.vtensor, first.vtensor]:
         vt.release().result()
@@ -409,28 +411,6 @@ def test_a_window_prefix_spills_with_its_holes_and_comes_back_byte_for_byte(back
     assert assert_pool_consistent(without)["tree_nodes"] == 0 and match(sp, A).num_tokens == 0
 
 
-def test_without_room_for_its_host_part_a_window_match_takes_the_window_the_device_holds(backend, make_manager):
-    mgr, sp, io = window_setup(make_manager, backend)
-    A = [(19 * i + 2) % 97 for i in range(100)]
-    record_window(sp, io, A, low=0)
-    fill_pool(sp)
-    first = match(sp, A[:50] + [5])  # restores [0, 50), which it keeps locked on the device
-    held = []
-    while True:  # live vTensors hold every other chunk: the rest of A cannot come back
-        try:
-            held.append(sp.create(1).result())
-        except vtm.OutOfMemory:
-            break
-    held.pop().release().result()  # one chunk free: the match's copy of its last page
-    m = match(sp, A)
-    assert m.num_tokens == 50 and m.restored_tokens == 0
-    io.verify(m.vtensor, A, m.vtensor.low, 50)
-    assert [n["on_host"] for n in sp.prefix_nodes()] == [False, True]
-    for vt in held + [m.vtensor, first.vtensor]:
-        vt.release().result()
-    assert_pool_consistent(mgr)
-
-
 def test_a_window_record_through_a_node_on_the_host_adopts_it_only_where_it_holds_the_nodes_pages(
         backend, make_manager):
     """A record through a window tree's node on the host gives the node its
@@ -481,6 +461,55 @@ def test_a_window_record_ending_in_a_page_a_node_on_the_host_keeps_still_fills_t
     assert m.num_tokens == 40 and m.restored_tokens == 0
     io.verify(m.vtensor, A, m.vtensor.low, 40)
     m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_a_window_match_restores_only_the_nodes_its_window_needs(backend, make_manager):
+    """A node on the host whose pages all lie below the match's window stays
+    there: the match neither copies nor counts it, and without any budget
+    it still maps the window the device holds. (The match restored every
+    node of the path on the host, and without room or budget cut itself
+    at the highest of them: to nothing.)"""
+    mgr, sp, io = window_setup(make_manager, backend)
+    A = [(23 * i + 9) % 89 for i in range(60)]
+    B = A + [400 + i for i in range(40)]
+    record_window(sp, io, A, low=0)
+    fill_pool(sp)
+    record_window(sp, io, B, low=70)  # leaves [0, 60) on the host, above [60, 100) on the device
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 60, True), (60, 100, False)]
+    assert sp.prefix_restore_bytes(B + [SENTINEL]) == 0
+    for budget in (0, None):
+        m = sp.prefix_match(B + [SENTINEL], max_restore_bytes=budget).result()
+        assert m.num_tokens == len(B) and m.restored_tokens == 0
+        io.verify(m.vtensor, B, m.vtensor.low, len(B))
+        m.vtensor.release().result()
+    st = assert_pool_consistent(mgr)
+    assert st["restores_total"] == 0 and sp.prefix_nodes()[0]["on_host"], st
+
+
+def test_a_window_record_that_cannot_adopt_a_node_on_the_host_takes_no_copy(backend, make_manager):
+    """A recorder that slid past some of the pages a node on the host keeps
+    cannot adopt it: the page it writes next is then nobody's to copy, and
+    on a full pool the record still succeeds."""
+    mgr, sp, io = window_setup(make_manager, backend)
+    A = [(29 * i + 8) % 83 for i in range(60)]
+    record_window(sp, io, A, low=0)
+    fill_pool(sp)
+    vt = sp.create(60).result()
+    io.write(vt, A, 0, 60)
+    vt.extend(60, low=50).result()  # holds the last two pages of A's four
+    held = []
+    while True:
+        try:
+            held.append(sp.create(1).result())
+        except vtm.OutOfMemory:
+            break
+    copies = mgr.stats()["cow_copies_total"]
+    assert sp.prefix_record(vt, A).result() == 0
+    st = assert_pool_consistent(mgr)
+    assert st["cow_copies_total"] == copies and sp.prefix_nodes()[0]["on_host"], st
+    for v in held + [vt]:
+        v.release().result()
     assert_pool_consistent(mgr)
 
 

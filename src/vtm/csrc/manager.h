@@ -317,9 +317,10 @@ class Manager {
   std::vector<std::uint32_t> AccountsBelow(const PrefixNode* node) const;
   // The account's limit in blocks; none when it has none.
   std::optional<std::size_t> HostTierLimit(std::uint32_t account) const;
-  // Copies the host-tier nodes on the path from the root to `node` (locked
-  // by the caller) back into new chunks: all or none, a step of its own.
-  // Returns how many of the path's first `length` tokens they hold.
+  // Copies the host-tier nodes that a match of `length` tokens ending at
+  // `node` (locked by the caller) needs (PrefixTree::HostNodesToRestore)
+  // back into new chunks: all or none, a step of its own. Returns how many
+  // of the path's first `length` tokens they hold.
   std::size_t RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length, std::unique_lock<std::mutex>& lock);
   void MapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, const std::vector<ChunkId>& chunks,
                 UndoLog& undo);

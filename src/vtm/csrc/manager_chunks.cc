@@ -295,11 +295,9 @@ bool Manager::DropHostLeaves(std::optional<std::uint32_t> account, const std::fu
 
 std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length,
                                  std::unique_lock<std::mutex>& lock) {
-  std::vector<PrefixNode*> cold;
+  const std::vector<PrefixNode*> cold = tree.HostNodesToRestore(TreePosition{node, length});
   std::size_t n = 0, tokens = 0;
-  for (PrefixNode* p = node; p != tree.root(); p = p->parent) {
-    if (!p->on_host) continue;
-    cold.push_back(p);
+  for (PrefixNode* p : cold) {
     for (BlockId b : p->host_pages) n += b != kNoBlock ? 1 : 0;
     tokens += std::min(p->end(), length) - std::min(p->start, length);
   }

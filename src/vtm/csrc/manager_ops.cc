@@ -193,7 +193,7 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   const std::size_t p = boundary / chunk_bytes_;
   const TreePosition recorded = sp.tree->Find(tokens.data(), n);
   if (boundary % chunk_bytes_ != 0 && pages[p] != kNoChunk &&
-      (recorded.length < n || (sp.window_tokens > 0 && sp.tree->HoleAt(recorded, p)))) {
+      (recorded.length < n || (sp.window_tokens > 0 && sp.tree->HoleAt(recorded, p, pages)))) {
     UndoLog undo(&rollback_failures_total_);
     copy = Acquire(1, undo, lock).front();
     backend_->copy(pool_->handle(copy), pool_->handle(pages[p]), boundary - p * chunk_bytes_, after);
@@ -265,12 +265,15 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     }
     if (fall_back) {
       // No device memory (or budget) for the part on the host: match what
-      // the device holds above it, as a manager without the tier would have.
-      for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
-        if (p->on_host) m = p->start;
-      found = sp.tree->Find(tokens.data(), m);
-      // A window space: as far as the device holds the window's pages.
-      if (sp.window_tokens > 0) found = sp.tree->Windowed(found, /*with_host=*/false);
+      // the device holds above it, as a manager without the tier would have;
+      // in a window space, as far as the device holds the window's pages.
+      if (sp.window_tokens > 0) {
+        found = sp.tree->Windowed(found, /*with_host=*/false);
+      } else {
+        for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
+          if (p->on_host) m = p->start;
+        found = sp.tree->Find(tokens.data(), m);
+      }
       m = found.length;
       if (m == 0) return MatchResult{0, 0};
     }

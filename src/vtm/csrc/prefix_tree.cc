@@ -36,16 +36,9 @@ TreePosition PrefixTree::Find(const std::int32_t* tokens, std::size_t n) const {
 }
 
 void PrefixTree::CollectPages(const TreePosition& pos, std::vector<ChunkId>* out) const {
-  std::vector<const PrefixNode*> path;
-  for (const PrefixNode* n = pos.node; n != &root_; n = n->parent) path.push_back(n);
-  // Root first, so a deeper node's version of a page overwrites its parent's.
-  for (auto it = path.rbegin(); it != path.rend(); ++it) {
-    const PrefixNode* n = *it;
-    for (std::size_t i = 0; i < n->pages.size(); ++i) {
-      const std::size_t page = n->first_page + i;
-      if (page < out->size()) (*out)[page] = n->pages[i];
-    }
-  }
+  ForEachPathPage(pos, out->size(), [&](std::size_t page, const PrefixNode* n, std::size_t i) {
+    (*out)[page] = n->pages[i];
+  });
 }
 
 std::size_t PrefixTree::FirstNeededPage(std::size_t length) const {
@@ -54,17 +47,9 @@ std::size_t PrefixTree::FirstNeededPage(std::size_t length) const {
 }
 
 void PrefixTree::CollectHeld(const TreePosition& pos, bool with_host, std::vector<bool>* out) const {
-  std::vector<const PrefixNode*> path;
-  for (const PrefixNode* n = pos.node; n != &root_; n = n->parent) path.push_back(n);
-  // Root first, as in CollectPages: a page's version is the deepest node's.
-  for (auto it = path.rbegin(); it != path.rend(); ++it) {
-    const PrefixNode* n = *it;
-    for (std::size_t i = 0; i < n->pages.size(); ++i) {
-      const std::size_t page = n->first_page + i;
-      if (page < out->size())
-        (*out)[page] = n->on_host ? with_host && n->host_pages[i] != kNoBlock : n->pages[i] != kNoChunk;
-    }
-  }
+  ForEachPathPage(pos, out->size(), [&](std::size_t page, const PrefixNode* n, std::size_t i) {
+    (*out)[page] = n->on_host ? with_host && n->host_pages[i] != kNoBlock : n->pages[i] != kNoChunk;
+  });
 }
 
 TreePosition PrefixTree::Windowed(const TreePosition& found, bool with_host) const {
@@ -85,12 +70,19 @@ TreePosition PrefixTree::Windowed(const TreePosition& found, bool with_host) con
   return TreePosition{const_cast<PrefixNode*>(&root_), 0};
 }
 
-bool PrefixTree::HoleAt(const TreePosition& pos, std::size_t page) const {
+bool PrefixTree::HoleAt(const TreePosition& pos, std::size_t page, const std::vector<ChunkId>& pages) const {
   for (const PrefixNode* n = pos.node; n != &root_; n = n->parent) {
     if (page < n->first_page || page >= n->first_page + n->pages.size()) continue;
-    if (n->on_host || n->pages[page - n->first_page] == kNoChunk) return true;
+    if (n->on_host ? Adoptable(n, pages) : n->pages[page - n->first_page] == kNoChunk) return true;
   }
   return false;
+}
+
+bool PrefixTree::Adoptable(const PrefixNode* node, const std::vector<ChunkId>& pages) const {
+  if (node->first_page + node->pages.size() > pages.size()) return false;
+  for (std::size_t i = 0; i < node->pages.size(); ++i)
+    if (node->host_pages[i] != kNoBlock && pages[node->first_page + i] == kNoChunk) return false;
+  return true;
 }
 
 PrefixNode* PrefixTree::SplitAt(const TreePosition& pos) {
@@ -154,12 +146,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   // recorder below its low mark). A hole on both sides stays a hole.
   for (PrefixNode* m = node; tier_ != nullptr && m != &root_; m = m->parent) {
     if (!m->on_host) continue;
-    const std::size_t end = m->first_page + m->pages.size();
-    if (end > adopt_end || end > pages.size()) continue;
-    bool covered = true;
-    for (std::size_t i = 0; i < m->pages.size() && covered; ++i)
-      covered = m->host_pages[i] == kNoBlock || pages[m->first_page + i] != kNoChunk;
-    if (!covered) continue;
+    if (m->first_page + m->pages.size() > adopt_end || !Adoptable(m, pages)) continue;
     for (std::size_t i = 0; i < m->pages.size(); ++i) {
       m->pages[i] = pages[m->first_page + i];
       if (m->pages[i] != kNoChunk) pool_->Ref(m->pages[i]);
@@ -200,10 +187,22 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   return {node, n - start};
 }
 
+std::vector<PrefixNode*> PrefixTree::HostNodesToRestore(const TreePosition& pos) const {
+  std::vector<PrefixNode*> nodes;
+  // A node keeps the version of its pages below the first page of the
+  // nodes under it on the path; a window match maps its window's pages only.
+  const std::size_t from = FirstNeededPage(pos.length);
+  std::size_t deeper = PageEnd(pos.length);
+  for (PrefixNode* p = pos.node; p != &root_; p = p->parent) {
+    if (p->on_host && (window_tokens_ == 0 || std::max(p->first_page, from) < deeper)) nodes.push_back(p);
+    deeper = std::min(deeper, p->first_page);
+  }
+  return nodes;
+}
+
 std::size_t PrefixTree::HostPagesOnPath(const TreePosition& pos) const {
   std::size_t pages = 0;
-  for (const PrefixNode* p = pos.node; p != nullptr && p != &root_; p = p->parent) {
-    if (!p->on_host) continue;
+  for (const PrefixNode* p : HostNodesToRestore(pos)) {
     // The node the position ends inside would be split there: its upper half's pages.
     const std::size_t end = p == pos.node ? std::min(PageEnd(pos.length), p->first_page + p->host_pages.size())
                                           : p->first_page + p->host_pages.size();

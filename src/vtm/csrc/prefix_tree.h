@@ -117,11 +117,15 @@ class PrefixTree {
   // The first page a match of `length` tokens needs: the one holding row
   // length - W + 1 in a window tree, else 0.
   std::size_t FirstNeededPage(std::size_t length) const;
-  // Window trees: whether a record of pos.length tokens may give the tree
-  // its chunk for `page`: a node of the path lacks it (a hole), or keeps it
-  // on the host (the record may adopt the node; without a copy of that page
-  // it may not, and the holes the record would fill below stay holes).
-  bool HoleAt(const TreePosition& pos, std::size_t page) const;
+  // Window trees: whether a record of pos.length tokens whose vTensor holds
+  // `pages` may give the tree its chunk for `page`: a node of the path lacks
+  // it (a hole), or keeps it on the host and the record could adopt the
+  // node (Adoptable), which it may only with a copy of that page; without
+  // one, the holes the record would fill in that node stay holes.
+  bool HoleAt(const TreePosition& pos, std::size_t page, const std::vector<ChunkId>& pages) const;
+  // Whether a record whose vTensor holds `pages` (kNoChunk: not held) holds
+  // every page that `node`, on the host, keeps a block for.
+  bool Adoptable(const PrefixNode* node, const std::vector<ChunkId>& pages) const;
   // The node that ends exactly at pos.length, splitting pos.node if needed.
   PrefixNode* SplitAt(const TreePosition& pos);
   // Records tokens[0..n), whose KV lives in `pages` (a slot's page table;
@@ -149,8 +153,13 @@ class PrefixTree {
   // Whether `node` may be spilled: on the device, unlocked, every descendant on the host.
   bool Spillable(const PrefixNode* node) const;
   void ForEachSpillable(const std::function<void(PrefixNode*)>& fn);
-  // The pages that nodes on the host hold on the path to `pos`, counting
-  // those of pos.node only up to pos.length: what restoring it would copy.
+  // The nodes on the host that a match of `pos` must restore: on the path,
+  // every one in a whole-prefix tree; in a window tree those that keep the
+  // version of a page under the match's window (one whose pages all lie
+  // below it, or under nodes deeper on the path, stays on the host).
+  std::vector<PrefixNode*> HostNodesToRestore(const TreePosition& pos) const;
+  // The pages those nodes hold, counting those of pos.node only up to
+  // pos.length: what restoring them would copy.
   std::size_t HostPagesOnPath(const TreePosition& pos) const;
   // Visits every unlocked leaf on the host.
   void ForEachHostLeaf(const std::function<void(PrefixNode*)>& fn);
@@ -177,6 +186,18 @@ class PrefixTree {
   std::size_t PageEnd(std::size_t end) const { return (end * row_bytes_ + page_bytes_ - 1) / page_bytes_; }
 
  private:
+  // Calls fn(page, node, index of the page in node) for every page below
+  // `limit` of every node on the path to `pos`, root first: a deeper node's
+  // call for a page comes after its ancestors', so the last call is the
+  // page's version.
+  template <class Fn>
+  void ForEachPathPage(const TreePosition& pos, std::size_t limit, Fn fn) const {
+    std::vector<const PrefixNode*> path;
+    for (const PrefixNode* n = pos.node; n != &root_; n = n->parent) path.push_back(n);
+    for (auto it = path.rbegin(); it != path.rend(); ++it)
+      for (std::size_t i = 0; i < (*it)->pages.size(); ++i)
+        if ((*it)->first_page + i < limit) fn((*it)->first_page + i, *it, i);
+  }
   PrefixNode* Split(PrefixNode* node, std::size_t at);
   // Drops a detached subtree's references; returns its node count and adds
   // the chunks that became free to *freed.
