@@ -513,6 +513,34 @@ def test_a_window_record_that_cannot_adopt_a_node_on_the_host_takes_no_copy(back
     assert_pool_consistent(mgr)
 
 
+def test_a_lowered_limit_drops_a_window_node_on_the_host_above_nodes_on_the_device(backend, make_manager):
+    """A window tree's node on the host that a record could not adopt sits
+    above that record's node on the device: never a leaf, it kept its
+    account above a lowered limit, and the full tier could not take its
+    blocks back. It now gives them up and stays in the tree as holes; the
+    prefix below it still serves its window."""
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=16 * chunk)
+    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=30, tier_account=1)
+    io = RowIO(sp, backend)
+    A = [(23 * i + 9) % 89 for i in range(60)]
+    B = A + [400 + i for i in range(40)]
+    record_window(sp, io, A, low=0)
+    fill_pool(sp)
+    record_window(sp, io, B, low=70)
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 60, True), (60, 100, False)]
+    mgr.set_host_tier_limit(1, chunk)
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_accounts"][1]["used_bytes"] == 0 and st["host_tier_limit_drops_total"] == 1, st
+    assert [(n["start"], n["end"], n["on_host"], set(n["pages"])) for n in sp.prefix_nodes()][0] == (0, 60, False, {None})
+    m = match(sp, B)
+    assert m.num_tokens == len(B) and m.restored_tokens == 0
+    io.verify(m.vtensor, B, m.vtensor.low, len(B))
+    m.vtensor.release().result()
+    assert match(sp, A[:40]).num_tokens == 0  # its window was on the host
+    assert_pool_consistent(mgr)
+
+
 def test_bad_host_tier_sizes_are_refused(backend):
     chunk = chunk_for(backend)
     with pytest.raises(vtm.InvalidArgument, match="host_tier_bytes"):

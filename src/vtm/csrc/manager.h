@@ -308,10 +308,12 @@ class Manager {
   // tier is full of locked nodes, or a copy fails), evicts the node's subtree
   // as a tree without a tier would. Returns the chunks freed.
   std::size_t SpillNode(PrefixTree& tree, PrefixNode* node);
-  // Drops unlocked leaves on the host (charged to `account`, when given),
-  // least recently used first, until enough(); false when none is left to
-  // drop and it is still not enough. One walk over the trees per call.
-  bool DropHostLeaves(std::optional<std::uint32_t> account, const std::function<bool()>& enough);
+  // Drops the bytes of nodes on the host (charged to `account`, when
+  // given; PrefixTree::HostDroppable: unlocked leaves, and a window tree's
+  // nodes above nodes on the device), least recently used first, until
+  // enough(); false when none is left to drop and it is still not enough.
+  // One walk over the trees per call.
+  bool DropHostNodes(std::optional<std::uint32_t> account, const std::function<bool()>& enough);
   // The accounts of `node`'s descendants other than its own, most recently
   // used first: those a spill of it may be charged to when its own has no room.
   std::vector<std::uint32_t> AccountsBelow(const PrefixNode* node) const;

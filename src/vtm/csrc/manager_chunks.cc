@@ -170,7 +170,7 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   std::optional<std::uint32_t> account;
   const std::uint32_t own = node->tier_account;
   const std::optional<std::size_t> own_limit = HostTierLimit(own);
-  if (!own_limit || (pages <= *own_limit && DropHostLeaves(own, [&] {
+  if (!own_limit || (pages <= *own_limit && DropHostNodes(own, [&] {
                        return tier_->used_by(own) + pages <= *own_limit;
                      }))) {
     account = own;
@@ -185,7 +185,7 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   }
   // Then the tier.
   const bool room =
-      account && DropHostLeaves(std::nullopt, [&] { return tier_->used() + pages <= tier_->capacity(); });
+      account && DropHostNodes(std::nullopt, [&] { return tier_->used() + pages <= tier_->capacity(); });
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
@@ -246,7 +246,7 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
     return;
   }
   tier_limits_[account] = blocks;
-  DropHostLeaves(account, [&] { return tier_->used_by(account) <= blocks; });
+  DropHostNodes(account, [&] { return tier_->used_by(account) <= blocks; });
 }
 
 std::vector<std::uint32_t> Manager::UnusedTierAccounts(const std::vector<std::uint32_t>& accounts) const {
@@ -264,30 +264,29 @@ std::vector<std::uint32_t> Manager::UnusedTierAccounts(const std::vector<std::ui
   return unused;
 }
 
-bool Manager::DropHostLeaves(std::optional<std::uint32_t> account, const std::function<bool()>& enough) {
+bool Manager::DropHostNodes(std::optional<std::uint32_t> account, const std::function<bool()>& enough) {
   if (enough()) return true;
-  // One walk over the trees, then least recently used first; a parent whose
-  // last child went is a candidate from then on.
+  // One walk over the trees, then least recently used first; a parent that
+  // became droppable (its last child went, or in a window tree its last
+  // child on the host) is a candidate from then on.
   using Entry = std::tuple<std::uint64_t, PrefixNode*, PrefixTree*>;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
   const auto candidate = [&](const PrefixNode* n) { return !account || n->tier_account == *account; };
   for (auto& [name, tree] : trees_) {
     if (tree->tier() == nullptr) continue;
     PrefixTree* t = tree.get();
-    t->ForEachHostLeaf([&](PrefixNode* n) {
+    t->ForEachHostDroppable([&](PrefixNode* n) {
       if (candidate(n)) heap.emplace(n->last_access, n, t);
     });
   }
   while (!heap.empty()) {
-    auto [tick, leaf, tree] = heap.top();
+    auto [tick, node, tree] = heap.top();
     heap.pop();
-    PrefixNode* parent = leaf->parent;
-    tree->EvictLeaf(leaf);
+    PrefixNode* parent = node->parent;
+    tree->DropHost(node);
     ++tier_drops_total_;
     if (account) ++tier_limit_drops_total_;
-    if (parent != tree->root() && parent->on_host && parent->children.empty() && parent->locks == 0 &&
-        candidate(parent))
-      heap.emplace(parent->last_access, parent, tree);
+    if (tree->HostDroppable(parent) && candidate(parent)) heap.emplace(parent->last_access, parent, tree);
     if (enough()) return true;
   }
   return false;

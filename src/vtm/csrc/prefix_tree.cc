@@ -275,17 +275,36 @@ void PrefixTree::ForEachSpillable(const std::function<void(PrefixNode*)>& fn) {
   if (tier_ != nullptr) visit(&root_);
 }
 
-void PrefixTree::ForEachHostLeaf(const std::function<void(PrefixNode*)>& fn) {
+bool PrefixTree::HostDroppable(const PrefixNode* node) const {
+  if (node == &root_ || !node->on_host) return false;
+  if (node->children.empty()) return node->locks == 0;
+  if (window_tokens_ == 0) return false;
+  for (const auto& [token, child] : node->children)
+    if (child->on_host) return false;
+  return true;
+}
+
+void PrefixTree::ForEachHostDroppable(const std::function<void(PrefixNode*)>& fn) {
   std::function<void(PrefixNode*)> visit = [&](PrefixNode* n) {
     for (auto& [token, child] : n->children) {
-      if (child->children.empty()) {
-        if (child->on_host && child->locks == 0) fn(child.get());
-      } else {
-        visit(child.get());
-      }
+      visit(child.get());
+      if (HostDroppable(child.get())) fn(child.get());
     }
   };
   visit(&root_);
+}
+
+void PrefixTree::DropHost(PrefixNode* node) {
+  if (!HostDroppable(node)) Throw(ErrorCode::kInternal, "dropping a prefix node on the host that cannot be dropped");
+  if (node->children.empty()) {
+    EvictLeaf(node);
+    return;
+  }
+  // A window tree's node above nodes on the device: it stays, as holes.
+  for (BlockId b : node->host_pages)
+    if (b != kNoBlock) tier_->Unref(b);
+  node->host_pages.clear();
+  node->on_host = false;
 }
 
 std::size_t PrefixTree::Spill(PrefixNode* node, const std::vector<BlockId>& blocks) {

@@ -161,8 +161,16 @@ class PrefixTree {
   // The pages those nodes hold, counting those of pos.node only up to
   // pos.length: what restoring them would copy.
   std::size_t HostPagesOnPath(const TreePosition& pos) const;
-  // Visits every unlocked leaf on the host.
-  void ForEachHostLeaf(const std::function<void(PrefixNode*)>& fn);
+  // Whether `node`, on the host, may give its blocks up: an unlocked leaf;
+  // in a window tree, also a node whose children are all on the device.
+  bool HostDroppable(const PrefixNode* node) const;
+  // Visits every node HostDroppable says may be, children before parents.
+  void ForEachHostDroppable(const std::function<void(PrefixNode*)>& fn);
+  // Drops `node`'s bytes on the host (HostDroppable): a leaf leaves the
+  // tree; a window tree's node above nodes on the device stays, on the
+  // device, all holes (its children are matchable as far as their windows
+  // lie under them).
+  void DropHost(PrefixNode* node);
   // `node` (Spillable) keeps its bytes in `blocks` (one reference each,
   // taken over; one per page) and drops its chunks; returns how many chunks
   // became free.
