@@ -487,6 +487,25 @@ def test_a_window_match_restores_only_the_nodes_its_window_needs(backend, make_m
     assert st["restores_total"] == 0 and sp.prefix_nodes()[0]["on_host"], st
 
 
+def test_a_short_window_record_into_a_node_on_the_host_adopts_the_upper_half_it_splits_off(backend, make_manager):
+    """A record ending inside a node on the host splits it and adopts the
+    upper half, which the record holds though it holds none of the lower
+    half's pages: the copy of the page it writes next is taken for the half,
+    not refused for the whole node (found by the stateful test)."""
+    mgr, sp, io = window_setup(make_manager, backend)
+    A = [(31 * i + 5) % 71 for i in range(100)]
+    record_window(sp, io, A, low=70)  # the last three pages only
+    fill_pool(sp)
+    record_window(sp, io, A[:10], low=0)  # ends inside page 0, a hole of the node on the host
+    st = assert_pool_consistent(mgr)
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 10, False), (10, 100, True)]
+    m = match(sp, A[:10])
+    assert m.num_tokens == 10 and m.restored_tokens == 0
+    io.verify(m.vtensor, A, 0, 10)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
 def test_a_window_record_that_cannot_adopt_a_node_on_the_host_takes_no_copy(backend, make_manager):
     """A recorder that slid past some of the pages a node on the host keeps
     cannot adopt it: the page it writes next is then nobody's to copy, and

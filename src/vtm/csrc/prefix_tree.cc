@@ -73,15 +73,18 @@ TreePosition PrefixTree::Windowed(const TreePosition& found, bool with_host) con
 bool PrefixTree::HoleAt(const TreePosition& pos, std::size_t page, const std::vector<ChunkId>& pages) const {
   for (const PrefixNode* n = pos.node; n != &root_; n = n->parent) {
     if (page < n->first_page || page >= n->first_page + n->pages.size()) continue;
-    if (n->on_host ? Adoptable(n, pages) : n->pages[page - n->first_page] == kNoChunk) return true;
+    // pos.node is split at pos.length before the record adopts its upper half.
+    if (n->on_host ? Adoptable(n, pages, PageEnd(pos.length)) : n->pages[page - n->first_page] == kNoChunk)
+      return true;
   }
   return false;
 }
 
-bool PrefixTree::Adoptable(const PrefixNode* node, const std::vector<ChunkId>& pages) const {
-  if (node->first_page + node->pages.size() > pages.size()) return false;
-  for (std::size_t i = 0; i < node->pages.size(); ++i)
-    if (node->host_pages[i] != kNoBlock && pages[node->first_page + i] == kNoChunk) return false;
+bool PrefixTree::Adoptable(const PrefixNode* node, const std::vector<ChunkId>& pages, std::size_t end_page) const {
+  const std::size_t end = std::min(node->first_page + node->pages.size(), end_page);
+  if (end > pages.size()) return false;
+  for (std::size_t p = node->first_page; p < end; ++p)
+    if (node->host_pages[p - node->first_page] != kNoBlock && pages[p] == kNoChunk) return false;
   return true;
 }
 
@@ -146,7 +149,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   // recorder below its low mark). A hole on both sides stays a hole.
   for (PrefixNode* m = node; tier_ != nullptr && m != &root_; m = m->parent) {
     if (!m->on_host) continue;
-    if (m->first_page + m->pages.size() > adopt_end || !Adoptable(m, pages)) continue;
+    if (m->first_page + m->pages.size() > adopt_end || !Adoptable(m, pages, end_page)) continue;
     for (std::size_t i = 0; i < m->pages.size(); ++i) {
       m->pages[i] = pages[m->first_page + i];
       if (m->pages[i] != kNoChunk) pool_->Ref(m->pages[i]);

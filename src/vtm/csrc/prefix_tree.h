@@ -124,8 +124,9 @@ class PrefixTree {
   // one, the holes the record would fill in that node stay holes.
   bool HoleAt(const TreePosition& pos, std::size_t page, const std::vector<ChunkId>& pages) const;
   // Whether a record whose vTensor holds `pages` (kNoChunk: not held) holds
-  // every page that `node`, on the host, keeps a block for.
-  bool Adoptable(const PrefixNode* node, const std::vector<ChunkId>& pages) const;
+  // every page below `end_page` that `node`, on the host, keeps a block for
+  // (the record adopts the part of a node up to its own end).
+  bool Adoptable(const PrefixNode* node, const std::vector<ChunkId>& pages, std::size_t end_page) const;
   // The node that ends exactly at pos.length, splitting pos.node if needed.
   PrefixNode* SplitAt(const TreePosition& pos);
   // Records tokens[0..n), whose KV lives in `pages` (a slot's page table;
