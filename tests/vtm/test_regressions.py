@@ -270,7 +270,11 @@ def test_closed_spaces_cost_nothing():
         rss0, stats0 = rss_bytes(os.getpid()), median_seconds(mgr.stats)
         cycles(9500)
         rss1, stats1 = rss_bytes(os.getpid()), median_seconds(mgr.stats)
-        assert rss1 - rss0 < 16 << 20, f"the process grew from {rss0 >> 20} to {rss1 >> 20} MiB"
+        # Under AddressSanitizer freed memory waits in its quarantine (256 MiB)
+        # before reuse: the process grows whatever the manager frees. This
+        # run alone grew 68 MiB there, at this and at earlier commits.
+        if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+            assert rss1 - rss0 < 16 << 20, f"the process grew from {rss0 >> 20} to {rss1 >> 20} MiB"
         assert stats1 < 3 * stats0 + 0.002, f"stats() went from {stats0 * 1e3:.2f} to {stats1 * 1e3:.2f} ms"
         space = mgr.create_space(row_bytes=1000 * SCALE, max_tokens=100, max_slots=1, name="last")
         space.close()
