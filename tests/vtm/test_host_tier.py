@@ -560,6 +560,31 @@ def test_a_lowered_limit_drops_a_window_node_on_the_host_above_nodes_on_the_devi
     assert_pool_consistent(mgr)
 
 
+def test_a_window_node_on_the_host_that_a_live_match_locks_is_not_dropped(backend, make_manager):
+    """The same node, while a match of the prefix through it lives: the path
+    is locked, and a match restoring a locked path may wait for memory
+    without the manager's lock and read the blocks after. A lowered limit
+    leaves it until the match is released."""
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=16 * chunk)
+    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=30, tier_account=1)
+    io = RowIO(sp, backend)
+    A = [(23 * i + 9) % 89 for i in range(60)]
+    B = A + [400 + i for i in range(40)]
+    record_window(sp, io, A, low=0)
+    fill_pool(sp)
+    record_window(sp, io, B, low=70)
+    live = match(sp, B)
+    assert live.num_tokens == len(B) and sp.prefix_nodes()[0]["on_host"] and sp.prefix_nodes()[0]["locks"] == 1
+    mgr.set_host_tier_limit(1, chunk)
+    st = assert_pool_consistent(mgr)
+    assert sp.prefix_nodes()[0]["on_host"] and st["host_tier_accounts"][1]["used_bytes"] > chunk, st
+    live.vtensor.release().result()
+    mgr.set_host_tier_limit(1, chunk)  # now it goes
+    st = assert_pool_consistent(mgr)
+    assert not sp.prefix_nodes()[0]["on_host"] and st["host_tier_accounts"][1]["used_bytes"] == 0, st
+
+
 def test_bad_host_tier_sizes_are_refused(backend):
     chunk = chunk_for(backend)
     with pytest.raises(vtm.InvalidArgument, match="host_tier_bytes"):

@@ -279,8 +279,10 @@ void PrefixTree::ForEachSpillable(const std::function<void(PrefixNode*)>& fn) {
 }
 
 bool PrefixTree::HostDroppable(const PrefixNode* node) const {
-  if (node == &root_ || !node->on_host) return false;
-  if (node->children.empty()) return node->locks == 0;
+  // Unlocked: a match that restores a locked path may wait for memory
+  // without the manager's lock, and reads the blocks after.
+  if (node == &root_ || !node->on_host || node->locks != 0) return false;
+  if (node->children.empty()) return true;
   if (window_tokens_ == 0) return false;
   for (const auto& [token, child] : node->children)
     if (child->on_host) return false;

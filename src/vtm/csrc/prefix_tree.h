@@ -162,8 +162,8 @@ class PrefixTree {
   // The pages those nodes hold, counting those of pos.node only up to
   // pos.length: what restoring them would copy.
   std::size_t HostPagesOnPath(const TreePosition& pos) const;
-  // Whether `node`, on the host, may give its blocks up: an unlocked leaf;
-  // in a window tree, also a node whose children are all on the device.
+  // Whether `node`, on the host and unlocked, may give its blocks up: a
+  // leaf; in a window tree, also a node whose children are all on the device.
   bool HostDroppable(const PrefixNode* node) const;
   // Visits every node HostDroppable says may be, children before parents.
   void ForEachHostDroppable(const std::function<void(PrefixNode*)>& fn);
