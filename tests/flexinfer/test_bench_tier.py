@@ -1,0 +1,30 @@
+"""scripts/bench_tier.py runs end to end on a sliding-window model: the
+conversations' window group comes back from the host tier too, and the
+greedy replies are the same with and without it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def test_bench_tier_restores_a_gemma3_models_window_group_from_the_host(tmp_path):
+    out = tmp_path / "tier.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_tier.py"), "--family", "gemma3", "--window", "64",
+                           "--users", "3", "--turns", "2", "--history", "160", "--new", "8", "--reply", "4",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "CPU:" in proc.stdout and "2 groups" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["same_replies"] is True
+    assert result["without"]["restores"] == 0 and result["without"]["evictions"] > 0
+    # Every later turn restores both groups: the full one and the window one.
+    assert result["with_tier"]["restores"] == 2 * 3, result["with_tier"]
