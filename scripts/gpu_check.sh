@@ -13,7 +13,8 @@
 # 3. runs FlexInfer's GPU tests (pytest -m gpu tests/flexinfer);
 # 4. runs the CUDA rows of scripts/bench_vtm.py (--quick), scripts/bench_gpu.py
 #    --quick (its full run, batches up to 128 with a transformers baseline,
-#    does not fit this budget) and scripts/bench_tier.py --quick on CUDA;
+#    does not fit this budget) and scripts/bench_tier.py --quick on CUDA
+#    (SmolLM2's shape, then Gemma 3's windows);
 # 5. runs the vtm property test last.
 #
 # Logs, JUnit XML and benchmark JSON go into OUTDIR; the last lines printed
@@ -167,6 +168,8 @@ if [ "$BACKEND" = cuda ]; then
   step bench_gpu 200 "$PY" "$REPO/scripts/bench_gpu.py" --quick --json "$OUT/bench_gpu.json"
   step bench_tier 120 "$PY" "$REPO/scripts/bench_tier.py" --backend cuda --model random --quick \
     --json "$OUT/bench_tier.json"
+  step bench_tier_gemma3 90 "$PY" "$REPO/scripts/bench_tier.py" --backend cuda --family gemma3 --quick \
+    --json "$OUT/bench_tier_gemma3.json"
 fi
 # Last, with what is left of the budget: the longest step (hypothesis, ~1000
 # random sequences), the least likely to find what is particular to a GPU.
