@@ -394,6 +394,9 @@ def test_a_window_prefix_spills_with_its_holes_and_comes_back_byte_for_byte(back
     st = assert_pool_consistent(mgr)
     assert st["spills_total"] == 1 and st["host_tier_used_bytes"] == held * chunk, st
     assert [n["on_host"] for n in sp.prefix_nodes()] == [True]
+    # prefix_nodes tells the pages the host holds from the holes: every page is None on the host.
+    pages = -(-100 * row // chunk)
+    assert sp.prefix_nodes()[0]["host_pages"] == [p >= 70 * row // chunk for p in range(pages)]
     m = match(sp, A)
     first = (100 - 30 + 1) * row // chunk  # the page holding the window's first row
     assert m.num_tokens == len(A) and m.restored_tokens == len(A)
@@ -401,6 +404,7 @@ def test_a_window_prefix_spills_with_its_holes_and_comes_back_byte_for_byte(back
     io.verify(m.vtensor, A, m.vtensor.low, len(A))
     st = assert_pool_consistent(mgr)
     assert st["restored_bytes_total"] == held * chunk and st["host_tier_used_bytes"] == 0, st
+    assert sp.prefix_nodes()[0]["host_pages"] == []  # on the device, where pages says it
     m.vtensor.release().result()
 
     without = make_manager(backend, chunks=CHUNKS)
@@ -882,7 +886,8 @@ def test_through_vtmd_one_client_restores_what_another_recorded_and_the_broker_s
             fill_pool(space)
             stats = mgr.stats()
             assert stats["spills_total"] >= 1 and stats["host_tier_nodes"] >= 1, stats
-            assert any(n["on_host"] for n in space.prefix_nodes())
+            on_host = [n for n in space.prefix_nodes() if n["on_host"]]
+            assert on_host and all(n["host_pages"] == [True] * len(n["pages"]) for n in on_host), on_host
             match = space.prefix_match(tokens + [7]).result()
             assert match.num_tokens == match.restored_tokens == len(tokens)
             got = RowView(space, backend).read(match.vtensor.slot, 0, len(tokens) * row)

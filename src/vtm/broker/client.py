@@ -637,7 +637,8 @@ class RemoteManager:
         def run():
             reply = self._rpc("prefix_nodes", self._stub.PrefixNodes, vtm_pb2.SpaceRequest(space_id=space.id))
             return [{"start": n.start, "end": n.end, "tokens": list(n.tokens), "locks": n.locks,
-                     "pages": [None if c == status.HOLE_PAGE else c for c in n.pages], "on_host": n.on_host}
+                     "pages": [None if c == status.HOLE_PAGE else c for c in n.pages], "on_host": n.on_host,
+                     "host_pages": list(n.host_pages)}
                     for n in reply.nodes]
         return self._submit(run)
 

@@ -708,7 +708,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             return vtm_pb2.PrefixNodesReply(nodes=[
                 vtm_pb2.PrefixNode(start=n["start"], end=n["end"], tokens=n["tokens"], locks=n["locks"],
                                    pages=[status.HOLE_PAGE if c is None else c for c in n["pages"]],
-                                   on_host=n["on_host"]) for n in nodes])
+                                   on_host=n["on_host"], host_pages=n["host_pages"]) for n in nodes])
         return self._run(context, body)
 
     # Control calls: no lease needed (see the proto).

@@ -439,6 +439,7 @@ PYBIND11_MODULE(_core, m) {
                d["locks"] = n.locks;
                d["pages"] = PageList(n.pages);  // None: a hole (window spaces), or on the host
                d["on_host"] = n.on_host;
+               d["host_pages"] = n.host_pages;
                out.append(d);
              }
              return out;

@@ -125,6 +125,9 @@ struct NodeInfo {
   int locks = 0;
   std::vector<ChunkId> pages;
   bool on_host = false;  // its bytes are in the host tier
+  // On the host: whether the tier holds each page (false: a window tree's
+  // hole). Empty on the device, where `pages` tells holes apart.
+  std::vector<bool> host_pages;
 };
 
 struct OpStat {

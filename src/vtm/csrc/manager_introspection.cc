@@ -68,7 +68,9 @@ std::vector<NodeInfo> Manager::PrefixNodes(std::uint32_t space) const {
   if (WasClosed(space)) return nodes;
   const Space& sp = LiveSpace(space);
   sp.tree->ForEach([&](const PrefixNode& n) {
-    nodes.push_back(NodeInfo{n.start, n.end(), n.tokens, n.locks, n.pages, n.on_host});
+    NodeInfo info{n.start, n.end(), n.tokens, n.locks, n.pages, n.on_host, {}};
+    for (BlockId b : n.host_pages) info.host_pages.push_back(b != kNoBlock);
+    nodes.push_back(std::move(info));
   });
   return nodes;
 }

@@ -221,20 +221,22 @@ class OpReply(_message.Message):
     def __init__(self, effects: _Optional[_Iterable[_Union[SpaceEffects, _Mapping]]] = ..., vtensors: _Optional[_Iterable[_Union[VTensorState, _Mapping]]] = ..., value: _Optional[int] = ..., vtensor_id: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefixNode(_message.Message):
-    __slots__ = ("start", "end", "tokens", "locks", "pages", "on_host")
+    __slots__ = ("start", "end", "tokens", "locks", "pages", "on_host", "host_pages")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCKS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     ON_HOST_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     locks: int
     pages: _containers.RepeatedScalarFieldContainer[int]
     on_host: bool
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., locks: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., on_host: _Optional[bool] = ...) -> None: ...
+    host_pages: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., locks: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., on_host: _Optional[bool] = ..., host_pages: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PrefixNodesReply(_message.Message):
     __slots__ = ("nodes",)
