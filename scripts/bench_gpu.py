@@ -118,12 +118,13 @@ def run_hf(model, prompts, new_tokens) -> tuple[float, list[list[int]]]:
     return len(prompts) * new_tokens / elapsed, out[:, ids.shape[1]:].tolist()
 
 
-def run_flexinfer(llm, prompts, new_tokens) -> tuple[float, list[list[int]]]:
+def run_flexinfer(llm, prompts, new_tokens, temperature: float = 0.0) -> tuple[float, list[list[int]]]:
     from flexinfer import SamplingParams
 
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
+    params = SamplingParams(max_tokens=new_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                            ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start  # the token ids are on the host: the step synchronised
     assert all(len(o.token_ids) == new_tokens for o in outs)
     return len(prompts) * new_tokens / elapsed, [o.token_ids for o in outs]
@@ -418,32 +419,42 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
     layer ops as Triton kernels on CUDA, overlap on) and, as baselines in the
     same run, without overlap, and with the layer ops as torch ops (norm,
     residual add, rotary embedding and K/V write, SiLU*up: the CUDA path
-    before triton_layer_ops.py)."""
+    before triton_layer_ops.py). Then, at the smallest and largest batch,
+    sampled requests (temperature 0.8, top_p 0.95): chosen on the device,
+    and on the host as before BatchSampler (each step read at once)."""
     rows = []
     print(f"  weight-streaming bound {bound_us:.1f} µs a step")
     print("  engine          batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
     # "now" is the engine's default (overlap on CUDA): an engine without the option still runs it.
-    for name, ops, overlap in (("now", "triton", None), ("no overlap", "triton", False), ("torch ops", "torch", None)):
+    ends = sorted({min(batches), max(batches)})
+    variants = (("now", "triton", None, 0.0, batches), ("no overlap", "triton", False, 0.0, batches),
+                ("torch ops", "torch", None, 0.0, batches), ("sampled", "triton", None, 0.8, ends),
+                ("sampled on host", "triton", None, 0.8, ends))
+    for name, ops, overlap, temperature, sizes in variants:
         llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches), overlap=overlap)
-        if llm is None or llm.engine.graphs is None:
+        if llm is None or llm.engine.graphs is None or (name == "sampled on host"
+                                                         and not hasattr(llm.engine, "sampling_device")):
             _close(llm)
             print(f"  {name}: skipped, the engine has no such option or does not decode with CUDA graphs here")
             continue
         if ops == "torch":  # before any graph is captured
             llm.model.layer_ops, llm.model.norm_adds_residual = None, False
+        if name == "sampled on host":
+            llm.engine.sampling_device = None
         clock = StepClock(llm.engine)
         try:
-            for batch in batches:
+            for batch in sizes:
                 prompts = make_prompts(batch, PROMPT_TOKENS, SMOLLM2_SHAPE["vocab_size"])
-                run_flexinfer(llm, prompts, 4)  # graphs captured, kernels compiled
+                run_flexinfer(llm, prompts, 4, temperature)  # graphs captured, kernels compiled
                 clock.reset()
-                run_flexinfer(llm, prompts, new_tokens)
+                run_flexinfer(llm, prompts, new_tokens, temperature)
                 # The first decode steps follow the prefill; the last ones may end sequences.
                 samples = clock.samples
                 samples = samples[2:-2] or samples
                 step = statistics.median(w for w, _ in samples)
                 gpu = statistics.median(g for _, g in samples)
-                row = dict(engine=name, layer_ops=ops, overlap=overlap, batch=batch, steps=len(samples), step_us=step,
+                row = dict(engine=name, layer_ops=ops, overlap=overlap, temperature=temperature, batch=batch,
+                           steps=len(samples), step_us=step,
                            gpu_us=gpu, host_us=max(0.0, step - gpu), gpu_busy=min(1.0, gpu / step),
                            tok_s=batch / step * 1e6, step_over_bound=step / bound_us)
                 rows.append(row)
@@ -452,13 +463,18 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
         finally:
             clock.close()
             _close(llm)
-    now = {r["batch"]: r for r in rows if r["engine"] == "now"}
+    baselines = {"no overlap": ("now", "speedup_of_overlap"), "torch ops": ("now", "speedup_over_torch_ops"),
+                 "sampled on host": ("sampled", "speedup_of_device_sampling")}
+    by_name = {(r["engine"], r["batch"]): r for r in rows}
     for r in rows:
-        if r["engine"] != "now" and r["batch"] in now:
-            key = "speedup_of_overlap" if r["engine"] == "no overlap" else "speedup_over_torch_ops"
-            now[r["batch"]][key] = r["step_us"] / now[r["batch"]]["step_us"]
-            print(f"  batch {r['batch']}: the engine's step is {now[r['batch']][key]:.2f}x faster than "
-                  f"{r['engine']!r} (GPU {r['gpu_us'] / now[r['batch']]['gpu_us']:.2f}x)")
+        if r["engine"] not in baselines:
+            continue
+        target, key = baselines[r["engine"]]
+        faster = by_name.get((target, r["batch"]))
+        if faster is not None:
+            faster[key] = r["step_us"] / faster["step_us"]
+            print(f"  batch {r['batch']}: {target!r} step is {faster[key]:.2f}x faster than "
+                  f"{r['engine']!r} (GPU {r['gpu_us'] / faster['gpu_us']:.2f}x)")
     return rows
 
 

@@ -14,8 +14,11 @@ _Step); the host waits for the device once per step, for the step before the
 one it just queued. A sequence that stops has had one more token computed,
 which is discarded, never emitted; one that reaches max_tokens is not planned
 again (Scheduler). Greedy outputs equal those of the engine without overlap.
-Steps with sampled (non-greedy) rows choose on the host, with the requests'
-own CPU generators, and are read at once.
+Sampled (non-greedy) rows are chosen on the device as well (BatchSampler;
+seeded requests draw from generators of their own there). On a CPU, and for
+a step whose bans name an id outside the vocabulary, the host chooses them
+(sample(), the reference), with the requests' own CPU generators, and the
+step is read at once.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from flexinfer.kv_cache import KVCache
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel, long_tensor
 from flexinfer.model.loader import load_model
-from flexinfer.sampling import NON_FINITE, SamplingParams, greedy_tokens, sample
+from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, greedy_tokens, sample
 from flexinfer.scheduler import Scheduler
 from flexinfer.sequence import Sequence, Status
 from flexinfer.threads import NeighbourLoad, ThreadTuner
@@ -106,6 +109,7 @@ class Engine:
         self._unhealthy_since = None  # when the manager was first seen unhealthy (a broker away)
         self._keeps_sink = False
         self._sampled_batch = None  # the last sampled batch's _SampledBatch (holds its sequences until the next)
+        self._shared_generator: torch.Generator | None = None  # unseeded rows' on the sampling device
         self._in_flight: _Step | None = None  # launched, its tokens not read yet (overlap)
         self._last_launched: _Step | None = None  # the last step() call's launch, if it launched one
         self._batch: ForwardBatch | None = None  # the last forward pass's (the next decode step advances it)
@@ -178,6 +182,8 @@ class Engine:
                                        swap=preemption == "swap")
             # On a CPU a step computes while it is launched: overlap would only add a discarded token.
             self.overlap = self.device.type == "cuda" if overlap is None else overlap
+            # Where sampled rows are chosen: the device's own (CUDA), else the host (None).
+            self.sampling_device = self.device if self.device.type == "cuda" else None
             self.scheduler.wait_for_device = _weak_call(self._wait_for_device)
             self.kv_budget = self._kv_budget()
             # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
@@ -201,7 +207,21 @@ class Engine:
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (checked by the caller: see flexinfer.inputs)."""
+        seq.generator = self._generator_for(seq.params, seq.sample_index)
         self.scheduler.add(seq)
+
+    def _generator_for(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
+        """A sampled sequence's generator where its rows are chosen, seeded
+        with seed + sample_index; None for a greedy one, and on the device
+        for an unseeded one (it draws from the engine's shared generator)."""
+        if params.greedy or (self.sampling_device is not None and params.seed is None):
+            return None
+        generator = torch.Generator(self.sampling_device or "cpu")
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed + sample_index)
+        return generator
 
     def abort(self, seq: Sequence, reason: str = "abort", error: Exception | None = None) -> None:
         """Remove a sequence and release its KV (a cancel, or a failure)."""
@@ -577,12 +597,13 @@ class Engine:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _sample(self, rows: torch.Tensor, ready: list[Sequence]):
-        """One token per row: (tokens, feed). Greedy rows are chosen on the
-        device: tokens a host tensor the device fills, feed the choice as
-        the next step's input ids on the device (see greedy_tokens: None on
-        a CPU). Otherwise the host chooses (tokens a list, feed None). What
-        sampling needs of the batch's parameters is gathered once per batch
-        of sequences (_SampledBatch), not per step."""
+        """One token per row: (tokens, feed). Rows are chosen where the
+        logits are (greedy ones always, sampled ones on a sampling device):
+        tokens a host tensor the device fills, feed the choice as the next
+        step's input ids on the device (see greedy_tokens: None on a CPU).
+        Otherwise the host chooses (tokens a list, feed None). What sampling
+        needs of the batch's parameters is gathered once per batch of
+        sequences (_SampledBatch), not per step."""
         facts = self._sampled_batch
         if facts is None or facts.seqs != ready:
             facts = self._sampled_batch = _SampledBatch(ready)
@@ -597,15 +618,27 @@ class Engine:
                 banned = None
         if facts.greedy and banned is None:
             choice, feed = greedy_tokens(rows)
-            if choice.device.type == "cpu":
-                return choice, feed
-            tokens = torch.empty(choice.shape, dtype=choice.dtype, pin_memory=True)
-            tokens.copy_(choice, non_blocking=True)
-            return tokens, feed
-        # Greedy rows are chosen where the logits are; only sampled ones come to the host.
-        if not facts.greedy:
-            rows = rows.cpu()
-        return sample(rows, facts.params, facts.generators, banned), None
+        elif self.sampling_device is not None and not _outside(banned, rows.shape[-1]):
+            if facts.sampler is None:
+                facts.sampler = self._batch_sampler(facts)
+            choice, feed = facts.sampler(rows, banned)
+        else:
+            # Greedy rows are chosen where the logits are; only sampled ones come to the host.
+            if not facts.greedy:
+                rows = rows.cpu()
+            return sample(rows, facts.params, facts.generators, banned), None
+        if choice.device.type == "cpu":
+            return choice, feed
+        tokens = torch.empty(choice.shape, dtype=choice.dtype, pin_memory=True)
+        tokens.copy_(choice, non_blocking=True)
+        return tokens, feed
+
+    def _batch_sampler(self, facts: "_SampledBatch") -> BatchSampler:
+        """The sampling device's sampler for a batch of sequences."""
+        if self._shared_generator is None:
+            self._shared_generator = torch.Generator(self.sampling_device)
+            self._shared_generator.seed()
+        return BatchSampler(facts.params, facts.generators, self._shared_generator, self.sampling_device)
 
     # -- helpers --------------------------------------------------------
 
@@ -672,6 +705,13 @@ class _SampledBatch:
         self.greedy = all(p.greedy for p in self.params)
         # Some row may have stop ids to ban (those of rows below min_tokens).
         self.may_ban = any(s.stop_ids and s.params.min_tokens for s in seqs)
+        # The batch's BatchSampler on the sampling device, made at its first use.
+        self.sampler: BatchSampler | None = None
+
+
+def _outside(banned: list[list[int] | None] | None, vocab: int) -> bool:
+    """Some row bans an id outside the vocabulary: sample() fails that row alone."""
+    return bool(banned) and any(not 0 <= t < vocab for ids in banned if ids for t in ids)
 
 
 def _weak_call(method):

@@ -158,6 +158,82 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return tokens
 
 
+class BatchSampler:
+    """sample() for a whole batch where its logits are, queued without
+    waiting for them: the device path of a GPU engine, whose steps would
+    otherwise wait for the device to bring every sampled row to the host.
+    sample() is the reference it is tested against: the same temperature,
+    bans, top-k (ties with the k-th value kept) and top-p (the smallest
+    prefix of the sorted probabilities whose mass reaches top_p), then a
+    draw by the exponential race (the argmax of p_i / E_i, E_i ~ Exp(1),
+    is i with probability p_i) over every row at once. Greedy rows take
+    their first maximum, bans applied, as sample() does.
+
+    Built once per batch of sequences: `params` per row, `generators` per
+    row on the logits' device (None: the row draws from `shared`, one
+    generator for every unseeded row, so that they cost one launch
+    together; a seeded row draws from its own only, whatever else is in
+    the batch)."""
+
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 shared: torch.Generator, device: torch.device):
+        self.device = device
+        self.shared = shared
+        self.seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+        self.temperature = self._on_device([1.0 if p.greedy else p.temperature for p in params], torch.float32)[:, None]
+        self.greedy = [i for i, p in enumerate(params) if p.greedy]
+        if self.greedy:
+            self.greedy_rows = self._on_device(self.greedy, torch.long)
+        self.filters = any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy)
+        if self.filters:
+            self.top_k = self._on_device([p.top_k for p in params], torch.long)
+            self.top_p = self._on_device([p.top_p for p in params], torch.float32)
+
+    def __call__(self, logits: torch.Tensor, banned: list[list[int] | None] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tokens, NON_FINITE for a row with a NaN or +inf logit or
+        nothing finite; the tokens as the next step's input ids, where
+        NON_FINITE reads 0). `banned[i]`: ids row i may not choose, inside
+        the vocabulary (the caller checks)."""
+        vocab = logits.shape[-1]
+        finite = torch.isfinite(logits.max(dim=-1).values)
+        row = logits.float() / self.temperature
+        flat = [(i, t) for i, ids in enumerate(banned or ()) if ids for t in ids]
+        if flat:
+            index = self._on_device(flat, torch.long)
+            row[index[:, 0], index[:, 1]] = float("-inf")
+        greedy = row.index_select(0, self.greedy_rows).argmax(dim=-1) if self.greedy else None
+        if self.filters:
+            row = self._filtered(row, vocab)
+        race = torch.empty_like(row).exponential_(generator=self.shared)
+        for i, generator in self.seeded:
+            race[i].exponential_(generator=generator)
+        # A zero would make its token certain whatever its probability.
+        race.clamp_(min=torch.finfo(torch.float32).tiny)
+        # The argmax of p_i / E_i in logarithms: softmax's normalisation does not move it.
+        chosen = (row - race.log_()).argmax(dim=-1)
+        if greedy is not None:
+            chosen.index_copy_(0, self.greedy_rows, greedy)
+        return torch.where(finite, chosen, NON_FINITE), torch.where(finite, chosen, 0)
+
+    def _filtered(self, row: torch.Tensor, vocab: int) -> torch.Tensor:
+        """`row` with -inf outside each row's top-k, then outside its top-p."""
+        ordered, order = row.sort(dim=-1, descending=True)
+        k = torch.where(self.top_k > 0, self.top_k.clamp(max=vocab), vocab)
+        ordered = ordered.masked_fill(ordered < ordered.gather(1, (k - 1)[:, None]), float("-inf"))
+        probs = torch.softmax(ordered, dim=-1)
+        ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= self.top_p[:, None], float("-inf"))
+        return torch.empty_like(row).scatter_(1, order, ordered)
+
+    def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """`values` on the device without waiting for it: a copy from
+        pageable memory would wait for the queued steps."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+
 def _sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
              banned: list[int] | None) -> int:
     if not bool(torch.isfinite(logits.max())):

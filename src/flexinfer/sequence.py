@@ -113,13 +113,8 @@ class Sequence:
         self.checks_from = 1 if params.stop else params.max_tokens
         # n > 1: the first sample, whose recorded prompt the others map (EngineLoop.submit).
         self.leader: Sequence | None = None
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator()
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed + sample_index)
-            else:
-                self.generator.seed()
+        # A sampled sequence's generator, where its engine samples (Engine.add).
+        self.generator: torch.Generator | None = None
 
     @property
     def token_ids(self) -> list[int]:

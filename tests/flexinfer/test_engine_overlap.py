@@ -179,6 +179,47 @@ def test_stop_strings_min_tokens_and_sampling_equal_the_engine_without_overlap(t
     assert reasons.count("stop") >= 2, reasons
 
 
+def test_sampled_rows_chosen_where_the_logits_are_keep_the_step_on_the_device(tiny_gpu_folder):
+    """The GPU engine's path for sampled rows (BatchSampler), run on the
+    CPU: their steps are no longer read at once, seeded requests repeat
+    their tokens in another engine and beside other requests, top_k=1 is
+    greedy, greedy rows in the same batches are unchanged, and min_tokens
+    bans the stop ids of a sampled row."""
+    greedy = [_greedy(m) for m in MAX_TOKENS]
+    params = list(greedy)
+    params[1] = SamplingParams(max_tokens=10, temperature=0.9, top_k=30, top_p=0.9, seed=4, ignore_eos=True)
+    params[3] = SamplingParams(max_tokens=MAX_TOKENS[3], temperature=1.0, top_k=1, seed=1, ignore_eos=True)
+    params[5] = SamplingParams(max_tokens=12, temperature=1.5, seed=8, ignore_eos=True, n=2)
+    results, chosen_on_host = [], []
+    for prompts, order in ((PROMPTS, range(6)), (PROMPTS[::-1], range(5, -1, -1))):
+        run = Counted(tiny_gpu_folder, overlap=True)
+        engine = run.llm.engine
+        engine.sampling_device = torch.device("cpu")
+        sample = engine._sample
+
+        def watched(rows, ready):
+            tokens, feed = sample(rows, ready)
+            chosen_on_host.append(isinstance(tokens, list))
+            return tokens, feed
+        engine._sample = watched
+        outs = _samples(run.generate(prompts, [params[i] for i in order]))
+        results.append([outs[list(order).index(i)] for i in range(6)])
+        if not results[1:]:
+            plain = _samples(run.generate(PROMPTS, greedy))
+            # Nearly greedy, its greedy tokens its stop ids: without the ban it would stop at once.
+            stops = plain[1][0][0][:3]
+            banned = SamplingParams(max_tokens=10, temperature=0.05, seed=4, stop_token_ids=stops, min_tokens=5)
+            early = _samples(run.generate(PROMPTS[1:2], [banned]))[0][0]
+        run.close()
+    assert not any(chosen_on_host)
+    assert results[0] == results[1]
+    for i in (0, 2, 4):
+        assert results[0][i] == plain[i]
+    assert results[0][3] == plain[3]  # top_k=1
+    assert results[0][1] != plain[1] and len({tuple(s[0]) for s in results[0][5]}) == 2
+    assert len(early[0]) >= 5 and not set(early[0][:5]) & set(stops), early
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_preemption_with_a_step_in_flight(tiny_gpu_folder, preemption):
     """Room for a few requests at a time: the scheduler preempts sequences
@@ -440,9 +481,12 @@ gpu = pytest.mark.skipif(not (vtm.cuda_available() and torch.cuda.is_available()
 def test_gpu_overlap_equals_the_synchronous_engine_and_launches_without_waiting(tiny_gpu_folder, cuda_graphs):
     """bfloat16 on CUDA, graphs and eager: the same tokens with and without
     overlap, and a step is launched without any host-device synchronisation
-    (torch's sync debug mode turns one into an error)."""
+    (torch's sync debug mode turns one into an error), sampled rows too:
+    seeded ones draw from their own generators on the device, whatever the
+    batch, so they come out the same in both runs."""
     prompts = PROMPTS + _prompts([40, 3, 25], seed=5)
-    params = [_greedy(m) for m in MAX_TOKENS + [30, 9, 17]]
+    params = [_greedy(m) for m in MAX_TOKENS + [30, 9]] + [
+        SamplingParams(max_tokens=17, temperature=0.8, top_k=20, top_p=0.9, seed=3, ignore_eos=True)]
     outs = {}
     for overlap in (False, True):
         with LLM(tiny_gpu_folder, dtype="bfloat16", backend="cuda", max_model_len=256, max_num_seqs=16,
@@ -450,10 +494,10 @@ def test_gpu_overlap_equals_the_synchronous_engine_and_launches_without_waiting(
             engine = llm.engine
             launch, launches = engine._launch, [0]
 
-            def strict(plan):
+            def strict(*args):
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    return launch(plan)
+                    return launch(*args)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                     launches[0] += 1

@@ -1,12 +1,14 @@
 """The greedy choice: the first maximum of each row, NON_FINITE for a row with
-a NaN or +inf or nothing finite, on the CPU kernel and torch's path alike."""
+a NaN or +inf or nothing finite, on the CPU kernel and torch's path alike.
+BatchSampler, the device's path for sampled rows, against the distribution
+sample() (the reference) draws from."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flexinfer.sampling import NON_FINITE, SamplingParams, greedy_choice, sample
+from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, greedy_choice, sample
 
 
 def _reference(rows: torch.Tensor) -> list[int]:
@@ -58,3 +60,93 @@ def test_sample_bans_tokens_and_flags_non_finite_rows():
     greedy = SamplingParams(temperature=0.0)
     assert sample(logits, [greedy] * 3, [None] * 3, banned=[[7], None, None]) == [8, NON_FINITE, 1]
     assert logits[0, 7] == 5.0  # the caller's logits are not written
+
+
+def _distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """What sample() draws a row from, written out: temperature, top-k (ties
+    with the k-th kept), softmax, then the smallest sorted prefix whose mass
+    reaches top_p."""
+    row = logits.double() / p.temperature
+    if p.top_k:
+        row = row.masked_fill(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered >= p.top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter_(0, order, ordered)
+    return probs / probs.sum()
+
+
+def _batch_sampler(params, generators=None, seed=0):
+    shared = torch.Generator().manual_seed(seed)
+    return BatchSampler(params, generators or [None] * len(params), shared, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("p", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.9, top_k=7, top_p=0.6),
+], ids=["temperature", "top_k", "top_p", "top_k+top_p"])
+def test_the_batch_sampler_draws_what_sample_draws_from(p):
+    """20,000 rows of the same logits: each token's frequency is within
+    4.5 standard deviations of its probability, and a token outside top-k
+    or top-p is never drawn. The reference's own draws agree too."""
+    torch.manual_seed(1)
+    logits = torch.randn(12) * 2
+    expected = _distribution(logits, p)
+    n = 20000
+    tokens, feed = _batch_sampler([p] * n)(logits.expand(n, -1).contiguous())
+    assert torch.equal(tokens, feed)
+    freq = torch.bincount(tokens, minlength=12).double() / n
+    bound = 4.5 * (expected * (1 - expected) / n).sqrt() + 1e-9
+    assert ((freq - expected).abs() <= bound).all(), (freq, expected)
+    assert (freq[expected == 0] == 0).all()
+    drawn = sample(logits.expand(2000, -1).contiguous(), [p] * 2000, [torch.Generator().manual_seed(i) for i in range(2000)])
+    reference = torch.bincount(torch.tensor(drawn), minlength=12).double() / 2000
+    assert ((reference - expected).abs() <= 4.5 * (expected * (1 - expected) / 2000).sqrt() + 1e-9).all()
+    assert (reference[expected == 0] == 0).all()
+
+
+def test_the_batch_samplers_greedy_rows_bans_and_non_finite_rows():
+    """Greedy rows take their first maximum, bans applied, as sample()'s do;
+    a banned id is never drawn; a row with a NaN, a +inf or nothing finite
+    is NON_FINITE, and feeds 0 to the next step."""
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=5.0)
+    params = [greedy, greedy, hot, hot, greedy, hot, hot]
+    logits = torch.zeros(7, 6)
+    logits[0] = torch.tensor([1.0, 3.0, 3.0, 0.0, 0.0, 0.0])  # a tie: the first maximum
+    logits[1] = torch.tensor([0.0, 9.0, 2.0, 5.0, 0.0, 0.0])  # its maximum banned
+    logits[2, 4] = 1.0  # sampled, token 4 banned
+    logits[3, 2] = float("nan")
+    logits[4, 1] = float("inf")
+    logits[5] = float("-inf")
+    logits[6, 0] = float("inf")
+    banned = [None, [1], [4], None, None, None, None]
+    sampler = _batch_sampler(params)
+    reference = sample(logits.clone(), params, [torch.Generator().manual_seed(0)] * 7, banned)
+    for _ in range(50):
+        tokens, feed = sampler(logits, banned)
+        assert tokens[:2].tolist() == reference[:2] == [1, 3]
+        assert tokens[2] != 4
+        assert tokens[3:].tolist() == reference[3:] == [NON_FINITE] * 4
+        assert feed[3:].tolist() == [0] * 4 and torch.equal(feed[:3], tokens[:3])
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_else_is_in_the_batch():
+    """A row with a generator of its own draws from it alone: the same seed
+    gives the same tokens at another row of another batch, while unseeded
+    rows come from the shared generator."""
+    torch.manual_seed(2)
+    row = torch.randn(50)
+    p = SamplingParams(temperature=1.0, seed=5)
+    runs = []
+    for at, size, shared_seed in ((0, 3, 0), (2, 5, 1)):
+        params = [SamplingParams(temperature=1.0)] * size
+        params[at] = p
+        generators = [None] * size
+        generators[at] = torch.Generator().manual_seed(5)
+        sampler = _batch_sampler(params, generators, seed=shared_seed)
+        logits = torch.randn(size, 50)
+        logits[at] = row
+        runs.append([int(sampler(logits)[0][at]) for _ in range(20)])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 3
