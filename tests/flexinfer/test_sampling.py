@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, greedy_choice, sample
+from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, _draw, _nucleus, greedy_choice, sample
 
 
 def _reference(rows: torch.Tensor) -> list[int]:
@@ -150,3 +150,31 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_else_is_in_the_batch():
         logits[at] = row
         runs.append([int(sampler(logits)[0][at]) for _ in range(20)])
     assert runs[0] == runs[1] and len(set(runs[0])) > 3
+
+
+@pytest.mark.parametrize("size", [1, 40, 1000, 20000])
+def test_top_p_keeps_the_smallest_sorted_prefix_that_reaches_it_however_far_it_goes(size):
+    """_nucleus looks at the top 256, then 4,096, then sorts: the prefix it
+    keeps is the full sort's whether it ends inside the first look, the
+    second or neither."""
+    vocab = 49152
+    torch.manual_seed(size)
+    probs = torch.rand(vocab) * 1e-3
+    probs[torch.randperm(vocab)[:size]] += 1.0  # `size` tokens hold ~all of the mass
+    probs /= probs.sum()
+    top_p = float(probs.topk(size).values.sum()) * 0.999  # the prefix ends near the size-th token
+    ordered, order = probs.sort(descending=True)
+    expected = torch.zeros_like(probs).scatter_(0, order, ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0))
+    kept = _nucleus(probs, top_p)
+    assert torch.equal(kept, expected)
+    assert 0.95 * size <= int((kept > 0).sum()) <= size
+
+
+def test_the_inverse_cdf_draw_follows_the_probabilities_and_never_draws_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    g = torch.Generator().manual_seed(3)
+    draws = torch.tensor([_draw(probs, g) for _ in range(20000)])
+    freq = torch.bincount(draws, minlength=6).double() / 20000
+    assert (freq[probs == 0] == 0).all()
+    assert (freq - probs.double()).abs().max() < 0.015, freq
+    assert _draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), g) == 2

