@@ -15,10 +15,9 @@ one it just queued. A sequence that stops has had one more token computed,
 which is discarded, never emitted; one that reaches max_tokens is not planned
 again (Scheduler). Greedy outputs equal those of the engine without overlap.
 Sampled (non-greedy) rows are chosen on the device as well (BatchSampler;
-seeded requests draw from generators of their own there). On a CPU, and for
-a step whose bans name an id outside the vocabulary, the host chooses them
-(sample(), the reference), with the requests' own CPU generators, and the
-step is read at once.
+seeded requests draw from generators of their own there). On a CPU the host
+chooses them (sample(), the reference), with the requests' own CPU
+generators, and the step is read at once.
 """
 
 from __future__ import annotations
@@ -157,8 +156,11 @@ class Engine:
             # raises ValueError when the driver answers CUDA_ERROR_INVALID_VALUE,
             # which a reserved range with nothing mapped may give (not yet seen
             # on a GPU); eager steps run while no request holds slot 0 too.
-            # CUDA-graph padding rows write into it.
-            self._keeps_sink = keep_sink = self.device.type == "cuda" and isinstance(self.attention, KernelAttention)
+            # CUDA-graph padding rows write into it. Attention's kernels take
+            # those views, and so do the Triton layer ops (the rotary embedding
+            # and K/V write) whatever the attention.
+            self._keeps_sink = keep_sink = self.device.type == "cuda" and (
+                isinstance(self.attention, KernelAttention) or self.model.layer_ops is not None)
             self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len,
                                     max_num_seqs + (1 if keep_sink else 0),
                                     namespace=prefix_namespace(fingerprint, dtype, namespace),
@@ -618,7 +620,7 @@ class Engine:
                 banned = None
         if facts.greedy and banned is None:
             choice, feed = greedy_tokens(rows)
-        elif self.sampling_device is not None and not _outside(banned, rows.shape[-1]):
+        elif self.sampling_device is not None:
             if facts.sampler is None:
                 facts.sampler = self._batch_sampler(facts)
             choice, feed = facts.sampler(rows, banned)
@@ -707,11 +709,6 @@ class _SampledBatch:
         self.may_ban = any(s.stop_ids and s.params.min_tokens for s in seqs)
         # The batch's BatchSampler on the sampling device, made at its first use.
         self.sampler: BatchSampler | None = None
-
-
-def _outside(banned: list[list[int] | None] | None, vocab: int) -> bool:
-    """Some row bans an id outside the vocabulary: sample() fails that row alone."""
-    return bool(banned) and any(not 0 <= t < vocab for ids in banned if ids for t in ids)
 
 
 def _weak_call(method):

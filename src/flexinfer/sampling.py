@@ -169,7 +169,10 @@ class BatchSampler:
     prefix of the sorted probabilities whose mass reaches top_p), then a
     draw by the exponential race (the argmax of p_i / E_i, E_i ~ Exp(1),
     is i with probability p_i) over every row at once. Greedy rows take
-    their first maximum, bans applied, as sample() does.
+    their first maximum, bans applied, as sample() does. NON_FINITE as
+    sample()'s: a greedy row judged after its bans, a sampled one before
+    them; a sampled row whose bans leave nothing, which sample() fails with
+    an error, is NON_FINITE here (the request fails either way).
 
     Built once per batch of sequences: `params` per row, `generators` per
     row on the logits' device (None: the row draws from `shared`, one
@@ -186,6 +189,7 @@ class BatchSampler:
         self.greedy = [i for i, p in enumerate(params) if p.greedy]
         if self.greedy:
             self.greedy_rows = self._on_device(self.greedy, torch.long)
+            self.greedy_mask = self._on_device([p.greedy for p in params], torch.bool)
         self.filters = any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy)
         if self.filters:
             self.top_k = self._on_device([p.top_k for p in params], torch.long)
@@ -195,22 +199,25 @@ class BatchSampler:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens, NON_FINITE for a row with a NaN or +inf logit or
         nothing finite; the tokens as the next step's input ids, where
-        NON_FINITE reads 0). `banned[i]`: ids row i may not choose, inside
-        the vocabulary (the caller checks)."""
+        NON_FINITE reads 0). `banned[i]`: ids row i may not choose; one
+        outside the vocabulary, which no row can choose, is left out."""
         vocab = logits.shape[-1]
         finite = torch.isfinite(logits.max(dim=-1).values)
         row = logits.float() / self.temperature
-        flat = [(i, t) for i, ids in enumerate(banned or ()) if ids for t in ids]
+        flat = [(i, t) for i, ids in enumerate(banned or ()) if ids for t in ids if 0 <= t < vocab]
         if flat:
             index = self._on_device(flat, torch.long)
             row[index[:, 0], index[:, 1]] = float("-inf")
+            after = torch.isfinite(row.max(dim=-1).values)
+            finite = after & (finite | self.greedy_mask) if self.greedy else after & finite
         greedy = row.index_select(0, self.greedy_rows).argmax(dim=-1) if self.greedy else None
         if self.filters:
             row = self._filtered(row, vocab)
         race = torch.empty_like(row).exponential_(generator=self.shared)
         for i, generator in self.seeded:
             race[i].exponential_(generator=generator)
-        # A zero would make its token certain whatever its probability.
+        # A draw of 0 would subtract log 0 = -inf: a masked token's -inf
+        # would become NaN, which argmax takes for the maximum.
         race.clamp_(min=torch.finfo(torch.float32).tiny)
         # The argmax of p_i / E_i in logarithms: softmax's normalisation does not move it.
         chosen = (row - race.log_()).argmax(dim=-1)
@@ -224,7 +231,9 @@ class BatchSampler:
         k = torch.where(self.top_k > 0, self.top_k.clamp(max=vocab), vocab)
         ordered = ordered.masked_fill(ordered < ordered.gather(1, (k - 1)[:, None]), float("-inf"))
         probs = torch.softmax(ordered, dim=-1)
-        ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= self.top_p[:, None], float("-inf"))
+        # Rows with top_p = 1 keep their tail: a float32 sum reaches 1 before it ends.
+        drop = (probs.cumsum(-1) - probs >= self.top_p[:, None]) & (self.top_p < 1.0)[:, None]
+        ordered = ordered.masked_fill(drop, float("-inf"))
         return torch.empty_like(row).scatter_(1, order, ordered)
 
     def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -272,11 +281,15 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A token drawn with probability proportional to `probs` (not all 0),
-    by the inverse of its cumulative sum at one uniform draw: torch's
-    multinomial costs ~0.9 ms a 49,152-token row on a CPU, this ~0.04 ms."""
+    """A token drawn with probability proportional to `probs`, by the
+    inverse of its cumulative sum at one uniform draw: torch's multinomial
+    costs ~0.9 ms a 49,152-token row on a CPU, this ~0.04 ms. Raises, as
+    multinomial did, when no token can be drawn (bans left nothing: NaN)."""
     cumulative = probs.cumsum(-1)
-    target = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
+    total = float(cumulative[-1])
+    if not total > 0 or not math.isfinite(total):
+        raise InvalidArgument("no token can be sampled: its bans leave no token with a probability")
+    target = torch.rand(1, generator=generator, dtype=cumulative.dtype) * total
     token = int(torch.searchsorted(cumulative, target, right=True))
     if token < probs.shape[-1]:
         return token

@@ -250,6 +250,24 @@ def _run(engine, seqs=()):
         engine.step()
 
 
+def test_an_end_of_sequence_id_outside_the_vocabulary_bans_nothing_on_the_device_path(tiny_gpu_folder):
+    """A model whose end-of-sequence id lies outside its vocabulary (a
+    config quirk) bans it below min_tokens: the device's sampler leaves it
+    out, as it can never be chosen. It used to send the step to the host,
+    whose sample() fails such a row (and, on CUDA, every seeded row: their
+    generators are the device's; found by review)."""
+    engine = _engine(tiny_gpu_folder)
+    engine.sampling_device = torch.device("cpu")
+    params = SamplingParams(max_tokens=9, temperature=0.9, seed=6, min_tokens=4)
+    seqs = [Sequence(i, i, 0, [1, 30 + i, 7], params, 0, (4096,)) for i in range(3)]
+    try:
+        _run(engine, seqs)
+        assert [(s.finish_reason, s.error) for s in seqs] == [("length", None)] * 3
+        assert all(len(s.output_ids) == 9 for s in seqs)
+    finally:
+        engine.close()
+
+
 def _vtensors(engine):
     return engine.manager.stats()["spaces"][engine.kv_cache.space.name]["vtensors"]
 
@@ -481,12 +499,18 @@ gpu = pytest.mark.skipif(not (vtm.cuda_available() and torch.cuda.is_available()
 def test_gpu_overlap_equals_the_synchronous_engine_and_launches_without_waiting(tiny_gpu_folder, cuda_graphs):
     """bfloat16 on CUDA, graphs and eager: the same tokens with and without
     overlap, and a step is launched without any host-device synchronisation
-    (torch's sync debug mode turns one into an error), sampled rows too:
-    seeded ones draw from their own generators on the device, whatever the
-    batch, so they come out the same in both runs."""
-    prompts = PROMPTS + _prompts([40, 3, 25], seed=5)
+    (torch's sync debug mode turns one into an error; a graph's first
+    capture, which waits for the device once, is let through), sampled rows
+    too: a seeded one draws from its own generator on the device, so it
+    comes out the same in both runs; an unseeded one draws from the shared
+    generator, and one below min_tokens has its stop ids banned there."""
+    prompts = PROMPTS + _prompts([40, 3, 25, 12], seed=5)
     params = [_greedy(m) for m in MAX_TOKENS + [30, 9]] + [
-        SamplingParams(max_tokens=17, temperature=0.8, top_k=20, top_p=0.9, seed=3, ignore_eos=True)]
+        SamplingParams(max_tokens=17, temperature=0.8, top_k=20, top_p=0.9, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=1.0, ignore_eos=True)]
+    params[4] = SamplingParams(max_tokens=8, temperature=0.7, seed=2, stop_token_ids=list(range(3, 200)),
+                               min_tokens=5)
+    unseeded = len(params) - 1
     outs = {}
     for overlap in (False, True):
         with LLM(tiny_gpu_folder, dtype="bfloat16", backend="cuda", max_model_len=256, max_num_seqs=16,
@@ -502,9 +526,25 @@ def test_gpu_overlap_equals_the_synchronous_engine_and_launches_without_waiting(
                     torch.cuda.set_sync_debug_mode("default")
                     launches[0] += 1
             if overlap:
-                llm.generate(prompts[:2], params[:2], use_tqdm=False)  # kernels compiled, graphs captured
+                llm.generate(prompts[:2], params[:2], use_tqdm=False)  # kernels compiled
                 engine._launch = strict
-            outs[overlap] = _samples(llm.generate(prompts, params, use_tqdm=False))
+                if engine.graphs is not None:
+                    capture = engine.graphs._capture
+
+                    def first_capture(*args):
+                        torch.cuda.set_sync_debug_mode("default")
+                        try:
+                            return capture(*args)
+                        finally:
+                            torch.cuda.set_sync_debug_mode("error")
+                    engine.graphs._capture = first_capture
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert all(o.outputs[0].error is None for o in outputs), [o.outputs[0].error for o in outputs]
+            outs[overlap] = _samples(outputs)
+            # The unseeded row's tokens are its own each run: its length only.
+            outs[overlap][unseeded] = [(len(t), r) for t, r in outs[overlap][unseeded]]
+            banned = outs[overlap][4][0][0]
+            assert len(banned) >= 5 and all(t not in range(3, 200) for t in banned[:5]), banned
             if overlap:
                 assert launches[0] > max(MAX_TOKENS)
     assert outs[True] == outs[False]

@@ -178,3 +178,32 @@ def test_the_inverse_cdf_draw_follows_the_probabilities_and_never_draws_a_zero()
     assert (freq[probs == 0] == 0).all()
     assert (freq - probs.double()).abs().max() < 0.015, freq
     assert _draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), g) == 2
+
+
+def test_rows_without_top_p_keep_their_tail_in_a_batch_with_filters():
+    """A batch with one top-k row filters every row: a row with top_p = 1
+    must still keep every token (a float32 sum of its probabilities reaches
+    1 before the end of its sorted row; found by review)."""
+    torch.manual_seed(4)
+    logits = torch.randn(2, 49152) * 4
+    sampler = _batch_sampler([SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=50)])
+    filtered = sampler._filtered(logits.clone(), 49152)
+    assert torch.isfinite(filtered[0]).all()
+    assert int(torch.isfinite(filtered[1]).sum()) == 50
+
+
+def test_the_batch_sampler_judges_finiteness_around_bans_as_sample_does():
+    """A greedy row is judged after its bans, a sampled one before them (and
+    one whose bans leave nothing fails too: sample() raises for it); an id
+    outside the vocabulary bans nothing (found by review)."""
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+    nan_banned = torch.tensor([float("nan"), 1.0, 0.5, 0.0])
+    all_banned = torch.tensor([1.0, 2.0, float("-inf"), float("-inf")])
+    logits = torch.stack([nan_banned, nan_banned, all_banned, all_banned, torch.tensor([0.0, 0.0, 9.0, 0.0])])
+    params = [greedy, hot, greedy, hot, greedy]
+    banned = [[0], [0], [0, 1], [0, 1], [2, 4096]]
+    tokens, _ = _batch_sampler(params)(logits, banned)
+    reference = sample(logits.clone(), params, [torch.Generator().manual_seed(0)] * 5, [list(b) for b in banned[:4]] + [[2]])
+    assert tokens.tolist()[:3] == reference[:3] == [1, NON_FINITE, NON_FINITE]
+    assert tokens[3] == NON_FINITE and isinstance(reference[3], Exception)
+    assert tokens[4] == reference[4] == 0  # the id outside the vocabulary is left out
