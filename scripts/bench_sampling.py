@@ -40,25 +40,24 @@ from machine import cpu_model, median_per_call_s  # noqa: E402
 VOCAB = 49152
 
 
-def sampled_before(logits, p, generator, banned) -> int:
-    """sampling._sampled as it was: a sort of the whole row for top-p, then torch.multinomial."""
-    if not bool(torch.isfinite(logits.max())):
-        return sampling.NON_FINITE
-    row = logits / p.temperature
-    if banned:
-        row[banned] = float("-inf")
-    if p.top_k > 0:
-        kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= p.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+def nucleus_before(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """sampling._nucleus as it was: a sort of the whole row."""
+    ordered, order = probs.sort(descending=True)
+    ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(0, order, ordered)
+
+
+def draw_before(probs: torch.Tensor, generator) -> int:
+    """sampling._draw as it was: torch.multinomial."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-SAMPLERS = {"now": sampling._sampled, "before": sampled_before}
+# sample() reaches both through the module, so swapping them swaps the sampler.
+VERSIONS = {"now": (sampling._nucleus, sampling._draw), "before": (nucleus_before, draw_before)}
+
+
+def use(version: str) -> None:
+    sampling._nucleus, sampling._draw = VERSIONS[version]
 
 
 def per_row(batches: list[int]) -> list[dict]:
@@ -71,10 +70,10 @@ def per_row(batches: list[int]) -> list[dict]:
                 logits = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)) * scale
                 generators = [torch.Generator().manual_seed(i) for i in range(batch)]
                 cost = {}
-                for version, fn in SAMPLERS.items():
-                    sampling._sampled = fn
+                for version in VERSIONS:
+                    use(version)
                     cost[version] = median_per_call_s(lambda: sampling.sample(logits, [p] * batch, generators), 7) / batch
-                sampling._sampled = SAMPLERS["now"]
+                use("now")
                 row = dict(logits=shape, params=name, batch=batch, before_us=cost["before"] * 1e6,
                            now_us=cost["now"] * 1e6, speedup=cost["before"] / cost["now"])
                 rows.append(row)
@@ -96,11 +95,11 @@ def decode(model: str, batches: list[int], rounds: int, new_tokens: int) -> list
             rates = {"greedy": [], "before": [], "now": []}
             for r in range(rounds):
                 for version in ("greedy", "before", "now") if r % 2 else ("now", "before", "greedy"):
-                    sampling._sampled = SAMPLERS["before" if version == "before" else "now"]
+                    use("before" if version == "before" else "now")
                     start = time.perf_counter()
                     llm.generate(prompts, greedy if version == "greedy" else sampled, use_tqdm=False)
                     rates[version].append(batch * new_tokens / (time.perf_counter() - start))
-            sampling._sampled = SAMPLERS["now"]
+            use("now")
             row = dict(batch=batch, **{f"{v}_tok_s": statistics.median(x) for v, x in rates.items()})
             row["speedup"] = row["now_tok_s"] / row["before_tok_s"]
             rows.append(row)

@@ -493,6 +493,19 @@ gpu = pytest.mark.skipif(not (vtm.cuda_available() and torch.cuda.is_available()
                          reason="needs a CUDA driver, a device and a CUDA build of torch")
 
 
+def _in_sync_debug_mode(mode, fn):
+    """fn, run under torch's CUDA sync debug `mode` ("error": a call that
+    waits for the device raises), the mode before it restored after."""
+    def run(*args):
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            return fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    return run
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
@@ -518,26 +531,14 @@ def test_gpu_overlap_equals_the_synchronous_engine_and_launches_without_waiting(
             engine = llm.engine
             launch, launches = engine._launch, [0]
 
-            def strict(*args):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    return launch(*args)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                    launches[0] += 1
+            def counted(*args):
+                launches[0] += 1
+                return launch(*args)
             if overlap:
                 llm.generate(prompts[:2], params[:2], use_tqdm=False)  # kernels compiled
-                engine._launch = strict
+                engine._launch = _in_sync_debug_mode("error", counted)
                 if engine.graphs is not None:
-                    capture = engine.graphs._capture
-
-                    def first_capture(*args):
-                        torch.cuda.set_sync_debug_mode("default")
-                        try:
-                            return capture(*args)
-                        finally:
-                            torch.cuda.set_sync_debug_mode("error")
-                    engine.graphs._capture = first_capture
+                    engine.graphs._capture = _in_sync_debug_mode("default", engine.graphs._capture)
             outputs = llm.generate(prompts, params, use_tqdm=False)
             assert all(o.outputs[0].error is None for o in outputs), [o.outputs[0].error for o in outputs]
             outs[overlap] = _samples(outputs)
