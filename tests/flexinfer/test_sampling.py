@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flexinfer import sampling
 from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, _draw, _nucleus, greedy_choice, sample
 
 
@@ -152,22 +153,38 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_else_is_in_the_batch():
     assert runs[0] == runs[1] and len(set(runs[0])) > 3
 
 
-@pytest.mark.parametrize("size", [1, 40, 1000, 20000])
-def test_top_p_keeps_the_smallest_sorted_prefix_that_reaches_it_however_far_it_goes(size):
-    """_nucleus looks at the top 256, then 4,096, then sorts: the prefix it
-    keeps is the full sort's whether it ends inside the first look, the
-    second or neither."""
-    vocab = 49152
-    torch.manual_seed(size)
-    probs = torch.rand(vocab) * 1e-3
-    probs[torch.randperm(vocab)[:size]] += 1.0  # `size` tokens hold ~all of the mass
-    probs /= probs.sum()
-    top_p = float(probs.topk(size).values.sum()) * 0.999  # the prefix ends near the size-th token
+def _full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     ordered, order = probs.sort(descending=True)
-    expected = torch.zeros_like(probs).scatter_(0, order, ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0))
+    kept = ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(0, order, kept)
+
+
+@pytest.mark.parametrize("row, top_p, candidates_hold_it", [
+    ("peaked", 0.95, True), ("peaked", 0.999, False), ("one-token", 0.5, True),
+    ("flat", 0.95, True), ("heavy-tail", 0.9, False),
+])
+def test_top_p_keeps_the_smallest_sorted_prefix_that_reaches_it(row, top_p, candidates_hold_it):
+    """_nucleus sorts only the tokens within a factor NUCLEUS_CANDIDATES of
+    the most likely one when their mass reaches top_p, else the whole
+    vocabulary: the prefix it keeps is the full sort's either way."""
+    vocab = 49152
+    g = torch.Generator().manual_seed(7)
+    if row == "peaked":
+        probs = torch.softmax(torch.randn(vocab, generator=g) * 7.5, -1)
+    elif row == "one-token":
+        probs = torch.full((vocab,), 1e-9)
+        probs[123] = 1.0
+    elif row == "flat":
+        probs = torch.softmax(torch.randn(vocab, generator=g), -1)
+    else:  # half the mass on one token, half spread below the candidates' bar
+        probs = torch.full((vocab,), 0.5 / vocab * 0.99)
+        probs[5] = 0.5
+    probs /= probs.sum()
+    among = probs[probs >= probs.max() * sampling.NUCLEUS_CANDIDATES]
+    assert (float(among.sort(descending=True).values.cumsum(-1)[-1]) >= top_p) == candidates_hold_it
     kept = _nucleus(probs, top_p)
-    assert torch.equal(kept, expected)
-    assert 0.95 * size <= int((kept > 0).sum()) <= size
+    assert torch.equal(kept, _full_sort_nucleus(probs, top_p))
+    assert 0 < int((kept > 0).sum()) < vocab
 
 
 def test_the_inverse_cdf_draw_follows_the_probabilities_and_never_draws_a_zero():
