@@ -273,9 +273,9 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     candidates = (probs >= probs.max() * NUCLEUS_CANDIDATES).nonzero().squeeze(-1)
     ordered, order = probs.index_select(0, candidates).sort(descending=True)
     cumulative = ordered.cumsum(-1)
-    if cumulative[-1] >= top_p:
+    if len(candidates) and cumulative[-1] >= top_p:
         at = candidates.index_select(0, order)
-    else:  # a flat row: the prefix goes past the candidates
+    else:  # a flat row: the prefix goes past the candidates (none: bans left NaN, which _draw refuses)
         ordered, at = probs.sort(descending=True)
         cumulative = ordered.cumsum(-1)
     kept = ordered.masked_fill(cumulative - ordered >= top_p, 0.0)

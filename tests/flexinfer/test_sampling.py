@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexinfer import sampling
+from flexinfer import InvalidArgument, sampling
 from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, _draw, _nucleus, greedy_choice, sample
 
 
@@ -223,4 +223,7 @@ def test_the_batch_sampler_judges_finiteness_around_bans_as_sample_does():
     reference = sample(logits.clone(), params, [torch.Generator().manual_seed(0)] * 5, [list(b) for b in banned[:4]] + [[2]])
     assert tokens.tolist()[:3] == reference[:3] == [1, NON_FINITE, NON_FINITE]
     assert tokens[3] == NON_FINITE and isinstance(reference[3], Exception)
+    # With top-p too, the reference's error says why.
+    nothing_left = sample(all_banned[None].clone(), [SamplingParams(top_p=0.9)], [None], [[0, 1]])[0]
+    assert isinstance(nothing_left, InvalidArgument) and "no token can be sampled" in str(nothing_left)
     assert tokens[4] == reference[4] == 0  # the id outside the vocabulary is left out
