@@ -42,10 +42,11 @@ def record(sp, io, tokens):
     vt.release().result()
 
 
-def window_setup(make_manager, backend, tier_chunks=16, window=30):
+def window_setup(make_manager, backend, tier_chunks=16, window=30, tier_account=0):
     chunk = chunk_for(backend)
     mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=tier_chunks * chunk)
-    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=window)
+    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=window,
+                          tier_account=tier_account)
     return mgr, sp, RowIO(sp, backend)
 
 
@@ -536,6 +537,20 @@ def test_a_window_record_that_cannot_adopt_a_node_on_the_host_takes_no_copy(back
     assert_pool_consistent(mgr)
 
 
+def window_node_on_the_host_above_one_on_the_device(make_manager, backend):
+    """Tier account 1's window prefix A (rows 0-60) spilled, then B = A + 40
+    tokens recorded by a vTensor that slid past A's pages: it cannot adopt
+    A's node, which stays on the host above B's node on the device."""
+    mgr, sp, io = window_setup(make_manager, backend, tier_account=1)
+    A = [(23 * i + 9) % 89 for i in range(60)]
+    B = A + [400 + i for i in range(40)]
+    record_window(sp, io, A, low=0)
+    fill_pool(sp)
+    record_window(sp, io, B, low=70)
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 60, True), (60, 100, False)]
+    return mgr, sp, io, A, B
+
+
 def test_a_lowered_limit_drops_a_window_node_on_the_host_above_nodes_on_the_device(backend, make_manager):
     """A window tree's node on the host that a record could not adopt sits
     above that record's node on the device: never a leaf, it kept its
@@ -543,15 +558,7 @@ def test_a_lowered_limit_drops_a_window_node_on_the_host_above_nodes_on_the_devi
     blocks back. It now gives them up and stays in the tree as holes; the
     prefix below it still serves its window."""
     chunk = chunk_for(backend)
-    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=16 * chunk)
-    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=30, tier_account=1)
-    io = RowIO(sp, backend)
-    A = [(23 * i + 9) % 89 for i in range(60)]
-    B = A + [400 + i for i in range(40)]
-    record_window(sp, io, A, low=0)
-    fill_pool(sp)
-    record_window(sp, io, B, low=70)
-    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 60, True), (60, 100, False)]
+    mgr, sp, io, A, B = window_node_on_the_host_above_one_on_the_device(make_manager, backend)
     mgr.set_host_tier_limit(1, chunk)
     st = assert_pool_consistent(mgr)
     assert st["host_tier_accounts"][1]["used_bytes"] == 0 and st["host_tier_limit_drops_total"] == 1, st
@@ -570,14 +577,7 @@ def test_a_window_node_on_the_host_that_a_live_match_locks_is_not_dropped(backen
     without the manager's lock and read the blocks after. A lowered limit
     leaves it until the match is released."""
     chunk = chunk_for(backend)
-    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=16 * chunk)
-    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, window_tokens=30, tier_account=1)
-    io = RowIO(sp, backend)
-    A = [(23 * i + 9) % 89 for i in range(60)]
-    B = A + [400 + i for i in range(40)]
-    record_window(sp, io, A, low=0)
-    fill_pool(sp)
-    record_window(sp, io, B, low=70)
+    mgr, sp, io, A, B = window_node_on_the_host_above_one_on_the_device(make_manager, backend)
     live = match(sp, B)
     assert live.num_tokens == len(B) and sp.prefix_nodes()[0]["on_host"] and sp.prefix_nodes()[0]["locks"] == 1
     mgr.set_host_tier_limit(1, chunk)
