@@ -112,10 +112,10 @@ def conversations(args, vocab: int) -> list[list[int]]:
     return [[1] + torch.randint(3, vocab, (args.history - 1,), generator=g).tolist() for _ in range(args.users)]
 
 
-def run(args, path: str, per_conversation: int, tier_chunks: int, vocab: int, tier: bool) -> dict:
+def run(args, path: str, per_conversation: int, tier_size: int, vocab: int, tier: bool) -> dict:
     llm = LLM(path, dtype=args.dtype, backend=args.backend, max_num_seqs=4, max_model_len=8192,
               kv_capacity_bytes=args.pool * per_conversation * CHUNK,
-              host_tier_bytes=tier_chunks * CHUNK if tier else 0)
+              host_tier_bytes=tier_size * CHUNK if tier else 0)
     params = SamplingParams(max_tokens=args.reply, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     history = conversations(args, vocab)

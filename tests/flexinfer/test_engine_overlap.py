@@ -204,7 +204,7 @@ def test_sampled_rows_chosen_where_the_logits_are_keep_the_step_on_the_device(ti
         engine._sample = watched
         outs = _samples(run.generate(prompts, [params[i] for i in order]))
         results.append([outs[list(order).index(i)] for i in range(6)])
-        if not results[1:]:
+        if prompts is PROMPTS:  # the first engine also runs the baselines
             plain = _samples(run.generate(PROMPTS, greedy))
             # Nearly greedy, its greedy tokens its stop ids: without the ban it would stop at once.
             stops = plain[1][0][0][:3]
