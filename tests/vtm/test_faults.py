@@ -159,6 +159,30 @@ class Scenario:
                     "partial page must be a private copy"
                 self.live[m.vtensor] = A[:40]
             return ok
+        if op == "shrink":
+            # vt1 keeps 45 rows (135000 B: pages 0-2) and gives back page 3;
+            # vt2 keeps 30 (90000 B): page 1 holds its end and is shared with
+            # vt1 and the tree, so it gets a private copy; page 2 goes.
+            copies = self.mgr.stats()["cow_copies_total"]
+            self.mgr.shrink({self.vt1: 45, self.vt2: 30}).result()
+
+            def ok():
+                assert (self.vt1.num_tokens, self.vt2.num_tokens) == (45, 30)
+                p1, p2 = self.vt1.page_chunks(), self.vt2.page_chunks()
+                assert p1[3] is None and p2[2:] == [None] * (len(p2) - 2)
+                assert p2[0] == p1[0] and p2[1] not in (None, p1[1]), "the shared end page must be copied"
+                assert self.mgr.stats()["cow_copies_total"] == copies + 1
+                t1, t2 = A[:45] + OWN[:15], A[:30] + OWN[:10]
+                self.mgr.step({self.vt1: 60, self.vt2: 40}).result()
+                io.write(self.vt1, t1, 45, 60)
+                io.write(self.vt2, t2, 30, 40)
+                self.live[self.vt1], self.live[self.vt2] = t1, t2
+                # the rows written past the new ends reached nobody else's pages
+                m = self.sp.prefix_match(A[:50] + [SENTINEL]).result()
+                assert m.num_tokens == 50
+                io.verify(m.vtensor, A, 0, 50)
+                self.live[m.vtensor] = A[:50]
+            return ok
         if op in ("release", "release_cached"):
             cached = self.mgr.stats()["chunks_cached"]
             self.vt1.release().result()
@@ -199,7 +223,7 @@ class Scenario:
 
 
 OPS = ["create", "create_reuse", "extend", "step", "extend_low", "step_low", "prefix_record", "prefix_match",
-       "release", "release_cached", "trim"]
+       "shrink", "release", "release_cached", "trim"]
 
 
 def calls(mgr):
@@ -226,8 +250,10 @@ def test_fault_at_every_backend_call(op):
         assert used.get("map", 0) >= 2, f"{op} maps at least two pages: {used}"
     if op in ("extend_low", "step_low"):
         assert used.get("unmap", 0) >= 1 and used.get("map", 0) >= 1, f"{op} unmaps and maps: {used}"
-    if op == "prefix_match":
+    if op in ("prefix_match", "shrink"):
         assert used.get("copy", 0) >= 1, f"a partial last page must be copied: {used}"
+    if op == "shrink":
+        assert used.get("unmap", 0) >= 2, f"shrink unmaps what it gives back: {used}"
     checked = 0
     for bop, n_calls in sorted(used.items()):
         for k in range(1, n_calls + 1):
@@ -255,7 +281,7 @@ def test_fault_at_every_backend_call(op):
     assert checked > 0
 
 
-@pytest.mark.parametrize("op", ["create", "create_reuse", "extend", "step", "step_low", "prefix_match"])
+@pytest.mark.parametrize("op", ["create", "create_reuse", "extend", "step", "step_low", "prefix_match", "shrink"])
 def test_device_oom_on_create_chunk(op):
     sc = Scenario(op)
     try:

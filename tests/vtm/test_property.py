@@ -195,6 +195,38 @@ class VtmMachine(RuleBasedStateMachine):
             self.write_new_rows(vt, old)
 
     @rule(data=st.data())
+    def shrink(self, data):
+        """A vTensor keeps its first rows and every page wholly past them is
+        unmapped; a size past its rows or below its low mark is refused and
+        changes nothing."""
+        vts = sorted(self.live, key=lambda v: v.id)
+        if not vts:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(vts), min_size=1, max_size=3, unique=True))
+        req = {vt: data.draw(st.integers(self.low.get(vt, 0), len(self.live[vt][1]))) for vt in chosen}
+        if data.draw(st.integers(0, 4)) == 0:
+            vt = chosen[-1]
+            before = [(v.num_tokens, v.page_chunks()) for v in chosen]
+            req[vt] = data.draw(st.sampled_from([len(self.live[vt][1]) + 1, self.low.get(vt, 0) - 1]))
+            with pytest.raises(vtm.InvalidArgument):
+                self.mgr.shrink(req).result()
+            assert [(v.num_tokens, v.page_chunks()) for v in chosen] == before
+            return
+        if len(req) == 1 and data.draw(st.booleans()):
+            (vt, n), = req.items()
+            vt.shrink(n).result()
+        else:
+            self.mgr.shrink(req).result()
+        chunk = self.mgr.chunk_bytes
+        for vt, n in req.items():
+            si, tokens = self.live[vt]
+            del tokens[n:]
+            assert vt.num_tokens == n
+            kept = -(-n * self.spaces[si].row_bytes // chunk)
+            assert all(c is None for c in vt.page_chunks()[kept:]), vt.page_chunks()
+        event("shrink")
+
+    @rule(data=st.data())
     def prefix_record(self, data):
         vt = self.draw_vt(data, min_tokens=1)
         if vt is None:

@@ -112,6 +112,9 @@ class RemoteVTensor:
     def extend(self, num_tokens: int, low: int | None = None) -> RemoteFuture:
         return self._mgr._extend(self, num_tokens, low)
 
+    def shrink(self, num_tokens: int) -> RemoteFuture:
+        return self._mgr.shrink({self: num_tokens})
+
     def release(self) -> RemoteFuture:
         return self._mgr._release(self)
 

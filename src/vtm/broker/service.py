@@ -378,14 +378,13 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         `op` looks up what it works on when it runs (see below).
         `speculative` (rows mapped ahead of need) takes free memory only: it
         is refused at once rather than evict a cached prefix, reclaim, wait
-        for memory reserved for another's retry, or add to a debt; and a
-        client with a limit gets none (pages ahead return only with their
-        vTensor, so they could refuse an allocation that fits without them)."""
+        for memory reserved for another's retry, or add to a debt. Within
+        a limit it may take what the limit leaves: a client whose own
+        allocation is refused gives its pages ahead back and asks again
+        (client.py, _or_without_pages_ahead)."""
         self.policy.admit(session, extra_bytes)
         gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
         if speculative:
-            if session.limit_bytes:
-                raise vtm.FailedPrecondition(step_channel.LIMITED_AHEAD)
             if session.owed_target is not None:
                 raise vtm.OutOfMemory(f"client '{session.name}' owes memory: no pages ahead")
             if self._free_bytes() < gate_bytes:
@@ -630,6 +629,20 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if low is not None:
                 state.low = low
 
+    def shrink(self, session: Session, targets) -> None:
+        """targets: (vTensor id, rows to keep). It maps nothing new but the
+        copy of a shared page holding a new end, which replaces a mapped
+        page: admitted as 0 bytes, so a client over its limit or in debt
+        can always give memory back."""
+        wanted = {}
+        for vt_id, n in targets:
+            self._vtensor(session, vt_id)
+            wanted[vt_id] = max(_count(n, "num_tokens"), wanted.get(vt_id, 0))
+        self._allocate(session, 0, lambda: self.manager.shrink(
+            {self._vtensor(session, i): n for i, n in wanted.items()}).result())
+        for vt_id, n in wanted.items():
+            session.vt_state[vt_id].num_tokens = n
+
     def release(self, session: Session, vt_id: int) -> None:
         vt = self._vtensor(session, vt_id)
         vt.release().result()
@@ -653,6 +666,12 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             self.step(session, [(t.vtensor_id, t.num_tokens, t.low if t.HasField("low") else None)
                                 for t in request.targets])
             return self._reply(session)  # the client knows the new sizes, max(old, n), and marks
+        return self._run(context, body)
+
+    def Shrink(self, request, context):
+        def body(session):
+            self.shrink(session, [(t.vtensor_id, t.num_tokens) for t in request.targets])
+            return self._reply(session, vtensors=[t.vtensor_id for t in request.targets])
         return self._run(context, body)
 
     def Release(self, request, context):

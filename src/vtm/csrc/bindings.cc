@@ -372,6 +372,13 @@ PYBIND11_MODULE(_core, m) {
             return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Extend(vt.id, tokens, mark); })};
           },
           py::arg("num_tokens"), py::arg("low") = py::none())
+      .def(
+          "shrink",
+          [](const PyVTensor& vt, std::int64_t n) {
+            std::vector<ShrinkTarget> one{ShrinkTarget{vt.id, Count(n, "num_tokens")}};
+            return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Shrink(std::move(one)); })};
+          },
+          py::arg("num_tokens"))
       .def("release",
            [](const PyVTensor& vt) { return PyFuture{vt.mgr, NoGil([&] { return Core(vt.mgr).Release(vt.id); })}; })
       .def("__hash__", [](const PyVTensor& vt) { return std::hash<std::uint64_t>()(vt.id); })
@@ -581,6 +588,18 @@ PYBIND11_MODULE(_core, m) {
               }
             }
             return PyFuture{mgr, NoGil([&] { return Core(mgr).Step(std::move(list)); })};
+          },
+          py::arg("targets"))
+      .def(
+          "shrink",
+          [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {
+            std::vector<ShrinkTarget> list;
+            for (auto item : targets) {
+              const auto& vt = item.first.cast<const PyVTensor&>();
+              if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, "shrink: vTensor of another manager");
+              list.push_back(ShrinkTarget{vt.id, Count(item.second.cast<std::int64_t>(), "num_tokens")});
+            }
+            return PyFuture{mgr, NoGil([&] { return Core(mgr).Shrink(std::move(list)); })};
           },
           py::arg("targets"))
       .def(

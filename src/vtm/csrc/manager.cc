@@ -224,6 +224,12 @@ std::shared_ptr<FutureState> Manager::Step(std::vector<StepTarget> targets) {
   return Submit("step", keys, false, [this, targets = std::move(targets)] { return DoStep(targets); });
 }
 
+std::shared_ptr<FutureState> Manager::Shrink(std::vector<ShrinkTarget> targets) {
+  std::vector<std::uint64_t> keys;
+  for (const ShrinkTarget& t : targets) keys.push_back(t.vt);
+  return Submit("shrink", keys, false, [this, targets = std::move(targets)] { return DoShrink(targets); });
+}
+
 std::shared_ptr<FutureState> Manager::Release(std::uint64_t vt) {
   return Submit("release", {vt}, false, [this, vt] { return DoRelease(vt); });
 }

@@ -111,6 +111,13 @@ struct StepTarget {
   std::optional<std::size_t> low;  // none: the vTensor keeps its low mark
 };
 
+// One entry of a shrink: keep `num_tokens` rows (at most the vTensor's, at
+// least its low mark) and unmap every page wholly past them.
+struct ShrinkTarget {
+  std::uint64_t vt = 0;
+  std::size_t num_tokens = 0;
+};
+
 struct SpaceInfo {
   std::string name, ns;
   std::size_t row_bytes = 0, max_tokens = 0, max_slots = 0, slot_bytes = 0, pages_per_slot = 0, window_tokens = 0;
@@ -188,6 +195,9 @@ class Manager {
   std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);
   std::shared_ptr<FutureState> Extend(std::uint64_t vt, std::size_t num_tokens, std::optional<std::size_t> low);
   std::shared_ptr<FutureState> Step(std::vector<StepTarget> targets);
+  // Gives back what lies past each target's rows: all or none, like Step.
+  // The pages shared with the prefix tree stay in the tree.
+  std::shared_ptr<FutureState> Shrink(std::vector<ShrinkTarget> targets);
   std::shared_ptr<FutureState> Release(std::uint64_t vt);
   // The copies these make (the page being written, the copy-on-write page)
   // run after the work queued on `stream` before the call (a fence recorded
@@ -268,6 +278,7 @@ class Manager {
   // Operation bodies, run on a worker.
   FutureValue DoCreate(std::uint32_t space, std::uint64_t id, std::size_t n);
   FutureValue DoStep(const std::vector<StepTarget>& targets);
+  FutureValue DoShrink(const std::vector<ShrinkTarget>& targets);
   FutureValue DoRelease(std::uint64_t id);
   FutureValue DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
                        const Fence* after);

@@ -121,6 +121,65 @@ FutureValue Manager::DoStep(const std::vector<StepTarget>& targets) {
   return std::monostate{};
 }
 
+FutureValue Manager::DoShrink(const std::vector<ShrinkTarget>& targets) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // Validate everything first; a vTensor named twice keeps the larger size.
+  std::map<std::uint64_t, std::size_t> want;
+  for (const ShrinkTarget& t : targets) {
+    const VTensor& vt = LiveVTensor(t.vt);
+    if (t.num_tokens > vt.num_tokens)
+      Throw(ErrorCode::kInvalidArgument, "shrink: " + std::to_string(t.num_tokens) + " tokens exceed the " +
+                                             std::to_string(vt.num_tokens) + " of vTensor " + std::to_string(t.vt) +
+                                             " (extend grows a vTensor)");
+    if (t.num_tokens < vt.low)
+      Throw(ErrorCode::kInvalidArgument, "shrink: " + std::to_string(t.num_tokens) + " tokens are below the low mark " +
+                                             std::to_string(vt.low) + " of vTensor " + std::to_string(t.vt));
+    auto [it, added] = want.try_emplace(t.vt, t.num_tokens);
+    if (!added) it->second = std::max(it->second, t.num_tokens);
+  }
+  // Every page wholly past the new size goes, mapped ahead or left by the
+  // slot's last owner alike: the point is to give the memory back. The page
+  // holding the new end, when shared (a prefix the vTensor recorded or
+  // matched past that row), is copied first: the rows after the end will be
+  // written there, and a shared page is never written. Its bytes are final
+  // (a record or a match made them so), so the copy waits for nothing.
+  std::vector<std::uint64_t> copied;  // the vTensors whose end page is copied
+  for (auto [id, n] : want) {
+    const VTensor& vt = vtensors_.at(id);
+    const Space& sp = SpaceOf(vt.space);
+    const std::size_t end_page = n * sp.row_bytes / chunk_bytes_;
+    const ChunkId c = end_page < PagesFor(sp, n) ? sp.slots[vt.slot].pages[end_page] : kNoChunk;
+    if (c != kNoChunk && pool_->refs(c) > 1) copied.push_back(id);
+  }
+  UndoLog undo(&rollback_failures_total_);
+  std::vector<ChunkId> copies = Acquire(copied.size(), undo, lock);
+  // Look the vTensors up again: Acquire may have waited without the lock.
+  std::vector<ChunkId> unmapped;
+  std::size_t next = 0;
+  for (auto [id, n] : want) {
+    const VTensor& vt = vtensors_.at(id);
+    Space& sp = SpaceOf(vt.space);
+    const Slot& s = sp.slots[vt.slot];
+    const bool copy = next < copied.size() && copied[next] == id;
+    const std::size_t end_page = n * sp.row_bytes / chunk_bytes_;
+    std::vector<std::size_t> gone_pages;
+    for (std::size_t p = copy ? end_page : PagesFor(sp, n); p < s.pages.size(); ++p)
+      if (s.pages[p] != kNoChunk) gone_pages.push_back(p);
+    if (copy)
+      backend_->copy(pool_->handle(copies[next]), pool_->handle(s.pages[end_page]),
+                     n * sp.row_bytes - end_page * chunk_bytes_, nullptr);
+    std::vector<ChunkId> gone = UnmapPages(sp, vt.slot, gone_pages, &undo);
+    unmapped.insert(unmapped.end(), gone.begin(), gone.end());
+    if (copy) MapPages(sp, vt.slot, {end_page}, {copies[next++]}, undo);
+  }
+  undo.Commit();
+  cow_copies_total_ += copied.size();
+  for (ChunkId c : unmapped) pool_->Unref(c);
+  for (auto [id, n] : want) vtensors_.at(id).num_tokens = n;
+  AfterCommit();
+  return std::monostate{};
+}
+
 FutureValue Manager::DoRelease(std::uint64_t id) {
   std::unique_lock<std::mutex> lock(mu_);
   LiveVTensor(id);

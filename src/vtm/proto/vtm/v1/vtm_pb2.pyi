@@ -130,6 +130,20 @@ class StepRequest(_message.Message):
     targets: _containers.RepeatedCompositeFieldContainer[ExtendRequest]
     def __init__(self, targets: _Optional[_Iterable[_Union[ExtendRequest, _Mapping]]] = ...) -> None: ...
 
+class ShrinkRequest(_message.Message):
+    __slots__ = ("targets",)
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedCompositeFieldContainer[ShrinkTarget]
+    def __init__(self, targets: _Optional[_Iterable[_Union[ShrinkTarget, _Mapping]]] = ...) -> None: ...
+
+class ShrinkTarget(_message.Message):
+    __slots__ = ("vtensor_id", "num_tokens")
+    VTENSOR_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    vtensor_id: int
+    num_tokens: int
+    def __init__(self, vtensor_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class VTensorRequest(_message.Message):
     __slots__ = ("vtensor_id",)
     VTENSOR_ID_FIELD_NUMBER: _ClassVar[int]

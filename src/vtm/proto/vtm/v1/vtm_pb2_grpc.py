@@ -64,6 +64,11 @@ class BrokerStub:
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StepRequest.SerializeToString,
                 response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
                 _registered_method=True)
+        self.Shrink = channel.unary_unary(
+                '/vtm.v1.Broker/Shrink',
+                request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.ShrinkRequest.SerializeToString,
+                response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/vtm.v1.Broker/Release',
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.VTensorRequest.SerializeToString,
@@ -145,6 +150,12 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shrink(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -241,6 +252,11 @@ def add_BrokerServicer_to_server(servicer, server):
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StepRequest.FromString,
+                    response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
+            ),
+            'Shrink': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shrink,
+                    request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.ShrinkRequest.FromString,
                     response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -450,6 +466,33 @@ class Broker:
             target,
             '/vtm.v1.Broker/Step',
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.StepRequest.SerializeToString,
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shrink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vtm.v1.Broker/Shrink',
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.ShrinkRequest.SerializeToString,
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
             options,
             channel_credentials,
