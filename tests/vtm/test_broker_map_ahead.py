@@ -71,12 +71,12 @@ def test_a_create_maps_ahead_too_and_a_batched_step_decides_each_vtensor(broker)
 
 
 @pytest.mark.parametrize("limited", ["at-connect", "while-connected"])
-def test_a_client_with_a_limit_maps_exactly_and_fits_what_it_fit_before(tmp_path, limited):
-    """Pages ahead are given back only with their vTensor: under a limit
-    they would refuse an allocation that fits without them (4 one-page
-    vTensors under a 4-page limit), so a client with a limit maps none.
-    A limit the operator sets after the client connected: the broker
-    refuses its pages ahead from then on, and it maps exactly too."""
+def test_a_client_with_a_limit_maps_ahead_within_it_and_fits_what_it_fit_before(tmp_path, limited):
+    """Under a 4-page limit, the first vTensor takes 2 pages ahead; the
+    third one-page create is refused by the limit, so the client gives its
+    pages ahead back and asks again: 4 one-page vTensors fit, as without
+    mapping ahead. A fifth page is refused as before. The same with a
+    limit the operator sets after the client connected."""
     from vtm.broker import ctl
 
     extra = []
@@ -90,7 +90,9 @@ def test_a_client_with_a_limit_maps_exactly_and_fits_what_it_fit_before(tmp_path
             if limited == "while-connected":
                 assert ctl.main(["--address", b.address, "set-quota", "tight", "--limit", str(4 * CHUNK)]) == 0
             space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
-            vts = [space.create(10).result() for _ in range(4)]
+            vts = [space.create(10).result()]
+            assert vts[0].mapped_bytes == 3 * CHUNK
+            vts += [space.create(10).result() for _ in range(3)]
             assert [vt.mapped_bytes for vt in vts] == [CHUNK] * 4
             mgr.step({vts[0]: 60}).result()  # inside its page: fine
             with pytest.raises(vtm.OutOfMemory, match="limited"):
@@ -181,3 +183,118 @@ def test_a_step_after_a_release_still_fails_in_order(broker):
 def test_map_ahead_pages_must_be_a_count(broker):
     with pytest.raises(vtm.InvalidArgument, match="map_ahead_pages"):
         vtm.connect(broker.address, map_ahead_pages=-1)
+
+
+def test_a_reclaim_notice_takes_the_pages_ahead_first_and_preempts_nothing(broker):
+    """'low' maps 4 vTensors of 1 page with 2 pages ahead each: 12 of the 16
+    chunks. 'high' needs 8 chunks; the 8 pages ahead are all it needs, so
+    low gives those back before its handler runs, and no sequence of low's
+    is released. Its rows keep their bytes, and it keeps growing."""
+    from vtm.broker import ctl
+
+    assert ctl.main(["--address", broker.address, "set-quota", "high", "--priority", "10"]) == 0
+    with vtm.connect(broker.address, name="low", map_ahead_pages=2) as low, \
+            vtm.connect(broker.address, name="high") as high:
+        space = low.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+        view = space.tensor(np.uint8)
+        vts = [space.create(10).result() for _ in range(4)]
+        tokens = [(5 * i + 1) % 997 for i in range(300)]
+        want = pattern(tokens)
+        for vt in vts:
+            view[vt.slot, :10 * ROW] = want[:10 * ROW]
+        assert sum(vt.mapped_bytes for vt in vts) == 12 * CHUNK
+        asked = []
+
+        def give_back(nbytes):
+            asked.append(nbytes)
+            vts.pop().release().result()
+            return 3 * CHUNK
+        low.set_reclaim_handler(give_back)
+        theirs = high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * int(ROWS_PER_PAGE)).result()
+        assert theirs.mapped_bytes == 8 * CHUNK
+        assert low.reclaim_notices == 1 and asked == []
+        assert [(vt.num_tokens, vt.mapped_bytes) for vt in vts] == [(10, CHUNK)] * 4
+        assert {c["name"]: c["owes_bytes"] for c in low.stats()["clients"]}["low"] == 0
+        for vt in vts:
+            assert (np.asarray(view[vt.slot, :10 * ROW]) == want[:10 * ROW]).all()
+        for n in (60, 120):  # inside its page, then into a new one, asked for exactly
+            low.step({vt: n for vt in vts}).result()
+            for vt in vts:
+                view[vt.slot, :n * ROW] = want[:n * ROW]
+        theirs.release().result()
+        for vt in vts:
+            vt.release().result()
+        low.check()
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_shrink_through_the_broker_gives_pages_back_and_keeps_the_rows(broker, ahead):
+    """shrink past the rows grown into is refused here even where the
+    broker maps more (its pages ahead); a shrink into a page shared with
+    the tree copies it, so the rows written after the new end reach no
+    other client's match."""
+    tokens = [(3 * i + 2) % 1009 for i in range(300)]
+    want = pattern(tokens)
+    with vtm.connect(broker.address, name="shrinker", map_ahead_pages=ahead) as mgr, \
+            vtm.connect(broker.address, name="reader") as other:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=2, namespace="ns")
+        view = space.tensor(np.uint8)
+        vt = space.create(10).result()
+        with pytest.raises(vtm.InvalidArgument, match="exceed the 10"):
+            vt.shrink(100).result()
+        mgr.step({vt: 250}).result()
+        view[vt.slot, :250 * ROW] = want[:250 * ROW]
+        space.prefix_record(vt, tokens[:130]).result()  # pages 0-1 shared with the tree
+        vt.shrink(100).result()
+        assert vt.num_tokens == 100 and vt.mapped_bytes == 2 * CHUNK
+        assert vt.page_chunks()[2:] == [None] * (len(vt.page_chunks()) - 2)
+        assert (np.asarray(view[vt.slot, :100 * ROW]) == want[:100 * ROW]).all()
+        with pytest.raises(vtm.InvalidArgument, match="exceed the 100"):
+            mgr.shrink({vt: 101}).result()
+        mgr.step({vt: 160}).result()
+        view[vt.slot, 100 * ROW:160 * ROW] = 0xAB  # its own rows now, not the recorded ones
+        theirs = other.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1, namespace="ns")
+        match = theirs.prefix_match(tokens[:130] + [1]).result()
+        assert match.num_tokens == 130
+        assert (np.asarray(theirs.tensor(np.uint8)[match.vtensor.slot, :130 * ROW]) == want[:130 * ROW]).all()
+        match.vtensor.release().result()
+        vt.release().result()
+        mgr.check()
+
+
+@pytest.mark.parametrize("op", ["create", "step", "prefix_record", "prefix_match"])
+def test_a_clients_own_pages_ahead_never_refuse_its_next_allocation(broker, op):
+    """vTensors with 2 pages ahead each hold all but at most one of the 16
+    chunks. A create or a step that needs 2 or 3 pages, or a record or a
+    match that copies a page into the full pool, gives the pages ahead back and runs,
+    instead of failing for memory this client holds for steps to come."""
+    tokens = [(11 * i + 4) % 1009 for i in range(130)]  # 2 pages, the second partial
+    want = pattern(tokens)
+    with vtm.connect(broker.address, name="ahead", map_ahead_pages=2) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=8, namespace="ns")
+        view = space.tensor(np.uint8)
+        first = space.create(len(tokens) if op.startswith("prefix") else 10).result()
+        view[first.slot, :first.num_tokens * ROW] = want[:first.num_tokens * ROW]
+        if op == "prefix_match":
+            space.prefix_record(first, tokens).result()  # the tree copies the partial page
+        vts = [first]
+        while mgr.stats()["chunks_held"] < (16 if op.startswith("prefix") else 15):
+            vts.append(space.create(10).result())
+        shrinks = mgr.stats()["ops"].get("shrink", {}).get("count", 0)
+        if op == "create":
+            vts.append(space.create(3 * int(ROWS_PER_PAGE)).result())
+        elif op == "step":
+            mgr.step({first: 300}).result()  # 5 pages: 2 more than the 3 it maps
+            view[first.slot, 10 * ROW:300 * ROW] = 1
+        elif op == "prefix_record":
+            assert space.prefix_record(first, tokens).result() == len(tokens)
+        else:
+            match = space.prefix_match(tokens + [1]).result()
+            assert match.num_tokens == len(tokens)
+            assert (np.asarray(view[match.vtensor.slot, :len(tokens) * ROW]) == want).all()
+            vts.append(match.vtensor)
+        assert mgr.stats()["ops"]["shrink"]["count"] == shrinks + 1
+        assert (np.asarray(view[first.slot, :10 * ROW]) == want[:10 * ROW]).all()
+        for vt in vts:
+            vt.release().result()
+        mgr.check()

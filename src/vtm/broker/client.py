@@ -107,6 +107,9 @@ class RemoteManager:
         # Operations submitted and finished (refills not counted): equal when
         # nothing is queued or running, so a step may be decided here.
         self._submit_mu = threading.Lock()
+        # Held while a growth is decided here, and while pages ahead are
+        # given back is submitted: the one never reads rows the other moves.
+        self._ahead_mu = threading.Lock()
         self._submitted = 0
         self._finished = 0
         self._liveness = Liveness()  # the session up or lost, the revoke (liveness.py)
@@ -176,9 +179,7 @@ class RemoteManager:
         self.client_id = hello.client_id
         self.backend = hello.backend
         self.chunk_bytes = self._map_ahead.chunk_bytes = hello.chunk_bytes
-        # Under a limit, pages ahead (which nothing gives back before their
-        # vTensor goes) could refuse an allocation that fits without them.
-        self._map_ahead.pages = 0 if hello.limit_bytes else self._map_ahead_asked
+        self._map_ahead.pages = self._map_ahead_asked
         self.capacity_bytes = hello.capacity_bytes
         self.granularity = hello.granularity
         # What the operator granted (less where this client asked for less).
@@ -258,13 +259,18 @@ class RemoteManager:
         may wait on futures) until the asked bytes are freed, then acknowledges."""
         self.reclaim_notices += 1
         remaining = int(notice.get("bytes", 0))
+        if self._map_ahead.pages:
+            try:
+                remaining -= self._give_back_pages_ahead()
+            except Exception:  # noqa: BLE001 - the handlers may still free what is asked
+                log.warning("giving back the pages mapped ahead failed", exc_info=True)
         for handler in list(self._reclaim_handlers):
+            if remaining <= 0:
+                break
             try:
                 remaining -= handler(remaining) or 0
             except Exception:  # noqa: BLE001 - a failing handler frees nothing; the broker's deadline applies
                 continue
-            if remaining <= 0:
-                break
         session.ack(notice.get("id"))
 
     def _lost(self, error: BaseException) -> None:
@@ -508,7 +514,8 @@ class RemoteManager:
 
         def run():
             ahead, exact = self._map_ahead.rows(space, n), self._map_ahead.rows(space, n, ahead=0)
-            vt_id, slot, mapped = self._transport.create(space.id, n, ahead, exact)
+            vt_id, slot, mapped = self._or_without_pages_ahead(
+                lambda: self._transport.create(space.id, n, ahead, exact))
             vt = self._add_vtensor(space, vt_id, slot, n)
             self._map_ahead.set_mapped(vt, mapped)
             return vt
@@ -534,13 +541,36 @@ class RemoteManager:
                 sizes.append((self._own(vt, "step"), _count(target, "num_tokens"), None))
         return self._grow(sizes, "step")
 
+    def shrink(self, targets) -> RemoteFuture:
+        """Each vTensor of {vTensor: rows} keeps its first rows, and every
+        page wholly past them goes back to the broker (docs/api.md,
+        "Shrinking a vTensor"). Nothing else in this process may use those
+        pages meanwhile, as for a release."""
+        sizes = [(self._own(vt, "shrink"), _count(n, "num_tokens")) for vt, n in targets.items()]
+
+        def run():
+            for vt, n in sizes:
+                vt._live()
+                # The broker counts the rows mapped ahead as the vTensor's:
+                # the bound is checked here, against the rows it grew into.
+                if n > vt._num_tokens:
+                    raise errors.InvalidArgument(f"shrink: {n} tokens exceed the {vt._num_tokens} of vTensor "
+                                                 f"{vt.id} (extend grows a vTensor)")
+            self._send_shrink(sizes)
+        return self._submit(run, data_plane=True)
+
+    def _send_shrink(self, sizes) -> None:
+        request = vtm_pb2.ShrinkRequest(targets=[vtm_pb2.ShrinkTarget(vtensor_id=vt.id, num_tokens=n)
+                                                 for vt, n in sizes])
+        self._apply(self._rpc("shrink", self._stub.Shrink, request))
+
     def _grow(self, sizes, what: str) -> RemoteFuture:
         """extend or step: sizes are (vTensor, tokens, low mark or None)."""
         ahead = [self._map_ahead.rows(vt._space, n) for vt, n, _ in sizes]
         exact = [self._map_ahead.rows(vt._space, n, ahead=0) for vt, n, _ in sizes]
 
         def run():
-            granted = self._transport.grow(what, sizes, ahead, exact)
+            granted = self._or_without_pages_ahead(lambda: self._transport.grow(what, sizes, ahead, exact))
             for (vt, n, low), rows in zip(sizes, granted):
                 vt._num_tokens = max(vt._num_tokens, n)
                 self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, rows))
@@ -555,15 +585,16 @@ class RemoteManager:
         queued before it (its order would not show otherwise); False: ask
         the broker."""
         transport = self._transport
-        if (self._finished != self._submitted or self._liveness.broken is not None or transport is None
-                or not transport.maps_ahead):
-            return False
-        refills = self._map_ahead.grow(pairs, self)
-        if refills is None:
-            return False
-        if refills:
-            self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
-        return True
+        with self._ahead_mu:
+            if (self._finished != self._submitted or self._liveness.broken is not None or transport is None
+                    or not transport.maps_ahead):
+                return False
+            refills = self._map_ahead.grow(pairs, self)
+            if refills is None:
+                return False
+            if refills:
+                self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
+            return True
 
     def _refill(self, refills) -> None:
         """Runs on the worker: maps the pages ahead that MapAhead.grow asked
@@ -573,6 +604,43 @@ class RemoteManager:
             for vt, want in part:
                 self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, want))
         self._transport.refill([(vt, want) for vt, want in refills if not vt._released], mapped)
+
+    def _shrink_to_pages_needed(self) -> int:
+        """On the worker: shrinks every vTensor to the pages its rows need,
+        giving back its pages ahead (they hold nothing yet, so this costs no
+        sequence its progress); returns the bytes freed."""
+        chunk = self.chunk_bytes
+
+        def pages(vt, rows):
+            return -(-rows * vt._space.row_bytes // chunk)
+
+        targets = [(vt, self._map_ahead.rows(vt._space, vt._num_tokens, ahead=0)) for vt in list(self._live.values())]
+        targets = [(vt, keep) for vt, keep in targets if vt._mapped_tokens > keep]
+        if not targets:
+            return 0
+        freed = sum(pages(vt, vt._mapped_tokens) - pages(vt, keep) for vt, keep in targets) * chunk
+        self._send_shrink(targets)
+        return freed
+
+    def _give_back_pages_ahead(self) -> int:
+        """The first answer to a reclaim notice: _shrink_to_pages_needed,
+        submitted under _ahead_mu, so that no growth is decided here between
+        the rows it reads on the worker and the shrink (_grown_here)."""
+        with self._ahead_mu:
+            future = self._submit(self._shrink_to_pages_needed, data_plane=True)
+        return future.result()
+
+    def _or_without_pages_ahead(self, fn):
+        """Runs fn (an allocation, on the worker); when the broker finds no
+        memory for it while this client maps pages ahead, gives those back
+        and runs it once more: memory held for the steps to come never
+        refuses the one at hand."""
+        try:
+            return fn()
+        except errors.OutOfMemory:
+            if not self._map_ahead.pages or not self._shrink_to_pages_needed():
+                raise
+        return fn()
 
     def _unmap_first(self, vt: RemoteVTensor) -> None:
         """Unmaps a vTensor's pages here before the broker is asked to free
@@ -608,7 +676,7 @@ class RemoteManager:
                                              f"holds only {vt._num_tokens}")
             if fence is not None:
                 fence.wait()
-            reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)
+            reply = self._or_without_pages_ahead(lambda: self._rpc("prefix_record", self._stub.PrefixRecord, request))
             self._apply(reply)
             return reply.value
         return self._submit(run, data_plane=True)
@@ -620,7 +688,7 @@ class RemoteManager:
                            token_ids=[int(t) for t in token_ids])
 
         def run():
-            reply = self._rpc("prefix_match", self._stub.PrefixMatch, request)
+            reply = self._or_without_pages_ahead(lambda: self._rpc("prefix_match", self._stub.PrefixMatch, request))
             vt = self._new_vtensor(space, reply) if reply.vtensor_id else None
             self._apply(reply)
             return RemoteMatch(vt, reply.matched_tokens, reply.restored_tokens)

@@ -60,9 +60,6 @@ OP_NAMES = {CREATE: "create", EXTEND: "extend", STEP: "step", RELEASE: "release"
 # u64s an entry of each op has: the ops that set a low mark carry it third.
 WIDTH = {CREATE: 2, EXTEND: 2, STEP: 2, RELEASE: 2, EXTEND_LOW: 3, STEP_LOW: 3, CREATE_AHEAD: 2, STEP_AHEAD: 2}
 KEEP_LOW = (1 << 64) - 1  # a STEP_LOW entry that keeps the vTensor's low mark
-# The FailedPrecondition message that refuses CREATE_AHEAD / STEP_AHEAD to a
-# client with a limit: the client stops mapping ahead when it reads it.
-LIMITED_AHEAD = "a client with a limit maps no pages ahead"
 
 REQUEST = struct.Struct("<IIQ")
 PAIR = struct.Struct("<QQ")

@@ -125,9 +125,7 @@ class StepTransport(Transport):
             part = wants[start:start + step_channel.MAX_PAIRS]
             try:
                 self.call("step", step_channel.STEP_AHEAD, [x for vt, want in part for x in (vt.id, want)])
-            except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
-                if not self._ahead_refused(exc):
-                    raise
+            except errors.OutOfMemory:
                 continue
             mapped(part)
 
@@ -160,17 +158,6 @@ class StepTransport(Transport):
         if ahead != exact:
             try:
                 return self.call(what, ahead_op, [x for k, r in zip(keys, ahead) for x in (k, r)]), ahead
-            except (errors.OutOfMemory, errors.FailedPrecondition) as exc:
-                if not self._ahead_refused(exc):
-                    raise
+            except errors.OutOfMemory:
+                pass  # refused (free memory only, within the limit): the rows needed, as usual
         return self.call(what, exact_op, [x for k, r in zip(keys, exact) for x in (k, r)]), exact
-
-    def _ahead_refused(self, exc: errors.Error) -> bool:
-        """Whether the broker refused pages ahead (not the rows needed): out
-        of free memory, or this client has a limit now (set while it was
-        connected), which ends mapping ahead for the session."""
-        if isinstance(exc, errors.FailedPrecondition):
-            if str(exc) != step_channel.LIMITED_AHEAD:
-                return False
-            self._client._map_ahead.pages = 0
-        return True
