@@ -751,3 +751,30 @@ def test_stream_argument_is_checked(small):
         assert_same_state(before, snapshot(mgr, [sp], live, ios), allow_reclaim=False)
     assert sp.prefix_match([5] * 3, stream=None).result().num_tokens == 0
     mgr.check()
+
+
+def test_shrink_moves_the_prefix_lock_up_to_the_rows_it_keeps():
+    """A vTensor that recorded [1, 2] and then [1, 2, 3, 4] locks the node
+    [2, 4); shrunk to 2 rows it holds nothing of that node, which becomes
+    evictable; shrunk to 0, nothing of the tree stays locked."""
+    mgr = new_manager(chunks=16)
+    try:
+        sp = mgr.create_space(row_bytes=mgr.chunk_bytes, max_tokens=8, max_slots=2)
+        vt = sp.create(4).result()
+        sp.prefix_record(vt, [1, 2]).result()
+        sp.prefix_record(vt, [1, 2, 3, 4]).result()
+        assert [(n["start"], n["end"], n["locks"]) for n in sp.prefix_nodes()] == [(0, 2, 1), (2, 4, 1)]
+        vt.shrink(3).result()  # row 2 is still its own
+        assert [n["locks"] for n in sp.prefix_nodes()] == [1, 1]
+        vt.shrink(2).result()
+        assert [n["locks"] for n in sp.prefix_nodes()] == [1, 0]
+        assert mgr.trim(mgr.chunk_bytes) >= mgr.chunk_bytes  # the leaf [2, 4) goes
+        assert [(n["start"], n["end"]) for n in sp.prefix_nodes()] == [(0, 2)]
+        vt.shrink(0).result()
+        assert [n["locks"] for n in sp.prefix_nodes()] == [0]
+        mgr.check()
+        vt.extend(3).result()
+        vt.release().result()
+        mgr.check()
+    finally:
+        mgr.close()

@@ -175,7 +175,21 @@ FutureValue Manager::DoShrink(const std::vector<ShrinkTarget>& targets) {
   undo.Commit();
   cow_copies_total_ += copied.size();
   for (ChunkId c : unmapped) pool_->Unref(c);
-  for (auto [id, n] : want) vtensors_.at(id).num_tokens = n;
+  for (auto [id, n] : want) {
+    VTensor& vt = vtensors_.at(id);
+    vt.num_tokens = n;
+    // The lock moves up to the deepest node of its path that still holds
+    // rows below n, so the prefix past them may be evicted like any other.
+    if (vt.lock_node != nullptr && n < vt.lock_node->end()) {
+      PrefixTree& tree = *SpaceOf(vt.space).tree;
+      PrefixNode* keep = vt.lock_node;
+      while (keep != tree.root() && keep->start >= n) keep = keep->parent;
+      if (keep == tree.root()) keep = nullptr;
+      if (keep != nullptr) tree.Lock(keep);
+      tree.Unlock(vt.lock_node);
+      vt.lock_node = keep;
+    }
+  }
   AfterCommit();
   return std::monostate{};
 }
