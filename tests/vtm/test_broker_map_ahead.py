@@ -7,6 +7,8 @@ of operations, which must not change."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -185,46 +187,79 @@ def test_map_ahead_pages_must_be_a_count(broker):
         vtm.connect(broker.address, map_ahead_pages=-1)
 
 
-def test_a_reclaim_notice_takes_the_pages_ahead_first_and_preempts_nothing(broker):
-    """'low' maps 4 vTensors of 1 page with 2 pages ahead each: 12 of the 16
-    chunks. 'high' needs 8 chunks; the 8 pages ahead are all it needs, so
-    low gives those back before its handler runs, and no sequence of low's
-    is released. Its rows keep their bytes, and it keeps growing."""
+def four_vtensors_with_pages_ahead(mgr, want):
+    """4 vTensors of 10 rows, 1 page and 2 ahead each (12 chunks), their
+    rows written; and a reclaim handler that records what it is asked."""
+    space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+    view = space.tensor(np.uint8)
+    vts = [space.create(10).result() for _ in range(4)]
+    for vt in vts:
+        view[vt.slot, :10 * ROW] = want[:10 * ROW]
+    assert sum(vt.mapped_bytes for vt in vts) == 12 * CHUNK
+    asked = []
+
+    def give_back(nbytes):
+        asked.append(nbytes)
+        vts.pop().release().result()
+        return 3 * CHUNK
+    mgr.set_reclaim_handler(give_back)
+    return view, vts, asked
+
+
+def they_kept_their_rows_and_grow_on(mgr, view, vts, want, sizes=(60, 120)):
+    assert [(vt.num_tokens, vt.mapped_bytes) for vt in vts] == [(10, CHUNK)] * 4
+    for vt in vts:
+        assert (np.asarray(view[vt.slot, :10 * ROW]) == want[:10 * ROW]).all()
+    for n in sizes:  # inside its page, then into a new one
+        mgr.step({vt: n for vt in vts}).result()
+        for vt in vts:
+            view[vt.slot, :n * ROW] = want[:n * ROW]
+
+
+@pytest.mark.parametrize("asker", ["same-priority", "higher-priority"])
+def test_pages_ahead_are_recalled_from_any_client_before_a_sequence_is_asked_for(broker, asker):
+    """'owner' maps 12 of the 16 chunks, 8 of them ahead. 'asker' needs 8:
+    the broker recalls the pages ahead (whatever the owner's priority),
+    which is enough, so no reclaim notice goes out and no sequence of the
+    owner's is released. Before, a client of the same priority was refused
+    and a lower one lost sequences."""
     from vtm.broker import ctl
 
-    assert ctl.main(["--address", broker.address, "set-quota", "high", "--priority", "10"]) == 0
-    with vtm.connect(broker.address, name="low", map_ahead_pages=2) as low, \
-            vtm.connect(broker.address, name="high") as high:
-        space = low.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
-        view = space.tensor(np.uint8)
-        vts = [space.create(10).result() for _ in range(4)]
-        tokens = [(5 * i + 1) % 997 for i in range(300)]
-        want = pattern(tokens)
-        for vt in vts:
-            view[vt.slot, :10 * ROW] = want[:10 * ROW]
-        assert sum(vt.mapped_bytes for vt in vts) == 12 * CHUNK
-        asked = []
-
-        def give_back(nbytes):
-            asked.append(nbytes)
-            vts.pop().release().result()
-            return 3 * CHUNK
-        low.set_reclaim_handler(give_back)
-        theirs = high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * int(ROWS_PER_PAGE)).result()
+    if asker == "higher-priority":
+        assert ctl.main(["--address", broker.address, "set-quota", "asker", "--priority", "10"]) == 0
+    want = pattern([(5 * i + 1) % 997 for i in range(300)])
+    with vtm.connect(broker.address, name="owner", map_ahead_pages=2) as owner, \
+            vtm.connect(broker.address, name="asker") as other:
+        view, vts, asked = four_vtensors_with_pages_ahead(owner, want)
+        theirs = other.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * int(ROWS_PER_PAGE)).result()
         assert theirs.mapped_bytes == 8 * CHUNK
-        assert low.reclaim_notices == 1 and asked == []
-        assert [(vt.num_tokens, vt.mapped_bytes) for vt in vts] == [(10, CHUNK)] * 4
-        assert {c["name"]: c["owes_bytes"] for c in low.stats()["clients"]}["low"] == 0
-        for vt in vts:
-            assert (np.asarray(view[vt.slot, :10 * ROW]) == want[:10 * ROW]).all()
-        for n in (60, 120):  # inside its page, then into a new one, asked for exactly
-            low.step({vt: n for vt in vts}).result()
-            for vt in vts:
-                view[vt.slot, :n * ROW] = want[:n * ROW]
+        assert (owner.recall_notices, owner.reclaim_notices, asked) == (1, 0, [])
         theirs.release().result()
+        they_kept_their_rows_and_grow_on(owner, view, vts, want)
         for vt in vts:
             vt.release().result()
-        low.check()
+        owner.check()
+
+
+def test_a_reclaim_notice_takes_the_pages_ahead_first_and_preempts_nothing(broker):
+    """The operator lowers the limit of a client that maps 12 chunks, 8 of
+    them ahead, to 6: its reclaim notice is answered by the pages ahead
+    alone, and the handler (which releases a sequence) is not called."""
+    from vtm.broker import ctl
+
+    want = pattern([(5 * i + 1) % 997 for i in range(300)])
+    with vtm.connect(broker.address, name="tenant", map_ahead_pages=2) as mgr:
+        view, vts, asked = four_vtensors_with_pages_ahead(mgr, want)
+        assert ctl.main(["--address", broker.address, "set-quota", "tenant", "--limit", str(6 * CHUNK)]) == 0
+        deadline = time.monotonic() + 10
+        while mgr.stats()["chunks_held"] > 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (mgr.reclaim_notices, asked) == (1, [])
+        assert {c["name"]: c["owes_bytes"] for c in mgr.stats()["clients"]}["tenant"] == 0
+        they_kept_their_rows_and_grow_on(mgr, view, vts, want, sizes=(60,))  # 2 pages more would pass the limit
+        for vt in vts:
+            vt.release().result()
+        mgr.check()
 
 
 @pytest.mark.parametrize("ahead", [0, 2])
@@ -297,4 +332,77 @@ def test_a_clients_own_pages_ahead_never_refuse_its_next_allocation(broker, op):
         assert (np.asarray(view[first.slot, :10 * ROW]) == want[:10 * ROW]).all()
         for vt in vts:
             vt.release().result()
+        mgr.check()
+
+
+def test_a_clients_own_pages_ahead_go_before_a_lower_prioritys_sequences(broker):
+    """'high' maps 12 chunks, 8 of them ahead; 'low' the other 4. high's
+    next create is refused at once, gives its own pages ahead back and
+    runs: low gets no notice and loses nothing (review: low lost a
+    sequence while high kept its pages ahead)."""
+    from vtm.broker import ctl
+
+    assert ctl.main(["--address", broker.address, "set-quota", "high", "--priority", "10"]) == 0
+    with vtm.connect(broker.address, name="high", map_ahead_pages=2) as high, \
+            vtm.connect(broker.address, name="low") as low:
+        mine = high.create_space(row_bytes=ROW, max_tokens=1000, max_slots=8)
+        hv = [mine.create(10).result() for _ in range(4)]
+        theirs = low.create_space(row_bytes=ROW, max_tokens=1000, max_slots=8)
+        lv = [theirs.create(10).result() for _ in range(4)]
+        asked = []
+        low.set_reclaim_handler(lambda n: asked.append(n) or 0)
+        hv.append(mine.create(10).result())
+        assert (asked, low.reclaim_notices, low.recall_notices) == ([], 0, 0)
+        assert high.stats()["chunks_held"] == 9 and all(not vt.released for vt in lv)
+        for vt in hv + lv:
+            vt.release().result()
+        high.check()
+
+
+def test_a_full_space_gives_back_no_page_ahead(broker):
+    """No free slot is not a lack of memory: nothing to give back for it
+    (review: every page ahead went, and the create failed anyway)."""
+    with vtm.connect(broker.address, name="ahead", map_ahead_pages=2) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+        vt = space.create(10).result()
+        with pytest.raises(vtm.OutOfMemory, match="no free slot"):
+            space.create(10).result()
+        assert vt.mapped_bytes == 3 * CHUNK and "shrink" not in mgr.stats()["ops"]
+        vt.release().result()
+
+
+def test_a_shrink_unmaps_here_first_and_maps_again_what_the_broker_refused(broker):
+    """The broker hands a freed chunk to the next client at once, so the
+    pages past the new end are unmapped here before it is asked. When it
+    refuses (a shared end page to copy into a full pool), they are mapped
+    again, with their bytes."""
+    tokens = [(13 * i + 5) % 1009 for i in range(130)]
+    want = pattern(tokens)
+    with vtm.connect(broker.address, name="shrinker") as mgr, vtm.connect(broker.address, name="filler") as other:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1, namespace="ns")
+        view = space.tensor(np.uint8)
+        vt = space.create(len(tokens)).result()  # pages 0-1
+        view[vt.slot, :len(tokens) * ROW] = want
+        space.prefix_record(vt, tokens).result()  # page 0 shared, page 1 copied for the tree
+        seen = []
+        rpc = mgr._rpc
+
+        def spy(what, *args, **kwargs):
+            if what == "shrink":
+                seen.append(vt.page_chunks()[:2])
+            return rpc(what, *args, **kwargs)
+        mgr._rpc = spy
+        filled = other.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(13 * int(ROWS_PER_PAGE)).result()
+        assert mgr.stats()["chunks_held"] == 16
+        with pytest.raises(vtm.OutOfMemory):
+            vt.shrink(30).result()  # page 0 holds row 30 and is shared: a copy needs a chunk
+        assert seen[0][1] is None and seen[0][0] is not None
+        assert vt.num_tokens == len(tokens) and vt.mapped_bytes == 2 * CHUNK
+        assert (np.asarray(view[vt.slot, :len(tokens) * ROW]) == want).all()
+        filled.release().result()
+        vt.shrink(30).result()
+        assert [c is not None for c in vt.page_chunks()[:2]] == [True, False]
+        with pytest.raises(vtm.InvalidArgument, match="exceed the 30"):
+            vt.shrink(31).result()
+        vt.release().result()
         mgr.check()

@@ -243,7 +243,7 @@ _METHODS = {
     "Create": vtm_pb2.CreateRequest, "Extend": vtm_pb2.ExtendRequest, "Step": vtm_pb2.StepRequest,
     "Release": vtm_pb2.VTensorRequest, "PrefixRecord": vtm_pb2.PrefixRecordRequest,
     "PrefixMatch": vtm_pb2.PrefixMatchRequest, "ClearPrefixes": vtm_pb2.SpaceRequest,
-    "PrefixNodes": vtm_pb2.SpaceRequest, "SetQuota": vtm_pb2.SetQuotaRequest,
+    "PrefixNodes": vtm_pb2.SpaceRequest, "SetQuota": vtm_pb2.SetQuotaRequest, "Shrink": vtm_pb2.ShrinkRequest,
 }
 
 
@@ -257,7 +257,7 @@ def _state(mgr) -> dict:
 def _malformed(rng: random.Random, own_space: int, other_space: int, other_vt: int, own_vt: int):
     """(method, request bytes): each one invalid, so none may change state."""
     big = rng.choice([2**62, 2**63, 2**64 - 1, 10**12])
-    choice = rng.randrange(12)
+    choice = rng.randrange(13)
     if choice == 0:
         return rng.choice(list(_METHODS)), rng.randbytes(rng.randrange(1, 64))  # not a message at all
     if choice == 1:
@@ -293,6 +293,12 @@ def _malformed(rng: random.Random, own_space: int, other_space: int, other_vt: i
             vtm_pb2.SetQuotaRequest(name=rng.choice(["", "ghost"]), limit_bytes=rng.choice([2**62, 2**63, 2**64 - 1])),
             vtm_pb2.SetQuotaRequest(name="ghost", guaranteed_bytes=rng.choice([17 * CHUNK, 10**12])),
             vtm_pb2.SetQuotaRequest(name="fuzzer")]).SerializeToString()
+    if choice == 11:  # all or nothing: a good target beside another's vTensor, or past the rows held
+        targets = [vtm_pb2.ShrinkTarget(vtensor_id=own_vt, num_tokens=0),
+                   rng.choice([vtm_pb2.ShrinkTarget(vtensor_id=rng.choice([other_vt, 0, 555]), num_tokens=0),
+                               vtm_pb2.ShrinkTarget(vtensor_id=own_vt, num_tokens=rng.choice([10**6, big]))])]
+        rng.shuffle(targets)
+        return "Shrink", vtm_pb2.ShrinkRequest(targets=targets, all_ahead=rng.random() < 0.5).SerializeToString()
     return "PrefixMatch", vtm_pb2.PrefixMatchRequest(space_id=rng.choice([other_space, 31337]),
                                                      token_ids=[1, 2, 3]).SerializeToString()
 

@@ -106,10 +106,11 @@ class RemoteManager:
         self._map_ahead = MapAhead(0, chunk_bytes=0)  # set at hello
         # Operations submitted and finished (refills not counted): equal when
         # nothing is queued or running, so a step may be decided here.
+        # Held by a submission, and while a growth is decided here: an
+        # operation submitted after that growth (a shrink reads the rows
+        # grown into) runs after it, one submitted before keeps it from
+        # being decided here.
         self._submit_mu = threading.Lock()
-        # Held while a growth is decided here, and while pages ahead are
-        # given back is submitted: the one never reads rows the other moves.
-        self._ahead_mu = threading.Lock()
         self._submitted = 0
         self._finished = 0
         self._liveness = Liveness()  # the session up or lost, the revoke (liveness.py)
@@ -127,6 +128,7 @@ class RemoteManager:
         self._lease = None
         self._reclaim_handlers = []
         self.reclaim_notices = 0  # RECLAIM notices received
+        self.recall_notices = 0  # RECALL notices received (pages ahead asked back)
         self.reconnects = 0  # sessions rebuilt after a lost one
         if not address.startswith("unix:"):
             # Chunks travel as fds: only a Unix socket carries them (a tcp:
@@ -247,6 +249,10 @@ class RemoteManager:
                 self._session_lost(session, f"the vtm broker is stopping: {notice.get('reason', '')}")
             elif notice.get("notice") == "reclaim":
                 self._answer_reclaim(notice, session)
+            elif notice.get("notice") == "recall":
+                self.recall_notices += 1
+                self._give_back_pages_ahead(self._timeout)
+                session.ack(notice.get("id"))
         if not self._closed:
             self._session_lost(session, "the vtm broker ended this session (its channel closed)")
 
@@ -259,11 +265,7 @@ class RemoteManager:
         may wait on futures) until the asked bytes are freed, then acknowledges."""
         self.reclaim_notices += 1
         remaining = int(notice.get("bytes", 0))
-        if self._map_ahead.pages:
-            try:
-                remaining -= self._give_back_pages_ahead()
-            except Exception:  # noqa: BLE001 - the handlers may still free what is asked
-                log.warning("giving back the pages mapped ahead failed", exc_info=True)
+        remaining -= self._give_back_pages_ahead(float(notice.get("deadline_s", self._timeout)))
         for handler in list(self._reclaim_handlers):
             if remaining <= 0:
                 break
@@ -515,7 +517,7 @@ class RemoteManager:
         def run():
             ahead, exact = self._map_ahead.rows(space, n), self._map_ahead.rows(space, n, ahead=0)
             vt_id, slot, mapped = self._or_without_pages_ahead(
-                lambda: self._transport.create(space.id, n, ahead, exact))
+                lambda exact_only: self._transport.create(space.id, n, exact if exact_only else ahead, exact))
             vt = self._add_vtensor(space, vt_id, slot, n)
             self._map_ahead.set_mapped(vt, mapped)
             return vt
@@ -556,13 +558,36 @@ class RemoteManager:
                 if n > vt._num_tokens:
                     raise errors.InvalidArgument(f"shrink: {n} tokens exceed the {vt._num_tokens} of vTensor "
                                                  f"{vt.id} (extend grows a vTensor)")
+                if n < vt._low:
+                    raise errors.InvalidArgument(f"shrink: {n} tokens are below the low mark {vt._low} of vTensor "
+                                                 f"{vt.id}")
             self._send_shrink(sizes)
         return self._submit(run, data_plane=True)
 
-    def _send_shrink(self, sizes) -> None:
+    def _send_shrink(self, sizes, all_ahead: bool = False) -> None:
+        """Shrinks on the broker (on the worker). The pages past each new end
+        are unmapped here first, as for a release: the broker hands a freed
+        chunk to the next client at once. A refusal changed nothing there,
+        so they are mapped again."""
+        chunk = self.chunk_bytes
+        unmapped = []
+        for vt, n in sizes:
+            mapped = self._mapper.mapped_from(vt._space.id, vt._slot, -(-n * vt._space.row_bytes // chunk))
+            if mapped:
+                self._mapper.apply(vt._space.id, [(slot, page, -1, 0) for slot, page, _, _ in mapped])
+                unmapped.append((vt._space.id, mapped))
         request = vtm_pb2.ShrinkRequest(targets=[vtm_pb2.ShrinkTarget(vtensor_id=vt.id, num_tokens=n)
-                                                 for vt, n in sizes])
-        self._apply(self._rpc("shrink", self._stub.Shrink, request))
+                                                 for vt, n in sizes], all_ahead=all_ahead)
+        try:
+            reply = self._rpc("shrink", self._stub.Shrink, request)
+        except errors.Unavailable:
+            raise  # the session is lost: every mapping goes (_lost)
+        except errors.Error:
+            for space_id, mapped in unmapped:
+                self._import(self._mapper.missing(mapped))
+                self._mapper.apply(space_id, mapped)
+            raise
+        self._apply(reply)
 
     def _grow(self, sizes, what: str) -> RemoteFuture:
         """extend or step: sizes are (vTensor, tokens, low mark or None)."""
@@ -570,7 +595,8 @@ class RemoteManager:
         exact = [self._map_ahead.rows(vt._space, n, ahead=0) for vt, n, _ in sizes]
 
         def run():
-            granted = self._or_without_pages_ahead(lambda: self._transport.grow(what, sizes, ahead, exact))
+            granted = self._or_without_pages_ahead(
+                lambda exact_only: self._transport.grow(what, sizes, exact if exact_only else ahead, exact))
             for (vt, n, low), rows in zip(sizes, granted):
                 vt._num_tokens = max(vt._num_tokens, n)
                 self._map_ahead.set_mapped(vt, max(vt._mapped_tokens, rows))
@@ -585,16 +611,16 @@ class RemoteManager:
         queued before it (its order would not show otherwise); False: ask
         the broker."""
         transport = self._transport
-        with self._ahead_mu:
+        with self._submit_mu:
             if (self._finished != self._submitted or self._liveness.broken is not None or transport is None
                     or not transport.maps_ahead):
                 return False
             refills = self._map_ahead.grow(pairs, self)
-            if refills is None:
-                return False
-            if refills:
-                self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
-            return True
+        if refills is None:
+            return False
+        if refills:
+            self._submit(lambda: self._refill(refills), data_plane=False, counted=False)
+        return True
 
     def _refill(self, refills) -> None:
         """Runs on the worker: maps the pages ahead that MapAhead.grow asked
@@ -608,7 +634,8 @@ class RemoteManager:
     def _shrink_to_pages_needed(self) -> int:
         """On the worker: shrinks every vTensor to the pages its rows need,
         giving back its pages ahead (they hold nothing yet, so this costs no
-        sequence its progress); returns the bytes freed."""
+        sequence its progress), and tells the broker it keeps none; returns
+        the bytes freed."""
         chunk = self.chunk_bytes
 
         def pages(vt, rows):
@@ -616,31 +643,38 @@ class RemoteManager:
 
         targets = [(vt, self._map_ahead.rows(vt._space, vt._num_tokens, ahead=0)) for vt in list(self._live.values())]
         targets = [(vt, keep) for vt, keep in targets if vt._mapped_tokens > keep]
-        if not targets:
-            return 0
         freed = sum(pages(vt, vt._mapped_tokens) - pages(vt, keep) for vt, keep in targets) * chunk
-        self._send_shrink(targets)
+        self._send_shrink(targets, all_ahead=True)
         return freed
 
-    def _give_back_pages_ahead(self) -> int:
-        """The first answer to a reclaim notice: _shrink_to_pages_needed,
-        submitted under _ahead_mu, so that no growth is decided here between
-        the rows it reads on the worker and the shrink (_grown_here)."""
-        with self._ahead_mu:
-            future = self._submit(self._shrink_to_pages_needed, data_plane=True)
-        return future.result()
+    def _give_back_pages_ahead(self, timeout: float) -> int:
+        """The first answer to a reclaim or recall notice (on the listener):
+        _shrink_to_pages_needed, in order after the operations submitted
+        before it (a submission holds _submit_mu, so no growth is decided
+        here between the rows it reads and the shrink: _grown_here). Waits
+        up to `timeout` (the notice's deadline): the answer is late rather
+        than never. Returns the bytes freed (0 when it failed or is late)."""
+        if not self._map_ahead.pages or self._transport is None or not self._transport.maps_ahead:
+            return 0
+        try:
+            return self._submit(self._shrink_to_pages_needed, data_plane=True).result(timeout=timeout)
+        except Exception:  # noqa: BLE001 - the handlers may still free what is asked
+            log.warning("giving back the pages mapped ahead failed", exc_info=True)
+            return 0
 
     def _or_without_pages_ahead(self, fn):
-        """Runs fn (an allocation, on the worker); when the broker finds no
-        memory for it while this client maps pages ahead, gives those back
-        and runs it once more: memory held for the steps to come never
-        refuses the one at hand."""
+        """Runs fn(exact_only) (an allocation, on the worker). The broker
+        refuses a client that maps pages ahead at once (status.OWN_PAGES_AHEAD):
+        it gives them back and runs fn once more, asking only for the rows it
+        needs, so memory held for the steps to come never refuses the one at
+        hand, nor costs another client anything while it is held."""
         try:
-            return fn()
-        except errors.OutOfMemory:
-            if not self._map_ahead.pages or not self._shrink_to_pages_needed():
+            return fn(False)
+        except errors.OutOfMemory as exc:
+            if not str(exc).startswith(status.OWN_PAGES_AHEAD):
                 raise
-        return fn()
+        self._shrink_to_pages_needed()
+        return fn(True)
 
     def _unmap_first(self, vt: RemoteVTensor) -> None:
         """Unmaps a vTensor's pages here before the broker is asked to free
@@ -676,7 +710,8 @@ class RemoteManager:
                                              f"holds only {vt._num_tokens}")
             if fence is not None:
                 fence.wait()
-            reply = self._or_without_pages_ahead(lambda: self._rpc("prefix_record", self._stub.PrefixRecord, request))
+            reply = self._or_without_pages_ahead(
+                lambda _: self._rpc("prefix_record", self._stub.PrefixRecord, request))
             self._apply(reply)
             return reply.value
         return self._submit(run, data_plane=True)
@@ -688,7 +723,7 @@ class RemoteManager:
                            token_ids=[int(t) for t in token_ids])
 
         def run():
-            reply = self._or_without_pages_ahead(lambda: self._rpc("prefix_match", self._stub.PrefixMatch, request))
+            reply = self._or_without_pages_ahead(lambda _: self._rpc("prefix_match", self._stub.PrefixMatch, request))
             vt = self._new_vtensor(space, reply) if reply.vtensor_id else None
             self._apply(reply)
             return RemoteMatch(vt, reply.matched_tokens, reply.restored_tokens)

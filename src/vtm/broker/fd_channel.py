@@ -99,7 +99,7 @@ class FdServer(SeqpacketServer):
 
     def _on_channel(self, conn, request: dict) -> bool:
         if "ack" in request:
-            self._service.ack(conn.session)
+            self._service.ack(conn.session, request["ack"])
             return True
         if request.get("bye") is True:
             self.send(conn, json.dumps(self._bye(conn, request.get("lease"))).encode())

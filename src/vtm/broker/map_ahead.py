@@ -16,8 +16,10 @@ Invariants, per vTensor vt of the client:
     ahead of the last row, or NEVER while a refill is on its way (or L = 0).
 
 Not thread-safe by itself: grow runs on the caller's thread only when the
-client's worker has nothing queued but refills, and refills only raise
-vt._mapped_tokens (set_mapped, on the worker).
+client's worker has nothing queued but refills (checked and done under the
+client's submission lock), refills only raise vt._mapped_tokens, and a
+shrink, which lowers it, is an operation of its own (set_mapped, on the
+worker, for both).
 """
 
 from __future__ import annotations

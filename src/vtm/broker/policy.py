@@ -4,10 +4,14 @@ cooperative reclaim (docs/design.md §6, docs/broker.md).
 A mapped chunk cannot be revoked from a live process (its mapping keeps the
 memory alive), so reclaim is cooperative. Under pressure the manager itself
 first takes free chunks, then evicts unreferenced prefix-tree leaves (LRU);
-when that fails, a client's allocation asks lower-priority clients that map
-more than their guarantee to give memory back (a RECLAIM notice with a
-deadline), waits briefly for them, and retries once; then it fails with
-RESOURCE_EXHAUSTED. A client that has not come down to what a notice asked
+when that fails, a client's allocation first asks every other client that
+maps pages ahead, whatever its priority, for them (a RECALL notice: pages
+nobody uses yet, so no debt), and when what they free is not enough, asks
+lower-priority clients that map more than their guarantee to give memory
+back (a RECLAIM notice with a deadline); it waits briefly for the answers
+and retries once; then it fails with RESOURCE_EXHAUSTED. (A client that
+maps pages ahead itself gives those back before any of this: its refusals
+come at once, service.py.) A client that has not come down to what a notice asked
 by its deadline gets no more memory until it does. The operator lowering a
 client's limit below what it maps asks for the excess the same way
 (ask_back): the client preempts and recomputes, and no allocation of zero
@@ -26,12 +30,15 @@ is another asker's retry (two retries waiting for each other's reservation
 would both stall until the reservations lapse).
 
 Notices go on the session's channel (Session.notify), as JSON:
-{"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...};
-the client answers with {"ack": N} there (src/vtm/broker/fd_channel.py).
+{"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...}
+or {"notice": "recall", "id": N, "reason": ...}; the client answers with
+{"ack": N} there (src/vtm/broker/fd_channel.py).
 
 Invariants:
   * a session owes memory (owed_target is not None) only between a notice
     and the moment its mapped bytes are at or below owed_target;
+  * recall_id is the recall notice the session has not answered (None:
+    none); maps_ahead is cleared when it is sent;
   * _reserved holds, per asking session, the bytes its pending retry needs
     and the deadline after which they are no longer reserved;
   * admit() never changes state: it only refuses, and never an allocation
@@ -99,7 +106,8 @@ class Policy:
         other; otherwise gated allocations run one at a time, so two of them
         cannot both pass the check."""
         with self._mu:
-            owes = session.owed_target is not None
+            # Recalled: its worker may have to allocate before it answers, too.
+            owes = session.owed_target is not None or session.recall_id is not None
         with self._gate:
             gated = (self._free_bytes is not None and extra_bytes > 0 and not owes
                      and session not in self._reserved and self._reserved_for_others(session) > 0)
@@ -123,11 +131,59 @@ class Policy:
             if self._reserved.pop(session, None) is not None:
                 self._gate.notify_all()
 
+    def answered(self, session, notice_id) -> None:
+        """The client acknowledged notice `notice_id`."""
+        with self._mu:
+            if session.recall_id == notice_id:
+                session.recall_id = None
+
+    def _reserve(self, requester, reserve_bytes: int) -> None:
+        if reserve_bytes > 0 and self._free_bytes is not None:
+            with self._gate:
+                self._reserved.setdefault(requester, (reserve_bytes, time.monotonic() + self.reserve_s))
+
+    def _wait(self, done) -> None:
+        end = time.monotonic() + self.wait_s
+        while time.monotonic() < end:
+            with self._mu:
+                if done():
+                    return
+            time.sleep(0.01)
+
+    def recall(self, requester, reserve_bytes: int = 0) -> bool:
+        """Asks every other live client that maps pages ahead for them (a
+        RECALL notice each) and waits up to wait_s for their answers; False
+        when nobody maps any. What they free stays reserved for the
+        requester's retry, as in reclaim()."""
+        asked = []
+        for session in self._sessions():
+            if session is requester or session.state != LIVE or not session.maps_ahead:
+                continue
+            if not asked:
+                self._reserve(requester, reserve_bytes)
+            notice_id = next(self._ids)
+            with self._mu:
+                session.maps_ahead, session.recall_id = False, notice_id
+            if session.notify({"notice": "recall", "id": notice_id,
+                               "reason": f"client '{requester.name}' needs memory"}):
+                asked.append(session)
+            else:
+                self.answered(session, notice_id)
+        if asked:
+            # A client no longer live frees nothing more by answering.
+            self._wait(lambda: all(s.recall_id is None or s.state != LIVE for s in asked))
+        return bool(asked)
+
     def reclaim(self, requester, need_bytes: int, reserve_bytes: int = 0) -> bool:
-        """Asks lower-priority clients above their guarantee for `need_bytes`
-        and waits up to wait_s for them; False when there was nobody to ask.
-        When it asked, `reserve_bytes` stay reserved for the requester's
-        retry from before the first notice until unreserve() (or reserve_s)."""
+        """Recalls pages ahead (recall()); when the pool's free memory is
+        still short of `need_bytes`, asks lower-priority clients above their
+        guarantee for them and waits up to wait_s; False when there was
+        nobody to ask. When it asked, `reserve_bytes` stay reserved for the
+        requester's retry from before the first notice until unreserve()
+        (or reserve_s)."""
+        recalled = self.recall(requester, reserve_bytes)
+        if recalled and self._free_bytes is not None and self._free_bytes() >= need_bytes:
+            return True
         victims = sorted((s for s in self._sessions() if s is not requester and s.state == LIVE
                           and s.priority < requester.priority
                           and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
@@ -139,9 +195,8 @@ class Policy:
             ask = min(mapped - victim.guaranteed_bytes, remaining)
             if ask <= 0:
                 continue
-            if not asked and reserve_bytes > 0 and self._free_bytes is not None:
-                with self._gate:
-                    self._reserved[requester] = (reserve_bytes, time.monotonic() + self.reserve_s)
+            if not asked:
+                self._reserve(requester, reserve_bytes)
             self.ask_back(victim, mapped - ask,
                           f"client '{requester.name}' (priority {requester.priority}) needs memory")
             asked.append(victim)
@@ -149,14 +204,9 @@ class Policy:
             if remaining <= 0:
                 break
         if not asked:
-            return False
-        end = time.monotonic() + self.wait_s
-        while time.monotonic() < end:
-            with self._mu:
-                # A victim no longer live (quarantined, closed) frees nothing more by answering.
-                if all(v.owed_target is None or v.state != LIVE for v in asked):
-                    break
-            time.sleep(0.01)
+            return recalled
+        # A victim no longer live (quarantined, closed) frees nothing more by answering.
+        self._wait(lambda: all(v.owed_target is None or v.state != LIVE for v in asked))
         return True
 
     def ask_back(self, session, target_bytes: int, reason: str) -> None:

@@ -170,9 +170,11 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 return
         self.end_session(session)
 
-    def ack(self, session: Session) -> None:
-        """The client answered a reclaim notice: its debt may be paid."""
+    def ack(self, session: Session, notice_id) -> None:
+        """The client answered notice `notice_id`: a reclaim notice's debt
+        may be paid, a recall notice is answered."""
         self.policy.settle(session)
+        self.policy.answered(session, notice_id)
 
     def end_session(self, session: Session) -> None:
         """Releases everything the client holds; its chunks go back to the
@@ -364,12 +366,18 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         unmapped = max(0, min(new_first, end) - first)
         return max(0, mapped - unmapped) * chunk, mapped * chunk
 
+    @staticmethod
+    def _own_pages_ahead_first(session: Session, refused: vtm.OutOfMemory) -> vtm.OutOfMemory:
+        if not session.maps_ahead:
+            return refused
+        return vtm.OutOfMemory(f"{status.OWN_PAGES_AHEAD}: {refused}")
+
     def _free_bytes(self) -> int:
         stats = self.manager.stats()
         return stats["capacity_bytes"] - stats["chunks_held"] * self._chunk_bytes
 
     def _allocate(self, session: Session, extra_bytes: int, op, gate_bytes: int | None = None,
-                  speculative: bool = False):
+                  speculative: bool = False, slot_space=None):
         """Runs an allocating op under the policy: the client's limit and
         debts first; memory reserved for another client's retry left alone
         (`gate_bytes`, default extra_bytes: what the op may take); on out of
@@ -378,23 +386,37 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         `op` looks up what it works on when it runs (see below).
         `speculative` (rows mapped ahead of need) takes free memory only: it
         is refused at once rather than evict a cached prefix, reclaim, wait
-        for memory reserved for another's retry, or add to a debt. Within
-        a limit it may take what the limit leaves: a client whose own
-        allocation is refused gives its pages ahead back and asks again
-        (client.py, _or_without_pages_ahead)."""
-        self.policy.admit(session, extra_bytes)
+        for memory reserved for another's retry, or add to a debt; within
+        a limit it may take what the limit leaves. A client that maps pages
+        ahead gets any refusal at once (status.OWN_PAGES_AHEAD): it gives
+        them back and asks again before others are asked for anything.
+        `slot_space`: the space whose slot the op takes; a refusal while it
+        has no free slot is about the slot, and no other client can help."""
         gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
         if speculative:
+            self.policy.admit(session, extra_bytes)
             if session.owed_target is not None:
                 raise vtm.OutOfMemory(f"client '{session.name}' owes memory: no pages ahead")
+            if session.recall_id is not None:
+                raise vtm.OutOfMemory(f"client '{session.name}' is asked for its pages ahead: no more of them")
             if self._free_bytes() < gate_bytes:
                 raise vtm.OutOfMemory("pages ahead take free memory only, and the pool has too little")
             with self.policy.gate(session, gate_bytes, wait=False):
-                return op()
+                result = op()
+            session.maps_ahead = True
+            return result
+        try:
+            self.policy.admit(session, extra_bytes)
+        except vtm.OutOfMemory as exc:
+            raise self._own_pages_ahead_first(session, exc) from None
         try:
             with self.policy.gate(session, gate_bytes):
                 return op()
         except vtm.OutOfMemory as exc:
+            if slot_space is not None and slot_space.free_slots == 0:
+                raise
+            if session.maps_ahead:
+                raise self._own_pages_ahead_first(session, exc) from None
             refused = exc
         # Waiting for lower priorities to answer takes up to the policy's
         # wait_s: not under this session's lock, so its other calls (an fd
@@ -587,7 +609,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         n = _count(num_tokens, "num_tokens")
         extra = self._pages_for(session, space.id, min(n, session.geometry[space.id][1])) * self._chunk_bytes
         vt = self._allocate(session, extra, lambda: self._space(session, space_id).create(n).result(),
-                            speculative=speculative)
+                            speculative=speculative, slot_space=space)
         session.add_vtensor(vt)
         return vt.id
 
@@ -629,11 +651,12 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if low is not None:
                 state.low = low
 
-    def shrink(self, session: Session, targets) -> None:
+    def shrink(self, session: Session, targets, all_ahead: bool = False) -> None:
         """targets: (vTensor id, rows to keep). It maps nothing new but the
         copy of a shared page holding a new end, which replaces a mapped
         page: admitted as 0 bytes, so a client over its limit or in debt
-        can always give memory back."""
+        can always give memory back. `all_ahead`: the client keeps no page
+        ahead after it (its refusals go through the whole policy again)."""
         wanted = {}
         for vt_id, n in targets:
             self._vtensor(session, vt_id)
@@ -642,6 +665,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             {self._vtensor(session, i): n for i, n in wanted.items()}).result())
         for vt_id, n in wanted.items():
             session.vt_state[vt_id].num_tokens = n
+        if all_ahead:
+            session.maps_ahead = False
 
     def release(self, session: Session, vt_id: int) -> None:
         vt = self._vtensor(session, vt_id)
@@ -670,7 +695,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def Shrink(self, request, context):
         def body(session):
-            self.shrink(session, [(t.vtensor_id, t.num_tokens) for t in request.targets])
+            self.shrink(session, [(t.vtensor_id, t.num_tokens) for t in request.targets], request.all_ahead)
             return self._reply(session, vtensors=[t.vtensor_id for t in request.targets])
         return self._run(context, body)
 
@@ -684,7 +709,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         def body(session):
             space = self._space(session, request.space_id)
             vt = self._vtensor(session, request.vtensor_id)
-            added = space.prefix_record(vt, list(request.token_ids)).result()
+            try:
+                added = space.prefix_record(vt, list(request.token_ids)).result()
+            except vtm.OutOfMemory as exc:  # its copy of a partial page found no chunk
+                raise self._own_pages_ahead_first(session, exc) from None
             return self._reply(session, value=added)
         return self._run(context, body)
 
@@ -702,7 +730,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             restore = space.prefix_restore_bytes(tokens)
             match = self._allocate(session, self._chunk_bytes + restore,
                                    lambda: self._space(session, space_id).prefix_match(
-                                       tokens, max_restore_bytes=restore).result())
+                                       tokens, max_restore_bytes=restore).result(), slot_space=space)
             if match.vtensor is None:
                 return self._reply(session, matched_tokens=0)
             mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes

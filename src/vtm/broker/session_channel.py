@@ -15,13 +15,14 @@ Messages, one JSON object a datagram:
   client -> broker
     {"lease": L, "attach": true}   the channel's first datagram: the sender's
                                    pid becomes the session's
-    {"ack": N}                     reclaim notice N answered (no reply)
+    {"ack": N}                     notice N answered (no reply)
     {"lease": L, "bye": true}      end the session, on any connection from the
                                    session's process, once the client has
                                    unmapped everything; answered {"bye": true}
   broker -> client
     {"attached": true} or {"error": MESSAGE, "class": VTM_ERROR}
     {"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": R}
+    {"notice": "recall", "id": N, "reason": R}   give back the pages mapped ahead
     {"notice": "shutdown", "reason": R}
 
 Threading: one thread reads the channel (the client's listener); ack() may

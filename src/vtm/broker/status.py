@@ -16,6 +16,10 @@ ERROR_KEY = "vtm-error"
 LEASE_KEY = "vtm-lease"
 # PrefixNode.pages: a page a window space's tree does not hold (a hole).
 HOLE_PAGE = (1 << 32) - 1
+# How an OutOfMemory begins when the client that asked maps pages ahead: it
+# gives them back (a Shrink with all_ahead) and asks once more, before the
+# broker asks any other client for memory (docs/broker.md, "Mapping ahead").
+OWN_PAGES_AHEAD = "this client maps pages ahead: it gives them back first"
 
 _CODES = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

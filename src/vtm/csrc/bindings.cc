@@ -695,6 +695,10 @@ PYBIND11_MODULE(_core, m) {
       .def("rename_space", &ClientMapper::RenameSpace, py::call_guard<py::gil_scoped_release>())
       .def("pages", [](const ClientMapper& m, std::uint32_t space, int slot) { return PageList(m.Pages(space, slot)); })
       .def("mapped_pages", &ClientMapper::MappedPages)
+      .def("mapped_from",
+           [](const ClientMapper& m, std::uint32_t space, int slot, std::size_t first) {
+             return EffectsToPython(m.MappedFrom(space, slot, first));
+           })
       .def("base_address",
            [](const ClientMapper& m, std::uint32_t space) -> std::uintptr_t {
              auto r = m.reservation(space);

@@ -215,6 +215,18 @@ std::vector<ChunkId> ClientMapper::Pages(std::uint32_t space, int slot) const {
   return out;
 }
 
+std::vector<PageEffect> ClientMapper::MappedFrom(std::uint32_t space, int slot, std::size_t first) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Area& area = FindArea(space);
+  if (slot < 0 || static_cast<std::size_t>(slot) >= area.slots) Throw(ErrorCode::kInvalidArgument, "bad slot");
+  std::vector<PageEffect> out;
+  for (std::size_t p = first; p < area.pages_per_slot; ++p) {
+    const Page& page = area.pages[static_cast<std::size_t>(slot) * area.pages_per_slot + p];
+    if (page.chunk != kNoChunk) out.push_back(PageEffect{slot, p, page.chunk, page.serial});
+  }
+  return out;
+}
+
 std::size_t ClientMapper::MappedPages(std::uint32_t space, int slot) const {
   std::size_t n = 0;
   for (ChunkId c : Pages(space, slot)) n += c != kNoChunk ? 1 : 0;

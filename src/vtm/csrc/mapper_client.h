@@ -68,6 +68,9 @@ class ClientMapper {
   void RenameSpace(std::uint32_t from, std::uint32_t to);
 
   std::vector<ChunkId> Pages(std::uint32_t space, int slot) const;
+  // The mapped pages of one slot from page `first` on, as effects that map
+  // them again (a client undoing its own unmap, see client.py's shrink).
+  std::vector<PageEffect> MappedFrom(std::uint32_t space, int slot, std::size_t first) const;
   std::size_t MappedPages(std::uint32_t space, int slot) const;
   std::size_t imports() const;
   const std::shared_ptr<Backend>& backend() const { return backend_; }

@@ -131,10 +131,12 @@ class StepRequest(_message.Message):
     def __init__(self, targets: _Optional[_Iterable[_Union[ExtendRequest, _Mapping]]] = ...) -> None: ...
 
 class ShrinkRequest(_message.Message):
-    __slots__ = ("targets",)
+    __slots__ = ("targets", "all_ahead")
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    ALL_AHEAD_FIELD_NUMBER: _ClassVar[int]
     targets: _containers.RepeatedCompositeFieldContainer[ShrinkTarget]
-    def __init__(self, targets: _Optional[_Iterable[_Union[ShrinkTarget, _Mapping]]] = ...) -> None: ...
+    all_ahead: bool
+    def __init__(self, targets: _Optional[_Iterable[_Union[ShrinkTarget, _Mapping]]] = ..., all_ahead: _Optional[bool] = ...) -> None: ...
 
 class ShrinkTarget(_message.Message):
     __slots__ = ("vtensor_id", "num_tokens")
