@@ -1,6 +1,6 @@
 """Colocation through the vtm broker (vtmd), against the in-process baselines.
 
-Three parts, each a comparison within one run (docs/design.md §7):
+Four parts, each a comparison within one run (docs/design.md §7):
 
 1. RPC round trip: a batched step over 32 vTensors through the broker
    (vtm.connect over the Unix socket: the step socket, its fast path) against
@@ -20,6 +20,13 @@ Three parts, each a comparison within one run (docs/design.md §7):
    served. Per prefix size (--prefix-tokens, default 1K, 4K and 16K tokens),
    the median TTFT of several rounds, each with a fresh conversation.
    Target: TTFT >= 3x better.
+4. Pages ahead under pressure: 'owner' (map_ahead_pages=1) holds 16
+   one-page vTensors, each with a page mapped ahead, and fills the pool.
+   How many one-page vTensors another client of the same priority gets,
+   with the owner answering the broker's recall notices against the owner
+   ignoring them (what every client did before pages ahead came back); and
+   what a create that needs a recall costs against one served from a free
+   chunk, alternated in one run.
 
 Every engine process is warmed before anything is timed: a short request
 when it starts, then, for part 2, one untimed burst of the timed shape (the
@@ -35,8 +42,9 @@ max_position_embeddings raised to fit the largest prefix: nothing is
 downloaded, so it runs on a GPU machine without network), or a Hugging Face
 folder. The default is smollm2 where that package is installed, else random.
 
-    python scripts/bench_colocation.py [--quick] [--json PATH] [--parts rpc,burst,prefix]
+    python scripts/bench_colocation.py [--quick] [--json PATH]
         [--backend host|cuda] [--model smollm2|random|FOLDER] [--dtype float32|bfloat16|float16]
+        [--parts rpc,burst,prefix,recall]
         [--prefix-tokens 1024,4096,16384]
 
 --quick is a smoke run (few repeats, small bursts, prefixes of 256 and 1,024
@@ -162,6 +170,84 @@ def part_rpc(args, folder):
               f"{r['ahead_p99_us']:>7.1f}us {r['ahead_ratio_p50']:>9.2f}x {r['ahead_ratio_p99']:>5.2f}x "
               f"{r['grpc_p50_us']:>8.1f}us {r['grpc_p99_us']:>7.1f}us")
     return rows
+
+
+# ----------------------------------------------------------------------------- 4. pages ahead under pressure
+
+RECALL_OWNER_VTENSORS = 16
+
+
+def part_recall(args, folder):
+    import vtm
+
+    chunk = 2 * MiB
+    row = 46080
+    owned = 2 * RECALL_OWNER_VTENSORS  # a page each and one ahead
+    proc, address = start_broker(folder, (owned + 1) * chunk, chunk, args.backend)
+    try:
+        owner = vtm.connect(address, name="owner", map_ahead_pages=1)
+        asker, filler = vtm.connect(address, name="asker"), vtm.connect(address, name="filler")
+        own_space = owner.create_space(row_bytes=row, max_tokens=1000, max_slots=RECALL_OWNER_VTENSORS)
+        ask_space = asker.create_space(row_bytes=row, max_tokens=1000, max_slots=owned + 1)
+        fill_space = filler.create_space(row_bytes=row, max_tokens=1000, max_slots=1)
+
+        def fill_ahead():
+            vts = [own_space.create(1).result() for _ in range(RECALL_OWNER_VTENSORS)]
+            assert sum(vt.mapped_bytes for vt in vts) == owned * chunk
+            return vts
+
+        def capacity(answer):
+            vts = fill_ahead()
+            give_back = owner._give_back_pages_ahead
+            if not answer:
+                owner._give_back_pages_ahead = lambda timeout: 0
+            got = []
+            try:
+                while True:
+                    got.append(ask_space.create(1).result())
+            except vtm.OutOfMemory:
+                pass
+            finally:
+                owner._give_back_pages_ahead = give_back
+            for vt in got + vts:
+                vt.release().result()
+            return len(got)
+
+        with_recall, ignored = capacity(True), capacity(False)
+        free_us, recall_us = [], []
+        for i in range(args.repeats // 10 + 10):
+            vts = fill_ahead()  # one chunk stays free
+            for timed, needs_recall in ((free_us, False), (recall_us, True)) if i % 2 else \
+                    ((recall_us, True), (free_us, False)):
+                held = fill_space.create(1).result() if needs_recall else None
+                t0 = time.perf_counter()
+                vt = ask_space.create(1).result()
+                if i >= 10:
+                    timed.append((time.perf_counter() - t0) * 1e6)
+                vt.release().result()
+                if held is not None:
+                    held.release().result()
+                for old in vts:
+                    old.release().result()
+                vts = fill_ahead()
+            for vt in vts:
+                vt.release().result()
+        result = {"pool_chunks": owned + 1, "owner_vtensors": RECALL_OWNER_VTENSORS,
+                  "asker_vtensors_with_recall": with_recall, "asker_vtensors_owner_ignoring": ignored,
+                  "create_free_p50_us": pct(free_us, 50), "create_free_p99_us": pct(free_us, 99),
+                  "create_recall_p50_us": pct(recall_us, 50), "create_recall_p99_us": pct(recall_us, 99),
+                  "recall_over_free_p50": pct(recall_us, 50) / pct(free_us, 50), "samples": len(free_us)}
+        for mgr in (filler, asker, owner):
+            mgr.close()
+    finally:
+        stop_broker(proc)
+    print(f"\n4. pages ahead under pressure ({args.backend}; a pool of {owned + 1} chunks, 'owner' holds "
+          f"{RECALL_OWNER_VTENSORS} one-page vTensors, each with a page ahead)")
+    print(f"one-page vTensors another client gets: {with_recall} with recall, {ignored} with the owner ignoring it")
+    print(f"its create, p50 / p99: {result['create_free_p50_us']:.0f} / {result['create_free_p99_us']:.0f} us from a "
+          f"free chunk, {result['create_recall_p50_us']:.0f} / {result['create_recall_p99_us']:.0f} us through a "
+          f"recall ({result['recall_over_free_p50']:.2f}x, {len(free_us)} each)")
+    return result
 
 
 # ----------------------------------------------------------------------------- 2 and 3: engines
@@ -486,7 +572,7 @@ def main() -> None:
                         help="the engines' weights and KV (default: float32 on host, bfloat16 on cuda)")
     parser.add_argument("--prefix-tokens", type=size_list, default=None,
                         help="part 3's prefix sizes (default 1024,4096,16384; --quick 256,1024)")
-    parser.add_argument("--parts", default="rpc,burst,prefix")
+    parser.add_argument("--parts", default="rpc,burst,prefix,recall")
     args = parser.parse_args()
     q = args.quick
     args.repeats = 50 if q else 1000
@@ -495,8 +581,9 @@ def main() -> None:
     args.prefix_repeats = 3 if q else 5
     args.dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else "float32")
     parts = set(args.parts.split(","))
-    if not parts <= {"rpc", "burst", "prefix"}:
-        parser.error(f"--parts: unknown {sorted(parts - {'rpc', 'burst', 'prefix'})}")
+    known = {"rpc", "burst", "prefix", "recall"}
+    if not parts <= known:
+        parser.error(f"--parts: unknown {sorted(parts - known)}")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "machine": cpu_model(),
               "cpu_count": os.cpu_count(), "quick": q, "backend": args.backend}
     with tempfile.TemporaryDirectory() as folder:
@@ -511,6 +598,8 @@ def main() -> None:
             result["bursty"] = part_burst(args, folder)
         if "prefix" in parts:
             result["prefix_reuse"] = part_prefix(args, folder)
+        if "recall" in parts:
+            result["pages_ahead_under_pressure"] = part_recall(args, folder)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

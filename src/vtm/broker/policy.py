@@ -69,6 +69,7 @@ class Policy:
         self.reserve_s = reserve_s
         self._ids = itertools.count(1)
         self._mu = threading.Lock()
+        self._answered = threading.Condition(self._mu)  # a debt paid, a recall answered
         self._gate = threading.Condition()
         self._reserved = {}  # session -> (bytes, deadline), under _gate
 
@@ -91,6 +92,7 @@ class Policy:
         with self._mu:
             if session.owed_target is not None and session.mapped_bytes(self.chunk_bytes) <= session.owed_target:
                 session.owed_target = None
+                self._answered.notify_all()
 
     def _reserved_for_others(self, session) -> int:
         now = time.monotonic()
@@ -136,6 +138,7 @@ class Policy:
         with self._mu:
             if session.recall_id == notice_id:
                 session.recall_id = None
+                self._answered.notify_all()
 
     def _reserve(self, requester, reserve_bytes: int) -> None:
         if reserve_bytes > 0 and self._free_bytes is not None:
@@ -143,12 +146,15 @@ class Policy:
                 self._reserved.setdefault(requester, (reserve_bytes, time.monotonic() + self.reserve_s))
 
     def _wait(self, done) -> None:
+        """Up to wait_s until done() (checked under _mu), woken by answers;
+        a session that ends wakes nobody, hence the short timeouts."""
         end = time.monotonic() + self.wait_s
-        while time.monotonic() < end:
-            with self._mu:
-                if done():
+        with self._answered:
+            while not done():
+                left = end - time.monotonic()
+                if left <= 0:
                     return
-            time.sleep(0.01)
+                self._answered.wait(min(left, 0.05))
 
     def recall(self, requester, reserve_bytes: int = 0) -> bool:
         """Asks every other live client that maps pages ahead for them (a
