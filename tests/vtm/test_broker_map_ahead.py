@@ -97,8 +97,8 @@ def test_a_client_with_a_limit_maps_ahead_within_it_and_fits_what_it_fit_before(
             vts += [space.create(10).result() for _ in range(3)]
             assert [vt.mapped_bytes for vt in vts] == [CHUNK] * 4
             mgr.step({vts[0]: 60}).result()  # inside its page: fine
-            with pytest.raises(vtm.OutOfMemory, match="limited"):
-                mgr.step({vts[0]: 70}).result()  # a fifth page
+            with pytest.raises(vtm.OutOfMemory, match="^client 'tight' is limited"):
+                mgr.step({vts[0]: 70}).result()  # a fifth page: refused after the pages ahead went
             for vt in vts:
                 vt.release().result()
             mgr.check()
@@ -406,3 +406,39 @@ def test_a_shrink_unmaps_here_first_and_maps_again_what_the_broker_refused(broke
             vt.shrink(31).result()
         vt.release().result()
         mgr.check()
+
+
+def test_a_recalled_client_in_the_middle_of_an_allocation_still_takes_its_own_pages_ahead(broker):
+    """'owner' maps 12 of the 16 chunks, 8 of them ahead; 'asker' needs 6,
+    so the broker recalls owner's pages ahead. Owner's next allocation (5
+    pages) reaches the broker before its answer (forced here: its listener
+    makes it first). It must still be sent to its own pages ahead, which
+    serve it (review: the mark went with the notice, and it failed), and
+    the asker still gets its 6 of what is left."""
+    with vtm.connect(broker.address, name="owner", map_ahead_pages=2) as owner, \
+            vtm.connect(broker.address, name="asker") as asker:
+        space = owner.create_space(row_bytes=ROW, max_tokens=1000, max_slots=8)
+        vts = [space.create(10).result() for _ in range(4)]
+        assert owner.stats()["chunks_held"] == 12
+        results = []
+        answer = owner._give_back_pages_ahead
+
+        def allocate_then_answer(timeout):
+            if not results:
+                try:
+                    vts.append(space.create(int(5 * ROWS_PER_PAGE)).result())
+                    results.append("ok")
+                except vtm.OutOfMemory as exc:
+                    results.append(str(exc))
+            return answer(timeout)
+        owner._give_back_pages_ahead = allocate_then_answer
+        theirs = asker.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(int(6 * ROWS_PER_PAGE)).result()
+        deadline = time.monotonic() + 10
+        while not results and time.monotonic() < deadline:
+            time.sleep(0.01)  # its shrink answered the recall: the asker may be served first
+        assert results == ["ok"], results
+        assert owner.recall_notices == 1 and owner.stats()["chunks_held"] == 4 + 5 + 6
+        theirs.release().result()
+        for vt in vts:
+            vt.release().result()
+        owner.check()

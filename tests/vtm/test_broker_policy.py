@@ -333,3 +333,66 @@ def test_fuzz_malformed_requests_change_nothing(broker):
         own_vt.extend(20).result()
         assert other_space.prefix_match(list(range(101))).result().num_tokens == 100
         assert {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAUTHENTICATED"} <= set(codes)
+
+
+class _Channel:
+    """A session's channel that records the notices posted (ok=False: a full buffer)."""
+
+    def __init__(self, ok=True):
+        self.ok, self.sent = ok, []
+
+    def post(self, data):
+        self.sent.append(json.loads(data))
+        return self.ok
+
+
+def _asker_one_ahead_one_below():
+    from vtm.broker.quota import Ask, Quota
+    from vtm.broker.session import LIVE, Session
+
+    asker = Session(1, "asker", Ask(), Quota(priority=5))
+    ahead = Session(2, "ahead", Ask(), Quota(priority=5))
+    victim = Session(3, "victim", Ask(), Quota())
+    for s in (asker, ahead, victim):
+        s.state, s.channel = LIVE, _Channel()
+        s.pages = {(1, 0, p): (p, p + 1) for p in range(4)}
+    ahead.maps_ahead = True
+    return asker, ahead, victim
+
+
+def test_the_reservation_holds_when_the_retry_runs_after_a_recall_and_a_reclaim():
+    """Neither the recalled client nor the victim answers, so the retry runs
+    after both waits: the reclaim renewed the reservation the recall made
+    (review: it lapsed just then)."""
+    from vtm.broker.policy import Policy
+
+    asker, ahead, victim = _asker_one_ahead_one_below()
+    policy = Policy(lambda: [asker, ahead, victim], 1, free_bytes=lambda: 0, wait_s=0.3, reserve_s=0.5)
+    assert policy.reclaim(asker, 4, reserve_bytes=4)
+    assert [n["notice"] for n in ahead.channel.sent] == ["recall"]
+    assert [n["notice"] for n in victim.channel.sent] == ["reclaim"]
+    assert policy._reserved_for_others(victim) == 4
+
+
+def test_a_recalled_client_keeps_its_mark_until_it_gave_its_pages_ahead_back():
+    """Its own refusals meanwhile still send it to its pages ahead first; a
+    notice that could not be sent leaves it marked too (review: the mark
+    went with the notice); a second recall waits for the answer on its way
+    without another notice; giving them back answers the recall."""
+    from vtm.broker.policy import Policy
+
+    asker, ahead, victim = _asker_one_ahead_one_below()
+    policy = Policy(lambda: [asker, ahead, victim], 1, free_bytes=lambda: 0, wait_s=0.05)
+    ahead.channel.ok = False
+    assert policy.recall(asker) is False and ahead.maps_ahead and ahead.recall_id is None
+    ahead.channel.ok = True
+    assert policy.recall(asker) and ahead.maps_ahead and ahead.recall_id is not None
+    assert policy.recall(asker, reserve_bytes=4) and len(ahead.channel.sent) == 2  # one failed, one sent
+    with policy.gate(ahead, 3, wait=False):
+        pass  # a recalled client's allocation is not held to the asker's reservation
+    with pytest.raises(vtm.OutOfMemory, match="reserved"):
+        with policy.gate(victim, 3, wait=False):
+            pass
+    policy.gave_back_ahead(ahead)
+    assert not ahead.maps_ahead and ahead.recall_id is None
+    assert policy.recall(asker) is False

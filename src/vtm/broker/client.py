@@ -251,7 +251,7 @@ class RemoteManager:
                 self._answer_reclaim(notice, session)
             elif notice.get("notice") == "recall":
                 self.recall_notices += 1
-                self._give_back_pages_ahead(self._timeout)
+                self._give_back_pages_ahead(float(notice.get("deadline_s", self._timeout)))
                 session.ack(notice.get("id"))
         if not self._closed:
             self._session_lost(session, "the vtm broker ended this session (its channel closed)")
@@ -561,7 +561,8 @@ class RemoteManager:
                 if n < vt._low:
                     raise errors.InvalidArgument(f"shrink: {n} tokens are below the low mark {vt._low} of vTensor "
                                                  f"{vt.id}")
-            self._send_shrink(sizes)
+            # Its copy of a shared end page may find no chunk: pages ahead first, as for any allocation.
+            self._or_without_pages_ahead(lambda _: self._send_shrink(sizes))
         return self._submit(run, data_plane=True)
 
     def _send_shrink(self, sizes, all_ahead: bool = False) -> None:

@@ -38,7 +38,8 @@ Invariants:
   * a session owes memory (owed_target is not None) only between a notice
     and the moment its mapped bytes are at or below owed_target;
   * recall_id is the recall notice the session has not answered (None:
-    none); maps_ahead is cleared when it is sent;
+    none); maps_ahead holds from a grant of pages ahead until the client
+    gives them all back (gave_back_ahead), answering its recall too;
   * _reserved holds, per asking session, the bytes its pending retry needs
     and the deadline after which they are no longer reserved;
   * admit() never changes state: it only refuses, and never an allocation
@@ -107,12 +108,8 @@ class Policy:
         no reservation of others, it runs at once and concurrently with any
         other; otherwise gated allocations run one at a time, so two of them
         cannot both pass the check."""
-        with self._mu:
-            # Recalled: its worker may have to allocate before it answers, too.
-            owes = session.owed_target is not None or session.recall_id is not None
         with self._gate:
-            gated = (self._free_bytes is not None and extra_bytes > 0 and not owes
-                     and session not in self._reserved and self._reserved_for_others(session) > 0)
+            gated = self._gated(session, extra_bytes)
             while gated:
                 others = self._reserved_for_others(session)
                 if others == 0 or self._free_bytes() - extra_bytes >= others:
@@ -122,10 +119,27 @@ class Policy:
                 now = time.monotonic()
                 deadlines = [d for s, (_, d) in self._reserved.items() if s is not session and d > now]
                 self._gate.wait(min(deadlines) - now if deadlines else 0)
+                # A notice sent meanwhile lets it through (_notified wakes it).
+                gated = self._gated(session, extra_bytes)
             if gated:
                 yield  # under the lock: the next gated allocation checks after this one
                 return
         yield
+
+    def _gated(self, session, extra_bytes: int) -> bool:
+        """Whether gate() holds this allocation to others' reservations (under
+        _gate). Not a client that owes memory or has a recall to answer: its
+        worker may have to allocate before it gets to answer."""
+        with self._mu:
+            asked = session.owed_target is not None or session.recall_id is not None
+        return (self._free_bytes is not None and extra_bytes > 0 and not asked
+                and session not in self._reserved and self._reserved_for_others(session) > 0)
+
+    def _notified(self) -> None:
+        """A notice went out: an allocation of its client waiting in gate()
+        goes on (_gated)."""
+        with self._gate:
+            self._gate.notify_all()
 
     def unreserve(self, session) -> None:
         """The session's retry has run: others may take what it left."""
@@ -140,10 +154,27 @@ class Policy:
                 session.recall_id = None
                 self._answered.notify_all()
 
+    def mapped_ahead(self, session) -> None:
+        """The broker is granting `session` pages ahead."""
+        with self._mu:
+            session.maps_ahead = True
+
+    def gave_back_ahead(self, session) -> None:
+        """The client holds no page ahead any more (a Shrink with all_ahead,
+        or its last vTensor released): a recall of it is answered."""
+        with self._mu:
+            session.maps_ahead = False
+            if session.recall_id is not None:
+                session.recall_id = None
+                self._answered.notify_all()
+
     def _reserve(self, requester, reserve_bytes: int) -> None:
+        """Reserves for the requester's retry from now until unreserve() or
+        reserve_s from now: a reclaim after a recall renews it, so it still
+        holds when the retry runs after both waits."""
         if reserve_bytes > 0 and self._free_bytes is not None:
             with self._gate:
-                self._reserved.setdefault(requester, (reserve_bytes, time.monotonic() + self.reserve_s))
+                self._reserved[requester] = (reserve_bytes, time.monotonic() + self.reserve_s)
 
     def _wait(self, done) -> None:
         """Up to wait_s until done() (checked under _mu), woken by answers;
@@ -158,24 +189,30 @@ class Policy:
 
     def recall(self, requester, reserve_bytes: int = 0) -> bool:
         """Asks every other live client that maps pages ahead for them (a
-        RECALL notice each) and waits up to wait_s for their answers; False
-        when nobody maps any. What they free stays reserved for the
-        requester's retry, as in reclaim()."""
+        RECALL notice each, unless one is on its way) and waits up to wait_s
+        for their answers; False when nobody maps any. What they free stays
+        reserved for the requester's retry, as in reclaim(). A client keeps
+        maps_ahead until it gave them back (gave_back_ahead): meanwhile its
+        own refusals still send it to its pages ahead first (service.py)."""
         asked = []
         for session in self._sessions():
             if session is requester or session.state != LIVE or not session.maps_ahead:
                 continue
             if not asked:
                 self._reserve(requester, reserve_bytes)
-            notice_id = next(self._ids)
             with self._mu:
-                session.maps_ahead, session.recall_id = False, notice_id
-            if session.notify({"notice": "recall", "id": notice_id,
-                               "reason": f"client '{requester.name}' needs memory"}):
+                pending = session.recall_id is not None
+                if not pending:
+                    session.recall_id = notice_id = next(self._ids)
+            if pending:
+                asked.append(session)
+            elif session.notify({"notice": "recall", "id": notice_id, "deadline_s": self.wait_s,
+                                 "reason": f"client '{requester.name}' needs memory"}):
                 asked.append(session)
             else:
                 self.answered(session, notice_id)
         if asked:
+            self._notified()
             # A client no longer live frees nothing more by answering.
             self._wait(lambda: all(s.recall_id is None or s.state != LIVE for s in asked))
         return bool(asked)
@@ -188,8 +225,10 @@ class Policy:
         requester's retry from before the first notice until unreserve()
         (or reserve_s)."""
         recalled = self.recall(requester, reserve_bytes)
-        if recalled and self._free_bytes is not None and self._free_bytes() >= need_bytes:
-            return True
+        if recalled and self._free_bytes is not None:
+            with self._gate:
+                if self._free_bytes() - self._reserved_for_others(requester) >= need_bytes:
+                    return True
         victims = sorted((s for s in self._sessions() if s is not requester and s.state == LIVE
                           and s.priority < requester.priority
                           and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
@@ -227,3 +266,4 @@ class Policy:
             session.owed_deadline = time.monotonic() + self.notice_deadline_s
         session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": mapped - target,
                         "deadline_s": self.notice_deadline_s, "reason": reason})
+        self._notified()

@@ -402,9 +402,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if self._free_bytes() < gate_bytes:
                 raise vtm.OutOfMemory("pages ahead take free memory only, and the pool has too little")
             with self.policy.gate(session, gate_bytes, wait=False):
-                result = op()
-            session.maps_ahead = True
-            return result
+                self.policy.mapped_ahead(session)  # before the grant: a recall from now on asks for it
+                return op()
         try:
             self.policy.admit(session, extra_bytes)
         except vtm.OutOfMemory as exc:
@@ -666,12 +665,14 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         for vt_id, n in wanted.items():
             session.vt_state[vt_id].num_tokens = n
         if all_ahead:
-            session.maps_ahead = False
+            self.policy.gave_back_ahead(session)
 
     def release(self, session: Session, vt_id: int) -> None:
         vt = self._vtensor(session, vt_id)
         vt.release().result()
         session.drop_vtensor(vt.id)
+        if not session.vtensors:
+            self.policy.gave_back_ahead(session)
 
     def Create(self, request, context):
         def body(session):
