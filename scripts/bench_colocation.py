@@ -14,6 +14,8 @@ Four parts, each a comparison within one run (docs/design.md §7):
    idle), against a static 50/50 split of the same memory (each instance an
    in-process manager of half the capacity). Throughput, p50/p99 time to
    first token, preemptions. Target: p99 TTFT >= 2x lower on the broker.
+   The shared pool runs twice: the engines mapping exactly, and mapping a
+   page ahead as `flexinfer serve --manager` does.
 3. Cross-process prefix reuse: instance B answers a conversation instance A
    served (its prefix + 16 new tokens), mapping A's recorded prefix through
    the broker, against B recomputing a prefix of the same length that nobody
@@ -257,7 +259,8 @@ FOLLOW_UP_TOKENS = 16  # part 3: B's new question after the conversation
 REPLY_TOKENS = 8  # part 3: tokens every answer generates
 
 
-def engine_worker(conn, model, manager_address, capacity_bytes, backend, dtype, max_model_len, prefix_caching):
+def engine_worker(conn, model, manager_address, capacity_bytes, backend, dtype, max_model_len, prefix_caching,
+                  map_ahead_pages):
     """One FlexInfer instance in its own process, driven over a pipe: a
     (prompts, max_tokens) message answers with the run's measures, "clear"
     drops the prefix tree's entries, None ends it."""
@@ -266,7 +269,8 @@ def engine_worker(conn, model, manager_address, capacity_bytes, backend, dtype, 
         import vtm
         from flexinfer import LLM, SamplingParams
 
-        manager = vtm.connect(manager_address, name=f"engine-{os.getpid()}") if manager_address else None
+        manager = (vtm.connect(manager_address, name=f"engine-{os.getpid()}", map_ahead_pages=map_ahead_pages)
+                   if manager_address else None)
         llm = LLM(model, manager=manager, kv_capacity_bytes=capacity_bytes, backend=backend, dtype=dtype,
                   max_num_seqs=16, max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
         # Warm-up (kernel setup, first imports of chunks), then its tree entry goes.
@@ -301,15 +305,17 @@ def engine_worker(conn, model, manager_address, capacity_bytes, backend, dtype, 
 
 class Engines:
     """`n` engine processes of args.model; engine i uses the broker at
-    addresses[i], or a manager of its own where that is None."""
+    addresses[i] (mapping `map_ahead_pages` ahead), or a manager of its own
+    where that is None."""
 
-    def __init__(self, n, addresses, args, capacity_bytes, max_model_len, prefix_caching=True):
+    def __init__(self, n, addresses, args, capacity_bytes, max_model_len, prefix_caching=True, map_ahead_pages=0):
         ctx = multiprocessing.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(n):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=engine_worker, args=(child, args.model_path, addresses[i], capacity_bytes,
-                                                        args.backend, args.dtype, max_model_len, prefix_caching),
+                                                        args.backend, args.dtype, max_model_len, prefix_caching,
+                                                        map_ahead_pages),
                             daemon=True)
             p.start()
             child.close()  # the worker's end lives in the worker: its exit is an EOF here
@@ -404,21 +410,25 @@ def burst_pool_bytes(args, chunk):
 def part_burst(args, folder):
     capacity = burst_pool_bytes(args, 2 * MiB)
     max_model_len = args.prompt_len + args.max_tokens
-    proc, address = start_broker(folder, capacity, 2 * MiB, args.backend)
-    try:
-        shared = Engines(2, [address, address], args, capacity, max_model_len)
+    shared_rows = []
+    for ahead in (0, 1):  # 1: as `flexinfer serve --manager` connects
+        proc, address = start_broker(folder, capacity, 2 * MiB, args.backend)
         try:
-            broker_row = warm_and_burst(shared, args)
+            shared = Engines(2, [address, address], args, capacity, max_model_len, map_ahead_pages=ahead)
+            try:
+                shared_rows.append(warm_and_burst(shared, args))
+            finally:
+                shared.close()
         finally:
-            shared.close()
-    finally:
-        stop_broker(proc)
+            stop_broker(proc)
+    broker_row, ahead_row = shared_rows
     split = Engines(2, [None, None], args, capacity // 2 // (2 * MiB) * (2 * MiB), max_model_len)
     try:
         static_row = warm_and_burst(split, args)
     finally:
         split.close()
     rows = [dict(setup="broker (shared pool)", capacity_bytes=capacity, device=shared.device, **broker_row),
+            dict(setup="broker, 1 page ahead", capacity_bytes=capacity, device=shared.device, **ahead_row),
             dict(setup="static 50/50 split", capacity_bytes=capacity, device=split.device, **static_row)]
     print(f"\n2. bursty alternating load: 2 instances, {args.rounds} bursts of {args.burst} x "
           f"({args.prompt_len} + {args.max_tokens}) tokens, {capacity / MiB:.0f} MiB in all "

@@ -25,7 +25,7 @@ def test_quick_run_on_a_model_folder(tiny_gpu_folder, tmp_path):
     assert result["model"] == tiny_gpu_folder and result["dtype"] == "float32"
     assert [r["case"] for r in result["rpc_step"]] == ["step, no mapping", "step, +1 token each",
                                                        "+1 each, 1 ms apart"]
-    assert [r["failed_requests"] for r in result["bursty"]] == [0, 0]
+    assert [r["failed_requests"] for r in result["bursty"]] == [0, 0, 0]
     rows = result["prefix_reuse"]
     assert [r["prefix_tokens"] for r in rows] == [64, 200]
     for r in rows:
