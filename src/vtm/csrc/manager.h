@@ -313,6 +313,8 @@ class Manager {
   std::vector<ChunkId> Acquire(std::size_t n, UndoLog& undo, std::unique_lock<std::mutex>& lock);
   std::size_t ReachableChunks() const;
   std::size_t EvictableTreeChunks() const;
+  // Whether evicting unlocked tree nodes would free `need` chunks.
+  bool TreeCanFree(std::size_t need) const;
   std::size_t ReclaimCachedPages(std::size_t need);
   std::size_t EvictTreeLeaves(std::size_t need);
   // Host tier: spills `node` (Spillable) into the tier, charged to its

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
-#include <queue>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -36,6 +35,22 @@ std::size_t Manager::EvictableTreeChunks() const {
   return n;
 }
 
+bool Manager::TreeCanFree(std::size_t need) const {
+  // Chunks that only an unlocked leaf (or, with a tier, a spillable node)
+  // holds are freed by its eviction, and no two such nodes share one: a
+  // count of them from the least recently used on is a lower bound, which
+  // with a full pool of cached prefixes is enough after a few nodes. Only
+  // when it falls short, the exact count walks every tree.
+  std::size_t sure = 0;
+  for (const auto& [name, tree] : trees_)
+    for (const PrefixNode* n : tree->ByAge(/*on_host=*/false)) {
+      if (sure >= need) return true;
+      if (tree->tier() != nullptr ? !tree->Spillable(n) : !n->children.empty() || n->locks != 0) continue;
+      for (ChunkId c : n->pages) sure += c != kNoChunk && pool_->refs(c) == 1 ? 1 : 0;
+    }
+  return sure >= need || EvictableTreeChunks() >= need;
+}
+
 std::size_t Manager::ReachableChunks() const {
   std::size_t n = pool_->free_count() + pool_->headroom() + pool_->creating() + cached_pages_;
   for (const auto& [space_id, slot] : cached_lru_) {
@@ -50,7 +65,7 @@ std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_
   if (n == 0) return out;
   // Fail before touching any cache when even emptying them all could not
   // satisfy the request.
-  if (ReachableChunks() < n && ReachableChunks() + EvictableTreeChunks() < n)
+  if (ReachableChunks() < n && !TreeCanFree(n - ReachableChunks()))
     Throw(ErrorCode::kOutOfMemory,
           "pool capacity exhausted: " + std::to_string(n) + " chunks needed, capacity " +
               Bytes(capacity_chunks_ * chunk_bytes_) + " with " + std::to_string(pool_->held()) +
@@ -116,34 +131,58 @@ std::size_t Manager::ReclaimCachedPages(std::size_t need) {
   return freed;
 }
 
+namespace {
+
+// Walks the LRU lists of several trees (PrefixTree::ByAge) as one, least
+// recently used first: the candidates `take` accepts, one at a time. Each
+// list is walked once: a node is left behind before the caller acts on it,
+// and what the action erases or moves is that node or others behind the
+// walk (a parent that becomes a candidate lies ahead of its children).
+class OldestFirst {
+ public:
+  OldestFirst(const std::map<std::string, std::unique_ptr<PrefixTree>>& trees, bool on_host,
+              std::function<bool(PrefixTree&, PrefixNode*)> take)
+      : take_(std::move(take)) {
+    for (const auto& [name, tree] : trees) {
+      const LruIndex& list = tree->ByAge(on_host);
+      walks_.push_back(Walk{tree.get(), list.begin(), list.end()});
+    }
+  }
+  // The next candidate of all the trees, or {nullptr, nullptr}.
+  std::pair<PrefixTree*, PrefixNode*> Next() {
+    Walk* best = nullptr;
+    for (Walk& w : walks_) {
+      while (w.at != w.end && !take_(*w.tree, *w.at)) ++w.at;
+      if (w.at != w.end && (best == nullptr || OlderFirst()(*w.at, *best->at))) best = &w;
+    }
+    if (best == nullptr) return {nullptr, nullptr};
+    PrefixNode* node = *best->at++;
+    return {best->tree, node};
+  }
+
+ private:
+  struct Walk {
+    PrefixTree* tree;
+    LruIndex::const_iterator at, end;
+  };
+  std::function<bool(PrefixTree&, PrefixNode*)> take_;
+  std::vector<Walk> walks_;
+};
+
+}  // namespace
+
 std::size_t Manager::EvictTreeLeaves(std::size_t need) {
   // Least recently used first, over every tree. A tree with the host tier
   // spills its unlocked nodes whose descendants are on the host already (the
   // bytes stay matchable there); any other tree evicts its unlocked leaves.
-  using Entry = std::tuple<std::uint64_t, PrefixNode*, PrefixTree*>;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-  for (auto& [name, tree] : trees_) {
-    PrefixTree* t = tree.get();
-    const auto push = [&](PrefixNode* n) { heap.emplace(n->last_access, n, t); };
-    if (t->tier() != nullptr)
-      t->ForEachSpillable(push);
-    else
-      t->ForEachEvictableLeaf(push);
-  }
+  OldestFirst walk(trees_, /*on_host=*/false, [](PrefixTree& tree, PrefixNode* n) {
+    return tree.tier() != nullptr ? tree.Spillable(n) : n->children.empty() && n->locks == 0;
+  });
   std::size_t freed = 0;
-  while (freed < need && !heap.empty()) {
-    auto [tick, node, tree] = heap.top();
-    heap.pop();
-    PrefixNode* parent = node->parent;
-    if (tree->tier() != nullptr) {
-      if (!tree->Spillable(node)) continue;  // only what is still spillable now
-      freed += SpillNode(*tree, node);
-      if (tree->Spillable(parent)) heap.emplace(parent->last_access, parent, tree);
-    } else {
-      freed += tree->EvictLeaf(node);
-      if (parent != tree->root() && parent->children.empty() && parent->locks == 0)
-        heap.emplace(parent->last_access, parent, tree);
-    }
+  while (freed < need) {
+    auto [tree, node] = walk.Next();
+    if (node == nullptr) break;
+    freed += tree->tier() != nullptr ? SpillNode(*tree, node) : tree->EvictLeaf(node);
     ++evictions_total_;
   }
   return freed;
@@ -266,27 +305,15 @@ std::vector<std::uint32_t> Manager::UnusedTierAccounts(const std::vector<std::ui
 
 bool Manager::DropHostNodes(std::optional<std::uint32_t> account, const std::function<bool()>& enough) {
   if (enough()) return true;
-  // One walk over the trees, then least recently used first; a parent that
-  // became droppable (its last child went, or in a window tree its last
-  // child on the host) is a candidate from then on.
-  using Entry = std::tuple<std::uint64_t, PrefixNode*, PrefixTree*>;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-  const auto candidate = [&](const PrefixNode* n) { return !account || n->tier_account == *account; };
-  for (auto& [name, tree] : trees_) {
-    if (tree->tier() == nullptr) continue;
-    PrefixTree* t = tree.get();
-    t->ForEachHostDroppable([&](PrefixNode* n) {
-      if (candidate(n)) heap.emplace(n->last_access, n, t);
-    });
-  }
-  while (!heap.empty()) {
-    auto [tick, node, tree] = heap.top();
-    heap.pop();
-    PrefixNode* parent = node->parent;
+  // Least recently used first; a parent that becomes droppable (its last
+  // child went, or in a window tree its last child on the host) lies ahead.
+  OldestFirst walk(trees_, /*on_host=*/true, [&](PrefixTree& tree, PrefixNode* n) {
+    return tree.tier() != nullptr && (!account || n->tier_account == *account) && tree.HostDroppable(n);
+  });
+  for (auto [tree, node] = walk.Next(); node != nullptr; std::tie(tree, node) = walk.Next()) {
     tree->DropHost(node);
     ++tier_drops_total_;
     if (account) ++tier_limit_drops_total_;
-    if (tree->HostDroppable(parent) && candidate(parent)) heap.emplace(parent->last_access, parent, tree);
     if (enough()) return true;
   }
   return false;

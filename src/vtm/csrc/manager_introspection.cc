@@ -221,6 +221,7 @@ void Manager::Check() const {
     for (const PrefixNode* n = vt.lock_node; n != nullptr && n->parent != nullptr; n = n->parent) ++locks[n];
   }
   for (const auto& [name, tree] : trees_) {
+    tree->CheckIndex();
     tree->ForEach([&](const PrefixNode& n) {
       const std::string where = "prefix node [" + std::to_string(n.start) + ", " + std::to_string(n.end()) + ")";
       if (n.tokens.empty()) fail(where + " has an empty edge");

@@ -111,6 +111,7 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   upper->last_access = node->last_access;
   upper->tier_account = node->tier_account;
   upper->parent = node->parent;
+  Index(upper.get());
 
   const std::size_t lower_first = FirstPage(at);
   node->pages.erase(node->pages.begin(), node->pages.begin() + (lower_first - node->first_page));
@@ -118,7 +119,9 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
     node->host_pages.erase(node->host_pages.begin(), node->host_pages.begin() + (lower_first - node->first_page));
   node->first_page = lower_first;
   node->tokens.erase(node->tokens.begin(), node->tokens.begin() + offset);
+  Unindex(node);
   node->start = at;
+  Index(node);
   // The page holding byte at*R now belongs to both halves (a hole in both).
   if (lower_first == upper_last && upper->pages.back() != kNoChunk) pool_->Ref(upper->pages.back());
   if (lower_first == upper_last && upper->on_host && upper->host_pages.back() != kNoBlock)
@@ -150,6 +153,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   for (PrefixNode* m = node; tier_ != nullptr && m != &root_; m = m->parent) {
     if (!m->on_host) continue;
     if (m->first_page + m->pages.size() > adopt_end || !Adoptable(m, pages, end_page)) continue;
+    Unindex(m);
     for (std::size_t i = 0; i < m->pages.size(); ++i) {
       m->pages[i] = pages[m->first_page + i];
       if (m->pages[i] != kNoChunk) pool_->Ref(m->pages[i]);
@@ -157,6 +161,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     }
     m->host_pages.clear();
     m->on_host = false;
+    Index(m);
   }
   // Union: the holes of the path's nodes on the device take the recorder's
   // chunks where it has them (a node on the host holds no chunk).
@@ -182,7 +187,9 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     for (ChunkId c : leaf->pages)
       if (c != kNoChunk) pool_->Ref(c);
     leaf->parent = node;
+    leaf->last_access = tick;
     PrefixNode* raw = leaf.get();
+    Index(raw);
     node->children.emplace(leaf->tokens.front(), std::move(leaf));
     node = raw;
   }
@@ -215,7 +222,13 @@ std::size_t PrefixTree::HostPagesOnPath(const TreePosition& pos) const {
 }
 
 void PrefixTree::Touch(PrefixNode* node, std::uint64_t tick) {
-  for (PrefixNode* n = node; n != nullptr; n = n->parent) n->last_access = tick;
+  for (PrefixNode* n = node; n != &root_; n = n->parent) {
+    if (n->last_access == tick) continue;
+    Unindex(n);
+    n->last_access = tick;
+    Index(n);
+  }
+  root_.last_access = tick;
 }
 
 void PrefixTree::Lock(PrefixNode* node) {
@@ -233,6 +246,7 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
   if (leaf == &root_ || !leaf->children.empty() || leaf->locks != 0)
     Throw(ErrorCode::kInternal, "evicting a prefix node that is not an unlocked leaf");
   const std::size_t freed = DropReferences(leaf);
+  Unindex(leaf);
   leaf->parent->children.erase(leaf->tokens.front());
   return freed;
 }
@@ -248,6 +262,7 @@ std::size_t PrefixTree::DropReferences(PrefixNode* node) {
 std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed) {
   std::size_t dropped = 1;
   for (auto& [token, child] : node->children) dropped += DropSubtree(std::move(child), freed);
+  Unindex(node.get());
   const std::size_t chunks = DropReferences(node.get());
   if (freed != nullptr) *freed += chunks;
   return dropped;
@@ -263,21 +278,6 @@ bool PrefixTree::Spillable(const PrefixNode* node) const {
   return below_on_host(node);
 }
 
-void PrefixTree::ForEachSpillable(const std::function<void(PrefixNode*)>& fn) {
-  // Post-order: a node is visited after its children, and is spillable only
-  // when none of them is on the device.
-  std::function<bool(PrefixNode*)> visit = [&](PrefixNode* n) {
-    bool all_host = true;
-    for (auto& [token, child] : n->children) {
-      const bool child_host = visit(child.get());
-      all_host = all_host && child_host && child->on_host;
-    }
-    if (n != &root_ && all_host && !n->on_host && n->locks == 0) fn(n);
-    return all_host;
-  };
-  if (tier_ != nullptr) visit(&root_);
-}
-
 bool PrefixTree::HostDroppable(const PrefixNode* node) const {
   // Unlocked: a match that restores a locked path may wait for memory
   // without the manager's lock, and reads the blocks after.
@@ -287,16 +287,6 @@ bool PrefixTree::HostDroppable(const PrefixNode* node) const {
   for (const auto& [token, child] : node->children)
     if (child->on_host) return false;
   return true;
-}
-
-void PrefixTree::ForEachHostDroppable(const std::function<void(PrefixNode*)>& fn) {
-  std::function<void(PrefixNode*)> visit = [&](PrefixNode* n) {
-    for (auto& [token, child] : n->children) {
-      visit(child.get());
-      if (HostDroppable(child.get())) fn(child.get());
-    }
-  };
-  visit(&root_);
 }
 
 void PrefixTree::DropHost(PrefixNode* node) {
@@ -309,7 +299,9 @@ void PrefixTree::DropHost(PrefixNode* node) {
   for (BlockId b : node->host_pages)
     if (b != kNoBlock) tier_->Unref(b);
   node->host_pages.clear();
+  Unindex(node);
   node->on_host = false;
+  Index(node);
 }
 
 std::size_t PrefixTree::Spill(PrefixNode* node, const std::vector<BlockId>& blocks) {
@@ -321,7 +313,9 @@ std::size_t PrefixTree::Spill(PrefixNode* node, const std::vector<BlockId>& bloc
     c = kNoChunk;
   }
   node->host_pages = blocks;
+  Unindex(node);
   node->on_host = true;
+  Index(node);
   return freed;
 }
 
@@ -332,7 +326,9 @@ void PrefixTree::Restore(PrefixNode* node, const std::vector<ChunkId>& chunks) {
   for (BlockId b : node->host_pages)
     if (b != kNoBlock) tier_->Unref(b);
   node->host_pages.clear();
+  Unindex(node);
   node->on_host = false;
+  Index(node);
 }
 
 std::size_t PrefixTree::EvictSubtree(PrefixNode* node) {
@@ -374,17 +370,20 @@ void PrefixTree::ForEach(const std::function<void(const PrefixNode&)>& fn) const
   visit(root_);
 }
 
-void PrefixTree::ForEachEvictableLeaf(const std::function<void(PrefixNode*)>& fn) {
-  std::function<void(PrefixNode*)> visit = [&](PrefixNode* n) {
-    for (auto& [token, child] : n->children) {
-      if (child->children.empty()) {
-        if (child->locks == 0) fn(child.get());
-      } else {
-        visit(child.get());
-      }
-    }
-  };
-  visit(&root_);
+void PrefixTree::CheckIndex() const {
+  const auto fail = [](const std::string& what) { Throw(ErrorCode::kInternal, "invariant broken: " + what); };
+  std::size_t device = 0, host = 0;
+  ForEach([&](const PrefixNode& n) {
+    const LruIndex& list = ByAge(n.on_host);
+    if (list.count(const_cast<PrefixNode*>(&n)) != 1)
+      fail("prefix node at token " + std::to_string(n.start) + " is not in its tier's LRU list");
+    if (n.parent->last_access < n.last_access)
+      fail("prefix node at token " + std::to_string(n.start) + " was used after its parent");
+    ++(n.on_host ? host : device);
+  });
+  if (device != device_lru_.size() || host != host_lru_.size())
+    fail("the LRU lists hold " + std::to_string(device_lru_.size()) + " + " + std::to_string(host_lru_.size()) +
+         " nodes, the tree " + std::to_string(device) + " + " + std::to_string(host));
 }
 
 }  // namespace vtm

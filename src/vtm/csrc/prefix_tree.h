@@ -45,7 +45,13 @@
 //    host;
 //  * locks = number of live vTensors whose locked node is this node or a
 //    descendant, so locks(parent) >= locks(child); only leaves with locks == 0
-//    are evicted.
+//    are evicted;
+//  * last_access(parent) >= last_access(child) (Touch marks whole paths), and
+//    the LRU index holds every node but the root exactly once, in the list of
+//    its tier (ByAge), oldest first and, at equal ticks, children before
+//    parents: a walk from the oldest reaches a node after all its
+//    descendants, so eviction, spilling and dropping take the least recently
+//    used candidates without visiting the whole tree (CheckIndex).
 //
 // Not thread-safe: the Manager calls it with its mutex held.
 #pragma once
@@ -55,6 +61,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -81,6 +88,17 @@ struct PrefixNode {
 
 // Where a longest-prefix search stopped: `length` tokens matched, ending
 // inside or at the end of `node` (the root when length is 0).
+// The LRU index's order: oldest first; at equal ticks the later start (a
+// child's start is its parent's end) first.
+struct OlderFirst {
+  bool operator()(const PrefixNode* a, const PrefixNode* b) const {
+    if (a->last_access != b->last_access) return a->last_access < b->last_access;
+    if (a->start != b->start) return a->start > b->start;
+    return a < b;
+  }
+};
+using LruIndex = std::set<PrefixNode*, OlderFirst>;
+
 struct TreePosition {
   PrefixNode* node = nullptr;
   std::size_t length = 0;
@@ -153,7 +171,6 @@ class PrefixTree {
   HostTier* tier() const { return tier_; }
   // Whether `node` may be spilled: on the device, unlocked, every descendant on the host.
   bool Spillable(const PrefixNode* node) const;
-  void ForEachSpillable(const std::function<void(PrefixNode*)>& fn);
   // The nodes on the host that a match of `pos` must restore: on the path,
   // every one in a whole-prefix tree; in a window tree those that keep the
   // version of a page under the match's window (one whose pages all lie
@@ -165,8 +182,6 @@ class PrefixTree {
   // Whether `node`, on the host and unlocked, may give its blocks up: a
   // leaf; in a window tree, also a node whose children are all on the device.
   bool HostDroppable(const PrefixNode* node) const;
-  // Visits every node HostDroppable says may be, children before parents.
-  void ForEachHostDroppable(const std::function<void(PrefixNode*)>& fn);
   // Drops `node`'s bytes on the host (HostDroppable): a leaf leaves the
   // tree; a window tree's node above nodes on the device stays, on the
   // device, all holes (its children are matchable as far as their windows
@@ -187,8 +202,12 @@ class PrefixTree {
 
   // Visits every node but the root, depth first, children in token order.
   void ForEach(const std::function<void(const PrefixNode&)>& fn) const;
-  // Visits every leaf (not the root) with locks == 0.
-  void ForEachEvictableLeaf(const std::function<void(PrefixNode*)>& fn);
+  // The nodes on the device (on_host false) or on the host, least recently
+  // used first (see the invariants). Erasing a node, or moving it to the
+  // other list, invalidates only iterators to it.
+  const LruIndex& ByAge(bool on_host) const { return on_host ? host_lru_ : device_lru_; }
+  // Verifies the LRU index against the tree; throws kInternal.
+  void CheckIndex() const;
 
   std::size_t FirstPage(std::size_t token) const { return token * row_bytes_ / page_bytes_; }
   // One past the last page that holds a byte of tokens [0, end).
@@ -208,6 +227,10 @@ class PrefixTree {
         if ((*it)->first_page + i < limit) fn((*it)->first_page + i, *it, i);
   }
   PrefixNode* Split(PrefixNode* node, std::size_t at);
+  // Every change to a node's last_access, start or on_host goes between
+  // Unindex and Index.
+  void Index(PrefixNode* node) { (node->on_host ? host_lru_ : device_lru_).insert(node); }
+  void Unindex(PrefixNode* node) { (node->on_host ? host_lru_ : device_lru_).erase(node); }
   // Drops a detached subtree's references; returns its node count and adds
   // the chunks that became free to *freed.
   std::size_t DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed = nullptr);
@@ -220,6 +243,7 @@ class PrefixTree {
   Pool* pool_;
   HostTier* tier_;
   PrefixNode root_;
+  LruIndex device_lru_, host_lru_;
 };
 
 }  // namespace vtm
