@@ -42,7 +42,8 @@ class VtmMachine(RuleBasedStateMachine):
         self.live = {}          # vt -> [space index, token list]
         self.recorded = [set(), set()]  # per namespace: recorded sequences (tuples)
         self.recorded_by = {}   # vt -> sequences it recorded (a recorder may lock them)
-        self.matched = {}       # vt -> the path its match locked
+        self.matched = {}       # vt -> the path its match locked (what a shrink left of it)
+        self.matched_all = {}   # vt -> that path before any shrink: its lock lies on it
         self.low = {}           # vt -> its low mark (absent: 0)
         self.steps = 0
 
@@ -226,7 +227,8 @@ class VtmMachine(RuleBasedStateMachine):
             kept = -(-n * self.spaces[si].row_bytes // chunk)
             assert all(c is None for c in vt.page_chunks()[kept:]), vt.page_chunks()
             if vt in self.matched:
-                self.matched[vt] = self.matched[vt][:n]  # its lock keeps what it still holds
+                # Its lock moves up to the node holding its last row: at least these rows stay locked.
+                self.matched[vt] = self.matched[vt][:n]
         event("shrink")
 
     @rule(data=st.data())
@@ -271,7 +273,7 @@ class VtmMachine(RuleBasedStateMachine):
         self.ios[si].verify(vt, q, 0, expect, what=f"match({q}):")
         self.live[vt] = [si, list(q[:expect])]
         self.recorded_by[vt] = []
-        self.matched[vt] = tuple(q[:expect])
+        self.matched[vt] = self.matched_all[vt] = tuple(q[:expect])
 
     @rule(data=st.data())
     def release(self, data):
@@ -283,6 +285,7 @@ class VtmMachine(RuleBasedStateMachine):
         del self.live[vt]
         self.recorded_by.pop(vt, None)
         self.matched.pop(vt, None)
+        self.matched_all.pop(vt, None)
         self.low.pop(vt, None)
 
     @rule()
@@ -312,7 +315,7 @@ class VtmMachine(RuleBasedStateMachine):
             if p and not self.recorded_by.get(vt):
                 assert any(r[:len(p)] == p for r in kept), f"locked path {p} was dropped"
         # nothing is kept unless some live vTensor may lock it (its match or its records)
-        sources = [self.matched[vt] for vt in live_ns if vt in self.matched]
+        sources = [self.matched_all[vt] for vt in live_ns if vt in self.matched_all]
         sources += [s for vt in live_ns for s in self.recorded_by.get(vt, [])]
         for r in kept:
             assert any(s[:len(r)] == r for s in sources), f"unlocked path {r} survived clear_prefixes"

@@ -328,7 +328,7 @@ class Manager {
   // given; PrefixTree::HostDroppable: unlocked leaves, and a window tree's
   // nodes above nodes on the device), least recently used first, until
   // enough(); false when none is left to drop and it is still not enough.
-  // One walk over the trees per call.
+  // Walks the trees' host lists (PrefixTree::ByAge) from the oldest.
   bool DropHostNodes(std::optional<std::uint32_t> account, const std::function<bool()>& enough);
   // The accounts of `node`'s descendants other than its own, most recently
   // used first: those a spill of it may be charged to when its own has no room.
