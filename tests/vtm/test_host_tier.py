@@ -1051,3 +1051,35 @@ def test_through_vtmd_a_match_past_the_clients_limit_restores_nothing(tmp_path, 
             ma.check()
     finally:
         b.kill()
+
+
+def test_a_window_parent_the_tier_drops_back_to_the_device_during_a_spill_is_still_spilled_in_turn(
+        backend, make_manager):
+    """Window tree, a tier of 4 blocks. G = A[:20] on the device (restored by
+    a match), H = A[20:60] on the host (a record with a high low mark could
+    not adopt it), X = B[60:100] on the device, then C, recorded last. Ticks:
+    X = H < G < C. An allocation spills X; to make room, the tier drops H,
+    which comes back to the device as holes, behind the walk. The walk must
+    still reach H and then G, so C, the most recently used, stays on the
+    device (review: the walk went on past H and spilled C)."""
+    mgr, sp, io = window_setup(make_manager, backend, tier_chunks=4)
+    A = [(23 * i + 9) % 89 for i in range(60)]
+    B = A + [400 + i for i in range(40)]
+    C = [500 + i for i in range(20)]
+    record_window(sp, io, A, low=0)
+    fill_pool(sp)
+    record_window(sp, io, B, low=70)
+    m = match(sp, A[:20])  # splits A's node at 20 and restores [0, 20)
+    assert m.num_tokens == 20
+    m.vtensor.release().result()
+    record_window(sp, io, C, low=0)
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [
+        (0, 20, False), (20, 60, True), (60, 100, False), (0, 20, False)]
+    vt = sp.create(100).result()  # evicts: X, then one more prefix
+    mgr.check()
+
+    def node(tokens):
+        return next(n for n in sp.prefix_nodes() if n["tokens"] == list(tokens))
+    assert node(A[:20])["on_host"], "the least recently used prefix (A[:20]) stayed on the device"
+    assert not node(C)["on_host"], "the most recently used prefix (C) spilled before an older one"
+    vt.release().result()

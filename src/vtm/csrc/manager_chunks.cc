@@ -135,35 +135,39 @@ namespace {
 
 // Walks the LRU lists of several trees (PrefixTree::ByAge) as one, least
 // recently used first: the candidates `take` accepts, one at a time. Each
-// list is walked once: a node is left behind before the caller acts on it,
-// and what the action erases or moves is that node or others behind the
-// walk (a parent that becomes a candidate lies ahead of its children).
+// call looks past the last node it returned, by key, so a node that an
+// action moved into a list behind that (a window tree's node dropped from
+// the host back to the device, as holes) is still reached; a parent that
+// becomes a candidate lies ahead of its children.
 class OldestFirst {
  public:
   OldestFirst(const std::map<std::string, std::unique_ptr<PrefixTree>>& trees, bool on_host,
               std::function<bool(PrefixTree&, PrefixNode*)> take)
       : take_(std::move(take)) {
-    for (const auto& [name, tree] : trees) {
-      const LruIndex& list = tree->ByAge(on_host);
-      walks_.push_back(Walk{tree.get(), list.begin(), list.end()});
-    }
+    for (const auto& [name, tree] : trees) walks_.push_back(Walk{tree.get(), &tree->ByAge(on_host), std::nullopt});
   }
   // The next candidate of all the trees, or {nullptr, nullptr}.
   std::pair<PrefixTree*, PrefixNode*> Next() {
     Walk* best = nullptr;
+    PrefixNode* best_node = nullptr;
     for (Walk& w : walks_) {
-      while (w.at != w.end && !take_(*w.tree, *w.at)) ++w.at;
-      if (w.at != w.end && (best == nullptr || OlderFirst()(*w.at, *best->at))) best = &w;
+      auto it = w.after ? w.list->upper_bound(*w.after) : w.list->begin();
+      while (it != w.list->end() && !take_(*w.tree, *it)) ++it;
+      if (it != w.list->end() && (best == nullptr || OlderFirst()(*it, best_node))) {
+        best = &w;
+        best_node = *it;
+      }
     }
     if (best == nullptr) return {nullptr, nullptr};
-    PrefixNode* node = *best->at++;
-    return {best->tree, node};
+    best->after = LruKey::Of(best_node);
+    return {best->tree, best_node};
   }
 
  private:
   struct Walk {
     PrefixTree* tree;
-    LruIndex::const_iterator at, end;
+    const LruIndex* list;
+    std::optional<LruKey> after;  // the last node returned: the walk goes on past it
   };
   std::function<bool(PrefixTree&, PrefixNode*)> take_;
   std::vector<Walk> walks_;

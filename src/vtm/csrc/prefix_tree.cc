@@ -1,6 +1,7 @@
 #include "prefix_tree.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "error.h"
 
@@ -111,7 +112,6 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   upper->last_access = node->last_access;
   upper->tier_account = node->tier_account;
   upper->parent = node->parent;
-  Index(upper.get());
 
   const std::size_t lower_first = FirstPage(at);
   node->pages.erase(node->pages.begin(), node->pages.begin() + (lower_first - node->first_page));
@@ -133,6 +133,7 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   lower->parent = upper.get();
   upper->children.emplace(lower->tokens.front(), std::move(lower));
   slot = std::move(upper);
+  Index(slot.get());  // once linked: the index never holds a node the tree does not
   return slot.get();
 }
 
@@ -189,8 +190,8 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     leaf->parent = node;
     leaf->last_access = tick;
     PrefixNode* raw = leaf.get();
-    Index(raw);
     node->children.emplace(leaf->tokens.front(), std::move(leaf));
+    Index(raw);
     node = raw;
   }
   Touch(node, tick);
@@ -384,6 +385,10 @@ void PrefixTree::CheckIndex() const {
   if (device != device_lru_.size() || host != host_lru_.size())
     fail("the LRU lists hold " + std::to_string(device_lru_.size()) + " + " + std::to_string(host_lru_.size()) +
          " nodes, the tree " + std::to_string(device) + " + " + std::to_string(host));
+  // A key changed in place (not between Unindex and Index) shows as disorder.
+  for (const LruIndex* list : {&device_lru_, &host_lru_})
+    for (auto it = list->begin(); it != list->end() && std::next(it) != list->end(); ++it)
+      if (!OlderFirst()(*it, *std::next(it))) fail("an LRU list is out of order");
 }
 
 }  // namespace vtm

@@ -88,14 +88,26 @@ struct PrefixNode {
 
 // Where a longest-prefix search stopped: `length` tokens matched, ending
 // inside or at the end of `node` (the root when length is 0).
+// A node's place in the LRU index, kept by a walk after the node may be gone.
+struct LruKey {
+  std::uint64_t last_access = 0;
+  std::size_t start = 0;
+  const PrefixNode* node = nullptr;
+  static LruKey Of(const PrefixNode* n) { return LruKey{n->last_access, n->start, n}; }
+};
+
 // The LRU index's order: oldest first; at equal ticks the later start (a
 // child's start is its parent's end) first.
 struct OlderFirst {
-  bool operator()(const PrefixNode* a, const PrefixNode* b) const {
-    if (a->last_access != b->last_access) return a->last_access < b->last_access;
-    if (a->start != b->start) return a->start > b->start;
-    return a < b;
+  using is_transparent = void;
+  bool operator()(const LruKey& a, const LruKey& b) const {
+    if (a.last_access != b.last_access) return a.last_access < b.last_access;
+    if (a.start != b.start) return a.start > b.start;
+    return a.node < b.node;
   }
+  bool operator()(const PrefixNode* a, const PrefixNode* b) const { return (*this)(LruKey::Of(a), LruKey::Of(b)); }
+  bool operator()(const LruKey& a, const PrefixNode* b) const { return (*this)(a, LruKey::Of(b)); }
+  bool operator()(const PrefixNode* a, const LruKey& b) const { return (*this)(LruKey::Of(a), b); }
 };
 using LruIndex = std::set<PrefixNode*, OlderFirst>;
 
