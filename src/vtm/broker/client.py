@@ -104,13 +104,13 @@ class RemoteManager:
         self._fast_path = fast_path
         self._map_ahead_asked = _count(map_ahead_pages, "map_ahead_pages")
         self._map_ahead = MapAhead(0, chunk_bytes=0)  # set at hello
-        # Operations submitted and finished (refills not counted): equal when
-        # nothing is queued or running, so a step may be decided here.
         # Held by a submission, and while a growth is decided here: an
         # operation submitted after that growth (a shrink reads the rows
         # grown into) runs after it, one submitted before keeps it from
         # being decided here.
         self._submit_mu = threading.Lock()
+        # Operations submitted and finished (refills not counted): equal when
+        # nothing is queued or running, so a step may be decided here.
         self._submitted = 0
         self._finished = 0
         self._liveness = Liveness()  # the session up or lost, the revoke (liveness.py)

@@ -11,12 +11,13 @@ lower-priority clients that map more than their guarantee to give memory
 back (a RECLAIM notice with a deadline); it waits briefly for the answers
 and retries once; then it fails with RESOURCE_EXHAUSTED. (A client that
 maps pages ahead itself gives those back before any of this: its refusals
-come at once, service.py.) A client that has not come down to what a notice asked
-by its deadline gets no more memory until it does. The operator lowering a
-client's limit below what it maps asks for the excess the same way
-(ask_back): the client preempts and recomputes, and no allocation of zero
-bytes (a step within pages already mapped) is ever refused, so lowering a
-quota never fails work the client already has.
+come at once, service.py.) A client that has not come down to what a
+notice asked by its deadline gets no more memory until it does. The
+operator lowering a client's limit below what it maps asks for the
+excess the same way (ask_back): the client gives back its pages ahead,
+then preempts and recomputes, and no allocation of zero bytes (a step
+within pages already mapped) is ever refused, so lowering a quota never
+fails work the client already has.
 
 Memory freed in answer to a notice is reserved for the allocation that
 asked: from the notice until its retry has run (or reserve_s passed), an
