@@ -442,3 +442,27 @@ def test_a_recalled_client_in_the_middle_of_an_allocation_still_takes_its_own_pa
         for vt in vts:
             vt.release().result()
         owner.check()
+
+
+def test_a_client_that_does_not_say_it_gives_pages_ahead_back_gets_none(broker, monkeypatch):
+    """A client built before RECALL notices ignores them and keeps its pages
+    ahead under pressure, and every asker would wait for its answer: the
+    broker grants pages ahead only to a client whose hello says it gives
+    them back (gives_back_ahead). Here a hello without it: the client maps
+    exactly, and nobody is ever recalled."""
+    from vtm.broker import client as client_module
+
+    def hello_of_an_older_client(cls, what, **fields):
+        fields.pop("gives_back_ahead", None)
+        return cls(**fields)
+    monkeypatch.setattr(client_module, "_message", hello_of_an_older_client)
+    older = vtm.connect(broker.address, name="older", map_ahead_pages=2)
+    monkeypatch.undo()
+    with older, vtm.connect(broker.address, name="asker") as asker:
+        space = older.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+        vts = [space.create(10).result() for _ in range(4)]
+        assert [vt.mapped_bytes for vt in vts] == [CHUNK] * 4
+        theirs = asker.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(12 * int(ROWS_PER_PAGE))
+        assert theirs.result().mapped_bytes == 12 * CHUNK and older.recall_notices == 0
+        for vt in vts + [theirs.result()]:
+            vt.release().result()

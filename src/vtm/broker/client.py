@@ -138,7 +138,7 @@ class RemoteManager:
         # again by every reconnect.
         self._hello = _message(vtm_pb2.HelloRequest, "connect", name=name or "", priority=priority,
                                guaranteed_bytes=_ask(guaranteed_bytes, "guaranteed_bytes"),
-                               limit_bytes=_ask(limit_bytes, "limit_bytes"))
+                               limit_bytes=_ask(limit_bytes, "limit_bytes"), gives_back_ahead=True)
         try:
             hello = self._open_session(time.monotonic() + self._timeout)
             # No idle imports (keep_idle 0): a chunk this process maps no more

@@ -395,6 +395,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
         if speculative:
             self.policy.admit(session, extra_bytes)
+            if not session.gives_back_ahead:
+                raise vtm.OutOfMemory(f"client '{session.name}' does not give pages ahead back: it gets none")
             if session.owed_target is not None:
                 raise vtm.OutOfMemory(f"client '{session.name}' owes memory: no pages ahead")
             if session.recall_id is not None:
@@ -537,6 +539,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                           f"capacity of {capacity}: ask for a smaller guarantee")
                 self._next_client += 1
                 session = Session(client_id, name, asked, granted)
+                session.gives_back_ahead = request.gives_back_ahead
                 self._sessions[session.lease] = session
             m = self.manager
             return vtm_pb2.HelloReply(lease=session.lease, client_id=client_id, backend=self._backend,

@@ -89,8 +89,10 @@ class Session:
         # Set by the policy's reclaim notices (src/vtm/broker/policy.py).
         self.owed_target = None  # mapped bytes the client was asked to come down to
         self.owed_deadline = 0.0
-        # Pages ahead (docs/broker.md, "Mapping ahead"): granted since the
-        # last recall notice; the recall notice not yet answered.
+        # Pages ahead (docs/broker.md, "Mapping ahead"): whether the client
+        # said at hello that it gives them back (else it gets none), whether
+        # it holds some (policy.py), and its recall notice not yet answered.
+        self.gives_back_ahead = False
         self.maps_ahead = False
         self.recall_id = None
 

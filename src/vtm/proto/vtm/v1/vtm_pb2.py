@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avtm/proto/vtm/v1/vtm.proto\x12\x06vtm.v1\"\xa9\x01\n\x0cHelloRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\x08priority\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x10guaranteed_bytes\x18\x03 \x01(\x04H\x01\x88\x01\x01\x12\x18\n\x0blimit_bytes\x18\x04 \x01(\x04H\x02\x88\x01\x01\x42\x0b\n\t_priorityB\x13\n\x11_guaranteed_bytesB\x0e\n\x0c_limit_bytesJ\x04\x08\x05\x10\x06R\x03pid\"\x88\x02\n\nHelloReply\x12\r\n\x05lease\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x05\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bgranularity\x18\x07 \x01(\x04\x12\x11\n\tfd_socket\x18\x08 \x01(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x13\n\x0bstep_socket\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x18\n\x10guaranteed_bytes\x18\x0c \x01(\x04\x12\x13\n\x0blimit_bytes\x18\r \x01(\x04\"\xe5\x01\n\x0fSetQuotaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0blimit_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1d\n\x10guaranteed_bytes\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\"\n\x15host_tier_limit_bytes\x18\x06 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_limit_bytesB\x13\n\x11_guaranteed_bytesB\x0b\n\t_priorityB\x18\n\x16_host_tier_limit_bytesJ\x04\x08\x03\x10\x04\"\x86\x01\n\x12\x43reateSpaceRequest\x12\x11\n\trow_bytes\x18\x01 \x01(\x04\x12\x12\n\nmax_tokens\x18\x02 \x01(\x04\x12\x11\n\tmax_slots\x18\x03 \x01(\x04\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x15\n\rwindow_tokens\x18\x06 \x01(\x04\"\xbc\x01\n\nSpaceReply\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x11\n\trow_bytes\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x04\x12\x11\n\tmax_slots\x18\x06 \x01(\x04\x12\x12\n\nslot_bytes\x18\x07 \x01(\x04\x12\x16\n\x0epages_per_slot\x18\x08 \x01(\x04\x12\x15\n\rwindow_tokens\x18\t \x01(\x04\" \n\x0cSpaceRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\"5\n\rCreateRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"Q\n\rExtendRequest\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x10\n\x03low\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x06\n\x04_low\"5\n\x0bStepRequest\x12&\n\x07targets\x18\x01 \x03(\x0b\x32\x15.vtm.v1.ExtendRequest\"I\n\rShrinkRequest\x12%\n\x07targets\x18\x01 \x03(\x0b\x32\x14.vtm.v1.ShrinkTarget\x12\x11\n\tall_ahead\x18\x02 \x01(\x08\"6\n\x0cShrinkTarget\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"$\n\x0eVTensorRequest\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\"N\n\x13PrefixRecordRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x12\n\nvtensor_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"9\n\x12PrefixMatchRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\")\n\x0bTrimRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"G\n\nPageEffect\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04page\x18\x02 \x01(\x04\x12\r\n\x05\x63hunk\x18\x03 \x01(\x03\x12\x0e\n\x06serial\x18\x04 \x01(\x04\"S\n\x0cSpaceEffects\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12!\n\x05pages\x18\x02 \x03(\x0b\x32\x12.vtm.v1.PageEffect\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\"u\n\x0cVTensorState\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x10\n\x08space_id\x18\x02 \x01(\r\x12\x0c\n\x04slot\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x10\n\x08released\x18\x05 \x01(\x08\x12\x0b\n\x03low\x18\x06 \x01(\x04\"\xac\x01\n\x07OpReply\x12%\n\x07\x65\x66\x66\x65\x63ts\x18\x01 \x03(\x0b\x32\x14.vtm.v1.SpaceEffects\x12&\n\x08vtensors\x18\x02 \x03(\x0b\x32\x14.vtm.v1.VTensorState\x12\r\n\x05value\x18\x03 \x01(\x03\x12\x12\n\nvtensor_id\x18\x04 \x01(\x04\x12\x16\n\x0ematched_tokens\x18\x05 \x01(\x04\x12\x17\n\x0frestored_tokens\x18\x06 \x01(\x04\"{\n\nPrefixNode\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05locks\x18\x04 \x01(\x05\x12\r\n\x05pages\x18\x05 \x03(\r\x12\x0f\n\x07on_host\x18\x06 \x01(\x08\x12\x12\n\nhost_pages\x18\x07 \x03(\x08\"5\n\x10PrefixNodesReply\x12!\n\x05nodes\x18\x01 \x03(\x0b\x32\x12.vtm.v1.PrefixNode\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\xe2\x06\n\x06\x42roker\x12\x31\n\x05Hello\x12\x14.vtm.v1.HelloRequest\x1a\x12.vtm.v1.HelloReply\x12=\n\x0b\x43reateSpace\x12\x1a.vtm.v1.CreateSpaceRequest\x1a\x12.vtm.v1.SpaceReply\x12\x33\n\nCloseSpace\x12\x14.vtm.v1.SpaceRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06\x43reate\x12\x15.vtm.v1.CreateRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06\x45xtend\x12\x15.vtm.v1.ExtendRequest\x1a\x0f.vtm.v1.OpReply\x12,\n\x04Step\x12\x13.vtm.v1.StepRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06Shrink\x12\x15.vtm.v1.ShrinkRequest\x1a\x0f.vtm.v1.OpReply\x12\x32\n\x07Release\x12\x16.vtm.v1.VTensorRequest\x1a\x0f.vtm.v1.OpReply\x12<\n\x0cPrefixRecord\x12\x1b.vtm.v1.PrefixRecordRequest\x1a\x0f.vtm.v1.OpReply\x12:\n\x0bPrefixMatch\x12\x1a.vtm.v1.PrefixMatchRequest\x1a\x0f.vtm.v1.OpReply\x12\x36\n\rClearPrefixes\x12\x14.vtm.v1.SpaceRequest\x1a\x0f.vtm.v1.OpReply\x12=\n\x0bPrefixNodes\x12\x14.vtm.v1.SpaceRequest\x1a\x18.vtm.v1.PrefixNodesReply\x12,\n\x04Trim\x12\x13.vtm.v1.TrimRequest\x1a\x0f.vtm.v1.OpReply\x12\x31\n\x05Stats\x12\x14.vtm.v1.StatsRequest\x1a\x12.vtm.v1.StatsReply\x12.\n\x05\x43heck\x12\x14.vtm.v1.StatsRequest\x1a\x0f.vtm.v1.OpReply\x12\x37\n\x08SetQuota\x12\x17.vtm.v1.SetQuotaRequest\x1a\x12.vtm.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avtm/proto/vtm/v1/vtm.proto\x12\x06vtm.v1\"\xc3\x01\n\x0cHelloRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\x08priority\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x10guaranteed_bytes\x18\x03 \x01(\x04H\x01\x88\x01\x01\x12\x18\n\x0blimit_bytes\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x18\n\x10gives_back_ahead\x18\x06 \x01(\x08\x42\x0b\n\t_priorityB\x13\n\x11_guaranteed_bytesB\x0e\n\x0c_limit_bytesJ\x04\x08\x05\x10\x06R\x03pid\"\x88\x02\n\nHelloReply\x12\r\n\x05lease\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x05\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bgranularity\x18\x07 \x01(\x04\x12\x11\n\tfd_socket\x18\x08 \x01(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x13\n\x0bstep_socket\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x18\n\x10guaranteed_bytes\x18\x0c \x01(\x04\x12\x13\n\x0blimit_bytes\x18\r \x01(\x04\"\xe5\x01\n\x0fSetQuotaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0blimit_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1d\n\x10guaranteed_bytes\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\"\n\x15host_tier_limit_bytes\x18\x06 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_limit_bytesB\x13\n\x11_guaranteed_bytesB\x0b\n\t_priorityB\x18\n\x16_host_tier_limit_bytesJ\x04\x08\x03\x10\x04\"\x86\x01\n\x12\x43reateSpaceRequest\x12\x11\n\trow_bytes\x18\x01 \x01(\x04\x12\x12\n\nmax_tokens\x18\x02 \x01(\x04\x12\x11\n\tmax_slots\x18\x03 \x01(\x04\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x15\n\rwindow_tokens\x18\x06 \x01(\x04\"\xbc\x01\n\nSpaceReply\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x11\n\trow_bytes\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x04\x12\x11\n\tmax_slots\x18\x06 \x01(\x04\x12\x12\n\nslot_bytes\x18\x07 \x01(\x04\x12\x16\n\x0epages_per_slot\x18\x08 \x01(\x04\x12\x15\n\rwindow_tokens\x18\t \x01(\x04\" \n\x0cSpaceRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\"5\n\rCreateRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"Q\n\rExtendRequest\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x10\n\x03low\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x06\n\x04_low\"5\n\x0bStepRequest\x12&\n\x07targets\x18\x01 \x03(\x0b\x32\x15.vtm.v1.ExtendRequest\"I\n\rShrinkRequest\x12%\n\x07targets\x18\x01 \x03(\x0b\x32\x14.vtm.v1.ShrinkTarget\x12\x11\n\tall_ahead\x18\x02 \x01(\x08\"6\n\x0cShrinkTarget\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"$\n\x0eVTensorRequest\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\"N\n\x13PrefixRecordRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x12\n\nvtensor_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"9\n\x12PrefixMatchRequest\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\")\n\x0bTrimRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"G\n\nPageEffect\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04page\x18\x02 \x01(\x04\x12\r\n\x05\x63hunk\x18\x03 \x01(\x03\x12\x0e\n\x06serial\x18\x04 \x01(\x04\"S\n\x0cSpaceEffects\x12\x10\n\x08space_id\x18\x01 \x01(\r\x12!\n\x05pages\x18\x02 \x03(\x0b\x32\x12.vtm.v1.PageEffect\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\"u\n\x0cVTensorState\x12\x12\n\nvtensor_id\x18\x01 \x01(\x04\x12\x10\n\x08space_id\x18\x02 \x01(\r\x12\x0c\n\x04slot\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x10\n\x08released\x18\x05 \x01(\x08\x12\x0b\n\x03low\x18\x06 \x01(\x04\"\xac\x01\n\x07OpReply\x12%\n\x07\x65\x66\x66\x65\x63ts\x18\x01 \x03(\x0b\x32\x14.vtm.v1.SpaceEffects\x12&\n\x08vtensors\x18\x02 \x03(\x0b\x32\x14.vtm.v1.VTensorState\x12\r\n\x05value\x18\x03 \x01(\x03\x12\x12\n\nvtensor_id\x18\x04 \x01(\x04\x12\x16\n\x0ematched_tokens\x18\x05 \x01(\x04\x12\x17\n\x0frestored_tokens\x18\x06 \x01(\x04\"{\n\nPrefixNode\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05locks\x18\x04 \x01(\x05\x12\r\n\x05pages\x18\x05 \x03(\r\x12\x0f\n\x07on_host\x18\x06 \x01(\x08\x12\x12\n\nhost_pages\x18\x07 \x03(\x08\"5\n\x10PrefixNodesReply\x12!\n\x05nodes\x18\x01 \x03(\x0b\x32\x12.vtm.v1.PrefixNode\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\xe2\x06\n\x06\x42roker\x12\x31\n\x05Hello\x12\x14.vtm.v1.HelloRequest\x1a\x12.vtm.v1.HelloReply\x12=\n\x0b\x43reateSpace\x12\x1a.vtm.v1.CreateSpaceRequest\x1a\x12.vtm.v1.SpaceReply\x12\x33\n\nCloseSpace\x12\x14.vtm.v1.SpaceRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06\x43reate\x12\x15.vtm.v1.CreateRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06\x45xtend\x12\x15.vtm.v1.ExtendRequest\x1a\x0f.vtm.v1.OpReply\x12,\n\x04Step\x12\x13.vtm.v1.StepRequest\x1a\x0f.vtm.v1.OpReply\x12\x30\n\x06Shrink\x12\x15.vtm.v1.ShrinkRequest\x1a\x0f.vtm.v1.OpReply\x12\x32\n\x07Release\x12\x16.vtm.v1.VTensorRequest\x1a\x0f.vtm.v1.OpReply\x12<\n\x0cPrefixRecord\x12\x1b.vtm.v1.PrefixRecordRequest\x1a\x0f.vtm.v1.OpReply\x12:\n\x0bPrefixMatch\x12\x1a.vtm.v1.PrefixMatchRequest\x1a\x0f.vtm.v1.OpReply\x12\x36\n\rClearPrefixes\x12\x14.vtm.v1.SpaceRequest\x1a\x0f.vtm.v1.OpReply\x12=\n\x0bPrefixNodes\x12\x14.vtm.v1.SpaceRequest\x1a\x18.vtm.v1.PrefixNodesReply\x12,\n\x04Trim\x12\x13.vtm.v1.TrimRequest\x1a\x0f.vtm.v1.OpReply\x12\x31\n\x05Stats\x12\x14.vtm.v1.StatsRequest\x1a\x12.vtm.v1.StatsReply\x12.\n\x05\x43heck\x12\x14.vtm.v1.StatsRequest\x1a\x0f.vtm.v1.OpReply\x12\x37\n\x08SetQuota\x12\x17.vtm.v1.SetQuotaRequest\x1a\x12.vtm.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,51 +32,51 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vtm.proto.vtm.v1.vtm_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HELLOREQUEST']._serialized_start=39
-  _globals['_HELLOREQUEST']._serialized_end=208
-  _globals['_HELLOREPLY']._serialized_start=211
-  _globals['_HELLOREPLY']._serialized_end=475
-  _globals['_SETQUOTAREQUEST']._serialized_start=478
-  _globals['_SETQUOTAREQUEST']._serialized_end=707
-  _globals['_CREATESPACEREQUEST']._serialized_start=710
-  _globals['_CREATESPACEREQUEST']._serialized_end=844
-  _globals['_SPACEREPLY']._serialized_start=847
-  _globals['_SPACEREPLY']._serialized_end=1035
-  _globals['_SPACEREQUEST']._serialized_start=1037
-  _globals['_SPACEREQUEST']._serialized_end=1069
-  _globals['_CREATEREQUEST']._serialized_start=1071
-  _globals['_CREATEREQUEST']._serialized_end=1124
-  _globals['_EXTENDREQUEST']._serialized_start=1126
-  _globals['_EXTENDREQUEST']._serialized_end=1207
-  _globals['_STEPREQUEST']._serialized_start=1209
-  _globals['_STEPREQUEST']._serialized_end=1262
-  _globals['_SHRINKREQUEST']._serialized_start=1264
-  _globals['_SHRINKREQUEST']._serialized_end=1337
-  _globals['_SHRINKTARGET']._serialized_start=1339
-  _globals['_SHRINKTARGET']._serialized_end=1393
-  _globals['_VTENSORREQUEST']._serialized_start=1395
-  _globals['_VTENSORREQUEST']._serialized_end=1431
-  _globals['_PREFIXRECORDREQUEST']._serialized_start=1433
-  _globals['_PREFIXRECORDREQUEST']._serialized_end=1511
-  _globals['_PREFIXMATCHREQUEST']._serialized_start=1513
-  _globals['_PREFIXMATCHREQUEST']._serialized_end=1570
-  _globals['_TRIMREQUEST']._serialized_start=1572
-  _globals['_TRIMREQUEST']._serialized_end=1613
-  _globals['_STATSREQUEST']._serialized_start=1615
-  _globals['_STATSREQUEST']._serialized_end=1629
-  _globals['_PAGEEFFECT']._serialized_start=1631
-  _globals['_PAGEEFFECT']._serialized_end=1702
-  _globals['_SPACEEFFECTS']._serialized_start=1704
-  _globals['_SPACEEFFECTS']._serialized_end=1787
-  _globals['_VTENSORSTATE']._serialized_start=1789
-  _globals['_VTENSORSTATE']._serialized_end=1906
-  _globals['_OPREPLY']._serialized_start=1909
-  _globals['_OPREPLY']._serialized_end=2081
-  _globals['_PREFIXNODE']._serialized_start=2083
-  _globals['_PREFIXNODE']._serialized_end=2206
-  _globals['_PREFIXNODESREPLY']._serialized_start=2208
-  _globals['_PREFIXNODESREPLY']._serialized_end=2261
-  _globals['_STATSREPLY']._serialized_start=2263
-  _globals['_STATSREPLY']._serialized_end=2289
-  _globals['_BROKER']._serialized_start=2292
-  _globals['_BROKER']._serialized_end=3158
+  _globals['_HELLOREQUEST']._serialized_end=234
+  _globals['_HELLOREPLY']._serialized_start=237
+  _globals['_HELLOREPLY']._serialized_end=501
+  _globals['_SETQUOTAREQUEST']._serialized_start=504
+  _globals['_SETQUOTAREQUEST']._serialized_end=733
+  _globals['_CREATESPACEREQUEST']._serialized_start=736
+  _globals['_CREATESPACEREQUEST']._serialized_end=870
+  _globals['_SPACEREPLY']._serialized_start=873
+  _globals['_SPACEREPLY']._serialized_end=1061
+  _globals['_SPACEREQUEST']._serialized_start=1063
+  _globals['_SPACEREQUEST']._serialized_end=1095
+  _globals['_CREATEREQUEST']._serialized_start=1097
+  _globals['_CREATEREQUEST']._serialized_end=1150
+  _globals['_EXTENDREQUEST']._serialized_start=1152
+  _globals['_EXTENDREQUEST']._serialized_end=1233
+  _globals['_STEPREQUEST']._serialized_start=1235
+  _globals['_STEPREQUEST']._serialized_end=1288
+  _globals['_SHRINKREQUEST']._serialized_start=1290
+  _globals['_SHRINKREQUEST']._serialized_end=1363
+  _globals['_SHRINKTARGET']._serialized_start=1365
+  _globals['_SHRINKTARGET']._serialized_end=1419
+  _globals['_VTENSORREQUEST']._serialized_start=1421
+  _globals['_VTENSORREQUEST']._serialized_end=1457
+  _globals['_PREFIXRECORDREQUEST']._serialized_start=1459
+  _globals['_PREFIXRECORDREQUEST']._serialized_end=1537
+  _globals['_PREFIXMATCHREQUEST']._serialized_start=1539
+  _globals['_PREFIXMATCHREQUEST']._serialized_end=1596
+  _globals['_TRIMREQUEST']._serialized_start=1598
+  _globals['_TRIMREQUEST']._serialized_end=1639
+  _globals['_STATSREQUEST']._serialized_start=1641
+  _globals['_STATSREQUEST']._serialized_end=1655
+  _globals['_PAGEEFFECT']._serialized_start=1657
+  _globals['_PAGEEFFECT']._serialized_end=1728
+  _globals['_SPACEEFFECTS']._serialized_start=1730
+  _globals['_SPACEEFFECTS']._serialized_end=1813
+  _globals['_VTENSORSTATE']._serialized_start=1815
+  _globals['_VTENSORSTATE']._serialized_end=1932
+  _globals['_OPREPLY']._serialized_start=1935
+  _globals['_OPREPLY']._serialized_end=2107
+  _globals['_PREFIXNODE']._serialized_start=2109
+  _globals['_PREFIXNODE']._serialized_end=2232
+  _globals['_PREFIXNODESREPLY']._serialized_start=2234
+  _globals['_PREFIXNODESREPLY']._serialized_end=2287
+  _globals['_STATSREPLY']._serialized_start=2289
+  _globals['_STATSREPLY']._serialized_end=2315
+  _globals['_BROKER']._serialized_start=2318
+  _globals['_BROKER']._serialized_end=3184
 # @@protoc_insertion_point(module_scope)

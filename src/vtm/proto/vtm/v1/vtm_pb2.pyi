@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HelloRequest(_message.Message):
-    __slots__ = ("name", "priority", "guaranteed_bytes", "limit_bytes")
+    __slots__ = ("name", "priority", "guaranteed_bytes", "limit_bytes", "gives_back_ahead")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GIVES_BACK_AHEAD_FIELD_NUMBER: _ClassVar[int]
     name: str
     priority: int
     guaranteed_bytes: int
     limit_bytes: int
-    def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
+    gives_back_ahead: bool
+    def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ..., gives_back_ahead: _Optional[bool] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("lease", "client_id", "backend", "device", "chunk_bytes", "capacity_bytes", "granularity", "fd_socket", "name", "step_socket", "priority", "guaranteed_bytes", "limit_bytes")
