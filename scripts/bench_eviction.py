@@ -7,9 +7,12 @@ timed request creates a one-page vTensor (evicting one prefix), records it as
 a new prefix and releases it, so the tree keeps N nodes. The baseline, in the
 same manager and at the same N, is the same create served from a free chunk
 (a live vTensor released first). Medians, in µs, and their ratio per N:
-a cost that grows with N is a walk over the tree.
+a cost that grows with N is a walk over the tree. With --tier, the manager
+has a host tier of N chunks too, filled first: each evicting create then
+spills a prefix to the host and the tier drops its oldest, and the tree
+holds 2N nodes.
 
-    python scripts/bench_eviction.py [--sizes 100,1000,16000] [--repeats 300] [--json PATH]
+    python scripts/bench_eviction.py [--sizes 100,1000,16000] [--repeats 300] [--tier] [--json PATH]
 
 Run it with the installed package (e.g. .venv/bin/python scripts/bench_eviction.py).
 """
@@ -33,15 +36,15 @@ def timed_us(fn) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def measure(nodes: int, repeats: int) -> dict:
+def measure(nodes: int, repeats: int, tier: bool) -> dict:
     import vtm
 
     held = 3  # live vTensors of 2 pages: the pool is full with them and the prefixes
     mgr = vtm.Manager(backend="host", capacity_bytes=(nodes + 2 * held) * CHUNK, chunk_bytes=CHUNK,
-                      granularity=CHUNK, slot_cache_bytes=0)
+                      granularity=CHUNK, slot_cache_bytes=0, host_tier_bytes=nodes * CHUNK if tier else 0)
     try:
         space = mgr.create_space(row_bytes=CHUNK, max_tokens=4, max_slots=held + 1)
-        for i in range(nodes):
+        for i in range(2 * nodes if tier else nodes):
             vt = space.create(1).result()
             space.prefix_record(vt, [i]).result()
             vt.release().result()
@@ -54,7 +57,7 @@ def measure(nodes: int, repeats: int) -> dict:
                 nonlocal vt
                 vt = space.create(1).result()
             evicting.append(timed_us(create))
-            space.prefix_record(vt, [nodes + r]).result()  # the tree keeps N nodes
+            space.prefix_record(vt, [3 * nodes + r]).result()  # the tree keeps its size
             vt.release().result()
             live[0].release().result()  # two free chunks
             free.append(timed_us(create))
@@ -67,30 +70,33 @@ def measure(nodes: int, repeats: int) -> dict:
     finally:
         mgr.close()
     evict_p50, free_p50 = statistics.median(evicting), statistics.median(free)
-    return {"tree_nodes": stats["tree_nodes"], "evicting_p50_us": evict_p50, "free_chunk_p50_us": free_p50,
-            "ratio": evict_p50 / free_p50, "evictions": stats["evictions_total"], "repeats": repeats}
+    return {"tree_nodes": stats["tree_nodes"], "host_tier_nodes": stats["host_tier_nodes"],
+            "evicting_p50_us": evict_p50, "free_chunk_p50_us": free_p50, "ratio": evict_p50 / free_p50,
+            "evictions": stats["evictions_total"], "spills": stats["spills_total"], "repeats": repeats}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="100,1000,16000", help="prefix tree sizes (nodes), comma-separated")
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--tier", action="store_true", help="a host tier of N chunks, full: evictions spill")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"A one-page create that evicts a cached prefix, against one served from a free chunk "
-          f"(host backend, {CHUNK >> 10} KiB chunks, medians of {args.repeats}); CPU: {cpu_model()}")
+    print(f"A one-page create that evicts a cached prefix{' (spills it, the tier drops one)' if args.tier else ''}, "
+          f"against one served from a free chunk (host backend, {CHUNK >> 10} KiB chunks, medians of "
+          f"{args.repeats}); CPU: {cpu_model()}")
     print(f"{'tree nodes':>10} {'evicting µs':>12} {'free chunk µs':>14} {'ratio':>7}")
     rows = []
     for n in sizes:
-        row = measure(n, args.repeats)
+        row = measure(n, args.repeats, args.tier)
         rows.append(row)
         print(f"{row['tree_nodes']:>10} {row['evicting_p50_us']:>12.1f} {row['free_chunk_p50_us']:>14.1f} "
               f"{row['ratio']:>6.2f}x", flush=True)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"machine": cpu_model(), "rows": rows}, f, indent=2)
+            json.dump({"machine": cpu_model(), "tier": args.tier, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

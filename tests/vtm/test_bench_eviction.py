@@ -1,6 +1,7 @@
-"""scripts/bench_eviction.py end to end on small trees: it runs, writes its
-JSON, every timed create evicted one prefix and the tree kept its size. Its
-timings are not checked (a shared machine's)."""
+"""scripts/bench_eviction.py end to end on small trees, with and without a
+host tier: it runs, writes its JSON, every timed create evicted (or spilled)
+one prefix and the tree kept its size. Its timings are not checked (a shared
+machine's)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_eviction.py"
 
 
-def test_quick_run(tmp_path):
+@pytest.mark.parametrize("tier", [False, True])
+def test_quick_run(tmp_path, tier):
     out = tmp_path / "eviction.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "10,200", "--repeats", "20", "--json", str(out)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "10,200", "--repeats", "20", "--json", str(out)]
+                         + (["--tier"] if tier else []), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [r["tree_nodes"] for r in rows] == [10, 200]
-    assert all(r["evictions"] == r["repeats"] == 20 for r in rows)
+    assert [r["tree_nodes"] for r in rows] == ([20, 400] if tier else [10, 200])  # with a tier, half on the host
+    assert [r["host_tier_nodes"] for r in rows] == ([10, 200] if tier else [0, 0])
+    # With a tier, filling it spilled N prefixes before the timed creates.
+    assert all(r["evictions"] == 20 + r["host_tier_nodes"] and r["repeats"] == 20 for r in rows)
+    assert all(r["spills"] == (r["evictions"] if tier else 0) for r in rows)
     assert all(r["evicting_p50_us"] > 0 and r["free_chunk_p50_us"] > 0 for r in rows)
