@@ -449,7 +449,7 @@ def test_a_client_that_does_not_say_it_gives_pages_ahead_back_gets_none(broker, 
     ahead under pressure, and every asker would wait for its answer: the
     broker grants pages ahead only to a client whose hello says it gives
     them back (gives_back_ahead). Here a hello without it: the client maps
-    exactly, and nobody is ever recalled."""
+    exactly, and a client short of memory asks it for nothing."""
     from vtm.broker import client as client_module
 
     def hello_of_an_older_client(cls, what, **fields):
@@ -462,7 +462,10 @@ def test_a_client_that_does_not_say_it_gives_pages_ahead_back_gets_none(broker, 
         space = older.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
         vts = [space.create(10).result() for _ in range(4)]
         assert [vt.mapped_bytes for vt in vts] == [CHUNK] * 4
-        theirs = asker.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(12 * int(ROWS_PER_PAGE))
-        assert theirs.result().mapped_bytes == 12 * CHUNK and older.recall_notices == 0
-        for vt in vts + [theirs.result()]:
+        theirs = asker.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        with pytest.raises(vtm.OutOfMemory):
+            theirs.create(13 * int(ROWS_PER_PAGE)).result()  # 13 pages, 12 free: nothing to recall
+        assert older.recall_notices == 0
+        assert theirs.create(12 * int(ROWS_PER_PAGE)).result().mapped_bytes == 12 * CHUNK
+        for vt in vts:
             vt.release().result()

@@ -22,7 +22,8 @@ Messages, one JSON object a datagram:
   broker -> client
     {"attached": true} or {"error": MESSAGE, "class": VTM_ERROR}
     {"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": R}
-    {"notice": "recall", "id": N, "reason": R}   give back the pages mapped ahead
+    {"notice": "recall", "id": N, "deadline_s": S, "reason": R}
+                                   give back the pages mapped ahead
     {"notice": "shutdown", "reason": R}
 
 Threading: one thread reads the channel (the client's listener); ack() may

@@ -45,7 +45,7 @@ bool Manager::TreeCanFree(std::size_t need) const {
   for (const auto& [name, tree] : trees_)
     for (const PrefixNode* n : tree->ByAge(/*on_host=*/false)) {
       if (sure >= need) return true;
-      if (tree->tier() != nullptr ? !tree->Spillable(n) : !n->children.empty() || n->locks != 0) continue;
+      if (!tree->Evictable(n)) continue;
       for (ChunkId c : n->pages) sure += c != kNoChunk && pool_->refs(c) == 1 ? 1 : 0;
     }
   return sure >= need || EvictableTreeChunks() >= need;
@@ -179,9 +179,7 @@ std::size_t Manager::EvictTreeLeaves(std::size_t need) {
   // Least recently used first, over every tree. A tree with the host tier
   // spills its unlocked nodes whose descendants are on the host already (the
   // bytes stay matchable there); any other tree evicts its unlocked leaves.
-  OldestFirst walk(trees_, /*on_host=*/false, [](PrefixTree& tree, PrefixNode* n) {
-    return tree.tier() != nullptr ? tree.Spillable(n) : n->children.empty() && n->locks == 0;
-  });
+  OldestFirst walk(trees_, /*on_host=*/false, [](PrefixTree& tree, PrefixNode* n) { return tree.Evictable(n); });
   std::size_t freed = 0;
   while (freed < need) {
     auto [tree, node] = walk.Next();
@@ -312,7 +310,7 @@ bool Manager::DropHostNodes(std::optional<std::uint32_t> account, const std::fun
   // Least recently used first; a parent that becomes droppable (its last
   // child went, or in a window tree its last child on the host) lies ahead.
   OldestFirst walk(trees_, /*on_host=*/true, [&](PrefixTree& tree, PrefixNode* n) {
-    return tree.tier() != nullptr && (!account || n->tier_account == *account) && tree.HostDroppable(n);
+    return (!account || n->tier_account == *account) && tree.HostDroppable(n);
   });
   for (auto [tree, node] = walk.Next(); node != nullptr; std::tie(tree, node) = walk.Next()) {
     tree->DropHost(node);

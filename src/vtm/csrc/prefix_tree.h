@@ -86,8 +86,6 @@ struct PrefixNode {
   std::size_t end() const { return start + tokens.size(); }
 };
 
-// Where a longest-prefix search stopped: `length` tokens matched, ending
-// inside or at the end of `node` (the root when length is 0).
 // A node's place in the LRU index, kept by a walk after the node may be gone.
 struct LruKey {
   std::uint64_t last_access = 0;
@@ -111,6 +109,8 @@ struct OlderFirst {
 };
 using LruIndex = std::set<PrefixNode*, OlderFirst>;
 
+// Where a longest-prefix search stopped: `length` tokens matched, ending
+// inside or at the end of `node` (the root when length is 0).
 struct TreePosition {
   PrefixNode* node = nullptr;
   std::size_t length = 0;
@@ -183,6 +183,11 @@ class PrefixTree {
   HostTier* tier() const { return tier_; }
   // Whether `node` may be spilled: on the device, unlocked, every descendant on the host.
   bool Spillable(const PrefixNode* node) const;
+  // Whether the device's eviction takes `node` now: with a tier, Spillable;
+  // without one, an unlocked leaf.
+  bool Evictable(const PrefixNode* node) const {
+    return tier_ != nullptr ? Spillable(node) : node->children.empty() && node->locks == 0;
+  }
   // The nodes on the host that a match of `pos` must restore: on the path,
   // every one in a whole-prefix tree; in a window tree those that keep the
   // version of a page under the match's window (one whose pages all lie
