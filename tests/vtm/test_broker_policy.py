@@ -396,3 +396,85 @@ def test_a_recalled_client_keeps_its_mark_until_it_gave_its_pages_ahead_back():
     policy.gave_back_ahead(ahead)
     assert not ahead.maps_ahead and ahead.recall_id is None
     assert policy.recall(asker) is False
+
+
+@pytest.fixture
+def in_process_service(tmp_path):
+    """A broker service in this process over a pool of 4 chunks, with a
+    'bystander' session whose space holds 2 rows a page and an 'asker'
+    session, both live; yields (service, bystander, space id, asker)."""
+    from vtm.broker.quota import Ask, Quota, Quotas
+    from vtm.broker.reactor import Reactor
+    from vtm.broker.service import BrokerService
+    from vtm.broker.session import LIVE, Session
+
+    manager = vtm.Manager(backend="host", capacity_bytes=4 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
+                          slot_cache_bytes=0, record_mappings=True, export_chunks=True)
+    reactor = Reactor(1)
+    service = BrokerService(manager, "host", 0, str(tmp_path / "fds"), reactor, Quotas(4 * CHUNK), 8)
+    service.policy.reserve_s = 60  # the reservation holds until the test lifts it
+    sessions = []
+    for name in ("bystander", "asker"):
+        session = Session(len(sessions) + 1, name, Ask(), Quota())
+        session.state = LIVE
+        service._sessions[session.lease] = session
+        sessions.append(session)
+    bystander, asker = sessions
+    space = manager.create_space(row_bytes=CHUNK // 2, max_tokens=8, max_slots=2)
+    bystander.spaces[space.id] = space
+    bystander.geometry[space.id] = (space.row_bytes, space.max_tokens)
+    try:
+        yield service, bystander, space.id, asker
+    finally:
+        service.close_all()
+        reactor.close()
+        manager.close()
+
+
+def _waits_for_the_reservation(service, session, asker, body) -> None:
+    """With the pool's 2 free chunks reserved for the asker's retry, body
+    (an op of `session` that copies one page) waits at the gate, taking
+    nothing, until the reservation ends; then it runs."""
+    free = service._free_bytes
+    assert free() == 2 * CHUNK
+    service.policy._reserve(asker, 2 * CHUNK)
+    done = threading.Event()
+    errors = []
+
+    def run():
+        try:
+            service.run_op(session, lambda: (body(), service.collect(session)))
+        except Exception as exc:  # reported by the assertion below
+            errors.append(exc)
+        done.set()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    try:
+        assert not done.wait(0.5), f"it took a chunk reserved for another client's retry ({errors})"
+        assert free() == 2 * CHUNK
+    finally:
+        service.policy.unreserve(asker)
+        worker.join(30)
+    assert done.is_set() and not errors
+    assert free() == CHUNK and service.manager.stats()["cow_copies_total"] == 1
+    service.manager.check()
+
+
+def test_a_shrink_copying_a_shared_page_leaves_reserved_memory_alone(in_process_service):
+    """Review: the copy of a shared page holding the new end took a chunk
+    outside the gate, from memory reserved for another client's retry."""
+    service, bystander, space_id, asker = in_process_service
+    vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 4), service.collect(bystander))[0])
+    assert service.prefix_record(bystander, space_id, vt_id, [1, 2, 3, 4]) == 4  # the tree shares both pages
+    _waits_for_the_reservation(service, bystander, asker, lambda: service.shrink(bystander, [(vt_id, 3)]))
+    assert bystander.vt_state[vt_id].num_tokens == 3
+
+
+def test_a_prefix_record_copying_a_partial_page_leaves_reserved_memory_alone(in_process_service):
+    """Review: the tree's copy of a partial last page took a chunk outside
+    the gate, from memory reserved for another client's retry."""
+    service, bystander, space_id, asker = in_process_service
+    vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 3), service.collect(bystander))[0])
+    _waits_for_the_reservation(service, bystander, asker,
+                               lambda: service.prefix_record(bystander, space_id, vt_id, [1, 2, 3]))

@@ -344,6 +344,11 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def _pages_for(self, session: Session, space_id: int, num_tokens: int) -> int:
         return -(-num_tokens * session.geometry[space_id][0] // self._chunk_bytes)
 
+    def _partial_page_bytes(self, session: Session, space_id: int, num_tokens: int) -> int:
+        """The chunk an op may copy a page ending mid-way at row
+        `num_tokens` into (0 when the rows end on a page boundary)."""
+        return self._chunk_bytes if num_tokens * session.geometry[space_id][0] % self._chunk_bytes else 0
+
     def _growth(self, session: Session, vt_id: int, num_tokens: int, low: int | None) -> tuple[int, int]:
         """(bytes, new bytes): what an extend of a vTensor to `num_tokens`
         rows and low mark `low` (None: kept) adds to the client's mapped
@@ -657,14 +662,19 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         """targets: (vTensor id, rows to keep). It maps nothing new but the
         copy of a shared page holding a new end, which replaces a mapped
         page: admitted as 0 bytes, so a client over its limit or in debt
-        can always give memory back. `all_ahead`: the client keeps no page
-        ahead after it (its refusals go through the whole policy again)."""
+        can always give memory back. The copy still takes a chunk from the
+        pool, so it waits at the gate like any allocation (a client asked
+        to give memory back passes it). `all_ahead`: the client keeps no
+        page ahead after it (its refusals go through the whole policy
+        again)."""
         wanted = {}
         for vt_id, n in targets:
             self._vtensor(session, vt_id)
             wanted[vt_id] = max(_count(n, "num_tokens"), wanted.get(vt_id, 0))
         self._allocate(session, 0, lambda: self.manager.shrink(
-            {self._vtensor(session, i): n for i, n in wanted.items()}).result())
+            {self._vtensor(session, i): n for i, n in wanted.items()}).result(),
+            gate_bytes=sum(self._partial_page_bytes(session, session.vt_state[i].space_id, n)
+                           for i, n in wanted.items() if n < session.vt_state[i].num_tokens))
         for vt_id, n in wanted.items():
             session.vt_state[vt_id].num_tokens = n
         if all_ahead:
@@ -676,6 +686,19 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         session.drop_vtensor(vt.id)
         if not session.vtensors:
             self.policy.gave_back_ahead(session)
+
+    def prefix_record(self, session: Session, space_id: int, vt_id: int, tokens) -> int:
+        """Records the vTensor's rows under `tokens`; the tree's copy of a
+        partial last page takes a chunk from the pool, so it waits at the
+        gate (memory reserved for another's retry stays free) and, when no
+        chunk is free, fails rather than ask anyone for memory."""
+        space = self._space(session, space_id)
+        vt = self._vtensor(session, vt_id)
+        try:
+            with self.policy.gate(session, self._partial_page_bytes(session, space.id, len(tokens))):
+                return space.prefix_record(vt, tokens).result()
+        except vtm.OutOfMemory as exc:
+            raise self._own_pages_ahead_first(session, exc) from None
 
     def Create(self, request, context):
         def body(session):
@@ -711,12 +734,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def PrefixRecord(self, request, context):
         def body(session):
-            space = self._space(session, request.space_id)
-            vt = self._vtensor(session, request.vtensor_id)
-            try:
-                added = space.prefix_record(vt, list(request.token_ids)).result()
-            except vtm.OutOfMemory as exc:  # its copy of a partial page found no chunk
-                raise self._own_pages_ahead_first(session, exc) from None
+            added = self.prefix_record(session, request.space_id, request.vtensor_id, list(request.token_ids))
             return self._reply(session, value=added)
         return self._run(context, body)
 
