@@ -73,8 +73,7 @@ struct Partials {
 // A horizontal sum by halving (4 shuffle + add steps, not 15 lane extracts).
 inline __attribute__((always_inline)) float Sum(VecF v) {
   typedef float Vec4 __attribute__((vector_size(16)));
-  const VecF8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const VecF8 h8 = LowHalf(v) + HighHalf(v);
   const Vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
@@ -83,8 +82,33 @@ inline __attribute__((always_inline)) float Sum(VecF v) {
 // rounds of pairwise shuffles and adds (45 operations) instead of 16
 // horizontal sums (~8 each). The order is an involution, so feeding the
 // vectors in kTreeOrder (4-bit reversal) gives the sums in natural order.
+// With HalvedLanes the same additions run on 8-lane halves: from the second
+// round on each half of a result comes from the same half of its inputs.
 constexpr int kTreeOrder[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+template <class L>
 inline __attribute__((always_inline)) VecF SumSixteen(const VecF (&p)[16]) {
+  if constexpr (std::is_same_v<L, HalvedLanes>) {
+    VecF8 r[8][2], s4[4][2], u[2][2], out[2];
+    for (int j = 0; j < 8; ++j) {
+      r[j][0] = LowHalf(p[2 * j]) + HighHalf(p[2 * j]);
+      r[j][1] = LowHalf(p[2 * j + 1]) + HighHalf(p[2 * j + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 4; ++j) {
+        s4[j][h] = __builtin_shufflevector(r[2 * j][h], r[2 * j + 1][h], 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(r[2 * j][h], r[2 * j + 1][h], 4, 5, 6, 7, 12, 13, 14, 15);
+      }
+      for (int j = 0; j < 2; ++j) {
+        u[j][h] = __builtin_shufflevector(s4[2 * j][h], s4[2 * j + 1][h], 0, 1, 8, 9, 4, 5, 12, 13) +
+                  __builtin_shufflevector(s4[2 * j][h], s4[2 * j + 1][h], 2, 3, 10, 11, 6, 7, 14, 15);
+      }
+      out[h] = __builtin_shufflevector(u[0][h], u[1][h], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(u[0][h], u[1][h], 1, 9, 3, 11, 5, 13, 7, 15);
+    }
+    VecF v;
+    std::memcpy(&v, out, sizeof v);
+    return v;
+  }
   VecF r[8], s4[4], u[2];
   for (int j = 0; j < 8; ++j) {
     r[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -111,7 +135,7 @@ inline __attribute__((always_inline)) VecF SumSixteen(const VecF (&p)[16]) {
 // `scores`; returns their maximum. kVecs = head_dim / 16 when known at compile
 // time (the query row then lives in registers and keys go 16 at a time), 0
 // for any head_dim.
-template <int kVecs>
+template <int kVecs, class L>
 inline __attribute__((always_inline)) float Scores(const float* q, const float* const* keys, int n, int dim,
                                                    float* scores) {
   float tile_max = -std::numeric_limits<float>::infinity();
@@ -129,9 +153,9 @@ inline __attribute__((always_inline)) float Scores(const float* q, const float* 
       for (; t + 16 <= n; t += 16) {
         VecF p[16];
         for (int i = 0; i < 16; ++i) p[i] = partial(keys[t + kTreeOrder[i]]);
-        const VecF block = SumSixteen(p);
+        const VecF block = SumSixteen<L>(p);
         Store(block, scores + t);
-        block_max = block > block_max ? block : block_max;
+        block_max = L::Select(L::Greater(block, block_max), block, block_max);
       }
       for (int i = 0; i < 16; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
     }
@@ -155,10 +179,11 @@ inline __attribute__((always_inline)) float Scores(const float* q, const float* 
 // 1e-7 (e rounds near 1), which a cap of 50 would turn into ~5e-6 of a score:
 // there the odd Taylor series to x^11 is used instead, whose first omitted
 // term is below 2e-9 for |x| < 0.3.
+template <class L>
 inline __attribute__((always_inline)) VecF Tanh(VecF x) {
   const VecU sign = reinterpret_cast<VecU>(x) & 0x80000000u;
   const VecF magnitude = reinterpret_cast<VecF>(reinterpret_cast<VecU>(x) ^ sign);
-  const VecF e = Exp(magnitude * -2.0f);
+  const VecF e = Exp<L>(magnitude * -2.0f);
   const VecF far = reinterpret_cast<VecF>(reinterpret_cast<VecU>((1.0f - e) / (1.0f + e)) | sign);
   const VecF x2 = x * x;
   VecF p = Splat(-1382.0f / 155925);
@@ -167,25 +192,26 @@ inline __attribute__((always_inline)) VecF Tanh(VecF x) {
   p = p * x2 + 2.0f / 15;
   p = p * x2 - 1.0f / 3;
   const VecF near = x + x * x2 * p;
-  return magnitude < 0.3f ? near : far;
+  return L::Select(L::Less(magnitude, Splat(0.3f)), near, far);
 }
 
 // Gemma 2's logit cap on n scores that were computed from a query divided by
 // `softcap`: scores[t] = softcap * tanh(scores[t]), in place; returns their
 // maximum. The capped maximum is taken from the capped values themselves, so
 // no weight e^(score - max) can exceed 1 by a rounding of tanh.
+template <class L>
 inline __attribute__((always_inline)) float Cap(float* scores, int n, float softcap) {
   VecF block_max = VecF{} - std::numeric_limits<float>::infinity();
   int t = 0;
   for (; t + kLanes <= n; t += kLanes) {
-    const VecF c = Tanh(Load(scores + t)) * softcap;
+    const VecF c = Tanh<L>(Load(scores + t)) * softcap;
     Store(c, scores + t);
-    block_max = c > block_max ? c : block_max;
+    block_max = L::Select(L::Greater(c, block_max), c, block_max);
   }
   float tile_max = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < kLanes; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
   if (t < n) {
-    const VecF c = Tanh(LoadPartial(scores + t, n - t)) * softcap;
+    const VecF c = Tanh<L>(LoadPartial(scores + t, n - t)) * softcap;
     StorePartial(c, scores + t, n - t);
     for (int i = 0; i < n - t; ++i) tile_max = c[i] > tile_max ? c[i] : tile_max;
   }
@@ -224,7 +250,7 @@ inline __attribute__((always_inline)) void Accumulate(float* acc, float correcti
   }
 }
 
-template <class T, int kVecs>
+template <class T, int kVecs, class L>
 inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const WorkItem& w,
                                                    Partials* partials) {
   const int dim = a.head_dim, heads = a.heads, kv_heads = a.kv_heads, group = heads / kv_heads;
@@ -310,8 +336,8 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
         const float* const* krows = &key_rows[static_cast<std::size_t>(h / group) * kKeyTile + skip];
         const float* const* vrows = &value_rows[static_cast<std::size_t>(h / group) * kKeyTile + skip];
         const float* qr = &s.q[static_cast<std::size_t>(row) * dim];
-        float tile_max = Scores<kVecs>(qr, krows, n, dim, scores);
-        if (capped) tile_max = Cap(scores, n, a.softcap);
+        float tile_max = Scores<kVecs, L>(qr, krows, n, dim, scores);
+        if (capped) tile_max = Cap<L>(scores, n, a.softcap);
         const float m_new = std::max(s.m[row], tile_max);
         const float correction = std::exp(s.m[row] - m_new);
         // The weights e^(score - max), in place, 16 at a time; a zero-padded
@@ -319,13 +345,13 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
         VecF lanes = {};
         int t = 0;
         for (; t + kLanes <= n; t += kLanes) {
-          const VecF e = Exp(Load(scores + t) - m_new);
+          const VecF e = Exp<L>(Load(scores + t) - m_new);
           Store(e, scores + t);
           lanes += e;
         }
         float sum = Sum(lanes);
         if (t < n) {
-          const VecF e = Exp(LoadPartial(scores + t, n - t) - m_new);
+          const VecF e = Exp<L>(LoadPartial(scores + t, n - t) - m_new);
           StorePartial(e, scores + t, n - t);
           for (int i = 0; i < n - t; ++i) sum += e[i];
         }
@@ -357,26 +383,46 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
   }
 }
 
-template <class T>
+template <class T, class L>
 inline __attribute__((always_inline)) void RunItemAnyDim(const AttentionArgs& a, const WorkItem& w,
                                                          Partials* p) {
   switch (a.head_dim) {
-    case 64: RunItem<T, 4>(a, w, p); break;
-    case 128: RunItem<T, 8>(a, w, p); break;
-    default: RunItem<T, 0>(a, w, p); break;
+    case 64: RunItem<T, 4, L>(a, w, p); break;
+    case 128: RunItem<T, 8, L>(a, w, p); break;
+    default: RunItem<T, 0, L>(a, w, p); break;
   }
 }
 
-// One entry point per dtype, compiled for several instruction sets and picked
-// at load time by the CPU's features (never by vendor; cpu_vec.h).
-FLEXINFER_CLONES void RunItemF32(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<float>(a, w, p);
+// One entry point per dtype and lane policy, picked at run time by the CPU's
+// features (never by vendor; cpu_vec.h).
+FLEXINFER_WIDE void RunItemF32Wide(const AttentionArgs& a, const WorkItem& w, Partials* p) {
+  RunItemAnyDim<float, WideLanes>(a, w, p);
 }
-FLEXINFER_CLONES void RunItemBF16(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<std::uint16_t>(a, w, p);
+FLEXINFER_WIDE void RunItemBF16Wide(const AttentionArgs& a, const WorkItem& w, Partials* p) {
+  RunItemAnyDim<std::uint16_t, WideLanes>(a, w, p);
 }
-FLEXINFER_CLONES void RunItemF16(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<_Float16>(a, w, p);
+FLEXINFER_WIDE void RunItemF16Wide(const AttentionArgs& a, const WorkItem& w, Partials* p) {
+  RunItemAnyDim<_Float16, WideLanes>(a, w, p);
+}
+FLEXINFER_HALVED void RunItemF32Halved(const AttentionArgs& a, const WorkItem& w, Partials* p) {
+  RunItemAnyDim<float, HalvedLanes>(a, w, p);
+}
+FLEXINFER_HALVED void RunItemBF16Halved(const AttentionArgs& a, const WorkItem& w, Partials* p) {
+  RunItemAnyDim<std::uint16_t, HalvedLanes>(a, w, p);
+}
+FLEXINFER_HALVED void RunItemF16Halved(const AttentionArgs& a, const WorkItem& w, Partials* p) {
+  RunItemAnyDim<_Float16, HalvedLanes>(a, w, p);
+}
+
+typedef void (*RunItemFn)(const AttentionArgs&, const WorkItem&, Partials*);
+RunItemFn RunItemFor(DType dtype) {
+  const bool wide = WideVectors();
+  switch (dtype) {
+    case DType::kFloat32: return wide ? RunItemF32Wide : RunItemF32Halved;
+    case DType::kBFloat16: return wide ? RunItemBF16Wide : RunItemBF16Halved;
+    case DType::kFloat16: return wide ? RunItemF16Wide : RunItemF16Halved;
+  }
+  Invalid("attention takes float32, bfloat16 or float16");
 }
 
 template <class T>
@@ -500,14 +546,9 @@ void Attention(const AttentionArgs& a) {
   const bool parallel = workers > 1 && work * a.head_dim >= (std::int64_t{1} << 16);
   Partials* out_partials = split ? &partials : nullptr;
   const std::int64_t count = static_cast<std::int64_t>(items.size());
+  const RunItemFn run_item = RunItemFor(a.dtype);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(workers) if (parallel)
-  for (std::int64_t i = 0; i < count; ++i) {
-    switch (a.dtype) {
-      case DType::kFloat32: RunItemF32(a, items[i], out_partials); break;
-      case DType::kBFloat16: RunItemBF16(a, items[i], out_partials); break;
-      case DType::kFloat16: RunItemF16(a, items[i], out_partials); break;
-    }
-  }
+  for (std::int64_t i = 0; i < count; ++i) run_item(a, items[i], out_partials);
   if (!split) return;
   for (std::int64_t b = 0; b < a.batch; ++b) {
     if (a.seq_lens[b] == 0) continue;

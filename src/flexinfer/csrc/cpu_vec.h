@@ -19,29 +19,109 @@
 namespace flexinfer {
 namespace {
 
-// One entry point per kernel and dtype, compiled for several instruction sets and
-// picked at load time by the CPU's features (never by vendor). A build with
-// FLEXINFER_KERNEL_ARCH set (`make test-isa`) compiles them for that one
-// instruction set instead, so that a machine with AVX-512 also tests the code
-// an AVX2-only or a baseline x86-64 CPU would pick.
-#if defined(FLEXINFER_KERNEL_ARCH)
-#define FLEXINFER_CLONES __attribute__((target("arch=" FLEXINFER_KERNEL_ARCH)))
-#elif defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define FLEXINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FLEXINFER_CLONES
-#endif
-
-// 16 lanes: GCC's vector extension compiles to one AVX-512 register, two
-// AVX2 or four SSE registers, whichever the clone targets.
+// 16 lanes: GCC's vector extension compiles arithmetic on them to one AVX-512
+// register, two AVX2 or four SSE registers, whichever the code targets.
 typedef float VecF __attribute__((vector_size(64)));
 typedef std::int32_t VecI __attribute__((vector_size(64)));
 typedef std::uint32_t VecU __attribute__((vector_size(64)));
 typedef std::uint16_t VecH __attribute__((vector_size(32)));
-typedef std::uint16_t VecH32 __attribute__((vector_size(64)));
 typedef double VecD __attribute__((vector_size(64)));
 typedef float VecF8 __attribute__((vector_size(32)));
+typedef std::int32_t VecI8 __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
+
+// Comparisons, `?:` selects and shuffles are another matter: GCC lowers
+// those of a vector wider than the target's registers lane by lane, through
+// memory. On an AVX2 CPU (no AVX-512) that made the greedy pick ~20x and
+// bfloat16 silu_mul ~6x slower than they are now (docs/benchmarks.md). So a
+// kernel body takes its lane operations from a policy: WideLanes uses the
+// vector extension's own operators (one instruction on AVX-512),
+// HalvedLanes works on two 8-lane halves (one AVX2 instruction each). Both
+// give the same lanes, bit for bit. A 16-lane state carried across a loop
+// still goes through memory when split and joined each time: code with one
+// (exp's polynomial, the greedy pick) runs on 8-lane vectors under
+// HalvedLanes instead.
+struct WideLanes {
+  static inline __attribute__((always_inline)) VecI Greater(VecF a, VecF b) { return a > b; }
+  static inline __attribute__((always_inline)) VecI Less(VecF a, VecF b) { return a < b; }
+  static inline __attribute__((always_inline)) VecI IsNaN(VecF a) { return a != a; }
+  static inline __attribute__((always_inline)) VecF Select(VecI m, VecF a, VecF b) { return m ? a : b; }
+  static inline __attribute__((always_inline)) VecI Select(VecI m, VecI a, VecI b) { return m ? a : b; }
+};
+
+struct HalvedLanes {
+  struct HalvesF {
+    VecF8 lo, hi;
+  };
+  static inline __attribute__((always_inline)) HalvesF Split(VecF v) {
+    HalvesF h;
+    std::memcpy(&h, &v, sizeof v);
+    return h;
+  }
+  static inline __attribute__((always_inline)) VecI Join(VecI8 lo, VecI8 hi) {
+    VecI v;
+    std::memcpy(&v, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+    return v;
+  }
+  static inline __attribute__((always_inline)) VecI Greater(VecF a, VecF b) {
+    const HalvesF x = Split(a), y = Split(b);
+    return Join(x.lo > y.lo, x.hi > y.hi);
+  }
+  static inline __attribute__((always_inline)) VecI Less(VecF a, VecF b) { return Greater(b, a); }
+  static inline __attribute__((always_inline)) VecI IsNaN(VecF a) {
+    const HalvesF x = Split(a);
+    return Join(x.lo != x.lo, x.hi != x.hi);
+  }
+  // Bitwise: GCC splits and, or and not at any width.
+  static inline __attribute__((always_inline)) VecI Select(VecI m, VecI a, VecI b) { return (m & a) | (~m & b); }
+  static inline __attribute__((always_inline)) VecF Select(VecI m, VecF a, VecF b) {
+    return reinterpret_cast<VecF>(Select(m, reinterpret_cast<VecI>(a), reinterpret_cast<VecI>(b)));
+  }
+};
+
+// Entry points are compiled for several instruction sets and picked at run
+// time by the CPU's features, never by vendor. A kernel without lane
+// operations is one function cloned for AVX-512, AVX2 and baseline x86-64
+// (FLEXINFER_CLONES). One with them is compiled twice: with WideLanes for
+// CPUs with AVX-512 (FLEXINFER_WIDE) and with HalvedLanes, cloned for AVX2
+// and baseline x86-64, for the others (FLEXINFER_HALVED); WideVectors() says
+// which to call. A build with FLEXINFER_KERNEL_ARCH set (`make test-isa`)
+// compiles every entry point for that one instruction set instead and picks
+// the policy a CPU of that set would, so that a machine with AVX-512 also
+// tests the code an AVX2-only or a baseline x86-64 CPU runs. Elsewhere (other
+// architectures, sanitizer builds) one build of each runs, with WideLanes.
+#if defined(FLEXINFER_KERNEL_ARCH)
+#define FLEXINFER_CLONES __attribute__((target("arch=" FLEXINFER_KERNEL_ARCH)))
+#define FLEXINFER_WIDE FLEXINFER_CLONES
+#define FLEXINFER_HALVED FLEXINFER_CLONES
+inline bool WideVectors() { return std::string(FLEXINFER_KERNEL_ARCH) == "x86-64-v4"; }
+#elif defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define FLEXINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define FLEXINFER_WIDE __attribute__((target("arch=x86-64-v4")))
+#define FLEXINFER_HALVED __attribute__((target_clones("arch=x86-64-v3", "default")))
+inline bool WideVectors() {
+  static const bool wide = __builtin_cpu_supports("x86-64-v4");
+  return wide;
+}
+#else
+#define FLEXINFER_CLONES
+#define FLEXINFER_WIDE
+#define FLEXINFER_HALVED
+inline bool WideVectors() { return true; }
+#endif
+
+// The low and high 8 lanes of v (copies GCC keeps in registers at any width).
+inline __attribute__((always_inline)) VecF8 LowHalf(VecF v) {
+  VecF8 h;
+  std::memcpy(&h, &v, sizeof h);
+  return h;
+}
+inline __attribute__((always_inline)) VecF8 HighHalf(VecF v) {
+  VecF8 h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&v) + sizeof h, sizeof h);
+  return h;
+}
 
 inline __attribute__((always_inline)) VecF Splat(float x) { return VecF{} + x; }
 
@@ -50,23 +130,23 @@ inline __attribute__((always_inline)) VecF Load(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-// bfloat16 is the high half of a float32: interleaving the 16 values with
-// zeros widens them in one shuffle (little-endian lanes).
+// bfloat16 is the high half of a float32: widened and shifted into place.
+// (A conversion, not a shuffle: GCC splits conversions well at any width.)
 inline __attribute__((always_inline)) VecF Load(const std::uint16_t* p) {
   VecH h;
   std::memcpy(&h, p, sizeof h);
-  const VecH zero = {};
-  const VecH32 wide = __builtin_shufflevector(zero, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24,
-                                              9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  return reinterpret_cast<VecF>(wide);
+  return reinterpret_cast<VecF>(__builtin_convertvector(h, VecU) << 16);
 }
 
 // v rounded to bfloat16 (nearest even; NaN stays a quiet NaN) in the high
 // half of each lane, the low half left over: the vector form of Narrow in
-// cpu_numeric.h.
+// cpu_numeric.h. A lane is NaN when its magnitude's bits exceed infinity's:
+// the sign of their difference, found by arithmetic (no comparison, which
+// GCC lowers lane by lane where registers are narrower than 16 lanes).
 inline __attribute__((always_inline)) VecU BF16High(VecF v) {
   const VecU u = reinterpret_cast<VecU>(v);
-  return v != v ? (u | 0x400000) : u + 0x7FFF + ((u >> 16) & 1);
+  const VecU nan = reinterpret_cast<VecU>(reinterpret_cast<VecI>(0x7F800000u - (u & 0x7FFFFFFFu)) >> 31);
+  return ((u | 0x400000) & nan) | ((u + 0x7FFF + ((u >> 16) & 1)) & ~nan);
 }
 
 // v rounded to the element type T and widened back to float32: where
@@ -82,8 +162,7 @@ inline __attribute__((always_inline)) VecF Round(VecF v) {
 
 inline __attribute__((always_inline)) void Store(VecF v, float* p) { std::memcpy(p, &v, sizeof v); }
 inline __attribute__((always_inline)) void Store(VecF v, std::uint16_t* p) {
-  const VecH32 halves = reinterpret_cast<VecH32>(BF16High(v));
-  const VecH h = __builtin_shufflevector(halves, halves, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const VecH h = __builtin_convertvector(BF16High(v) >> 16, VecH);
   std::memcpy(p, &h, sizeof h);
 }
 
@@ -115,15 +194,16 @@ inline __attribute__((always_inline)) void StorePartial(VecF v, T* p, std::int64
 // |r| <= ln2/2 and a degree-7 Taylor polynomial; 2^n is applied as two
 // factors so that results near overflow (x up to 88.7) and subnormal ones
 // (down to -103) stay exact in their exponent. Beyond those, inf and 0; NaN
-// stays NaN.
-inline __attribute__((always_inline)) VecF Exp(VecF x) {
-  const VecF lo = Splat(-104.0f), hi = Splat(89.0f);
-  VecF c = x > lo ? x : lo;  // NaN becomes lo: the integer conversion below sees no NaN
+// stays NaN. F and I: float and int32 vectors of the same lanes.
+template <class F, class I>
+inline __attribute__((always_inline)) F ExpLanes(F x) {
+  const F lo = F{} - 104.0f, hi = F{} + 89.0f;
+  F c = x > lo ? x : lo;  // NaN becomes lo: the integer conversion below sees no NaN
   c = c < hi ? c : hi;
   // Round to nearest by adding and subtracting 1.5 * 2^23.
-  const VecF n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const VecF r = (c - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  VecF p = Splat(1.0f / 5040);
+  const F n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const F r = (c - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  F p = F{} + 1.0f / 5040;
   p = p * r + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
@@ -131,13 +211,27 @@ inline __attribute__((always_inline)) VecF Exp(VecF x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const VecI ni = __builtin_convertvector(n, VecI);
-  const VecI half = ni >> 1;
-  const VecF scale1 = reinterpret_cast<VecF>((half + 127) << 23);
-  const VecF scale2 = reinterpret_cast<VecF>((ni - half + 127) << 23);
-  VecF e = p * scale1 * scale2;
-  e = x < lo ? Splat(0.0f) : e;
+  const I ni = __builtin_convertvector(n, I);
+  const I half = ni >> 1;
+  const F scale1 = reinterpret_cast<F>((half + 127) << 23);
+  const F scale2 = reinterpret_cast<F>((ni - half + 127) << 23);
+  F e = p * scale1 * scale2;
+  e = x < lo ? F{} : e;
   return x != x ? x : e;
+}
+
+// e^x of 16 lanes, as one vector (WideLanes) or as two halves of 8, each in
+// a register of its own (HalvedLanes): the same lanes either way.
+template <class L>
+inline __attribute__((always_inline)) VecF Exp(VecF x) {
+  if constexpr (std::is_same_v<L, HalvedLanes>) {
+    const VecF8 halves[2] = {ExpLanes<VecF8, VecI8>(LowHalf(x)), ExpLanes<VecF8, VecI8>(HighHalf(x))};
+    VecF e;
+    std::memcpy(&e, halves, sizeof e);
+    return e;
+  } else {
+    return ExpLanes<VecF, VecI>(x);
+  }
 }
 
 // Below this many elements per call an elementwise op's parallel region costs

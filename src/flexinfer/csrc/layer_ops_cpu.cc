@@ -13,13 +13,11 @@ namespace {
 // ---------------------------------------------------------------- RmsNorm
 
 inline __attribute__((always_inline)) VecD SquaresLow(VecF v) {
-  const VecF8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const VecD d = __builtin_convertvector(h, VecD);
+  const VecD d = __builtin_convertvector(LowHalf(v), VecD);
   return d * d;
 }
 inline __attribute__((always_inline)) VecD SquaresHigh(VecF v) {
-  const VecF8 h = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const VecD d = __builtin_convertvector(h, VecD);
+  const VecD d = __builtin_convertvector(HighHalf(v), VecD);
   return d * d;
 }
 
@@ -69,13 +67,13 @@ inline __attribute__((always_inline)) void RmsNormRows(const RmsNormArgs& a, std
 
 // ---------------------------------------------------------------- SiluMul
 
-template <class T>
+template <class T, class L>
 inline __attribute__((always_inline)) VecF SiluTimes(VecF g, VecF up) {
   // torch's silu: g / (1 + e^-g), rounded to the dtype before the product.
-  return Round<T>(g / (1.0f + Exp(-g))) * up;
+  return Round<T>(g / (1.0f + Exp<L>(-g))) * up;
 }
 
-template <class T>
+template <class T, class L>
 inline __attribute__((always_inline)) void SiluMulRows(const SiluMulArgs& a, std::int64_t begin,
                                                        std::int64_t end) {
   const std::int64_t inter = a.inter;
@@ -89,13 +87,13 @@ inline __attribute__((always_inline)) void SiluMulRows(const SiluMulArgs& a, std
     // units busy (~1.2x on this Xeon).
     for (; d + 4 * kLanes <= inter; d += 4 * kLanes) {
       VecF s[4];
-      for (int i = 0; i < 4; ++i) s[i] = SiluTimes<T>(Load(gate + d + i * kLanes), Load(up + d + i * kLanes));
+      for (int i = 0; i < 4; ++i) s[i] = SiluTimes<T, L>(Load(gate + d + i * kLanes), Load(up + d + i * kLanes));
       for (int i = 0; i < 4; ++i) Store(s[i], out + d + i * kLanes);
     }
-    for (; d + kLanes <= inter; d += kLanes) Store(SiluTimes<T>(Load(gate + d), Load(up + d)), out + d);
+    for (; d + kLanes <= inter; d += kLanes) Store(SiluTimes<T, L>(Load(gate + d), Load(up + d)), out + d);
     if (d < inter) {
       const std::int64_t n = inter - d;
-      StorePartial(SiluTimes<T>(LoadPartial(gate + d, n), LoadPartial(up + d, n)), out + d, n);
+      StorePartial(SiluTimes<T, L>(LoadPartial(gate + d, n), LoadPartial(up + d, n)), out + d, n);
     }
   }
 }
@@ -106,11 +104,17 @@ FLEXINFER_CLONES void RmsNormF32(const RmsNormArgs& a, std::int64_t begin, std::
 FLEXINFER_CLONES void RmsNormBF16(const RmsNormArgs& a, std::int64_t begin, std::int64_t end) {
   RmsNormRows<std::uint16_t>(a, begin, end);
 }
-FLEXINFER_CLONES void SiluMulF32(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
-  SiluMulRows<float>(a, begin, end);
+FLEXINFER_WIDE void SiluMulF32Wide(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
+  SiluMulRows<float, WideLanes>(a, begin, end);
 }
-FLEXINFER_CLONES void SiluMulBF16(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
-  SiluMulRows<std::uint16_t>(a, begin, end);
+FLEXINFER_WIDE void SiluMulBF16Wide(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
+  SiluMulRows<std::uint16_t, WideLanes>(a, begin, end);
+}
+FLEXINFER_HALVED void SiluMulF32Halved(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
+  SiluMulRows<float, HalvedLanes>(a, begin, end);
+}
+FLEXINFER_HALVED void SiluMulBF16Halved(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
+  SiluMulRows<std::uint16_t, HalvedLanes>(a, begin, end);
 }
 
 }  // namespace
@@ -131,9 +135,11 @@ void SiluMul(const SiluMulArgs& a) {
   if (a.rows < 0 || a.inter <= 0) Invalid("silu_mul needs rows >= 0 and a positive intermediate size");
   if (a.rows > 1 && a.out_stride < a.inter) Invalid("silu_mul's output rows overlap");
   const bool f32 = a.dtype == DType::kFloat32;
+  const auto rows = WideVectors() ? (f32 ? SiluMulF32Wide : SiluMulBF16Wide)
+                                  : (f32 ? SiluMulF32Halved : SiluMulBF16Halved);
   // exp costs several elementwise passes: count it as such for the threshold.
   ForRows(a.rows, 8 * a.rows * a.inter, a.threads, [&](std::int64_t begin, std::int64_t end) {
-    f32 ? SiluMulF32(a, begin, end) : SiluMulBF16(a, begin, end);
+    rows(a, begin, end);
   });
 }
 
