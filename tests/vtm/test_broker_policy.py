@@ -478,3 +478,54 @@ def test_a_prefix_record_copying_a_partial_page_leaves_reserved_memory_alone(in_
     vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 3), service.collect(bystander))[0])
     _waits_for_the_reservation(service, bystander, asker,
                                lambda: service.prefix_record(bystander, space_id, vt_id, [1, 2, 3]))
+
+
+def test_a_client_past_its_notice_deadline_is_held_at_the_gate():
+    """Review: a client that ignored a reclaim notice was still exempt from
+    the gate, so its shrink and record copies (admitted as 0 bytes) took
+    memory reserved for another's retry."""
+    from vtm.broker.policy import Policy
+
+    asker, _, victim = _asker_one_ahead_one_below()
+    policy = Policy(lambda: [asker, victim], 1, free_bytes=lambda: 4)
+    policy._reserve(asker, 4)
+    victim.owed_target, victim.owed_deadline = 0, time.monotonic() + 60
+    with policy.gate(victim, 1, wait=False):
+        pass  # owing, before its deadline: it may have to allocate before it answers
+    victim.owed_deadline = time.monotonic() - 1
+    with pytest.raises(vtm.OutOfMemory, match="reserved"):
+        with policy.gate(victim, 1, wait=False):
+            pass
+
+
+def test_a_shrink_that_copies_nothing_passes_the_gate_at_once(in_process_service):
+    """Review: every shrink ending mid-page was counted as a copy, so a
+    give-back of private rows waited for others' reservations."""
+    service, bystander, space_id, asker = in_process_service
+    vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 4), service.collect(bystander))[0])
+    service.policy._reserve(asker, 2 * CHUNK)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (service.run_op(
+        bystander, lambda: (service.shrink(bystander, [(vt_id, 3)]), service.collect(bystander))), done.set()))
+    worker.start()
+    try:
+        assert done.wait(10), "a shrink of private rows waited at the gate"
+    finally:
+        service.policy.unreserve(asker)
+        worker.join(30)
+    assert service._free_bytes() == 2 * CHUNK and service.manager.stats()["cow_copies_total"] == 0
+    service.manager.check()
+
+
+def test_a_shrink_into_a_matched_prefix_leaves_reserved_memory_alone(in_process_service):
+    """The pages a prefix match maps are the tree's: a shrink whose new end
+    lies on one copies it, and waits at the gate for that copy."""
+    service, bystander, space_id, asker = in_process_service
+    vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 4), service.collect(bystander))[0])
+    service.prefix_record(bystander, space_id, vt_id, [1, 2, 3, 4])
+    service.run_op(bystander, lambda: (service.release(bystander, vt_id), service.collect(bystander)))
+    match = service.run_op(bystander, lambda: (service.prefix_match(bystander, space_id, [1, 2, 3, 4, 5]),
+                                               service.collect(bystander))[0])
+    assert match.num_tokens == 4
+    _waits_for_the_reservation(service, bystander, asker,
+                               lambda: service.shrink(bystander, [(match.vtensor.id, 3)]))

@@ -129,10 +129,14 @@ class Policy:
 
     def _gated(self, session, extra_bytes: int) -> bool:
         """Whether gate() holds this allocation to others' reservations (under
-        _gate). Not a client that owes memory or has a recall to answer: its
-        worker may have to allocate before it gets to answer."""
+        _gate). Not a client that owes memory (until its notice's deadline)
+        or has a recall to answer: its worker may have to allocate before it
+        gets to answer. Past the deadline it is held like anyone (admit()
+        refuses it more memory; this holds what admit() lets through, the
+        copies of a shrink or a record)."""
         with self._mu:
-            asked = session.owed_target is not None or session.recall_id is not None
+            owing = session.owed_target is not None and time.monotonic() <= session.owed_deadline
+            asked = owing or session.recall_id is not None
         return (self._free_bytes is not None and extra_bytes > 0 and not asked
                 and session not in self._reserved and self._reserved_for_others(session) > 0)
 

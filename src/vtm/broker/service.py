@@ -349,6 +349,20 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         `num_tokens` into (0 when the rows end on a page boundary)."""
         return self._chunk_bytes if num_tokens * session.geometry[space_id][0] % self._chunk_bytes else 0
 
+    def _full_pages(self, session: Session, space_id: int, num_tokens: int) -> int:
+        return num_tokens * session.geometry[space_id][0] // self._chunk_bytes
+
+    def _shrink_copy_bytes(self, session: Session, vt_id: int, num_tokens: int) -> int:
+        """The chunk a shrink of the vTensor to `num_tokens` rows copies its
+        new end page into: only when that page is partly kept and may be
+        shared with the prefix tree (0 otherwise, as for a give-back of
+        pages ahead, whose kept rows end on pages of the vTensor's own)."""
+        state = session.vt_state[vt_id]
+        if num_tokens >= state.num_tokens:
+            return 0
+        page = self._full_pages(session, state.space_id, num_tokens)
+        return self._partial_page_bytes(session, state.space_id, num_tokens) if page < state.shared_pages else 0
+
     def _growth(self, session: Session, vt_id: int, num_tokens: int, low: int | None) -> tuple[int, int]:
         """(bytes, new bytes): what an extend of a vTensor to `num_tokens`
         rows and low mark `low` (None: kept) adds to the client's mapped
@@ -664,19 +678,20 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         page: admitted as 0 bytes, so a client over its limit or in debt
         can always give memory back. The copy still takes a chunk from the
         pool, so it waits at the gate like any allocation (a client asked
-        to give memory back passes it). `all_ahead`: the client keeps no
-        page ahead after it (its refusals go through the whole policy
-        again)."""
+        to give memory back passes it); a shrink that copies nothing passes
+        at once. `all_ahead`: the client keeps no page ahead after it (its
+        refusals go through the whole policy again)."""
         wanted = {}
         for vt_id, n in targets:
             self._vtensor(session, vt_id)
             wanted[vt_id] = max(_count(n, "num_tokens"), wanted.get(vt_id, 0))
         self._allocate(session, 0, lambda: self.manager.shrink(
             {self._vtensor(session, i): n for i, n in wanted.items()}).result(),
-            gate_bytes=sum(self._partial_page_bytes(session, session.vt_state[i].space_id, n)
-                           for i, n in wanted.items() if n < session.vt_state[i].num_tokens))
+            gate_bytes=sum(self._shrink_copy_bytes(session, i, n) for i, n in wanted.items()))
         for vt_id, n in wanted.items():
-            session.vt_state[vt_id].num_tokens = n
+            state = session.vt_state[vt_id]
+            state.num_tokens = n
+            state.shared_pages = min(state.shared_pages, self._full_pages(session, state.space_id, n))
         if all_ahead:
             self.policy.gave_back_ahead(session)
 
@@ -696,9 +711,12 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         vt = self._vtensor(session, vt_id)
         try:
             with self.policy.gate(session, self._partial_page_bytes(session, space.id, len(tokens))):
-                return space.prefix_record(vt, tokens).result()
+                added = space.prefix_record(vt, tokens).result()
         except vtm.OutOfMemory as exc:
             raise self._own_pages_ahead_first(session, exc) from None
+        state = session.vt_state[vt.id]
+        state.shared_pages = max(state.shared_pages, self._full_pages(session, space.id, len(tokens)))
+        return added
 
     def Create(self, request, context):
         def body(session):
@@ -738,29 +756,38 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             return self._reply(session, value=added)
         return self._run(context, body)
 
+    def prefix_match(self, session: Session, space_id: int, tokens):
+        """The space's longest recorded prefix of `tokens` mapped into a new
+        vTensor of the client: vtm's PrefixMatch (vtensor None when nothing
+        matched)."""
+        space = self._space(session, space_id)
+        # A match maps recorded chunks, copies at most its partial last
+        # page, and with a host tier restores the path's pages on the
+        # host: admitted as that many chunks, so a client over its limit,
+        # or past a reclaim notice's deadline, gets no memory this way
+        # either, and memory reserved for another's retry stays free. The
+        # match restores no more than was admitted (the tree may change
+        # in between): past that, it takes what the device holds above.
+        restore = space.prefix_restore_bytes(tokens)
+        match = self._allocate(session, self._chunk_bytes + restore,
+                               lambda: self._space(session, space_id).prefix_match(
+                                   tokens, max_restore_bytes=restore).result(), slot_space=space)
+        if match.vtensor is None:
+            return match
+        mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes
+        if session.limit_bytes and session.mapped_bytes(self._chunk_bytes) + mapped > session.limit_bytes:
+            match.vtensor.release().result()  # its effects cancel out in the drain
+            raise vtm.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes; "
+                                  f"the match would map {mapped} more")
+        session.add_vtensor(match.vtensor)
+        session.vt_state[match.vtensor.id].shared_pages = self._full_pages(session, space.id, match.num_tokens)
+        return match
+
     def PrefixMatch(self, request, context):
         def body(session):
-            space = self._space(session, request.space_id)
-            space_id, tokens = space.id, list(request.token_ids)
-            # A match maps recorded chunks, copies at most its partial last
-            # page, and with a host tier restores the path's pages on the
-            # host: admitted as that many chunks, so a client over its limit,
-            # or past a reclaim notice's deadline, gets no memory this way
-            # either, and memory reserved for another's retry stays free. The
-            # match restores no more than was admitted (the tree may change
-            # in between): past that, it takes what the device holds above.
-            restore = space.prefix_restore_bytes(tokens)
-            match = self._allocate(session, self._chunk_bytes + restore,
-                                   lambda: self._space(session, space_id).prefix_match(
-                                       tokens, max_restore_bytes=restore).result(), slot_space=space)
+            match = self.prefix_match(session, request.space_id, list(request.token_ids))
             if match.vtensor is None:
                 return self._reply(session, matched_tokens=0)
-            mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes
-            if session.limit_bytes and session.mapped_bytes(self._chunk_bytes) + mapped > session.limit_bytes:
-                match.vtensor.release().result()  # its effects cancel out in the drain
-                raise vtm.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes; "
-                                      f"the match would map {mapped} more")
-            session.add_vtensor(match.vtensor)
             return self._reply(session, vtensors=[match.vtensor.id], vtensor_id=match.vtensor.id,
                                matched_tokens=match.num_tokens, restored_tokens=match.restored_tokens)
         return self._run(context, body)

@@ -48,12 +48,15 @@ PENDING, LIVE, QUARANTINED, CLOSED = "pending", "live", "quarantined", "closed"
 class VTensorState:
     """One vTensor as the client was last told: its space and slot (fixed
     for its life), its rows, and its low mark (pages wholly below it are
-    unmapped)."""
+    unmapped); and, the broker's own, how many of its first pages it may
+    share with the prefix tree (those it recorded or matched: only a
+    shrink whose new end lies on one of them copies a page)."""
 
     space_id: int
     slot: int
     num_tokens: int
     low: int
+    shared_pages: int = 0
 
 
 class Session:
