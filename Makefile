@@ -83,8 +83,11 @@ $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so &: $(VENV)/.deps $(SOUR
 
 test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
 	$(SAN_ENV) PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider tests/vtm
-	$(SAN_ENV) FLEXINFER_KERNEL_ARCH=clones FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
-		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	for lanes in 16 8; do \
+		$(SAN_ENV) FLEXINFER_KERNEL_LANES=$$lanes FLEXINFER_KERNEL_ARCH=clones \
+			FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
+			$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	done
 
 # The vtm core built with ThreadSanitizer, over the executor's workers and
 # refill thread under concurrent submitters (test_concurrency), and a broker

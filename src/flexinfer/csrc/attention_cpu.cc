@@ -36,16 +36,23 @@ struct WorkItem {
 };
 
 
+// The kernel's vector code is written for a float vector type F of kW lanes:
+// VecF (16) where the registers hold 16 floats (AVX-512), VecF8 (8) elsewhere,
+// so that the score tiles and accumulators it carries across its loops stay
+// in registers (cpu_vec.h). The two round differently only in the order of
+// a dot product's and a row's additions.
+
 // Row `t` of a K or V head as float32: the row itself for float32 caches, a
 // widened copy in `buf` otherwise (once per tile, for every query head of its
-// group). kVecs = head_dim / 16 when known (bfloat16 then widens 16 lanes at
+// group). kVecs = head_dim / kW when known (bfloat16 then widens kW lanes at
 // a time), 0 for any head_dim.
-template <int kVecs, class T>
+template <int kVecs, class F, class T>
 inline __attribute__((always_inline)) const float* LoadRow(const T* src, float* buf, int dim) {
+  constexpr int kW = LanesOf<F>::kW;
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else if constexpr (std::is_same_v<T, std::uint16_t> && kVecs > 0) {
-    for (int i = 0; i < kVecs; ++i) Store(Load(src + 16 * i), buf + 16 * i);
+    for (int i = 0; i < kVecs; ++i) StoreAs(LoadAs<F>(src + kW * i), buf + kW * i);
     return buf;
   } else {
     for (int d = 0; d < dim; ++d) buf[d] = Widen(src[d]);
@@ -70,45 +77,40 @@ struct Partials {
   }
 };
 
-// A horizontal sum by halving (4 shuffle + add steps, not 15 lane extracts).
-inline __attribute__((always_inline)) float Sum(VecF v) {
+// A horizontal sum by halving (shuffle + add steps, not a lane extract each).
+inline __attribute__((always_inline)) float Sum(VecF8 h8) {
   typedef float Vec4 __attribute__((vector_size(16)));
-  const VecF8 h8 = LowHalf(v) + HighHalf(v);
   const Vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
+inline __attribute__((always_inline)) float Sum(VecF v) { return Sum(LowHalf(v) + HighHalf(v)); }
 
-// The sums of 16 vectors, lane i holding the sum of p[kTreeOrder[i]]: four
+// The sums of 16 vectors, lane i holding the sum of p[kTreeOrder16[i]]: four
 // rounds of pairwise shuffles and adds (45 operations) instead of 16
 // horizontal sums (~8 each). The order is an involution, so feeding the
-// vectors in kTreeOrder (4-bit reversal) gives the sums in natural order.
-// With HalvedLanes the same additions run on 8-lane halves: from the second
-// round on each half of a result comes from the same half of its inputs.
-constexpr int kTreeOrder[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-template <class L>
-inline __attribute__((always_inline)) VecF SumSixteen(const VecF (&p)[16]) {
-  if constexpr (std::is_same_v<L, HalvedLanes>) {
-    VecF8 r[8][2], s4[4][2], u[2][2], out[2];
-    for (int j = 0; j < 8; ++j) {
-      r[j][0] = LowHalf(p[2 * j]) + HighHalf(p[2 * j]);
-      r[j][1] = LowHalf(p[2 * j + 1]) + HighHalf(p[2 * j + 1]);
-    }
-    for (int h = 0; h < 2; ++h) {
-      for (int j = 0; j < 4; ++j) {
-        s4[j][h] = __builtin_shufflevector(r[2 * j][h], r[2 * j + 1][h], 0, 1, 2, 3, 8, 9, 10, 11) +
-                   __builtin_shufflevector(r[2 * j][h], r[2 * j + 1][h], 4, 5, 6, 7, 12, 13, 14, 15);
-      }
-      for (int j = 0; j < 2; ++j) {
-        u[j][h] = __builtin_shufflevector(s4[2 * j][h], s4[2 * j + 1][h], 0, 1, 8, 9, 4, 5, 12, 13) +
-                  __builtin_shufflevector(s4[2 * j][h], s4[2 * j + 1][h], 2, 3, 10, 11, 6, 7, 14, 15);
-      }
-      out[h] = __builtin_shufflevector(u[0][h], u[1][h], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(u[0][h], u[1][h], 1, 9, 3, 11, 5, 13, 7, 15);
-    }
-    VecF v;
-    std::memcpy(&v, out, sizeof v);
-    return v;
+// vectors in kTreeOrder16 (4-bit reversal) gives the sums in natural order.
+// For 8 vectors of 8 lanes the same in three rounds (kTreeOrder8, 3-bit
+// reversal).
+constexpr int kTreeOrder16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+constexpr int kTreeOrder8[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+template <class F>
+constexpr const int* TreeOrder() {
+  return LanesOf<F>::kW == 16 ? kTreeOrder16 : kTreeOrder8;
+}
+inline __attribute__((always_inline)) VecF8 SumLanes(const VecF8 (&p)[8]) {
+  VecF8 r[4], s2[2];
+  for (int j = 0; j < 4; ++j) {
+    r[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * j], p[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
   }
+  for (int j = 0; j < 2; ++j) {
+    s2[j] = __builtin_shufflevector(r[2 * j], r[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+            __builtin_shufflevector(r[2 * j], r[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return __builtin_shufflevector(s2[0], s2[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(s2[0], s2[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+inline __attribute__((always_inline)) VecF SumLanes(const VecF (&p)[16]) {
   VecF r[8], s4[4], u[2];
   for (int j = 0; j < 8; ++j) {
     r[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -132,32 +134,33 @@ inline __attribute__((always_inline)) VecF SumSixteen(const VecF (&p)[16]) {
 }
 
 // Scores of one query row against `n` key rows (float32), written to
-// `scores`; returns their maximum. kVecs = head_dim / 16 when known at compile
-// time (the query row then lives in registers and keys go 16 at a time), 0
+// `scores`; returns their maximum. kVecs = head_dim / kW when known at compile
+// time (the query row then lives in registers and keys go kW at a time), 0
 // for any head_dim.
-template <int kVecs, class L>
+template <int kVecs, class F>
 inline __attribute__((always_inline)) float Scores(const float* q, const float* const* keys, int n, int dim,
                                                    float* scores) {
+  constexpr int kW = LanesOf<F>::kW;
   float tile_max = -std::numeric_limits<float>::infinity();
   if constexpr (kVecs > 0) {
-    VecF qv[kVecs];
-    for (int i = 0; i < kVecs; ++i) qv[i] = Load(q + 16 * i);
+    F qv[kVecs];
+    for (int i = 0; i < kVecs; ++i) qv[i] = LoadAs<F>(q + kW * i);
     auto partial = [&](const float* key) {
-      VecF dot = qv[0] * Load(key);
-      for (int i = 1; i < kVecs; ++i) dot += qv[i] * Load(key + 16 * i);
+      F dot = qv[0] * LoadAs<F>(key);
+      for (int i = 1; i < kVecs; ++i) dot += qv[i] * LoadAs<F>(key + kW * i);
       return dot;
     };
     int t = 0;
-    if (n >= 16) {
-      VecF block_max = VecF{} - std::numeric_limits<float>::infinity();
-      for (; t + 16 <= n; t += 16) {
-        VecF p[16];
-        for (int i = 0; i < 16; ++i) p[i] = partial(keys[t + kTreeOrder[i]]);
-        const VecF block = SumSixteen<L>(p);
-        Store(block, scores + t);
-        block_max = L::Select(L::Greater(block, block_max), block, block_max);
+    if (n >= kW) {
+      F block_max = F{} - std::numeric_limits<float>::infinity();
+      for (; t + kW <= n; t += kW) {
+        F p[kW];
+        for (int i = 0; i < kW; ++i) p[i] = partial(keys[t + TreeOrder<F>()[i]]);
+        const F block = SumLanes(p);
+        StoreAs(block, scores + t);
+        block_max = block > block_max ? block : block_max;
       }
-      for (int i = 0; i < 16; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
+      for (int i = 0; i < kW; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
     }
     for (; t < n; ++t) {
       scores[t] = Sum(partial(keys[t]));
@@ -179,40 +182,42 @@ inline __attribute__((always_inline)) float Scores(const float* q, const float* 
 // 1e-7 (e rounds near 1), which a cap of 50 would turn into ~5e-6 of a score:
 // there the odd Taylor series to x^11 is used instead, whose first omitted
 // term is below 2e-9 for |x| < 0.3.
-template <class L>
-inline __attribute__((always_inline)) VecF Tanh(VecF x) {
-  const VecU sign = reinterpret_cast<VecU>(x) & 0x80000000u;
-  const VecF magnitude = reinterpret_cast<VecF>(reinterpret_cast<VecU>(x) ^ sign);
-  const VecF e = Exp<L>(magnitude * -2.0f);
-  const VecF far = reinterpret_cast<VecF>(reinterpret_cast<VecU>((1.0f - e) / (1.0f + e)) | sign);
-  const VecF x2 = x * x;
-  VecF p = Splat(-1382.0f / 155925);
+template <class F>
+inline __attribute__((always_inline)) F Tanh(F x) {
+  typedef typename LanesOf<F>::U U;
+  const U sign = reinterpret_cast<U>(x) & 0x80000000u;
+  const F magnitude = reinterpret_cast<F>(reinterpret_cast<U>(x) ^ sign);
+  const F e = ExpLanes<F, typename LanesOf<F>::I>(magnitude * -2.0f);
+  const F far = reinterpret_cast<F>(reinterpret_cast<U>((1.0f - e) / (1.0f + e)) | sign);
+  const F x2 = x * x;
+  F p = F{} + -1382.0f / 155925;
   p = p * x2 + 62.0f / 2835;
   p = p * x2 - 17.0f / 315;
   p = p * x2 + 2.0f / 15;
   p = p * x2 - 1.0f / 3;
-  const VecF near = x + x * x2 * p;
-  return L::Select(L::Less(magnitude, Splat(0.3f)), near, far);
+  const F near = x + x * x2 * p;
+  return magnitude < 0.3f ? near : far;
 }
 
 // Gemma 2's logit cap on n scores that were computed from a query divided by
 // `softcap`: scores[t] = softcap * tanh(scores[t]), in place; returns their
 // maximum. The capped maximum is taken from the capped values themselves, so
 // no weight e^(score - max) can exceed 1 by a rounding of tanh.
-template <class L>
+template <class F>
 inline __attribute__((always_inline)) float Cap(float* scores, int n, float softcap) {
-  VecF block_max = VecF{} - std::numeric_limits<float>::infinity();
+  constexpr int kW = LanesOf<F>::kW;
+  F block_max = F{} - std::numeric_limits<float>::infinity();
   int t = 0;
-  for (; t + kLanes <= n; t += kLanes) {
-    const VecF c = Tanh<L>(Load(scores + t)) * softcap;
-    Store(c, scores + t);
-    block_max = L::Select(L::Greater(c, block_max), c, block_max);
+  for (; t + kW <= n; t += kW) {
+    const F c = Tanh(LoadAs<F>(scores + t)) * softcap;
+    StoreAs(c, scores + t);
+    block_max = c > block_max ? c : block_max;
   }
   float tile_max = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < kLanes; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
+  for (int i = 0; i < kW; ++i) tile_max = block_max[i] > tile_max ? block_max[i] : tile_max;
   if (t < n) {
-    const VecF c = Tanh<L>(LoadPartial(scores + t, n - t)) * softcap;
-    StorePartial(c, scores + t, n - t);
+    const F c = Tanh(LoadPartialAs<F>(scores + t, n - t)) * softcap;
+    StorePartialAs(c, scores + t, n - t);
     for (int i = 0; i < n - t; ++i) tile_max = c[i] > tile_max ? c[i] : tile_max;
   }
   return tile_max;
@@ -222,26 +227,27 @@ inline __attribute__((always_inline)) float Cap(float* scores, int n, float soft
 // registers across the tile when head_dim is known: two sets of
 // accumulators, even and odd keys, so consecutive keys' FMAs do not wait on
 // each other.
-template <int kVecs>
+template <int kVecs, class F>
 inline __attribute__((always_inline)) void Accumulate(float* acc, float correction, const float* weights,
                                                       const float* const* values, int n, int dim) {
+  constexpr int kW = LanesOf<F>::kW;
   if constexpr (kVecs > 0) {
-    VecF even[kVecs], odd[kVecs];
+    F even[kVecs], odd[kVecs];
     for (int i = 0; i < kVecs; ++i) {
-      even[i] = Load(acc + 16 * i) * correction;
-      odd[i] = VecF{};
+      even[i] = LoadAs<F>(acc + kW * i) * correction;
+      odd[i] = F{};
     }
     int t = 0;
     for (; t + 2 <= n; t += 2) {
       for (int i = 0; i < kVecs; ++i) {
-        even[i] += weights[t] * Load(values[t] + 16 * i);
-        odd[i] += weights[t + 1] * Load(values[t + 1] + 16 * i);
+        even[i] += weights[t] * LoadAs<F>(values[t] + kW * i);
+        odd[i] += weights[t + 1] * LoadAs<F>(values[t + 1] + kW * i);
       }
     }
     if (t < n) {
-      for (int i = 0; i < kVecs; ++i) even[i] += weights[t] * Load(values[t] + 16 * i);
+      for (int i = 0; i < kVecs; ++i) even[i] += weights[t] * LoadAs<F>(values[t] + kW * i);
     }
-    for (int i = 0; i < kVecs; ++i) Store(even[i] + odd[i], acc + 16 * i);
+    for (int i = 0; i < kVecs; ++i) StoreAs(even[i] + odd[i], acc + kW * i);
   } else {
     for (int d = 0; d < dim; ++d) acc[d] *= correction;
     for (int t = 0; t < n; ++t) {
@@ -250,9 +256,11 @@ inline __attribute__((always_inline)) void Accumulate(float* acc, float correcti
   }
 }
 
-template <class T, int kVecs, class L>
+template <class T, int kVecs, class F>
 inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const WorkItem& w,
                                                    Partials* partials) {
+  constexpr int kW = LanesOf<F>::kW;
+  typedef typename LanesOf<F>::I I;
   const int dim = a.head_dim, heads = a.heads, kv_heads = a.kv_heads, group = heads / kv_heads;
   const std::int64_t len = a.seq_lens[w.b];
   const std::int64_t q_begin = a.cu_q ? a.cu_q[w.b] : w.b;
@@ -319,8 +327,8 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
       for (int kvh = 0; kvh < kv_heads; ++kvh) {
         const std::int64_t offset = (t0 + t) * a.kv_stride_token + kvh * a.kv_stride_head;
         const std::size_t slot = static_cast<std::size_t>(kvh) * kKeyTile + t;
-        key_rows[slot] = LoadRow<kVecs>(kbase + offset, &s.keys[slot * dim], dim);
-        value_rows[slot] = LoadRow<kVecs>(vbase + offset, &s.values[slot * dim], dim);
+        key_rows[slot] = LoadRow<kVecs, F>(kbase + offset, &s.keys[slot * dim], dim);
+        value_rows[slot] = LoadRow<kVecs, F>(vbase + offset, &s.values[slot * dim], dim);
       }
     }
     for (int j = 0; j < nq; ++j) {
@@ -336,26 +344,26 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
         const float* const* krows = &key_rows[static_cast<std::size_t>(h / group) * kKeyTile + skip];
         const float* const* vrows = &value_rows[static_cast<std::size_t>(h / group) * kKeyTile + skip];
         const float* qr = &s.q[static_cast<std::size_t>(row) * dim];
-        float tile_max = Scores<kVecs, L>(qr, krows, n, dim, scores);
-        if (capped) tile_max = Cap<L>(scores, n, a.softcap);
+        float tile_max = Scores<kVecs, F>(qr, krows, n, dim, scores);
+        if (capped) tile_max = Cap<F>(scores, n, a.softcap);
         const float m_new = std::max(s.m[row], tile_max);
         const float correction = std::exp(s.m[row] - m_new);
-        // The weights e^(score - max), in place, 16 at a time; a zero-padded
+        // The weights e^(score - max), in place, kW at a time; a zero-padded
         // tail is computed whole but only its n lanes are kept and summed.
-        VecF lanes = {};
+        F lanes = {};
         int t = 0;
-        for (; t + kLanes <= n; t += kLanes) {
-          const VecF e = Exp<L>(Load(scores + t) - m_new);
-          Store(e, scores + t);
+        for (; t + kW <= n; t += kW) {
+          const F e = ExpLanes<F, I>(LoadAs<F>(scores + t) - m_new);
+          StoreAs(e, scores + t);
           lanes += e;
         }
         float sum = Sum(lanes);
         if (t < n) {
-          const VecF e = Exp<L>(LoadPartial(scores + t, n - t) - m_new);
-          StorePartial(e, scores + t, n - t);
+          const F e = ExpLanes<F, I>(LoadPartialAs<F>(scores + t, n - t) - m_new);
+          StorePartialAs(e, scores + t, n - t);
           for (int i = 0; i < n - t; ++i) sum += e[i];
         }
-        Accumulate<kVecs>(&s.acc[static_cast<std::size_t>(row) * dim], correction, scores, vrows, n, dim);
+        Accumulate<kVecs, F>(&s.acc[static_cast<std::size_t>(row) * dim], correction, scores, vrows, n, dim);
         s.m[row] = m_new;
         s.l[row] = s.l[row] * correction + sum;
       }
@@ -383,35 +391,36 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
   }
 }
 
-template <class T, class L>
+template <class T, class F>
 inline __attribute__((always_inline)) void RunItemAnyDim(const AttentionArgs& a, const WorkItem& w,
                                                          Partials* p) {
+  constexpr int kW = LanesOf<F>::kW;
   switch (a.head_dim) {
-    case 64: RunItem<T, 4, L>(a, w, p); break;
-    case 128: RunItem<T, 8, L>(a, w, p); break;
-    default: RunItem<T, 0, L>(a, w, p); break;
+    case 64: RunItem<T, 64 / kW, F>(a, w, p); break;
+    case 128: RunItem<T, 128 / kW, F>(a, w, p); break;
+    default: RunItem<T, 0, F>(a, w, p); break;
   }
 }
 
-// One entry point per dtype and lane policy, picked at run time by the CPU's
-// features (never by vendor; cpu_vec.h).
+// One entry point per dtype and vector width, picked at run time by the
+// CPU's features (never by vendor; cpu_vec.h).
 FLEXINFER_WIDE void RunItemF32Wide(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<float, WideLanes>(a, w, p);
+  RunItemAnyDim<float, VecF>(a, w, p);
 }
 FLEXINFER_WIDE void RunItemBF16Wide(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<std::uint16_t, WideLanes>(a, w, p);
+  RunItemAnyDim<std::uint16_t, VecF>(a, w, p);
 }
 FLEXINFER_WIDE void RunItemF16Wide(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<_Float16, WideLanes>(a, w, p);
+  RunItemAnyDim<_Float16, VecF>(a, w, p);
 }
 FLEXINFER_HALVED void RunItemF32Halved(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<float, HalvedLanes>(a, w, p);
+  RunItemAnyDim<float, VecF8>(a, w, p);
 }
 FLEXINFER_HALVED void RunItemBF16Halved(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<std::uint16_t, HalvedLanes>(a, w, p);
+  RunItemAnyDim<std::uint16_t, VecF8>(a, w, p);
 }
 FLEXINFER_HALVED void RunItemF16Halved(const AttentionArgs& a, const WorkItem& w, Partials* p) {
-  RunItemAnyDim<_Float16, HalvedLanes>(a, w, p);
+  RunItemAnyDim<_Float16, VecF8>(a, w, p);
 }
 
 typedef void (*RunItemFn)(const AttentionArgs&, const WorkItem&, Partials*);

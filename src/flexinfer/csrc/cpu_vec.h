@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -28,87 +29,81 @@ typedef std::uint16_t VecH __attribute__((vector_size(32)));
 typedef double VecD __attribute__((vector_size(64)));
 typedef float VecF8 __attribute__((vector_size(32)));
 typedef std::int32_t VecI8 __attribute__((vector_size(32)));
+typedef std::uint32_t VecU8 __attribute__((vector_size(32)));
+typedef std::uint16_t VecH8 __attribute__((vector_size(16)));
 constexpr int kLanes = 16;
+
+// The int32, uint32 and bfloat16 vectors with the lanes of float vector F,
+// for code written for either width (VecF or VecF8).
+template <class F>
+struct LanesOf;
+template <>
+struct LanesOf<VecF> {
+  typedef VecI I;
+  typedef VecU U;
+  typedef VecH H;
+  static constexpr int kW = 16;
+};
+template <>
+struct LanesOf<VecF8> {
+  typedef VecI8 I;
+  typedef VecU8 U;
+  typedef VecH8 H;
+  static constexpr int kW = 8;
+};
 
 // Comparisons, `?:` selects and shuffles are another matter: GCC lowers
 // those of a vector wider than the target's registers lane by lane, through
-// memory. On an AVX2 CPU (no AVX-512) that made the greedy pick ~20x and
-// bfloat16 silu_mul ~6x slower than they are now (docs/benchmarks.md). So a
-// kernel body takes its lane operations from a policy: WideLanes uses the
-// vector extension's own operators (one instruction on AVX-512),
-// HalvedLanes works on two 8-lane halves (one AVX2 instruction each). Both
-// give the same lanes, bit for bit. A 16-lane state carried across a loop
-// still goes through memory when split and joined each time: code with one
-// (exp's polynomial, the greedy pick) runs on 8-lane vectors under
-// HalvedLanes instead.
-struct WideLanes {
-  static inline __attribute__((always_inline)) VecI Greater(VecF a, VecF b) { return a > b; }
-  static inline __attribute__((always_inline)) VecI Less(VecF a, VecF b) { return a < b; }
-  static inline __attribute__((always_inline)) VecI IsNaN(VecF a) { return a != a; }
-  static inline __attribute__((always_inline)) VecF Select(VecI m, VecF a, VecF b) { return m ? a : b; }
-  static inline __attribute__((always_inline)) VecI Select(VecI m, VecI a, VecI b) { return m ? a : b; }
-};
-
-struct HalvedLanes {
-  struct HalvesF {
-    VecF8 lo, hi;
-  };
-  static inline __attribute__((always_inline)) HalvesF Split(VecF v) {
-    HalvesF h;
-    std::memcpy(&h, &v, sizeof v);
-    return h;
-  }
-  static inline __attribute__((always_inline)) VecI Join(VecI8 lo, VecI8 hi) {
-    VecI v;
-    std::memcpy(&v, &lo, sizeof lo);
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-    return v;
-  }
-  static inline __attribute__((always_inline)) VecI Greater(VecF a, VecF b) {
-    const HalvesF x = Split(a), y = Split(b);
-    return Join(x.lo > y.lo, x.hi > y.hi);
-  }
-  static inline __attribute__((always_inline)) VecI Less(VecF a, VecF b) { return Greater(b, a); }
-  static inline __attribute__((always_inline)) VecI IsNaN(VecF a) {
-    const HalvesF x = Split(a);
-    return Join(x.lo != x.lo, x.hi != x.hi);
-  }
-  // Bitwise: GCC splits and, or and not at any width.
-  static inline __attribute__((always_inline)) VecI Select(VecI m, VecI a, VecI b) { return (m & a) | (~m & b); }
-  static inline __attribute__((always_inline)) VecF Select(VecI m, VecF a, VecF b) {
-    return reinterpret_cast<VecF>(Select(m, reinterpret_cast<VecI>(a), reinterpret_cast<VecI>(b)));
-  }
-};
+// memory, and a vector of 16 lanes carried across a loop lives in memory
+// too. On an AVX2 CPU (no AVX-512) that made the greedy pick ~20x and
+// bfloat16 silu_mul ~6x slower than they are now (docs/benchmarks.md). So
+// code with lane operations or loop state is written for a float vector type
+// F of either width, VecF or VecF8 (LanesOf<F> names its companions), and
+// compiled for each: 16 lanes where registers hold them, 8 elsewhere.
 
 // Entry points are compiled for several instruction sets and picked at run
-// time by the CPU's features, never by vendor. A kernel without lane
-// operations is one function cloned for AVX-512, AVX2 and baseline x86-64
-// (FLEXINFER_CLONES). One with them is compiled twice: with WideLanes for
-// CPUs with AVX-512 (FLEXINFER_WIDE) and with HalvedLanes, cloned for AVX2
-// and baseline x86-64, for the others (FLEXINFER_HALVED); WideVectors() says
-// which to call. A build with FLEXINFER_KERNEL_ARCH set (`make test-isa`)
+// time by the CPU's features, never by vendor. A kernel of 16-lane
+// arithmetic only is one function cloned for AVX-512, AVX2 and baseline
+// x86-64 (FLEXINFER_CLONES). One written for F is compiled twice: with VecF
+// for CPUs with AVX-512 (FLEXINFER_WIDE) and with VecF8, cloned for AVX2 and
+// baseline x86-64, for the others (FLEXINFER_HALVED); WideVectors() says
+// which to call. (Baseline x86-64's SSE registers hold 4 lanes: there GCC
+// still compares lane by lane; AVX2 is what the 8-lane code is for.) A build with FLEXINFER_KERNEL_ARCH set (`make test-isa`)
 // compiles every entry point for that one instruction set instead and picks
-// the policy a CPU of that set would, so that a machine with AVX-512 also
+// the width a CPU of that set would, so that a machine with AVX-512 also
 // tests the code an AVX2-only or a baseline x86-64 CPU runs. Elsewhere (other
-// architectures, sanitizer builds) one build of each runs, with WideLanes.
+// architectures, sanitizer builds) one build of each runs, at 16 lanes.
+// FLEXINFER_KERNEL_LANES=8 in the environment runs the 8-lane code on any
+// CPU: the sanitizer build's tests run it, and a test compares the two
+// widths where the CPU has AVX-512.
+inline bool EightLanesAsked() {
+  const char* lanes = std::getenv("FLEXINFER_KERNEL_LANES");
+  return lanes != nullptr && std::string(lanes) == "8";
+}
 #if defined(FLEXINFER_KERNEL_ARCH)
 #define FLEXINFER_CLONES __attribute__((target("arch=" FLEXINFER_KERNEL_ARCH)))
 #define FLEXINFER_WIDE FLEXINFER_CLONES
 #define FLEXINFER_HALVED FLEXINFER_CLONES
-inline bool WideVectors() { return std::string(FLEXINFER_KERNEL_ARCH) == "x86-64-v4"; }
+inline bool WideVectors() {
+  static const bool wide = std::string(FLEXINFER_KERNEL_ARCH) == "x86-64-v4" && !EightLanesAsked();
+  return wide;
+}
 #elif defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define FLEXINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define FLEXINFER_WIDE __attribute__((target("arch=x86-64-v4")))
 #define FLEXINFER_HALVED __attribute__((target_clones("arch=x86-64-v3", "default")))
 inline bool WideVectors() {
-  static const bool wide = __builtin_cpu_supports("x86-64-v4");
+  static const bool wide = __builtin_cpu_supports("x86-64-v4") && !EightLanesAsked();
   return wide;
 }
 #else
 #define FLEXINFER_CLONES
 #define FLEXINFER_WIDE
 #define FLEXINFER_HALVED
-inline bool WideVectors() { return true; }
+inline bool WideVectors() {
+  static const bool wide = !EightLanesAsked();
+  return wide;
+}
 #endif
 
 // The low and high 8 lanes of v (copies GCC keeps in registers at any width).
@@ -125,17 +120,26 @@ inline __attribute__((always_inline)) VecF8 HighHalf(VecF v) {
 
 inline __attribute__((always_inline)) VecF Splat(float x) { return VecF{} + x; }
 
-inline __attribute__((always_inline)) VecF Load(const float* p) {
-  VecF v;
+// Loads of a float vector F's lanes (LoadAs) and of 16 lanes (Load).
+template <class F>
+inline __attribute__((always_inline)) F LoadAs(const float* p) {
+  F v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 // bfloat16 is the high half of a float32: widened and shifted into place.
 // (A conversion, not a shuffle: GCC splits conversions well at any width.)
-inline __attribute__((always_inline)) VecF Load(const std::uint16_t* p) {
-  VecH h;
+template <class F>
+inline __attribute__((always_inline)) F LoadAs(const std::uint16_t* p) {
+  typename LanesOf<F>::H h;
   std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<VecF>(__builtin_convertvector(h, VecU) << 16);
+  return reinterpret_cast<F>(__builtin_convertvector(h, typename LanesOf<F>::U) << 16);
+}
+inline __attribute__((always_inline)) VecF Load(const float* p) { return LoadAs<VecF>(p); }
+inline __attribute__((always_inline)) VecF Load(const std::uint16_t* p) { return LoadAs<VecF>(p); }
+template <class F>
+inline __attribute__((always_inline)) void StoreAs(F v, float* p) {
+  std::memcpy(p, &v, sizeof v);
 }
 
 // v rounded to bfloat16 (nearest even; NaN stays a quiet NaN) in the high
@@ -160,19 +164,24 @@ inline __attribute__((always_inline)) VecF Round(VecF v) {
   }
 }
 
-inline __attribute__((always_inline)) void Store(VecF v, float* p) { std::memcpy(p, &v, sizeof v); }
+inline __attribute__((always_inline)) void Store(VecF v, float* p) { StoreAs(v, p); }
 inline __attribute__((always_inline)) void Store(VecF v, std::uint16_t* p) {
   const VecH h = __builtin_convertvector(BF16High(v) >> 16, VecH);
   std::memcpy(p, &h, sizeof h);
 }
 
 // The last n < 16 elements of a row go through the same vector code, padded
-// with zeros, so a row's tail rounds exactly as its body.
+// with zeros, so a row's tail rounds exactly as its body. (LoadPartialAs:
+// the same for fewer than F's lanes.)
+template <class F, class T>
+inline __attribute__((always_inline)) F LoadPartialAs(const T* p, std::int64_t n) {
+  T buf[LanesOf<F>::kW] = {};
+  std::memcpy(buf, p, sizeof(T) * n);
+  return LoadAs<F>(buf);
+}
 template <class T>
 inline __attribute__((always_inline)) VecF LoadPartial(const T* p, std::int64_t n) {
-  T buf[kLanes] = {};
-  std::memcpy(buf, p, sizeof(T) * n);
-  return Load(buf);
+  return LoadPartialAs<VecF>(p, n);
 }
 // n lanes from p: all 16 (kFull) or a zero-padded tail.
 template <bool kFull, class T>
@@ -188,6 +197,10 @@ inline __attribute__((always_inline)) void StorePartial(VecF v, T* p, std::int64
   T buf[kLanes];
   Store(v, buf);
   std::memcpy(p, buf, sizeof(T) * n);
+}
+template <class F>
+inline __attribute__((always_inline)) void StorePartialAs(F v, float* p, std::int64_t n) {
+  std::memcpy(p, &v, sizeof(float) * n);
 }
 
 // e^x over all of float's range, to within ~2 ulp: x = n ln2 + r with
@@ -220,11 +233,11 @@ inline __attribute__((always_inline)) F ExpLanes(F x) {
   return x != x ? x : e;
 }
 
-// e^x of 16 lanes, as one vector (WideLanes) or as two halves of 8, each in
-// a register of its own (HalvedLanes): the same lanes either way.
-template <class L>
+// e^x of 16 lanes computed on vectors of F's lanes: as one vector, or as two
+// halves of 8, each in a register of its own. The same lanes either way.
+template <class F>
 inline __attribute__((always_inline)) VecF Exp(VecF x) {
-  if constexpr (std::is_same_v<L, HalvedLanes>) {
+  if constexpr (std::is_same_v<F, VecF8>) {
     const VecF8 halves[2] = {ExpLanes<VecF8, VecI8>(LowHalf(x)), ExpLanes<VecF8, VecI8>(HighHalf(x))};
     VecF e;
     std::memcpy(&e, halves, sizeof e);

@@ -67,13 +67,14 @@ inline __attribute__((always_inline)) void RmsNormRows(const RmsNormArgs& a, std
 
 // ---------------------------------------------------------------- SiluMul
 
-template <class T, class L>
+// F: the vector type exp runs on (cpu_vec.h).
+template <class T, class F>
 inline __attribute__((always_inline)) VecF SiluTimes(VecF g, VecF up) {
   // torch's silu: g / (1 + e^-g), rounded to the dtype before the product.
-  return Round<T>(g / (1.0f + Exp<L>(-g))) * up;
+  return Round<T>(g / (1.0f + Exp<F>(-g))) * up;
 }
 
-template <class T, class L>
+template <class T, class F>
 inline __attribute__((always_inline)) void SiluMulRows(const SiluMulArgs& a, std::int64_t begin,
                                                        std::int64_t end) {
   const std::int64_t inter = a.inter;
@@ -87,13 +88,13 @@ inline __attribute__((always_inline)) void SiluMulRows(const SiluMulArgs& a, std
     // units busy (~1.2x on this Xeon).
     for (; d + 4 * kLanes <= inter; d += 4 * kLanes) {
       VecF s[4];
-      for (int i = 0; i < 4; ++i) s[i] = SiluTimes<T, L>(Load(gate + d + i * kLanes), Load(up + d + i * kLanes));
+      for (int i = 0; i < 4; ++i) s[i] = SiluTimes<T, F>(Load(gate + d + i * kLanes), Load(up + d + i * kLanes));
       for (int i = 0; i < 4; ++i) Store(s[i], out + d + i * kLanes);
     }
-    for (; d + kLanes <= inter; d += kLanes) Store(SiluTimes<T, L>(Load(gate + d), Load(up + d)), out + d);
+    for (; d + kLanes <= inter; d += kLanes) Store(SiluTimes<T, F>(Load(gate + d), Load(up + d)), out + d);
     if (d < inter) {
       const std::int64_t n = inter - d;
-      StorePartial(SiluTimes<T, L>(LoadPartial(gate + d, n), LoadPartial(up + d, n)), out + d, n);
+      StorePartial(SiluTimes<T, F>(LoadPartial(gate + d, n), LoadPartial(up + d, n)), out + d, n);
     }
   }
 }
@@ -105,16 +106,16 @@ FLEXINFER_CLONES void RmsNormBF16(const RmsNormArgs& a, std::int64_t begin, std:
   RmsNormRows<std::uint16_t>(a, begin, end);
 }
 FLEXINFER_WIDE void SiluMulF32Wide(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
-  SiluMulRows<float, WideLanes>(a, begin, end);
+  SiluMulRows<float, VecF>(a, begin, end);
 }
 FLEXINFER_WIDE void SiluMulBF16Wide(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
-  SiluMulRows<std::uint16_t, WideLanes>(a, begin, end);
+  SiluMulRows<std::uint16_t, VecF>(a, begin, end);
 }
 FLEXINFER_HALVED void SiluMulF32Halved(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
-  SiluMulRows<float, HalvedLanes>(a, begin, end);
+  SiluMulRows<float, VecF8>(a, begin, end);
 }
 FLEXINFER_HALVED void SiluMulBF16Halved(const SiluMulArgs& a, std::int64_t begin, std::int64_t end) {
-  SiluMulRows<std::uint16_t, HalvedLanes>(a, begin, end);
+  SiluMulRows<std::uint16_t, VecF8>(a, begin, end);
 }
 
 }  // namespace
