@@ -7,9 +7,9 @@ thread) beside the torch ops it replaces, and reports their ratio:
   rms_norm         F.rms_norm                        vs cpu_layer_ops.rms_norm
   decode attention per-request SDPA                  vs cpu_attention.Plan.run
 The shapes are SmolLM2-135M's (vocabulary 49,152, hidden 576, intermediate
-1,536, 9 heads of 64 over 3 KV heads). The kernels run the code the CPU's
-features pick (AVX-512: 16-lane vectors; AVX2: two halves of 8; cpu_vec.h),
-printed with the CPU model. To compare two builds, run the script with each
+1,536, 9 heads of 64 over 3 KV heads). The kernels run the vector width the
+CPU's features pick (16 lanes with AVX-512, 8 elsewhere; cpu_vec.h), printed
+with the CPU model. To compare two builds, run the script with each
 on PYTHONPATH, alternately.
 
 Usage: python scripts/bench_cpu_kernels.py [--calls 200] [--json PATH]
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"CPU: {cpu_model()}, 1 thread, torch {torch.__version__}")
+    print(f"CPU: {cpu_model()}, 1 thread, {_kernels.vector_lanes()}-lane kernels, torch {torch.__version__}")
     print(f"{'op':38s} {'torch us':>10s} {'kernel us':>10s} {'torch/kernel':>13s}")
     results = []
     for name, torch_us, kernel_us in rows(args.calls):
@@ -93,7 +93,7 @@ def main() -> None:
         results.append({"op": name, "torch_us": torch_us, "kernel_us": kernel_us})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_model(), "rows": results}, f, indent=1)
+            json.dump({"cpu": cpu_model(), "vector_lanes": _kernels.vector_lanes(), "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":
