@@ -88,6 +88,9 @@ test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
 			FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
 			$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
 	done
+	# There the 16-lane code runs on any CPU: the two widths are compared here too.
+	$(SAN_ENV) FLEXINFER_KERNEL_ARCH=clones FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
+		$(VENV)/bin/pytest -q -p no:cacheprovider tests/flexinfer/test_cpu_kernel_lanes.py
 
 # The vtm core built with ThreadSanitizer, over the executor's workers and
 # refill thread under concurrent submitters (test_concurrency), and a broker

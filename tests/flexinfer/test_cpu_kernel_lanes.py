@@ -15,8 +15,12 @@ import pytest
 import torch
 
 CHILD = r"""
+import os
 import sys
 import torch
+import flexinfer
+if os.environ.get("FLEXINFER_KERNELS_DIR"):  # another build's kernels, as conftest.py loads them
+    flexinfer.__path__.insert(0, os.environ["FLEXINFER_KERNELS_DIR"])
 from flexinfer import _kernels
 from flexinfer.kernels import cpu_attention, cpu_layer_ops
 

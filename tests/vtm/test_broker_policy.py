@@ -529,3 +529,24 @@ def test_a_shrink_into_a_matched_prefix_leaves_reserved_memory_alone(in_process_
     assert match.num_tokens == 4
     _waits_for_the_reservation(service, bystander, asker,
                                lambda: service.shrink(bystander, [(match.vtensor.id, 3)]))
+
+
+def test_a_late_payer_shrinks_without_waiting_at_the_gate(in_process_service):
+    """Review: past its notice's deadline a client's copying shrink waited
+    behind others' reservations, though a shrink is how it pays its debt."""
+    service, bystander, space_id, asker = in_process_service
+    vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 4), service.collect(bystander))[0])
+    service.prefix_record(bystander, space_id, vt_id, [1, 2, 3, 4])
+    bystander.owed_target, bystander.owed_deadline = 0, time.monotonic() - 1
+    service.policy._reserve(asker, 2 * CHUNK)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (service.run_op(
+        bystander, lambda: (service.shrink(bystander, [(vt_id, 3)]), service.collect(bystander))), done.set()))
+    worker.start()
+    try:
+        assert done.wait(10), "a shrink paying a debt waited at the gate"
+    finally:
+        service.policy.unreserve(asker)
+        worker.join(30)
+    assert service.manager.stats()["cow_copies_total"] == 1
+    service.manager.check()

@@ -39,7 +39,8 @@ struct WorkItem {
 // The kernel's vector code is written for a float vector type F of kW lanes:
 // VecF (16) where the registers hold 16 floats (AVX-512), VecF8 (8) elsewhere,
 // so that the score tiles and accumulators it carries across its loops stay
-// in registers (cpu_vec.h). The two round differently only in the order of
+// in registers (cpu_vec.h; a head_dim of 128 at 8 lanes takes two passes:
+// Accumulate). The two round differently only in the order of
 // a dot product's and a row's additions.
 
 // Row `t` of a K or V head as float32: the row itself for float32 caches, a
@@ -223,31 +224,47 @@ inline __attribute__((always_inline)) float Cap(float* scores, int n, float soft
   return tile_max;
 }
 
-// acc = acc * correction + sum_t weights[t] * values[t], keeping acc in
-// registers across the tile when head_dim is known: two sets of
-// accumulators, even and odd keys, so consecutive keys' FMAs do not wait on
-// each other.
+// acc = acc * correction + sum_t weights[t] * values[t] over kVecs vectors
+// of acc from `offset` on, keeping them in registers across the tile: two
+// sets of accumulators, even and odd keys, so consecutive keys' FMAs do not
+// wait on each other.
+template <int kVecs, class F>
+inline __attribute__((always_inline)) void AccumulateVectors(float* acc, float correction, const float* weights,
+                                                             const float* const* values, int n, int offset) {
+  constexpr int kW = LanesOf<F>::kW;
+  F even[kVecs], odd[kVecs];
+  for (int i = 0; i < kVecs; ++i) {
+    even[i] = LoadAs<F>(acc + offset + kW * i) * correction;
+    odd[i] = F{};
+  }
+  int t = 0;
+  for (; t + 2 <= n; t += 2) {
+    for (int i = 0; i < kVecs; ++i) {
+      even[i] += weights[t] * LoadAs<F>(values[t] + offset + kW * i);
+      odd[i] += weights[t + 1] * LoadAs<F>(values[t + 1] + offset + kW * i);
+    }
+  }
+  if (t < n) {
+    for (int i = 0; i < kVecs; ++i) even[i] += weights[t] * LoadAs<F>(values[t] + offset + kW * i);
+  }
+  for (int i = 0; i < kVecs; ++i) StoreAs(even[i] + odd[i], acc + offset + kW * i);
+}
+
+// The same for a whole row of head_dim = kVecs vectors (0: any head_dim),
+// at most 8 vectors a pass: two sets of 8 fill AVX2's 16 registers (AVX-512
+// has 32), so a wider row (head_dim 128 at 8 lanes) goes over the tile once
+// per 8 vectors rather than keep its accumulators in memory.
 template <int kVecs, class F>
 inline __attribute__((always_inline)) void Accumulate(float* acc, float correction, const float* weights,
                                                       const float* const* values, int n, int dim) {
   constexpr int kW = LanesOf<F>::kW;
-  if constexpr (kVecs > 0) {
-    F even[kVecs], odd[kVecs];
-    for (int i = 0; i < kVecs; ++i) {
-      even[i] = LoadAs<F>(acc + kW * i) * correction;
-      odd[i] = F{};
+  if constexpr (kVecs > 8) {
+    static_assert(kVecs % 8 == 0, "rows of whole passes");
+    for (int pass = 0; pass < kVecs; pass += 8) {
+      AccumulateVectors<8, F>(acc, correction, weights, values, n, kW * pass);
     }
-    int t = 0;
-    for (; t + 2 <= n; t += 2) {
-      for (int i = 0; i < kVecs; ++i) {
-        even[i] += weights[t] * LoadAs<F>(values[t] + kW * i);
-        odd[i] += weights[t + 1] * LoadAs<F>(values[t + 1] + kW * i);
-      }
-    }
-    if (t < n) {
-      for (int i = 0; i < kVecs; ++i) even[i] += weights[t] * LoadAs<F>(values[t] + kW * i);
-    }
-    for (int i = 0; i < kVecs; ++i) StoreAs(even[i] + odd[i], acc + kW * i);
+  } else if constexpr (kVecs > 0) {
+    AccumulateVectors<kVecs, F>(acc, correction, weights, values, n, 0);
   } else {
     for (int d = 0; d < dim; ++d) acc[d] *= correction;
     for (int t = 0; t < n; ++t) {

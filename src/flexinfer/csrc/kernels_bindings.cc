@@ -261,8 +261,8 @@ PYBIND11_MODULE(_kernels, m) {
       "The -march the vector code was built for, or 'clones' (picked per CPU at load; `make test-isa` builds the others).");
   m.def(
       "vector_lanes", [] { return WideVectors() ? 16 : 8; },
-      "The float lanes the vector code runs on here: 16 with AVX-512, 8 elsewhere or with FLEXINFER_KERNEL_LANES=8 "
-      "(cpu_vec.h).");
+      "The float lanes the vector code runs on here: 16 with AVX-512, 8 on other x86-64 CPUs or with "
+      "FLEXINFER_KERNEL_LANES=8; 16 in sanitizer builds and on other architectures (cpu_vec.h).");
   m.def("has_amx_bf16", &HasAmxBF16, "Whether bfloat16 linear calls with k % 32 == 0 use AMX tiles.");
   m.def("has_bf16_dot_product", &HasBF16DotProduct,
         "Whether bfloat16 linear calls use the CPU's AVX512-BF16 dot product.");

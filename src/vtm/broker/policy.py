@@ -25,9 +25,10 @@ allocation of any other client that would leave less free than the
 reservations of others waits (gate()); otherwise the victim's own next
 admission, or a third client, could take the freed chunks first and the
 asker's retry would fail anyway. A client that still owes memory is not
-held back: it may have to allocate (its engine's step already under way)
-before it gets to answer, and what it owes counts what it mapped since. Nor
-is another asker's retry (two retries waiting for each other's reservation
+held back until its notice's deadline: it may have to allocate (its engine's
+step already under way) before it gets to answer, and what it owes counts
+what it mapped since (past the deadline only its shrinks pass, which pay the
+debt: service.py). Nor is another asker's retry (two retries waiting for each other's reservation
 would both stall until the reservations lapse).
 
 Notices go on the session's channel (Session.notify), as JSON:
@@ -88,6 +89,11 @@ class Policy:
         if target is not None and time.monotonic() > deadline and mapped > target:
             raise errors.OutOfMemory(f"client '{session.name}' ignored a reclaim notice: it maps {mapped} bytes, "
                                      f"{mapped - target} more than asked; no more memory until it gives them back")
+
+    def owes(self, session) -> bool:
+        """Whether the client has a reclaim notice's debt to pay."""
+        with self._mu:
+            return session.owed_target is not None
 
     def settle(self, session) -> None:
         """Clears a debt the client has paid (called after its mappings change)."""

@@ -677,9 +677,9 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         copy of a shared page holding a new end, which replaces a mapped
         page: admitted as 0 bytes, so a client over its limit or in debt
         can always give memory back. The copy still takes a chunk from the
-        pool, so it waits at the gate like any allocation (a client asked
-        to give memory back passes it); a shrink that copies nothing passes
-        at once. `all_ahead`: the client keeps no page ahead after it (its
+        pool, so it waits at the gate like any allocation; a shrink that
+        copies nothing passes at once, and so does any shrink of a client
+        that owes memory, even past its notice's deadline: it pays the debt. `all_ahead`: the client keeps no page ahead after it (its
         refusals go through the whole policy again)."""
         wanted = {}
         for vt_id, n in targets:
@@ -687,7 +687,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             wanted[vt_id] = max(_count(n, "num_tokens"), wanted.get(vt_id, 0))
         self._allocate(session, 0, lambda: self.manager.shrink(
             {self._vtensor(session, i): n for i, n in wanted.items()}).result(),
-            gate_bytes=sum(self._shrink_copy_bytes(session, i, n) for i, n in wanted.items()))
+            gate_bytes=0 if self.policy.owes(session) else sum(self._shrink_copy_bytes(session, i, n)
+                                                                for i, n in wanted.items()))
         for vt_id, n in wanted.items():
             state = session.vt_state[vt_id]
             state.num_tokens = n

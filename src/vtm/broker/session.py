@@ -50,7 +50,10 @@ class VTensorState:
     for its life), its rows, and its low mark (pages wholly below it are
     unmapped); and, the broker's own, how many of its first pages it may
     share with the prefix tree (those it recorded or matched: only a
-    shrink whose new end lies on one of them copies a page)."""
+    shrink whose new end falls partway into one of them copies a page).
+    It may count pages the tree did not take (a record of a prefix the
+    tree held already): such a shrink then waits at the gate needlessly,
+    never the other way round."""
 
     space_id: int
     slot: int
