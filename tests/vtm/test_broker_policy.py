@@ -498,21 +498,27 @@ def test_a_client_past_its_notice_deadline_is_held_at_the_gate():
             pass
 
 
+def _runs_at_once_beside_a_reservation(service, session, asker, body) -> None:
+    """With the pool's free chunks reserved for the asker's retry, body (an
+    op of `session`) does not wait for the reservation to end."""
+    service.policy._reserve(asker, 2 * CHUNK)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (service.run_op(session, lambda: (body(), service.collect(session))),
+                                              done.set()))
+    worker.start()
+    try:
+        assert done.wait(10), "it waited at the gate"
+    finally:
+        service.policy.unreserve(asker)
+        worker.join(30)
+
+
 def test_a_shrink_that_copies_nothing_passes_the_gate_at_once(in_process_service):
     """Review: every shrink ending mid-page was counted as a copy, so a
     give-back of private rows waited for others' reservations."""
     service, bystander, space_id, asker = in_process_service
     vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 4), service.collect(bystander))[0])
-    service.policy._reserve(asker, 2 * CHUNK)
-    done = threading.Event()
-    worker = threading.Thread(target=lambda: (service.run_op(
-        bystander, lambda: (service.shrink(bystander, [(vt_id, 3)]), service.collect(bystander))), done.set()))
-    worker.start()
-    try:
-        assert done.wait(10), "a shrink of private rows waited at the gate"
-    finally:
-        service.policy.unreserve(asker)
-        worker.join(30)
+    _runs_at_once_beside_a_reservation(service, bystander, asker, lambda: service.shrink(bystander, [(vt_id, 3)]))
     assert service._free_bytes() == 2 * CHUNK and service.manager.stats()["cow_copies_total"] == 0
     service.manager.check()
 
@@ -538,15 +544,6 @@ def test_a_late_payer_shrinks_without_waiting_at_the_gate(in_process_service):
     vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 4), service.collect(bystander))[0])
     service.prefix_record(bystander, space_id, vt_id, [1, 2, 3, 4])
     bystander.owed_target, bystander.owed_deadline = 0, time.monotonic() - 1
-    service.policy._reserve(asker, 2 * CHUNK)
-    done = threading.Event()
-    worker = threading.Thread(target=lambda: (service.run_op(
-        bystander, lambda: (service.shrink(bystander, [(vt_id, 3)]), service.collect(bystander))), done.set()))
-    worker.start()
-    try:
-        assert done.wait(10), "a shrink paying a debt waited at the gate"
-    finally:
-        service.policy.unreserve(asker)
-        worker.join(30)
+    _runs_at_once_beside_a_reservation(service, bystander, asker, lambda: service.shrink(bystander, [(vt_id, 3)]))
     assert service.manager.stats()["cow_copies_total"] == 1
     service.manager.check()
