@@ -25,11 +25,12 @@ allocation of any other client that would leave less free than the
 reservations of others waits (gate()); otherwise the victim's own next
 admission, or a third client, could take the freed chunks first and the
 asker's retry would fail anyway. A client that still owes memory is not
-held back until its notice's deadline: it may have to allocate (its engine's
-step already under way) before it gets to answer, and what it owes counts
-what it mapped since (past the deadline only its shrinks pass, which pay the
-debt: service.py). Nor is another asker's retry (two retries waiting for each other's reservation
-would both stall until the reservations lapse).
+held back until its notice's deadline: it may have to allocate (its
+engine's step already under way) before it gets to answer, and what it
+owes counts what it mapped since (past the deadline only its shrinks pass,
+which pay the debt: service.py). Nor is another asker's retry (two retries
+waiting for each other's reservation would both stall until the
+reservations lapse).
 
 Notices go on the session's channel (Session.notify), as JSON:
 {"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...}

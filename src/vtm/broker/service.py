@@ -679,7 +679,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         can always give memory back. The copy still takes a chunk from the
         pool, so it waits at the gate like any allocation; a shrink that
         copies nothing passes at once, and so does any shrink of a client
-        that owes memory, even past its notice's deadline: it pays the debt. `all_ahead`: the client keeps no page ahead after it (its
+        that owes memory, even past its notice's deadline: it pays the
+        debt. `all_ahead`: the client keeps no page ahead after it (its
         refusals go through the whole policy again)."""
         wanted = {}
         for vt_id, n in targets:
