@@ -81,6 +81,8 @@ $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so &: $(VENV)/.deps $(SOUR
 	cp $(SAN_DIR)/cmake/_core*.so $(SAN_DIR)/vtm/_core.so
 	cp $(SAN_DIR)/cmake/_kernels*.so $(SAN_DIR)/flexinfer/_kernels.so
 
+# The kernel tests run at both vector widths; the 16-lane code runs on any
+# CPU in this build, so the two widths are compared here too.
 test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
 	$(SAN_ENV) PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider tests/vtm
 	for lanes in 16 8; do \
@@ -88,7 +90,6 @@ test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
 			FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
 			$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
 	done
-	# There the 16-lane code runs on any CPU: the two widths are compared here too.
 	$(SAN_ENV) FLEXINFER_KERNEL_ARCH=clones FLEXINFER_KERNELS_DIR=$(abspath $(SAN_DIR))/flexinfer \
 		$(VENV)/bin/pytest -q -p no:cacheprovider tests/flexinfer/test_cpu_kernel_lanes.py
 

@@ -20,29 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import cpu_model  # noqa: E402
+from machine import cpu_model, median_per_call_s  # noqa: E402
 
 from flexinfer import _kernels  # noqa: E402
 from flexinfer.kernels import cpu_attention, cpu_layer_ops  # noqa: E402
 
 
 def median_us(fn, calls: int) -> float:
-    for _ in range(max(3, calls // 20)):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_per_call_s(fn, repeats=calls, warmup=max(3, calls // 20)) * 1e6
 
 
 def rows(calls: int):

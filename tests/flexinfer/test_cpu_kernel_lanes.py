@@ -1,8 +1,8 @@
 """The CPU kernels' two vector widths (src/flexinfer/csrc/cpu_vec.h) agree:
 16 lanes where the CPU has AVX-512, 8 elsewhere or with
 FLEXINFER_KERNEL_LANES=8. A child process runs the kernels with lane
-operations over the same inputs at each width: the greedy pick, SiLU and the
-norm must give the same bits; attention may round its dot products and row
+operations over the same inputs at each width: the greedy pick and SiLU
+must give the same bits; attention may round its dot products and row
 sums in another order, so it agrees to within that."""
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ for dtype in (torch.float32, torch.bfloat16):
     gate_up = (torch.randn(5, 2 * 100) * 8).to(dtype)
     gate_up[0, :4] = torch.tensor([inf, -inf, nan, -200.0])
     out["silu " + name] = cpu_layer_ops.silu_mul(gate_up, threads=1)
-    x = torch.randn(5, 72).to(dtype)
-    out["rms " + name] = cpu_layer_ops.rms_norm(x, torch.randn(72).to(dtype), 1e-5, threads=1)
     for head_dim, softcap in ((64, 0.0), (128, 0.0), (24, 0.0), (64, 30.0)):
         k = torch.randn(3, 70, 2, head_dim).to(dtype)
         v = torch.randn_like(k)
@@ -74,7 +72,7 @@ def test_the_two_vector_widths_agree(tmp_path):
     for a, b in zip(native["pick"], eight["pick"]):
         assert torch.equal(a, b)
     for key, value in native.items():
-        if key.startswith(("silu", "rms")):
+        if key.startswith("silu"):
             assert torch.equal(value.view(torch.int16 if value.dtype == torch.bfloat16 else torch.int32),
                                eight[key].view(torch.int16 if value.dtype == torch.bfloat16 else torch.int32)), key
         elif key.startswith("attention"):

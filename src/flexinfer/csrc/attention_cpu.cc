@@ -188,7 +188,7 @@ inline __attribute__((always_inline)) F Tanh(F x) {
   typedef typename LanesOf<F>::U U;
   const U sign = reinterpret_cast<U>(x) & 0x80000000u;
   const F magnitude = reinterpret_cast<F>(reinterpret_cast<U>(x) ^ sign);
-  const F e = ExpLanes<F, typename LanesOf<F>::I>(magnitude * -2.0f);
+  const F e = ExpLanes(magnitude * -2.0f);
   const F far = reinterpret_cast<F>(reinterpret_cast<U>((1.0f - e) / (1.0f + e)) | sign);
   const F x2 = x * x;
   F p = F{} + -1382.0f / 155925;
@@ -277,7 +277,6 @@ template <class T, int kVecs, class F>
 inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const WorkItem& w,
                                                    Partials* partials) {
   constexpr int kW = LanesOf<F>::kW;
-  typedef typename LanesOf<F>::I I;
   const int dim = a.head_dim, heads = a.heads, kv_heads = a.kv_heads, group = heads / kv_heads;
   const std::int64_t len = a.seq_lens[w.b];
   const std::int64_t q_begin = a.cu_q ? a.cu_q[w.b] : w.b;
@@ -370,13 +369,13 @@ inline __attribute__((always_inline)) void RunItem(const AttentionArgs& a, const
         F lanes = {};
         int t = 0;
         for (; t + kW <= n; t += kW) {
-          const F e = ExpLanes<F, I>(LoadAs<F>(scores + t) - m_new);
+          const F e = ExpLanes(LoadAs<F>(scores + t) - m_new);
           StoreAs(e, scores + t);
           lanes += e;
         }
         float sum = Sum(lanes);
         if (t < n) {
-          const F e = ExpLanes<F, I>(LoadPartialAs<F>(scores + t, n - t) - m_new);
+          const F e = ExpLanes(LoadPartialAs<F>(scores + t, n - t) - m_new);
           StorePartialAs(e, scores + t, n - t);
           for (int i = 0; i < n - t; ++i) sum += e[i];
         }

@@ -68,8 +68,9 @@ struct LanesOf<VecF8> {
 // for CPUs with AVX-512 (FLEXINFER_WIDE) and with VecF8, cloned for AVX2 and
 // baseline x86-64, for the others (FLEXINFER_HALVED); WideVectors() says
 // which to call. (Baseline x86-64's SSE registers hold 4 lanes: there GCC
-// still compares lane by lane; AVX2 is what the 8-lane code is for.) A build with FLEXINFER_KERNEL_ARCH set (`make test-isa`)
-// compiles every entry point for that one instruction set instead and picks
+// still compares lane by lane; AVX2 is what the 8-lane code is for.) A
+// build with FLEXINFER_KERNEL_ARCH set (`make test-isa`) compiles every
+// entry point for that one instruction set instead and picks
 // the width a CPU of that set would, so that a machine with AVX-512 also
 // tests the code an AVX2-only or a baseline x86-64 CPU runs. Elsewhere (other
 // architectures, sanitizer builds) one build of each runs, at 16 lanes.
@@ -117,8 +118,6 @@ inline __attribute__((always_inline)) VecF8 HighHalf(VecF v) {
   std::memcpy(&h, reinterpret_cast<const char*>(&v) + sizeof h, sizeof h);
   return h;
 }
-
-inline __attribute__((always_inline)) VecF Splat(float x) { return VecF{} + x; }
 
 // Loads of a float vector F's lanes (LoadAs) and of 16 lanes (Load).
 template <class F>
@@ -207,9 +206,10 @@ inline __attribute__((always_inline)) void StorePartialAs(F v, float* p, std::in
 // |r| <= ln2/2 and a degree-7 Taylor polynomial; 2^n is applied as two
 // factors so that results near overflow (x up to 88.7) and subnormal ones
 // (down to -103) stay exact in their exponent. Beyond those, inf and 0; NaN
-// stays NaN. F and I: float and int32 vectors of the same lanes.
-template <class F, class I>
+// stays NaN. F: VecF or VecF8.
+template <class F>
 inline __attribute__((always_inline)) F ExpLanes(F x) {
+  typedef typename LanesOf<F>::I I;
   const F lo = F{} - 104.0f, hi = F{} + 89.0f;
   F c = x > lo ? x : lo;  // NaN becomes lo: the integer conversion below sees no NaN
   c = c < hi ? c : hi;
@@ -238,12 +238,12 @@ inline __attribute__((always_inline)) F ExpLanes(F x) {
 template <class F>
 inline __attribute__((always_inline)) VecF Exp(VecF x) {
   if constexpr (std::is_same_v<F, VecF8>) {
-    const VecF8 halves[2] = {ExpLanes<VecF8, VecI8>(LowHalf(x)), ExpLanes<VecF8, VecI8>(HighHalf(x))};
+    const VecF8 halves[2] = {ExpLanes(LowHalf(x)), ExpLanes(HighHalf(x))};
     VecF e;
     std::memcpy(&e, halves, sizeof e);
     return e;
   } else {
-    return ExpLanes<VecF, VecI>(x);
+    return ExpLanes(x);
   }
 }
 

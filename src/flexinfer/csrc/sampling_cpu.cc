@@ -1,7 +1,6 @@
 #include "sampling_cpu.h"
 
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 #include "cpu_vec.h"
@@ -12,12 +11,13 @@ namespace {
 // One row: W lanes each keep their running maximum and the first index that
 // reached it (a later equal value does not replace it); lanes are merged by
 // value, then by the smaller index, so the result is the row's first maximum,
-// whatever W. F and I: float and int32 vectors of W lanes, the width of the
-// registers the caller's target has (a running state in a vector wider than
-// them would live in memory; cpu_vec.h).
-template <class F, class I>
+// whatever W. F: VecF or VecF8, the width of the registers the caller's
+// target has (a running state in a vector wider than them would live in
+// memory; cpu_vec.h).
+template <class F>
 inline __attribute__((always_inline)) std::int64_t PickRow(const float* row, std::int64_t vocab) {
-  constexpr int kW = sizeof(F) / sizeof(float);
+  typedef typename LanesOf<F>::I I;
+  constexpr int kW = LanesOf<F>::kW;
   const float lowest = -std::numeric_limits<float>::infinity();
   std::int64_t v = 0;
   float best = lowest;
@@ -30,8 +30,7 @@ inline __attribute__((always_inline)) std::int64_t PickRow(const float* row, std
     for (int i = 0; i < kW; ++i) index[i] = i;
     I lane_nan = I{};
     for (; v + kW <= vocab; v += kW) {
-      F x;
-      std::memcpy(&x, row + v, sizeof x);
+      const F x = LoadAs<F>(row + v);
       const I greater = x > lane_best;
       lane_best = greater ? x : lane_best;
       lane_index = greater ? index : lane_index;
@@ -56,19 +55,19 @@ inline __attribute__((always_inline)) std::int64_t PickRow(const float* row, std
   return nan || !std::isfinite(best) ? -1 : best_index;
 }
 
-template <class F, class I>
+template <class F>
 inline __attribute__((always_inline)) void PickRows(const float* logits, std::int64_t begin, std::int64_t end,
                                                     std::int64_t vocab, std::int64_t stride, std::int64_t* out) {
-  for (std::int64_t r = begin; r < end; ++r) out[r] = PickRow<F, I>(logits + r * stride, vocab);
+  for (std::int64_t r = begin; r < end; ++r) out[r] = PickRow<F>(logits + r * stride, vocab);
 }
 // 16 lanes where registers hold them (AVX-512), 8 elsewhere.
 FLEXINFER_WIDE void PickRowsWide(const float* logits, std::int64_t begin, std::int64_t end, std::int64_t vocab,
                                  std::int64_t stride, std::int64_t* out) {
-  PickRows<VecF, VecI>(logits, begin, end, vocab, stride, out);
+  PickRows<VecF>(logits, begin, end, vocab, stride, out);
 }
 FLEXINFER_HALVED void PickRowsHalved(const float* logits, std::int64_t begin, std::int64_t end, std::int64_t vocab,
                                      std::int64_t stride, std::int64_t* out) {
-  PickRows<VecF8, VecI8>(logits, begin, end, vocab, stride, out);
+  PickRows<VecF8>(logits, begin, end, vocab, stride, out);
 }
 
 }  // namespace
