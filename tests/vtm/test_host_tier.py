@@ -694,6 +694,42 @@ def test_a_lowered_limit_drops_that_accounts_prefixes_at_once(backend, make_mana
     assert 7 not in mgr.stats()["host_tier_accounts"]
 
 
+@WINDOWS
+def test_a_lowered_limit_drops_an_accounts_node_with_another_accounts_prefix_below_it(backend, make_manager, window):
+    """Account 1 recorded a stem, account 2 extended it, and both spilled.
+    The stem is never a leaf, so a lowered limit for account 1 could not
+    drop it: account 1 stayed above its limit for as long as account 2's
+    prefix lived. Now the stem's bytes go. In a whole-prefix tree account
+    2's prefix goes with them (no match reaches it without the stem); in a
+    window tree the stem stays as holes and account 2's prefix still serves
+    its window."""
+    chunk = chunk_for(backend)
+    row = chunk // 20 + 7
+    mgr = make_manager(backend, chunks=16, host_tier_bytes=32 * chunk)
+    one, two = (mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns", name=f"s{a}",
+                                 window_tokens=window, tier_account=a) for a in (1, 2))
+    io_one, io_two = RowIO(one, backend), RowIO(two, backend)
+    stem = [(13 * i + 4) % 97 for i in range(40)]
+    longer = stem + [600 + i for i in range(40)]
+    record(one, io_one, stem)
+    record(two, io_two, longer)
+    fill_pool(two)
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_accounts"][1]["used_bytes"] > 0 and st["host_tier_accounts"][2]["used_bytes"] > 0, st
+    mgr.set_host_tier_limit(1, chunk - 1)  # under one chunk: nothing
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_accounts"][1]["used_bytes"] == 0 and st["host_tier_limit_drops_total"] == 1, st
+    assert match(one, stem).num_tokens == 0
+    m = match(two, longer)
+    if window:
+        assert m.num_tokens == len(longer) and m.restored_tokens == len(longer) - len(stem)
+        io_two.verify(m.vtensor, longer, m.vtensor.low, len(longer))
+        m.vtensor.release().result()
+    else:
+        assert m.num_tokens == 0 and st["host_tier_accounts"].get(2, {}).get("used_bytes", 0) == 0, st
+    assert_pool_consistent(mgr)
+
+
 def test_an_account_is_unused_only_when_no_space_and_no_prefix_uses_it(backend, make_manager):
     """unused_host_tier_accounts (a broker's way to bound its per-name
     accounts) names an account only when no open space records into it and

@@ -287,7 +287,23 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
     return;
   }
   tier_limits_[account] = blocks;
-  DropHostNodes(account, [&] { return tier_->used_by(account) <= blocks; });
+  const auto within = [&] { return tier_->used_by(account) <= blocks; };
+  if (DropHostNodes(account, within)) return;
+  // What is left of the account's share are its nodes with nodes on the host
+  // below them (another account's prefixes, which the drops above leave
+  // alone). Otherwise the account would stay above its limit for as long as
+  // another tenant kept extending its prefixes. A locked node (a live match
+  // restoring through it) stays: its account's next spill makes room.
+  OldestFirst walk(trees_, /*on_host=*/true, [&](PrefixTree&, PrefixNode* n) {
+    return n->tier_account == account && n->locks == 0;
+  });
+  for (auto [tree, node] = walk.Next(); node != nullptr; std::tie(tree, node) = walk.Next()) {
+    tree->DropHostAndBelow(node);
+    ++tier_drops_total_;
+    ++tier_limit_drops_total_;
+    if (within()) break;
+  }
+  AfterCommit();  // nodes below may have held device chunks
 }
 
 std::vector<std::uint32_t> Manager::UnusedTierAccounts(const std::vector<std::uint32_t>& accounts) const {

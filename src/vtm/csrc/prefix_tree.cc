@@ -292,11 +292,17 @@ bool PrefixTree::HostDroppable(const PrefixNode* node) const {
 
 void PrefixTree::DropHost(PrefixNode* node) {
   if (!HostDroppable(node)) Throw(ErrorCode::kInternal, "dropping a prefix node on the host that cannot be dropped");
-  if (node->children.empty()) {
-    EvictLeaf(node);
+  DropHostAndBelow(node);
+}
+
+void PrefixTree::DropHostAndBelow(PrefixNode* node) {
+  if (node == &root_ || !node->on_host || node->locks != 0)
+    Throw(ErrorCode::kInternal, "dropping a prefix node that is not on the host and unlocked");
+  if (window_tokens_ == 0 || node->children.empty()) {
+    EvictSubtree(node);
     return;
   }
-  // A window tree's node above nodes on the device: it stays, as holes.
+  // A window tree's node above other nodes: it stays, as holes.
   for (BlockId b : node->host_pages)
     if (b != kNoBlock) tier_->Unref(b);
   node->host_pages.clear();

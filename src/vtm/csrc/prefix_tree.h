@@ -204,6 +204,11 @@ class PrefixTree {
   // device, all holes (its children are matchable as far as their windows
   // lie under them).
   void DropHost(PrefixNode* node);
+  // Drops the bytes of `node` (on the host, unlocked) whatever lies below
+  // it: a window tree's node stays as holes, as in DropHost; in a
+  // whole-prefix tree, where no match reaches the nodes below without its
+  // bytes, they leave the tree with it.
+  void DropHostAndBelow(PrefixNode* node);
   // `node` (Spillable) keeps its bytes in `blocks` (one reference each,
   // taken over; one per page) and drops its chunks; returns how many chunks
   // became free.
