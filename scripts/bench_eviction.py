@@ -12,7 +12,14 @@ has a host tier of N chunks too, filled first: each evicting create then
 spills a prefix to the host and the tier drops its oldest, and the tree
 holds 2N nodes.
 
-    python scripts/bench_eviction.py [--sizes 100,1000,16000] [--repeats 300] [--tier] [--json PATH]
+With --shape chain the N prefixes are one conversation recorded at every
+turn, one page a turn: a path N nodes deep. Half of it is evicted before the
+timed creates (other requests hold the chunks), so each timed create takes
+the deepest node left; with --tier it spills a node whose descendants, N/2
+or more, are all on the host already. Repeats are capped at N/2 - 1.
+
+    python scripts/bench_eviction.py [--sizes 100,1000,16000] [--repeats 300] [--tier] [--shape flat|chain]
+                                     [--json PATH]
 
 Run it with the installed package (e.g. .venv/bin/python scripts/bench_eviction.py).
 """
@@ -36,18 +43,36 @@ def timed_us(fn) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def measure(nodes: int, repeats: int, tier: bool) -> dict:
+def record_chain(space, nodes: int) -> None:
+    """One vTensor growing a page a turn, recorded at every turn."""
+    vt = space.create(1).result()
+    tokens = []
+    for i in range(nodes):
+        tokens.append(i)
+        if i:
+            vt.extend(i + 1).result()
+        space.prefix_record(vt, tokens).result()
+    vt.release().result()
+
+
+def measure(nodes: int, repeats: int, tier: bool, chain: bool = False) -> dict:
     import vtm
 
     held = 3  # live vTensors of 2 pages: the pool is full with them and the prefixes
     mgr = vtm.Manager(backend="host", capacity_bytes=(nodes + 2 * held) * CHUNK, chunk_bytes=CHUNK,
                       granularity=CHUNK, slot_cache_bytes=0, host_tier_bytes=nodes * CHUNK if tier else 0)
     try:
-        space = mgr.create_space(row_bytes=CHUNK, max_tokens=4, max_slots=held + 1)
-        for i in range(2 * nodes if tier else nodes):
-            vt = space.create(1).result()
-            space.prefix_record(vt, [i]).result()
-            vt.release().result()
+        space = mgr.create_space(row_bytes=CHUNK, max_tokens=nodes + 4, max_slots=held + 2)
+        pressure = []
+        if chain:
+            repeats = min(repeats, nodes // 2 - 1)
+            record_chain(space, nodes)
+            pressure.append(space.create(nodes // 2).result())  # evicts (spills) the deeper half
+        else:
+            for i in range(2 * nodes if tier else nodes):
+                vt = space.create(1).result()
+                space.prefix_record(vt, [i]).result()
+                vt.release().result()
         live = [space.create(2).result() for _ in range(held)]
         evicting, free = [], []
         for r in range(repeats):
@@ -64,7 +89,7 @@ def measure(nodes: int, repeats: int, tier: bool) -> dict:
             vt.release().result()
             live[0] = space.create(2).result()  # the pool is full again
         stats = mgr.stats()
-        for vt in live:
+        for vt in live + pressure:
             vt.release().result()
         mgr.check()
     finally:
@@ -80,23 +105,27 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,1000,16000", help="prefix tree sizes (nodes), comma-separated")
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--tier", action="store_true", help="a host tier of N chunks, full: evictions spill")
+    parser.add_argument("--shape", choices=["flat", "chain"], default="flat",
+                        help="N one-page prefixes side by side (flat), or one path N pages deep (chain)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"A one-page create that evicts a cached prefix{' (spills it, the tier drops one)' if args.tier else ''}, "
-          f"against one served from a free chunk (host backend, {CHUNK >> 10} KiB chunks, medians of "
-          f"{args.repeats}); CPU: {cpu_model()}")
-    print(f"{'tree nodes':>10} {'evicting µs':>12} {'free chunk µs':>14} {'ratio':>7}")
+    chain = args.shape == "chain"
+    what = " (spills it)" if args.tier and chain else " (spills it, the tier drops one)" if args.tier else ""
+    where = "of one path N pages deep, half evicted" if chain else "of N side by side"
+    print(f"A one-page create that evicts a cached prefix {where}{what}, against one served from a free "
+          f"chunk (host backend, {CHUNK >> 10} KiB chunks, medians of up to {args.repeats}); CPU: {cpu_model()}")
+    print(f"{'N':>6} {'tree nodes':>10} {'evicting µs':>12} {'free chunk µs':>14} {'ratio':>7}")
     rows = []
     for n in sizes:
-        row = measure(n, args.repeats, args.tier)
+        row = measure(n, args.repeats, args.tier, chain)
         rows.append(row)
-        print(f"{row['tree_nodes']:>10} {row['evicting_p50_us']:>12.1f} {row['free_chunk_p50_us']:>14.1f} "
+        print(f"{n:>6} {row['tree_nodes']:>10} {row['evicting_p50_us']:>12.1f} {row['free_chunk_p50_us']:>14.1f} "
               f"{row['ratio']:>6.2f}x", flush=True)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"machine": cpu_model(), "tier": args.tier, "rows": rows}, f, indent=2)
+            json.dump({"machine": cpu_model(), "tier": args.tier, "shape": args.shape, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -28,3 +28,16 @@ def test_quick_run(tmp_path, tier):
     assert all(r["evictions"] == 20 + r["host_tier_nodes"] and r["repeats"] == 20 for r in rows)
     assert all(r["spills"] == (r["evictions"] if tier else 0) for r in rows)
     assert all(r["evicting_p50_us"] > 0 and r["free_chunk_p50_us"] > 0 for r in rows)
+
+
+def test_quick_run_on_a_path(tmp_path):
+    """--shape chain: one path of N one-page nodes, the deeper half spilled
+    before the timed creates, each of which spills one more node of it."""
+    out = tmp_path / "eviction.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "40", "--repeats", "30", "--tier", "--shape", "chain",
+                          "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["repeats"] == 19  # capped at N/2 - 1: the path's upper half, less its top node
+    assert row["spills"] == row["evictions"] == 20 + 19
+    assert row["host_tier_nodes"] == 39 and row["tree_nodes"] == 40 + 19  # the path, and a prefix per create

@@ -112,6 +112,8 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   upper->last_access = node->last_access;
   upper->tier_account = node->tier_account;
   upper->parent = node->parent;
+  upper->closed = node->closed;  // its one child is node: the parent's count is unchanged
+  upper->open_children = node->closed ? 0 : 1;
 
   const std::size_t lower_first = FirstPage(at);
   node->pages.erase(node->pages.begin(), node->pages.begin() + (lower_first - node->first_page));
@@ -163,6 +165,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     m->host_pages.clear();
     m->on_host = false;
     Index(m);
+    Reclose(m);
   }
   // Union: the holes of the path's nodes on the device take the recorder's
   // chunks where it has them (a node on the host holds no chunk).
@@ -192,6 +195,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     PrefixNode* raw = leaf.get();
     node->children.emplace(leaf->tokens.front(), std::move(leaf));
     Index(raw);
+    ChildLinked(node, raw, true);
     node = raw;
   }
   Touch(node, tick);
@@ -248,7 +252,9 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
     Throw(ErrorCode::kInternal, "evicting a prefix node that is not an unlocked leaf");
   const std::size_t freed = DropReferences(leaf);
   Unindex(leaf);
-  leaf->parent->children.erase(leaf->tokens.front());
+  PrefixNode* parent = leaf->parent;
+  ChildLinked(parent, leaf, false);
+  parent->children.erase(leaf->tokens.front());
   return freed;
 }
 
@@ -261,22 +267,47 @@ std::size_t PrefixTree::DropReferences(PrefixNode* node) {
 }
 
 std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed) {
-  std::size_t dropped = 1;
-  for (auto& [token, child] : node->children) dropped += DropSubtree(std::move(child), freed);
-  Unindex(node.get());
-  const std::size_t chunks = DropReferences(node.get());
-  if (freed != nullptr) *freed += chunks;
+  // A stack, not recursion: a path can be as deep as the pool has chunks,
+  // and each node's children are moved out before it is destroyed, so no
+  // destructor recurses either.
+  std::size_t dropped = 0;
+  std::vector<std::unique_ptr<PrefixNode>> stack;
+  stack.push_back(std::move(node));
+  while (!stack.empty()) {
+    std::unique_ptr<PrefixNode> n = std::move(stack.back());
+    stack.pop_back();
+    for (auto& [token, child] : n->children) stack.push_back(std::move(child));
+    Unindex(n.get());
+    const std::size_t chunks = DropReferences(n.get());
+    if (freed != nullptr) *freed += chunks;
+    ++dropped;
+  }
   return dropped;
 }
 
 bool PrefixTree::Spillable(const PrefixNode* node) const {
-  if (tier_ == nullptr || node == &root_ || node->on_host || node->locks != 0) return false;
-  std::function<bool(const PrefixNode*)> below_on_host = [&](const PrefixNode* n) {
-    for (const auto& [token, child] : n->children)
-      if (!child->on_host || !below_on_host(child.get())) return false;
-    return true;
-  };
-  return below_on_host(node);
+  return tier_ != nullptr && node != &root_ && !node->on_host && node->locks == 0 && node->open_children == 0;
+}
+
+void PrefixTree::Reclose(PrefixNode* node) {
+  for (PrefixNode* n = node; n != &root_; n = n->parent) {
+    const bool closed = n->on_host && n->open_children == 0;
+    if (closed == n->closed) return;
+    n->closed = closed;
+    if (closed)
+      --n->parent->open_children;
+    else
+      ++n->parent->open_children;
+  }
+}
+
+void PrefixTree::ChildLinked(PrefixNode* parent, const PrefixNode* child, bool added) {
+  if (child->closed) return;
+  if (added)
+    ++parent->open_children;
+  else
+    --parent->open_children;
+  Reclose(parent);
 }
 
 bool PrefixTree::HostDroppable(const PrefixNode* node) const {
@@ -309,6 +340,7 @@ void PrefixTree::DropHostAndBelow(PrefixNode* node) {
   Unindex(node);
   node->on_host = false;
   Index(node);
+  Reclose(node);
 }
 
 std::size_t PrefixTree::Spill(PrefixNode* node, const std::vector<BlockId>& blocks) {
@@ -323,6 +355,7 @@ std::size_t PrefixTree::Spill(PrefixNode* node, const std::vector<BlockId>& bloc
   Unindex(node);
   node->on_host = true;
   Index(node);
+  Reclose(node);
   return freed;
 }
 
@@ -336,12 +369,14 @@ void PrefixTree::Restore(PrefixNode* node, const std::vector<ChunkId>& chunks) {
   Unindex(node);
   node->on_host = false;
   Index(node);
+  Reclose(node);
 }
 
 std::size_t PrefixTree::EvictSubtree(PrefixNode* node) {
   if (node == &root_ || node->locks != 0) Throw(ErrorCode::kInternal, "evicting a locked prefix subtree");
   PrefixNode* parent = node->parent;
   auto it = parent->children.find(node->tokens.front());
+  ChildLinked(parent, node, false);
   std::unique_ptr<PrefixNode> detached = std::move(it->second);
   parent->children.erase(it);
   std::size_t freed = 0;
@@ -351,36 +386,53 @@ std::size_t PrefixTree::EvictSubtree(PrefixNode* node) {
 
 std::size_t PrefixTree::DropUnlocked() {
   std::size_t dropped = 0;
-  std::function<void(PrefixNode*)> visit = [&](PrefixNode* n) {
+  std::vector<PrefixNode*> stack{&root_};
+  while (!stack.empty()) {
+    PrefixNode* n = stack.back();
+    stack.pop_back();
     for (auto it = n->children.begin(); it != n->children.end();) {
       if (it->second->locks == 0) {
+        ChildLinked(n, it->second.get(), false);
         std::unique_ptr<PrefixNode> child = std::move(it->second);
         it = n->children.erase(it);
         dropped += DropSubtree(std::move(child));
       } else {
-        visit(it->second.get());
+        stack.push_back(it->second.get());
         ++it;
       }
     }
-  };
-  visit(&root_);
+  }
   return dropped;
 }
 
 void PrefixTree::ForEach(const std::function<void(const PrefixNode&)>& fn) const {
-  std::function<void(const PrefixNode&)> visit = [&](const PrefixNode& n) {
-    for (const auto& [token, child] : n.children) {
-      fn(*child);
-      visit(*child);
+  using Children = decltype(root_.children);
+  std::vector<std::pair<const PrefixNode*, Children::const_iterator>> stack{{&root_, root_.children.begin()}};
+  while (!stack.empty()) {
+    auto& [node, next] = stack.back();
+    if (next == node->children.end()) {
+      stack.pop_back();
+      continue;
     }
-  };
-  visit(root_);
+    const PrefixNode& child = *(next++)->second;
+    fn(child);
+    stack.emplace_back(&child, child.children.begin());
+  }
 }
 
 void PrefixTree::CheckIndex() const {
   const auto fail = [](const std::string& what) { Throw(ErrorCode::kInternal, "invariant broken: " + what); };
   std::size_t device = 0, host = 0;
+  const auto check_closed = [&](const PrefixNode& n) {
+    std::size_t open = 0;
+    for (const auto& [token, child] : n.children) open += child->closed ? 0 : 1;
+    if (open != n.open_children || n.closed != (&n != &root_ && n.on_host && open == 0))
+      fail("prefix node at token " + std::to_string(n.start) + " counts " + std::to_string(n.open_children) +
+           " children not wholly on the host, " + std::to_string(open) + " are");
+  };
+  check_closed(root_);
   ForEach([&](const PrefixNode& n) {
+    check_closed(n);
     const LruIndex& list = ByAge(n.on_host);
     if (list.count(const_cast<PrefixNode*>(&n)) != 1)
       fail("prefix node at token " + std::to_string(n.start) + " is not in its tier's LRU list");

@@ -46,6 +46,8 @@
 //  * locks = number of live vTensors whose locked node is this node or a
 //    descendant, so locks(parent) >= locks(child); only leaves with locks == 0
 //    are evicted;
+//  * closed == on_host && open_children == 0, and open_children is the
+//    number of children with closed false (CheckIndex);
 //  * last_access(parent) >= last_access(child) (Touch marks whole paths), and
 //    the LRU index holds every node but the root exactly once, in the list of
 //    its tier (ByAge), oldest first and, at equal ticks, children before
@@ -82,6 +84,11 @@ struct PrefixNode {
   bool on_host = false;
   std::vector<BlockId> host_pages;  // on the host: the block of each page
   std::uint32_t tier_account = 0;   // the recorder's space's: the host tier charges its blocks there
+  // Kept so that Spillable costs O(1), not a walk of the subtree for every
+  // node the eviction looks at: `closed` is on_host with every descendant
+  // on the host; open_children counts the children that are not closed.
+  bool closed = false;
+  std::size_t open_children = 0;
 
   std::size_t end() const { return start + tokens.size(); }
 };
@@ -228,7 +235,7 @@ class PrefixTree {
   // used first (see the invariants). Erasing a node, or moving it to the
   // other list, invalidates only iterators to it.
   const LruIndex& ByAge(bool on_host) const { return on_host ? host_lru_ : device_lru_; }
-  // Verifies the LRU index against the tree; throws kInternal.
+  // Verifies the LRU index and the closed counts against the tree; throws kInternal.
   void CheckIndex() const;
 
   std::size_t FirstPage(std::size_t token) const { return token * row_bytes_ / page_bytes_; }
@@ -253,6 +260,12 @@ class PrefixTree {
   // Unindex and Index.
   void Index(PrefixNode* node) { (node->on_host ? host_lru_ : device_lru_).insert(node); }
   void Unindex(PrefixNode* node) { (node->on_host ? host_lru_ : device_lru_).erase(node); }
+  // After node->on_host or the closed flag of a child changed: updates
+  // node->closed and, while that flips, the counts of the nodes above (a
+  // spill stops at the parent, on the device).
+  void Reclose(PrefixNode* node);
+  // `child` was linked under `parent` (added) or unlinked from it.
+  void ChildLinked(PrefixNode* parent, const PrefixNode* child, bool added);
   // Drops a detached subtree's references; returns its node count and adds
   // the chunks that became free to *freed.
   std::size_t DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed = nullptr);
