@@ -1,9 +1,11 @@
 """The CPU kernels' two vector widths (src/flexinfer/csrc/cpu_vec.h) agree:
 16 lanes where the CPU has AVX-512, 8 elsewhere or with
 FLEXINFER_KERNEL_LANES=8. A child process runs the kernels with lane
-operations over the same inputs at each width: the greedy pick and SiLU
-must give the same bits; attention may round its dot products and row
-sums in another order, so it agrees to within that."""
+operations over the same inputs at each width: the greedy pick, SiLU and
+the packed linear (row tiles of 8 at 16 lanes, 3 at 8: each output's sum
+runs over k in the same order) must give the same bits; attention may
+round its dot products and row sums in another order, so it agrees to
+within that."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ if os.environ.get("FLEXINFER_KERNELS_DIR"):  # another build's kernels, as conft
     flexinfer.__path__.insert(0, os.environ["FLEXINFER_KERNELS_DIR"])
 from flexinfer import _kernels
 from flexinfer.kernels import cpu_attention, cpu_layer_ops
+from flexinfer.kernels.cpu_linear import PackedWeight
 
 torch.manual_seed(0)
 out = {"lanes": _kernels.vector_lanes(), "pick": []}
@@ -50,6 +53,11 @@ for dtype in (torch.float32, torch.bfloat16):
         plan = cpu_attention.Plan(torch.arange(3, dtype=torch.int32), torch.tensor([70, 33, 5], dtype=torch.int32),
                                   threads=1)
         out[f"attention {name} {head_dim} {softcap}"] = plan.run(q, k, v, torch.empty_like(q), softcap=softcap)
+    for n, k in ((50, 7), (96, 64), (33, 17)):
+        layer = PackedWeight(torch.randn(n, k).to(dtype))
+        bias, x = torch.randn(n).to(dtype), torch.randn(34, k).to(dtype)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 34):  # every tile size at either width, and their tails
+            out[f"linear {name} {n}x{k} {rows}"] = layer(x[:rows], bias, portable=True)
 torch.save(out, sys.argv[1])
 """
 
@@ -72,7 +80,7 @@ def test_the_two_vector_widths_agree(tmp_path):
     for a, b in zip(native["pick"], eight["pick"]):
         assert torch.equal(a, b)
     for key, value in native.items():
-        if key.startswith("silu"):
+        if key.startswith(("silu", "linear")):
             assert torch.equal(value.view(torch.int16 if value.dtype == torch.bfloat16 else torch.int32),
                                eight[key].view(torch.int16 if value.dtype == torch.bfloat16 else torch.int32)), key
         elif key.startswith("attention"):

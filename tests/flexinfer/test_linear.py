@@ -105,8 +105,9 @@ def test_mixed_kinds_run_each_bucket_on_its_kernel():
 
 # -- the packed kernel (src/flexinfer/csrc/linear_cpu.cc) ---------------------------
 
-# Shapes around the kernel's edges: a slab is 32 columns and a row tile 8 rows;
-# bfloat16 pairs k, so odd k leaves a half pair.
+# Shapes around the kernel's edges: a slab is 32 columns and a row tile 8 rows
+# at 16 lanes, 3 at 8 (rows cover each tile size and tail at both); bfloat16
+# pairs k, so odd k leaves a half pair.
 PACKED_SHAPES = [(96, 64), (33, 17), (31, 1), (64, 576), (50, 7)]
 
 
@@ -116,7 +117,7 @@ def _reference(x, weight, bias=None, residual=None):
 
 
 @pytest.mark.parametrize("n,k", PACKED_SHAPES)
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 33])
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 33])
 def test_packed_float32_matches_float64_reference(n, k, rows):
     gen = torch.Generator().manual_seed(n * 1000 + k + rows)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)

@@ -61,74 +61,110 @@ FLEXINFER_INLINE void Finish(const LinearArgs& a, std::int64_t row0, int rows, s
   }
 }
 
+// Rows of a tile at float vector F's width: their accumulators (32 columns
+// each, 32 / lanes vectors) stay in registers beside the slab's weights. 16
+// lanes: 8 rows take 16 of AVX-512's 32 registers. 8 lanes: a row takes 4 of
+// AVX2's 16, so 3 rows (with the weights and the broadcast row values) is as
+// far as it goes without spilling accumulators to the stack.
+template <class F>
+constexpr int kTileRows = std::is_same_v<F, VecF> ? kRowTile : 3;
+
 // Sums of R rows of x against one float32 slab ([k][32]): each k loads the
 // slab's 32 weights once for all R rows.
-template <int R>
+template <class F, int R>
 FLEXINFER_INLINE void TileF32(const float* x, std::int64_t x_stride, const float* slab, std::int64_t k,
                               const float* next, float* sums) {
-  VecF acc[R][2] = {};
+  constexpr int W = LanesOf<F>::kW, G = kSlabColumns / W;
+  F acc[R][G] = {};
   for (std::int64_t kk = 0; kk < k; ++kk) {
     Prefetch(next, kk * kSlabColumns * sizeof(float));
-    const VecF w0 = Load(slab + kk * kSlabColumns), w1 = Load(slab + kk * kSlabColumns + 16);
+    F w[G];
+    for (int g = 0; g < G; ++g) w[g] = LoadAs<F>(slab + kk * kSlabColumns + g * W);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * x_stride + kk];
-      acc[r][0] += w0 * xs;
-      acc[r][1] += w1 * xs;
+      for (int g = 0; g < G; ++g) acc[r][g] += w[g] * xs;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    Store(acc[r][0], sums + r * kSlabColumns);
-    Store(acc[r][1], sums + r * kSlabColumns + 16);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) StoreAs(acc[r][g], sums + r * kSlabColumns + g * W);
 }
 
 // The same for a bfloat16 slab ([k/2][32][2]), widening each pair of k to
-// two float32 vectors: the low half of a 32-bit lane is the even k.
-template <int R>
+// two float32 vectors: the low half of a 32-bit lane is the even k. At 16
+// lanes the pair's 4 widened weight vectors stay in registers while each
+// row's two values are broadcast; at 8 lanes those would be 8 registers
+// beside 12 accumulators, so each row's values are broadcast once per pair
+// and the weights widened a column group at a time.
+template <class F, int R>
 FLEXINFER_INLINE void TileBF16(const std::uint16_t* x, std::int64_t x_stride, const std::uint16_t* slab,
                                std::int64_t k, const std::uint16_t* next, float* sums) {
-  VecF acc[R][2] = {};
+  typedef typename LanesOf<F>::U U;
+  constexpr int W = LanesOf<F>::kW, G = kSlabColumns / W;
+  F acc[R][G] = {};
   const std::int64_t pairs = (k + 1) / 2;
   for (std::int64_t p = 0; p < pairs; ++p) {
     Prefetch(next, p * 2 * kSlabColumns * sizeof(std::uint16_t));
-    VecU b0, b1;
-    std::memcpy(&b0, slab + p * 2 * kSlabColumns, sizeof b0);
-    std::memcpy(&b1, slab + p * 2 * kSlabColumns + 32, sizeof b1);
-    const VecF even0 = reinterpret_cast<VecF>(b0 << 16), odd0 = reinterpret_cast<VecF>(b0 & 0xFFFF0000u);
-    const VecF even1 = reinterpret_cast<VecF>(b1 << 16), odd1 = reinterpret_cast<VecF>(b1 & 0xFFFF0000u);
     const bool has_odd = 2 * p + 1 < k;  // an odd k's last pair has no second element to read
+    const auto widened = [&](int g, F* even, F* odd) {
+      U b;
+      std::memcpy(&b, slab + p * 2 * kSlabColumns + g * 2 * W, sizeof b);
+      *even = reinterpret_cast<F>(b << 16);
+      *odd = reinterpret_cast<F>(b & 0xFFFF0000u);
+    };
+    if constexpr (std::is_same_v<F, VecF>) {
+      F even[G], odd[G];
+      for (int g = 0; g < G; ++g) widened(g, &even[g], &odd[g]);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const std::uint16_t* xr = x + r * x_stride + 2 * p;
-      const float x0 = Widen(xr[0]), x1 = has_odd ? Widen(xr[1]) : 0.0f;
-      acc[r][0] += even0 * x0;
-      acc[r][1] += even1 * x0;
-      acc[r][0] += odd0 * x1;
-      acc[r][1] += odd1 * x1;
+      for (int r = 0; r < R; ++r) {
+        const std::uint16_t* xr = x + r * x_stride + 2 * p;
+        const float x0 = Widen(xr[0]), x1 = has_odd ? Widen(xr[1]) : 0.0f;
+        for (int g = 0; g < G; ++g) acc[r][g] += even[g] * x0;
+        for (int g = 0; g < G; ++g) acc[r][g] += odd[g] * x1;
+      }
+    } else {
+      float x0[R], x1[R];
+      for (int r = 0; r < R; ++r) {
+        const std::uint16_t* xr = x + r * x_stride + 2 * p;
+        x0[r] = Widen(xr[0]);
+        x1[r] = has_odd ? Widen(xr[1]) : 0.0f;
+      }
+      for (int g = 0; g < G; ++g) {
+        F even, odd;
+        widened(g, &even, &odd);
+        for (int r = 0; r < R; ++r) {
+          acc[r][g] += even * x0[r];
+          acc[r][g] += odd * x1[r];
+        }
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    Store(acc[r][0], sums + r * kSlabColumns);
-    Store(acc[r][1], sums + r * kSlabColumns + 16);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) StoreAs(acc[r][g], sums + r * kSlabColumns + g * W);
 }
 
-template <class T, int R>
-FLEXINFER_INLINE void Tile(const T* x, std::int64_t x_stride, const T* slab, std::int64_t k, const T* next,
-                           float* sums) {
+// The tile of `rows` (1..kTileRows<F>) rows, with R known at compile time.
+template <class T, class F, int R = 1>
+FLEXINFER_INLINE void Tile(int rows, const T* x, std::int64_t x_stride, const T* slab, std::int64_t k,
+                           const T* next, float* sums) {
+  if constexpr (R < kTileRows<F>) {
+    if (rows > R) {
+      Tile<T, F, R + 1>(rows, x, x_stride, slab, k, next, sums);
+      return;
+    }
+  }
   if constexpr (std::is_same_v<T, float>) {
-    TileF32<R>(x, x_stride, slab, k, next, sums);
+    TileF32<F, R>(x, x_stride, slab, k, next, sums);
   } else {
-    TileBF16<R>(x, x_stride, slab, k, next, sums);
+    TileBF16<F, R>(x, x_stride, slab, k, next, sums);
   }
 }
 
-// Slabs [s0, s1) for every row, in row tiles of up to kRowTile: a slab is
-// read from memory by the first tile and from cache by the others.
-template <class T>
+// Slabs [s0, s1) for every row, in row tiles of up to kTileRows<F>: a slab
+// is read from memory by the first tile and from cache by the others.
+template <class T, class F>
 FLEXINFER_INLINE void PortableSlabs(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
-  alignas(64) float sums[kRowTile * kSlabColumns];
+  alignas(64) float sums[kTileRows<F> * kSlabColumns];
   const T* x = static_cast<const T*>(a.x);
   const std::int64_t slab_size = PaddedK(a.k, a.dtype) * kSlabColumns;
   for (std::int64_t s = s0; s < s1; ++s) {
@@ -136,30 +172,25 @@ FLEXINFER_INLINE void PortableSlabs(const LinearArgs& a, std::int64_t s0, std::i
     // The first row tile streams this slab from memory while it requests
     // the next one; later tiles read this slab from cache.
     const T* next = s + 1 < s1 ? slab + slab_size : nullptr;
-    for (std::int64_t row0 = 0; row0 < a.m; row0 += kRowTile, next = nullptr) {
-      const int rows = static_cast<int>(std::min<std::int64_t>(kRowTile, a.m - row0));
-      const T* xr = x + row0 * a.x_stride;
-      switch (rows) {
-        case 1: Tile<T, 1>(xr, a.x_stride, slab, a.k, next, sums); break;
-        case 2: Tile<T, 2>(xr, a.x_stride, slab, a.k, next, sums); break;
-        case 3: Tile<T, 3>(xr, a.x_stride, slab, a.k, next, sums); break;
-        case 4: Tile<T, 4>(xr, a.x_stride, slab, a.k, next, sums); break;
-        case 5: Tile<T, 5>(xr, a.x_stride, slab, a.k, next, sums); break;
-        case 6: Tile<T, 6>(xr, a.x_stride, slab, a.k, next, sums); break;
-        case 7: Tile<T, 7>(xr, a.x_stride, slab, a.k, next, sums); break;
-        default: Tile<T, 8>(xr, a.x_stride, slab, a.k, next, sums); break;
-      }
+    for (std::int64_t row0 = 0; row0 < a.m; row0 += kTileRows<F>, next = nullptr) {
+      const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows<F>, a.m - row0));
+      Tile<T, F>(rows, x + row0 * a.x_stride, a.x_stride, slab, a.k, next, sums);
       Finish<T>(a, row0, rows, s * kSlabColumns, sums);
     }
   }
-  static_assert(kRowTile == 8, "the switch above covers 1..kRowTile rows");
 }
 
-FLEXINFER_CLONES void PortableSlabsF32(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
-  PortableSlabs<float>(a, s0, s1);
+FLEXINFER_WIDE void PortableSlabsF32Wide(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  PortableSlabs<float, VecF>(a, s0, s1);
 }
-FLEXINFER_CLONES void PortableSlabsBF16(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
-  PortableSlabs<std::uint16_t>(a, s0, s1);
+FLEXINFER_WIDE void PortableSlabsBF16Wide(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  PortableSlabs<std::uint16_t, VecF>(a, s0, s1);
+}
+FLEXINFER_HALVED void PortableSlabsF32Halved(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  PortableSlabs<float, VecF8>(a, s0, s1);
+}
+FLEXINFER_HALVED void PortableSlabsBF16Halved(const LinearArgs& a, std::int64_t s0, std::int64_t s1) {
+  PortableSlabs<std::uint16_t, VecF8>(a, s0, s1);
 }
 
 #if defined(__x86_64__)
@@ -414,9 +445,10 @@ void PackedLinear(const LinearArgs& a) {
   const bool native = a.dtype == DType::kBFloat16 && !a.portable;
   const bool amx = native && a.k % 32 == 0 && HasAmxBF16();
   const bool dot = native && HasBF16DotProduct();
-  auto run = [&a, amx, dot](std::int64_t s0, std::int64_t s1) {
+  const bool wide = WideVectors();
+  auto run = [&a, amx, dot, wide](std::int64_t s0, std::int64_t s1) {
     if (a.dtype == DType::kFloat32) {
-      PortableSlabsF32(a, s0, s1);
+      (wide ? PortableSlabsF32Wide : PortableSlabsF32Halved)(a, s0, s1);
 #if defined(FLEXINFER_HAVE_BF16_DOT)
     } else if (amx) {
       AmxSlabsBF16(a, s0, s1);
@@ -424,7 +456,7 @@ void PackedLinear(const LinearArgs& a) {
       DotSlabsBF16(a, s0, s1);
 #endif
     } else {
-      PortableSlabsBF16(a, s0, s1);
+      (wide ? PortableSlabsBF16Wide : PortableSlabsBF16Halved)(a, s0, s1);
     }
   };
   // Each worker streams its own contiguous run of slabs. Below 64K

@@ -7,9 +7,10 @@
 // that bandwidth unused at few rows (scripts/bench_linear.py: oneDNN streams
 // bfloat16 weights at ~12 GB/s on a machine that reads 20). Here every weight
 // element is loaded once per call for all rows: the weight is packed into
-// slabs of 32 output columns, k-major, so one pair of vector loads feeds 32
-// outputs of up to kRowTile rows held in registers; rows beyond a tile re-read
-// the slab from cache, not memory.
+// slabs of 32 output columns, k-major, so the vector loads of one k row feed
+// 32 outputs of every row of a tile held in registers (kRowTile rows where
+// the registers hold 16 lanes, 3 where they hold 8); rows beyond a tile
+// re-read the slab from cache, not memory.
 //
 // Packed layout: N is padded to a multiple of kSlabColumns with zero columns;
 // slab s holds columns [32 s, 32 s + 32):
@@ -38,7 +39,8 @@
 namespace flexinfer {
 
 constexpr int kSlabColumns = 32;
-// Rows whose accumulators stay in registers while a slab streams past.
+// Rows whose accumulators stay in registers while a slab streams past, at
+// 16 lanes (AVX-512).
 constexpr int kRowTile = 8;
 
 // Elements (of the weight's dtype) of W [n, k] packed.
