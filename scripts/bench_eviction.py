@@ -111,6 +111,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     chain = args.shape == "chain"
+    if chain and min(sizes) < 4:
+        parser.error("--shape chain needs paths of at least 4 nodes (half of one is evicted, then N/2 - 1 timed)")
     what = " (spills it)" if args.tier and chain else " (spills it, the tier drops one)" if args.tier else ""
     where = "of one path N pages deep, half evicted" if chain else "of N side by side"
     print(f"A one-page create that evicts a cached prefix {where}{what}, against one served from a free "

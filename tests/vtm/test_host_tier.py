@@ -695,13 +695,16 @@ def test_a_lowered_limit_drops_that_accounts_prefixes_at_once(backend, make_mana
 
 
 @WINDOWS
-def test_a_lowered_limit_drops_an_accounts_node_with_another_accounts_prefix_below_it(backend, make_manager, window):
+@pytest.mark.parametrize("room_below", [True, False], ids=["room-below", "no-room-below"])
+def test_a_lowered_limit_takes_back_an_accounts_node_with_another_accounts_prefix_below_it(
+        backend, make_manager, window, room_below):
     """Account 1 recorded a stem, account 2 extended it, and both spilled.
     The stem is never a leaf, so a lowered limit for account 1 could not
     drop it: account 1 stayed above its limit for as long as account 2's
-    prefix lived. Now the stem's bytes go. In a whole-prefix tree account
-    2's prefix goes with them (no match reaches it without the stem); in a
-    window tree the stem stays as holes and account 2's prefix still serves
+    prefix lived. Now, as a spill would, the stem goes to account 2 if it
+    has room, and both prefixes stay; else the stem's bytes are dropped: in
+    a whole-prefix tree with account 2's prefix (no match reaches it without
+    the stem), in a window tree as holes, account 2's prefix still serving
     its window."""
     chunk = chunk_for(backend)
     row = chunk // 20 + 7
@@ -715,18 +718,34 @@ def test_a_lowered_limit_drops_an_accounts_node_with_another_accounts_prefix_bel
     record(two, io_two, longer)
     fill_pool(two)
     st = assert_pool_consistent(mgr)
-    assert st["host_tier_accounts"][1]["used_bytes"] > 0 and st["host_tier_accounts"][2]["used_bytes"] > 0, st
+    used = {a: st["host_tier_accounts"][a]["used_bytes"] for a in (1, 2)}
+    assert used[1] > 0 and used[2] > 0, st
+    if not room_below:
+        mgr.set_host_tier_limit(2, used[2])  # full
     mgr.set_host_tier_limit(1, chunk - 1)  # under one chunk: nothing
     st = assert_pool_consistent(mgr)
-    assert st["host_tier_accounts"][1]["used_bytes"] == 0 and st["host_tier_limit_drops_total"] == 1, st
-    assert match(one, stem).num_tokens == 0
-    m = match(two, longer)
-    if window:
-        assert m.num_tokens == len(longer) and m.restored_tokens == len(longer) - len(stem)
+    assert st["host_tier_accounts"].get(1, {}).get("used_bytes", 0) == 0, st
+    if room_below:
+        assert st["host_tier_accounts"][2]["used_bytes"] == used[1] + used[2]
+        assert st["host_tier_limit_drops_total"] == 0, st
+        m = match(two, longer)
+        assert m.num_tokens == len(longer)
         io_two.verify(m.vtensor, longer, m.vtensor.low, len(longer))
         m.vtensor.release().result()
+        m = match(one, stem)  # account 2 pays for it now; any space of the namespace matches it
+        assert m.num_tokens == len(stem)
+        io_one.verify(m.vtensor, stem, m.vtensor.low, len(stem))
+        m.vtensor.release().result()
     else:
-        assert m.num_tokens == 0 and st["host_tier_accounts"].get(2, {}).get("used_bytes", 0) == 0, st
+        assert st["host_tier_limit_drops_total"] == 1, st
+        assert match(one, stem).num_tokens == 0
+        m = match(two, longer)
+        if window:
+            assert m.num_tokens == len(longer) and m.restored_tokens == len(longer) - len(stem)
+            io_two.verify(m.vtensor, longer, m.vtensor.low, len(longer))
+            m.vtensor.release().result()
+        else:
+            assert m.num_tokens == 0 and st["host_tier_accounts"][2]["used_bytes"] == 0, st
     assert_pool_consistent(mgr)
 
 

@@ -45,6 +45,17 @@ void HostTier::Ref(BlockId block) {
   ++blocks_[block].refs;
 }
 
+void HostTier::Recharge(BlockId block, std::uint32_t account) {
+  if (block >= blocks_.size() || blocks_[block].refs <= 0)
+    Throw(ErrorCode::kInternal, "host tier: recharging block " + std::to_string(block) + ", which is not held");
+  if (blocks_[block].account == account) return;
+  std::size_t& charged = used_by_[account];  // may throw: before anything changes
+  auto it = used_by_.find(blocks_[block].account);
+  if (--it->second == 0) used_by_.erase(it);
+  blocks_[block].account = account;
+  ++charged;
+}
+
 void HostTier::Unref(BlockId block) {
   if (block >= blocks_.size() || blocks_[block].refs <= 0)
     Throw(ErrorCode::kInternal, "host tier: block " + std::to_string(block) + " released more than held");

@@ -51,6 +51,8 @@ class HostTier {
   bool Take(std::uint32_t account, BlockId* out);
   void Ref(BlockId block);
   void Unref(BlockId block);
+  // Charges a held block to `account` instead of the one it was charged to.
+  void Recharge(BlockId block, std::uint32_t account);
   int refs(BlockId block) const { return blocks_[block].refs; }
   std::uint32_t account(BlockId block) const { return blocks_[block].account; }
   std::size_t used_by(std::uint32_t account) const {

@@ -181,9 +181,11 @@ class Manager {
                             std::uint32_t tier_account = 0);
   // The most host-tier bytes the nodes charged to `account` (not 0) may hold,
   // rounded down to whole chunks (under one chunk: nothing); 0: no limit but
-  // the tier's. Lowering it drops the account's least recently used unlocked
-  // leaves on the host at once, down to the limit where they are unlocked.
-  // kFailedPrecondition without a host tier.
+  // the tier's. Lowering it takes the excess back at once, least recently
+  // used first: the account's unlocked leaves on the host, then its nodes
+  // with other nodes below them, each charged to an account below it with
+  // room or else dropped (docs/api.md, "The host tier"); only locked nodes
+  // may keep it above the limit. kFailedPrecondition without a host tier.
   void SetHostTierLimit(std::uint32_t account, std::size_t bytes);
   // Of `accounts`, those no open space records into and no prefix-tree
   // node (on the device or the host) is charged to: nothing can charge them
@@ -333,6 +335,9 @@ class Manager {
   // The accounts of `node`'s descendants other than its own, most recently
   // used first: those a spill of it may be charged to when its own has no room.
   std::vector<std::uint32_t> AccountsBelow(const PrefixNode* node) const;
+  // The first of AccountsBelow(node) with room for `blocks` more as it is
+  // (no limit, or under it by that much); none if none has.
+  std::optional<std::uint32_t> PayerBelow(const PrefixNode* node, std::size_t blocks) const;
   // The account's limit in blocks; none when it has none.
   std::optional<std::size_t> HostTierLimit(std::uint32_t account) const;
   // Copies the host-tier nodes that a match of `length` tokens ending at

@@ -216,13 +216,7 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
                      }))) {
     account = own;
   } else {
-    for (std::uint32_t candidate : AccountsBelow(node)) {
-      const std::optional<std::size_t> limit = HostTierLimit(candidate);
-      if (!limit || tier_->used_by(candidate) + pages <= *limit) {
-        account = candidate;
-        break;
-      }
-    }
+    account = PayerBelow(node, pages);
   }
   // Then the tier.
   const bool room =
@@ -270,6 +264,14 @@ std::vector<std::uint32_t> Manager::AccountsBelow(const PrefixNode* node) const 
   return accounts;
 }
 
+std::optional<std::uint32_t> Manager::PayerBelow(const PrefixNode* node, std::size_t blocks) const {
+  for (std::uint32_t candidate : AccountsBelow(node)) {
+    const std::optional<std::size_t> limit = HostTierLimit(candidate);
+    if (!limit || tier_->used_by(candidate) + blocks <= *limit) return candidate;
+  }
+  return std::nullopt;
+}
+
 std::optional<std::size_t> Manager::HostTierLimit(std::uint32_t account) const {
   auto it = tier_limits_.find(account);
   if (it == tier_limits_.end()) return std::nullopt;
@@ -289,18 +291,35 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
   tier_limits_[account] = blocks;
   const auto within = [&] { return tier_->used_by(account) <= blocks; };
   if (DropHostNodes(account, within)) return;
-  // What is left of the account's share are its nodes with nodes on the host
-  // below them (another account's prefixes, which the drops above leave
-  // alone). Otherwise the account would stay above its limit for as long as
-  // another tenant kept extending its prefixes. A locked node (a live match
-  // restoring through it) stays: its account's next spill makes room.
+  // What is left of the account's share are its nodes with nodes below them
+  // that the drops above leave alone (another account's prefixes, or in a
+  // whole-prefix tree nodes on the device). Otherwise the account would stay
+  // above its limit for as long as another tenant kept extending its
+  // prefixes. Least recently used first, each goes, as a spill would, to an
+  // account whose prefixes hang below it and that has room as it is; else
+  // its bytes are dropped, and in a whole-prefix tree what hangs below it
+  // with them (unmatchable without them). A locked node (a live match
+  // restoring through it) stays until the limit next changes.
   OldestFirst walk(trees_, /*on_host=*/true, [&](PrefixTree&, PrefixNode* n) {
     return n->tier_account == account && n->locks == 0;
   });
   for (auto [tree, node] = walk.Next(); node != nullptr; std::tie(tree, node) = walk.Next()) {
-    tree->DropHostAndBelow(node);
-    ++tier_drops_total_;
-    ++tier_limit_drops_total_;
+    std::size_t held = 0;
+    bool shared = false;  // a split node's halves share a block, charged to both
+    for (BlockId b : node->host_pages) {
+      held += b != kNoBlock ? 1 : 0;
+      shared = shared || (b != kNoBlock && tier_->refs(b) > 1);
+    }
+    const std::optional<std::uint32_t> payer = shared ? std::nullopt : PayerBelow(node, held);
+    if (payer) {
+      for (BlockId b : node->host_pages)
+        if (b != kNoBlock) tier_->Recharge(b, *payer);
+      node->tier_account = *payer;
+    } else {
+      tree->DropHostAndBelow(node);
+      ++tier_drops_total_;
+      ++tier_limit_drops_total_;
+    }
     if (within()) break;
   }
   AfterCommit();  // nodes below may have held device chunks
