@@ -507,12 +507,12 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         finds unused (no open space records into them, no prefix is charged
         to them: nothing can charge them again), erases their limits and
         frees their numbers. Under _tier_mu, which every new account and
-        limit takes too. A name whose account was taken since the walk began
+        limit takes too. A name whose account was taken since the sweep began
         (_tier_touched: a session that came, and maybe went, may have charged
-        it), or is being taken (_tier_users), is kept. The walk goes over
-        every prefix tree: it runs when a new account would reach
+        it), or is being taken (_tier_users), is kept. The sweep asks about
+        every idle account: it runs when a new account would reach
         _sweep_at, which then doubles what survives (at least
-        max_sessions), so the walks stay few per new name however many
+        max_sessions), so the sweeps stay few per new name however many
         names keep prefixes."""
         with self._mu:
             self._tier_touched.clear()

@@ -555,8 +555,9 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("account"), py::arg("bytes"),
           "The most host-tier bytes the prefixes recorded by spaces of tier_account `account` may hold "
-          "(rounded down to whole chunks; 0: no limit but the tier's). Lowering it drops that account's "
-          "least recently used prefixes on the host now.")
+          "(rounded down to whole chunks; 0: no limit but the tier's). Lowering it takes the excess back now: "
+          "that account's least recently used prefixes on the host are dropped, or charged to an account "
+          "whose prefixes extend them and that has room.")
       .def(
           "unused_host_tier_accounts",
           [](const std::shared_ptr<PyManager>& mgr, const std::vector<std::int64_t>& accounts) {

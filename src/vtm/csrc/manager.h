@@ -190,8 +190,8 @@ class Manager {
   // Of `accounts`, those no open space records into and no prefix-tree
   // node (on the device or the host) is charged to: nothing can charge them
   // again until a space names them, so a broker may erase their limits and
-  // hand their numbers to other clients. Never 0; each once. One walk over
-  // the trees.
+  // hand their numbers to other clients. Never 0; each once. Counts kept
+  // per tree: no walk over the nodes.
   std::vector<std::uint32_t> UnusedTierAccounts(const std::vector<std::uint32_t>& accounts) const;
 
   std::shared_ptr<FutureState> Create(std::uint32_t space, std::size_t num_tokens);

@@ -242,7 +242,7 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   }
   ++spills_total_;
   spilled_pages_total_ += pages;
-  node->tier_account = *account;  // whoever pays for it keeps it from now on
+  tree.SetTierAccount(node, *account);  // whoever pays for it keeps it from now on
   return tree.Spill(node, blocks);
 }
 
@@ -314,7 +314,7 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
     if (payer) {
       for (BlockId b : node->host_pages)
         if (b != kNoBlock) tier_->Recharge(b, *payer);
-      node->tier_account = *payer;
+      tree->SetTierAccount(node, *payer);
     } else {
       tree->DropHostAndBelow(node);
       ++tier_drops_total_;
@@ -330,10 +330,12 @@ std::vector<std::uint32_t> Manager::UnusedTierAccounts(const std::vector<std::ui
   if (closed_) Throw(ErrorCode::kFailedPrecondition, "the manager is closed");
   std::unordered_set<std::uint32_t> in_use{0};
   for (const auto& [id, sp] : live_spaces_) in_use.insert(sp->tier_account);
-  for (const auto& [name, tree] : trees_) tree->ForEach([&](const PrefixNode& n) { in_use.insert(n.tier_account); });
   std::vector<std::uint32_t> unused;
   for (std::uint32_t account : accounts) {
     if (in_use.count(account)) continue;
+    bool charged = false;
+    for (const auto& [name, tree] : trees_) charged = charged || tree->Charges(account);
+    if (charged) continue;
     unused.push_back(account);
     in_use.insert(account);  // once, however often it is named
   }

@@ -111,6 +111,7 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   upper->locks = node->locks;
   upper->last_access = node->last_access;
   upper->tier_account = node->tier_account;
+  CountAccount(upper->tier_account, true);
   upper->parent = node->parent;
   upper->closed = node->closed;  // its one child is node: the parent's count is unchanged
   upper->open_children = node->closed ? 0 : 1;
@@ -186,6 +187,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     leaf->start = start;
     leaf->first_page = FirstPage(start);
     leaf->tier_account = tier_account;
+    CountAccount(tier_account, true);  // may throw: before the leaf takes references
     for (std::size_t p = leaf->first_page; p < end_page; ++p)
       leaf->pages.push_back(p < pages.size() ? pages[p] : kNoChunk);
     for (ChunkId c : leaf->pages)
@@ -252,6 +254,7 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
     Throw(ErrorCode::kInternal, "evicting a prefix node that is not an unlocked leaf");
   const std::size_t freed = DropReferences(leaf);
   Unindex(leaf);
+  CountAccount(leaf->tier_account, false);
   PrefixNode* parent = leaf->parent;
   ChildLinked(parent, leaf, false);
   parent->children.erase(leaf->tokens.front());
@@ -278,6 +281,7 @@ std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node, std::size_
     stack.pop_back();
     for (auto& [token, child] : n->children) stack.push_back(std::move(child));
     Unindex(n.get());
+    CountAccount(n->tier_account, false);
     const std::size_t chunks = DropReferences(n.get());
     if (freed != nullptr) *freed += chunks;
     ++dropped;
@@ -299,6 +303,22 @@ void PrefixTree::Reclose(PrefixNode* node) {
     else
       ++n->parent->open_children;
   }
+}
+
+void PrefixTree::CountAccount(std::uint32_t account, bool added) {
+  if (added) {
+    ++nodes_by_account_[account];
+    return;
+  }
+  auto it = nodes_by_account_.find(account);
+  if (--it->second == 0) nodes_by_account_.erase(it);
+}
+
+void PrefixTree::SetTierAccount(PrefixNode* node, std::uint32_t account) {
+  if (node->tier_account == account) return;
+  CountAccount(account, true);
+  CountAccount(node->tier_account, false);
+  node->tier_account = account;
 }
 
 void PrefixTree::ChildLinked(PrefixNode* parent, const PrefixNode* child, bool added) {
@@ -440,6 +460,9 @@ void PrefixTree::CheckIndex() const {
       fail("prefix node at token " + std::to_string(n.start) + " was used after its parent");
     ++(n.on_host ? host : device);
   });
+  std::unordered_map<std::uint32_t, std::size_t> by_account;
+  ForEach([&](const PrefixNode& n) { ++by_account[n.tier_account]; });
+  if (by_account != nodes_by_account_) fail("the nodes counted per tier account differ from the tree's");
   if (device != device_lru_.size() || host != host_lru_.size())
     fail("the LRU lists hold " + std::to_string(device_lru_.size()) + " + " + std::to_string(host_lru_.size()) +
          " nodes, the tree " + std::to_string(device) + " + " + std::to_string(host));

@@ -65,6 +65,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "host_tier.h"
@@ -188,6 +189,10 @@ class PrefixTree {
 
   // The host tier (trees that have one).
   HostTier* tier() const { return tier_; }
+  // Whether a node of this tree is charged to tier account `account`.
+  bool Charges(std::uint32_t account) const { return nodes_by_account_.count(account) != 0; }
+  // Charges `node` to `account` from now on (its blocks are the caller's to recharge).
+  void SetTierAccount(PrefixNode* node, std::uint32_t account);
   // Whether `node` may be spilled: on the device, unlocked, every descendant on the host.
   bool Spillable(const PrefixNode* node) const;
   // Whether the device's eviction takes `node` now: with a tier, Spillable;
@@ -266,6 +271,8 @@ class PrefixTree {
   void Reclose(PrefixNode* node);
   // `child` was linked under `parent` (added) or unlinked from it.
   void ChildLinked(PrefixNode* parent, const PrefixNode* child, bool added);
+  // A node charged to `account` was made (added) or is gone.
+  void CountAccount(std::uint32_t account, bool added);
   // Drops a detached subtree's references; returns its node count and adds
   // the chunks that became free to *freed.
   std::size_t DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed = nullptr);
@@ -279,6 +286,9 @@ class PrefixTree {
   HostTier* tier_;
   PrefixNode root_;
   LruIndex device_lru_, host_lru_;
+  // The nodes charged to each tier account, accounts with none left out:
+  // what Manager::UnusedTierAccounts asks without walking the tree.
+  std::unordered_map<std::uint32_t, std::size_t> nodes_by_account_;
 };
 
 }  // namespace vtm
