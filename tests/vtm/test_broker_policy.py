@@ -398,6 +398,39 @@ def test_a_recalled_client_keeps_its_mark_until_it_gave_its_pages_ahead_back():
     assert policy.recall(asker) is False
 
 
+def test_a_recall_ends_when_the_answers_so_far_free_enough():
+    """Two clients map pages ahead: one answers the recall at once and frees
+    what the asker needs, the other never answers. The asker goes on then,
+    asking no sequence back: before, the recall waited for every answer, so
+    one client that hung held the asker for the whole wait."""
+    from vtm.broker.policy import Policy
+    from vtm.broker.quota import Ask, Quota
+    from vtm.broker.session import LIVE, Session
+
+    asker, ahead, victim = _asker_one_ahead_one_below()
+    silent = Session(4, "silent", Ask(), Quota(priority=5))
+    silent.state, silent.channel, silent.maps_ahead = LIVE, _Channel(), True
+    free = [0]
+    policy = Policy(lambda: [asker, ahead, silent, victim], 1, free_bytes=lambda: free[0], wait_s=5.0)
+
+    class Answering(_Channel):
+        def post(self, data):
+            def answer():
+                time.sleep(0.05)
+                free[0] = 4  # its pages ahead, unmapped
+                policy.gave_back_ahead(ahead)
+            threading.Thread(target=answer).start()
+            return super().post(data)
+
+    ahead.channel = Answering()
+    started = time.monotonic()
+    assert policy.reclaim(asker, 4, reserve_bytes=4)
+    assert time.monotonic() - started < 2.5, "the asker waited for the client that does not answer"
+    assert [n["notice"] for n in silent.channel.sent] == ["recall"] and silent.recall_id is not None
+    assert victim.channel.sent == []  # enough was free: no reclaim notice
+    assert policy._reserved_for_others(victim) == 4
+
+
 @pytest.fixture
 def in_process_service(tmp_path):
     """A broker service in this process over a pool of 4 chunks, with a

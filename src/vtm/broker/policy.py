@@ -188,24 +188,31 @@ class Policy:
             with self._gate:
                 self._reserved[requester] = (reserve_bytes, time.monotonic() + self.reserve_s)
 
-    def _wait(self, done) -> None:
-        """Up to wait_s until done() (checked under _mu), woken by answers;
-        a session that ends wakes nobody, hence the short timeouts."""
+    def _wait(self, done, enough=None) -> None:
+        """Up to wait_s until done() (checked under _mu) or enough() (checked
+        without it: it takes _gate, which is taken before _mu elsewhere),
+        woken by answers; a session that ends or memory freed wakes nobody,
+        hence the short timeouts."""
         end = time.monotonic() + self.wait_s
-        with self._answered:
-            while not done():
+        while enough is None or not enough():
+            with self._answered:
+                if done():
+                    return
                 left = end - time.monotonic()
                 if left <= 0:
                     return
                 self._answered.wait(min(left, 0.05))
 
-    def recall(self, requester, reserve_bytes: int = 0) -> bool:
+    def recall(self, requester, reserve_bytes: int = 0, need_bytes: int = 0) -> bool:
         """Asks every other live client that maps pages ahead for them (a
         RECALL notice each, unless one is on its way) and waits up to wait_s
-        for their answers; False when nobody maps any. What they free stays
-        reserved for the requester's retry, as in reclaim(). A client keeps
-        maps_ahead until it gave them back (gave_back_ahead): meanwhile its
-        own refusals still send it to its pages ahead first (service.py)."""
+        for their answers, or until the pool has `need_bytes` free beyond
+        others' reservations (0: every answer); False when nobody maps any.
+        So a client that does not answer holds the requester only while the
+        others' answers fall short. What they free stays reserved for the
+        requester's retry, as in reclaim(). A client keeps maps_ahead until
+        it gave them back (gave_back_ahead): meanwhile its own refusals still
+        send it to its pages ahead first (service.py)."""
         asked = []
         for session in self._sessions():
             if session is requester or session.state != LIVE or not session.maps_ahead:
@@ -226,8 +233,17 @@ class Policy:
         if asked:
             self._notified()
             # A client no longer live frees nothing more by answering.
-            self._wait(lambda: all(s.recall_id is None or s.state != LIVE for s in asked))
+            self._wait(lambda: all(s.recall_id is None or s.state != LIVE for s in asked),
+                       enough=(lambda: self._has_free(requester, need_bytes)) if need_bytes > 0 else None)
         return bool(asked)
+
+    def _has_free(self, requester, need_bytes: int) -> bool:
+        """Whether the pool has `need_bytes` free beyond what is reserved for
+        others' retries."""
+        if self._free_bytes is None:
+            return False
+        with self._gate:
+            return self._free_bytes() - self._reserved_for_others(requester) >= need_bytes
 
     def reclaim(self, requester, need_bytes: int, reserve_bytes: int = 0) -> bool:
         """Recalls pages ahead (recall()); when the pool's free memory is
@@ -236,11 +252,9 @@ class Policy:
         nobody to ask. When it asked, `reserve_bytes` stay reserved for the
         requester's retry from before the first notice until unreserve()
         (or reserve_s)."""
-        recalled = self.recall(requester, reserve_bytes)
-        if recalled and self._free_bytes is not None:
-            with self._gate:
-                if self._free_bytes() - self._reserved_for_others(requester) >= need_bytes:
-                    return True
+        recalled = self.recall(requester, reserve_bytes, need_bytes)
+        if recalled and self._has_free(requester, need_bytes):
+            return True
         victims = sorted((s for s in self._sessions() if s is not requester and s.state == LIVE
                           and s.priority < requester.priority
                           and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
