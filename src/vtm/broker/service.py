@@ -444,7 +444,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         # The session may change meanwhile, which the retry's op sees.
         session.lock.release()
         try:
-            asked = self.policy.reclaim(session, extra_bytes, reserve_bytes=max(extra_bytes, gate_bytes))
+            need = max(extra_bytes, gate_bytes)  # a step's net bytes may be less than its copies take
+            asked = self.policy.reclaim(session, need, reserve_bytes=need)
         finally:
             session.lock.acquire()
         try:

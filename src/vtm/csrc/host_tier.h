@@ -6,9 +6,9 @@
 // on first use (CUDA: page-locked, so the copy engine moves them at full
 // speed; host: anonymous memory) and kept for reuse until the tier dies.
 //
-// Each held block is charged to an account (the tier account of the space
-// whose record made the node: docs/api.md, "The host tier"), so that a
-// manager can cap what one tenant keeps here.
+// Each held block is charged to an account (the tier account of the nodes
+// holding it: docs/api.md, "The host tier"), so that a manager can cap what
+// one tenant keeps here.
 //
 // Invariants:
 //  * refs(block) == the host_pages entries of tree nodes that hold it (a

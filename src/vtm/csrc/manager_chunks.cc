@@ -312,6 +312,9 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
     }
     const std::optional<std::uint32_t> payer = shared ? std::nullopt : PayerBelow(node, held);
     if (payer) {
+      // Only the first Recharge may throw (adding the payer to the tier's
+      // map), before anything changed; SetTierAccount allocates nothing: the
+      // payer has nodes in this tree, counted already.
       for (BlockId b : node->host_pages)
         if (b != kNoBlock) tier_->Recharge(b, *payer);
       tree->SetTierAccount(node, *payer);

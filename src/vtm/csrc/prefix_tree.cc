@@ -187,9 +187,9 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     leaf->start = start;
     leaf->first_page = FirstPage(start);
     leaf->tier_account = tier_account;
-    CountAccount(tier_account, true);  // may throw: before the leaf takes references
     for (std::size_t p = leaf->first_page; p < end_page; ++p)
       leaf->pages.push_back(p < pages.size() ? pages[p] : kNoChunk);
+    CountAccount(tier_account, true);  // may throw: the last step before the leaf takes references
     for (ChunkId c : leaf->pages)
       if (c != kNoChunk) pool_->Ref(c);
     leaf->parent = node;
@@ -311,6 +311,8 @@ void PrefixTree::CountAccount(std::uint32_t account, bool added) {
     return;
   }
   auto it = nodes_by_account_.find(account);
+  if (it == nodes_by_account_.end())
+    Throw(ErrorCode::kInternal, "prefix tree: a node of tier account " + std::to_string(account) + " was not counted");
   if (--it->second == 0) nodes_by_account_.erase(it);
 }
 

@@ -84,7 +84,7 @@ struct PrefixNode {
   std::uint64_t last_access = 0;
   bool on_host = false;
   std::vector<BlockId> host_pages;  // on the host: the block of each page
-  std::uint32_t tier_account = 0;   // the recorder's space's: the host tier charges its blocks there
+  std::uint32_t tier_account = 0;   // the host tier charges its blocks there (at first, the recorder's space's)
   // Kept so that Spillable costs O(1), not a walk of the subtree for every
   // node the eviction looks at: `closed` is on_host with every descendant
   // on the host; open_children counts the children that are not closed.
