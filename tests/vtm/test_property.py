@@ -770,3 +770,165 @@ class WindowTierMachine(WindowMachine):
 TestWindowTierStateful = WindowTierMachine.TestCase
 TestWindowTierStateful.settings = settings(max_examples=int(150 * EXAMPLES), stateful_step_count=40, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# ---------------------------------------------------------------------------
+# host tier tenants: limits set and lowered at random
+
+
+class TierLimitMachine(RuleBasedStateMachine):
+    """Three tier accounts record into one namespace on a device pool of 24
+    chunks with a host tier of 24, so records spill, tenants extend each
+    other's prefixes and the tier fills; limits are set, lowered and lifted
+    at random (whole-prefix or window spaces). No model of what stays
+    cached: whatever a match returns must be exactly the bytes recorded for
+    its prefix (the rows' patterns), Check() must hold after every step, and
+    an account must be within a limit set while no live vTensor locked a
+    node (a lowered limit leaves only locked nodes above it, until the limit
+    next changes)."""
+
+    ACCOUNTS = (1, 2, 3)
+
+    def __init__(self):
+        super().__init__()
+        self.mgr = new_manager(chunks=24, host_tier_bytes=24 * CHUNK)
+        self.window = 0
+        self.spaces = None
+        self.live = {}  # vt -> (space index, tokens)
+        self.limits = {}  # account -> limit in whole chunks
+        self.unsettled = set()  # accounts whose limit was set while vTensors were live
+
+    @initialize(window=st.sampled_from([0, 30]))
+    def make_spaces(self, window):
+        self.window = window
+        self.spaces = [self.mgr.create_space(row_bytes=3000 * SCALE, max_tokens=100, max_slots=4, namespace="t",
+                                             window_tokens=window, tier_account=a) for a in self.ACCOUNTS]
+        self.ios = [RowIO(s) for s in self.spaces]
+        self.recorded = []
+
+    def draw_tokens(self, data, max_len):
+        """Often a recorded sequence extended (another tenant's prefix below
+        a node), or a prefix of one; else fresh tokens."""
+        how = data.draw(st.sampled_from(["extend", "prefix", "fresh"])) if self.recorded else "fresh"
+        if how == "fresh":
+            q = data.draw(st.lists(TOK, min_size=1, max_size=max_len))
+        else:
+            base = list(data.draw(st.sampled_from(self.recorded)))
+            cut = len(base) if how == "extend" else data.draw(st.integers(0, len(base)))
+            q = base[:cut] + data.draw(st.lists(TOK, min_size=1 if how == "extend" else 0, max_size=30))
+        return q[:max_len] or [0]
+
+    @rule(data=st.data(), si=st.integers(0, 2))
+    def record(self, data, si):
+        tokens = self.draw_tokens(data, 100)
+        try:
+            vt = self.spaces[si].create(len(tokens)).result()
+        except vtm.OutOfMemory:
+            return
+        self.ios[si].write(vt, tokens, 0, len(tokens))
+        try:
+            self.spaces[si].prefix_record(vt, tokens).result()
+            self.recorded.append(tuple(tokens))
+        except vtm.OutOfMemory:
+            event("tier limits: a record found no memory")
+        if data.draw(st.booleans()) and len(self.live) < 3:
+            self.live[vt] = (si, tokens)
+        else:
+            vt.release().result()
+
+    @rule(data=st.data(), si=st.integers(0, 2))
+    def match(self, data, si):
+        if len(self.live) >= 3:
+            return
+        q = self.draw_tokens(data, 100) + [VOCAB]  # a token no record has: the match stops before it
+        try:
+            m = self.spaces[si].prefix_match(q).result()
+        except vtm.OutOfMemory:
+            return
+        if m.num_tokens == 0:
+            return
+        event("tier limits: a match restored" if m.restored_tokens else "tier limits: a match on the device")
+        self.ios[si].verify(m.vtensor, q, m.vtensor.low, m.num_tokens, what="tier limits match:")
+        if data.draw(st.booleans()):
+            self.live[m.vtensor] = (si, q[:m.num_tokens])
+        else:
+            m.vtensor.release().result()
+
+    @rule(data=st.data())
+    def release(self, data):
+        if self.live:
+            vt = data.draw(st.sampled_from(sorted(self.live, key=lambda v: v.id)))
+            vt.release().result()
+            del self.live[vt]
+
+    @rule()
+    def pressure(self):
+        """Fills the device pool from a namespace of its own: the tree spills."""
+        filler = self.mgr.create_space(row_bytes=self.mgr.chunk_bytes, max_tokens=24, max_slots=24,
+                                       namespace="filler")
+        held = []
+        try:
+            while True:
+                held.append(filler.create(1).result())
+        except vtm.OutOfMemory:
+            pass
+        for vt in held:
+            vt.release().result()
+        filler.close()
+
+    @rule(account=st.sampled_from(ACCOUNTS), chunks=st.integers(0, 12))
+    def set_limit(self, account, chunks):
+        """A limit of `chunks` (0: none)."""
+        self.apply_limit(account, chunks * CHUNK)
+
+    @rule(account=st.sampled_from(ACCOUNTS))
+    def squeeze(self, account):
+        """A limit of half what the account keeps on the host now (under one
+        chunk: nothing), so that its nodes must go."""
+        used = self.mgr.stats()["host_tier_accounts"].get(account, {}).get("used_bytes", 0) // CHUNK
+        if used:
+            self.apply_limit(account, (used // 2) * CHUNK or CHUNK - 1)
+
+    def apply_limit(self, account, limit_bytes):
+        before = self.mgr.stats()
+        self.mgr.set_host_tier_limit(account, limit_bytes)
+        after = self.mgr.stats()
+        if limit_bytes:
+            self.limits[account] = limit_bytes // CHUNK
+        else:
+            self.limits.pop(account, None)
+        if self.live:
+            self.unsettled.add(account)
+        else:
+            self.unsettled.discard(account)
+        if after["host_tier_limit_drops_total"] > before["host_tier_limit_drops_total"]:
+            event("tier limits: a lowered limit dropped nodes")
+        used = {a: u["used_bytes"] for a, u in after["host_tier_accounts"].items()}
+        if any(used.get(a, 0) > u["used_bytes"] for a, u in before["host_tier_accounts"].items() if a != account):
+            event("tier limits: a lowered limit charged a node to another account")
+
+    @invariant()
+    def consistent(self):
+        if self.spaces is None:
+            return
+        st_ = assert_pool_consistent(self.mgr)
+        accounts = st_["host_tier_accounts"]
+        for account, chunks in self.limits.items():
+            assert accounts[account]["limit_bytes"] == chunks * CHUNK
+            if account not in self.unsettled:
+                assert accounts[account]["used_bytes"] <= chunks * CHUNK, (account, st_)
+        for vt, (si, tokens) in self.live.items():
+            self.ios[si].verify(vt, tokens, vt.low, vt.num_tokens, what="tier limits live:")
+
+    def teardown(self):
+        try:
+            for vt in list(self.live):
+                vt.release().result()
+            self.mgr.check()
+        finally:
+            self.mgr.close()
+
+
+TestTierLimitStateful = TierLimitMachine.TestCase
+TestTierLimitStateful.settings = settings(max_examples=int(200 * EXAMPLES), stateful_step_count=40, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
