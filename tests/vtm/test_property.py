@@ -24,6 +24,19 @@ def toks(n):
     return st.lists(TOK, min_size=n, max_size=n)
 
 
+def fill_and_release(space, tokens_each):
+    """vTensors of `space` until the pool has no chunk left, then released:
+    the trees of other namespaces spill (or are evicted) to make room."""
+    held = []
+    try:
+        while True:
+            held.append(space.create(tokens_each).result())
+    except vtm.OutOfMemory:
+        pass
+    for vt in held:
+        vt.release().result()
+
+
 class VtmMachine(RuleBasedStateMachine):
     """Spaces 0 and 1 share namespace "shared" (row 3000 B, 3 pages per slot);
     space 2 has a private namespace (row 46080 B: 1.4 rows per page, 9 pages)."""
@@ -748,14 +761,7 @@ class WindowTierMachine(WindowMachine):
 
     @rule()
     def pressure(self):
-        held = []
-        try:
-            while True:
-                held.append(self.filler.create(16).result())
-        except vtm.OutOfMemory:
-            pass
-        for vt in held:
-            vt.release().result()
+        fill_and_release(self.filler, 16)
         st_ = self.mgr.stats()
         event("tier: nodes on the host" if st_["host_tier_nodes"] else "tier: nothing on the host")
 
@@ -792,6 +798,8 @@ class TierLimitMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.mgr = new_manager(chunks=24, host_tier_bytes=24 * CHUNK)
+        self.filler = self.mgr.create_space(row_bytes=self.mgr.chunk_bytes, max_tokens=1, max_slots=24,
+                                            namespace="filler")
         self.window = 0
         self.spaces = None
         self.live = {}  # vt -> (space index, tokens)
@@ -864,17 +872,7 @@ class TierLimitMachine(RuleBasedStateMachine):
     @rule()
     def pressure(self):
         """Fills the device pool from a namespace of its own: the tree spills."""
-        filler = self.mgr.create_space(row_bytes=self.mgr.chunk_bytes, max_tokens=24, max_slots=24,
-                                       namespace="filler")
-        held = []
-        try:
-            while True:
-                held.append(filler.create(1).result())
-        except vtm.OutOfMemory:
-            pass
-        for vt in held:
-            vt.release().result()
-        filler.close()
+        fill_and_release(self.filler, 1)
 
     @rule(account=st.sampled_from(ACCOUNTS), chunks=st.integers(0, 12))
     def set_limit(self, account, chunks):

@@ -453,8 +453,10 @@ void PrefixTree::CheckIndex() const {
            " children not wholly on the host, " + std::to_string(open) + " are");
   };
   check_closed(root_);
+  std::unordered_map<std::uint32_t, std::size_t> by_account;
   ForEach([&](const PrefixNode& n) {
     check_closed(n);
+    ++by_account[n.tier_account];
     const LruIndex& list = ByAge(n.on_host);
     if (list.count(const_cast<PrefixNode*>(&n)) != 1)
       fail("prefix node at token " + std::to_string(n.start) + " is not in its tier's LRU list");
@@ -462,8 +464,6 @@ void PrefixTree::CheckIndex() const {
       fail("prefix node at token " + std::to_string(n.start) + " was used after its parent");
     ++(n.on_host ? host : device);
   });
-  std::unordered_map<std::uint32_t, std::size_t> by_account;
-  ForEach([&](const PrefixNode& n) { ++by_account[n.tier_account]; });
   if (by_account != nodes_by_account_) fail("the nodes counted per tier account differ from the tree's");
   if (device != device_lru_.size() || host != host_lru_.size())
     fail("the LRU lists hold " + std::to_string(device_lru_.size()) + " + " + std::to_string(host_lru_.size()) +
