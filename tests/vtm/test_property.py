@@ -789,9 +789,9 @@ class TierLimitMachine(RuleBasedStateMachine):
     at random (whole-prefix or window spaces). No model of what stays
     cached: whatever a match returns must be exactly the bytes recorded for
     its prefix (the rows' patterns), Check() must hold after every step, and
-    an account must be within a limit set while no live vTensor locked a
-    node (a lowered limit leaves only locked nodes above it, until the limit
-    next changes)."""
+    an account must be within its limit whenever no live vTensor locks a
+    node on the host: a lowered limit leaves only locked nodes above it, and
+    only until their matches are released."""
 
     ACCOUNTS = (1, 2, 3)
 
@@ -804,7 +804,6 @@ class TierLimitMachine(RuleBasedStateMachine):
         self.spaces = None
         self.live = {}  # vt -> (space index, tokens)
         self.limits = {}  # account -> limit in whole chunks
-        self.unsettled = set()  # accounts whose limit was set while vTensors were live
 
     @initialize(window=st.sampled_from([0, 30]))
     def make_spaces(self, window):
@@ -895,10 +894,6 @@ class TierLimitMachine(RuleBasedStateMachine):
             self.limits[account] = limit_bytes // CHUNK
         else:
             self.limits.pop(account, None)
-        if self.live:
-            self.unsettled.add(account)
-        else:
-            self.unsettled.discard(account)
         if after["host_tier_limit_drops_total"] > before["host_tier_limit_drops_total"]:
             event("tier limits: a lowered limit dropped nodes")
         used = {a: u["used_bytes"] for a, u in after["host_tier_accounts"].items()}
@@ -911,9 +906,10 @@ class TierLimitMachine(RuleBasedStateMachine):
             return
         st_ = assert_pool_consistent(self.mgr)
         accounts = st_["host_tier_accounts"]
+        locked_on_host = any(n["on_host"] and n["locks"] for n in self.spaces[0].prefix_nodes())
         for account, chunks in self.limits.items():
             assert accounts[account]["limit_bytes"] == chunks * CHUNK
-            if account not in self.unsettled:
+            if not locked_on_host:
                 assert accounts[account]["used_bytes"] <= chunks * CHUNK, (account, st_)
         for vt, (si, tokens) in self.live.items():
             self.ios[si].verify(vt, tokens, vt.low, vt.num_tokens, what="tier limits live:")

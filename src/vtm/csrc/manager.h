@@ -54,6 +54,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "backend.h"
@@ -185,7 +186,8 @@ class Manager {
   // used first: the account's unlocked leaves on the host, then its nodes
   // with other nodes below them, each charged to an account below it with
   // room or else dropped (docs/api.md, "The host tier"); only locked nodes
-  // may keep it above the limit. kFailedPrecondition without a host tier.
+  // may keep it above the limit, and only until the matches that lock them
+  // are released. kFailedPrecondition without a host tier.
   void SetHostTierLimit(std::uint32_t account, std::size_t bytes);
   // Of `accounts`, those no open space records into and no prefix-tree
   // node (on the device or the host) is charged to: nothing can charge them
@@ -338,6 +340,14 @@ class Manager {
   // The first of AccountsBelow(node) with room for `blocks` more as it is
   // (no limit, or under it by that much); none if none has.
   std::optional<std::uint32_t> PayerBelow(const PrefixNode* node, std::size_t blocks) const;
+  // Brings `account` within `blocks` as SetHostTierLimit says; false when
+  // only nodes that matches lock keep it above.
+  bool FitTierAccount(std::uint32_t account, std::size_t blocks);
+  // PrefixTree::Unlock. The nodes it unlocks may be what kept an account
+  // above its limit: the operation's AfterCommit then fits those accounts
+  // again (RefitTierAccounts), so a limit holds once no match needs them.
+  void UnlockPath(PrefixTree& tree, PrefixNode* node);
+  void RefitTierAccounts();
   // The account's limit in blocks; none when it has none.
   std::optional<std::size_t> HostTierLimit(std::uint32_t account) const;
   // Copies the host-tier nodes that a match of `length` tokens ending at
@@ -374,6 +384,8 @@ class Manager {
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<HostTier> tier_;  // null: no host tier
   std::unordered_map<std::uint32_t, std::size_t> tier_limits_;  // account -> blocks (maybe 0); absent: no limit
+  std::unordered_set<std::uint32_t> tier_over_limit_;  // accounts their locked nodes kept above their limit
+  bool tier_refit_ = false;  // a path was unlocked since: AfterCommit fits tier_over_limit_ again
   std::map<std::string, std::unique_ptr<PrefixTree>> trees_;  // after pool_ and tier_: destroyed first
   std::map<std::uint32_t, std::unique_ptr<Space>> live_spaces_;
   std::uint32_t next_space_id_ = 1;

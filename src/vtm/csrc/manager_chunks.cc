@@ -286,11 +286,18 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
   const std::size_t blocks = bytes / chunk_bytes_;
   if (bytes == 0) {
     tier_limits_.erase(account);
+    tier_over_limit_.erase(account);
     return;
   }
   tier_limits_[account] = blocks;
+  tier_over_limit_.insert(account);  // before anything changes: the one step here that allocates
+  if (FitTierAccount(account, blocks)) tier_over_limit_.erase(account);
+  AfterCommit();  // nodes below may have held device chunks
+}
+
+bool Manager::FitTierAccount(std::uint32_t account, std::size_t blocks) {
   const auto within = [&] { return tier_->used_by(account) <= blocks; };
-  if (DropHostNodes(account, within)) return;
+  if (DropHostNodes(account, within)) return true;
   // What is left of the account's share are its nodes with nodes below them
   // that the drops above leave alone (another account's prefixes, or in a
   // whole-prefix tree nodes on the device). Otherwise the account would stay
@@ -299,7 +306,7 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
   // account whose prefixes hang below it and that has room as it is; else
   // its bytes are dropped, and in a whole-prefix tree what hangs below it
   // with them (unmatchable without them). A locked node (a live match
-  // restoring through it) stays until the limit next changes.
+  // through it) stays; UnlockPath has AfterCommit try again once it goes.
   OldestFirst walk(trees_, /*on_host=*/true, [&](PrefixTree&, PrefixNode* n) {
     return n->tier_account == account && n->locks == 0;
   });
@@ -323,9 +330,14 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
       ++tier_drops_total_;
       ++tier_limit_drops_total_;
     }
-    if (within()) break;
+    if (within()) return true;
   }
-  AfterCommit();  // nodes below may have held device chunks
+  return false;
+}
+
+void Manager::UnlockPath(PrefixTree& tree, PrefixNode* node) {
+  tree.Unlock(node);
+  if (!tier_over_limit_.empty()) tier_refit_ = true;
 }
 
 std::vector<std::uint32_t> Manager::UnusedTierAccounts(const std::vector<std::uint32_t>& accounts) const {
@@ -393,12 +405,28 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   return tokens;
 }
 
+void Manager::RefitTierAccounts() {
+  // Runs after an operation has committed, so it must not fail it: a
+  // recharge that cannot allocate leaves the account for the next unlock.
+  tier_refit_ = false;
+  for (auto it = tier_over_limit_.begin(); it != tier_over_limit_.end();) {
+    bool within = false;
+    try {
+      within = FitTierAccount(*it, tier_limits_.at(*it));
+    } catch (const std::exception&) {
+      tier_refit_ = true;
+    }
+    it = within ? tier_over_limit_.erase(it) : std::next(it);
+  }
+}
+
 bool Manager::RefillNeeded() const {
   return prealloc_chunks_ > 0 && !closed_ && !refill_blocked_ &&
          pool_->free_count() + pool_->creating() < prealloc_chunks_ && pool_->headroom() > 0;
 }
 
 void Manager::AfterCommit() {
+  if (tier_refit_) RefitTierAccounts();
   if (max_free_chunks_ && pool_->free_count() > *max_free_chunks_)
     pool_->ReleaseFree(pool_->free_count() - *max_free_chunks_);
   refill_blocked_ = false;  // memory may have come back: the refill may try again

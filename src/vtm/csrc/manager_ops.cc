@@ -186,7 +186,7 @@ FutureValue Manager::DoShrink(const std::vector<ShrinkTarget>& targets) {
       while (keep != tree.root() && keep->start >= n) keep = keep->parent;
       if (keep == tree.root()) keep = nullptr;
       if (keep != nullptr) tree.Lock(keep);
-      tree.Unlock(vt.lock_node);
+      UnlockPath(tree, vt.lock_node);
       vt.lock_node = keep;
     }
   }
@@ -230,7 +230,7 @@ void Manager::ReleaseVTensorLocked(std::uint64_t id, bool best_effort) {
     unmapped = UnmapPages(sp, vt.slot, to_unmap, &undo);
     undo.Commit();
   }
-  if (vt.lock_node != nullptr) sp.tree->Unlock(vt.lock_node);
+  if (vt.lock_node != nullptr) UnlockPath(*sp.tree, vt.lock_node);
   for (ChunkId c : unmapped) pool_->Unref(c);
   vtensors_.erase(id);
   FreeSlot(sp, vt.slot);
@@ -285,7 +285,7 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   // it up again: Acquire may have waited without the lock.
   VTensor& recorder = vtensors_.at(id);
   sp.tree->Lock(node);
-  if (recorder.lock_node != nullptr) sp.tree->Unlock(recorder.lock_node);
+  if (recorder.lock_node != nullptr) UnlockPath(*sp.tree, recorder.lock_node);
   recorder.lock_node = node;
   AfterCommit();
   return static_cast<std::int64_t>(added);
@@ -318,7 +318,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   // workers run) cannot free them either.
   PrefixNode* const locked = found.node;
   sp.tree->Lock(locked);
-  undo.Add([this, &sp, locked] { sp.tree->Unlock(locked); });
+  undo.Add([this, &sp, locked] { UnlockPath(*sp.tree, locked); });
   std::size_t restored = 0;
   if (sp.tree->tier() != nullptr) {
     // Nodes of the path in the host tier come back to the device first, and
@@ -398,7 +398,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   const TreePosition now = sp.tree->Find(tokens.data(), m);
   PrefixNode* node = sp.tree->SplitAt(now);
   sp.tree->Lock(node);
-  sp.tree->Unlock(locked);
+  UnlockPath(*sp.tree, locked);
   sp.tree->Touch(node, ++tick_);
   if (partial) ++cow_copies_total_;
   TakeSlot(sp, slot, id);
