@@ -181,7 +181,11 @@ def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manage
 
 @WINDOWS
 @pytest.mark.parametrize("oom", [False, True])
-def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backend, make_manager, oom, window):
+@pytest.mark.parametrize("end", [60, 55], ids=["at_its_end", "inside_it"])
+def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backend, make_manager, oom, window, end):
+    """A match of A[:end] that cannot restore the node on the host: a copy
+    fails, or no device memory is left. A match ending inside the node used
+    to leave it split there (two nodes sharing a block) after failing."""
     mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window, faults=True)
     A = [(11 * i + 2) % 83 for i in range(60)]
     record_any(sp, io, A)
@@ -197,12 +201,12 @@ def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backe
         mgr.faults.fail_nth("copy_from_host", 1)
     before = snapshot(mgr, [sp], held)
     if oom:  # a miss, as without a tier (the prefix would have been evicted), not an error
-        assert match(sp, A).num_tokens == 0
+        assert match(sp, A[:end]).num_tokens == 0
     else:
         with pytest.raises(vtm.BackendError):
-            match(sp, A)
+            match(sp, A[:end])
     assert_same_state(before, snapshot(mgr, [sp], held))
-    assert on_host(sp) and mgr.stats()["restores_total"] == 0
+    assert [(n["start"], n["end"]) for n in on_host(sp)] == [(0, 60)] and mgr.stats()["restores_total"] == 0
     assert_pool_consistent(mgr)
     mgr.faults.clear()
     for vt in held:

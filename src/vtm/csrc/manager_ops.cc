@@ -326,12 +326,20 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     // inside is split there (the lock counts go to both halves). The restore
     // is a step of its own and stands even if a later one fails: the prefix
     // is as matchable as before, from the device.
-    if (found.node->on_host) found.node = sp.tree->SplitAt(found);
     bool fall_back = sp.tree->HostPagesOnPath(found) > max_restore_pages;
     if (!fall_back) {
+      // The split is undone when the restore fails: a failed match leaves
+      // the tree as it was, and one that falls back restores nothing. No
+      // other operation can have told the halves apart meanwhile (a refill
+      // wait in RestorePath lets only those run that leave locked nodes
+      // alone; matches and records of this tree wait for this one).
+      PrefixNode* const upper = found.node->on_host ? sp.tree->SplitAt(found) : found.node;
+      const bool split = upper != found.node;
       try {
-        restored = RestorePath(*sp.tree, found.node, m, lock);
+        restored = RestorePath(*sp.tree, upper, m, lock);
+        found.node = upper;
       } catch (const Error& e) {
+        if (split) sp.tree->Unsplit(upper);
         if (e.code() != ErrorCode::kOutOfMemory) throw;
         fall_back = true;
       }

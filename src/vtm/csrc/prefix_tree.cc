@@ -140,6 +140,39 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   return slot.get();
 }
 
+PrefixNode* PrefixTree::Unsplit(PrefixNode* upper) {
+  if (upper == &root_ || upper->children.size() != 1) return nullptr;
+  PrefixNode* lower = upper->children.begin()->second.get();
+  if (lower->on_host != upper->on_host || lower->locks != upper->locks || lower->tier_account != upper->tier_account)
+    return nullptr;
+  // The page holding byte lower->start*R, when both halves keep it.
+  const bool shared = lower->first_page + 1 == upper->first_page + upper->pages.size();
+  if (shared && (upper->pages.back() != lower->pages.front() ||
+                 (upper->on_host && upper->host_pages.back() != lower->host_pages.front())))
+    return nullptr;
+  if (shared && upper->pages.back() != kNoChunk) pool_->Unref(upper->pages.back());
+  if (shared && upper->on_host && upper->host_pages.back() != kNoBlock) tier_->Unref(upper->host_pages.back());
+  const std::size_t keep = upper->pages.size() - (shared ? 1 : 0);
+  lower->pages.insert(lower->pages.begin(), upper->pages.begin(), upper->pages.begin() + keep);
+  if (lower->on_host)
+    lower->host_pages.insert(lower->host_pages.begin(), upper->host_pages.begin(), upper->host_pages.begin() + keep);
+  lower->tokens.insert(lower->tokens.begin(), upper->tokens.begin(), upper->tokens.end());
+  lower->first_page = upper->first_page;
+  Unindex(upper);
+  Unindex(lower);
+  lower->start = upper->start;
+  lower->last_access = upper->last_access;  // >= lower's own, <= its parent's
+  Index(lower);
+  CountAccount(upper->tier_account, false);
+  // upper->closed equals lower->closed (its one child): no count above changes.
+  PrefixNode* parent = upper->parent;
+  auto& slot = parent->children[upper->tokens.front()];
+  std::unique_ptr<PrefixNode> merged = std::move(upper->children.begin()->second);
+  merged->parent = parent;
+  slot = std::move(merged);  // upper is destroyed here
+  return lower;
+}
+
 std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* tokens, std::size_t n,
                                                        const std::vector<ChunkId>& pages, std::uint64_t tick,
                                                        std::uint32_t tier_account, std::size_t adopt_end) {

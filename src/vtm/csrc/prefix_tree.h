@@ -167,6 +167,12 @@ class PrefixTree {
   bool Adoptable(const PrefixNode* node, const std::vector<ChunkId>& pages, std::size_t end_page) const;
   // The node that ends exactly at pos.length, splitting pos.node if needed.
   PrefixNode* SplitAt(const TreePosition& pos);
+  // Undoes the SplitAt that made `upper` (so a failed operation leaves the
+  // tree as it found it), merging it with its one child, if nothing told the
+  // halves apart since: the same tier, account and locks, and the page they
+  // share still the same chunk or block. Returns the merged node, or null
+  // (nothing changed) when they are apart.
+  PrefixNode* Unsplit(PrefixNode* upper);
   // Records tokens[0..n), whose KV lives in `pages` (a slot's page table;
   // kNoChunk for a page it does not hold: a hole, in a window tree only).
   // In a window tree it also fills the path's holes that `pages` holds.
