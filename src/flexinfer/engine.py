@@ -273,6 +273,7 @@ class Engine:
         return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
                 "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
                 "prefix_hit_tokens_host": s.prefix_hit_tokens_host,
+                "swap_out_tokens": s.swap_out_tokens, "swap_in_tokens": s.swap_in_tokens,
                 "prefix_failures": s.num_prefix_failures, "memory_faults": s.num_memory_faults,
                 "vtm": self.manager.stats(timeout=timeout)}
 

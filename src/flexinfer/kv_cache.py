@@ -203,9 +203,37 @@ class KVCache:
             return None, 0, 0
         return held, lengths[0], min(restored, lengths[0])
 
+    def restore_bytes(self, token_ids: list[int]) -> int:
+        """What a match of token_ids would copy back from vtm's host tier now (0 without one)."""
+        return sum(space.prefix_restore_bytes(token_ids) for space in self.spaces)
+
     def record(self, vtensors: list[vtm.VTensor], token_ids: list[int]) -> list[vtm.Future]:
         stream = self._stream()
         return [space.prefix_record(vt, token_ids, stream=stream) for space, vt in zip(self.spaces, vtensors)]
+
+    def record_and_release(self, vtensors: list[vtm.VTensor], token_ids: list[int]) -> list[vtm.Error | None]:
+        """prefix_record(..., release=True) in every group, awaited: per
+        group, None or its error. The vTensors write nothing again, so the
+        records copy no page and need no free chunk. A vTensor whose record
+        or release failed may still be live (vt.released says)."""
+        stream = self._stream()
+        futures: list = []
+        for space, vt in zip(self.spaces, vtensors):
+            try:
+                futures.append(space.prefix_record(vt, token_ids, stream=stream, release=True))
+            except vtm.Error as exc:  # refused at submission: the others still run, and are awaited
+                futures.append(exc)
+        outcomes: list[vtm.Error | None] = []
+        for fut in futures:
+            if isinstance(fut, vtm.Error):
+                outcomes.append(fut)
+                continue
+            try:
+                fut.result()
+                outcomes.append(None)
+            except vtm.Error as exc:
+                outcomes.append(exc)
+        return outcomes
 
     def release(self, vtensors: list[vtm.VTensor]) -> None:
         for fut in [vt.release() for vt in vtensors if vt is not None]:

@@ -16,7 +16,11 @@ computed prefix is recorded, its vTensor released; it is readmitted later
 with its output so far, mapping what the tree still holds of it, from the
 device or vtm's host tier, and computing the rest, so its output is
 unchanged). With prefix caching off it is recorded only under
-preemption="swap", which needs a host tier. A sequence that cannot
+preemption="swap", which needs a host tier, and matched back no further
+than that record. A preempted sequence is recorded and released in one
+vtm operation, which needs no free chunk (a preemption comes when none is
+left); a swapped-out one whose KV the host tier keeps waits for room to
+copy it back rather than compute it again. A sequence that cannot
 fit even alone fails with an error while the others go on. Finished
 sequences are recorded so the next chat turn maps them.
 
@@ -108,6 +112,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.failed: list[Sequence] = []  # failed by schedule() (no memory), for the engine to report
         self.prefix_query_tokens = 0
+        # preemption="swap": tokens whose KV preemptions recorded, and those
+        # readmissions mapped back (fewer when the host tier dropped some).
+        self.swap_out_tokens = 0
+        self.swap_in_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_hit_tokens_host = 0  # of those, tokens vtm copied back from its host tier
         self.num_prefix_failures = 0  # prefix records and matches that failed (the prefix is not reused)
@@ -279,7 +287,7 @@ class Scheduler:
         # The memory is needed now: wait for the steps still using it.
         if self._in_use(seq):
             self.settle_steps()
-        self._drop_vtensors(seq, record=self.prefix_caching or self.swap)
+        self._drop_vtensors(seq, record=self.prefix_caching or self.swap, swap=self.swap)
         self.running.remove(seq)
         seq.status = Status.WAITING
         seq.metrics.preemptions += 1
@@ -364,7 +372,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _drop_vtensors(self, seq: Sequence, record: bool) -> None:
+    def _drop_vtensors(self, seq: Sequence, record: bool, swap: bool = False) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds
         # the chunks, evictable LRU when memory runs out): a preempted or
         # finished conversation is resumed by mapping instead of recomputing.
@@ -373,11 +381,21 @@ class Scheduler:
         # Recorded now, whatever is in flight: the record orders its copies
         # after the kernels queued so far (vtm's fence), and a caller told
         # its request is done may ask for the next turn at once.
-        if record and seq.num_cached > 0:
-            self._record(seq, seq.token_ids[: seq.num_cached])
+        record = record and seq.num_cached > 0
+        seq.swapped = 0
         if self._in_use(seq):
-            # A step in flight still reads or writes these pages.
+            # A step in flight still reads or writes these pages: the record
+            # copies the page it writes next, and the release waits for it.
+            if record:
+                self._record(seq, seq.token_ids[: seq.num_cached])
             self._retiring.append((seq.last_step, seq.vtensors))
+        elif record:
+            # Nothing writes them again: recorded and released in one
+            # operation, which copies no page. So a preemption, which comes
+            # when no chunk is free, still keeps the KV it swaps out.
+            recorded = self._record_and_release(seq, seq.token_ids[: seq.num_cached])
+            seq.swapped = seq.num_cached if swap and recorded else 0
+            self.swap_out_tokens += seq.swapped
         else:
             self._release(seq.vtensors)
         seq.reset_cache_state()
@@ -388,6 +406,20 @@ class Scheduler:
             self._background += self.kv.record(seq.vtensors, token_ids)
         except vtm.Error as exc:  # refused at submission: a fence the device would not record, a lost broker
             self._record_failed(exc)
+
+    def _record_and_release(self, seq: Sequence, token_ids: list[int]) -> bool:
+        """Whether every group recorded `token_ids`; seq's vTensors are
+        released either way (those a failure left live, as _release does)."""
+        try:
+            self._count_to(seq, len(token_ids))
+            failures = [exc for exc in self.kv.record_and_release(seq.vtensors, token_ids) if exc is not None]
+        except vtm.Error as exc:  # the count's step refused at submission: a lost broker
+            failures = [exc]
+        for exc in failures:
+            if not isinstance(exc, (vtm.OutOfMemory, vtm.Unavailable)):
+                self._record_failed(exc)
+        self._release([vt for vt in seq.vtensors if vt is not None and not vt.released])
+        return not failures
 
     def _release(self, vtensors: list) -> None:
         """Releases vTensors; one the device refuses to unmap (vtm leaves it
@@ -425,9 +457,23 @@ class Scheduler:
         wait (out of memory), or when it failed alone (a device error: then
         it is finished)."""
         try:
-            if (self.prefix_caching or (self.swap and seq.metrics.preemptions)) and seq.num_tokens > 1:
+            if (self.prefix_caching or seq.swapped) and seq.num_tokens > 1:
+                # Without prefix caching, a swapped-out sequence maps back
+                # what its own preemption recorded, never more (the match
+                # stops before the last token it is given).
+                swapped_ids = seq.token_ids[: seq.swapped + 1]
+                vtensors, matched, restored = self._match(seq.token_ids if self.prefix_caching else swapped_ids)
+                if matched < seq.swapped and self.running and self.kv.restore_bytes(swapped_ids):
+                    # The host tier keeps the rest of its KV, but the pool
+                    # has no room to copy it back yet (the match fell back to
+                    # what the device holds): wait for room, as a swap-in
+                    # does, rather than compute again what is kept. Running
+                    # sequences end or are preempted, so room comes.
+                    if vtensors is not None:
+                        self._release(vtensors)
+                    return False
                 self.prefix_query_tokens += len(seq.prompt_ids)
-                vtensors, matched, restored = self._match(seq)
+                self.swap_in_tokens += min(matched, seq.swapped)
                 if vtensors is not None:
                     seq.vtensors = vtensors
                     seq.num_cached = matched
@@ -462,11 +508,11 @@ class Scheduler:
         seq.status = Status.RUNNING
         return True
 
-    def _match(self, seq: Sequence):
+    def _match(self, token_ids: list[int]):
         """kv.match, where a failure other than out of memory (a failed copy)
         only costs the prefix its reuse: the prompt is computed instead."""
         try:
-            return self.kv.match(seq.token_ids)
+            return self.kv.match(token_ids)
         except (vtm.OutOfMemory, vtm.Unavailable):
             raise
         except vtm.Error as exc:

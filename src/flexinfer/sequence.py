@@ -77,7 +77,7 @@ class Sequence:
                  "priority", "status", "vtensors", "slots", "num_cached", "extended", "map_limit", "unmap_at",
                  "pending", "feed_row", "last_step", "last_start", "prompt_recorded", "finish_reason", "text",
                  "prefix_offset", "read_offset", "error", "metrics", "stop_ids", "checks_from", "generator",
-                 "leader")
+                 "leader", "swapped")
 
     def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
                  params: SamplingParams, priority: int, eos_ids: tuple[int, ...]):
@@ -102,6 +102,9 @@ class Sequence:
         self.last_step = 0
         self.last_start = 0  # num_cached when last_step was launched: the first query row it computes
         self.prompt_recorded = False
+        # Tokens whose KV its preemption recorded (preemption="swap"): its
+        # readmission matches them, and no further.
+        self.swapped = 0
         self.finish_reason: str | None = None
         self.text = ""  # the end of the decoded output a stop string may still complete (Engine._stop_reason)
         self.prefix_offset = self.read_offset = 0

@@ -190,6 +190,41 @@ def test_window_space_records_holes_and_matches_its_window(broker, fast_path):
         assert held(mgr) == 0
 
 
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
+def test_a_record_that_releases_needs_no_free_chunk_through_vtmd(broker, fast_path):
+    """prefix_record(..., release=True) through vtmd: with the pool full, a
+    plain record has no chunk for its copy of the partial last page; this
+    one gives that page to the tree as it is and releases the vTensor
+    (unmapped here first). Bad input changes nothing, as in process."""
+    with vtm.connect(broker.address, name="swap", fast_path=fast_path) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=4, name="kv")
+        view = space.tensor(np.uint8)
+        tokens = list(range(2000, 2100))
+        vt = space.create(100).result()  # 2 chunks, the second partial
+        view[vt.slot, :100 * ROW] = pattern(tokens)
+        filler = space.create(14 * 65).result()  # the rest of the pool's 16 chunks
+        assert held(mgr) == 16
+        with pytest.raises(vtm.OutOfMemory):
+            space.prefix_record(vt, tokens).result()
+        assert space.prefix_record(vt, tokens, release=True).result() == 100
+        assert vt.released and held(mgr) == 16  # the tree holds both chunks now
+        with pytest.raises(vtm.FailedPrecondition):
+            vt.release().result()
+        filler.release().result()
+        match = space.prefix_match(tokens + [7]).result()
+        assert match.num_tokens == 100
+        assert (view[match.vtensor.slot, :100 * ROW] == pattern(tokens)).all()
+        match.vtensor.release().result()
+        bad = space.create(10).result()
+        with pytest.raises(vtm.InvalidArgument):
+            space.prefix_record(bad, list(range(11)), release=True).result()
+        assert not bad.released
+        bad.release().result()
+        mgr.check()
+        space.clear_prefixes()
+        assert held(mgr) == 0
+
+
 def test_two_clients_share_one_pool(broker, spawn):
     q = CTX.Queue()
     with vtm.connect(broker.address, name="parent") as mgr:

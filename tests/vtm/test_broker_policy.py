@@ -242,7 +242,8 @@ _METHODS = {
     "CreateSpace": vtm_pb2.CreateSpaceRequest, "CloseSpace": vtm_pb2.SpaceRequest,
     "Create": vtm_pb2.CreateRequest, "Extend": vtm_pb2.ExtendRequest, "Step": vtm_pb2.StepRequest,
     "Release": vtm_pb2.VTensorRequest, "PrefixRecord": vtm_pb2.PrefixRecordRequest,
-    "PrefixMatch": vtm_pb2.PrefixMatchRequest, "ClearPrefixes": vtm_pb2.SpaceRequest,
+    "PrefixMatch": vtm_pb2.PrefixMatchRequest, "PrefixRestoreBytes": vtm_pb2.PrefixMatchRequest,
+    "ClearPrefixes": vtm_pb2.SpaceRequest,
     "PrefixNodes": vtm_pb2.SpaceRequest, "SetQuota": vtm_pb2.SetQuotaRequest, "Shrink": vtm_pb2.ShrinkRequest,
 }
 

@@ -485,3 +485,47 @@ def test_reused_slot_holds_no_shared_page(make_manager):
     io.write(b, other, 0, 55)
     b.release().result()
     match(space, io, t[:50] + [SENTINEL], 50).release().result()
+
+
+@pytest.mark.parametrize("window", [0, 12], ids=["whole", "window"])
+def test_a_record_that_releases_its_vtensor_needs_no_free_chunk(make_manager, window):
+    """prefix_record(..., release=True): the vTensor goes with the record,
+    so the partial page it would have written next joins the tree without a
+    copy. With every chunk of the pool held, a plain record fails (no chunk
+    for the copy); this one records, releases, and the prefix matches byte
+    for byte. What a preempted request's record needs: the pool is full
+    when a request is preempted."""
+    mgr = make_manager(chunks=8)
+    row = 3000 * SCALE  # 25 rows: page 0 full, page 1 partial
+    space = mgr.create_space(row_bytes=row, max_tokens=60, max_slots=8, window_tokens=window)
+    io = RowIO(space)
+    t = list(range(40))
+    a = written_vt(space, io, t[:25])
+    held = []
+    while True:
+        try:
+            held.append(space.create(1).result())
+        except vtm.OutOfMemory:
+            break
+    with pytest.raises(vtm.OutOfMemory):
+        space.prefix_record(a, t[:25]).result()
+    copies = mgr.stats()["cow_copies_total"]
+    assert space.prefix_record(a, t[:25], release=True).result() == 25
+    assert a.released and mgr.stats()["cow_copies_total"] == copies
+    assert_pool_consistent(mgr)
+    for vt in held:
+        vt.release().result()
+    m = space.prefix_match(t[:25] + [SENTINEL]).result()
+    assert m.num_tokens == 25
+    io.verify(m.vtensor, t, m.vtensor.low, 25)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_a_releasing_record_of_nothing_still_releases(make_manager):
+    mgr = make_manager(chunks=8)
+    space = mgr.create_space(row_bytes=3000 * SCALE, max_tokens=60, max_slots=4)
+    vt = space.create(10).result()
+    assert space.prefix_record(vt, [], release=True).result() == 0
+    assert vt.released and not space.prefix_nodes()
+    assert_pool_consistent(mgr)

@@ -152,6 +152,12 @@ class _EngineCollector(Collector):
         yield _gauge("flexinfer_num_requests_running", "Sequences in the running batch", stats["running"])
         yield _gauge("flexinfer_num_requests_waiting", "Sequences queued for admission", stats["waiting"])
         yield _counter("flexinfer_num_preemptions", "Sequences preempted to free memory", stats["preemptions"])
+        swapped = CounterMetricFamily("flexinfer_swapped_tokens", "With --preemption swap: tokens whose KV "
+                                      "preemptions kept (out) and readmissions mapped back (in)",
+                                      labels=["direction"])
+        swapped.add_metric(["out"], stats["swap_out_tokens"])
+        swapped.add_metric(["in"], stats["swap_in_tokens"])
+        yield swapped
         yield _counter("flexinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                        stats["prefix_query_tokens"])
         hits = CounterMetricFamily("flexinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "

@@ -693,10 +693,10 @@ class RemoteManager:
             self._transport.release(vt.id)
         return self._submit(run, data_plane=True)
 
-    def _prefix_record(self, space: RemoteSpace, vt, token_ids, stream=None) -> RemoteFuture:
+    def _prefix_record(self, space: RemoteSpace, vt, token_ids, stream=None, release=False) -> RemoteFuture:
         vt = self._own(vt, "prefix_record")
         request = _message(vtm_pb2.PrefixRecordRequest, "prefix_record", space_id=space.id, vtensor_id=vt.id,
-                           token_ids=[int(t) for t in token_ids])
+                           token_ids=[int(t) for t in token_ids], release=bool(release))
         # The broker copies the recorded bytes in its own process, where no
         # stream of ours orders anything: the bytes are made final (the work
         # queued on `stream` now has finished; None on the host) before the
@@ -711,8 +711,24 @@ class RemoteManager:
                                              f"holds only {vt._num_tokens}")
             if fence is not None:
                 fence.wait()
-            reply = self._or_without_pages_ahead(
-                lambda _: self._rpc("prefix_record", self._stub.PrefixRecord, request))
+            if not release:
+                reply = self._or_without_pages_ahead(
+                    lambda _: self._rpc("prefix_record", self._stub.PrefixRecord, request))
+                self._apply(reply)
+                return reply.value
+            # As a release: unmapped here first, so the vTensor is released
+            # whatever the broker answers; if its record (or release) failed,
+            # the vTensor is released there alone (a session that is gone
+            # freed it already).
+            self._unmap_first(vt)
+            try:
+                reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)
+            except errors.Error:
+                try:
+                    self._transport.release(vt.id)
+                except errors.Error:
+                    pass
+                raise
             self._apply(reply)
             return reply.value
         return self._submit(run, data_plane=True)
@@ -736,6 +752,11 @@ class RemoteManager:
             self._apply(reply)
             return reply.value
         return self._submit(run)
+
+    def _prefix_restore_bytes(self, space: RemoteSpace, token_ids) -> RemoteFuture:
+        request = _message(vtm_pb2.PrefixMatchRequest, "prefix_restore_bytes", space_id=space.id,
+                           token_ids=[int(t) for t in token_ids])
+        return self._submit(lambda: self._rpc("prefix_restore_bytes", self._stub.PrefixRestoreBytes, request).value)
 
     def _prefix_nodes(self, space: RemoteSpace) -> RemoteFuture:
         def run():

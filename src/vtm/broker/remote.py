@@ -170,14 +170,17 @@ class RemoteSpace:
     def create(self, num_tokens: int) -> RemoteFuture:
         return self._mgr._create(self, num_tokens)
 
-    def prefix_record(self, vtensor, token_ids, *, stream=None) -> RemoteFuture:
-        return self._mgr._prefix_record(self, vtensor, token_ids, stream)
+    def prefix_record(self, vtensor, token_ids, *, stream=None, release=False) -> RemoteFuture:
+        return self._mgr._prefix_record(self, vtensor, token_ids, stream, release)
 
     def prefix_match(self, token_ids, *, stream=None) -> RemoteFuture:
         return self._mgr._prefix_match(self, token_ids, stream)
 
     def clear_prefixes(self) -> int:
         return self._mgr._clear_prefixes(self).result()
+
+    def prefix_restore_bytes(self, token_ids) -> int:
+        return self._mgr._prefix_restore_bytes(self, token_ids).result()
 
     def prefix_nodes(self):
         return self._mgr._prefix_nodes(self).result()

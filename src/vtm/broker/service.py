@@ -705,13 +705,21 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         if not session.vtensors:
             self.policy.gave_back_ahead(session)
 
-    def prefix_record(self, session: Session, space_id: int, vt_id: int, tokens) -> int:
+    def prefix_record(self, session: Session, space_id: int, vt_id: int, tokens, release: bool = False) -> int:
         """Records the vTensor's rows under `tokens`; the tree's copy of a
         partial last page takes a chunk from the pool, so it waits at the
         gate (memory reserved for another's retry stays free) and, when no
-        chunk is free, fails rather than ask anyone for memory."""
+        chunk is free, fails rather than ask anyone for memory. `release`:
+        the vTensor goes too, and the record copies nothing (vtm's
+        prefix_record(..., release=True))."""
         space = self._space(session, space_id)
         vt = self._vtensor(session, vt_id)
+        if release:
+            added = space.prefix_record(vt, tokens, release=True).result()
+            session.drop_vtensor(vt.id)
+            if not session.vtensors:
+                self.policy.gave_back_ahead(session)
+            return added
         try:
             with self.policy.gate(session, self._partial_page_bytes(session, space.id, len(tokens))):
                 added = space.prefix_record(vt, tokens).result()
@@ -755,8 +763,9 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def PrefixRecord(self, request, context):
         def body(session):
-            added = self.prefix_record(session, request.space_id, request.vtensor_id, list(request.token_ids))
-            return self._reply(session, value=added)
+            added = self.prefix_record(session, request.space_id, request.vtensor_id, list(request.token_ids),
+                                       request.release)
+            return self._reply(session, value=added, vtensors=[request.vtensor_id] if request.release else ())
         return self._run(context, body)
 
     def prefix_match(self, session: Session, space_id: int, tokens):
@@ -793,6 +802,12 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 return self._reply(session, matched_tokens=0)
             return self._reply(session, vtensors=[match.vtensor.id], vtensor_id=match.vtensor.id,
                                matched_tokens=match.num_tokens, restored_tokens=match.restored_tokens)
+        return self._run(context, body)
+
+    def PrefixRestoreBytes(self, request, context):
+        def body(session):
+            restore = self._space(session, request.space_id).prefix_restore_bytes(list(request.token_ids))
+            return vtm_pb2.OpReply(value=restore)
         return self._run(context, body)
 
     def ClearPrefixes(self, request, context):

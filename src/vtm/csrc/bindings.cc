@@ -405,13 +405,16 @@ PYBIND11_MODULE(_core, m) {
           py::arg("num_tokens"))
       .def(
           "prefix_record",
-          [](const PySpace& s, const PyVTensor& vt, std::vector<std::int32_t> tokens, const py::object& stream) {
+          [](const PySpace& s, const PyVTensor& vt, std::vector<std::int32_t> tokens, const py::object& stream,
+             bool release) {
             if (vt.mgr != s.mgr) Throw(ErrorCode::kFailedPrecondition, "prefix_record: vTensor of another manager");
             const std::uintptr_t handle = StreamHandle(stream);
-            return PyFuture{s.mgr,
-                            NoGil([&] { return Core(s.mgr).PrefixRecord(s.id, vt.id, std::move(tokens), handle); })};
+            return PyFuture{s.mgr, NoGil([&] {
+                              return Core(s.mgr).PrefixRecord(s.id, vt.id, std::move(tokens), handle, release);
+                            })};
           },
-          py::arg("vtensor"), py::arg("token_ids"), py::kw_only(), py::arg("stream") = py::none())
+          py::arg("vtensor"), py::arg("token_ids"), py::kw_only(), py::arg("stream") = py::none(),
+          py::arg("release") = false)
       .def(
           "prefix_match",
           [](const PySpace& s, std::vector<std::int32_t> tokens, const py::object& stream,

@@ -235,11 +235,11 @@ std::shared_ptr<FutureState> Manager::Release(std::uint64_t vt) {
 }
 
 std::shared_ptr<FutureState> Manager::PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
-                                                   std::uintptr_t stream) {
+                                                   std::uintptr_t stream, bool release) {
   std::shared_ptr<Fence> after = backend_->record_fence(stream);
   return Submit("prefix_record", {vt, TreeKey(space)}, false,
-                [this, space, vt, tokens = std::move(tokens), after = std::move(after)] {
-                  return DoRecord(space, vt, tokens, after.get());
+                [this, space, vt, tokens = std::move(tokens), after = std::move(after), release] {
+                  return DoRecord(space, vt, tokens, after.get(), release);
                 });
 }
 

@@ -207,8 +207,13 @@ class Manager {
   // run after the work queued on `stream` before the call (a fence recorded
   // here, on the caller's thread; CUDA only, 0 = the legacy default stream):
   // the kernels that wrote those bytes may still be running (docs/design.md §5).
+  // `release`: the record also releases the vTensor, which so never writes
+  // its pages again: the page its next row would have gone into joins the
+  // tree as it is, without the copy (so a record at preemption needs no free
+  // chunk). Should that release fail (the backend refusing an unmap), the
+  // record stands and the vTensor stays live.
   std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
-                                            std::uintptr_t stream);
+                                            std::uintptr_t stream, bool release = false);
   // A match restores at most `max_restore_pages` pages from the host tier:
   // past that, it matches what the device holds above them (as without room
   // for them). A broker admits that many pages before the match.
@@ -285,7 +290,7 @@ class Manager {
   FutureValue DoShrink(const std::vector<ShrinkTarget>& targets);
   FutureValue DoRelease(std::uint64_t id);
   FutureValue DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
-                       const Fence* after);
+                       const Fence* after, bool release);
   FutureValue DoMatch(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
                       const Fence* after, std::size_t max_restore_pages);
   // Where a match of `tokens` in `sp` ends, before any restore.

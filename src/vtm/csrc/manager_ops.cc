@@ -237,7 +237,7 @@ void Manager::ReleaseVTensorLocked(std::uint64_t id, bool best_effort) {
 }
 
 FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::vector<std::int32_t>& tokens,
-                              const Fence* after) {
+                              const Fence* after, bool release) {
   std::unique_lock<std::mutex> lock(mu_);
   Space& sp = LiveSpace(space);
   VTensor& vt = LiveVTensor(id);
@@ -247,7 +247,11 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   if (tokens.size() > vt.num_tokens)
     Throw(ErrorCode::kInvalidArgument, "prefix_record: " + std::to_string(tokens.size()) +
                                            " tokens, but the vTensor holds only " + std::to_string(vt.num_tokens));
-  if (tokens.empty()) return std::int64_t{0};
+  if (tokens.empty()) {
+    if (release) ReleaseVTensorLocked(id, /*best_effort=*/false);
+    AfterCommit();
+    return std::int64_t{0};
+  }
   const std::size_t n = tokens.size();
   const int slot = vt.slot;
   std::vector<ChunkId> pages = sp.slots[slot].pages;
@@ -260,12 +264,13 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   // The recorder's next row goes into the page holding byte n*R. When that
   // page would join the tree (in a new node, or filling a hole), the tree
   // gets a copy instead, so a page the tree holds is never written again
-  // (docs/design.md §3).
+  // (docs/design.md §3); a recorder released here writes nothing again.
   ChunkId copy = kNoChunk;
   const std::size_t boundary = n * sp.row_bytes;
   const std::size_t p = boundary / chunk_bytes_;
+  const bool written_again = boundary % chunk_bytes_ != 0 && !release;
   const TreePosition recorded = sp.tree->Find(tokens.data(), n);
-  if (boundary % chunk_bytes_ != 0 && pages[p] != kNoChunk &&
+  if (written_again && pages[p] != kNoChunk &&
       (recorded.length < n || (sp.window_tokens > 0 && sp.tree->HoleAt(recorded, p, pages)))) {
     UndoLog undo(&rollback_failures_total_);
     copy = Acquire(1, undo, lock).front();
@@ -279,8 +284,14 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   if (copy == kNoChunk && after != nullptr) backend_->order_copies_after(*after);
   auto [node, added] = sp.tree->Insert(tokens.data(), n, pages, ++tick_, sp.tier_account,
                                          // The page the recorder writes next is the tree's only as a copy.
-                                         boundary % chunk_bytes_ != 0 && copy == kNoChunk ? p : pages.size());
+                                         written_again && copy == kNoChunk ? p : pages.size());
   if (copy != kNoChunk) pool_->Unref(copy);  // the tree took its own reference (or, if unused, it is free)
+  if (release) {
+    // The pages the tree now shares leave the slot with the vTensor.
+    ReleaseVTensorLocked(id, /*best_effort=*/false);
+    AfterCommit();
+    return static_cast<std::int64_t>(added);
+  }
   // The vTensor now locks the path it recorded (it maps those chunks). Look
   // it up again: Acquire may have waited without the lock.
   VTensor& recorder = vtensors_.at(id);

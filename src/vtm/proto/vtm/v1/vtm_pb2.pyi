@@ -155,14 +155,16 @@ class VTensorRequest(_message.Message):
     def __init__(self, vtensor_id: _Optional[int] = ...) -> None: ...
 
 class PrefixRecordRequest(_message.Message):
-    __slots__ = ("space_id", "vtensor_id", "token_ids")
+    __slots__ = ("space_id", "vtensor_id", "token_ids", "release")
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     VTENSOR_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     space_id: int
     vtensor_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, space_id: _Optional[int] = ..., vtensor_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    release: bool
+    def __init__(self, space_id: _Optional[int] = ..., vtensor_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class PrefixMatchRequest(_message.Message):
     __slots__ = ("space_id", "token_ids")

@@ -84,6 +84,11 @@ class BrokerStub:
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.SerializeToString,
                 response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
                 _registered_method=True)
+        self.PrefixRestoreBytes = channel.unary_unary(
+                '/vtm.v1.Broker/PrefixRestoreBytes',
+                request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.SerializeToString,
+                response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+                _registered_method=True)
         self.ClearPrefixes = channel.unary_unary(
                 '/vtm.v1.Broker/ClearPrefixes',
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.SpaceRequest.SerializeToString,
@@ -175,6 +180,13 @@ class BrokerServicer:
 
     def PrefixMatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefixRestoreBytes(self, request, context):
+        """value: what a match would copy back
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -271,6 +283,11 @@ def add_BrokerServicer_to_server(servicer, server):
             ),
             'PrefixMatch': grpc.unary_unary_rpc_method_handler(
                     servicer.PrefixMatch,
+                    request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.FromString,
+                    response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
+            ),
+            'PrefixRestoreBytes': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefixRestoreBytes,
                     request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.FromString,
                     response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
             ),
@@ -573,6 +590,33 @@ class Broker:
             request,
             target,
             '/vtm.v1.Broker/PrefixMatch',
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.SerializeToString,
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefixRestoreBytes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vtm.v1.Broker/PrefixRestoreBytes',
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.SerializeToString,
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
             options,
