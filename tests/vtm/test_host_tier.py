@@ -247,7 +247,7 @@ def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(back
     A = [(17 * i + 1) % 79 for i in range(100)]
     record(sp, io, A)
     fill_pool(sp)
-    first = match(sp, A[:50] + [5])  # restores [0, 50), which it keeps locked on the device
+    first = match(sp, A[:50] + [5])  # restores [0, 50) (its window, [21, 50)), which it keeps locked on the device
     held = []
     while True:  # live vTensors hold every other chunk: the rest of A cannot come back
         try:
@@ -258,7 +258,7 @@ def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(back
     m = match(sp, A)
     assert m.num_tokens == 50 and m.restored_tokens == 0
     io.verify(m.vtensor, A, m.vtensor.low, 50)
-    assert [n["on_host"] for n in sp.prefix_nodes()] == [False, True]
+    assert [n["on_host"] for n in sp.prefix_nodes()] == ([True, False, True] if window else [False, True])
     for vt in held + [m.vtensor, first.vtensor]:
         vt.release().result()
     assert_pool_consistent(mgr)
@@ -408,8 +408,13 @@ def test_a_window_prefix_spills_with_its_holes_and_comes_back_byte_for_byte(back
     assert m.vtensor.low == -(-first * chunk // row)
     io.verify(m.vtensor, A, m.vtensor.low, len(A))
     st = assert_pool_consistent(mgr)
-    assert st["restored_bytes_total"] == held * chunk and st["host_tier_used_bytes"] == 0, st
-    assert sp.prefix_nodes()[0]["host_pages"] == []  # on the device, where pages says it
+    # The node was split at the window's first row: the half above it stays
+    # on the host with its one page that is no hole, the page that row
+    # shares with the row above; the half below is on the device.
+    assert st["restored_bytes_total"] == held * chunk and st["host_tier_used_bytes"] == chunk, st
+    upper, lower = sp.prefix_nodes()
+    assert (upper["end"], upper["on_host"], sum(upper["host_pages"])) == (71, True, 1)
+    assert lower["host_pages"] == []  # on the device, where pages says it
     m.vtensor.release().result()
 
     without = make_manager(backend, chunks=CHUNKS)
@@ -494,6 +499,33 @@ def test_a_window_match_restores_only_the_nodes_its_window_needs(backend, make_m
         m.vtensor.release().result()
     st = assert_pool_consistent(mgr)
     assert st["restores_total"] == 0 and sp.prefix_nodes()[0]["on_host"], st
+
+
+def test_a_window_match_restores_a_node_only_from_its_windows_first_row(backend, make_manager):
+    """A node on the host that the match's window begins inside is split at
+    the window's first row, and only the lower half (the pages the window
+    needs) comes back. It used to come back whole: pages the match never
+    maps, which its lock then kept on the device for as long as it lived,
+    so that a request could find no room beside its own match."""
+    chunk = chunk_for(backend)
+    mgr, sp, io = window_setup(make_manager, backend, window=30)
+    A = [(7 * i + 3) % 101 for i in range(100)]
+    record_window(sp, io, A, low=0)  # recorded whole: pages 0-5
+    fill_pool(sp)
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 100, True)]
+    window_pages = 6 - sp.row_bytes * 71 // chunk  # rows 71-99: pages 3-5
+    assert sp.prefix_restore_bytes(A + [SENTINEL]) == window_pages * chunk
+    m = match(sp, A)
+    assert m.num_tokens == m.restored_tokens == len(A)
+    io.verify(m.vtensor, A, m.vtensor.low, len(A))
+    assert [(n["start"], n["end"], n["on_host"]) for n in sp.prefix_nodes()] == [(0, 71, True), (71, 100, False)]
+    st = assert_pool_consistent(mgr)
+    assert st["restored_bytes_total"] == window_pages * chunk and st["chunks_in_tree"] == window_pages, st
+    # The pool holds the match's window and room for the rest.
+    fill_pool(sp)
+    io.verify(m.vtensor, A, m.vtensor.low, len(A))
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
 
 
 def test_a_short_window_record_into_a_node_on_the_host_adopts_the_upper_half_it_splits_off(backend, make_manager):

@@ -339,18 +339,26 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     // is as matchable as before, from the device.
     bool fall_back = sp.tree->HostPagesOnPath(found) > max_restore_pages;
     if (!fall_back) {
-      // The split is undone when the restore fails: a failed match leaves
-      // the tree as it was, and one that falls back restores nothing. No
-      // other operation can have told the halves apart meanwhile (a refill
-      // wait in RestorePath lets only those run that leave locked nodes
-      // alone; matches and records of this tree wait for this one).
-      PrefixNode* const upper = found.node->on_host ? sp.tree->SplitAt(found) : found.node;
-      const bool split = upper != found.node;
+      // The splits are undone when the restore fails: a failed match
+      // leaves the tree as it was, and one that falls back restores
+      // nothing. No other operation can have told the halves apart
+      // meanwhile (a refill wait in RestorePath lets only those run that
+      // leave locked nodes alone; matches and records of this tree wait for
+      // this one).
+      PrefixNode* const end = found.node->on_host ? sp.tree->SplitAt(found) : found.node;
+      std::vector<PrefixNode*> uppers;
+      uppers.reserve(2);  // allocated before the first split, so pushing cannot fail after it
+      if (end != found.node) uppers.push_back(end);
+      PrefixNode* const above = sp.tree->SplitAtWindow(TreePosition{end, m});
+      if (above != nullptr) uppers.push_back(above);
       try {
-        restored = RestorePath(*sp.tree, upper, m, lock);
-        found.node = upper;
+        restored = RestorePath(*sp.tree, end, m, lock);
+        // The half above the window counts as restored: the match serves
+        // its tokens (which need no KV) thanks to the tier all the same.
+        if (above != nullptr) restored += above->end() - above->start;
+        found.node = end;
       } catch (const Error& e) {
-        if (split) sp.tree->Unsplit(upper);
+        for (auto it = uppers.rbegin(); it != uppers.rend(); ++it) sp.tree->Unsplit(*it);
         if (e.code() != ErrorCode::kOutOfMemory) throw;
         fall_back = true;
       }

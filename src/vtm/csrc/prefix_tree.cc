@@ -140,6 +140,22 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   return slot.get();
 }
 
+PrefixNode* PrefixTree::SplitAtWindow(const TreePosition& pos) {
+  if (window_tokens_ == 0 || pos.length < window_tokens_) return nullptr;
+  const std::size_t first_row = pos.length - window_tokens_ + 1;
+  std::size_t deeper = PageEnd(pos.length);
+  for (PrefixNode* p = pos.node; p != &root_; p = p->parent) {
+    if (p->start < first_row) {
+      // The node holding the first row: restored (as HostNodesToRestore
+      // decides) with pages below the window's first page.
+      const bool restored = p->on_host && std::max(p->first_page, FirstPage(first_row)) < deeper;
+      return restored && first_row < p->end() ? Split(p, first_row) : nullptr;
+    }
+    deeper = std::min(deeper, p->first_page);
+  }
+  return nullptr;
+}
+
 PrefixNode* PrefixTree::Unsplit(PrefixNode* upper) {
   if (upper == &root_ || upper->children.size() != 1) return nullptr;
   PrefixNode* lower = upper->children.begin()->second.get();
@@ -252,11 +268,16 @@ std::vector<PrefixNode*> PrefixTree::HostNodesToRestore(const TreePosition& pos)
 
 std::size_t PrefixTree::HostPagesOnPath(const TreePosition& pos) const {
   std::size_t pages = 0;
+  // The node the position ends inside would be split there (its upper
+  // half's pages), and in a window tree the one the window begins inside
+  // at the window's first row (its lower half's pages: from the first
+  // page the window needs).
+  const std::size_t from = FirstNeededPage(pos.length);
   for (const PrefixNode* p : HostNodesToRestore(pos)) {
-    // The node the position ends inside would be split there: its upper half's pages.
     const std::size_t end = p == pos.node ? std::min(PageEnd(pos.length), p->first_page + p->host_pages.size())
                                           : p->first_page + p->host_pages.size();
-    for (std::size_t i = 0; i + p->first_page < end; ++i) pages += p->host_pages[i] != kNoBlock ? 1 : 0;
+    for (std::size_t page = std::max(p->first_page, from); page < end; ++page)
+      pages += p->host_pages[page - p->first_page] != kNoBlock ? 1 : 0;
   }
   return pages;
 }

@@ -167,6 +167,15 @@ class PrefixTree {
   bool Adoptable(const PrefixNode* node, const std::vector<ChunkId>& pages, std::size_t end_page) const;
   // The node that ends exactly at pos.length, splitting pos.node if needed.
   PrefixNode* SplitAt(const TreePosition& pos);
+  // Window trees: splits the node on the host that a match of `pos` must
+  // restore (HostNodesToRestore) and that the window's first row (length -
+  // W + 1) falls inside, at that row, so that only the half holding the
+  // window's pages comes back to the device; the half above stays on the
+  // host, as a node wholly above the window does. Otherwise the restore
+  // would map pages the match never maps, and its lock would keep them on
+  // the device for as long as the match lives. Returns the upper half, or
+  // null when nothing was split.
+  PrefixNode* SplitAtWindow(const TreePosition& pos);
   // Undoes the SplitAt that made `upper` (so a failed operation leaves the
   // tree as it found it), merging it with its one child, if nothing told the
   // halves apart since: the same tier, account and locks, and the page they
