@@ -23,6 +23,9 @@ MAX_STOP_LENGTH = 256
 # torch.Generator.manual_seed takes any int in this range; sample i of a
 # request is seeded with seed + i.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# top_k beyond any vocabulary keeps every token; the bound keeps it in the
+# device sampler's int64 tensor (BatchSampler), which cannot hold 10**30.
+TOP_K_MAX = (1 << 31) - 1
 # Top-p first sorts only the tokens at least this fraction as likely as the most likely one (_nucleus).
 NUCLEUS_CANDIDATES = 1e-4
 
@@ -72,8 +75,8 @@ class SamplingParams:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0 <= self.top_k <= TOP_K_MAX:
+            raise InvalidArgument(f"top_k must be in [0, {TOP_K_MAX}] (0: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
@@ -192,7 +195,11 @@ class BatchSampler:
             self.greedy_mask = self._on_device([p.greedy for p in params], torch.bool)
         self.filters = any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy)
         if self.filters:
-            self.top_k = self._on_device([p.top_k for p in params], torch.long)
+            # Clamped, not trusted: SamplingParams is a plain dataclass, and
+            # a top_k set after its check must not fail the other rows.
+            # Every other per-row value is a float, which float32 rounds
+            # and never refuses.
+            self.top_k = self._on_device([min(p.top_k, TOP_K_MAX) for p in params], torch.long)
             self.top_p = self._on_device([p.top_p for p in params], torch.float32)
 
     def __call__(self, logits: torch.Tensor, banned: list[list[int] | None] | None = None

@@ -227,3 +227,22 @@ def test_the_batch_sampler_judges_finiteness_around_bans_as_sample_does():
     nothing_left = sample(all_banned[None].clone(), [SamplingParams(top_p=0.9)], [None], [[0, 1]])[0]
     assert isinstance(nothing_left, InvalidArgument) and "no token can be sampled" in str(nothing_left)
     assert tokens[4] == reference[4] == 0  # the id outside the vocabulary is left out
+
+
+def test_top_k_is_bounded_so_the_device_sampler_can_hold_it():
+    """top_k goes into a tensor of int64 on the device path: a value torch cannot hold must be refused
+    when the request is checked, not raise while a batch is sampled."""
+    SamplingParams(top_k=sampling.TOP_K_MAX)
+    for top_k in (sampling.TOP_K_MAX + 1, 1 << 63, 10**30):
+        with pytest.raises(InvalidArgument, match=r"^top_k must be in \[0, 2147483647\]"):
+            SamplingParams(top_k=top_k)
+
+
+def test_one_rows_top_k_never_fails_the_batch_sampler():
+    """A top_k beyond int64 set after the check (SamplingParams is a plain dataclass) is read as "all
+    tokens": the batch is sampled, its other rows as usual."""
+    wide = SamplingParams(temperature=1.0, top_k=5)
+    wide.top_k = 10**30
+    logits = torch.randn(2, 30)
+    tokens, _ = _batch_sampler([wide, SamplingParams(temperature=0.0, top_k=3)])(logits)
+    assert 0 <= int(tokens[0]) < 30 and int(tokens[1]) == int(logits[1].argmax())
