@@ -615,7 +615,7 @@ class Engine:
         # (len(output_ids) + pending)-th.
         banned = None
         if facts.may_ban:
-            banned = [sorted(s.stop_ids) if s.stop_ids and len(s.output_ids) + s.pending <= s.params.min_tokens
+            banned = [s.banned_ids if s.banned_ids and len(s.output_ids) + s.pending <= s.params.min_tokens
                       else None for s in ready]
             if not any(banned):
                 banned = None
@@ -707,7 +707,7 @@ class _SampledBatch:
         # Every row greedy: one argmax over the batch, where the logits are.
         self.greedy = all(p.greedy for p in self.params)
         # Some row may have stop ids to ban (those of rows below min_tokens).
-        self.may_ban = any(s.stop_ids and s.params.min_tokens for s in seqs)
+        self.may_ban = any(s.banned_ids for s in seqs)
         # The batch's BatchSampler on the sampling device, made at its first use.
         self.sampler: BatchSampler | None = None
 

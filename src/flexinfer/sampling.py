@@ -20,6 +20,9 @@ GREEDY_BELOW = 1e-5
 # so their number and length bound the work of every step. OpenAI allows 4.
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+# Every step before min_tokens bans a sequence's stop token ids (and the
+# samplers walk them), so their number bounds the work of those steps too.
+MAX_STOP_TOKEN_IDS = 1024
 # torch.Generator.manual_seed takes any int in this range; sample i of a
 # request is seeded with seed + i.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -68,9 +71,12 @@ class SamplingParams:
                                   f"characters each, got {len(self.stop)} (the longest {longest} characters)")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidArgument(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                                  f"got {len(self.stop_token_ids)}")
         for token in self.stop_token_ids:
             _require_int("a stop token id", token)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # in order, each once
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -76,8 +76,8 @@ class Sequence:
     __slots__ = ("id", "request_index", "sample_index", "prompt_ids", "output_ids", "num_tokens", "params",
                  "priority", "status", "vtensors", "slots", "num_cached", "extended", "map_limit", "unmap_at",
                  "pending", "feed_row", "last_step", "last_start", "prompt_recorded", "finish_reason", "text",
-                 "prefix_offset", "read_offset", "error", "metrics", "stop_ids", "checks_from", "generator",
-                 "leader", "swapped")
+                 "prefix_offset", "read_offset", "error", "metrics", "stop_ids", "banned_ids", "checks_from",
+                 "generator", "leader", "swapped")
 
     def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
                  params: SamplingParams, priority: int, eos_ids: tuple[int, ...]):
@@ -111,6 +111,9 @@ class Sequence:
         self.error: Exception | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids), outputs=self.output_ids)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        # What the sampler may not choose before min_tokens (Engine._sample):
+        # built once here, not at each of those steps.
+        self.banned_ids = sorted(self.stop_ids) if params.min_tokens else []
         # The output length from which each new token needs the stop checks
         # beyond its id: from the first with stop strings, else at max_tokens.
         self.checks_from = 1 if params.stop else params.max_tokens

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")  # builds the tiny model's weights
 from server_testing import ENGINE_OPTIONS, greedy, small_pool_llm  # noqa: E402
 from server_testing import reference, tiny_chat  # noqa: E402,F401 (fixtures)
 
-from flexinfer import SamplingParams  # noqa: E402
+from flexinfer import SamplingParams, sampling  # noqa: E402
 from flexinfer.detokenizer import IncrementalText, final_text  # noqa: E402
 from flexinfer.errors import InvalidArgument  # noqa: E402
 from flexinfer.inputs import KVBudget  # noqa: E402
@@ -169,3 +169,38 @@ def test_a_rows_sampling_parameters_never_fail_its_batch_mates(tiny_chat):
         outs = llm.generate(["Hi", "The capital of France is"], [wide, innocent], use_tqdm=False)
     assert [o.outputs[0].error for o in outs] == [None, None]
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 12]
+
+
+# -- stop token ids ----------------------------------------------------------------------
+
+
+def test_stop_token_ids_are_bounded_and_deduplicated():
+    """Every step before min_tokens bans a sequence's stop ids: their number bounds that work."""
+    limit = sampling.MAX_STOP_TOKEN_IDS
+    assert SamplingParams(stop_token_ids=list(range(limit))).stop_token_ids == list(range(limit))
+    assert SamplingParams(stop_token_ids=[5, 3, 5, 3, 7]).stop_token_ids == [5, 3, 7]
+    for ids in ([0] * (limit + 1), list(range(250_000))):
+        with pytest.raises(InvalidArgument, match=f"^stop_token_ids takes at most {limit} ids, got {len(ids)}"):
+            SamplingParams(stop_token_ids=ids)
+
+
+def test_a_sequences_banned_ids_are_built_once(reference, monkeypatch):
+    """Before min_tokens the sampler is given the sequence's stop ids (EOS included) to ban: one list,
+    built when the sequence is, not sorted again at every step."""
+    from flexinfer import engine as engine_module
+
+    given = []
+    real_sample = engine_module.sample
+
+    def recording_sample(logits, params, generators, banned=None):
+        given.append(banned)
+        return real_sample(logits, params, generators, banned)
+
+    monkeypatch.setattr(engine_module, "sample", recording_sample)
+    params = SamplingParams(max_tokens=8, min_tokens=6, temperature=0.8, seed=3, stop_token_ids=[9, 4, 9])
+    out = reference.generate(["Hello"], params, use_tqdm=False)[0]
+    assert out.outputs[0].error is None and len(out.outputs[0].token_ids) >= 6
+    banned = [b[0] for b in given if b is not None]
+    eos = reference.engine.config.eos_token_ids
+    assert len(banned) >= 6 and banned[0] == sorted({4, 9, *eos})
+    assert all(b is banned[0] for b in banned)

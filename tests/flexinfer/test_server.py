@@ -275,6 +275,7 @@ def test_metrics_survive_a_failing_stats_source():
     ("completions", {"prompt": "Hi", "top_p": 2}, 400, "top_p", None),
     ("completions", {"prompt": "Hi", "top_k": -2}, 400, "top_k", None),
     ("completions", {"prompt": "Hi", "top_k": 10**30}, 400, "top_k", None),
+    ("completions", {"prompt": "Hi", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids", None),
     ("completions", {"prompt": [1.5, 2]}, 400, "prompt", None),
     ("completions", {"prompt": []}, 400, "prompt", None),
     ("completions", {"prompt": [100000]}, 400, "prompt", None),
