@@ -246,6 +246,7 @@ class BatchSampler:
         probs = torch.softmax(ordered, dim=-1)
         # Rows with top_p = 1 keep their tail: a float32 sum reaches 1 before it ends.
         drop = (probs.cumsum(-1) - probs >= self.top_p[:, None]) & (self.top_p < 1.0)[:, None]
+        drop[:, 0] = False  # the prefix is never empty, even where top_p rounds to 0 in float32
         ordered = ordered.masked_fill(drop, float("-inf"))
         return torch.empty_like(row).scatter_(1, order, ordered)
 
@@ -291,7 +292,9 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     else:  # a flat row: the prefix goes past the candidates (none: bans left NaN, which _draw refuses)
         ordered, at = probs.sort(descending=True)
         cumulative = ordered.cumsum(-1)
-    kept = ordered.masked_fill(cumulative - ordered >= top_p, 0.0)
+    drop = cumulative - ordered >= top_p
+    drop[0] = False  # the prefix is never empty, even where top_p rounds to 0 in float32
+    kept = ordered.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).index_copy_(0, at, kept)
 
 

@@ -246,3 +246,18 @@ def test_one_rows_top_k_never_fails_the_batch_sampler():
     logits = torch.randn(2, 30)
     tokens, _ = _batch_sampler([wide, SamplingParams(temperature=0.0, top_k=3)])(logits)
     assert 0 <= int(tokens[0]) < 30 and int(tokens[1]) == int(logits[1].argmax())
+
+
+@pytest.mark.parametrize("top_p", [1e-50, 1e-45, 1e-9])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """The smallest prefix whose mass reaches top_p is never empty. A top_p that float32 rounds to 0
+    (1e-50) masked every token: sample() failed the row ("bans leave no token"), the batch sampler
+    chose token 0."""
+    torch.manual_seed(4)
+    logits = torch.randn(3, 50)
+    logits[:, 0] = -5.0  # token 0 is never the answer
+    params = [SamplingParams(temperature=1.0, top_p=top_p)] * 3
+    argmax = logits.argmax(dim=-1).tolist()
+    assert sample(logits.clone(), params, [torch.Generator().manual_seed(i) for i in range(3)]) == argmax
+    tokens, _ = _batch_sampler(params)(logits)
+    assert tokens.tolist() == argmax
