@@ -321,6 +321,20 @@ def test_malformed_bodies_and_routes(server, client):
     wait_idle(server)
 
 
+
+@pytest.mark.parametrize("path, field, depth", [
+    ("completions", "x", 1000), ("completions", "x", 100_000), ("completions", "prompt", 100_000),
+    ("completions", "prompt", 900), ("chat/completions", "messages", 100_000),
+    ("chat/completions", "messages", 900)])
+def test_deeply_nested_bodies_are_400(server, path, field, depth):
+    """JSON nested deeper than the parser recurses raised RecursionError, answered 500 (even in a
+    field the server ignores); nested just less deep, it is a field of the wrong type."""
+    body = b'{"prompt": "Hi", "messages": [], "' + field.encode() + b'": ' + b"[" * depth + b"]" * depth + b"}"
+    response = httpx.post(f"{server.url}/v1/{path}", content=body, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
 # -- cancellation and shutdown -----------------------------------------------
 
 

@@ -129,6 +129,8 @@ def _parse(raw: bytes, model: type[Body]) -> Body:
         data = json.loads(raw)
     except ValueError as exc:  # also bytes that are not UTF-8
         raise bad_request(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise bad_request("the body is not valid JSON: it is nested too deeply") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
