@@ -332,7 +332,8 @@ def _checked_prompts(args, params: SamplingParams) -> list[list[int] | str]:
     checked = []
     for prompt in args.prompt:
         ids = tokenizer.encode(prompt)
-        checked.append(request_problem(ids, params, max_model_len, config.vocab_size) or ids)
+        problem = request_problem(ids, params, max_model_len, config.vocab_size, config.eos_token_ids)
+        checked.append(problem.message if problem else ids)
     return checked
 
 

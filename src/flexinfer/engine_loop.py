@@ -171,10 +171,11 @@ class EngineLoop:
             seqs.append(seq)
         handle = RequestStream(self, request_id, prompt, list(prompt_ids), seqs, stream, deliver)
         problem = request_problem(prompt_ids, params, engine.max_model_len, engine.config.vocab_size,
-                                  engine.kv_budget)
+                                  engine.config.eos_token_ids, engine.kv_budget)
         if problem:
             for seq in seqs:
-                seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", InvalidArgument(problem)
+                seq.status, seq.finish_reason = Status.FINISHED, "error"
+                seq.error = InvalidArgument(problem.message)
                 handle._publish(seq)
             handle._finish_if_done()
             return handle

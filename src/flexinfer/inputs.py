@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from flexinfer.errors import InvalidArgument
 from flexinfer.sampling import SamplingParams
@@ -161,27 +161,50 @@ class KVBudget:
         return low
 
 
+class RequestProblem(NamedTuple):
+    """Why a well-formed request cannot run: `message`, and `param`, the
+    field at fault ("prompt": the prompt or what it asks for with it, its
+    length and max_tokens; "stop_token_ids")."""
+
+    message: str
+    param: str
+
+
 def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                    kv: KVBudget | None = None) -> str | None:
+                    eos_ids: tuple[int, ...], kv: KVBudget | None = None) -> RequestProblem | None:
     """Why a well-formed request cannot run, or None. With `kv`, a request
     whose KV can never fit in the pool is one of them: admitted, it would
-    run until memory ran out and then fail with its output lost."""
+    run until memory ran out and then fail with its output lost. `eos_ids`:
+    the model's end-of-sequence ids, which stop a sample (and are banned
+    before min_tokens) unless it ignores them."""
     if not prompt_ids:
-        return "the prompt is empty"
+        return RequestProblem("the prompt is empty", "prompt")
     if len(prompt_ids) + params.max_tokens > max_model_len:
-        return (f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {max_model_len}")
+        return RequestProblem(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                              f"max_model_len {max_model_len}", "prompt")
     if max(prompt_ids) >= vocab_size or min(prompt_ids) < 0:
-        return "a prompt token id is outside the vocabulary"
+        return RequestProblem("a prompt token id is outside the vocabulary", "prompt")
     outside = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if outside:
-        return f"stop_token_ids {outside[:4]} are outside the vocabulary (0 to {vocab_size - 1})"
+        return RequestProblem(f"stop_token_ids {outside[:4]} are outside the vocabulary (0 to {vocab_size - 1})",
+                              "stop_token_ids")
+    if params.min_tokens:
+        # Every one of them is banned before min_tokens (Sequence.banned_ids):
+        # with none left, no token could be sampled, and the engine would
+        # fail the request as if the model had produced no finite logit.
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        if sum(1 for t in banned if 0 <= t < vocab_size) == vocab_size:
+            eos = "" if params.ignore_eos else " with the end-of-sequence ids (ignore_eos is false)"
+            return RequestProblem(f"stop_token_ids{eos} cover the whole vocabulary ({vocab_size} tokens): they leave "
+                                  f"no token to sample before min_tokens ({params.min_tokens})", "stop_token_ids")
     if kv is not None and kv.chunks_needed(len(prompt_ids), params.max_tokens) > kv.chunks:
         fit = kv.max_new_tokens(len(prompt_ids))
-        return (f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit in the KV "
-                f"pool: it needs {kv.chunks_needed(len(prompt_ids), params.max_tokens)} chunks of "
-                f"{kv.chunk_bytes} bytes and one request can have at most {kv.chunks}; "
-                + (f"at most {fit} new tokens fit after this prompt" if fit else "this prompt alone does not fit"))
+        return RequestProblem(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit in the KV "
+            f"pool: it needs {kv.chunks_needed(len(prompt_ids), params.max_tokens)} chunks of "
+            f"{kv.chunk_bytes} bytes and one request can have at most {kv.chunks}; "
+            + (f"at most {fit} new tokens fit after this prompt" if fit else "this prompt alone does not fit"),
+            "prompt")
     return None
 
 

@@ -204,3 +204,21 @@ def test_a_sequences_banned_ids_are_built_once(reference, monkeypatch):
     eos = reference.engine.config.eos_token_ids
     assert len(banned) >= 6 and banned[0] == sorted({4, 9, *eos})
     assert all(b is banned[0] for b in banned)
+
+
+def test_a_request_that_bans_every_token_before_min_tokens_is_refused(reference):
+    """Stop ids (with end-of-sequence, unless ignore_eos) covering the vocabulary leave no token to
+    sample before min_tokens: refused at submission, not run until the engine blames the model."""
+    vocab, eos = reference.config.vocab_size, set(reference.config.eos_token_ids)
+    all_but_eos = [t for t in range(vocab) if t not in eos]
+    for temperature in (0.0, 1.0):
+        for ids, ignore_eos in ((list(range(vocab)), False), (list(range(vocab)), True), (all_but_eos, False)):
+            params = SamplingParams(max_tokens=4, min_tokens=2, temperature=temperature, stop_token_ids=ids,
+                                    ignore_eos=ignore_eos)
+            error = reference.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].error
+            assert isinstance(error, InvalidArgument), error
+            assert "leave no token to sample before min_tokens" in str(error)
+    # One token left, or no min_tokens: these run.
+    for params in (SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=all_but_eos, ignore_eos=True),
+                   SamplingParams(max_tokens=4, stop_token_ids=list(range(vocab)))):
+        assert reference.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].error is None

@@ -322,6 +322,20 @@ def test_malformed_bodies_and_routes(server, client):
 
 
 
+def test_stop_token_id_problems_name_stop_token_ids(server, reference):
+    """An id outside the vocabulary, or ids (with end-of-sequence) that leave no token to sample before
+    min_tokens: a 400 naming stop_token_ids, for either endpoint."""
+    vocab = reference.config.vocab_size
+    for ids, expected in (([vocab], "outside the vocabulary"), (list(range(vocab)), "leave no token")):
+        for path, prompt in (("completions", {"prompt": "Hi"}),
+                             ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+            response = httpx.post(f"{server.url}/v1/{path}", timeout=30, json={
+                **prompt, "max_tokens": 4, "min_tokens": 2, "stop_token_ids": ids})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "stop_token_ids" and expected in error["message"], error
+    wait_idle(server)
+
 @pytest.mark.parametrize("path, field, depth", [
     ("completions", "x", 1000), ("completions", "x", 100_000), ("completions", "prompt", 100_000),
     ("completions", "prompt", 900), ("chat/completions", "messages", 100_000),

@@ -202,15 +202,18 @@ class Serving:
 
     def _check_fits(self, ids: list[int], params: SamplingParams, param: str) -> None:
         kv = self.llm.kv_budget
-        problem = request_problem(ids, params, self.llm.max_model_len, self.llm.config.vocab_size, kv)
+        config = self.llm.config
+        problem = request_problem(ids, params, self.llm.max_model_len, config.vocab_size, config.eos_token_ids, kv)
         if problem is not None:
+            if problem.param != "prompt":
+                raise bad_request(problem.message, problem.param)
             if len(ids) + params.max_tokens > self.llm.max_model_len:
                 code = "context_length_exceeded"
             elif ids and kv.chunks_needed(len(ids), params.max_tokens) > kv.chunks:
                 code = "kv_capacity_exceeded"
             else:
                 code = None
-            raise bad_request(problem, param, code)
+            raise bad_request(problem.message, param, code)
 
     async def _admit(self, count: int, param: str,
                      prepare: Callable[[], tuple[list[list[int]], SamplingParams]],
