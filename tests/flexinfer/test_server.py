@@ -336,6 +336,24 @@ def test_stop_token_id_problems_name_stop_token_ids(server, reference):
             assert error["param"] == "stop_token_ids" and expected in error["message"], error
     wait_idle(server)
 
+@pytest.mark.parametrize("path, body, param, message", [
+    ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
+    ("chat/completions", {"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens",
+     "max_completion_tokens must be >= 1"),
+    ("chat/completions", {"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
+    ("completions", {"stop": ""}, "stop", "stop must be a str or a list of non-empty str"),
+    ("chat/completions", {"stop": ""}, "stop", "stop must be a str or a list of non-empty str"),
+    ("completions", {"stop": ["", "x"]}, "stop", "stop must be a str or a list of non-empty str"),
+])
+def test_errors_name_the_field_the_client_sent(server, path, body, param, message):
+    """max_completion_tokens 0 was reported as max_tokens; stop "" was taken for no stop at all while
+    ["", "x"] was refused."""
+    prompt = {"prompt": "Hi"} if path == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    response = httpx.post(f"{server.url}/v1/{path}", json={**prompt, **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(message), error
+
 @pytest.mark.parametrize("path, field, depth", [
     ("completions", "x", 1000), ("completions", "x", 100_000), ("completions", "prompt", 100_000),
     ("completions", "prompt", 900), ("chat/completions", "messages", 100_000),

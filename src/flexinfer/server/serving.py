@@ -136,11 +136,14 @@ class Serving:
                 ids = self.llm.chat_prompt(conversation)
             except (InvalidArgument, ChatTemplateError) as exc:
                 raise bad_request(str(exc), "messages") from None
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            # OpenAI's newer name wins over the deprecated max_tokens, and
+            # an error about the value names the field it came from.
+            max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            max_tokens = getattr(body, max_tokens_param)
             if max_tokens is None:
                 # Up to the context length, as OpenAI and vLLM do.
                 max_tokens = self._default_max_tokens(len(ids))
-            params = _sampling_params(body, max_tokens)
+            params = _sampling_params(body, max_tokens, max_tokens_param)
             self._check_fits(ids, params, "messages")
             return [ids], params
 
@@ -283,18 +286,26 @@ def _cancel_generation(started: asyncio.Future) -> None:
         started.result()[0].cancel()
 
 
-def _sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:
+def _sampling_params(body: SamplingRequest, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """`body`'s SamplingParams; `max_tokens_param`: the field max_tokens
+    came from (chat's max_completion_tokens), named in its errors."""
     top_k = body.top_k or 0
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_k=0 if top_k == -1 else top_k,  # vLLM's -1: off
-            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop or [],
+            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+            stop=[] if body.stop is None else body.stop,  # "" is refused, as in a list, not read as no stop
             stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, n=body.n,
             min_tokens=body.min_tokens)
     except InvalidArgument as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise bad_request(str(exc), field if field in _PARAM_FIELDS else None) from None
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        if field == "max_tokens":  # named as the client sent it
+            field, message = max_tokens_param, max_tokens_param + message[len(field):]
+        elif field not in _PARAM_FIELDS:
+            field = None
+        raise bad_request(message, field) from None
 
 
 def _api_error(error: Exception) -> APIError:
