@@ -3,7 +3,8 @@ piece while it streams.
 
 Stop strings: the text ends before the first stop string (the engine stops
 at the token that completes one, and the stop string itself is not part of
-the output, as in the OpenAI API). While streaming, text that could be the
+the output, as in the OpenAI API). With min_tokens, only a stop string that
+ends in the text of the min_tokens-th token or a later one counts. While streaming, text that could be the
 start of a stop string is held back until the next tokens show it is not,
 so a client never receives text that is later cut.
 """
@@ -13,9 +14,10 @@ from __future__ import annotations
 from flexinfer.tokenizer import Tokenizer
 
 
-def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """`text` before the earliest stop string, and whether one was found."""
-    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+def cut_at_stop(text: str, stop: list[str], stops_from: int = 0) -> tuple[str, bool]:
+    """`text` before the earliest stop string that ends after its first
+    `stops_from` characters (see stops_from()), and whether one was found."""
+    cuts = [i for i in (text.find(s, max(0, stops_from - len(s) + 1)) for s in stop) if i >= 0]
     return (text[:min(cuts)], True) if cuts else (text, False)
 
 
@@ -24,17 +26,31 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 _MAX_INCOMPLETE = 3
 
 
-def final_text(tokenizer: Tokenizer, ids: list[int], stop: list[str]) -> str:
-    """The text of a whole output. A sample cut inside a multi-byte character
-    (max_tokens, a cancel) ends before it, as the stream holds it back: the
-    U+FFFD that the missing bytes decode to at the very end are dropped.
-    Text cannot tell them from a U+FFFD the model wrote last, which goes too
-    (it carries no text); one earlier is the model's output and stays."""
+def final_text(tokenizer: Tokenizer, ids: list[int], stop: list[str], min_tokens: int = 0) -> str:
+    """The text of a whole output, cut at its first stop string that counts
+    (see stops_from())."""
+    return cut_at_stop(_complete_text(tokenizer, ids), stop, stops_from(tokenizer, ids, min_tokens))[0]
+
+
+def stops_from(tokenizer: Tokenizer, ids: list[int], min_tokens: int) -> int:
+    """How many characters at the start of an output's text no stop string
+    may end in: the text of its first min_tokens - 1 tokens. Before the
+    min_tokens-th token the engine does not look for stop strings (as
+    vLLM), so text they make there is output like any other."""
+    return len(_complete_text(tokenizer, ids[:min_tokens - 1])) if min_tokens > 1 else 0
+
+
+def _complete_text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """The text of `ids`. One cut inside a multi-byte character (max_tokens,
+    a cancel) ends before it, as the stream holds it back: the U+FFFD that
+    the missing bytes decode to at the very end are dropped. Text cannot
+    tell them from a U+FFFD the model wrote last, which goes too (it carries
+    no text); one earlier is the model's output and stays."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     end = len(text)
     while end > 0 and len(text) - end < _MAX_INCOMPLETE and text[end - 1] == "\ufffd":
         end -= 1
-    return cut_at_stop(text[:end], stop)[0]
+    return text[:end]
 
 
 class IncrementalText:
@@ -43,13 +59,17 @@ class IncrementalText:
     Invariant: the concatenation of everything `push` and `finish` return
     equals final_text() of all the tokens pushed."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], min_tokens: int = 0):
         self._tokenizer = tokenizer
         self._stop = stop
+        self._min_tokens = min_tokens
+        # stops_from() of the output, known once its first min_tokens - 1
+        # tokens are: until then no stop string can count.
+        self._stops_from: int | None = None
         self._longest = max(map(len, stop), default=0)
         self._ids: list[int] = []
         self._prefix_offset = self._read_offset = 0
-        self._text = ""  # decoded so far; holds no stop string until _stopped
+        self._text = ""  # decoded so far; holds no stop string that counts until _stopped
         self._sent = 0  # characters of _text already returned
         self._stopped = False
         # Per stop string: the length of the longest end of _text that is a
@@ -67,11 +87,14 @@ class IncrementalText:
             self._ids, self._prefix_offset, self._read_offset)
         if not new:
             return ""
-        # No stop string lies wholly in the text before `new`: one that
-        # appears now ends in `new`, so it begins at `start` or later.
+        # No stop string that counts lies wholly in the text before `new`:
+        # one that appears now ends in `new`, so it begins at `start` or later.
         start = max(0, len(self._text) - self._longest + 1)
         self._text += new
-        cuts = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+        if self._stops_from is None and len(self._ids) >= self._min_tokens - 1:
+            self._stops_from = stops_from(self._tokenizer, self._ids, self._min_tokens)
+        cuts = [] if self._stops_from is None else [
+            i for i in (self._text.find(s, max(start, self._stops_from - len(s) + 1)) for s in self._stop) if i >= 0]
         if cuts:
             self._stopped = True
             return self._take(self._text, min(cuts))
@@ -79,7 +102,7 @@ class IncrementalText:
 
     def finish(self) -> str:
         """What is left once the sample has ended: held-back text, less a final partial character."""
-        text = final_text(self._tokenizer, self._ids, self._stop)
+        text = final_text(self._tokenizer, self._ids, self._stop, self._min_tokens)
         return self._take(text, len(text))
 
     def _take(self, text: str, end: int) -> str:

@@ -31,6 +31,7 @@ import torch
 
 import vtm
 from flexinfer.attention import KernelAttention, make_attention
+from flexinfer.detokenizer import stops_from
 from flexinfer.errors import EngineError, InvalidArgument
 from flexinfer.host_memory import keep_freed_memory
 from flexinfer.inputs import KVBudget
@@ -655,14 +656,20 @@ class Engine:
             # only where one can end: in the new text, or begun in the last
             # longest-1 characters before it (the only text `seq.text` keeps).
             # Constant cost per step, however long the output.
+            # Nothing is decoded before the first look, which (offsets at 0)
+            # decodes the whole text so far: `window` starts at the output's
+            # start then, so stops_from() counts in it as in final_text.
             new_text, seq.prefix_offset, seq.read_offset = self.tokenizer.decode_incremental(
                 seq.output_ids, seq.prefix_offset, seq.read_offset)
             if new_text:
+                if seq.stops_from is None:
+                    seq.stops_from = stops_from(self.tokenizer, seq.output_ids, seq.params.min_tokens)
                 window = seq.text + new_text
-                if any(s in window for s in seq.params.stop):
+                if any(window.find(s, max(0, seq.stops_from - len(s) + 1)) >= 0 for s in seq.params.stop):
                     return "stop"
                 keep = max(map(len, seq.params.stop)) - 1
                 seq.text = window[-keep:] if keep else ""
+                seq.stops_from = max(0, seq.stops_from - (len(window) - len(seq.text)))
         if output_tokens >= seq.params.max_tokens:
             return "length"
         return None

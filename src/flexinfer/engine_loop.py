@@ -95,8 +95,8 @@ class RequestStream:
         tokenizer = self._loop.engine.tokenizer
         out = RequestOutput(self.prompt, self.prompt_token_ids)
         for seq in self._seqs:
-            out.outputs.append(CompletionOutput(final_text(tokenizer, seq.output_ids, seq.params.stop),
-                                                list(seq.output_ids), seq.finish_reason, seq.metrics, seq.error,
+            text = final_text(tokenizer, seq.output_ids, seq.params.stop, seq.params.min_tokens)
+            out.outputs.append(CompletionOutput(text, list(seq.output_ids), seq.finish_reason, seq.metrics, seq.error,
                                                 seq.sample_index))
         return out
 

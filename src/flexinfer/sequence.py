@@ -76,8 +76,8 @@ class Sequence:
     __slots__ = ("id", "request_index", "sample_index", "prompt_ids", "output_ids", "num_tokens", "params",
                  "priority", "status", "vtensors", "slots", "num_cached", "extended", "map_limit", "unmap_at",
                  "pending", "feed_row", "last_step", "last_start", "prompt_recorded", "finish_reason", "text",
-                 "prefix_offset", "read_offset", "error", "metrics", "stop_ids", "banned_ids", "checks_from",
-                 "generator", "leader", "swapped")
+                 "prefix_offset", "read_offset", "stops_from", "error", "metrics", "stop_ids", "banned_ids",
+                 "checks_from", "generator", "leader", "swapped")
 
     def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
                  params: SamplingParams, priority: int, eos_ids: tuple[int, ...]):
@@ -108,6 +108,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""  # the end of the decoded output a stop string may still complete (Engine._stop_reason)
         self.prefix_offset = self.read_offset = 0
+        # How many characters at the start of `text` no stop string may end
+        # in (detokenizer.stops_from(): those before the min_tokens-th
+        # token's); None until the engine first looks for stop strings.
+        self.stops_from: int | None = None
         self.error: Exception | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids), outputs=self.output_ids)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))

@@ -108,6 +108,58 @@ def test_incremental_text_holds_back_and_cuts_like_the_whole_text():
         assert sent == final_text(Chars(), ids, stops), (text, stops)
 
 
+
+def test_incremental_text_with_min_tokens_counts_stop_strings_from_that_token_on():
+    """Stop strings count only where they end in the text of the min_tokens-th token or a later one
+    (the engine looks for none before it): streamed pieces still add up to final_text, at every split."""
+    class Chars:  # a tokenizer whose tokens are characters
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+        def decode_incremental(self, ids, prefix_offset, read_offset, skip_special_tokens=True):
+            return "".join(map(chr, ids[read_offset:])), read_offset, len(ids)
+
+    ids = [ord(c) for c in "abXab Xab"]
+    assert final_text(Chars(), ids, ["ab"], min_tokens=0) == ""
+    assert final_text(Chars(), ids, ["ab"], min_tokens=2) == ""  # "ab" ends in token 2
+    assert final_text(Chars(), ids, ["ab"], min_tokens=3) == "abX"
+    assert final_text(Chars(), ids, ["X"], min_tokens=4) == "abXab "  # the first "X" ends in token 3
+    assert final_text(Chars(), ids, ["b X"], min_tokens=6) == "abXa"  # begins before, ends after
+    rng = random.Random(1)
+    for _ in range(300):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 40)))
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(0, 3))]
+        min_tokens = rng.randint(0, 20)
+        ids = [ord(c) for c in text]
+        inc, sent, i = IncrementalText(Chars(), stops, min_tokens=min_tokens), "", 0
+        while i < len(ids):
+            step = rng.randint(1, 4)
+            sent += inc.push(ids[i:i + step])
+            i += step
+            assert final_text(Chars(), ids[:i], stops, min_tokens=min_tokens).startswith(sent)
+        sent += inc.finish()
+        assert sent == final_text(Chars(), ids, stops, min_tokens=min_tokens), (text, stops, min_tokens)
+
+
+def test_a_stop_string_before_min_tokens_keeps_its_text(reference):
+    """The engine does not look for stop strings before min_tokens, so the text they are found in is
+    the output's: it was cut at the first stop string anywhere, leaving '' with finish_reason stop."""
+    prompt, min_tokens = "The capital of France is", 10
+    plain = reference.generate([prompt], greedy(30, ignore_eos=True), use_tqdm=False)[0]
+    tokenizer, ids = reference.tokenizer, plain.token_ids
+    stop = tokenizer.decode(ids[:3])[-2:]
+    before = len(tokenizer.decode(ids[:min_tokens - 1]))
+    assert 0 <= plain.text.find(stop) < before - len(stop)  # a stop string long before min_tokens
+    cut = plain.text.find(stop, before - len(stop) + 1)
+    out = reference.generate([prompt], greedy(30, ignore_eos=True, stop=[stop], min_tokens=min_tokens),
+                             use_tqdm=False)[0]
+    assert out.text == (plain.text if cut < 0 else plain.text[:cut])
+    assert out.finish_reason == ("length" if cut < 0 else "stop")
+    assert len(out.token_ids) >= min_tokens and out.token_ids == ids[:len(out.token_ids)]
+    streamed = IncrementalText(tokenizer, [stop], min_tokens=min_tokens)
+    pieces = [streamed.push([t]) for t in out.token_ids]
+    assert "".join(pieces) + streamed.finish() == out.text
+
 # -- the KV budget -------------------------------------------------------------------
 
 

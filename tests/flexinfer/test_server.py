@@ -354,6 +354,28 @@ def test_errors_name_the_field_the_client_sent(server, path, body, param, messag
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(message), error
 
+def test_a_stop_string_before_min_tokens_is_kept_streamed_or_not(server, reference):
+    """Streamed and whole responses give the text LLM.generate gives: a stop string that ends before
+    the min_tokens-th token's text does not cut it."""
+    prompt = "The capital of France is"
+    plain = reference.generate([prompt], greedy(30, ignore_eos=True), use_tqdm=False)[0]
+    stop = reference.tokenizer.decode(plain.token_ids[:3])[-2:]
+    params = greedy(30, ignore_eos=True, stop=[stop], min_tokens=10)
+    want = reference.generate([prompt], params, use_tqdm=False)[0]
+    assert len(want.text) > len(reference.tokenizer.decode(plain.token_ids[:3]))
+    body = {"prompt": prompt, "max_tokens": 30, "temperature": 0.0, "ignore_eos": True, "stop": [stop],
+            "min_tokens": 10}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert (whole["text"], whole["finish_reason"]) == (want.text, want.finish_reason)
+    text, finish = "", None
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+    assert (text, finish) == (want.text, want.finish_reason)
+
 @pytest.mark.parametrize("path, field, depth", [
     ("completions", "x", 1000), ("completions", "x", 100_000), ("completions", "prompt", 100_000),
     ("completions", "prompt", 900), ("chat/completions", "messages", 100_000),
