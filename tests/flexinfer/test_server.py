@@ -336,6 +336,7 @@ def test_stop_token_id_problems_name_stop_token_ids(server, reference):
             assert error["param"] == "stop_token_ids" and expected in error["message"], error
     wait_idle(server)
 
+
 @pytest.mark.parametrize("path, body, param, message", [
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
     ("chat/completions", {"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens",
@@ -353,6 +354,7 @@ def test_errors_name_the_field_the_client_sent(server, path, body, param, messag
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(message), error
+
 
 def test_a_stop_string_before_min_tokens_is_kept_streamed_or_not(server, reference):
     """Streamed and whole responses give the text LLM.generate gives: a stop string that ends before
@@ -375,6 +377,7 @@ def test_a_stop_string_before_min_tokens_is_kept_streamed_or_not(server, referen
                 text += choice["text"]
                 finish = choice["finish_reason"] or finish
     assert (text, finish) == (want.text, want.finish_reason)
+
 
 @pytest.mark.parametrize("path, field, depth", [
     ("completions", "x", 1000), ("completions", "x", 100_000), ("completions", "prompt", 100_000),
