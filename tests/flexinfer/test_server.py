@@ -418,9 +418,10 @@ def test_client_leaving_cancels_its_request_and_releases_its_kv(server, stream):
 
 
 @pytest.mark.parametrize("grace", ["long", "short"])
-def test_sigterm_lets_a_stream_finish_or_cuts_it_then_exits_0(tiny_chat, tmp_path, grace):
+def test_sigterm_lets_a_stream_finish_or_aborts_it_then_exits_0(tiny_chat, tmp_path, grace):
     """SIGTERM: the stream in flight finishes within --shutdown-timeout, or is
-    cancelled when that runs out; either way the process exits with 0."""
+    aborted when that runs out (it ends with finish_reason "abort" and
+    [DONE], not cut); either way the process exits with 0."""
     timeout = "30" if grace == "long" else "0.2"
     tokens = 120 if grace == "long" else 1000
     process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--shutdown-timeout", timeout)
@@ -434,19 +435,19 @@ def test_sigterm_lets_a_stream_finish_or_cuts_it_then_exits_0(tiny_chat, tmp_pat
                 received = len(json.loads(next(line for line in lines if line.startswith("data: "))[6:])
                                ["choices"][0]["token_ids"])
                 process.process.send_signal(signal.SIGTERM)
-                done = False
-                try:
-                    for line in lines:
-                        if line == "data: [DONE]":
-                            done = True
-                        elif line.startswith("data: "):
-                            received += len(json.loads(line[6:])["choices"][0]["token_ids"])
-                except httpx.RemoteProtocolError:  # the server cut the stream
-                    pass
+                done, finish_reason = False, None
+                for line in lines:
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        choice = json.loads(line[6:])["choices"][0]
+                        received += len(choice["token_ids"])
+                        finish_reason = choice["finish_reason"] or finish_reason
+        assert done
         if grace == "long":
-            assert done and received == tokens
+            assert received == tokens and finish_reason == "length"
         else:
-            assert not done and received < tokens
+            assert received < tokens and finish_reason == "abort"
         # New connections are refused (or told 503) while it shuts down.
         try:
             assert httpx.get(f"{process.url}/health", timeout=5).status_code == 503

@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from server_testing import (ENGINE_OPTIONS, MAX_MODEL_LEN, SERVER_FLAGS, SMALL_CHUNK, SMALL_POOL_CHUNKS,  # noqa: E402
-                            ServerProcess, greedy, small_pool_llm, start_in_thread)
+                            ServerProcess, free_port, greedy, small_pool_llm, start_in_thread)
 from server_testing import reference, tiny_chat  # noqa: E402,F401 (fixtures)
 
 import vtm  # noqa: E402
@@ -520,3 +520,78 @@ def test_limits_flags_are_checked(tiny_chat, capsys):
 
     assert main(["serve", "--model", tiny_chat, "--port", "0", "--max-queued-seqs", "0"]) == 2
     assert "--max-queued-seqs must be >= 1" in capsys.readouterr().err
+
+
+# -- shutdown --------------------------------------------------------------------
+
+
+def test_requests_still_running_when_the_shutdown_timeout_ends_are_answered_abort(tiny_chat):
+    """uvicorn cancels the handlers still running once --shutdown-timeout has passed, before the LLM is
+    closed: a stream was cut without its last chunk, a whole response became uvicorn's plain-text
+    500. The server now aborts those requests first, so each handler answers as documented:
+    finish_reason "abort", then [DONE]. (The server runs on this thread, as `flexinfer serve` does:
+    it installs signal handlers.)"""
+    import uvicorn
+
+    from flexinfer.server.app import create_app
+    from flexinfer.server.graceful import GracefulServer
+
+    llm = LLM(tiny_chat, **ENGINE_OPTIONS)
+    step = llm.engine.step
+
+    def slow_step():  # so that both requests are still running when the timeout ends
+        time.sleep(0.01)
+        return step()
+
+    llm.engine.step = slow_step
+    app = create_app(lambda: llm, "tiny")
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
+                            timeout_graceful_shutdown=0.3)
+    server = GracefulServer(config, app.state.server.begin_shutdown, app.state.server.abort_in_flight)
+    url = f"http://127.0.0.1:{config.port}"
+    body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "n": 2}
+    results = {}
+
+    def stream():
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        results["streaming"] = True
+        results["stream"] = events
+
+    def whole():
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        results["whole"] = (response.status_code, response.headers.get("content-type"), response.text)
+
+    def drive():
+        try:
+            deadline = time.monotonic() + 60
+            while not server.started or httpx.get(f"{url}/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
+            for client in clients:
+                client.start()
+            while not (results.get("streaming") and metrics(url)["flexinfer_num_requests_running"] == 4):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            server.handle_exit(signal.SIGTERM, None)
+            for client in clients:
+                client.join(60)
+        finally:
+            server.should_exit = True
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    server.run()
+    driver.join(60)
+    status, content_type, text = results["whole"]
+    assert status == 200 and content_type == "application/json", text
+    assert [c["finish_reason"] for c in json.loads(text)["choices"]] == ["abort", "abort"]
+    events = results["stream"]
+    assert events[-1] == "[DONE]", events[-3:]
+    finished = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+    assert finished == ["abort", "abort"], events[-3:]

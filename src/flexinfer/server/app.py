@@ -4,8 +4,9 @@ Lifetime: the app starts answering at once while the model loads in a
 thread (requests and /health get 503 until it is ready, so a client or a
 load balancer can tell "loading" from "down"); SIGTERM (see main.py) marks
 it shutting down (503 again, for anything that still arrives) while uvicorn
-lets in-flight requests finish; at the end the LLM is closed, which cancels
-whatever still runs.
+lets in-flight requests finish for the shutdown timeout, then aborts them
+(abort_in_flight: each still answers, with finish_reason "abort"); at the
+end the LLM is closed, which cancels whatever still runs.
 
 Nothing here waits on the engine or the vtm broker on the event loop:
 bodies are parsed (when large) and requests submitted on worker threads,
@@ -63,6 +64,12 @@ class ServerState:
     def begin_shutdown(self) -> None:
         if self.phase in ("loading", "ready"):
             self.phase = "shutting_down"
+
+    def abort_in_flight(self) -> None:
+        """The shutdown timeout has passed: end the requests still running
+        with finish_reason "abort" (Serving.abort_all)."""
+        if self.serving is not None:
+            self.serving.abort_all()
 
     def ready(self) -> Serving:
         """The serving endpoints, or the 503 that says why there are none."""

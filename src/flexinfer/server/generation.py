@@ -106,6 +106,14 @@ class Generation:
                 choice.finish_reason = "abort"
                 self._metrics.requests.labels("abort").inc()
 
+    def abort(self) -> None:
+        """Take back every request not yet done, as a server shutting down
+        does: unlike cancel(), its choices end through updates() as any
+        other end would (finish_reason "abort"), so that the handler still
+        answers with them. A no-op once every request is done."""
+        for request in self.requests:
+            request.cancel()
+
     def usage(self) -> Usage:
         """Token counts, once every request is done. cached_tokens: prompt
         tokens mapped from the prefix cache (the first sample's; the others

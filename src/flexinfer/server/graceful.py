@@ -7,24 +7,53 @@ accepting, let in-flight requests finish for `timeout_graceful_shutdown`
 seconds, cancel the rest, run the app's shutdown). A second Ctrl-C skips the
 wait. Unlike uvicorn's default, the signal is not raised again afterwards,
 which would end the process with the signal's status instead of 0.
+
+When the timeout has passed, the app is told to abort what still runs
+(`on_grace_over`) and its handlers get ABORT_ANSWER_S more to answer so
+(finish_reason "abort"): a handler that uvicorn cancels can only cut its
+stream, or leave uvicorn to answer a plain-text 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
+import socket
 from types import FrameType
 from typing import Callable, Iterator
 
 import uvicorn
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How long the handlers of aborted requests have to answer before uvicorn
+# cancels them: the engine ends an aborted request at its next step.
+ABORT_ANSWER_S = 5.0
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None],
+                 on_grace_over: Callable[[], None]):
+        """`config.timeout_graceful_shutdown`: how long in-flight requests
+        may run after the signal (None: as long as they take); then
+        `on_grace_over()` runs on the event loop, and the config's timeout
+        is raised by ABORT_ANSWER_S: only then does uvicorn cancel them."""
+        self._grace = config.timeout_graceful_shutdown
+        if self._grace is not None:
+            config.timeout_graceful_shutdown = self._grace + ABORT_ANSWER_S
         super().__init__(config)
         self._on_signal = on_signal
+        self._on_grace_over = on_grace_over
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._grace is None:
+            await super().shutdown(sockets)
+            return
+        grace_over = asyncio.get_running_loop().call_later(self._grace, self._on_grace_over)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            grace_over.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_signal()

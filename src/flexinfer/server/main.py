@@ -3,8 +3,9 @@
 
 Signals: SIGTERM or Ctrl-C starts a graceful shutdown (graceful.py): new
 requests get 503 and the listening socket closes, in-flight requests may
-finish for --shutdown-timeout seconds and are then cancelled, the LLM is
-closed, and the process exits with status 0.
+finish for --shutdown-timeout seconds and are then aborted (they answer
+with finish_reason "abort"), the LLM is closed, and the process exits with
+status 0.
 
 This module imports FastAPI and uvicorn only inside `serve`, so the other
 `flexinfer` commands do not pay for them.
@@ -85,7 +86,7 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
     app = create_app(load, name, on_load_error, limits, on_ready)
     config = uvicorn.Config(app, log_level=log_level, access_log=args.access_log, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    server = GracefulServer(config, app.state.server.begin_shutdown)
+    server = GracefulServer(config, app.state.server.begin_shutdown, app.state.server.abort_in_flight)
     print(f"flexinfer: serving {name} on {url} (model loading; /health answers 200 once ready)",
           file=sys.stderr, flush=True)
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -55,6 +56,10 @@ class Serving:
         self.metrics = metrics
         self.limits = limits or ServerLimits()
         self.admission = Admission(self.limits.max_queued_seqs)
+        # The generations whose handlers may still run (abort_all); one
+        # goes with its handler, and aborting one that ended does nothing.
+        self._generations: weakref.WeakSet[Generation] = weakref.WeakSet()
+        self._aborting = False
         # A template that does not name the "developer" role would print it
         # as an unknown role: OpenAI's newer name for "system" is read as that.
         self._developer_as_system = "developer" not in (llm.tokenizer.chat_template or "")
@@ -249,12 +254,25 @@ class Serving:
             self.admission.release(count)
             raise
         try:
-            return await asyncio.shield(started)
+            generation, prompts = await asyncio.shield(started)
         except asyncio.CancelledError:
             # The client left (or the server is stopping) while the request
             # was being submitted: take it back once it is.
             started.add_done_callback(_cancel_generation)
             raise
+        self._generations.add(generation)
+        if self._aborting:  # submitted while abort_all() ran
+            generation.abort()
+        return generation, prompts
+
+    def abort_all(self) -> None:
+        """Abort every request in flight, and any submitted from now on (on
+        the event loop, when the server's shutdown timeout has passed): each
+        handler answers with finish_reason "abort" before the server would
+        cancel it, which would cut its stream or answer a bare 500."""
+        self._aborting = True
+        for generation in list(self._generations):
+            generation.abort()
 
     def _start(self, prompts: list[list[int]], params: SamplingParams, arrival: float,
                loop: asyncio.AbstractEventLoop) -> Generation:
