@@ -219,6 +219,10 @@ def test_a_record_that_releases_needs_no_free_chunk_through_vtmd(broker, fast_pa
         with pytest.raises(vtm.InvalidArgument):
             space.prefix_record(bad, list(range(11)), release=True).result()
         assert not bad.released
+        other = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1, name="other")
+        with pytest.raises(vtm.FailedPrecondition, match="belongs to space"):
+            other.prefix_record(bad, list(range(10)), release=True).result()
+        assert not bad.released  # it used to be released all the same
         bad.release().result()
         mgr.check()
         space.clear_prefixes()

@@ -719,19 +719,32 @@ class RemoteManager:
             # As a release: unmapped here first, so the vTensor is released
             # whatever the broker answers; if its record (or release) failed,
             # the vTensor is released there alone (a session that is gone
-            # freed it already).
+            # freed it already). Bad input is refused here first, as in
+            # process, so that it changes nothing.
+            if vt._space is not space:
+                raise errors.FailedPrecondition(f"prefix_record: vTensor {vt.id} belongs to space "
+                                                f"'{vt._space.name}', not '{space.name}'")
+            if space.closed:
+                raise errors.FailedPrecondition(f"prefix_record: space '{space.name}' is closed")
             self._unmap_first(vt)
             try:
                 reply = self._rpc("prefix_record", self._stub.PrefixRecord, request)
             except errors.Error:
-                try:
-                    self._transport.release(vt.id)
-                except errors.Error:
-                    pass
+                self._release_at_broker(vt)
                 raise
             self._apply(reply)
+            if not any(state.vtensor_id == vt.id and state.released for state in reply.vtensors):
+                self._release_at_broker(vt)  # a broker from before `release`: it recorded only
             return reply.value
         return self._submit(run, data_plane=True)
+
+    def _release_at_broker(self, vt: RemoteVTensor) -> None:
+        """Releases at the broker a vTensor unmapped here already (best
+        effort: a session that is gone freed it)."""
+        try:
+            self._transport.release(vt.id)
+        except errors.Error:
+            pass
 
     def _prefix_match(self, space: RemoteSpace, token_ids, stream=None) -> RemoteFuture:
         # `stream` orders nothing here: a match copies only pages of the

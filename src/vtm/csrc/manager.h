@@ -210,8 +210,10 @@ class Manager {
   // `release`: the record also releases the vTensor, which so never writes
   // its pages again: the page its next row would have gone into joins the
   // tree as it is, without the copy (so a record at preemption needs no free
-  // chunk). Should that release fail (the backend refusing an unmap), the
-  // record stands and the vTensor stays live.
+  // chunk); as for Release, the kernels using the vTensor must have
+  // completed. Should that release fail (the backend refusing an unmap), the
+  // record stands and the vTensor stays live with that page the tree's: its
+  // caller releases it again and writes nothing more (docs/design.md).
   std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
                                             std::uintptr_t stream, bool release = false);
   // A match restores at most `max_restore_pages` pages from the host tier:

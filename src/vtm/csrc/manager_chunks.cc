@@ -289,8 +289,15 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
     tier_over_limit_.erase(account);
     return;
   }
-  tier_limits_[account] = blocks;
-  tier_over_limit_.insert(account);  // before anything changes: the one step here that allocates
+  // Both entries are made before any node changes (each allocates), and
+  // the first goes again if the second cannot be made.
+  const bool added = tier_over_limit_.insert(account).second;
+  try {
+    tier_limits_[account] = blocks;
+  } catch (...) {
+    if (added) tier_over_limit_.erase(account);
+    throw;
+  }
   if (FitTierAccount(account, blocks)) tier_over_limit_.erase(account);
   AfterCommit();  // nodes below may have held device chunks
 }
@@ -336,8 +343,10 @@ bool Manager::FitTierAccount(std::uint32_t account, std::size_t blocks) {
 }
 
 void Manager::UnlockPath(PrefixTree& tree, PrefixNode* node) {
-  tree.Unlock(node);
-  if (!tier_over_limit_.empty()) tier_refit_ = true;
+  // Only a node on the host that no lock keeps may bring an account within
+  // its limit: a long-lived lock keeping one above it costs no walk per
+  // operation.
+  if (tree.Unlock(node) && !tier_over_limit_.empty()) tier_refit_ = true;
 }
 
 std::vector<std::uint32_t> Manager::UnusedTierAccounts(const std::vector<std::uint32_t>& accounts) const {

@@ -341,13 +341,13 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     if (!fall_back) {
       // The splits are undone when the restore fails: a failed match
       // leaves the tree as it was, and one that falls back restores
-      // nothing. No other operation can have told the halves apart
-      // meanwhile (a refill wait in RestorePath lets only those run that
-      // leave locked nodes alone; matches and records of this tree wait for
-      // this one).
-      PrefixNode* const end = found.node->on_host ? sp.tree->SplitAt(found) : found.node;
+      // nothing. Matches and records of this tree wait for this one, and
+      // during a refill wait in RestorePath only a shrink can tell the
+      // halves apart (by moving a vTensor's lock onto an upper half): then
+      // that split stays, as any match could have left it.
       std::vector<PrefixNode*> uppers;
       uppers.reserve(2);  // allocated before the first split, so pushing cannot fail after it
+      PrefixNode* const end = found.node->on_host ? sp.tree->SplitAt(found) : found.node;
       if (end != found.node) uppers.push_back(end);
       PrefixNode* const above = sp.tree->SplitAtWindow(TreePosition{end, m});
       if (above != nullptr) uppers.push_back(above);

@@ -296,11 +296,14 @@ void PrefixTree::Lock(PrefixNode* node) {
   for (PrefixNode* n = node; n != &root_; n = n->parent) ++n->locks;
 }
 
-void PrefixTree::Unlock(PrefixNode* node) {
+bool PrefixTree::Unlock(PrefixNode* node) {
+  bool host_unlocked = false;
   for (PrefixNode* n = node; n != &root_; n = n->parent) {
     if (n->locks <= 0) Throw(ErrorCode::kInternal, "unlock of a prefix node without locks");
     --n->locks;
+    host_unlocked = host_unlocked || (n->on_host && n->locks == 0);
   }
+  return host_unlocked;
 }
 
 std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {

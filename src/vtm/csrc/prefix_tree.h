@@ -197,7 +197,9 @@ class PrefixTree {
   // Marks the path from the root to `node` as used at `tick`.
   void Touch(PrefixNode* node, std::uint64_t tick);
   void Lock(PrefixNode* node);
-  void Unlock(PrefixNode* node);
+  // Returns whether a node on the host lost its last lock (nothing else
+  // kept it from a lowered tier limit's drops).
+  bool Unlock(PrefixNode* node);
 
   // Removes a leaf with locks == 0; returns how many chunks became free.
   std::size_t EvictLeaf(PrefixNode* leaf);
