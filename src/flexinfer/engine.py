@@ -275,6 +275,7 @@ class Engine:
                 "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
                 "prefix_hit_tokens_host": s.prefix_hit_tokens_host,
                 "swap_out_tokens": s.swap_out_tokens, "swap_in_tokens": s.swap_in_tokens,
+                "admissions_undone": s.num_unadmitted,
                 "prefix_failures": s.num_prefix_failures, "memory_faults": s.num_memory_faults,
                 "vtm": self.manager.stats(timeout=timeout)}
 

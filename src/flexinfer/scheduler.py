@@ -116,6 +116,12 @@ class Scheduler:
         # readmissions mapped back (fewer when the host tier dropped some).
         self.swap_out_tokens = 0
         self.swap_in_tokens = 0
+        # Releases so far, and their count when an admission last had to be
+        # undone (_unadmit): until memory comes back (a release) or nothing
+        # runs, admitting again would only be undone again.
+        self._releases = 0
+        self._unadmitted_at = -1
+        self.num_unadmitted = 0  # admissions undone so
         self.prefix_hit_tokens = 0
         self.prefix_hit_tokens_host = 0  # of those, tokens vtm copied back from its host tier
         self.num_prefix_failures = 0  # prefix records and matches that failed (the prefix is not reused)
@@ -181,9 +187,12 @@ class Scheduler:
             if seq.vtensors:
                 self._stepped(seq, tokens, start)
 
-    def _ensure(self, plan: list[tuple[Sequence, int]], late: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    def _ensure(self, plan: list[tuple[Sequence, int]], late: list[tuple[Sequence, int]],
+                admitted: set[Sequence]) -> list[tuple[Sequence, int]]:
         """Map what `plan` writes, preempting until it fits; returns the
-        surviving plan. `late`: the entries of `plan` that may need a page."""
+        surviving plan. `late`: the entries of `plan` that may need a page;
+        `admitted`: those admitted by this step, which go back to waiting
+        uncounted when they must give way (they computed nothing yet)."""
         while True:
             need = self._with_starts({s: s.num_cached + n for s, n in late
                                       if s.map_limit < s.num_cached + n and s.status is Status.RUNNING})
@@ -206,6 +215,8 @@ class Scheduler:
                     # Alone and still too big: this request can never fit.
                     victim = victim or next(iter(need))
                     self._fail(victim, exc)
+                elif victim in admitted:
+                    self._unadmit(victim)
                 else:
                     self._preempt(victim)
                 plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
@@ -283,6 +294,21 @@ class Scheduler:
             return None
         return max(self.running, key=lambda s: (s.priority, s.metrics.arrival_s, s.id))
 
+    def _unadmit(self, seq: Sequence) -> None:
+        """Undoes this step's admission of `seq`, which did not fit beside
+        the running sequences: it goes back to the front of the queue, as
+        it was (what its admission matched stays in the tree, and a
+        swapped-out sequence's record with it). Not a preemption: it had not
+        run, and counting it would count one per step while memory is short."""
+        swapped = seq.swapped
+        self._drop_vtensors(seq, record=False)
+        seq.swapped = swapped
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self._unadmitted_at = self._releases
+        self.num_unadmitted += 1
+
     def _preempt(self, seq: Sequence) -> None:
         # The memory is needed now: wait for the steps still using it.
         if self._in_use(seq):
@@ -330,6 +356,8 @@ class Scheduler:
             seq.status = Status.WAITING
             seq.metrics.preemptions += 1
             self.waiting.appendleft(seq)
+        for seq in self.waiting:
+            seq.swapped = 0  # nor of what swapped-out ones kept
         self.num_preemptions += len(self.running)
         self.running.clear()
         self._pending = None
@@ -418,6 +446,7 @@ class Scheduler:
         for exc in failures:
             if not isinstance(exc, (vtm.OutOfMemory, vtm.Unavailable)):
                 self._record_failed(exc)
+        self._releases += 1
         self._release([vt for vt in seq.vtensors if vt is not None and not vt.released])
         return not failures
 
@@ -425,6 +454,7 @@ class Scheduler:
         """Releases vTensors; one the device refuses to unmap (vtm leaves it
         as it was) is retried at the next step instead of failing anyone.
         One of a lost broker session is gone already."""
+        self._releases += 1
         for vt, future in [(vt, vt.release()) for vt in vtensors if vt is not None]:
             try:
                 future.result()
@@ -546,7 +576,9 @@ class Scheduler:
             budget -= n
             if seq.num_cached + n >= seq.map_limit:
                 late.append((seq, n))
-        while budget > 0 and len(self.running) < self.max_num_seqs and not reclaimed:
+        admitted: set[Sequence] = set()
+        room = self._unadmitted_at != self._releases or not self.running
+        while room and budget > 0 and len(self.running) < self.max_num_seqs and not reclaimed:
             seq = next((s for s in self.waiting if self._admissible(s)), None)
             if seq is None:
                 break
@@ -554,11 +586,12 @@ class Scheduler:
                 if seq.status is Status.FINISHED:
                     continue  # failed alone: the next one may fit
                 break
+            admitted.add(seq)
             n = min(seq.num_tokens - seq.num_cached, budget)
             plan.append((seq, n))
             late.append((seq, n))
             budget -= n
-        plan = self._ensure(plan, late)
+        plan = self._ensure(plan, late, admitted)
         # Pre-extend: map what the next step will write while this one
         # computes. Only where it maps or unmaps a page: a step within both
         # limits would only advance vtm's token count, which a record raises

@@ -328,7 +328,7 @@ def test_metrics_keep_the_last_figures_when_stats_fail():
     from flexinfer.server.metrics import ServerMetrics
 
     answers = [{"running": 1, "waiting": 2, "preemptions": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0,
-                "prefix_hit_tokens_host": 0,
+                "prefix_hit_tokens_host": 0, "swap_out_tokens": 0, "swap_in_tokens": 0,
                 "vtm": {"capacity_bytes": 4096, "chunk_bytes": 4096, "chunks_mapped": 0, "chunks_cached": 0}}]
 
     def stats():
