@@ -334,7 +334,8 @@ def test_a_step_that_maps_pages_carries_every_low_mark_due(families, name, chunk
         scheduler.manager = WatchedSteps(manager, check)
         outputs = llm.generate(prompts, _greedy(40), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [oracle.greedy(p, 40) for p in prompts]
-        assert missed == [] and checked[0] > 10 and llm.stats()["preemptions"] > 0
+        stats = llm.stats()
+    assert missed == [] and checked[0] > 10 and stats["preemptions"] + stats["admissions_undone"] > 0
     manager.check()
     manager.close()
 
