@@ -10,7 +10,8 @@ a readmitted request computes its prompt and its output so far again; with
 `preemption="swap"` its KV was recorded (in one operation with its release)
 and kept, spilled to vtm's host tier when the pool needed the chunks, and
 its readmission copies it back. Both engines run the same requests on the
-same weights; reported per engine: the wall time and the output tokens per
+same weights (the defaults admit about twice the requests the pool holds at
+their full length, so the running ones outgrow it); reported per engine: the wall time and the output tokens per
 second, the latency from submission to the last token (p50, p99), the
 preemptions, and the tokens swapped out and back in; then the ratios. The
 greedy outputs must be equal on the host backend (float32).
@@ -20,7 +21,7 @@ of the request so far, so the more a preempted request had computed, the
 more swap saves.
 
 Usage: python scripts/bench_swap.py [--quick] [--json PATH] [--model smollm2|random|FOLDER]
-           [--requests 12] [--prompt 512] [--max-tokens 64] [--pool 3] [--backend host|cuda]
+           [--requests 8] [--prompt 256] [--max-tokens 256] [--pool 2] [--backend host|cuda]
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--backend", default="host", choices=["host", "cuda"])
     ap.add_argument("--dtype", default=None, help="default: float32 on host, bfloat16 on cuda")
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--prompt", type=int, default=512, help="tokens of each prompt")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--pool", type=int, default=3, help="requests the device pool holds at their full length")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=256, help="tokens of each prompt")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--pool", type=int, default=2, help="requests the device pool holds at their full length")
     ap.add_argument("--quick", action="store_true", help="6 requests of 128 + 16 tokens, a pool of 2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
