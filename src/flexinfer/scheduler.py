@@ -121,7 +121,7 @@ class Scheduler:
         # runs, admitting again would only be undone again.
         self._releases = 0
         self._unadmitted_at = -1
-        self.num_unadmitted = 0  # admissions undone so
+        self.num_unadmitted = 0  # admissions undone (_unadmit)
         self.prefix_hit_tokens = 0
         self.prefix_hit_tokens_host = 0  # of those, tokens vtm copied back from its host tier
         self.num_prefix_failures = 0  # prefix records and matches that failed (the prefix is not reused)
@@ -446,7 +446,7 @@ class Scheduler:
         for exc in failures:
             if not isinstance(exc, (vtm.OutOfMemory, vtm.Unavailable)):
                 self._record_failed(exc)
-        self._releases += 1
+        self._releases += 1  # vtm released them (or _release below does)
         self._release([vt for vt in seq.vtensors if vt is not None and not vt.released])
         return not failures
 
@@ -454,7 +454,8 @@ class Scheduler:
         """Releases vTensors; one the device refuses to unmap (vtm leaves it
         as it was) is retried at the next step instead of failing anyone.
         One of a lost broker session is gone already."""
-        self._releases += 1
+        if vtensors:
+            self._releases += 1
         for vt, future in [(vt, vt.release()) for vt in vtensors if vt is not None]:
             try:
                 future.result()
