@@ -210,8 +210,14 @@ def test_greedy_tokens_match_transformers(families, name):
         llm.manager.check()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral-sliding"])
-def test_greedy_tokens_match_without_prefix_caching_and_under_preemption(families, name):
+@pytest.mark.parametrize("host_tier_chunks", [0, 256], ids=["no-tier", "tier"])
+@pytest.mark.parametrize("name", ["gemma3", "mistral-sliding", "qwen2-sliding"])
+def test_greedy_tokens_match_without_prefix_caching_and_under_preemption(families, name, host_tier_chunks):
+    """Then on the smallest pool that holds the largest request: the others
+    are preempted and recomputed, and every request finishes. With the host
+    tier, the prefixes matched back from it used to lock pages their window
+    had left behind (and the page each match's copy replaced), and the last
+    request running failed with OutOfMemory in a pool it fits in."""
     folder, oracle = families[name]
     prompts = _prompts([12, 33, 47], seed=4)
     expected = [oracle.greedy(p, 64) for p in prompts]
@@ -221,14 +227,15 @@ def test_greedy_tokens_match_without_prefix_caching_and_under_preemption(familie
         assert [o.token_ids for o in outputs] == expected
         budget = dataclasses.replace(llm.engine.kv_budget, prefix_caching=True)
     roomy.close()
-    # A pool that holds the largest sequence and little more: the others are preempted and recomputed.
-    capacity = max(budget.chunks_needed(len(p), 64) for p in prompts) + 1
-    manager = vtm.Manager(backend="host", capacity_bytes=capacity * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    capacity = max(budget.chunks_needed(len(p), 64) for p in prompts)
+    manager = vtm.Manager(backend="host", capacity_bytes=capacity * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
+                          host_tier_bytes=host_tier_chunks * CHUNK)
     with LLM(folder, manager=manager, max_model_len=128, max_batch_tokens=16) as llm:
         outputs = llm.generate(prompts, _greedy(64), use_tqdm=False)
         assert [o.outputs[0].error for o in outputs] == [None] * 3
         assert [o.token_ids for o in outputs] == expected
         assert llm.stats()["preemptions"] > 0
+        manager.check()
     manager.close()
 
 
@@ -303,7 +310,7 @@ def test_sliding_layers_map_only_their_window(families):
     manager.close()
 
 
-@pytest.mark.parametrize("name, chunks", [("gemma2", 48), ("mistral-sliding", 12)])
+@pytest.mark.parametrize("name, chunks", [("gemma2", 36), ("mistral-sliding", 12)])
 def test_a_step_that_maps_pages_carries_every_low_mark_due(families, name, chunks):
     """Requests arrive while others decode, in a pool that runs out: every
     step vtm gets that maps a page also raises the low mark of each running

@@ -384,6 +384,10 @@ def test_a_shrink_unmaps_here_first_and_maps_again_what_the_broker_refused(broke
         vt = space.create(len(tokens)).result()  # pages 0-1
         view[vt.slot, :len(tokens) * ROW] = want
         space.prefix_record(vt, tokens).result()  # page 0 shared, page 1 copied for the tree
+        # Page 0 stays shared after the filler below has the tree's copy of
+        # page 1, which only the two paths' locks kept (they give way first).
+        twin = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1, namespace="ns")
+        matched = twin.prefix_match(tokens + [0]).result().vtensor
         seen = []
         rpc = mgr._rpc
 
@@ -393,7 +397,7 @@ def test_a_shrink_unmaps_here_first_and_maps_again_what_the_broker_refused(broke
             return rpc(what, *args, **kwargs)
         mgr._rpc = spy
         filled = other.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(13 * int(ROWS_PER_PAGE)).result()
-        assert mgr.stats()["chunks_held"] == 16
+        assert mgr.stats()["chunks_held"] == 16 and mgr.stats()["prefix_unpins_total"] == 2
         with pytest.raises(vtm.OutOfMemory):
             vt.shrink(30).result()  # page 0 holds row 30 and is shared: a copy needs a chunk
         assert seen[0][1] is None and seen[0][0] is not None
@@ -405,6 +409,7 @@ def test_a_shrink_unmaps_here_first_and_maps_again_what_the_broker_refused(broke
         with pytest.raises(vtm.InvalidArgument, match="exceed the 30"):
             vt.shrink(31).result()
         vt.release().result()
+        matched.release().result()
         mgr.check()
 
 

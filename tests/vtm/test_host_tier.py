@@ -248,13 +248,11 @@ def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(back
     record(sp, io, A)
     fill_pool(sp)
     first = match(sp, A[:50] + [5])  # restores [0, 50) (its window, [21, 50)), which it keeps locked on the device
-    held = []
-    while True:  # live vTensors hold every other chunk: the rest of A cannot come back
-        try:
-            held.append(sp.create(1).result())
-        except vtm.OutOfMemory:
-            break
-    held.pop().release().result()  # one chunk free: the match's copy of its last page
+    mgr.trim()
+    # Live vTensors hold every other chunk but one (the match's copy of its
+    # last page): the rest of A cannot come back. (Creating until out of
+    # memory would unpin the first match's path, and spill it.)
+    held = [sp.create(1).result() for _ in range(CHUNKS - mgr.stats()["chunks_held"] - 1)]
     m = match(sp, A)
     assert m.num_tokens == 50 and m.restored_tokens == 0
     io.verify(m.vtensor, A, m.vtensor.low, 50)

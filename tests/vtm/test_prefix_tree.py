@@ -529,3 +529,78 @@ def test_a_releasing_record_of_nothing_still_releases(make_manager):
     assert space.prefix_record(vt, [], release=True).result() == 0
     assert vt.released and not space.prefix_nodes()
     assert_pool_consistent(mgr)
+
+
+@pytest.mark.parametrize("tier", [0, 4], ids=["no-tier", "tier"])
+@pytest.mark.parametrize("window", [0, 12], ids=["whole", "window"])
+def test_a_match_never_runs_out_of_memory_that_only_its_own_lock_holds(make_manager, window, tier):
+    """A matched vTensor locks its path, and the path keeps chunks the
+    vTensor does not map: the page its copy-on-write replaced at the match's
+    end, and in a window space the pages below its low mark. With every
+    other chunk held, growing it used to fail with OutOfMemory, so a request
+    running alone failed in a pool it fits in. Now the lock gives way: the
+    path is evicted (spilled, with a tier) and the growth maps, the
+    vTensor's bytes intact, and its record locks the path again."""
+    mgr = make_manager(chunks=8, host_tier_bytes=tier * CHUNK)
+    row = 3000 * SCALE  # 21.8 rows a page: 25 rows are page 0 full, page 1 partial
+    space = mgr.create_space(row_bytes=row, max_tokens=120, max_slots=8, window_tokens=window)
+    io = RowIO(space)
+    t = list(range(100))
+    record(space, io, t[:25])
+    m = space.prefix_match(t[:26]).result()
+    vt = m.vtensor
+    assert m.num_tokens == 25
+    if window:  # the low mark passes page 0, which the path keeps
+        vt.extend(50, low=50 - window).result()
+        io.write(vt, t, 25, 50)
+    mgr.trim()  # no free or cached chunk left to take first
+    held = [space.create(1).result() for _ in range(8 - mgr.stats()["chunks_held"])]
+    assert mgr.stats()["chunks_held"] == 8 and mgr.stats()["prefix_unpins_total"] == 0
+    pinned = [nd for nd in space.prefix_nodes() if nd["locks"]]
+    assert pinned and all(c is not None for nd in pinned for c in nd["pages"])
+    grown = 80 if window else 50
+    vt.extend(grown, low=vt.low).result()  # a new page, and none given back
+    io.write(vt, t, 50 if window else 25, grown)
+    st = assert_pool_consistent(mgr)
+    assert st["prefix_unpins_total"] >= 1
+    assert all(nd["locks"] == 0 for nd in space.prefix_nodes())
+    io.verify(vt, t, vt.low, grown)
+    for h in held:
+        h.release().result()
+    space.prefix_record(vt, t[:grown]).result()
+    assert any(nd["locks"] for nd in space.prefix_nodes())
+    vt.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_an_allocation_that_unpinning_cannot_satisfy_changes_nothing(make_manager):
+    """The device runs out below the pool's capacity (a physical limit), and
+    unpinning the match's path would free 1 chunk of the 2 the extend needs.
+    A failed operation changes nothing but caches: it must not unpin (an
+    earlier version unpinned the path, evicted its leaf, and failed)."""
+    mgr = make_manager(chunks=8, faults=True, prealloc_chunks=0, slot_cache_bytes=0)
+    row = CHUNK // 16  # 16 rows a page: node [0, 16) is page 0 exactly
+    space = mgr.create_space(row_bytes=row, max_tokens=120, max_slots=8)
+    io = RowIO(space)
+    t = list(range(100))
+    _, recorder = record(space, io, t[:16], release=False)  # maps page 0 itself: nothing to unpin there
+    record(space, io, t[:25])
+    vt = space.prefix_match(t[:26]).result().vtensor
+    assert vt.num_tokens == 25
+    nodes = space.prefix_nodes()
+    assert {(nd["start"], nd["end"]): nd["locks"] for nd in nodes} == {(0, 16): 2, (16, 25): 1}
+    mgr.trim()
+    mgr.faults.set_physical_limit(mgr.stats()["chunks_held"] * mgr.chunk_bytes)
+    with pytest.raises(vtm.OutOfMemory, match="device out of memory"):
+        vt.extend(60).result()  # 2 more pages; unpinning frees 1 (the page its copy replaced)
+    assert space.prefix_nodes() == nodes and mgr.stats()["prefix_unpins_total"] == 0
+    vt.extend(41).result()  # 1 more page: the unpinned leaf's
+    assert mgr.stats()["prefix_unpins_total"] == 1
+    assert {(nd["start"], nd["end"]): nd["locks"] for nd in space.prefix_nodes()} == {(0, 16): 1}
+    io.write(vt, t, 25, 41)
+    io.verify(vt, t, 0, 41)
+    mgr.faults.set_physical_limit(None)
+    assert_pool_consistent(mgr)
+    vt.release().result()
+    recorder.release().result()
+    assert_pool_consistent(mgr)

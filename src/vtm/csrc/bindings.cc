@@ -187,6 +187,7 @@ py::dict StatsDict(const Stats& st) {
   d["prealloc_chunks_total"] = st.prealloc_chunks_total;
   d["chunks_released_total"] = st.chunks_released_total;
   d["rollback_failures_total"] = st.rollback_failures_total;
+  d["prefix_unpins_total"] = st.prefix_unpins_total;
   d["reservation_free_failures_total"] = st.reservation_free_failures_total;
   d["host_tier_capacity_bytes"] = st.host_tier_capacity_bytes;
   d["host_tier_used_bytes"] = st.host_tier_used_bytes;

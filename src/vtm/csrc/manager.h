@@ -150,7 +150,7 @@ struct Stats {
               chunks_cached = 0, chunks_in_tree = 0, tree_nodes = 0, tree_tokens = 0;
   std::uint64_t evictions_total = 0, cow_copies_total = 0, slot_reuses_total = 0,
                 prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0,
-                reservation_free_failures_total = 0;
+                reservation_free_failures_total = 0, prefix_unpins_total = 0;
   // The host tier (all 0 without one).
   std::size_t host_tier_capacity_bytes = 0, host_tier_used_bytes = 0, host_tier_nodes = 0;
   std::uint64_t spills_total = 0, spilled_bytes_total = 0, spill_failures_total = 0, restores_total = 0,
@@ -323,11 +323,22 @@ class Manager {
   static std::vector<std::size_t> MappedPages(const Slot& s);
   std::vector<ChunkId> Acquire(std::size_t n, UndoLog& undo, std::unique_lock<std::mutex>& lock);
   std::size_t ReachableChunks() const;
+  // How many live vTensors' locks (VTensor::lock_node) count on each node.
+  std::unordered_map<const PrefixNode*, int> PinsByNode() const;
+  // Chunks that only tree nodes hold, no vTensor and no operation in flight
+  // locking them: what evicting every node would free once UnpinPrefix
+  // unlocked every live vTensor's path.
   std::size_t EvictableTreeChunks() const;
-  // Whether evicting unlocked tree nodes would free `need` chunks.
+  // Whether evicting tree nodes (unpinning live vTensors' paths if need be)
+  // would free `need` chunks.
   bool TreeCanFree(std::size_t need) const;
   std::size_t ReclaimCachedPages(std::size_t need);
   std::size_t EvictTreeLeaves(std::size_t need);
+  // The last resort before OutOfMemory: a live vTensor's lock keeps its path
+  // in the tree, with chunks it does not map (see the definition); unlocks
+  // the path that pins the most of those (all such paths when no one path
+  // alone pins any). Returns whether it unlocked one.
+  bool UnpinPrefix();
   // Host tier: spills `node` (Spillable) into the tier, charged to its
   // account, or to one of its descendants' where its own has no room, making
   // room by dropping least recently used leaves (the charged account's first,
@@ -404,7 +415,7 @@ class Manager {
   bool refill_blocked_ = false;  // the last refill found the device full
   bool closed_ = false;
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
-                rollback_failures_total_ = 0;
+                rollback_failures_total_ = 0, prefix_unpins_total_ = 0;
   std::uint64_t spills_total_ = 0, spilled_pages_total_ = 0, spill_failures_total_ = 0, restores_total_ = 0,
                 restored_pages_total_ = 0, tier_drops_total_ = 0, tier_limit_drops_total_ = 0;
   double restore_seconds_total_ = 0;

@@ -20,13 +20,23 @@ std::string Bytes(std::size_t b) { return std::to_string(b) + " bytes"; }
 // ---------------------------------------------------------------------------
 // Chunks
 
+std::unordered_map<const PrefixNode*, int> Manager::PinsByNode() const {
+  std::unordered_map<const PrefixNode*, int> pins;
+  for (const auto& [id, vt] : vtensors_)
+    for (const PrefixNode* n = vt.lock_node; n != nullptr && n->parent != nullptr; n = n->parent) ++pins[n];
+  return pins;
+}
+
 std::size_t Manager::EvictableTreeChunks() const {
-  // Chunks every one of whose references belongs to an unlocked node: those
-  // an eviction of all unlocked nodes would free.
+  // A node whose locks are all live vTensors' pins is evictable once
+  // UnpinPrefix has run; one that an operation in flight locks (a match's
+  // path) is not.
+  const std::unordered_map<const PrefixNode*, int> pins = PinsByNode();
   std::unordered_map<ChunkId, int> refs;
   for (const auto& [name, tree] : trees_)
     tree->ForEach([&](const PrefixNode& n) {
-      if (n.locks == 0)
+      const auto it = pins.find(&n);
+      if (n.locks == (it == pins.end() ? 0 : it->second))
         for (ChunkId c : n.pages)
           if (c != kNoChunk) ++refs[c];
     });
@@ -49,6 +59,70 @@ bool Manager::TreeCanFree(std::size_t need) const {
       for (ChunkId c : n->pages) sure += c != kNoChunk && pool_->refs(c) == 1 ? 1 : 0;
     }
   return sure >= need || EvictableTreeChunks() >= need;
+}
+
+bool Manager::UnpinPrefix() {
+  // A live vTensor locks the path it matched or recorded, so that eviction
+  // leaves it alone: evicting what the vTensor maps frees nothing (it holds
+  // its own references), and the prefix stays matchable for the requests
+  // that share it. But the path also keeps chunks the vTensor does not map:
+  // the version of a page straddling a node's start that a deeper node
+  // supersedes, the page its copy-on-write replaced at the match's end, and
+  // in a window space every page below its low mark. Refusing memory that
+  // only such pins hold would fail a request (even one running alone) that
+  // fits in the pool, so when nothing else is left the pins go, the path
+  // that holds the most of those chunks first. A vTensor without its lock is
+  // one that was created rather than matched: nothing but eviction reads the
+  // lock, and its record locks its path again.
+  const std::unordered_map<const PrefixNode*, int> pins = PinsByNode();
+  std::unordered_map<ChunkId, int> tree_refs;
+  for (const auto& [name, tree] : trees_)
+    tree->ForEach([&](const PrefixNode& n) {
+      for (ChunkId c : n.pages)
+        if (c != kNoChunk) ++tree_refs[c];
+    });
+  // What unlocking `vt` frees: with `alone`, the chunks of nodes it alone
+  // locks; without, those of nodes only vTensors' pins lock.
+  const auto pinned_by = [&](const VTensor& vt, bool alone) {
+    std::size_t chunks = 0;
+    for (const PrefixNode* n = vt.lock_node; n != nullptr && n->parent != nullptr; n = n->parent) {
+      const int pinned = pins.at(n);
+      if (n->locks != pinned || (alone && pinned != 1)) continue;
+      for (ChunkId c : n->pages) chunks += c != kNoChunk && pool_->refs(c) == tree_refs.at(c) ? 1 : 0;
+    }
+    return chunks;
+  };
+  const auto unpin = [&](VTensor& vt) {
+    UnlockPath(*SpaceOf(vt.space).tree, vt.lock_node);
+    vt.lock_node = nullptr;
+    ++prefix_unpins_total_;
+  };
+  VTensor* best = nullptr;
+  std::size_t best_chunks = 0;
+  std::pair<std::uint64_t, std::uint64_t> best_age;  // (last access of its path, vTensor id)
+  for (auto& [id, vt] : vtensors_) {
+    if (vt.lock_node == nullptr) continue;
+    const std::size_t chunks = pinned_by(vt, /*alone=*/true);
+    const std::pair<std::uint64_t, std::uint64_t> age{vt.lock_node->last_access, id};
+    // Ties go to the least recently used path, then the oldest vTensor.
+    if (chunks > best_chunks || (chunks == best_chunks && chunks > 0 && age < best_age)) {
+      best = &vt;
+      best_chunks = chunks;
+      best_age = age;
+    }
+  }
+  if (best != nullptr && best_chunks > 0) {
+    unpin(*best);
+    return true;
+  }
+  // The chunks lie under prefixes that several live vTensors share.
+  bool any = false;
+  for (auto& [id, vt] : vtensors_)
+    if (vt.lock_node != nullptr && pinned_by(vt, /*alone=*/false) > 0) {
+      unpin(vt);
+      any = true;
+    }
+  return any;
 }
 
 std::size_t Manager::ReachableChunks() const {
@@ -99,6 +173,10 @@ std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_
     }
     if (ReclaimCachedPages(n - out.size()) > 0) continue;
     if (EvictTreeLeaves(n - out.size()) > 0) continue;
+    // Unpinning changes more than a cache (a failed operation must leave
+    // the locks as they were): only when evicting what it unpins is sure to
+    // satisfy the rest, as it is from here on (no wait in between).
+    if (EvictableTreeChunks() >= n - out.size() && UnpinPrefix()) continue;
     if (!device_error.empty()) Throw(ErrorCode::kOutOfMemory, "device out of memory: " + device_error);
     Throw(ErrorCode::kOutOfMemory, "pool capacity exhausted: " + std::to_string(n) + " chunks needed, capacity " +
                                        Bytes(capacity_chunks_ * chunk_bytes_));

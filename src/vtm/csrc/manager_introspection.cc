@@ -118,6 +118,7 @@ Stats Manager::GetStats() const {
   st.prealloc_chunks_total = prealloc_total_;
   st.chunks_released_total = pool_->released_total();
   st.rollback_failures_total = rollback_failures_total_;
+  st.prefix_unpins_total = prefix_unpins_total_;
   st.reservation_free_failures_total = reservation_free_failures_->load(std::memory_order_relaxed);
   if (tier_ != nullptr) {
     st.host_tier_capacity_bytes = tier_->capacity() * chunk_bytes_;
