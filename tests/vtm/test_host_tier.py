@@ -262,6 +262,33 @@ def test_without_room_for_the_host_part_a_match_takes_what_the_device_holds(back
     assert_pool_consistent(mgr)
 
 
+def test_a_restore_never_takes_what_other_matches_locks_keep(backend, make_manager):
+    """Only chunks that running matches' locks keep (each path's copy of its
+    last page, which its match replaced with its own) are left in the pool.
+    A restore is optional, so it must not unpin them: the match of a prefix
+    on the host takes what the device holds (nothing here) as before. (An
+    earlier version unpinned both paths and spilled them to restore, then
+    failed with OutOfMemory on the match's copy.)"""
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=12, host_tier_bytes=32 * chunk, prealloc_chunks=0, slot_cache_bytes=0)
+    sp = mgr.create_space(row_bytes=chunk // 16, max_tokens=120, max_slots=16)
+    io = RowIO(sp, backend)
+    A, B, C = ([k] + list(range(100, 119)) for k in (1, 2, 3))  # 20 tokens: page 0, and page 1 partial
+    for tokens in (A, B, C):
+        record(sp, io, tokens)
+    held = [match(sp, B + [7]).vtensor, match(sp, C + [7]).vtensor]
+    mgr.trim()
+    held += [sp.create(1).result() for _ in range(12 - mgr.stats()["chunks_held"] + 2)]  # spills A
+    nodes = sp.prefix_nodes()
+    assert [(n["tokens"][0], n["locks"], n["on_host"]) for n in nodes] == [(1, 0, True), (2, 1, False), (3, 1, False)]
+    m = sp.prefix_match(A + [7]).result()
+    assert m.num_tokens == 0 and m.restored_tokens == 0
+    assert sp.prefix_nodes() == nodes and mgr.stats()["prefix_unpins_total"] == 0
+    for vt in held:
+        vt.release().result()
+    assert_pool_consistent(mgr)
+
+
 def test_a_match_restores_no_more_than_its_budget(backend, make_manager):
     """prefix_restore_bytes says what a match would copy back; a match with
     max_restore_bytes below that takes the part the device holds instead."""

@@ -604,3 +604,63 @@ def test_an_allocation_that_unpinning_cannot_satisfy_changes_nothing(make_manage
     vt.release().result()
     recorder.release().result()
     assert_pool_consistent(mgr)
+
+
+def test_a_prefix_that_several_matches_lock_does_not_give_way(make_manager):
+    """The system prompt's node keeps its own version of its last page,
+    which no request maps (each maps its own branch's). Freeing that one
+    chunk for one request would evict the prefix under all of them: the
+    allocation fails instead (the caller preempts one), nothing unpinned."""
+    mgr = make_manager(chunks=12, slot_cache_bytes=0, prealloc_chunks=0)
+    space = mgr.create_space(row_bytes=CHUNK // 16, max_tokens=120, max_slots=8)  # 16 rows a page
+    io = RowIO(space)
+    system = list(range(1000, 1024))  # page 0, and page 1 partial
+    turns = [system + [100 * i + j for j in range(24)] for i in range(3)]  # pages 0-2 exactly
+    record(space, io, system)
+    for t in turns:
+        record(space, io, t)
+    vts = [space.prefix_match(t + [SENTINEL]).result().vtensor for t in turns]
+    assert [vt.num_tokens for vt in vts] == [48] * 3
+    mgr.trim()
+    held = [space.create(1).result() for _ in range(12 - mgr.stats()["chunks_held"])]
+    nodes = space.prefix_nodes()
+    assert sorted((nd["start"], nd["end"], nd["locks"]) for nd in nodes) == [(0, 24, 3)] + [(24, 48, 1)] * 3
+    with pytest.raises(vtm.OutOfMemory):
+        vts[0].extend(49).result()
+    assert space.prefix_nodes() == nodes and mgr.stats()["prefix_unpins_total"] == 0
+    held.pop().release().result()
+    vts[0].extend(49).result()
+    for vt in held + vts:
+        vt.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_an_operation_that_fails_after_unpinning_locks_what_is_left_of_the_path(make_manager):
+    """The extend unpins the match's path and evicts its leaf, then its map
+    fails: the evicted leaf was the cache's, but the lock comes back on the
+    rest of the path (it was left unlocked, and evictable)."""
+    mgr = make_manager(chunks=8, faults=True, prealloc_chunks=0, slot_cache_bytes=0)
+    space = mgr.create_space(row_bytes=CHUNK // 16, max_tokens=120, max_slots=8)
+    io = RowIO(space)
+    t = list(range(100))
+    record(space, io, t[:16])  # page 0 exactly
+    record(space, io, t[:25])  # and a leaf holding its copy of page 1
+    vt = space.prefix_match(t[:26]).result().vtensor
+    assert {(nd["start"], nd["end"]): nd["locks"] for nd in space.prefix_nodes()} == {(0, 16): 1, (16, 25): 1}
+    mgr.trim()
+    held = [space.create(1).result() for _ in range(8 - mgr.stats()["chunks_held"])]
+    mgr.faults.fail_nth("map", 1)
+    with pytest.raises(vtm.BackendError):
+        vt.extend(41).result()
+    assert mgr.stats()["prefix_unpins_total"] == 1
+    assert {(nd["start"], nd["end"]): nd["locks"] for nd in space.prefix_nodes()} == {(0, 16): 1}
+    assert vt.num_tokens == 25
+    io.verify(vt, t, 0, 25)
+    assert_pool_consistent(mgr)
+    vt.extend(41).result()  # the leaf's chunk is free now
+    io.write(vt, t, 25, 41)
+    io.verify(vt, t, 0, 41)
+    for h in held + [vt]:
+        h.release().result()
+    assert all(nd["locks"] == 0 for nd in space.prefix_nodes())
+    assert_pool_consistent(mgr)

@@ -3,8 +3,9 @@ cooperative reclaim (docs/design.md §6, docs/broker.md).
 
 A mapped chunk cannot be revoked from a live process (its mapping keeps the
 memory alive), so reclaim is cooperative. Under pressure the manager itself
-first takes free chunks, then evicts unreferenced prefix-tree leaves (LRU);
-when that fails, a client's allocation first asks every other client that
+first takes free chunks, then evicts unreferenced prefix-tree leaves (LRU),
+then the chunks a live match's path keeps without mapping them (a path one
+vTensor alone locks; Manager::UnpinPrefix); when that fails, a client's allocation first asks every other client that
 maps pages ahead, whatever its priority, for them (a RECALL notice: pages
 nobody uses yet, so no debt), and when what they free is not enough, asks
 lower-priority clients that map more than their guarantee to give memory

@@ -321,24 +321,34 @@ class Manager {
   void FreeSlot(Space& sp, int slot);
   bool IsCached(const Slot& s) const { return s.cached_pos != cached_lru_.end(); }
   static std::vector<std::size_t> MappedPages(const Slot& s);
-  std::vector<ChunkId> Acquire(std::size_t n, UndoLog& undo, std::unique_lock<std::mutex>& lock);
+  // `may_unpin`: whether it may take the chunks that only live vTensors'
+  // locks keep (UnpinPrefix); not for what is optional, like a restore.
+  std::vector<ChunkId> Acquire(std::size_t n, UndoLog& undo, std::unique_lock<std::mutex>& lock,
+                               bool may_unpin = true);
   std::size_t ReachableChunks() const;
   // How many live vTensors' locks (VTensor::lock_node) count on each node.
   std::unordered_map<const PrefixNode*, int> PinsByNode() const;
-  // Chunks that only tree nodes hold, no vTensor and no operation in flight
-  // locking them: what evicting every node would free once UnpinPrefix
-  // unlocked every live vTensor's path.
-  std::size_t EvictableTreeChunks() const;
-  // Whether evicting tree nodes (unpinning live vTensors' paths if need be)
-  // would free `need` chunks.
-  bool TreeCanFree(std::size_t need) const;
+  // Chunks that only tree nodes hold, with no operation in flight locking
+  // them and, with `pinned`, no live vTensor's lock either, or one alone
+  // (what UnpinPrefix takes); without, none.
+  std::size_t EvictableTreeChunks(bool pinned) const;
+  // Whether eviction may take `n`: unlocked, or (`pinned`) locked by one
+  // live vTensor's lock and nothing else (`pins`: PinsByNode()).
+  static bool Takeable(const PrefixNode& n, const std::unordered_map<const PrefixNode*, int>& pins, bool pinned);
+  // Whether evicting tree nodes (unpinning live vTensors' paths, with
+  // `pinned`) would free `need` chunks.
+  bool TreeCanFree(std::size_t need, bool pinned) const;
   std::size_t ReclaimCachedPages(std::size_t need);
   std::size_t EvictTreeLeaves(std::size_t need);
   // The last resort before OutOfMemory: a live vTensor's lock keeps its path
   // in the tree, with chunks it does not map (see the definition); unlocks
-  // the path that pins the most of those (all such paths when no one path
-  // alone pins any). Returns whether it unlocked one.
-  bool UnpinPrefix();
+  // the path that alone pins the most of those. Returns whether it unlocked
+  // one. `undo` locks it again (Repin) if the operation fails after all.
+  bool UnpinPrefix(UndoLog& undo);
+  // Locks vTensor `id`'s path again, as far as the tree still holds it (the
+  // deepest node on `path` ending within it), unless the vTensor is gone or
+  // locks a path already.
+  void Repin(std::uint64_t id, const std::vector<std::int32_t>& path);
   // Host tier: spills `node` (Spillable) into the tier, charged to its
   // account, or to one of its descendants' where its own has no room, making
   // room by dropping least recently used leaves (the charged account's first,

@@ -27,25 +27,33 @@ std::unordered_map<const PrefixNode*, int> Manager::PinsByNode() const {
   return pins;
 }
 
-std::size_t Manager::EvictableTreeChunks() const {
-  // A node whose locks are all live vTensors' pins is evictable once
-  // UnpinPrefix has run; one that an operation in flight locks (a match's
-  // path) is not.
+std::size_t Manager::EvictableTreeChunks(bool pinned) const {
+  // A node is taken once no live vTensor's lock but one keeps it: such a
+  // vTensor alone locks its whole subtree, so UnpinPrefix unlocks it (its
+  // path holds a chunk counted here) and the eviction reaches every node of
+  // it. A node that an operation in flight locks (a match's path), or
+  // several vTensors do (a shared prefix), is not.
   const std::unordered_map<const PrefixNode*, int> pins = PinsByNode();
   std::unordered_map<ChunkId, int> refs;
   for (const auto& [name, tree] : trees_)
     tree->ForEach([&](const PrefixNode& n) {
-      const auto it = pins.find(&n);
-      if (n.locks == (it == pins.end() ? 0 : it->second))
-        for (ChunkId c : n.pages)
-          if (c != kNoChunk) ++refs[c];
+      if (!Takeable(n, pins, pinned)) return;
+      for (ChunkId c : n.pages)
+        if (c != kNoChunk) ++refs[c];
     });
   std::size_t n = 0;
   for (const auto& [c, r] : refs) n += pool_->refs(c) == r ? 1 : 0;
   return n;
 }
 
-bool Manager::TreeCanFree(std::size_t need) const {
+bool Manager::Takeable(const PrefixNode& n, const std::unordered_map<const PrefixNode*, int>& pins, bool pinned) {
+  if (n.locks == 0) return true;
+  if (!pinned || n.locks != 1) return false;
+  const auto it = pins.find(&n);
+  return it != pins.end() && it->second == 1;
+}
+
+bool Manager::TreeCanFree(std::size_t need, bool pinned) const {
   // Chunks that only an unlocked leaf (or, with a tier, a spillable node)
   // holds are freed by its eviction, and no two such nodes share one: a
   // count of them from the least recently used on is a lower bound, which
@@ -58,10 +66,10 @@ bool Manager::TreeCanFree(std::size_t need) const {
       if (!tree->Evictable(n)) continue;
       for (ChunkId c : n->pages) sure += c != kNoChunk && pool_->refs(c) == 1 ? 1 : 0;
     }
-  return sure >= need || EvictableTreeChunks() >= need;
+  return sure >= need || EvictableTreeChunks(pinned) >= need;
 }
 
-bool Manager::UnpinPrefix() {
+bool Manager::UnpinPrefix(UndoLog& undo) {
   // A live vTensor locks the path it matched or recorded, so that eviction
   // leaves it alone: evicting what the vTensor maps frees nothing (it holds
   // its own references), and the prefix stays matchable for the requests
@@ -70,59 +78,68 @@ bool Manager::UnpinPrefix() {
   // supersedes, the page its copy-on-write replaced at the match's end, and
   // in a window space every page below its low mark. Refusing memory that
   // only such pins hold would fail a request (even one running alone) that
-  // fits in the pool, so when nothing else is left the pins go, the path
-  // that holds the most of those chunks first. A vTensor without its lock is
-  // one that was created rather than matched: nothing but eviction reads the
-  // lock, and its record locks its path again.
+  // fits in the pool, so when nothing else is left the pin goes of the path
+  // that alone keeps the most of those chunks. Only a path one vTensor
+  // alone locks: a prefix several share stays, and its chunks are the
+  // caller's to win by preempting one of them (freeing a page version for
+  // one request would evict the prefix under all of them). A vTensor without
+  // its lock is one that was created rather than matched: nothing but
+  // eviction reads the lock, and its next record locks its path again.
   const std::unordered_map<const PrefixNode*, int> pins = PinsByNode();
-  std::unordered_map<ChunkId, int> tree_refs;
+  std::unordered_map<ChunkId, int> takeable_refs;
   for (const auto& [name, tree] : trees_)
     tree->ForEach([&](const PrefixNode& n) {
+      if (!Takeable(n, pins, /*pinned=*/true)) return;
       for (ChunkId c : n.pages)
-        if (c != kNoChunk) ++tree_refs[c];
+        if (c != kNoChunk) ++takeable_refs[c];
     });
-  // What unlocking `vt` frees: with `alone`, the chunks of nodes it alone
-  // locks; without, those of nodes only vTensors' pins lock.
-  const auto pinned_by = [&](const VTensor& vt, bool alone) {
-    std::size_t chunks = 0;
-    for (const PrefixNode* n = vt.lock_node; n != nullptr && n->parent != nullptr; n = n->parent) {
-      const int pinned = pins.at(n);
-      if (n->locks != pinned || (alone && pinned != 1)) continue;
-      for (ChunkId c : n->pages) chunks += c != kNoChunk && pool_->refs(c) == tree_refs.at(c) ? 1 : 0;
-    }
-    return chunks;
-  };
-  const auto unpin = [&](VTensor& vt) {
-    UnlockPath(*SpaceOf(vt.space).tree, vt.lock_node);
-    vt.lock_node = nullptr;
-    ++prefix_unpins_total_;
-  };
+  std::uint64_t best_id = 0;
   VTensor* best = nullptr;
   std::size_t best_chunks = 0;
   std::pair<std::uint64_t, std::uint64_t> best_age;  // (last access of its path, vTensor id)
   for (auto& [id, vt] : vtensors_) {
     if (vt.lock_node == nullptr) continue;
-    const std::size_t chunks = pinned_by(vt, /*alone=*/true);
+    std::size_t chunks = 0;  // those the eviction of the part of its path it alone locks frees
+    for (const PrefixNode* n = vt.lock_node; n->parent != nullptr; n = n->parent) {
+      if (n->locks != 1 || !Takeable(*n, pins, /*pinned=*/true)) break;  // locks only grow toward the root
+      for (ChunkId c : n->pages) {
+        if (c == kNoChunk) continue;
+        const auto it = takeable_refs.find(c);
+        chunks += it != takeable_refs.end() && pool_->refs(c) == it->second ? 1 : 0;
+      }
+    }
     const std::pair<std::uint64_t, std::uint64_t> age{vt.lock_node->last_access, id};
     // Ties go to the least recently used path, then the oldest vTensor.
     if (chunks > best_chunks || (chunks == best_chunks && chunks > 0 && age < best_age)) {
+      best_id = id;
       best = &vt;
       best_chunks = chunks;
       best_age = age;
     }
   }
-  if (best != nullptr && best_chunks > 0) {
-    unpin(*best);
-    return true;
-  }
-  // The chunks lie under prefixes that several live vTensors share.
-  bool any = false;
-  for (auto& [id, vt] : vtensors_)
-    if (vt.lock_node != nullptr && pinned_by(vt, /*alone=*/false) > 0) {
-      unpin(vt);
-      any = true;
-    }
-  return any;
+  if (best == nullptr) return false;
+  // A failed operation leaves the lock as it found it, as far as the nodes
+  // are still there (the ones its allocation evicted were a cache's).
+  std::vector<std::int32_t> path;
+  for (const PrefixNode* n = best->lock_node; n->parent != nullptr; n = n->parent)
+    path.insert(path.begin(), n->tokens.begin(), n->tokens.end());
+  undo.Add([this, id = best_id, path = std::move(path)] { Repin(id, path); });
+  UnlockPath(*SpaceOf(best->space).tree, best->lock_node);
+  best->lock_node = nullptr;
+  ++prefix_unpins_total_;
+  return true;
+}
+
+void Manager::Repin(std::uint64_t id, const std::vector<std::int32_t>& path) {
+  const auto it = vtensors_.find(id);
+  if (it == vtensors_.end() || it->second.lock_node != nullptr) return;
+  PrefixTree& tree = *SpaceOf(it->second.space).tree;
+  const TreePosition pos = tree.Find(path.data(), path.size());
+  PrefixNode* node = pos.node;
+  if (node != tree.root() && pos.length < node->end()) node = node->parent;
+  if (node == tree.root()) return;
+  tree.Lock(node);
+  it->second.lock_node = node;
 }
 
 std::size_t Manager::ReachableChunks() const {
@@ -134,12 +151,13 @@ std::size_t Manager::ReachableChunks() const {
   return n;
 }
 
-std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_lock<std::mutex>& lock) {
+std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_lock<std::mutex>& lock,
+                                      bool may_unpin) {
   std::vector<ChunkId> out;
   if (n == 0) return out;
   // Fail before touching any cache when even emptying them all could not
   // satisfy the request.
-  if (ReachableChunks() < n && !TreeCanFree(n - ReachableChunks()))
+  if (ReachableChunks() < n && !TreeCanFree(n - ReachableChunks(), may_unpin))
     Throw(ErrorCode::kOutOfMemory,
           "pool capacity exhausted: " + std::to_string(n) + " chunks needed, capacity " +
               Bytes(capacity_chunks_ * chunk_bytes_) + " with " + std::to_string(pool_->held()) +
@@ -173,10 +191,10 @@ std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_
     }
     if (ReclaimCachedPages(n - out.size()) > 0) continue;
     if (EvictTreeLeaves(n - out.size()) > 0) continue;
-    // Unpinning changes more than a cache (a failed operation must leave
-    // the locks as they were): only when evicting what it unpins is sure to
-    // satisfy the rest, as it is from here on (no wait in between).
-    if (EvictableTreeChunks() >= n - out.size() && UnpinPrefix()) continue;
+    // Unpinning gives up more than a cache: only when evicting what it
+    // unpins is sure to satisfy the rest, which then takes no wait (the
+    // refill thread cannot start a creation while this holds the mutex).
+    if (may_unpin && EvictableTreeChunks(/*pinned=*/true) >= n - out.size() && UnpinPrefix(undo)) continue;
     if (!device_error.empty()) Throw(ErrorCode::kOutOfMemory, "device out of memory: " + device_error);
     Throw(ErrorCode::kOutOfMemory, "pool capacity exhausted: " + std::to_string(n) + " chunks needed, capacity " +
                                        Bytes(capacity_chunks_ * chunk_bytes_));
@@ -472,7 +490,9 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   const auto started = std::chrono::steady_clock::now();
   // The path is locked: the evictions Acquire makes room with never pick it.
   UndoLog undo(&rollback_failures_total_);
-  const std::vector<ChunkId> chunks = Acquire(n, undo, lock);
+  // Not the chunks live vTensors' locks keep: the restore is optional (a
+  // match falls back to what the device holds), and those paths are others'.
+  const std::vector<ChunkId> chunks = Acquire(n, undo, lock, /*may_unpin=*/false);
   std::vector<std::vector<ChunkId>> pages;
   std::size_t next = 0;
   for (PrefixNode* p : cold) {
