@@ -66,6 +66,9 @@ class RequestStream:
             self._events = queue.SimpleQueue()
             deliver = self._events.put
         self._deliver = deliver
+        # Set (by whichever thread delivered) when `deliver` raised: it gets
+        # nothing more, and the request ends with this error (_send).
+        self._deliver_error: EngineError | None = None
         self._emitted = [0] * len(seqs)  # tokens already sent, per sample (loop thread)
         self._ended: set[int] = set()  # samples whose last event was sent (loop thread)
         self._done = threading.Event()
@@ -111,13 +114,33 @@ class RequestStream:
                 self._emitted[i] = len(seq.output_ids)
                 if seq.finish_reason is not None:
                     self._ended.add(i)
-                self._deliver(StreamEvent(i, new, seq.finish_reason, seq.error, time.perf_counter()))
+                self._send(StreamEvent(i, new, seq.finish_reason, seq.error, time.perf_counter()))
 
     def _finish_if_done(self) -> None:
         if all(s.status is Status.FINISHED for s in self._seqs) and not self._done.is_set():
+            if self._deliver_error is not None:
+                # Its caller missed events: the request failed, whatever its samples did.
+                for seq in self._seqs:
+                    if seq.error is None:
+                        seq.finish_reason, seq.error = "error", self._deliver_error
             self._done.set()
             if self._stream:
-                self._deliver(_END)
+                self._send(_END)
+
+    def _send(self, event: StreamEvent | None) -> None:
+        """Hand `event` to the caller's `deliver`. One that raises is its
+        caller's bug, and stays theirs: logged once, sent nothing more, the
+        request cancelled by the loop (EngineLoop._dispatch) with an error
+        saying so; the loop and every other request go on. Raised on the
+        final None, it is logged only: the request is already complete."""
+        try:
+            self._deliver(event)
+        except Exception as exc:  # noqa: BLE001 - never into the loop's handlers (they would fail every request)
+            log.exception("request %d: its deliver callback raised; it gets no more events and the request "
+                          "is cancelled", self.request_id)
+            self._stream = False
+            self._deliver_error = EngineError(f"the deliver callback raised {type(exc).__name__}: {exc}")
+            self._deliver_error.__cause__ = exc
 
 
 class EngineLoop:
@@ -158,7 +181,8 @@ class EngineLoop:
         max_model_len, a token outside the vocabulary) comes back already
         done, its samples failed with InvalidArgument. `deliver` (called on
         the loop thread, must not block) receives the StreamEvents and then
-        None; without it a streaming request is iterated."""
+        None; one that raises fails its own request alone (RequestStream._send).
+        Without it a streaming request is iterated."""
         engine = self.engine
         request_id = next(self._ids)
         seqs, leader = [], None
@@ -302,15 +326,20 @@ class EngineLoop:
 
     def _dispatch(self, seqs: list[Sequence]) -> None:
         # Once per sequence per step: the enum member is read once (~60 ns a read).
-        finished, ended = [], Status.FINISHED
+        finished, undeliverable, ended = [], [], Status.FINISHED
         for seq in seqs:
             handle = self._live.get(seq)
             if handle is None:
                 continue
             if handle._stream:  # else nothing is sent before the request is done
                 handle._publish(seq)
+                if handle._deliver_error is not None:
+                    undeliverable.append(handle)
             if seq.status is ended:
                 del self._live[seq]
                 finished.append(handle)
         for handle in finished:
             handle._finish_if_done()
+        for handle in undeliverable:
+            if not handle.done:
+                self._cancel(handle, handle._deliver_error)

@@ -55,7 +55,8 @@ class LLM:
         RequestOutput, `cancel()` to stop it. Text for the events comes from
         flexinfer.detokenizer.IncrementalText. `deliver(event)`, if given,
         receives the events (then None) on the engine thread instead, and
-        must not block (AsyncLLM uses it)."""
+        must not block (AsyncLLM uses it); if it raises, it gets nothing
+        more and the request ends with an EngineError saying so."""
         prompt = check_prompt(prompt)
         params = check_params(sampling_params, 1)[0]
         priority = check_priorities([priority], 1)[0]
