@@ -15,19 +15,27 @@ from flexinfer.sampling import SamplingParams
 
 
 class AsyncRequest:
-    """One request: `async for event in request`, then `result()`."""
+    """One request: `async for event in request` and `await request.result()`, in either order."""
 
     def __init__(self, llm: LLM, prompt, params: SamplingParams | None, priority: int):
         loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+        # Set with the end of the stream: result() waits for it and leaves
+        # the events to `async for`, so either may come first.
+        self._ended = asyncio.Event()
 
         def deliver(event: StreamEvent | None) -> None:  # on the engine thread
             try:
-                loop.call_soon_threadsafe(self._queue.put_nowait, event)
+                loop.call_soon_threadsafe(self._receive, event)
             except RuntimeError:  # the event loop is closed: nobody is listening
                 pass
 
         self.handle: RequestStream = llm.submit(prompt, params, priority, stream=True, deliver=deliver)
+
+    def _receive(self, event: StreamEvent | None) -> None:  # on the event loop
+        self._queue.put_nowait(event)
+        if event is None:
+            self._ended.set()
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -47,8 +55,7 @@ class AsyncRequest:
     async def result(self) -> RequestOutput:
         """The RequestOutput once done (cancelling it if the caller is cancelled)."""
         try:
-            while not self.handle.done:
-                await self._queue.get()
+            await self._ended.wait()
         except asyncio.CancelledError:
             self.handle.cancel()
             raise

@@ -384,3 +384,28 @@ def test_async_requests_stream_and_leaving_early_cancels(tiny):
     with LLM(folder) as llm:
         asyncio.run(scenario(llm))
         assert_idle_and_released(llm)
+
+
+def test_an_async_result_then_iterating_gives_every_event(tiny):
+    """As with a RequestStream, awaiting result() first leaves the events to
+    `async for` (result() used to consume them and the end of the stream:
+    the loop then waited forever)."""
+    import asyncio
+
+    from flexinfer.async_llm import AsyncLLM
+
+    folder, oracle = tiny
+    prompt = clean_prompts([7], seed=19)[0]
+
+    async def scenario(llm):
+        request = AsyncLLM(llm).submit(prompt, greedy(5))
+        out = await asyncio.wait_for(request.result(), 30)
+
+        async def tokens():
+            return [t async for event in request for t in event.token_ids]
+
+        assert await asyncio.wait_for(tokens(), 5) == out.token_ids == oracle.greedy(prompt, 5)
+
+    with LLM(folder) as llm:
+        asyncio.run(scenario(llm))
+        assert_idle_and_released(llm)
