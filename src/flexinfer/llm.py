@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from flexinfer.engine import Engine
 from flexinfer.engine_loop import EngineLoop, RequestStream
+from flexinfer.errors import InvalidArgument
 from flexinfer.inputs import check_conversation, check_params, check_priorities, check_prompt, check_prompts
 from flexinfer.outputs import RequestOutput
 from flexinfer.sampling import SamplingParams
@@ -56,7 +57,13 @@ class LLM:
         flexinfer.detokenizer.IncrementalText. `deliver(event)`, if given,
         receives the events (then None) on the engine thread instead, and
         must not block (AsyncLLM uses it); if it raises, it gets nothing
-        more and the request ends with an EngineError saying so."""
+        more and the request ends with an EngineError saying so. It needs
+        stream=True: with stream=False there are no events to deliver."""
+        if deliver is not None and not callable(deliver):
+            raise InvalidArgument(f"deliver must be a callable taking a StreamEvent (then None), got {deliver!r}")
+        if deliver is not None and not stream:
+            raise InvalidArgument("deliver receives the stream's events: a request submitted with stream=False "
+                                  "has none (leave stream=True, or wait for the result instead)")
         prompt = check_prompt(prompt)
         params = check_params(sampling_params, 1)[0]
         priority = check_priorities([priority], 1)[0]

@@ -66,9 +66,11 @@ def assert_idle_and_released(llm: LLM) -> None:
     lambda llm: llm.chat([{"role": "user", "content": 5}]),
     lambda llm: llm.chat([[]]),
     lambda llm: llm.submit(b"x"),
+    lambda llm: llm.submit([5, 6, 7], stream=False, deliver=print),
+    lambda llm: llm.submit([5, 6, 7], deliver="print"),
 ], ids=["nan-temperature", "float-ids", "bytes", "none", "int", "priorities-length", "priorities-type",
         "lone-surrogate", "params-length", "params-type", "message-without-content", "content-not-str",
-        "empty-conversation", "submit-bytes"])
+        "empty-conversation", "submit-bytes", "deliver-without-stream", "deliver-not-callable"])
 def test_bad_input_raises_invalid_argument_and_changes_nothing(tiny, call):
     folder, oracle = tiny
     prompts = clean_prompts([9, 14], seed=1)
