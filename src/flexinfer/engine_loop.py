@@ -183,19 +183,24 @@ class EngineLoop:
         the loop thread, must not block) receives the StreamEvents and then
         None; one that raises fails its own request alone (RequestStream._send).
         Without it a streaming request is iterated."""
+        if self._closing:  # a closed engine judges no request, not even one that could never run
+            raise EngineClosed("the engine is closed")
         engine = self.engine
+        # Before the samples are built: a refused request costs its check, not n copies of its prompt.
+        problem = request_problem(prompt_ids, params, engine.max_model_len, engine.config.vocab_size,
+                                  engine.config.eos_token_ids, engine.kv_budget)
         request_id = next(self._ids)
+        # One copy of the caller's list, shared by the samples (a Sequence never changes its prompt).
+        shared_prompt = list(prompt_ids)
         seqs, leader = [], None
         for sample_index in range(params.n):
-            seq = Sequence(next(self._ids), request_id, sample_index, prompt_ids, params, priority,
+            seq = Sequence(next(self._ids), request_id, sample_index, shared_prompt, params, priority,
                            engine.config.eos_token_ids)
             # Parallel samples fork from the first one's prompt by prefix match.
             seq.leader = leader
             leader = leader or seq
             seqs.append(seq)
         handle = RequestStream(self, request_id, prompt, list(prompt_ids), seqs, stream, deliver)
-        problem = request_problem(prompt_ids, params, engine.max_model_len, engine.config.vocab_size,
-                                  engine.config.eos_token_ids, engine.kv_budget)
         if problem:
             for seq in seqs:
                 seq.status, seq.finish_reason = Status.FINISHED, "error"

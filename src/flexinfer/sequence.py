@@ -67,6 +67,9 @@ class Sequence:
     released only once that step has completed on the device, and no row
     from `last_start - window + 1` on (what it reads) may be unmapped before.
 
+    `prompt_ids` is kept as given, never changed: the samples of one
+    request share one list (EngineLoop.submit), whatever their n.
+
     Slots, not a __dict__: a decode step reads and writes a few attributes
     of every sequence, after a forward pass that evicted them from the
     CPU's caches; at fixed offsets in one object they take fewer cache
@@ -84,7 +87,7 @@ class Sequence:
         self.id = seq_id
         self.request_index = request_index
         self.sample_index = sample_index
-        self.prompt_ids = list(prompt_ids)
+        self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []  # grows by append() only
         # len(prompt_ids) + len(output_ids): an attribute, read per sequence every step.
         self.num_tokens = len(self.prompt_ids)

@@ -252,6 +252,35 @@ def test_close_ends_running_requests_and_refuses_new_ones(tiny):
     assert out.finish_reason == "error" and isinstance(out.error, EngineClosed)
     with pytest.raises(EngineClosed):
         llm.submit([5, 6, 7])
+    # Closed comes first: not a request that could never run (an empty prompt) returned as refused.
+    with pytest.raises(EngineClosed):
+        llm.submit([])
+    with pytest.raises(EngineClosed):
+        llm.generate([[]])
+
+
+def test_a_refused_request_is_checked_before_its_samples_are_built(tiny, monkeypatch):
+    """A request's n samples share one copy of its prompt, built once it is
+    known to run or to be refused: n=20000 samples of a 5000-token prompt
+    too long to run used to take 3 s and 800 MiB before being refused."""
+    from flexinfer import engine_loop
+
+    folder, _ = tiny
+    real_sequence, real_problem = engine_loop.Sequence, engine_loop.request_problem
+    events = []
+    monkeypatch.setattr(engine_loop, "Sequence", lambda *a, **k: events.append("sample") or real_sequence(*a, **k))
+    monkeypatch.setattr(engine_loop, "request_problem",
+                        lambda *a, **k: events.append("check") or real_problem(*a, **k))
+    sampled = SamplingParams(max_tokens=3, temperature=0.8, seed=1, n=3)
+    with LLM(folder, max_model_len=64) as llm:
+        for prompt, refused in (([5] * 80, True), ([5, 6, 7], False)):
+            events.clear()
+            handle = llm.submit(prompt, sampled)
+            out = handle.result(timeout=30)
+            assert events == ["check", "sample", "sample", "sample"]
+            assert all(isinstance(o.error, InvalidArgument) if refused else o.error is None for o in out.outputs)
+            prompts = [seq.prompt_ids for seq in handle._seqs]
+            assert prompts[0] == prompt and prompts[0] is not prompt and all(p is prompts[0] for p in prompts)
 
 
 def test_min_tokens_defers_stop_tokens(tiny):
