@@ -71,17 +71,31 @@ class Engine:
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)} or the torch dtype, got {dtype!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens),
-                            ("kv_capacity_bytes", kv_capacity_bytes), ("max_model_len", 1 if max_model_len is None else max_model_len)):
+                            ("kv_capacity_bytes", kv_capacity_bytes), ("max_model_len", 1 if max_model_len is None else max_model_len),
+                            ("chunk_bytes", chunk_bytes), ("workers", workers), ("layer_groups", layer_groups)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise InvalidArgument(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        for name, value in (("cuda_graphs", cuda_graphs), ("overlap", overlap)):
+            if value is not None and not isinstance(value, bool):
+                raise InvalidArgument(f"{name} must be True, False or None (the default: on for CUDA), got {value!r}")
+        if backend not in ("auto", "host", "cuda"):
+            raise InvalidArgument(f"backend must be 'auto', 'host' or 'cuda', got {backend!r}")
+        if device is not None:
+            try:
+                torch.device(device)
+            except (RuntimeError, TypeError, ValueError):
+                raise InvalidArgument(f"device must be a torch device ('cpu', 'cuda', 'cuda:1', ...), "
+                                      f"got {device!r}") from None
+        if namespace is not None and not isinstance(namespace, str):
+            raise InvalidArgument(f"namespace must be a str or None, got {namespace!r}")
         if isinstance(broker_wait_s, bool) or not isinstance(broker_wait_s, (int, float)) or not broker_wait_s >= 0:
             raise InvalidArgument(f"broker_wait_s must be a number >= 0, got {broker_wait_s!r}")
         if isinstance(host_tier_bytes, bool) or not isinstance(host_tier_bytes, int) or host_tier_bytes < 0:
             raise InvalidArgument(f"host_tier_bytes must be an int >= 0, got {host_tier_bytes!r}")
         if preemption not in ("recompute", "swap"):
             raise InvalidArgument(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
-        if overlap is not None and not isinstance(overlap, bool):
-            raise InvalidArgument(f"overlap must be True, False or None (on for CUDA), got {overlap!r}")
         if host_tier_bytes and manager is not None:
             raise InvalidArgument("host_tier_bytes sizes the host tier of the engine's own vtm manager; a manager "
                                   "passed in (or a vtm broker) has its own (or none)")

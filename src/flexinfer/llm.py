@@ -6,6 +6,8 @@ interrupted (Ctrl-C) takes its requests back before the exception goes on.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import weakref
 
 from tqdm import tqdm
@@ -17,6 +19,8 @@ from flexinfer.inputs import check_conversation, check_params, check_priorities,
 from flexinfer.outputs import RequestOutput
 from flexinfer.sampling import SamplingParams
 
+# What LLM(model, **options) takes: Engine's keyword parameters.
+OPTIONS = tuple(name for name in inspect.signature(Engine.__init__).parameters if name not in ("self", "model"))
 _POLL_S = 0.1
 # How long a cancelled generate waits for its requests to let go of their memory.
 _CANCEL_WAIT_S = 30.0
@@ -28,6 +32,7 @@ class LLM:
     enable_prefix_caching, attention, linear, threads, cuda_graphs, ...)."""
 
     def __init__(self, model: str, **options):
+        _check_option_names(options)
         self._loop = EngineLoop(lambda: Engine(model, **options))
         self.engine = self._loop.engine
         # Stop the thread and release the memory even if close() is never called.
@@ -156,3 +161,14 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         return None, prompt
+
+
+def _check_option_names(options: dict) -> None:
+    """An unknown option (a typo, say) raises InvalidArgument naming it and
+    the known option closest to it, before the engine thread starts, not a
+    TypeError from Engine's constructor."""
+    for name in options:
+        if name not in OPTIONS:
+            close = difflib.get_close_matches(name, OPTIONS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the options are {', '.join(OPTIONS)}"
+            raise InvalidArgument(f"unknown option {name!r}: {hint}")

@@ -5,6 +5,7 @@ failure releases its KV. Issue 10's reproductions, one test each."""
 from __future__ import annotations
 
 import gc
+import re
 import signal
 import threading
 import time
@@ -90,10 +91,27 @@ def test_sampling_params_check_types_and_values(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_engine_options_are_checked_before_loading():
-    for kwargs in (dict(max_model_len=-1), dict(max_model_len=0), dict(kv_capacity_bytes=0), dict(max_num_seqs="4")):
-        with pytest.raises(InvalidArgument):
-            LLM("/nonexistent/model", **kwargs)
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_model_len=-1), "max_model_len must be a positive int"),
+    (dict(max_model_len=0), "max_model_len must be a positive int"),
+    (dict(kv_capacity_bytes=0), "kv_capacity_bytes must be a positive int"),
+    (dict(max_num_seqs="4"), "max_num_seqs must be a positive int"),
+    (dict(max_num_seq=4), "unknown option 'max_num_seq': did you mean 'max_num_seqs'?"),
+    (dict(foo=1), "unknown option 'foo': the options are dtype, kv_capacity_bytes, "),
+    (dict(layer_groups="2"), "layer_groups must be a positive int, got '2'"),
+    (dict(chunk_bytes="4096"), "chunk_bytes must be a positive int, got '4096'"),
+    (dict(workers=0), "workers must be a positive int, got 0"),
+    (dict(device="bogus"), "device must be a torch device"),
+    (dict(backend="bogus"), "backend must be 'auto', 'host' or 'cuda'"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),
+    (dict(cuda_graphs="yes"), "cuda_graphs must be True, False or None"),
+    (dict(namespace=5), "namespace must be a str or None, got 5"),
+], ids=lambda value: next(iter(value)) if isinstance(value, dict) else "")
+def test_engine_options_are_checked_before_loading(kwargs, message):
+    """A bad or unknown option is InvalidArgument naming it, before the weights load (the model does
+    not exist: loading it would raise ModelLoadError), not a TypeError or RuntimeError."""
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        LLM("/nonexistent/model", **kwargs)
 
 
 # ----------------------------------------------------------------------------- failures stay alone
