@@ -195,6 +195,10 @@ def _engine(args) -> LLM:
     if args.manager is not None and args.host_tier_gib > 0:
         raise InvalidArgument("--host-tier-gib sizes the host tier of an in-process pool; with --manager the "
                               "tier is the broker's (vtmd --host-tier-bytes)")
+    # The engine would refuse these too, naming its Python arguments.
+    swap_needs_tier = "--preemption swap keeps preempted requests' KV in vtm's host tier"
+    if args.preemption == "swap" and args.manager is None and args.host_tier_gib == 0:
+        raise InvalidArgument(f"{swap_needs_tier}: give --host-tier-gib too")
     if args.manager is not None:
         name = args.client_name or f"flexinfer-{args.command}"
         # Closed by main() after the command: an LLM never closes a manager it was given.
@@ -203,6 +207,9 @@ def _engine(args) -> LLM:
         if args.priority is not None and manager.priority < args.priority:
             log.warning("asked for priority %d; the operator's quota for '%s' grants %d", args.priority, name,
                         manager.priority)
+        if args.preemption == "swap" and not manager.stats().get("host_tier_capacity_bytes"):
+            raise InvalidArgument(f"{swap_needs_tier}, and the vtm broker at --manager has none "
+                                  "(vtmd --host-tier-bytes)")
     capacity = max(1, math.ceil(args.kv_capacity_gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
     host_tier = math.ceil(args.host_tier_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
@@ -399,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.priority is not None and args.manager is None:
-            parser.error("--priority is what a client asks of a vtm broker: give --manager too")
+            # The sub-command's parser: its --help lists both flags.
+            sub.choices[args.command].error("--priority is what a client asks of a vtm broker: give --manager too")
     except SystemExit as exc:  # --help, --version or a bad argument (already printed)
         return exc.code
     args.broker = None

@@ -35,10 +35,10 @@ from flexinfer.detokenizer import stops_from
 from flexinfer.errors import EngineError, InvalidArgument
 from flexinfer.host_memory import keep_freed_memory
 from flexinfer.inputs import KVBudget
-from flexinfer.kv_cache import KVCache
+from flexinfer.kv_cache import KVCache, plan_spaces
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel, long_tensor
-from flexinfer.model.loader import load_model
+from flexinfer.model.loader import load_config, load_model
 from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, greedy_tokens, sample
 from flexinfer.scheduler import Scheduler
 from flexinfer.sequence import Sequence, Status
@@ -150,19 +150,27 @@ class Engine:
                 cuda_graphs = self.device.type == "cuda" and isinstance(self.attention, KernelAttention)
             if cuda_graphs and (self.device.type != "cuda" or not isinstance(self.attention, KernelAttention)):
                 raise InvalidArgument("cuda_graphs needs a CUDA device and attention='kernel' (or 'auto')")
-            loaded = load_model(model, self.dtype)
-            fingerprint = loaded.fingerprint()
-            if loaded.config.sliding_window is not None and not self.attention.bounds_windows:
+            if preemption == "swap" and not manager.stats().get("host_tier_capacity_bytes"):
+                raise InvalidArgument("preemption='swap' keeps preempted requests' KV in vtm's host tier: give "
+                                      "host_tier_bytes (or a vtm broker started with --host-tier-bytes)")
+            # The checks that need the model's config read it alone (a tenth
+            # of a second at most): load_model reads it again with the weights.
+            config = load_config(model)
+            if config.sliding_window is not None and not self.attention.bounds_windows:
                 raise InvalidArgument(f"attention={self.attention.name!r} cannot run sliding-window layers on "
                                       "vtm's window spaces (it reads rows below a window); use 'kernel' or 'auto'")
+            # None: the model's own limit; more than it is capped there.
+            self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+            # With the sink's slot on CUDA (see below), whether or not it is kept.
+            plan_spaces(config, self.dtype, self.max_model_len, max_num_seqs + (self.device.type == "cuda"),
+                        manager.chunk_bytes, layer_groups)
+            loaded = load_model(model, self.dtype)
+            fingerprint = loaded.fingerprint()
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
             self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear,
                                     consume_weights=True)
             del loaded
-            # None: the model's own limit; more than it is capped there.
-            self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                     self.config.max_position_embeddings)
             # The Triton kernels on CUDA get one more slot: the sink, a one-token
             # vTensor held for the engine's life. It is the first vTensor of a
             # new space, so it takes slot 0 and keeps mapped the first page,
@@ -192,9 +200,6 @@ class Engine:
 
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, max_num_seqs,
                                            [vt.slot for vt in self._sink])
-            if preemption == "swap" and not manager.stats().get("host_tier_capacity_bytes"):
-                raise InvalidArgument("preemption='swap' keeps preempted requests' KV in vtm's host tier: give "
-                                      "host_tier_bytes (or a vtm broker started with --host-tier-bytes)")
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching,
                                        swap=preemption == "swap")
             # On a CPU a step computes while it is launched: overlap would only add a discarded token.

@@ -33,14 +33,15 @@ from flexinfer.errors import InvalidArgument
 from flexinfer.model.config import ModelConfig
 
 NO_LIMIT = 1 << 62  # a token count no sequence reaches
+# vtm reserves a space's slots as one range of at most this many bytes (Manager::CreateSpace).
+VTM_SPACE_RESERVE_BYTES = 1 << 47
 
 
 class KVCache:
     def __init__(self, manager: vtm.Manager, config: ModelConfig, dtype: torch.dtype, max_tokens: int,
                  max_slots: int, namespace: str | None = None, name: str | None = None, layer_groups: int = 1):
         layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        if not 1 <= layer_groups <= layers:
-            raise InvalidArgument(f"layer_groups must be in [1, {layers}], got {layer_groups}")
+        groups = plan_spaces(config, dtype, max_tokens, max_slots, manager.chunk_bytes, layer_groups)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.manager = manager
         self.max_tokens = max_tokens
@@ -52,7 +53,6 @@ class KVCache:
         self.kv: list[torch.Tensor] = [None] * layers  # [slot, token, k|v, kv_head, head_dim] per layer
         self.k: list[torch.Tensor] = [None] * layers  # [slot, token, kv_head, head_dim] per layer
         self.v: list[torch.Tensor] = [None] * layers
-        groups = _layer_groups(config, layer_groups, max_tokens)
         for g, (group_layers, window, label) in enumerate(groups):
             row_bytes = config.kv_row_bytes(itemsize, layers=len(group_layers))
             # The namespace names the layers a row holds (what its bytes
@@ -246,6 +246,29 @@ class KVCache:
         self.kv = self.k = self.v = self.k_heads = self.v_heads = []
         for space in self.spaces:
             space.close()
+
+
+def plan_spaces(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_slots: int, chunk_bytes: int,
+                layer_groups: int = 1) -> list[tuple[list[int], int, str]]:
+    """(layers, window, namespace label) of each space a KVCache of these
+    options creates, or InvalidArgument for what it (or vtm) would refuse:
+    layer_groups out of range, or slots that do not fit in vtm's reservation.
+    It reads the config alone, so that an engine checks these options
+    before the weights load."""
+    layers = config.num_hidden_layers
+    if not 1 <= layer_groups <= layers:
+        raise InvalidArgument(f"layer_groups must be in [1, {layers}], got {layer_groups}")
+    groups = _layer_groups(config, layer_groups, max_tokens)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for group_layers, _, _ in groups:
+        # As vtm sizes a slot: its rows rounded up to whole chunks.
+        rows_bytes = max_tokens * config.kv_row_bytes(itemsize, layers=len(group_layers))
+        slot_bytes = -(-rows_bytes // chunk_bytes) * chunk_bytes
+        if max_slots * slot_bytes > VTM_SPACE_RESERVE_BYTES:
+            raise InvalidArgument(f"{max_slots} slots of {max_tokens} tokens ({slot_bytes} bytes each) exceed the "
+                                  f"{VTM_SPACE_RESERVE_BYTES >> 40} TiB vtm reserves for a space: run fewer sequences "
+                                  "at once (max_num_seqs) or shorten max_model_len")
+    return groups
 
 
 def _layer_groups(config: ModelConfig, layer_groups: int, max_tokens: int) -> list[tuple[list[int], int, str]]:

@@ -257,7 +257,10 @@ def test_overlap_flag_reaches_the_engine(capsys, monkeypatch, tiny, flag, overla
     (["generate", "--prompt", "hello \udcff\udcfe"], "argument --prompt: not valid UTF-8 (byte 0xff at offset 6)"),
     (["chat", "--system", "\udcc3"], "argument --system: not valid UTF-8 (byte 0xc3 at offset 0)"),
     (["generate", "--prompt", "hi", "--priority", "3"], "--priority is what a client asks of a vtm broker: give "
-                                                         "--manager too"),
+                                                         "--manager too (see `flexinfer generate --help`)"),
+    # Refused before the model loads (loaded, the engine would name its Python arguments).
+    (["generate", "--prompt", "hi", "--preemption", "swap"], "--preemption swap keeps preempted requests' KV in "
+                                                             "vtm's host tier: give --host-tier-gib too"),
     (["generate"], "the following arguments are required: --prompt"),
     ([], "the following arguments are required: command"),
 ])

@@ -9,6 +9,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +113,39 @@ def test_engine_options_are_checked_before_loading(kwargs, message):
     not exist: loading it would raise ModelLoadError), not a TypeError or RuntimeError."""
     with pytest.raises(InvalidArgument, match=re.escape(message)):
         LLM("/nonexistent/model", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(preemption="swap"), "preemption='swap' keeps preempted requests' KV in vtm's host tier"),
+    (dict(preemption="swap", manager="no tier"), "preemption='swap' keeps preempted requests' KV in vtm's host tier"),
+    (dict(layer_groups=99), "layer_groups must be in [1, 2], got 99"),
+    (dict(max_num_seqs=1 << 40), "1099511627776 slots of 256 tokens (2097152 bytes each) exceed the 128 TiB vtm "
+                                 "reserves for a space"),
+], ids=["swap-without-a-tier", "swap-on-a-manager-without-a-tier", "layer-groups-past-the-layers", "max-num-seqs"])
+def test_options_checked_against_the_manager_or_config_are_checked_before_the_weights_load(tiny, tmp_path, kwargs,
+                                                                                           message):
+    """A model folder whose weights are corrupt tells the order: these options
+    are refused (InvalidArgument), not the weights (ModelLoadError)."""
+    import shutil
+
+    import vtm
+    from flexinfer import ModelLoadError
+
+    folder, _ = tiny
+    for path in Path(folder).iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 1000)
+    with pytest.raises(ModelLoadError):
+        LLM(str(tmp_path))
+    if kwargs.get("manager") == "no tier":
+        kwargs = dict(kwargs, manager=vtm.Manager(backend="host", capacity_bytes=16 << 20, chunk_bytes=2 << 20))
+    try:
+        with pytest.raises(InvalidArgument, match=re.escape(message)):
+            LLM(str(tmp_path), **kwargs)
+    finally:
+        if "manager" in kwargs:
+            kwargs["manager"].close()
 
 
 # ----------------------------------------------------------------------------- failures stay alone

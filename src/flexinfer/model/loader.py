@@ -69,6 +69,15 @@ def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
     return _load_gguf(path, dtype)
 
 
+def load_config(name_or_path: str) -> ModelConfig:
+    """A model's config alone (config.json, or a GGUF file's header): what
+    an engine checks its options against before the weights load."""
+    path = _resolve(name_or_path)
+    if path.is_dir():
+        return _hf_config(path)
+    return _gguf_config(path, *_read_gguf_header(path))
+
+
 def load_tokenizer(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
     """A model's config and tokenizer, without its weights: a tenth of a
     second where the weights take seconds, so that a request that cannot run
