@@ -247,7 +247,7 @@ def cmd_generate(args) -> int:
     several = len(args.prompt) > 1
     status = EXIT_OK
     prompts = {}  # the index and token ids of each prompt that can run
-    for i, ids in enumerate(_checked_prompts(args, params)):
+    for i, ids in enumerate(_checked_prompts(args, args.prompt, params)):
         if isinstance(ids, str):
             print(f"flexinfer: error: {f'prompt {i}: ' if several else ''}{ids}", file=sys.stderr)
             status = EXIT_BAD_INPUT
@@ -329,7 +329,7 @@ def _report(out: RequestOutput, index: int | None) -> int:
     return EXIT_OK
 
 
-def _checked_prompts(args, params: SamplingParams) -> list[list[int] | str]:
+def _checked_prompts(args, prompts: list[str], params: SamplingParams) -> list[list[int] | str]:
     """Each prompt's token ids, or why it cannot run (empty, too long for the
     model). Only the tokenizer and the config are read (load_tokenizer), so
     that such a prompt is refused in a tenth of a second, not after the
@@ -337,7 +337,7 @@ def _checked_prompts(args, params: SamplingParams) -> list[list[int] | str]:
     config, tokenizer = load_tokenizer(args.model)
     max_model_len = min(args.max_model_len, config.max_position_embeddings)  # as the engine caps it
     checked = []
-    for prompt in args.prompt:
+    for prompt in prompts:
         ids = tokenizer.encode(prompt)
         problem = request_problem(ids, params, max_model_len, config.vocab_size, config.eos_token_ids)
         checked.append(problem.message if problem else ids)
@@ -355,18 +355,31 @@ def cmd_chat(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """Decode throughput of a batch. A request that cannot run or fails
+    (the warm-up's too) is reported as `generate` reports it, with its
+    status, and no throughput is printed: it would count tokens never made."""
+    prompts = [f"Write a short story about the number {i}." for i in range(args.batch)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    # Before the model loads, as generate does; one line, the first prompt's: the others differ by a number only.
+    problem = next((p for p in _checked_prompts(args, prompts, params) if isinstance(p, str)), None)
+    if problem is not None:
+        print(f"flexinfer: error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     llm = _load(args)
     try:
-        prompts = [f"Write a short story about the number {i}." for i in range(args.batch)]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
+        warm_up = llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+        if warm_up.error is not None:
+            return _report(warm_up, None)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        generated = sum(len(o.token_ids) for o in outs)
-        print(f"batch {args.batch}: {generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tok/s")
     finally:
         llm.close()
+    failed = [(i, out) for i, out in enumerate(outs) if out.error is not None]
+    if failed:
+        return max(_report(out, i) for i, out in failed)
+    generated = sum(len(o.token_ids) for o in outs)
+    print(f"batch {args.batch}: {generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tok/s")
     return EXIT_OK
 
 

@@ -185,6 +185,31 @@ def test_bench_reports_throughput(capsys, tiny):
     assert capsys.readouterr().out.startswith("batch 2: 8 tokens in ")
 
 
+def test_bench_reports_requests_that_cannot_run_or_fail(capsys, monkeypatch, tiny, tiny_nan):
+    """As generate does: one line per error, status 2 (bad input, no memory) or 1 (the engine),
+    and no throughput. bench used to print "0 tokens" and exit 0."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded for prompts that cannot run")
+
+    with monkeypatch.context() as patched:  # too long for the context: refused before the model loads
+        patched.setattr(cli, "LLM", no_loading)
+        assert main(["bench", *tiny_args(tiny, "--max-model-len", "64"), "--batch", "2", "--max-tokens", "100"]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        one_line_error(err, "+ max_tokens (100) exceeds max_model_len 64")
+    # Can never fit in a two-chunk pool: refused by the engine; the warm-up (4 tokens) fits.
+    assert main(["bench", *tiny_args(tiny), "--kv-capacity-gib", "0.004", "--batch", "2", "--max-tokens", "3000"]) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("flexinfer: error: ")]
+    assert out == "" and len(errors) == 2 and "Traceback" not in err
+    assert errors[0].startswith("flexinfer: error: prompt 0: ") and "can never fit in the KV pool" in errors[0]
+    # NaN logits: the warm-up fails in the engine, status 1.
+    assert main(["bench", *tiny_args(tiny_nan), "--batch", "2", "--max-tokens", "4"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    one_line_error(err, "NaN or infinite logits")
+
+
 def test_several_prompts_print_every_output_and_every_error(capsys, tiny):
     """An empty and a too long prompt fail alone (bad input: 2); the others still print, in order."""
     prompts = ["Hello", "", ("word " * 300).strip(), "The sky is"]
