@@ -33,8 +33,6 @@ from flexinfer.errors import InvalidArgument
 from flexinfer.model.config import ModelConfig
 
 NO_LIMIT = 1 << 62  # a token count no sequence reaches
-# vtm reserves a space's slots as one range of at most this many bytes (Manager::CreateSpace).
-VTM_SPACE_RESERVE_BYTES = 1 << 47
 
 
 class KVCache:
@@ -264,9 +262,9 @@ def plan_spaces(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_sl
         # As vtm sizes a slot: its rows rounded up to whole chunks.
         rows_bytes = max_tokens * config.kv_row_bytes(itemsize, layers=len(group_layers))
         slot_bytes = -(-rows_bytes // chunk_bytes) * chunk_bytes
-        if max_slots * slot_bytes > VTM_SPACE_RESERVE_BYTES:
+        if max_slots * slot_bytes > vtm.MAX_SPACE_BYTES:
             raise InvalidArgument(f"{max_slots} slots of {max_tokens} tokens ({slot_bytes} bytes each) exceed the "
-                                  f"{VTM_SPACE_RESERVE_BYTES >> 40} TiB vtm reserves for a space: run fewer sequences "
+                                  f"{vtm.MAX_SPACE_BYTES >> 40} TiB vtm reserves for a space: run fewer sequences "
                                   "at once (max_num_seqs) or shorten max_model_len")
     return groups
 

@@ -6,6 +6,7 @@ docs/api.md for the whole API and docs/design.md for the design.
 """
 
 from vtm._core import (
+    MAX_SPACE_BYTES,
     FaultInjector,
     Fence,
     Future,
@@ -43,6 +44,7 @@ def connect(address, name=None, priority=None, guaranteed_bytes=None, limit_byte
     return _connect(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path, map_ahead_pages)
 
 __all__ = [
+    "MAX_SPACE_BYTES",
     "BackendError",
     "Error",
     "FailedPrecondition",

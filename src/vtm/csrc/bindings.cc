@@ -304,6 +304,7 @@ VTensorInfo LiveInfo(const PyVTensor& vt) {
 PYBIND11_MODULE(_core, m) {
   using namespace vtm;
   m.doc() = "vTensor Manager core (C++)";
+  m.attr("MAX_SPACE_BYTES") = Manager::kMaxSpaceBytes;
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

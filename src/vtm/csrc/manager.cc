@@ -154,7 +154,7 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   if (max_tokens > (std::size_t{1} << 40) / row_bytes)
     Throw(ErrorCode::kInvalidArgument, "max_tokens * row_bytes is too large");
   const std::size_t slot_bytes = (max_tokens * row_bytes + chunk_bytes_ - 1) / chunk_bytes_ * chunk_bytes_;
-  if (max_slots > (std::size_t{1} << 47) / slot_bytes)
+  if (max_slots > kMaxSpaceBytes / slot_bytes)
     Throw(ErrorCode::kInvalidArgument, "max_slots * slot_bytes exceeds the address space vtm reserves");
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) Throw(ErrorCode::kFailedPrecondition, "the manager is closed");

@@ -165,6 +165,11 @@ struct Stats {
 
 class Manager {
  public:
+  // The address range one space may reserve for its slots (max_slots times
+  // its slot bytes): 128 TiB, a fraction of a 48-bit (x86-64) or 49-bit
+  // (CUDA) virtual address space, so that several spaces fit.
+  static constexpr std::size_t kMaxSpaceBytes = std::size_t{1} << 47;
+
   explicit Manager(const ManagerOptions& options);
   ~Manager();  // Close()
   Manager(const Manager&) = delete;
