@@ -163,7 +163,7 @@ class Engine:
             self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
             # With the sink's slot on CUDA (see below), whether or not it is kept.
             plan_spaces(config, self.dtype, self.max_model_len, max_num_seqs + (self.device.type == "cuda"),
-                        manager.chunk_bytes, layer_groups)
+                        manager, layer_groups)
             loaded = load_model(model, self.dtype)
             fingerprint = loaded.fingerprint()
             self.config = loaded.config

@@ -39,7 +39,7 @@ class KVCache:
     def __init__(self, manager: vtm.Manager, config: ModelConfig, dtype: torch.dtype, max_tokens: int,
                  max_slots: int, namespace: str | None = None, name: str | None = None, layer_groups: int = 1):
         layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        groups = plan_spaces(config, dtype, max_tokens, max_slots, manager.chunk_bytes, layer_groups)
+        groups = plan_spaces(config, dtype, max_tokens, max_slots, manager, layer_groups)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.manager = manager
         self.max_tokens = max_tokens
@@ -246,26 +246,33 @@ class KVCache:
             space.close()
 
 
-def plan_spaces(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_slots: int, chunk_bytes: int,
+def plan_spaces(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_slots: int, manager,
                 layer_groups: int = 1) -> list[tuple[list[int], int, str]]:
     """(layers, window, namespace label) of each space a KVCache of these
-    options creates, or InvalidArgument for what it (or vtm) would refuse:
-    layer_groups out of range, or slots that do not fit in vtm's reservation.
-    It reads the config alone, so that an engine checks these options
-    before the weights load."""
+    options creates on `manager` (a vtm.Manager or vtm.connect), or
+    InvalidArgument for what it (or vtm) would refuse: layer_groups out of
+    range, or slots beyond what vtm gives a space (its address range, its
+    page table's budget in this pool). It reads the config alone, so that
+    an engine checks these options before the weights load."""
     layers = config.num_hidden_layers
     if not 1 <= layer_groups <= layers:
         raise InvalidArgument(f"layer_groups must be in [1, {layers}], got {layer_groups}")
     groups = _layer_groups(config, layer_groups, max_tokens)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    chunk_bytes = manager.chunk_bytes
+    budget = vtm.limits.page_table_budget(manager.capacity_bytes, chunk_bytes)
     for group_layers, _, _ in groups:
-        # As vtm sizes a slot: its rows rounded up to whole chunks.
-        rows_bytes = max_tokens * config.kv_row_bytes(itemsize, layers=len(group_layers))
-        slot_bytes = -(-rows_bytes // chunk_bytes) * chunk_bytes
+        row_bytes = config.kv_row_bytes(itemsize, layers=len(group_layers))
+        slot_bytes = vtm.limits.slot_bytes(row_bytes, max_tokens, chunk_bytes)
         if max_slots * slot_bytes > vtm.MAX_SPACE_BYTES:
             raise InvalidArgument(f"{max_slots} slots of {max_tokens} tokens ({slot_bytes} bytes each) exceed the "
                                   f"{vtm.MAX_SPACE_BYTES >> 40} TiB vtm reserves for a space: run fewer sequences "
                                   "at once (max_num_seqs) or shorten max_model_len")
+        entries = vtm.limits.page_table_entries(row_bytes, max_tokens, max_slots, chunk_bytes)
+        if entries > budget:
+            raise InvalidArgument(f"{max_slots} slots of {max_tokens} tokens need a vtm page table of {entries} "
+                                  f"entries, more than the {budget} a pool of {manager.capacity_bytes} bytes "
+                                  "allows: run fewer sequences at once (max_num_seqs) or shorten max_model_len")
     return groups
 
 

@@ -27,6 +27,7 @@ from vtm.errors import (
     OutOfMemory,
     Unavailable,
 )
+from vtm import limits
 from vtm.views import tensor as _tensor
 
 Space.tensor = _tensor
@@ -58,6 +59,7 @@ __all__ = [
     "NotFound",
     "OutOfMemory",
     "RawBackend",
+    "limits",
     "Space",
     "Unavailable",
     "VTensor",

@@ -121,7 +121,10 @@ def test_engine_options_are_checked_before_loading(kwargs, message):
     (dict(layer_groups=99), "layer_groups must be in [1, 2], got 99"),
     (dict(max_num_seqs=1 << 40), "1099511627776 slots of 256 tokens (2097152 bytes each) exceed the 128 TiB vtm "
                                  "reserves for a space"),
-], ids=["swap-without-a-tier", "swap-on-a-manager-without-a-tier", "layer-groups-past-the-layers", "max-num-seqs"])
+    (dict(max_num_seqs=10 ** 6), "1000000 slots of 256 tokens need a vtm page table of 17000000 entries, more than "
+                                 "the 1048576"),
+], ids=["swap-without-a-tier", "swap-on-a-manager-without-a-tier", "layer-groups-past-the-layers", "max-num-seqs",
+        "max-num-seqs-past-the-page-table"])
 def test_options_checked_against_the_manager_or_config_are_checked_before_the_weights_load(tiny, tmp_path, kwargs,
                                                                                            message):
     """A model folder whose weights are corrupt tells the order: these options

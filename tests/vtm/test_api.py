@@ -33,6 +33,29 @@ def test_error_hierarchy():
     assert issubclass(vtm.Error, Exception)
 
 
+@pytest.mark.parametrize("max_slots, max_tokens", [(10 ** 6, 1), (5000, 200), (50_000, 1), (10 ** 8, 100)])
+def test_a_space_whose_page_table_exceeds_the_pools_budget_is_refused(make_manager, max_slots, max_tokens):
+    """A space's page table is allocated whole: max_slots=10**8 of a
+    4-chunk pool used to take every byte of the machine (FlexInfer's
+    max_num_seqs=10**8) instead of an InvalidArgument. vtm.limits says the
+    same as create_space, for callers that check first."""
+    mgr = make_manager(chunks=4)
+    row = CHUNK // 64  # 64 rows a page
+    entries = vtm.limits.page_table_entries(row, max_tokens, max_slots, mgr.chunk_bytes)
+    budget = vtm.limits.page_table_budget(mgr.capacity_bytes, mgr.chunk_bytes)
+    assert budget == 1 << 20  # the floor: a small pool still has virtual memory well beyond it
+    fits = entries <= budget and max_slots * vtm.limits.slot_bytes(row, max_tokens, mgr.chunk_bytes) <= vtm.MAX_SPACE_BYTES
+    assert fits == (max_slots < 10 ** 6)
+    if fits:
+        sp = mgr.create_space(row_bytes=row, max_tokens=max_tokens, max_slots=max_slots)
+        assert sp.max_slots == max_slots
+        sp.close()
+    else:
+        with pytest.raises(vtm.InvalidArgument, match="page table|address space"):
+            mgr.create_space(row_bytes=row, max_tokens=max_tokens, max_slots=max_slots)
+        assert mgr.stats()["spaces"] == {}
+
+
 def test_geometry(backend, make_manager):
     chunk = chunk_for(backend)
     mgr = make_manager(backend, chunks=16)

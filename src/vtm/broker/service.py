@@ -18,8 +18,8 @@ held per session.
 
 What a client can make the broker hold is bounded: at most max_sessions
 sessions (Hello beyond is RESOURCE_EXHAUSTED), at most MAX_SPACES spaces a
-session, and page tables (slots x pages a slot) of at most
-TABLE_ENTRIES_PER_CHUNK entries per chunk of the pool's capacity a session;
+session, and page tables (slots x pages a slot) of at most the budget one
+space of the manager may have (vtm.limits.page_table_budget) a session;
 a closed space leaves nothing behind (the manager erases it). The host
 tier's per-name accounts are forgotten once no session has the name and no
 prefix is charged to it (_forget_idle_accounts), so clients that connect
@@ -54,6 +54,7 @@ from vtm.broker.policy import Policy
 from vtm.broker.quota import Ask, grant
 from vtm.broker.seqpacket import peer_pidfd
 from vtm.broker.session import CLOSED, LIVE, PENDING, QUARANTINED, Session
+from vtm.limits import page_table_budget, page_table_entries
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 
 log = logging.getLogger("vtm.broker")
@@ -61,13 +62,6 @@ log = logging.getLogger("vtm.broker")
 _MAX_COUNT = 1 << 62  # sizes above this are malformed (the manager takes int64)
 _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
 MAX_SPACES = 64  # per session
-# A session's spaces may describe page tables of this many entries per chunk
-# of capacity (the manager keeps ~4 bytes a page and ~70 a slot, so a slot
-# counts as _SLOT_ENTRIES pages), and at least _MIN_TABLE_ENTRIES: enough
-# for virtual memory well beyond the pool, bounded by it.
-TABLE_ENTRIES_PER_CHUNK = 64
-_MIN_TABLE_ENTRIES = 1 << 20
-_SLOT_ENTRIES = 16
 
 
 def _count(value: int, what: str) -> int:
@@ -93,8 +87,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._reactor = reactor
         self.quotas = quotas  # guarded by _mu
         self.max_sessions = max_sessions
-        self._table_budget = max(TABLE_ENTRIES_PER_CHUNK * (manager.capacity_bytes // self._chunk_bytes),
-                                 _MIN_TABLE_ENTRIES)
+        # A session's spaces together: what one space of the manager may have.
+        self._table_budget = page_table_budget(manager.capacity_bytes, self._chunk_bytes)
         self._mu = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._next_client = 1
@@ -533,10 +527,6 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         with self._mu:
             self._free_accounts += freed
 
-    def _table_entries(self, row_bytes: int, max_tokens: int, max_slots: int) -> int:
-        pages_per_slot = -(-row_bytes * max_tokens // self._chunk_bytes)
-        return max_slots * (pages_per_slot + _SLOT_ENTRIES)
-
     # -- RPCs --------------------------------------------------------------
 
     def Hello(self, request, context):
@@ -577,12 +567,11 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             row_bytes = _count(request.row_bytes, "row_bytes")
             max_tokens = _count(request.max_tokens, "max_tokens")
             max_slots = _count(request.max_slots, "max_slots")
-            entries = self._table_entries(row_bytes, max_tokens, max_slots)
+            entries = page_table_entries(row_bytes, max_tokens, max_slots, self._chunk_bytes)
             if entries > self._table_budget:
                 raise vtm.InvalidArgument(
                     f"a space of {max_slots} slots of {max_tokens} rows of {row_bytes} bytes needs a page table of "
-                    f"{entries} entries; a client may hold {self._table_budget} ({TABLE_ENTRIES_PER_CHUNK} per chunk "
-                    f"of the pool's capacity)")
+                    f"{entries} entries; a client may hold {self._table_budget} (by the pool's capacity)")
             if len(session.spaces) >= MAX_SPACES:
                 raise vtm.OutOfMemory(f"a client may hold at most {MAX_SPACES} spaces; close one first")
             if session.table_entries + entries > self._table_budget:

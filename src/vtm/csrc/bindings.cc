@@ -305,6 +305,9 @@ PYBIND11_MODULE(_core, m) {
   using namespace vtm;
   m.doc() = "vTensor Manager core (C++)";
   m.attr("MAX_SPACE_BYTES") = Manager::kMaxSpaceBytes;
+  m.attr("_SLOT_TABLE_ENTRIES") = Manager::kSlotTableEntries;
+  m.attr("_TABLE_ENTRIES_PER_CHUNK") = Manager::kTableEntriesPerChunk;
+  m.attr("_MIN_TABLE_ENTRIES") = Manager::kMinTableEntries;
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

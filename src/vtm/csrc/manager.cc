@@ -156,6 +156,13 @@ std::uint32_t Manager::CreateSpace(std::size_t row_bytes, std::size_t max_tokens
   const std::size_t slot_bytes = (max_tokens * row_bytes + chunk_bytes_ - 1) / chunk_bytes_ * chunk_bytes_;
   if (max_slots > kMaxSpaceBytes / slot_bytes)
     Throw(ErrorCode::kInvalidArgument, "max_slots * slot_bytes exceeds the address space vtm reserves");
+  const std::size_t entries = max_slots * (slot_bytes / chunk_bytes_ + kSlotTableEntries);
+  if (entries > PageTableBudget())
+    Throw(ErrorCode::kInvalidArgument,
+          "a space of " + std::to_string(max_slots) + " slots of " + std::to_string(slot_bytes / chunk_bytes_) +
+              " pages needs a page table of " + std::to_string(entries) + " entries, more than the " +
+              std::to_string(PageTableBudget()) + " a pool of " + std::to_string(capacity_chunks_) +
+              " chunks allows: fewer slots, or shorter ones");
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) Throw(ErrorCode::kFailedPrecondition, "the manager is closed");
   if (next_space_id_ == UINT32_MAX) Throw(ErrorCode::kOutOfMemory, "space ids are exhausted");

@@ -42,6 +42,7 @@
 // else is as before the failed operation.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -169,6 +170,17 @@ class Manager {
   // its slot bytes): 128 TiB, a fraction of a 48-bit (x86-64) or 49-bit
   // (CUDA) virtual address space, so that several spaces fit.
   static constexpr std::size_t kMaxSpaceBytes = std::size_t{1} << 47;
+  // A space's page table is allocated whole by CreateSpace: max_slots x
+  // (the pages of a slot, + kSlotTableEntries: a slot's own ~70 bytes of
+  // bookkeeping, counted as page entries of ~4 bytes). It may have at most
+  // PageTableBudget() entries, enough for virtual memory well beyond the
+  // pool and bounded by it, so that a mistaken max_slots is refused, not
+  // the process run out of memory. vtmd applies the same budget to each
+  // client's spaces together.
+  static constexpr std::size_t kSlotTableEntries = 16;
+  static constexpr std::size_t kTableEntriesPerChunk = 64;
+  static constexpr std::size_t kMinTableEntries = std::size_t{1} << 20;
+  std::size_t PageTableBudget() const { return std::max(kMinTableEntries, kTableEntriesPerChunk * capacity_chunks_); }
 
   explicit Manager(const ManagerOptions& options);
   ~Manager();  // Close()
