@@ -48,17 +48,19 @@ def test_later_rounds_reuse_the_freed_memory():
     kept = _run(opt_out=False)
     assert kept["applied"] is True
     # The first round faults its pages in (~10,000); the heap's layout settles
-    # within a round or two, after which every round reuses the same pages.
-    # One late round may still fault: in a full test run the heap's top once
-    # moved in round 9 or later (1,344 pages), and never again. With glibc's
-    # defaults 11 of the 24 late rounds fault.
+    # within a round or two, after which the rounds reuse the same pages.
+    # Alone, 0 or 1 of the 24 late rounds fault (8 runs, AMD EPYC); in full
+    # test runs the heap's top moved now and then: once 1 round (1,344
+    # pages), once 3 (576, 2,496 and 576 pages, in CI at 8d8473f). With
+    # glibc's defaults 11 of the 24 fault, every run: the bound is between.
     assert kept["faults"][0] > 1000
     late_faulting = [n for n in kept["faults"][8:] if n > 64]
-    assert len(late_faulting) <= 1, kept["faults"]
+    assert len(late_faulting) <= 4, kept["faults"]
 
 
 def test_opting_out_leaves_malloc_alone():
     plain = _run(opt_out=True)
     assert plain["applied"] is False
-    # glibc's defaults keep returning some of it, round after round: what the setting saves.
-    assert len([n for n in plain["faults"][8:] if n > 64]) > 1, plain["faults"]
+    # glibc's defaults keep returning some of it, round after round (11 of
+    # the 24 late rounds fault, every run): what the setting saves.
+    assert len([n for n in plain["faults"][8:] if n > 64]) >= 8, plain["faults"]
