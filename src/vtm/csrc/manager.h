@@ -345,9 +345,9 @@ class Manager {
   std::size_t ReachableChunks() const;
   // How many live vTensors' locks (VTensor::lock_node) count on each node.
   std::unordered_map<const PrefixNode*, int> PinsByNode() const;
-  // Chunks that only tree nodes hold, with no operation in flight locking
-  // them and, with `pinned`, no live vTensor's lock either, or one alone
-  // (what UnpinPrefix takes); without, none.
+  // Chunks whose every reference is a Takeable node's: what evicting those
+  // frees. Without `pinned`, unlocked nodes only; with it, also nodes one
+  // live vTensor's lock alone keeps (UnpinPrefix unlocks them first).
   std::size_t EvictableTreeChunks(bool pinned) const;
   // Whether eviction may take `n`: unlocked, or (`pinned`) locked by one
   // live vTensor's lock and nothing else (`pins`: PinsByNode()).
