@@ -126,7 +126,9 @@ class Engine:
         self._shared_generator: torch.Generator | None = None  # unseeded rows' on the sampling device
         self._in_flight: _Step | None = None  # launched, its tokens not read yet (overlap)
         self._last_launched: _Step | None = None  # the last step() call's launch, if it launched one
-        self._batch: ForwardBatch | None = None  # the last forward pass's (the next decode step advances it)
+        # (plan, its sequences, counts, slots, decode batch size or None) of
+        # the last launch: a steady plan comes back as the same list.
+        self._plan_lists: tuple | None = None
         try:
             # This thread (the engine loop's) computes on the memory: a broker
             # client revokes a lost session's mappings here, once the steps
@@ -268,7 +270,7 @@ class Engine:
         self._forget_batches()
 
     def _forget_batches(self) -> None:
-        self._last_launched = self._batch = self._sampled_batch = None
+        self._last_launched = self._sampled_batch = self._plan_lists = None
 
     def _kv_budget(self) -> KVBudget:
         """What one request's KV can ever take: the pool, or with vtm.connect
@@ -454,74 +456,88 @@ class Engine:
         the device; the tokens become pending in their sequences. `previous`:
         the step launched by the engine's step() call before this one, if it
         launched one."""
-        seqs = [seq for seq, _ in plan]
-        counts = [n for _, n in plan]
-        starts = [seq.num_cached for seq in seqs]
-        decode_batch = len(plan) if counts.count(1) == len(counts) else None
+        finished = self.scheduler.num_finished
+        lists = self._plan_lists
+        if lists is not None and lists[0] is plan:  # a steady plan, returned again (Scheduler)
+            _, seqs, counts, slots, decode_batch = lists
+        else:
+            seqs = [seq for seq, _ in plan]
+            counts = [n for _, n in plan]
+            slots = [seq.slots for seq in seqs]
+            decode_batch = len(plan) if counts.count(1) == len(counts) else None
+            self._plan_lists = (plan, seqs, counts, slots, decode_batch)
         # The sequences the step before sampled decode on, one token each:
         # all of them end this step with a token to sample.
         continuing = decode_batch is not None and previous is not None and previous.seqs == seqs
-        if continuing and not previous.chosen_on_host:
-            # Each one's input is the token the step before chose at its
-            # row, as it lies on the device (pending, or read already).
-            input_ids = previous.next_inputs()
-        else:
-            input_ids = self._input_ids(seqs, starts, counts)
-        number = self.scheduler.launched(seqs)
         # The sequences whose sampled token this step makes pending.
         pending: list[Sequence] = []
         if continuing:
+            if previous.chosen_on_host:
+                input_ids = self._input_ids(seqs, [seq.num_cached for seq in seqs], counts)
+            else:
+                # Each one's input is the token the step before chose at its
+                # row, as it lies on the device (pending, or read already).
+                input_ids = previous.next_inputs()
             # Each one's token is computed by this step and the next one
-            # sampled (add_pending inlined: each keeps its row, so its
-            # feed_row stands). Done before the forward pass, which evicts
-            # the sequences from the CPU's caches: after it, this one pass
-            # cost ~0.2 µs a sequence more at batch 256.
-            for seq in seqs:
-                seq.num_cached += 1
-                seq.pending += 1
-                seq.num_tokens += 1
+            # sampled, in the scheduler's one pass over them. Done before
+            # the forward pass, which evicts the sequences from the CPU's
+            # caches: after it, a pass cost ~0.2 µs a sequence more at batch 256.
+            number, starts = self.scheduler.launched_decode(seqs)
             pending = seqs
+        else:
+            starts = [seq.num_cached for seq in seqs]
+            input_ids = self._input_ids(seqs, starts, counts)
+            number = self.scheduler.launched(seqs)
         try:
             if self.thread_tuner is not None:
                 self.thread_tuner.before_step(decode_batch)
             started = time.perf_counter()
-            slots = [seq.slots for seq in seqs]
+            batch = None
             if self.graphs is not None and decode_batch and self.graphs.bucket_for(decode_batch):
                 logits = self.graphs.run(input_ids, slots, starts)
             else:
-                batch = self._batch = ForwardBatch.build(slots, starts, counts, self.device, self._batch)
+                # A continuing step's vectors are the step before's, one row
+                # further: packing them costs ~30 ns an int (~120 µs a step
+                # at batch 256), and on CUDA a copy.
+                batch = (previous.batch.advanced(starts) if continuing and previous.batch is not None
+                         else ForwardBatch.build(slots, starts, counts, self.device))
                 logits = self.model.forward(input_ids, batch, self.kv_cache, self.attention)
             if self.thread_tuner is not None:
                 self.thread_tuner.after_step(decode_batch, time.perf_counter() - started)
             if continuing:
-                ready_rows, ready = None, seqs
+                ready_rows, ready, prefilled = None, seqs, ()
             else:
-                ready_rows, ready = [], []
+                ready_rows, ready, prefilled = [], [], []
+                pending = ready
                 for row, (seq, n) in enumerate(plan):
                     seq.num_cached += n
                     if seq.num_cached == seq.num_tokens:  # not in the middle of a chunked prompt
-                        if not seq.prompt_recorded:
-                            self.scheduler.after_prefill(seq)
                         ready_rows.append(row)
                         ready.append(seq)
-                for row, seq in enumerate(ready):
-                    seq.add_pending(row)
-                pending = ready
-            step = _Step(number, ready)
+                        seq.add_pending(len(ready) - 1)
+                        if not seq.prompt_recorded:
+                            prefilled.append(seq)
+            step = _Step(number, ready, finished)
+            if decode_batch is not None and len(ready) == len(plan):
+                step.batch = batch  # one row per sequence of step.seqs, in order
             if ready:
                 rows = logits if len(ready) == len(plan) else logits.index_select(
                     0, self._to_device(long_tensor(ready_rows)))
-                step.tokens, step.feed = self._sample(rows, ready)
+                self._sample(rows, step)
+                # Recorded once their first token is sampled: a step
+                # interrupted before computes their last row again, which
+                # must not be in the prefix tree by then.
+                for seq in prefilled:
+                    self.scheduler.after_prefill(seq)
         except BaseException:
             # A step that raises, or is interrupted (KeyboardInterrupt in a
             # caller that drives step() itself and goes on), leaves no token
-            # pending, and a continuing decode's row still to compute: the
-            # next step computes it again.
+            # pending: the row that sampled each is computed again by the
+            # next step (the other rows of a prompt chunk stay computed).
             for seq in pending:
                 seq.discard_pending()
-            if continuing:
-                for seq in seqs:
-                    seq.num_cached -= 1
+                seq.num_cached -= 1
+            self._sampled_batch = None  # its step count now counts a step that added no token
             raise
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
@@ -571,13 +587,25 @@ class Engine:
             log.exception("reading a step's tokens failed; failing its %d requests", len(step.seqs))
             tokens, may_fail = [exc] * len(step.seqs), True
         self.scheduler.completed(step.number)
+        suspect = may_fail or NON_FINITE in tokens  # a failed row, looked for once per step in C
+        quiet = step.quiet_stops
+        if (quiet is not None and not suspect and step.finished == self.scheduler.num_finished
+                and (not quiet or quiet.isdisjoint(tokens))):
+            # A quiet step (see _SampledBatch): every sequence is still
+            # there, and no token is a stop id or at a length the stop
+            # checks start from. Each token is only appended: at batch 256,
+            # per-sequence status reads, calls and checks cost ~0.4 µs a
+            # sequence, a third of a decode step's host work.
+            for seq, token in zip(step.seqs, tokens):
+                seq.pending -= 1
+                seq.output_ids.append(token)
+            return list(step.seqs)
         now = time.perf_counter()
         changed = []
         # Once per sequence per step: the common token costs resolve_pending
         # alone. (Status.FINISHED is read once: an enum member costs ~60 ns a
-        # read; a failed row is looked for once per step, in C.)
+        # read.)
         finished = Status.FINISHED
-        suspect = may_fail or NON_FINITE in tokens
         for seq, token in zip(step.seqs, tokens):
             if seq.status is finished:  # cancelled, or stopped at the token before
                 seq.discard_pending()
@@ -620,17 +648,23 @@ class Engine:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _sample(self, rows: torch.Tensor, ready: list[Sequence]):
-        """One token per row: (tokens, feed). Rows are chosen where the
-        logits are (greedy ones always, sampled ones on a sampling device):
-        tokens a host tensor the device fills, feed the choice as the next
-        step's input ids on the device (see greedy_tokens: None on a CPU).
-        Otherwise the host chooses (tokens a list, feed None). What sampling
-        needs of the batch's parameters is gathered once per batch of
-        sequences (_SampledBatch), not per step."""
+    def _sample(self, rows: torch.Tensor, step: "_Step") -> None:
+        """One token per row, for each of step.seqs: step.tokens and
+        step.feed. Rows are chosen where the logits are (greedy ones always,
+        sampled ones on a sampling device): tokens a host tensor the device
+        fills, feed the choice as the next step's input ids on the device
+        (see greedy_tokens: None on a CPU). Otherwise the host chooses
+        (tokens a list, feed None). What sampling and reading the tokens
+        need of the batch's sequences is gathered once per batch
+        (_SampledBatch), not per step; step.quiet_stops says whether the
+        step is quiet."""
+        ready = step.seqs
         facts = self._sampled_batch
         if facts is None or facts.seqs != ready:
             facts = self._sampled_batch = _SampledBatch(ready)
+        if facts.quiet_from <= facts.steps < facts.quiet_until:
+            step.quiet_stops = facts.stop_ids
+        facts.steps += 1
         # Before min_tokens, no token may end the sequence. Pending tokens
         # count, this step's last among them: the token sampled now is the
         # (len(output_ids) + pending)-th.
@@ -641,21 +675,22 @@ class Engine:
             if not any(banned):
                 banned = None
         if facts.greedy and banned is None:
-            choice, feed = greedy_tokens(rows)
+            choice, step.feed = greedy_tokens(rows)
         elif self.sampling_device is not None:
             if facts.sampler is None:
                 facts.sampler = self._batch_sampler(facts)
-            choice, feed = facts.sampler(rows, banned)
+            choice, step.feed = facts.sampler(rows, banned)
         else:
             # Greedy rows are chosen where the logits are; only sampled ones come to the host.
             if not facts.greedy:
                 rows = rows.cpu()
-            return sample(rows, facts.params, facts.generators, banned), None
+            step.tokens = sample(rows, facts.params, facts.generators, banned)
+            return
         if choice.device.type == "cpu":
-            return choice, feed
-        tokens = torch.empty(choice.shape, dtype=choice.dtype, pin_memory=True)
-        tokens.copy_(choice, non_blocking=True)
-        return tokens, feed
+            step.tokens = choice
+            return
+        step.tokens = torch.empty(choice.shape, dtype=choice.dtype, pin_memory=True)
+        step.tokens.copy_(choice, non_blocking=True)
 
     def _batch_sampler(self, facts: "_SampledBatch") -> BatchSampler:
         """The sampling device's sampler for a batch of sequences."""
@@ -701,16 +736,24 @@ class _Step:
     device fills, complete once `done` (a CUDA event; None on a CPU) has
     completed; `next_inputs()` gives the device's choices as the next step's
     input ids. `number` is the step's in the scheduler (its sequences'
-    vTensors are released only after it completes)."""
+    vTensors are released only after it completes), `finished` the
+    scheduler's num_finished when it was launched. `quiet_stops`: for a
+    quiet step (see _SampledBatch), the stop ids of its sequences; None
+    otherwise. `batch`: the vectors of its forward pass, when that decoded
+    one token for each of `seqs` and nothing else (None otherwise, or when
+    a CUDA graph ran it): a decode step that continues it advances them."""
 
-    __slots__ = ("number", "seqs", "tokens", "feed", "done")
+    __slots__ = ("number", "seqs", "finished", "tokens", "feed", "done", "quiet_stops", "batch")
 
-    def __init__(self, number: int, seqs: list[Sequence]):
+    def __init__(self, number: int, seqs: list[Sequence], finished: int):
         self.number = number
         self.seqs = seqs
+        self.finished = finished
         self.tokens: list | torch.Tensor = []
         self.feed: torch.Tensor | None = None
         self.done = None
+        self.quiet_stops: frozenset[int] | None = None
+        self.batch: ForwardBatch | None = None
 
     @property
     def chosen_on_host(self) -> bool:
@@ -723,9 +766,22 @@ class _Step:
 
 
 class _SampledBatch:
-    """What sampling needs of a batch's sequences, gathered once while the
-    batch stays the same sequences in the same order (decode steps, mostly):
-    their parameters and generators never change."""
+    """What sampling, and reading the tokens sampled, need of a batch's
+    sequences, gathered once while the batch stays the same sequences in
+    the same order (decode steps, mostly): their parameters and generators
+    never change.
+
+    A step is quiet when no sequence's token is its first (whose time is
+    its TTFT) or at a length from which its stop checks run
+    (Sequence.checks_from): reading its tokens then checks, for the whole
+    batch at once, that none is one of `stop_ids` (the union of its
+    sequences'), and appends them. Of the steps sampled for this batch,
+    numbered from 0 (`steps` counts them), those from `quiet_from` to
+    before `quiet_until` are. Step k gives each sequence its (count + k)-th
+    token, count its tokens and pending ones before step 0: every step adds
+    one pending token to each, read in order, unless the sequence ends
+    (the batch's next step then has other sequences, other facts) or the
+    step fails (_launch then forgets these facts)."""
 
     def __init__(self, seqs: list[Sequence]):
         self.seqs = seqs
@@ -737,6 +793,12 @@ class _SampledBatch:
         self.may_ban = any(s.banned_ids for s in seqs)
         # The batch's BatchSampler on the sampling device, made at its first use.
         self.sampler: BatchSampler | None = None
+        # Step 0's token is each sequence's (len(output_ids) + pending)-th.
+        counts = [len(s.output_ids) + s.pending for s in seqs]
+        self.steps = 0
+        self.quiet_from = max(0, 2 - min(counts, default=0))
+        self.quiet_until = min((s.checks_from - count for s, count in zip(seqs, counts)), default=0)
+        self.stop_ids = frozenset().union(*(s.stop_ids for s in seqs))
 
 
 def _weak_call(method):

@@ -51,6 +51,12 @@ preemption, or an admission that finds no memory while some waits to be
 released, first waits for the device (`wait_for_device`, the engine's). A
 running sequence whose pending token is its last (max_tokens) is not
 planned again: no token is computed to be thrown away.
+
+A steady decode (every running sequence one token, nobody waiting) plans
+the same batch step after step, and no page is mapped or unmapped until a
+sequence nears one of its limits: a planned step finds out once (the
+`slack`, in steps, of _Steady) and returns the same plan until then,
+without a pass over the sequences.
 """
 
 from __future__ import annotations
@@ -107,9 +113,14 @@ class Scheduler:
         # reclaim() on the client's notice thread, answered in schedule().
         self._reclaim_mu = threading.Lock()
         self._reclaim_request = None
+        self._steady: _Steady | None = None
         # Counters for metrics (tokens, like vLLM's): prompt tokens looked up in
         # the prefix cache at admission, and those found there.
         self.num_preemptions = 0
+        # Sequences that ended here (finish, abort): a step whose count did
+        # not move since its launch has none of its sequences finished
+        # (Engine._resolve's quiet path reads no status per sequence).
+        self.num_finished = 0
         self.failed: list[Sequence] = []  # failed by schedule() (no memory), for the engine to report
         self.prefix_query_tokens = 0
         # preemption="swap": tokens whose KV preemptions recorded, and those
@@ -148,6 +159,26 @@ class Scheduler:
             seq.last_step = self._launched
             seq.last_start = seq.num_cached
         return self._launched
+
+    def launched_decode(self, seqs) -> tuple[int, list[int]]:
+        """launched(seqs) for a decode step that continues the one before
+        (Engine._launch): each sequence's pending token is computed by this
+        step and its next one sampled, so num_cached, pending and num_tokens
+        advance by one (Sequence.add_pending, feed_row unchanged). Returns
+        the step's number and the sequences' starts. One pass over them,
+        where the engine made three (the starts, launched(), the advance)."""
+        self._launched += 1
+        number = self._launched
+        starts = []
+        for seq in seqs:
+            start = seq.num_cached
+            starts.append(start)
+            seq.last_step = number
+            seq.last_start = start
+            seq.num_cached = start + 1
+            seq.pending += 1
+            seq.num_tokens += 1
+        return number, starts
 
     def completed(self, step: int) -> None:
         """Step `step` (and every one before it) has completed on the device:
@@ -275,6 +306,7 @@ class Scheduler:
 
     def _stepped(self, seq: Sequence, tokens: int, start: int) -> None:
         """vtm completed a step of `seq` to `tokens`, low marks from `start`."""
+        self._steady = None  # its slack was counted from the limits before
         seq.extended = max(seq.extended, tokens)
         seq.map_limit, seq.unmap_at = self.kv.limits(seq.extended, start)
 
@@ -382,6 +414,7 @@ class Scheduler:
             return
         self._unqueue(seq)
         seq.status = Status.FINISHED
+        self.num_finished += 1
         seq.finish_reason = reason
         seq.error = error
         if seq.vtensors:
@@ -559,6 +592,12 @@ class Scheduler:
         self._reap_background()
         self._retry_releases()
         reclaimed = self._answer_reclaim()
+        steady, self._steady = self._steady, None
+        if (steady is not None and steady.slack > 0 and not self.waiting and not reclaimed
+                and self.running == steady.seqs):
+            steady.slack -= 1
+            self._steady = steady
+            return steady.plan
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         # Of the plan, those whose next step or the one after needs a page
@@ -603,6 +642,8 @@ class Scheduler:
         self._add_due_low_marks(ahead, plan, ahead=1)
         if ahead:
             self._pending = (self.manager.step(self._targets(ahead)), ahead)
+        elif not admitted and len(plan) == len(self.running) and len(late) == 0:
+            self._steady = _Steady.of(plan, self.running, self.kv.has_window)
         return plan
 
     def after_prefill(self, seq: Sequence) -> None:
@@ -616,6 +657,7 @@ class Scheduler:
         while a step computed the token that ended it."""
         seq.finish_reason = reason
         seq.status = Status.FINISHED
+        self.num_finished += 1
         self._unqueue(seq)
         if seq.vtensors:
             self._drop_vtensors(seq, record=self.prefix_caching)
@@ -652,3 +694,39 @@ class Scheduler:
     def _record_failed(self, exc: Exception) -> None:
         log.warning("recording a prefix failed (%s); it will be computed again when asked for", exc)
         self.num_prefix_failures += 1
+
+
+class _Steady:
+    """A plan that later steps may return as it is: every running sequence,
+    in order, one token each, and `slack` more steps before one of them could
+    need a page mapped or unmapped, or stop being planned.
+
+    Each step of a steady decode advances every sequence by one token
+    (num_cached and num_tokens; a step that fails advances none, and ends
+    those it ran). So what the plan loop and the mapping check would find k
+    steps on follows from what they found at step 0, k steps before: a
+    sequence is late (a page to map now, or the pre-extend's next) once
+    map_limit - num_cached < 2, a window's low mark is due once num_cached
+    reaches unmap_at, and a pending token is its last once its output and
+    pending tokens reach max_tokens. Anything else that changes the batch
+    changes `running` (an admission, a preemption, a finish), brings a
+    waiting sequence or a reclaim (checked each step), or completes a vtm
+    step (_stepped forgets the plan)."""
+
+    __slots__ = ("plan", "seqs", "slack")
+
+    def __init__(self, plan: list[tuple[Sequence, int]], seqs: list[Sequence], slack: int):
+        self.plan = plan
+        self.seqs = seqs
+        self.slack = slack
+
+    @staticmethod
+    def of(plan: list[tuple[Sequence, int]], running: list[Sequence], has_window: bool) -> "_Steady | None":
+        """The steady plan `plan` starts, if it is one (None otherwise)."""
+        if not plan or any(n != 1 for _, n in plan):
+            return None
+        slack = min(min(s.map_limit - s.num_cached - 2,
+                        s.params.max_tokens - (s.num_tokens - len(s.prompt_ids)) - 1) for s, _ in plan)
+        if has_window:
+            slack = min(slack, min(s.unmap_at - s.num_cached - 1 for s, _ in plan))
+        return _Steady(plan, list(running), slack) if slack > 0 else None

@@ -161,7 +161,8 @@ class Sequence:
 
     def resolve_pending(self, token: int, now: float) -> bool:
         """The oldest pending token, read back at `now`; the only way
-        output_ids grows. Returns whether the token may end the sequence (a
+        output_ids grows (Engine._resolve inlines it for a quiet step,
+        whose tokens need none of what it returns). Returns whether the token may end the sequence (a
         stop id, a stop string to look for, or max_tokens): the stop checks
         proper (Engine._stop_reason) run for those only."""
         self.pending -= 1

@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 import vtm  # noqa: E402
 from flexinfer import LLM, SamplingParams  # noqa: E402
 from manager_testing import WatchedSteps  # noqa: E402
+from scheduler_testing import SteadyPlans  # noqa: E402
 from flexinfer.attention import KernelAttention, SdpaAttention  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
 from flexinfer.model.config import FULL, SLIDING  # noqa: E402
@@ -273,6 +274,27 @@ def test_bfloat16_logits_match_transformers_bfloat16(families, name):
     ours_error = (ours - exact).abs().mean().item()
     reference_error = (reference - exact).abs().mean().item()
     assert ours_error <= 1.5 * reference_error + 1e-3 * scale, (ours_error, reference_error)
+
+
+@pytest.mark.parametrize("name", ["qwen2-sliding", "gemma3"])
+def test_steady_plans_leave_no_low_mark_due(families, name):
+    """A steady decode returns the step before's plan without a pass over
+    its sequences (Scheduler's _Steady) only while none needs a page mapped,
+    or unmapped below its window: each such plan is checked against what
+    the full planning would have found (SteadyPlans), and the tokens are
+    transformers'."""
+    folder, oracle = families[name]
+    prompts = _prompts([20, 33, 9], seed=8)
+    chunk = 4 * CHUNK  # pages of several rows: steady runs between their ends
+    manager = vtm.Manager(backend="host", capacity_bytes=256 * chunk, chunk_bytes=chunk, granularity=chunk)
+    with LLM(folder, manager=manager, max_model_len=128, max_batch_tokens=64) as llm:
+        plans = SteadyPlans(llm.engine.scheduler)
+        outs = llm.generate(prompts, _greedy(40), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == oracle.greedy(prompt, 40)
+    assert plans.steady >= 5, (plans.steady, plans.calls)
+    manager.check()
+    manager.close()
 
 
 def test_sliding_layers_map_only_their_window(families):

@@ -16,7 +16,7 @@ from flexinfer.sequence import Status
 @pytest.mark.parametrize("reason, says", [("error", "a failed sequence"), ("abort", "a cancelled sequence")])
 def test_a_failed_release_names_the_sequence_in_words(caplog, reason, says):
     scheduler = Scheduler.__new__(Scheduler)  # only what abort() reads
-    scheduler.running, scheduler.waiting = [], []
+    scheduler.running, scheduler.waiting, scheduler.num_finished = [], [], 0
 
     def broker_gone():
         raise RuntimeError("the vtm broker is unavailable")
