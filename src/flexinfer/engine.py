@@ -111,9 +111,13 @@ class Engine:
             # On the GPU this engine computes on: vtm's own default is device 0.
             # The host tier in whole chunks: evicted prefixes wait there for their next turn.
             tier = -(-host_tier_bytes // chunk_bytes) * chunk_bytes
-            manager = vtm.Manager(backend=backend, capacity_bytes=kv_capacity_bytes, chunk_bytes=chunk_bytes,
-                                  workers=workers, prealloc_chunks=4, device=_cuda_index(device, backend),
-                                  host_tier_bytes=tier)
+            try:
+                manager = vtm.Manager(backend=backend, capacity_bytes=kv_capacity_bytes, chunk_bytes=chunk_bytes,
+                                      workers=workers, prealloc_chunks=4, device=_cuda_index(device, backend),
+                                      host_tier_bytes=tier)
+            except vtm.InvalidArgument as exc:  # vtm names its own parameters: say which options they are
+                raise InvalidArgument(f"the KV pool of kv_capacity_bytes={kv_capacity_bytes}, chunk_bytes={chunk_bytes}, "
+                                      f"workers={workers}, host_tier_bytes={host_tier_bytes}: {exc}") from None
         self.manager = manager
         self.device = None
         self.kv_cache = None
