@@ -116,8 +116,9 @@ class Engine:
                                       workers=workers, prealloc_chunks=4, device=_cuda_index(device, backend),
                                       host_tier_bytes=tier)
             except vtm.InvalidArgument as exc:  # vtm names its own parameters: say which options they are
-                raise InvalidArgument(f"the KV pool of kv_capacity_bytes={kv_capacity_bytes}, chunk_bytes={chunk_bytes}, "
-                                      f"workers={workers}, host_tier_bytes={host_tier_bytes}: {exc}") from None
+                raise InvalidArgument(f"the KV pool of kv_capacity_bytes={kv_capacity_bytes}, "
+                                      f"chunk_bytes={chunk_bytes}, workers={workers}, "
+                                      f"host_tier_bytes={host_tier_bytes}: {exc}") from None
         self.manager = manager
         self.device = None
         self.kv_cache = None
@@ -528,24 +529,24 @@ class Engine:
                 rows = logits if len(ready) == len(plan) else logits.index_select(
                     0, self._to_device(long_tensor(ready_rows)))
                 self._sample(rows, step)
-                # Recorded once their first token is sampled: a step
-                # interrupted before computes their last row again, which
-                # must not be in the prefix tree by then.
-                for seq in prefilled:
-                    self.scheduler.after_prefill(seq)
+            if self.device.type == "cuda":
+                step.done = torch.cuda.Event()
+                step.done.record()
+            # Recorded once their first token is sampled: a step interrupted
+            # in sampling, its slowest part after the forward pass, computes
+            # their last row again, which must not be in the prefix tree by then.
+            for seq in prefilled:
+                self.scheduler.after_prefill(seq)
         except BaseException:
             # A step that raises, or is interrupted (KeyboardInterrupt in a
-            # caller that drives step() itself and goes on), leaves no token
-            # pending: the row that sampled each is computed again by the
-            # next step (the other rows of a prompt chunk stay computed).
+            # caller that drives step() itself and goes on), leaves none of
+            # its tokens pending: the row that sampled each is computed again
+            # by the next step (the other rows of a prompt chunk stay computed).
             for seq in pending:
                 seq.discard_pending()
                 seq.num_cached -= 1
             self._sampled_batch = None  # its step count now counts a step that added no token
             raise
-        if self.device.type == "cuda":
-            step.done = torch.cuda.Event()
-            step.done.record()
         return step
 
     def _input_ids(self, seqs: list[Sequence], starts: list[int], counts: list[int]) -> torch.Tensor:
@@ -595,9 +596,10 @@ class Engine:
         quiet = step.quiet_stops
         if (quiet is not None and not suspect and step.finished == self.scheduler.num_finished
                 and (not quiet or quiet.isdisjoint(tokens))):
-            # A quiet step (see _SampledBatch): every sequence is still
-            # there, and no token is a stop id or at a length the stop
-            # checks start from. Each token is only appended: at batch 256,
+            # A quiet step (see _SampledBatch): none of its sequences
+            # finished since its launch, and no token is a stop id or at a
+            # length the stop checks start from (a sequence preempted since
+            # takes its token all the same). Each token is only appended: at batch 256,
             # per-sequence status reads, calls and checks cost ~0.4 µs a
             # sequence, a third of a decode step's host work.
             for seq, token in zip(step.seqs, tokens):

@@ -52,7 +52,7 @@ released, first waits for the device (`wait_for_device`, the engine's). A
 running sequence whose pending token is its last (max_tokens) is not
 planned again: no token is computed to be thrown away.
 
-A steady decode (every running sequence one token, nobody waiting) plans
+A steady decode (every running sequence one token, nobody to admit) plans
 the same batch step after step, and no page is mapped or unmapped until a
 sequence nears one of its limits: a planned step finds out once (the
 `slack`, in steps, of _Steady) and returns the same plan until then,
@@ -162,8 +162,8 @@ class Scheduler:
 
     def launched_decode(self, seqs) -> tuple[int, list[int]]:
         """launched(seqs) for a decode step that continues the one before
-        (Engine._launch): each sequence's pending token is computed by this
-        step and its next one sampled, so num_cached, pending and num_tokens
+        (Engine._launch): each sequence's last token (pending, with overlap)
+        is computed by this step and its next one sampled, so num_cached, pending and num_tokens
         advance by one (Sequence.add_pending, feed_row unchanged). Returns
         the step's number and the sequences' starts. One pass over them,
         where the engine made three (the starts, launched(), the advance)."""
@@ -392,6 +392,7 @@ class Scheduler:
             seq.swapped = 0  # nor of what swapped-out ones kept
         self.num_preemptions += len(self.running)
         self.running.clear()
+        self._steady = None
         self._pending = None
         self._background.clear()
         self._unreleased.clear()
@@ -593,8 +594,10 @@ class Scheduler:
         self._retry_releases()
         reclaimed = self._answer_reclaim()
         steady, self._steady = self._steady, None
-        if (steady is not None and steady.slack > 0 and not self.waiting and not reclaimed
-                and self.running == steady.seqs):
+        # Nobody waiting, or nobody can be admitted (a full batch, with a
+        # queue behind it: the usual state of a busy server).
+        if (steady is not None and steady.slack > 0 and not reclaimed
+                and (not self.waiting or len(self.running) >= self.max_num_seqs) and self.running == steady.seqs):
             steady.slack -= 1
             self._steady = steady
             return steady.plan
@@ -664,6 +667,7 @@ class Scheduler:
 
     def drain(self) -> None:
         """Wait for every queued memory operation (end of generate)."""
+        self._steady = None  # idle: hold no finished sequence
         self.settle_steps()
         self._await_pending()
         background, self._background = self._background, []
@@ -698,19 +702,20 @@ class Scheduler:
 
 class _Steady:
     """A plan that later steps may return as it is: every running sequence,
-    in order, one token each, and `slack` more steps before one of them could
-    need a page mapped or unmapped, or stop being planned.
+    in order, decoding (one token to compute), and `slack` more steps before
+    one of them could need a page mapped or unmapped, or stop being planned.
 
-    Each step of a steady decode advances every sequence by one token
-    (num_cached and num_tokens; a step that fails advances none, and ends
-    those it ran). So what the plan loop and the mapping check would find k
-    steps on follows from what they found at step 0, k steps before: a
+    Each step of a steady decode advances every sequence by one token, in
+    num_cached and num_tokens alike (a step that raises advances none: it
+    fails its sequences, or an interrupted one is rolled back). So what the
+    plan loop and the mapping check would find k steps on follows from what
+    they found at step 0, k steps before, erring only towards a late one: a
     sequence is late (a page to map now, or the pre-extend's next) once
     map_limit - num_cached < 2, a window's low mark is due once num_cached
     reaches unmap_at, and a pending token is its last once its output and
     pending tokens reach max_tokens. Anything else that changes the batch
     changes `running` (an admission, a preemption, a finish), brings a
-    waiting sequence or a reclaim (checked each step), or completes a vtm
+    sequence to admit or a reclaim (checked each step), or completes a vtm
     step (_stepped forgets the plan)."""
 
     __slots__ = ("plan", "seqs", "slack")
@@ -723,7 +728,8 @@ class _Steady:
     @staticmethod
     def of(plan: list[tuple[Sequence, int]], running: list[Sequence], has_window: bool) -> "_Steady | None":
         """The steady plan `plan` starts, if it is one (None otherwise)."""
-        if not plan or any(n != 1 for _, n in plan):
+        # n is 1 for a prompt the budget clipped to one token too: not a decode.
+        if not plan or any(s.num_tokens - s.num_cached != 1 for s, _ in plan):
             return None
         slack = min(min(s.map_limit - s.num_cached - 2,
                         s.params.max_tokens - (s.num_tokens - len(s.prompt_ids)) - 1) for s, _ in plan)

@@ -153,7 +153,7 @@ class Sequence:
 
     def add_pending(self, feed_row: int) -> None:
         """A step sampled a token for this sequence, still on the device at
-        row `feed_row` (Engine._launch inlines this for a decode batch that
+        row `feed_row` (Scheduler.launched_decode inlines this for a decode batch that
         continues the step before: same sequences, same rows)."""
         self.pending += 1
         self.num_tokens += 1

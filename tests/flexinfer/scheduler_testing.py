@@ -7,8 +7,9 @@ class SteadyPlans:
     """Wraps `scheduler.schedule`. A call that returns the plan the call
     before returned (the same list: Scheduler's steady plan, made without a
     pass over the sequences) is counted in `steady`, and checked against
-    what the full planning would have found: nobody waiting; every running
-    sequence planned, in order, for the one token it has to compute; none
+    what the full planning would have found: nobody to admit (none waiting,
+    or the batch full); every running sequence planned, in order, for the
+    one token it has to compute; none
     whose pending token is its last; none that needs a page mapped for this
     step or the next (the pre-extend), or whose window's low mark is due.
     `calls` counts every call."""
@@ -31,7 +32,7 @@ class SteadyPlans:
 
     def _check(self, plan) -> None:
         s = self.scheduler
-        assert not s.waiting, "a steady plan while a sequence waits"
+        assert not s.waiting or len(s.running) >= s.max_num_seqs, "a steady plan while a sequence may be admitted"
         assert plan == [(seq, 1) for seq in s.running], "a steady plan that is not every running sequence once"
         for seq in s.running:
             assert seq.num_tokens - seq.num_cached == 1

@@ -1,10 +1,11 @@
 """A steady decode's fast paths (issue 20, item 2): the scheduler returns the
-step before's plan while no sequence nears a limit (Scheduler's _Steady), and
-the engine reads a quiet step's tokens for the whole batch at once
-(_SampledBatch). Each must give what the full per-sequence work gives:
-checked here against the same engine with both paths turned off, over
-requests that stop at a stop id, at max_tokens, sample with a seed, share a
-prefix (n > 1), are preempted, and with overlap on and off.
+step before's plan while no sequence nears a limit (Scheduler's _Steady), a
+continuing decode advances the step before's batch vectors, and the engine
+reads a quiet step's tokens for the whole batch at once (_SampledBatch).
+Each must give what the full per-sequence work gives: checked here against
+the same engine with the three paths turned off, over requests that stop at
+a stop id, at max_tokens, sample with a seed, share a prefix (n > 1), are
+preempted or wait behind a full batch, with overlap on and off.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flexinfer import LLM, SamplingParams
 from flexinfer import engine as engine_module
 from flexinfer import scheduler as scheduler_module
 from flexinfer.engine import Engine
+from flexinfer.model.llama import ForwardBatch
 from flexinfer.sequence import Sequence
 from scheduler_testing import SteadyPlans
 
@@ -39,8 +41,11 @@ def _params(reference: list[list[int]]) -> list[SamplingParams]:
 
 
 def _slow_paths(monkeypatch) -> None:
-    """Both fast paths off: every plan made in full, every token read alone."""
+    """The fast paths off: every plan made in full, every batch's vectors
+    packed from the sequences, every token read alone."""
     monkeypatch.setattr(scheduler_module._Steady, "of", staticmethod(lambda *args: None))
+    # No step keeps its batch for the next to advance.
+    monkeypatch.setattr(engine_module._Step, "batch", property(lambda self: None, lambda self, batch: None))
     init = engine_module._SampledBatch.__init__
 
     def no_quiet_steps(self, seqs):
@@ -49,10 +54,10 @@ def _slow_paths(monkeypatch) -> None:
     monkeypatch.setattr(engine_module._SampledBatch, "__init__", no_quiet_steps)
 
 
-def _run(folder, overlap: bool, pool_chunks: int, params=None):
+def _run(folder, overlap: bool, pool_chunks: int, params=None, max_num_seqs: int = 8):
     manager = vtm.Manager(backend="host", capacity_bytes=pool_chunks * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
     quiet = []
-    with LLM(folder, manager=manager, max_model_len=128, max_num_seqs=8, max_batch_tokens=64,
+    with LLM(folder, manager=manager, max_model_len=128, max_num_seqs=max_num_seqs, max_batch_tokens=64,
              overlap=overlap) as llm:
         plans = SteadyPlans(llm.engine.scheduler)
         sample = llm.engine._sample
@@ -72,17 +77,23 @@ def _run(folder, overlap: bool, pool_chunks: int, params=None):
     return results, first_tokens, plans, sum(quiet), preemptions
 
 
-@pytest.mark.parametrize("pool_chunks", [512, 12], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("pool_chunks, max_num_seqs", [(512, 8), (12, 8), (512, 3)],
+                         ids=["roomy", "preempting", "queued-behind-a-full-batch"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_steady_plans_and_quiet_steps_change_no_output(tiny_gpu_folder, monkeypatch, overlap, pool_chunks):
+def test_steady_plans_and_quiet_steps_change_no_output(tiny_gpu_folder, monkeypatch, overlap, pool_chunks,
+                                                       max_num_seqs):
     reference = [r[0][0] for r in _run(tiny_gpu_folder, False, 512)[0]]
     params = _params(reference)
-    fast, fast_first, plans, quiet_steps, preemptions = _run(tiny_gpu_folder, overlap, pool_chunks, params)
+    advanced, advance = [], ForwardBatch.advanced
+    monkeypatch.setattr(ForwardBatch, "advanced", lambda batch, starts: advanced.append(1) or advance(batch, starts))
+    fast, fast_first, plans, quiet_steps, preemptions = _run(tiny_gpu_folder, overlap, pool_chunks, params,
+                                                             max_num_seqs)
+    fast_advanced = len(advanced)
     with monkeypatch.context() as patch:
         _slow_paths(patch)
         slow, slow_first, slow_plans, slow_quiet, slow_preemptions = _run(tiny_gpu_folder, overlap, pool_chunks,
-                                                                          params)
-    assert slow_plans.steady == 0 and slow_quiet == 0
+                                                                          params, max_num_seqs)
+    assert slow_plans.steady == 0 and slow_quiet == 0 and len(advanced) == fast_advanced
     assert fast == slow and fast_first == slow_first == [True] * len(PROMPTS)
     assert preemptions == slow_preemptions and (preemptions > 0) == (pool_chunks == 12)
     # What the requests did: the stop id and the shorter max_tokens ended theirs early.
@@ -90,9 +101,9 @@ def test_steady_plans_and_quiet_steps_change_no_output(tiny_gpu_folder, monkeypa
     assert fast[2][0][1] == "stop" and len(fast[2][0][0]) == 13
     assert len(fast[5][0][0]) >= 15
     # Both paths ran, and often: a step plans steadily while every sequence
-    # is mid-page (a page holds ~2.7 rows here), and reads quietly while none
+    # is mid-page (a page holds ~10.7 rows here), and reads quietly while none
     # is at its first token or a stop check.
-    assert plans.steady >= 5 and quiet_steps >= 10, (plans.steady, quiet_steps)
+    assert plans.steady >= 5 and quiet_steps >= 10 and fast_advanced >= 10, (plans.steady, quiet_steps, fast_advanced)
 
 
 def test_a_step_interrupted_after_sampling_leaves_the_quiet_count_right(tiny_gpu_folder):
