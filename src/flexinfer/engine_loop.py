@@ -156,6 +156,9 @@ class EngineLoop:
         self._closing = False
         self._ids = itertools.count()
         self._live: dict[Sequence, RequestStream] = {}  # loop thread only
+        # Those of _live whose request streams: without any, a step that
+        # finished no sequence has nothing to dispatch (_serve).
+        self._streamed: set[Sequence] = set()
         # torch's current CUDA device is per thread: the engine thread starts on the creator's.
         self._cuda_index = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._ready = threading.Event()
@@ -285,12 +288,16 @@ class EngineLoop:
                 if self.engine.has_work() or not self.engine.manager.healthy:
                     # A step on a manager that lost its broker tries to reconnect.
                     idle = False
+                    finished = self.engine.scheduler.num_finished
                     changed = self.engine.step()
                     if not self.engine.has_work():
                         # Going idle: finish queued memory work before anyone
                         # is told their request is done.
                         self.engine.drain()
-                    self._dispatch(changed)
+                    # A request that does not stream hears only of its end:
+                    # a pass over 256 sequences that ended nowhere cost ~50 µs.
+                    if self._streamed or self.engine.scheduler.num_finished != finished:
+                        self._dispatch(changed)
                 elif not idle:
                     idle = True
                     self.engine.drain()
@@ -309,6 +316,8 @@ class EngineLoop:
     def _add(self, handle: RequestStream) -> None:
         for seq in handle._seqs:
             self._live[seq] = handle
+            if handle._stream:
+                self._streamed.add(seq)
             self.engine.add(seq)
 
     def _cancel(self, handle: RequestStream, error: Exception | None = None) -> None:
@@ -326,6 +335,7 @@ class EngineLoop:
             log.exception("releasing a cancelled request's KV failed")
         for seq in handle._seqs:
             self._live.pop(seq, None)
+            self._streamed.discard(seq)
             handle._publish(seq)
         handle._finish_if_done()
 
@@ -342,6 +352,7 @@ class EngineLoop:
                     undeliverable.append(handle)
             if seq.status is ended:
                 del self._live[seq]
+                self._streamed.discard(seq)
                 finished.append(handle)
         for handle in finished:
             handle._finish_if_done()
