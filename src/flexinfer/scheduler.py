@@ -162,11 +162,12 @@ class Scheduler:
 
     def launched_decode(self, seqs) -> tuple[int, list[int]]:
         """launched(seqs) for a decode step that continues the one before
-        (Engine._launch): each sequence's last token (pending, with overlap)
-        is computed by this step and its next one sampled, so num_cached, pending and num_tokens
-        advance by one (Sequence.add_pending, feed_row unchanged). Returns
-        the step's number and the sequences' starts. One pass over them,
-        where the engine made three (the starts, launched(), the advance)."""
+        (Engine._launch): each sequence's last token (pending, with
+        overlap) is computed by this step and its next one sampled, so
+        num_cached, pending and num_tokens advance by one
+        (Sequence.add_pending, feed_row unchanged). Returns the step's
+        number and the sequences' starts. One pass over them, where the
+        engine made three (the starts, launched(), the advance)."""
         self._launched += 1
         number = self._launched
         starts = []
