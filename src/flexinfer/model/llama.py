@@ -71,19 +71,13 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int32: starts + new_lens
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: offsets of each sequence's tokens in the flat batch
     max_q_len: int
-    seq_slots: list | None = None  # a copy of the `slots` build() was given
 
     @staticmethod
-    def build(slots, starts: list[int], new_lens: list[int], device: torch.device,
-              previous: "ForwardBatch | None" = None) -> "ForwardBatch":
+    def build(slots, starts: list[int], new_lens: list[int], device: torch.device) -> "ForwardBatch":
         """`slots`: per sequence, its slot (an int) or its slot in each layer
-        group (a tuple). `previous`: the batch of the step before. When this
-        one decodes the same sequences one row further, its vectors are that
-        batch's, advanced on the device: packing them costs ~30 ns per int,
-        about 120 µs a step at batch 256, and on CUDA a copy."""
-        if (previous is not None and previous.is_decode and new_lens.count(1) == len(new_lens) == len(starts)
-                and slots == previous.seq_slots and starts == [s + 1 for s in previous.starts]):
-            return previous.advanced(starts)
+        group (a tuple). Packing costs ~30 ns per int, about 120 µs a decode
+        step at batch 256, and on CUDA a copy: a step that continues a decode
+        batch takes advanced() instead."""
         per_seq = slots if all(type(s) is tuple for s in slots) else [
             (s,) if isinstance(s, int) else tuple(s) for s in slots]
         groups = [list(column) for column in zip(*per_seq)] if per_seq else [[]]
@@ -127,16 +121,15 @@ class ForwardBatch:
         slot_vector = [ints[i * b:(i + 1) * b] for i in range(g)]
         at = g * b
         return ForwardBatch(groups, starts, new_lens, slot_index, positions_t, last_index, slot_vector,
-                            ints[at:at + b], ints[at + b:], max(new_lens, default=0), list(slots))
+                            ints[at:at + b], ints[at + b:], max(new_lens, default=0))
 
     def advanced(self, starts: list[int]) -> "ForwardBatch":
-        """This decode batch one row further: the same sequences in the
-        same slots, each at `starts` = its start here + 1, which the caller
-        vouches for (build() checks it; the engine knows it of a decode step
-        that continues the one before, whose tokens it feeds)."""
+        """This decode batch one row further, its vectors advanced on the
+        device: the same sequences in the same slots, each at `starts` = its
+        start here + 1, which the caller vouches for (the engine knows it of
+        a decode step that continues the one before, whose tokens it feeds)."""
         return ForwardBatch(self.slots, starts, self.new_lens, self.slot_index, self.positions + 1,
-                            self.last_index, self.slot_vector, self.seq_lens + 1, self.cu_seqlens_q, 1,
-                            self.seq_slots)
+                            self.last_index, self.slot_vector, self.seq_lens + 1, self.cu_seqlens_q, 1)
 
     @property
     def is_decode(self) -> bool:
