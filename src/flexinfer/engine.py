@@ -176,7 +176,7 @@ class Engine:
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
             self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear,
-                                    consume_weights=True)
+                                    consume_weights=True, max_positions=self.max_model_len)
             del loaded
             # The Triton kernels on CUDA get one more slot: the sink, a one-token
             # vTensor held for the engine's life. It is the first vTensor of a

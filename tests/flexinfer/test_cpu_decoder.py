@@ -67,7 +67,9 @@ class Runner:
     the loop the other; every pass compares the logits and every cached row."""
 
     def __init__(self, manager, config, dtype, layer_groups, requests, max_tokens=64):
-        self.model = LlamaModel(config, random_weights(config, seed=3), dtype, linear="packed")
+        # Positions up to the caches' length, as an engine's max_model_len gives them.
+        self.model = LlamaModel(config, random_weights(config, seed=3), dtype, linear="packed",
+                                max_positions=max_tokens)
         assert self.model.decoder is not None
         self.attention = KernelAttention(CPU)
         self.manager = manager

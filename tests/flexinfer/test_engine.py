@@ -969,6 +969,19 @@ def test_prompt_too_long_fails_alone(tiny_llama, tiny_prompts):
     llm.close()
 
 
+def test_a_request_up_to_max_model_len_matches_transformers(tiny_llama):
+    """The model's RoPE tables hold max_model_len positions (not the
+    config's 256): a request that fills them exactly, every decode step
+    gathering its rows, is transformers' greedy continuation."""
+    folder, oracle = tiny_llama
+    llm = LLM(folder, max_model_len=48)
+    assert {cos.shape[0] for cos, _ in llm.engine.model.rope_tables.values()} == {48}
+    prompt = random_prompts([40], seed=51)
+    assert_greedy_equal(oracle, prompt, run(llm, prompt, greedy(8)), 8)
+    assert_all_memory_returned(llm)
+    llm.close()
+
+
 def test_request_that_never_fits_in_memory_fails_alone(tiny_llama, tiny_prompts):
     folder, oracle = tiny_llama
     manager = small_manager(5)  # 40 tiny rows

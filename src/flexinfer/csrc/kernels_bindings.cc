@@ -5,6 +5,7 @@
 // passes torch's data pointers, so this module needs no torch headers. The GIL
 // is released while a kernel runs.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <string>
@@ -194,17 +195,17 @@ PYBIND11_MODULE(_kernels, m) {
          int head_dim, float eps, float scale, int dtype, std::uintptr_t weight_table, std::uintptr_t cache_table,
          std::int64_t groups, std::int64_t max_slots, std::int64_t max_tokens,
          std::int64_t tokens, std::int64_t batch, std::uintptr_t hidden, std::uintptr_t cos, std::uintptr_t sin,
-         std::uintptr_t positions, std::uintptr_t slot_index_table, std::uintptr_t slots_table,
-         std::uintptr_t seq_lens, std::uintptr_t cu_q, int threads) {
+         std::uintptr_t positions, const std::vector<std::uintptr_t>& slot_index,
+         const std::vector<std::uintptr_t>& slots, std::uintptr_t seq_lens, std::uintptr_t cu_q, int threads) {
         // The tables are int64 arrays: [layers][7] weight addresses (in
-        // DecoderLayerWeights' order), [layers][6] cache views (address, four
-        // strides, group: DecoderLayerCache's order), and the addresses of
-        // the [groups] per-group vectors.
+        // DecoderLayerWeights' order) and [layers][6] cache views (address,
+        // four strides, group: DecoderLayerCache's order); the per-group
+        // vectors' addresses come as lists (a step's, built per call).
         if (layers < 0 || groups < 1) throw std::invalid_argument("negative layer count or no layer group");
+        if (slot_index.size() != static_cast<std::size_t>(groups) || slots.size() != static_cast<std::size_t>(groups))
+          throw std::invalid_argument("one slot index and one slot vector per layer group");
         const auto* w = static_cast<const std::int64_t*>(Ptr(weight_table));
         const auto* cache = static_cast<const std::int64_t*>(Ptr(cache_table));
-        const auto* slot_index = static_cast<const std::int64_t*>(Ptr(slot_index_table));
-        const auto* slots = static_cast<const std::int64_t*>(Ptr(slots_table));
         std::vector<DecoderLayerWeights> weights(layers);
         std::vector<DecoderLayerCache> views(layers);
         for (std::int64_t l = 0; l < layers; ++l) {

@@ -64,7 +64,7 @@ class CpuDecoder:
         if self._cache is None or self._cache() is not kv_cache or len(kv_cache.kv) != layers:
             self._cache_table = self._table(kv_cache)
             self._cache = weakref.ref(kv_cache)
-        # Per-group vectors, their addresses in a table (held until the call returns).
+        # Per-group vectors (held until the call returns: it reads them by address).
         slot_index = [t.contiguous() for t in batch.slot_index]
         slots = [t.contiguous() for t in batch.slot_vector]
         groups = kv_cache.groups
@@ -79,14 +79,13 @@ class CpuDecoder:
         for t, length in [(s, requests) for s in slots] + [(seq_lens, requests), (cu_q, requests + 1)]:
             if t is not None and (t.dtype is not torch.int32 or t.shape != (length,)):
                 raise InvalidArgument("slots, lengths and query offsets must be int32 vectors, one per request")
-        slot_table = torch.tensor([t.data_ptr() for t in slot_index], dtype=torch.int64)
-        slots_table = torch.tensor([t.data_ptr() for t in slots], dtype=torch.int64)
         try:
             _kernels.decoder_layers(
                 layers, hidden_size, inter, heads, kv_heads, head_dim, eps, scale, self._code,
                 self._weights.data_ptr(), self._cache_table.data_ptr(), groups, kv_cache.max_slots,
                 kv_cache.max_tokens, tokens, requests, hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                positions.data_ptr(), slot_table.data_ptr(), slots_table.data_ptr(), seq_lens.data_ptr(),
+                positions.data_ptr(), [t.data_ptr() for t in slot_index], [t.data_ptr() for t in slots],
+                seq_lens.data_ptr(),
                 0 if cu_q is None else cu_q.data_ptr(), torch.get_num_threads())
         except ValueError as exc:  # the kernels' checks (slots, lengths, positions), made before any write
             raise InvalidArgument(str(exc)) from None

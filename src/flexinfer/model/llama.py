@@ -179,7 +179,8 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", linear: str = "auto", consume_weights: bool = False):
+                 device: torch.device | str = "cpu", linear: str = "auto", consume_weights: bool = False,
+                 max_positions: int | None = None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -258,9 +259,17 @@ class LlamaModel:
             self.layers.append(layer)
         self.norm = norm("model.norm.weight")
         self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
-        # One RoPE table per layer type that has its own (Gemma 3's local base).
+        # Layer types: one RoPE table for each that has its own (Gemma 3's local base).
         self.layer_types = [c.layer_type(i) for i in range(c.num_hidden_layers)]
-        self.inv_freq = {t: rope_inv_freq(c, t).to(self.device) for t in dict.fromkeys(self.layer_types)}
+        # Each type's cos and sin of every position a pass may hold (the
+        # engine's max_model_len; by default the model's own limit), made once:
+        # a pass then gathers its rows (two kernels a type, where computing
+        # them took nine), and a token's values do not depend on its batch.
+        # They hold 2 x positions x head_dim values a type (SmolLM2 at 8K in
+        # bfloat16: 2 MiB).
+        positions = torch.arange(max_positions or c.max_position_embeddings, device=self.device)
+        self.rope_tables = {t: self._rope_values(positions, rope_inv_freq(c, t).to(self.device))
+                            for t in dict.fromkeys(self.layer_types)}
         # Each layer's attention: its scale, window and soft cap.
         self.attention_args = [dict(scale=c.attention_scale, window=c.window(i),
                                     softcap=c.attn_logit_softcapping or 0.0) for i in range(c.num_hidden_layers)]
@@ -280,16 +289,20 @@ class LlamaModel:
                 and not c.layer_types and c.attn_logit_softcapping is None and c.query_pre_attn_scalar is None
                 and c.final_logit_softcapping is None and not c.scale_embeddings)
 
+    def _rope_values(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] of each position, in float32 rounded to
+        the model's dtype as transformers rounds them; sin's first half negated."""
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        half_cos, half_sin = freqs.cos(), freqs.sin()
+        cos = torch.cat([half_cos, half_cos], dim=-1)
+        sin = torch.cat([-half_sin, half_sin], dim=-1)
+        return cos.to(self.dtype), sin.to(self.dtype)
+
     def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer type, cos and sin [T, head_dim] of each token's position; sin's first half negated."""
-        tables = {}
-        for layer_type, inv_freq in self.inv_freq.items():
-            freqs = positions.float()[:, None] * inv_freq[None, :]
-            half_cos, half_sin = freqs.cos(), freqs.sin()
-            cos = torch.cat([half_cos, half_cos], dim=-1)
-            sin = torch.cat([-half_sin, half_sin], dim=-1)
-            tables[layer_type] = (cos.to(self.dtype), sin.to(self.dtype))
-        return tables
+        """Per layer type, cos and sin [T, head_dim] of each token's position
+        (`_rope_values`, gathered from the tables)."""
+        return {t: (cos.index_select(0, positions), sin.index_select(0, positions))
+                for t, (cos, sin) in self.rope_tables.items()}
 
     @staticmethod
     def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
