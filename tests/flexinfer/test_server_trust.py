@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import socket
 import threading
@@ -144,6 +145,88 @@ def test_a_full_queue_answers_429_and_changes_nothing(server, reference):
     out = httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False, max_tokens=2), timeout=120)
     assert out.status_code == 200 and len(out.json()["choices"]) == 128
     assert_serves(server.url, reference)
+
+
+def test_fewer_than_one_sample_is_a_400_that_takes_no_place(tiny_chat, in_process, reference):
+    """n = 0 or below is refused by validation. n = -5 used to be admitted as -5 places: while its
+    prompt was being tokenized, another request's end gave back a place past zero, which failed that
+    end on the engine thread and left its handler waiting for ever. The tokenizer is held here on
+    the first request's prompt, to keep it in that window for as long as it can reach it."""
+    llm = LLM(tiny_chat, **ENGINE_OPTIONS)
+    url = in_process(llm)
+    for n in (0, -1000000):
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "n": n, "max_tokens": 1}, timeout=30)
+        assert_error(response, 400, "n")
+    release, tokenizing = threading.Event(), threading.Event()
+    encode = llm.tokenizer.encode
+
+    def held_encode(text, *args, **kwargs):
+        if "HOLD" in text:
+            tokenizing.set()
+            release.wait(30)
+        return encode(text, *args, **kwargs)
+
+    llm.tokenizer.encode = held_encode
+    results = {}
+    negative = threading.Thread(target=lambda: results.update(response=httpx.post(
+        f"{url}/v1/completions", json={"prompt": "HOLD Hello", "n": -5, "max_tokens": 1}, timeout=60)))
+    negative.start()
+    tokenizing.wait(2)  # set only where it was admitted: refused, it never reaches the tokenizer
+    try:
+        assert_serves(url, reference)
+    finally:
+        release.set()
+        negative.join(60)
+    assert_error(results["response"], 400, "n")
+    assert not tokenizing.is_set()
+
+
+def test_a_request_end_reaches_its_handler_when_giving_back_its_places_fails():
+    """The engine thread's end of a request (None) is queued for its handler even where giving back
+    its places raises: the handler counts ends, and one lost would keep it waiting for ever."""
+    from flexinfer.server.generation import _deliver_to
+
+    def failing_release() -> None:
+        raise RuntimeError("released more sequences than were admitted")
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        with pytest.raises(RuntimeError):
+            _deliver_to(loop, queue, 3, failing_release)(None)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert queue.get_nowait() == (3, None)
+    finally:
+        loop.close()
+
+
+def test_more_sequences_than_the_queue_holds_is_a_400_not_a_429(tiny_chat, in_process, reference):
+    """--max-queued-seqs 4 under the default 256 per request: n = 5 can never be admitted, so an idle
+    server answers 400, not a 429 that OpenAI's clients would retry for ever; n = 4 runs."""
+    from flexinfer.server.config import ServerLimits
+
+    url = in_process(LLM(tiny_chat, **ENGINE_OPTIONS), limits=ServerLimits(max_queued_seqs=4))
+    body = {"prompt": "Hello", "max_tokens": 1}
+    error = assert_error(httpx.post(f"{url}/v1/completions", json=dict(body, n=5), timeout=30), 400, "n",
+                         "too_many_sequences")
+    assert "--max-queued-seqs" in error["message"] and "5 sequences" in error["message"]
+    assert len(httpx.post(f"{url}/v1/completions", json=dict(body, n=4), timeout=60).json()["choices"]) == 4
+    assert_serves(url, reference)
+
+
+def test_a_client_that_leaves_mid_body_is_no_server_error(tiny_chat, in_process, reference, caplog):
+    """A body cut short by the client's close is the client's doing: no "unhandled error" logged
+    (with a traceback, as for a bug), and the server serves on."""
+    url = in_process(LLM(tiny_chat, **ENGINE_OPTIONS))
+    port = int(url.rsplit(":", 1)[1])
+    with caplog.at_level(logging.WARNING, logger="flexinfer.server"):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000000\r\n\r\n{\"prompt\": \"Hel")
+            time.sleep(0.2)
+        assert_serves(url, reference)  # by now the cut body has been read to its end
+        time.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_tokenizing_and_submitting_run_off_the_event_loop(tiny_chat, in_process, reference):

@@ -154,11 +154,13 @@ def _release(admission: Admission, count: int) -> Callable[[], None]:
 def _deliver_to(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, prompt_index: int,
                 on_end: Callable[[], None]):
     def deliver(event: StreamEvent | None) -> None:  # on the engine thread: must not block
-        if event is None:  # the request's end: its KV is released
-            on_end()
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, (prompt_index, event))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+            if event is None:  # the request's end: its KV is released
+                on_end()
+        finally:  # the end reaches the handler whatever on_end does, or it would wait for ever
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (prompt_index, event))
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
 
     return deliver

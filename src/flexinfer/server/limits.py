@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flexinfer.server.errors import APIError, bad_request
@@ -53,6 +54,8 @@ class Admission:
 
     def reserve(self, count: int) -> bool:
         """Take `count` places, or none (False) if that would pass the limit."""
+        if count < 0:  # it would give places to others, and its release fail on the engine thread
+            raise ValueError(f"cannot reserve {count} places")
         with self._mu:
             if self._queued + count > self.limit:
                 return False
@@ -118,7 +121,11 @@ class BodyLimit:
 
 async def parse_body(request, model: type[Body]) -> Body:
     """The request's JSON body as `model`; a 400 (RequestValidationError) for what is not."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # the client left mid-body: nobody hears the answer, and it is no server bug
+        raise APIError(499, "the client closed the connection before its body arrived",
+                       code="client_closed") from None
     if len(raw) > _PARSE_INLINE_BYTES:
         return await asyncio.to_thread(_parse, raw, model)
     return _parse(raw, model)

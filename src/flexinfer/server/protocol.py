@@ -36,7 +36,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    n: int = Field(default=1, le=128)  # OpenAI's limit: each sample is a sequence in the engine
+    n: int = Field(default=1, ge=1, le=128)  # OpenAI's limit: each sample is a sequence in the engine
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None

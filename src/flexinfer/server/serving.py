@@ -8,9 +8,9 @@ chunk would contradict: text that may still become a stop string is held
 back (IncrementalText), and usage comes last.
 
 Admission: a request asks for prompts x n sequences; more than
-`max_seqs_per_request` is a 400, and more than the free places of
-`max_queued_seqs` (sequences admitted and not finished) a 429, both before
-anything else happens. Tokenizing and submitting then run on a worker
+`max_seqs_per_request` or `max_queued_seqs` is a 400, and more than the
+free places of `max_queued_seqs` (sequences admitted and not finished) a
+429, all before anything else happens. Tokenizing and submitting then run on a worker
 thread (the tokenizer lets go of the GIL), so the event loop keeps
 answering while a long prompt is read.
 """
@@ -234,6 +234,9 @@ class Serving:
         if count > limit:
             raise bad_request(f"this request asks for {count} sequences (prompts x n); this server takes at most "
                               f"{limit} in one request (--max-seqs-per-request)", param, "too_many_sequences")
+        if count > self.admission.limit:  # a 429 would be retried for ever
+            raise bad_request(f"this request asks for {count} sequences (prompts x n); this server queues at most "
+                              f"{self.admission.limit} at once (--max-queued-seqs)", param, "too_many_sequences")
         if not self.admission.reserve(count):
             raise too_busy(f"the server is busy: {self.admission.queued} sequences of at most {self.admission.limit} "
                            f"(--max-queued-seqs) are queued or running, and this request asks for {count} more; "
