@@ -144,6 +144,20 @@ class Scenario:
                 io.verify(m.vtensor, A, 0, 60)
                 self.live[m.vtensor] = A[:60]
             return ok
+        if op == "prefix_record_release":
+            # The record's new node takes pages 2-3 (page 3 partial, as it
+            # is: the vTensor goes with the record), then the release unmaps
+            # every page of vt1 but the private page 3 is shared too now.
+            added = sp.prefix_record(self.vt1, A[:70], release=True).result()
+
+            def ok():
+                assert added == 20 and self.vt1.released
+                del self.live[self.vt1]
+                m = sp.prefix_match(A[:70] + [SENTINEL]).result()
+                assert m.num_tokens == 70
+                io.verify(m.vtensor, A, 0, 70)
+                self.live[m.vtensor] = A[:70]
+            return ok
         if op == "prefix_match":
             # 40 rows = 120000 B: page 0 shared, page 1 partial -> copied
             copies = self.mgr.stats()["cow_copies_total"]
@@ -222,8 +236,8 @@ class Scenario:
         self.mgr.close()
 
 
-OPS = ["create", "create_reuse", "extend", "step", "extend_low", "step_low", "prefix_record", "prefix_match",
-       "shrink", "release", "release_cached", "trim"]
+OPS = ["create", "create_reuse", "extend", "step", "extend_low", "step_low", "prefix_record",
+       "prefix_record_release", "prefix_match", "shrink", "release", "release_cached", "trim"]
 
 
 def calls(mgr):

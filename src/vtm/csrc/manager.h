@@ -228,9 +228,9 @@ class Manager {
   // its pages again: the page its next row would have gone into joins the
   // tree as it is, without the copy (so a record at preemption needs no free
   // chunk); as for Release, the kernels using the vTensor must have
-  // completed. Should that release fail (the backend refusing an unmap), the
-  // record stands and the vTensor stays live with that page the tree's: its
-  // caller releases it again and writes nothing more (docs/design.md).
+  // completed. Record and release succeed or fail together: should the
+  // release fail (the backend refusing an unmap), nothing is recorded and
+  // the vTensor stays as it was.
   std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
                                             std::uintptr_t stream, bool release = false);
   // A match restores at most `max_restore_pages` pages from the host tier:
@@ -405,6 +405,16 @@ class Manager {
   // Unmaps pages (in runs); chunk references are left for the caller.
   std::vector<ChunkId> UnmapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, UndoLog* undo);
   void ReleaseVTensorLocked(std::uint64_t id, bool best_effort);
+  // A release in two steps, so that an operation can put its own work
+  // between them (RecordAndRelease): the unmaps, which may fail (undone by
+  // *undo unless it commits; best_effort: one page at a time, a failure
+  // counted and skipped), then the rest, which cannot fail.
+  std::vector<ChunkId> UnmapForRelease(std::uint64_t id, bool best_effort, UndoLog* undo);
+  void FinishRelease(std::uint64_t id, const std::vector<ChunkId>& unmapped);
+  // prefix_record's release=True: records `tokens` with the vTensor's
+  // `pages`, and releases it, both or neither.
+  std::int64_t RecordAndRelease(Space& sp, std::uint64_t id, const std::vector<std::int32_t>& tokens,
+                                const std::vector<ChunkId>& pages);
   void AfterCommit();
   ChunkRef Ref(ChunkId id) const { return ChunkRef{id, pool_->handle(id), pool_->serial(id)}; }
   // A new chunk from the backend, exported as *fd when export_chunks_ (else

@@ -203,9 +203,20 @@ FutureValue Manager::DoRelease(std::uint64_t id) {
 }
 
 void Manager::ReleaseVTensorLocked(std::uint64_t id, bool best_effort) {
-  VTensor vt = vtensors_.at(id);
+  if (best_effort) {
+    FinishRelease(id, UnmapForRelease(id, /*best_effort=*/true, nullptr));
+    return;
+  }
+  UndoLog undo(&rollback_failures_total_);
+  const std::vector<ChunkId> unmapped = UnmapForRelease(id, /*best_effort=*/false, &undo);
+  undo.Commit();
+  FinishRelease(id, unmapped);
+}
+
+std::vector<ChunkId> Manager::UnmapForRelease(std::uint64_t id, bool best_effort, UndoLog* undo) {
+  const VTensor& vt = vtensors_.at(id);
   Space& sp = SpaceOf(vt.space);
-  Slot& s = sp.slots[vt.slot];
+  const Slot& s = sp.slots[vt.slot];
   // Pages shared with the tree or another vTensor must not stay in a slot
   // that a later request will write into; private pages may, within budget.
   std::size_t private_pages = 0;
@@ -215,21 +226,22 @@ void Manager::ReleaseVTensorLocked(std::uint64_t id, bool best_effort) {
   std::vector<std::size_t> to_unmap;
   for (std::size_t p = 0; p < s.pages.size(); ++p)
     if (s.pages[p] != kNoChunk && (!keep_private || pool_->refs(s.pages[p]) > 1)) to_unmap.push_back(p);
+  if (!best_effort) return UnmapPages(sp, vt.slot, to_unmap, undo);
   std::vector<ChunkId> unmapped;
-  if (best_effort) {
-    for (std::size_t p : to_unmap) {
-      try {
-        std::vector<ChunkId> one = UnmapPages(sp, vt.slot, {p}, nullptr);
-        unmapped.insert(unmapped.end(), one.begin(), one.end());
-      } catch (...) {
-        ++rollback_failures_total_;
-      }
+  for (std::size_t p : to_unmap) {
+    try {
+      std::vector<ChunkId> one = UnmapPages(sp, vt.slot, {p}, nullptr);
+      unmapped.insert(unmapped.end(), one.begin(), one.end());
+    } catch (...) {
+      ++rollback_failures_total_;
     }
-  } else {
-    UndoLog undo(&rollback_failures_total_);
-    unmapped = UnmapPages(sp, vt.slot, to_unmap, &undo);
-    undo.Commit();
   }
+  return unmapped;
+}
+
+void Manager::FinishRelease(std::uint64_t id, const std::vector<ChunkId>& unmapped) {
+  const VTensor vt = vtensors_.at(id);
+  Space& sp = SpaceOf(vt.space);
   if (vt.lock_node != nullptr) UnlockPath(*sp.tree, vt.lock_node);
   for (ChunkId c : unmapped) pool_->Unref(c);
   vtensors_.erase(id);
@@ -282,22 +294,45 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   // Pages shared without a copy may still be being written: a later match's
   // copy-on-write of one must not overtake their writers either.
   if (copy == kNoChunk && after != nullptr) backend_->order_copies_after(*after);
+  if (release) return RecordAndRelease(sp, id, tokens, pages);
   auto [node, added] = sp.tree->Insert(tokens.data(), n, pages, ++tick_, sp.tier_account,
                                          // The page the recorder writes next is the tree's only as a copy.
                                          written_again && copy == kNoChunk ? p : pages.size());
   if (copy != kNoChunk) pool_->Unref(copy);  // the tree took its own reference (or, if unused, it is free)
-  if (release) {
-    // The pages the tree now shares leave the slot with the vTensor.
-    ReleaseVTensorLocked(id, /*best_effort=*/false);
-    AfterCommit();
-    return static_cast<std::int64_t>(added);
-  }
   // The vTensor now locks the path it recorded (it maps those chunks). Look
   // it up again: Acquire may have waited without the lock.
   VTensor& recorder = vtensors_.at(id);
   sp.tree->Lock(node);
   if (recorder.lock_node != nullptr) UnlockPath(*sp.tree, recorder.lock_node);
   recorder.lock_node = node;
+  AfterCommit();
+  return static_cast<std::int64_t>(added);
+}
+
+std::int64_t Manager::RecordAndRelease(Space& sp, std::uint64_t id, const std::vector<std::int32_t>& tokens,
+                                       const std::vector<ChunkId>& pages) {
+  // All or nothing: the release's unmaps, which may fail, go first and are
+  // undone unless the record then succeeds (and the release's other steps
+  // cannot fail). Meanwhile the pages the tree may take are held, so that
+  // they count as shared: the release keeps none of them in the slot cache
+  // (a page the tree holds is never written again), and none is freed
+  // between its unmap and the tree's reference.
+  std::vector<ChunkId> held;
+  for (std::size_t q = 0; q < std::min(sp.tree->PageEnd(tokens.size()), pages.size()); ++q)
+    if (pages[q] != kNoChunk) held.push_back(pages[q]);
+  for (ChunkId c : held) pool_->Ref(c);
+  std::size_t added = 0;
+  try {
+    UndoLog undo(&rollback_failures_total_);
+    const std::vector<ChunkId> unmapped = UnmapForRelease(id, /*best_effort=*/false, &undo);
+    added = sp.tree->Insert(tokens.data(), tokens.size(), pages, ++tick_, sp.tier_account, pages.size()).second;
+    undo.Commit();
+    FinishRelease(id, unmapped);
+  } catch (...) {
+    for (ChunkId c : held) pool_->Unref(c);
+    throw;
+  }
+  for (ChunkId c : held) pool_->Unref(c);
   AfterCommit();
   return static_cast<std::int64_t>(added);
 }
