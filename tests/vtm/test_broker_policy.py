@@ -79,6 +79,29 @@ def test_a_lowered_limit_asks_for_the_excess_and_fails_nothing(broker):
         mgr.check()
 
 
+def test_a_lifted_limit_forgives_what_the_lowered_one_asked(broker):
+    """The operator lowers a limit under what an idle client maps (it frees nothing when asked),
+    then lifts it: the debt goes with the limit. Past the first notice's deadline the client
+    still gets memory (on the previous build: "ignored a reclaim notice", with no limit left)."""
+    with vtm.connect(broker.address, name="tenant") as mgr:
+        mgr.set_reclaim_handler(lambda nbytes: 0)
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=8)
+        vts = [space.create(ROWS_PER_CHUNK).result() for _ in range(6)]
+        owes = lambda: {c["name"]: c["owes_bytes"] for c in mgr.stats()["clients"]}["tenant"]  # noqa: E731
+        set_quota(broker, "tenant", "--limit", 4 * CHUNK)
+        assert owes() == 2 * CHUNK
+        set_quota(broker, "tenant", "--limit", 8 * CHUNK)  # above what it maps: nothing owed
+        assert owes() == 0
+        set_quota(broker, "tenant", "--limit", 5 * CHUNK)  # lowered again: asked again
+        assert owes() == CHUNK
+        set_quota(broker, "tenant", "--limit", 0)  # no limit
+        assert owes() == 0
+        time.sleep(2.2)  # past every notice's deadline
+        vts.append(space.create(ROWS_PER_CHUNK).result())
+        assert held(mgr) == 7
+        mgr.check()
+
+
 def test_reclaim_notice_lets_a_higher_priority_client_in(broker):
     set_quota(broker, "low", "--guaranteed", 2 * CHUNK)
     set_quota(broker, "high", "--priority", 10)
@@ -107,6 +130,56 @@ def test_reclaim_notice_lets_a_higher_priority_client_in(broker):
         high.check()
     finally:
         high.close()
+        low.close()
+
+
+def test_a_limit_holds_for_two_calls_of_one_client_while_one_waits_for_memory(broker):
+    """Two creates of 8 chunks at once from one client limited to 8, into a pool a lower priority
+    fills: the first waits for the reclaim without its session's lock, and the second is admitted
+    meanwhile (nothing mapped yet). Each retry is admitted again, so only one maps; the other is
+    refused by the limit (both mapped, 16 chunks against a limit of 8, on the previous build)."""
+    set_quota(broker, "capped", "--priority", 10, "--limit", 8 * CHUNK)
+    low = vtm.connect(broker.address, name="filler")
+    capped = vtm.connect(broker.address, name="capped")
+    try:
+        space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        vts = [space.create(16 * ROWS_PER_CHUNK).result()]  # the whole pool
+        asked = threading.Event()
+
+        def give_back(nbytes):
+            asked.set()
+            time.sleep(0.5)  # the second create arrives meanwhile, and waits too
+            vts.pop().release().result()
+            return 16 * CHUNK
+
+        low.set_reclaim_handler(give_back)
+        cspace = capped.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2)
+        lease = capped._metadata[0][1]
+        body = vtm_pb2.CreateRequest(space_id=cspace.id, num_tokens=8 * ROWS_PER_CHUNK).SerializeToString()
+        outcomes = []
+        with grpc.insecure_channel(broker.address) as channel:
+            create = channel.unary_unary("/vtm.v1.Broker/Create")
+
+            def call():
+                try:
+                    create(body, timeout=30, metadata=((status.LEASE_KEY, lease),))
+                    outcomes.append("ok")
+                except grpc.RpcError as err:
+                    outcomes.append(err.details())
+
+            first = threading.Thread(target=call)
+            first.start()
+            assert asked.wait(10)
+            second = threading.Thread(target=call)
+            second.start()
+            first.join(30)
+            second.join(30)
+        assert outcomes.count("ok") == 1 and any("limited to" in o for o in outcomes), outcomes
+        clients = {c["name"]: c for c in capped.stats()["clients"]}
+        assert clients["capped"]["mapped_bytes"] == 8 * CHUNK
+        capped.check()
+    finally:
+        capped.close()
         low.close()
 
 
@@ -215,6 +288,33 @@ def test_a_reservation_lapses_after_its_time():
     t0 = time.monotonic()
     with policy.gate(other, 10):
         assert time.monotonic() - t0 < 0.1
+
+
+def test_a_new_limit_forgives_the_old_limits_debt_but_not_a_reclaims():
+    """A victim asked down to 3 of its 4 bytes by a higher priority, then to 1 by a lowered limit:
+    it owes down to 1. The limit lifted, it owes what the reclaim asked (3), and no longer once it
+    maps that; a limit of 2 then asks again."""
+    from vtm.broker.policy import Policy
+    from vtm.broker.quota import Ask, Quota
+    from vtm.broker.session import LIVE, Session
+
+    victim = Session(3, "victim", Ask(), Quota())
+    victim.state = LIVE
+    victim.pages = {(1, 0, p): (p, p + 1) for p in range(4)}  # maps 4 bytes
+    policy = Policy(lambda: [victim], 1)
+    policy.ask_back(victim, 3, "a higher priority needs memory")
+    victim.limit_bytes = 1
+    policy.limit_changed(victim, "limited")
+    assert victim.owed_target == 1
+    victim.limit_bytes = 0
+    policy.limit_changed(victim, "lifted")
+    assert victim.owed_target == 3
+    del victim.pages[(1, 0, 3)]
+    policy.settle(victim)
+    assert victim.owed_target is None and victim.owed_reclaim is None
+    victim.limit_bytes = 2
+    policy.limit_changed(victim, "limited again")
+    assert victim.owed_target == 2 and victim.owed_reclaim is None
 
 
 def test_vtmctl_stats_top_trim(broker, capsys):

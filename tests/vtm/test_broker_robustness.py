@@ -140,6 +140,37 @@ def test_one_bad_connection_leaves_the_others_served(tmp_path):
     assert not os.path.exists(tmp_path / "echo")
 
 
+def test_connections_that_never_speak_give_way_at_the_cap(tmp_path, monkeypatch):
+    """A peer that opens the cap's worth of connections and sends nothing used to lock every new
+    client out for as long as it kept them. At the cap, connections silent since their accept for
+    SILENT_S are closed to make room; one that has spoken is kept, and still served."""
+    from vtm.broker import seqpacket
+    from vtm.broker.reactor import Reactor
+
+    monkeypatch.setattr(seqpacket, "SILENT_S", 1.0)
+    reactor = Reactor(2)
+    server = _Echo(str(tmp_path / "echo"), reactor, 3)
+    try:
+        talker = _connect(server.path)
+        talker.send(b"hi")
+        assert talker.recv(64) == b"hi"
+        silent = [_connect(server.path) for _ in range(2)]
+        early = _connect(server.path)
+        assert early.recv(64) == b""  # at the cap, and nobody silent for long yet: refused
+        time.sleep(1.2)
+        late = _connect(server.path)
+        late.send(b"in")
+        assert late.recv(64) == b"in"
+        assert all(conn.recv(64) == b"" for conn in silent)  # closed to make room
+        talker.send(b"still")
+        assert talker.recv(64) == b"still"
+        for conn in [talker, *silent, early, late]:
+            conn.close()
+    finally:
+        server.close()
+        reactor.close()
+
+
 def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
     # The asker's allocation waits for a lower priority to give memory back;
     # meanwhile its session's lock is free (its fd fetches, its goodbye and its

@@ -41,6 +41,9 @@ or {"notice": "recall", "id": N, "reason": ...}; the client answers with
 Invariants:
   * a session owes memory (owed_target is not None) only between a notice
     and the moment its mapped bytes are at or below owed_target;
+    owed_reclaim, the part other clients' reclaims asked, is None or at
+    least owed_target (the rest the operator's limit asked, which a new
+    limit forgives);
   * recall_id is the recall notice the session has not answered (None:
     none); maps_ahead holds from a grant of pages ahead until the client
     gives them all back (gave_back_ahead), answering its recall too;
@@ -101,8 +104,20 @@ class Policy:
         """Clears a debt the client has paid (called after its mappings change)."""
         with self._mu:
             if session.owed_target is not None and session.mapped_bytes(self.chunk_bytes) <= session.owed_target:
-                session.owed_target = None
+                session.owed_target = session.owed_reclaim = None
                 self._answered.notify_all()
+
+    def limit_changed(self, session, reason: str) -> None:
+        """The operator set the client's limit anew: what the old limit
+        asked of it is forgiven (what other clients' reclaims asked is not),
+        and a limit below what it maps asks for the excess."""
+        with self._mu:
+            session.owed_target = session.owed_reclaim
+            if session.owed_target is None:
+                self._answered.notify_all()
+        self.settle(session)
+        if session.limit_bytes:
+            self.ask_back(session, session.limit_bytes, reason, for_limit=True)
 
     def _reserved_for_others(self, session) -> int:
         now = time.monotonic()
@@ -281,15 +296,19 @@ class Policy:
         self._wait(lambda: all(v.owed_target is None or v.state != LIVE for v in asked))
         return True
 
-    def ask_back(self, session, target_bytes: int, reason: str) -> None:
+    def ask_back(self, session, target_bytes: int, reason: str, for_limit: bool = False) -> None:
         """Asks `session` to come down to mapping `target_bytes` (a RECLAIM
-        notice for the excess, with a deadline); a no-op when it maps no more."""
+        notice for the excess, with a deadline); a no-op when it maps no more.
+        `for_limit`: the operator's limit asks it, not another client."""
         mapped = session.mapped_bytes(self.chunk_bytes)
         if mapped <= target_bytes:
             return
         with self._mu:
             target = target_bytes if session.owed_target is None else min(session.owed_target, target_bytes)
             session.owed_target = target
+            if not for_limit:
+                session.owed_reclaim = (target_bytes if session.owed_reclaim is None
+                                        else min(session.owed_reclaim, target_bytes))
             session.owed_deadline = time.monotonic() + self.notice_deadline_s
         session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": mapped - target,
                         "deadline_s": self.notice_deadline_s, "reason": reason})

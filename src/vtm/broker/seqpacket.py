@@ -12,7 +12,10 @@ Invariants:
   * the socket file is 0600 (the broker's folder is 0700 too);
   * _conns holds every open connection, each watched by the reactor until
     it is dropped (unwatched, then closed, exactly once);
-  * at most max_connections are open: one more is accepted and closed;
+  * at most max_connections are open: at the cap, connections silent
+    since their accept for SILENT_S make room (closed), else one more is
+    accepted and closed: a peer that connects and says nothing cannot
+    lock the others out;
   * a reply that cannot be sent within SEND_TIMEOUT_S (a peer that does not
     read) drops the connection instead of holding a worker;
   * `close()` stops accepting, ends every connection and removes the file.
@@ -31,6 +34,7 @@ import time
 log = logging.getLogger("vtm.broker")
 
 SEND_TIMEOUT_S = 5
+SILENT_S = 10.0  # a connection that has sent nothing for this long gives way at the cap (as a Hello's attach)
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
 _ACCEPT_BATCH = 64
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -56,7 +60,8 @@ def peer_pidfd(conn: socket.socket, pid: int) -> int:
 class Connection:
     """One accepted connection and what the server binds to it."""
 
-    __slots__ = ("sock", "fd", "pid", "uid", "session", "anchor", "busy", "send_lock", "dropped")
+    __slots__ = ("sock", "fd", "pid", "uid", "session", "anchor", "busy", "send_lock", "dropped", "accepted_at",
+                 "heard")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int):
         self.sock = sock
@@ -68,6 +73,8 @@ class Connection:
         self.busy = threading.Lock()  # held while a worker reads and answers a datagram
         self.send_lock = threading.Lock()  # replies and notices never interleave
         self.dropped = False
+        self.accepted_at = time.monotonic()
+        self.heard = False  # whether it has sent a datagram
 
     def post(self, data: bytes) -> bool:
         """Sends without waiting (a notice): False when the peer's buffer is
@@ -142,6 +149,10 @@ class SeqpacketServer:
             pid, uid, _ = peer_credentials(sock)
             conn = Connection(sock, pid, uid)
             with self._mu:
+                at_cap = len(self._conns) >= self._max_connections
+            if at_cap:
+                self._drop_silent()
+            with self._mu:
                 if self._stopping or len(self._conns) >= self._max_connections:
                     if not self._stopping:
                         log.warning("%s: %d connections open, refusing one more", self.path, len(self._conns))
@@ -155,6 +166,27 @@ class SeqpacketServer:
                 self._conns.pop(sock.fileno(), None)
             sock.close()
 
+    def _drop_silent(self) -> None:
+        """Closes the connections that have sent nothing since SILENT_S after
+        their accept (and are not being served)."""
+        now = time.monotonic()
+        with self._mu:
+            silent = [c for c in self._conns.values() if not c.heard and now - c.accepted_at > SILENT_S]
+        for conn in silent:
+            if not conn.busy.acquire(blocking=False):
+                continue  # it speaks now
+            try:
+                if not conn.heard:
+                    log.warning("%s: closing a connection silent for %.0f s to make room", self.path,
+                                now - conn.accepted_at)
+                    self.drop(conn)
+                    continue
+            finally:
+                conn.busy.release()
+            # It spoke since: a report for it that came while this held it
+            # was passed over (reactor.py), so it is watched again.
+            self._reactor.rearm(conn.fd)
+
     def _on_readable(self, fd: int) -> None:
         with self._mu:
             conn = self._conns.get(fd)
@@ -163,6 +195,7 @@ class SeqpacketServer:
         keep = False
         try:
             data = conn.sock.recv(self._max_datagram, socket.MSG_DONTWAIT)
+            conn.heard = True
             keep = bool(data) and self._datagram(conn, data)
         except BlockingIOError:
             keep = True  # a spurious report: nothing to read yet

@@ -447,6 +447,9 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 raise refused
             if session.state != LIVE:
                 raise vtm.Unavailable(f"the session is {session.state}")
+            # Admitted again: the client's other calls may have mapped
+            # memory while this one waited without the lock.
+            self.policy.admit(session, extra_bytes)
             with self.policy.gate(session, gate_bytes):
                 return op()
         finally:
@@ -858,16 +861,18 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                     raise vtm.InvalidArgument(f"the connected clients' guarantees would sum to {guaranteed} bytes, "
                                               f"past the capacity of {capacity}")
                 self.quotas.store(name, quota)
+                limits = {session: session.limit_bytes for session in matching}
                 for session, granted in grants.items():
                     session.grant(granted)
             if "host_tier_limit_bytes" in fields:
                 self._apply_tier_limit(name, make=False)  # a name without an account gets it when it makes one
             for session in matching:
-                if session.limit_bytes and session.state == LIVE:
+                if session.limit_bytes != limits[session] and session.state == LIVE:
                     # Over a lowered limit: ask for the excess, as for a
-                    # higher priority; nothing the client runs fails.
-                    self.policy.ask_back(session, session.limit_bytes,
-                                         f"the operator limited client '{name}' to {session.limit_bytes} bytes")
+                    # higher priority; nothing the client runs fails. A
+                    # lifted one forgives what the old one asked.
+                    self.policy.limit_changed(session, f"the operator limited client '{name}' to "
+                                                       f"{session.limit_bytes} bytes")
             clients = [c for c in self.clients() if c["name"] == name]
             return vtm_pb2.StatsReply(json=json.dumps({"quota": quota._asdict(), "clients": clients}))
         return self._run(context, body, session_required=False)

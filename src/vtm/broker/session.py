@@ -94,6 +94,7 @@ class Session:
         self.next_space = 1
         # Set by the policy's reclaim notices (src/vtm/broker/policy.py).
         self.owed_target = None  # mapped bytes the client was asked to come down to
+        self.owed_reclaim = None  # the lowest of those other clients' reclaims asked (None: the limit's only)
         self.owed_deadline = 0.0
         # Pages ahead (docs/broker.md, "Mapping ahead"): whether the client
         # said at hello that it gives them back (else it gets none), whether
