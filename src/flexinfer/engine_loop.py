@@ -135,7 +135,10 @@ class RequestStream:
         final None, it is logged only: the request is already complete."""
         try:
             self._deliver(event)
-        except Exception as exc:  # noqa: BLE001 - never into the loop's handlers (they would fail every request)
+        # Whatever it raises, KeyboardInterrupt and SystemExit too (a callback
+        # raising them: signals reach the main thread only). In the loop's
+        # handlers it would stop the engine thread and fail every request.
+        except BaseException as exc:  # noqa: BLE001
             log.exception("request %d: its deliver callback raised; it gets no more events and the request "
                           "is cancelled", self.request_id)
             self._stream = False

@@ -135,6 +135,10 @@ class Scheduler:
         self.num_unadmitted = 0  # admissions undone (_unadmit)
         self.prefix_hit_tokens = 0
         self.prefix_hit_tokens_host = 0  # of those, tokens vtm copied back from its host tier
+        # What each admission of the step being planned added to the four
+        # counts above: an admission undone (_unadmit) takes its part back,
+        # so that a sequence counts once, when its admission holds.
+        self._admission_counts: dict[Sequence, tuple[int, int, int, int]] = {}
         self.num_prefix_failures = 0  # prefix records and matches that failed (the prefix is not reused)
         self.num_memory_faults = 0  # maps and releases that failed and were contained
         add_handler = getattr(self.manager, "add_reclaim_handler", None)
@@ -333,6 +337,11 @@ class Scheduler:
         it was (what its admission matched stays in the tree, and a
         swapped-out sequence's record with it). Not a preemption: it had not
         run, and counting it would count one per step while memory is short."""
+        query, swap_in, hit, hit_host = self._admission_counts.pop(seq, (0, 0, 0, 0))
+        self.prefix_query_tokens -= query
+        self.swap_in_tokens -= swap_in
+        self.prefix_hit_tokens -= hit
+        self.prefix_hit_tokens_host -= hit_host
         swapped = seq.swapped
         self._drop_vtensors(seq, record=False)
         seq.swapped = swapped
@@ -528,7 +537,17 @@ class Scheduler:
                 # what its own preemption recorded, never more (the match
                 # stops before the last token it is given).
                 swapped_ids = seq.token_ids[: seq.swapped + 1]
-                vtensors, matched, restored = self._match(seq.token_ids if self.prefix_caching else swapped_ids)
+                try:
+                    vtensors, matched, restored = self._match(seq.token_ids if self.prefix_caching else swapped_ids)
+                except vtm.OutOfMemory:
+                    if self.running or self._retiring:
+                        raise  # memory others hold comes back: wait for it (below)
+                    # Alone, and still out of memory: the match locks the
+                    # node it ends in, whose chunks may be all the pool has
+                    # (a prefix cache that fills it), and its copy of its
+                    # partial last page needs one more. Computing the prompt
+                    # instead lets the create evict that node.
+                    vtensors, matched, restored = None, 0, 0
                 if matched < seq.swapped and self.running and self.kv.restore_bytes(swapped_ids):
                     # The host tier keeps the rest of its KV, but the pool
                     # has no room to copy it back yet (the match fell back to
@@ -538,18 +557,17 @@ class Scheduler:
                     if vtensors is not None:
                         self._release(vtensors)
                     return False
-                self.prefix_query_tokens += len(seq.prompt_ids)
-                self.swap_in_tokens += min(matched, seq.swapped)
+                hit = min(matched, len(seq.prompt_ids)) if vtensors is not None else 0
+                counts = (len(seq.prompt_ids), min(matched, seq.swapped), hit,
+                          min(restored, len(seq.prompt_ids)) if vtensors is not None else 0)
                 if vtensors is not None:
                     seq.vtensors = vtensors
                     seq.num_cached = matched
                     seq.extended = matched
                     # A window group's low mark after a match is vtm's: the next step sets it.
                     seq.map_limit, seq.unmap_at = self.kv.limits(matched, matched)[0], 0
-                    seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens,
-                                                        min(matched, len(seq.prompt_ids)))
-                    self.prefix_hit_tokens += min(matched, len(seq.prompt_ids))
-                    self.prefix_hit_tokens_host += min(restored, len(seq.prompt_ids))
+                    seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens, hit)
+                self._count_admission(seq, counts)
             if not seq.vtensors:
                 seq.vtensors = self.kv.create()
         except vtm.OutOfMemory as exc:
@@ -573,6 +591,16 @@ class Scheduler:
         self.running.append(seq)
         seq.status = Status.RUNNING
         return True
+
+    def _count_admission(self, seq: Sequence, counts: tuple[int, int, int, int]) -> None:
+        """Adds an admission's (prompt tokens queried, swapped-in tokens,
+        prefix hit tokens, of those from the host tier) to the counts."""
+        query, swap_in, hit, hit_host = counts
+        self.prefix_query_tokens += query
+        self.swap_in_tokens += swap_in
+        self.prefix_hit_tokens += hit
+        self.prefix_hit_tokens_host += hit_host
+        self._admission_counts[seq] = counts
 
     def _match(self, token_ids: list[int]):
         """kv.match, where a failure other than out of memory (a failed copy)
@@ -602,6 +630,7 @@ class Scheduler:
             steady.slack -= 1
             self._steady = steady
             return steady.plan
+        self._admission_counts.clear()  # an admission of an earlier step is not undone
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         # Of the plan, those whose next step or the one after needs a page

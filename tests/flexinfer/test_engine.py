@@ -525,6 +525,25 @@ def test_preemption_by_swap_keeps_the_kv_with_prefix_caching_off(tiny_llama, tin
     manager.close()
 
 
+def test_an_admission_undone_takes_back_what_it_counted(tiny_llama):
+    """Under swap, admissions that do not fit beside the running sequences
+    are undone (and made again later): each used to count its swapped-in
+    tokens again, so swap_in_tokens passed swap_out_tokens (239 > 207 here).
+    Outputs are transformers' either way."""
+    folder, oracle = tiny_llama
+    manager = small_manager(8, host_tier_chunks=32)
+    llm = LLM(folder, manager=manager, max_num_seqs=8, max_batch_tokens=16, preemption="swap")
+    rng = random.Random(1)
+    prompts = random_prompts([rng.randrange(5, 30) for _ in range(10)], seed=52)
+    assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(20)), 20)
+    stats = llm.stats()
+    assert stats["admissions_undone"] > 0 and stats["preemptions"] > 0, stats
+    assert 0 < stats["swap_in_tokens"] <= stats["swap_out_tokens"], stats
+    assert stats["prefix_query_tokens"] >= sum(map(len, prompts)), stats
+    llm.close()
+    manager.close()
+
+
 def test_a_lost_broker_forgets_what_swapped_out_sequences_kept(tiny_llama):
     """After a broker restart the new session's tree holds nothing of what
     swapped-out sequences recorded: their readmission must not match up to
@@ -980,6 +999,27 @@ def test_a_request_up_to_max_model_len_matches_transformers(tiny_llama):
     assert_greedy_equal(oracle, prompt, run(llm, prompt, greedy(8)), 8)
     assert_all_memory_returned(llm)
     llm.close()
+
+
+def test_an_idle_engine_computes_a_prompt_whose_match_the_cached_prefix_crowds_out(tiny_llama):
+    """A 64-token prompt fills the 8-chunk pool and its record holds all 8
+    chunks in one node. A 12-token prompt sharing its first 2 tokens matches
+    into that node, which the match locks while its copy of the partial page
+    needs a ninth chunk: OutOfMemory, which used to fail the request (every
+    retry too) although it fits alone. The engine, idle, now computes the
+    prompt instead, which evicts the node."""
+    folder, oracle = tiny_llama
+    manager = small_manager(8)  # 64 tiny rows
+    llm = LLM(folder, manager=manager)
+    first = random_prompts([64], seed=53)[0]
+    assert_greedy_equal(oracle, [first], run(llm, [first], greedy(1)), 1)
+    assert [n["end"] for n in llm.kv_cache.space.prefix_nodes()] == [64]
+    second = first[:2] + random_prompts([10], seed=54)[0]
+    for _ in range(2):
+        assert_greedy_equal(oracle, [second], run(llm, [second], greedy(3)), 3)
+    assert_all_memory_returned(llm)
+    llm.close()
+    manager.close()
 
 
 def test_request_that_never_fits_in_memory_fails_alone(tiny_llama, tiny_prompts):

@@ -452,13 +452,15 @@ def test_a_dead_engine_thread_ends_every_stream_and_refuses_new_requests(tiny, m
             llm.submit([5, 6, 7])
 
 
-@pytest.mark.parametrize("raises_on", ["every-event", "last-event"])
-def test_a_deliver_that_raises_fails_its_own_request_alone(tiny, caplog, raises_on):
+@pytest.mark.parametrize("raises_on, error", [("every-event", RuntimeError), ("last-event", RuntimeError),
+                                              ("every-event", KeyboardInterrupt), ("every-event", SystemExit)])
+def test_a_deliver_that_raises_fails_its_own_request_alone(tiny, caplog, raises_on, error):
     """A `deliver` callback that raises is its caller's bug: it is logged once
     and called no more, its request ends with an error saying so, and the
     engine thread, a request beside it and later ones are unaffected (it
     used to fail every live request, and one raising on every event stopped
-    the engine thread for good, its own handle never done)."""
+    the engine thread for good, its own handle never done). KeyboardInterrupt
+    and SystemExit too: they stopped the engine thread."""
     folder, oracle = tiny
     prompts = clean_prompts([12, 6], seed=18)
     calls = []
@@ -466,14 +468,14 @@ def test_a_deliver_that_raises_fails_its_own_request_alone(tiny, caplog, raises_
     def deliver(event):
         calls.append(event)
         if raises_on == "every-event" or event.finish_reason is not None:
-            raise RuntimeError("a bug in the caller's deliver")
+            raise error("a bug in the caller's deliver")
 
     with LLM(folder) as llm:
         beside = llm.submit(prompts[0], greedy(24))
         handle = llm.submit(prompts[1], greedy(3), deliver=deliver)
         out = handle.result(timeout=30)
         assert out.finish_reason == "error" and isinstance(out.error, EngineError)
-        assert "the deliver callback raised RuntimeError: a bug in the caller's deliver" in str(out.error)
+        assert f"the deliver callback raised {error.__name__}: a bug in the caller's deliver" in str(out.error)
         assert None not in calls and len(calls) == (1 if raises_on == "every-event" else 3)
         assert [r.message for r in caplog.records].count(
             f"request {handle.request_id}: its deliver callback raised; it gets no more events and the request "
