@@ -171,6 +171,36 @@ def test_connections_that_never_speak_give_way_at_the_cap(tmp_path, monkeypatch)
         reactor.close()
 
 
+def test_an_idle_client_keeps_its_fetch_connection_when_silent_ones_give_way(tmp_path, monkeypatch):
+    """Review: a client's fd-fetch connection used to send nothing until its first fetch, so at the
+    cap it was closed with the silent flood, and the idle client's next create lost its manager
+    (Unavailable). It introduces itself at connect now (a fetch of nothing)."""
+    import vtm
+    from vtm.broker import seqpacket
+    from vtm.broker.server import Broker
+
+    monkeypatch.setattr(seqpacket, "SILENT_S", 1.0)
+    chunk = 2 << 20
+    path = str(tmp_path / "vtmd" / "sock")
+    broker = Broker("unix:" + path, backend="host", capacity_bytes=16 * chunk, chunk_bytes=chunk, granularity=chunk,
+                    max_sessions=1)
+    flood = []
+    try:
+        with vtm.connect("unix:" + path, name="idle", fast_path=False) as mgr:  # every chunk fd by a fetch
+            space = mgr.create_space(row_bytes=4096, max_tokens=2000, max_slots=1)
+            flood = [_connect(path + ".fds") for _ in range(16)]  # the cap: 2 x 1 + 16, the client holds 2
+            time.sleep(1.2)
+            flood.append(_connect(path + ".fds"))  # at the cap: the silent ones give way
+            assert all(conn.recv(64) == b"" for conn in flood[:16])
+            vt = space.create(2000).result()  # maps new chunks: fetches their fds
+            assert vt.mapped_bytes == 4 * chunk
+            mgr.check()
+    finally:
+        for conn in flood:
+            conn.close()
+        broker.stop()
+
+
 def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
     # The asker's allocation waits for a lower priority to give memory back;
     # meanwhile its session's lock is free (its fd fetches, its goodbye and its

@@ -13,7 +13,7 @@ import pytest
 
 import vtm
 from vtm_testing import (CHUNK, SCALE, SENTINEL, RowIO, assert_pool_consistent, leaf_paths,
-                      node_paths, snapshot, assert_same_state)
+                      new_manager, node_paths, snapshot, assert_same_state)
 
 
 def written_vt(space, io, tokens):
@@ -520,6 +520,33 @@ def test_a_record_that_releases_its_vtensor_needs_no_free_chunk(make_manager, wi
     io.verify(m.vtensor, t, m.vtensor.low, 25)
     m.vtensor.release().result()
     assert_pool_consistent(mgr)
+
+
+def test_a_releasing_record_caches_the_pages_the_tree_does_not_take():
+    """prefix_record(..., release=True) of a prefix the tree holds already
+    (from another vTensor's pages) keeps the vTensor's private pages in the
+    slot cache, as a record then a release does. Review: the first all-or-
+    nothing version held every page of the record through the release, so
+    they counted as shared and were freed instead."""
+    row = CHUNK // 20  # 20 rows a page: 60 rows fill 3 pages
+    t = list(range(1, 61))
+
+    def cached_after(release_in_record: bool) -> tuple[int, int]:
+        mgr = new_manager(chunks=64, prealloc_chunks=0, slot_cache_bytes=32 * CHUNK)
+        space = mgr.create_space(row_bytes=row, max_tokens=120, max_slots=6)
+        assert space.prefix_record(space.create(60).result(), t, release=True).result() == 60
+        vt = space.create(60).result()  # the same prefix, computed on its own pages
+        if release_in_record:
+            assert space.prefix_record(vt, t, release=True).result() == 0
+        else:
+            assert space.prefix_record(vt, t).result() == 0
+            vt.release().result()
+        assert_pool_consistent(mgr)
+        stats = mgr.stats()
+        mgr.close()
+        return stats["chunks_cached"], stats["chunks_free"]
+
+    assert cached_after(True) == cached_after(False) == (3, 0)
 
 
 def test_a_releasing_record_of_nothing_still_releases(make_manager):

@@ -265,10 +265,11 @@ class LlamaModel:
         # engine's max_model_len; by default the model's own limit), made once:
         # a pass then gathers its rows (two kernels a type, where computing
         # them took nine), and a token's values do not depend on its batch.
-        # They hold 2 x positions x head_dim values a type (SmolLM2 at 8K in
-        # bfloat16: 2 MiB).
-        positions = torch.arange(max_positions or c.max_position_embeddings, device=self.device)
-        self.rope_tables = {t: self._rope_values(positions, rope_inv_freq(c, t).to(self.device))
+        # They hold 2 x positions x head_dim values a type: SmolLM2 at 8K in
+        # bfloat16 2 MiB, Llama 3.1 at 128K in float32 128 MiB (a smaller
+        # max_model_len makes them smaller).
+        positions = max_positions or c.max_position_embeddings
+        self.rope_tables = {t: self._rope_table(positions, rope_inv_freq(c, t).to(self.device))
                             for t in dict.fromkeys(self.layer_types)}
         # Each layer's attention: its scale, window and soft cap.
         self.attention_args = [dict(scale=c.attention_scale, window=c.window(i),
@@ -297,6 +298,17 @@ class LlamaModel:
         cos = torch.cat([half_cos, half_cos], dim=-1)
         sin = torch.cat([-half_sin, half_sin], dim=-1)
         return cos.to(self.dtype), sin.to(self.dtype)
+
+    def _rope_table(self, positions: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_rope_values` of positions 0 .. positions - 1, made 64K positions
+        at a time: their float32 intermediates are several times the table."""
+        size = (positions, self.config.head_dim)
+        cos = torch.empty(size, dtype=self.dtype, device=self.device)
+        sin = torch.empty(size, dtype=self.dtype, device=self.device)
+        for start in range(0, positions, 1 << 16):
+            end = min(positions, start + (1 << 16))
+            cos[start:end], sin[start:end] = self._rope_values(torch.arange(start, end, device=self.device), inv_freq)
+        return cos, sin
 
     def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer type, cos and sin [T, head_dim] of each token's position

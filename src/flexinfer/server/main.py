@@ -42,7 +42,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences (prompts x n) one request may ask for; more is a 400")
     p.add_argument("--max-queued-seqs", type=int, default=_LIMITS.max_queued_seqs,
                    help="most sequences admitted and not yet finished, over all requests; a request that "
-                        "would pass it gets a 429 (retry later)")
+                        "would pass it gets a 429 (retry later), one that asks for more than it a 400")
     p.add_argument("--max-body-bytes", type=int, default=_LIMITS.max_body_bytes,
                    help="largest request body; a larger one gets a 413 before it is read")
 

@@ -194,7 +194,10 @@ class RemoteManager:
             self._session = SessionChannel(hello.fd_socket, hello.lease, self._timeout)
         except (OSError, ValueError) as exc:
             raise errors.Unavailable(f"attaching to the vtm broker failed: {exc}") from None
-        self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
+        try:
+            self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
+        except (OSError, ValueError) as exc:
+            raise errors.Unavailable(f"the vtm broker's fd socket failed: {exc}") from None
         self._transport = GrpcTransport(self)
         if self._fast_path and hello.step_socket:
             try:

@@ -152,14 +152,23 @@ class FdClient:
         self._lease = lease
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock.settimeout(timeout)
-        self._sock.connect(path)
         self._mu = threading.Lock()
+        try:
+            self._sock.connect(path)
+            # A fetch of nothing at once (its session is live: the channel
+            # attached first): at its connection cap the broker closes the
+            # connections that have said nothing (seqpacket.py), and this
+            # one may stay idle for long.
+            self.fetch([])
+        except BaseException:
+            self._sock.close()
+            raise
 
     def fetch(self, serials: list[int]) -> list[tuple[int, int]]:
         """(serial, fd) for every serial; the caller owns (closes) each fd."""
         out = []
         try:
-            for start in range(0, len(serials), MAX_FDS):
+            for start in range(0, max(len(serials), 1), MAX_FDS):
                 batch = serials[start:start + MAX_FDS]
                 with self._mu:
                     self._sock.send(json.dumps({"lease": self._lease, "serials": batch}).encode())

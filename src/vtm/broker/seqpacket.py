@@ -185,7 +185,8 @@ class SeqpacketServer:
                 conn.busy.release()
             # It spoke since: a report for it that came while this held it
             # was passed over (reactor.py), so it is watched again.
-            self._reactor.rearm(conn.fd)
+            if not conn.dropped:
+                self._reactor.rearm(conn.fd)
 
     def _on_readable(self, fd: int) -> None:
         with self._mu:

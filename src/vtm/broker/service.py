@@ -449,7 +449,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 raise vtm.Unavailable(f"the session is {session.state}")
             # Admitted again: the client's other calls may have mapped
             # memory while this one waited without the lock.
-            self.policy.admit(session, extra_bytes)
+            try:
+                self.policy.admit(session, extra_bytes)
+            except vtm.OutOfMemory as exc:
+                raise self._own_pages_ahead_first(session, exc) from None
             with self.policy.gate(session, gate_bytes):
                 return op()
         finally:

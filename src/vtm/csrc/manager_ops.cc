@@ -317,8 +317,16 @@ std::int64_t Manager::RecordAndRelease(Space& sp, std::uint64_t id, const std::v
   // they count as shared: the release keeps none of them in the slot cache
   // (a page the tree holds is never written again), and none is freed
   // between its unmap and the tree's reference.
+  // Those are the new leaf's pages, and, where the tree fills the holes of
+  // a window's nodes or gives nodes on the host their chunks back, any page
+  // of the path; the others stay private to the slot (and may be cached).
+  std::size_t from = 0;
+  if (sp.window_tokens == 0 && sp.tree->tier() == nullptr) {
+    const std::size_t recorded = sp.tree->Find(tokens.data(), tokens.size()).length;
+    from = recorded < tokens.size() ? sp.tree->FirstPage(recorded) : SIZE_MAX;  // no new leaf: none
+  }
   std::vector<ChunkId> held;
-  for (std::size_t q = 0; q < std::min(sp.tree->PageEnd(tokens.size()), pages.size()); ++q)
+  for (std::size_t q = from; q < std::min(sp.tree->PageEnd(tokens.size()), pages.size()); ++q)
     if (pages[q] != kNoChunk) held.push_back(pages[q]);
   for (ChunkId c : held) pool_->Ref(c);
   std::size_t added = 0;
