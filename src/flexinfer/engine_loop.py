@@ -135,10 +135,14 @@ class RequestStream:
         final None, it is logged only: the request is already complete."""
         try:
             self._deliver(event)
-        # Whatever it raises, KeyboardInterrupt and SystemExit too (a callback
-        # raising them: signals reach the main thread only). In the loop's
-        # handlers it would stop the engine thread and fail every request.
+        # Whatever it raises, KeyboardInterrupt and SystemExit too: on the
+        # engine thread they are the callback's own (signals reach the main
+        # thread only), and in the loop's handlers they would stop the engine
+        # thread and fail every request. On the main thread (a refused
+        # request's end is delivered on the caller's) they may be a Ctrl-C.
         except BaseException as exc:  # noqa: BLE001
+            if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
+                raise
             log.exception("request %d: its deliver callback raised; it gets no more events and the request "
                           "is cancelled", self.request_id)
             self._stream = False

@@ -531,6 +531,7 @@ class Scheduler:
         """Gives `seq` its vTensors and makes it running. False when it must
         wait (out of memory), or when it failed alone (a device error: then
         it is finished)."""
+        counts = (0, 0, 0, 0)  # counted once its admission holds (vTensors and all)
         try:
             if (self.prefix_caching or seq.swapped) and seq.num_tokens > 1:
                 # Without prefix caching, a swapped-out sequence maps back
@@ -567,9 +568,9 @@ class Scheduler:
                     # A window group's low mark after a match is vtm's: the next step sets it.
                     seq.map_limit, seq.unmap_at = self.kv.limits(matched, matched)[0], 0
                     seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens, hit)
-                self._count_admission(seq, counts)
             if not seq.vtensors:
                 seq.vtensors = self.kv.create()
+            self._count_admission(seq, counts)
         except vtm.OutOfMemory as exc:
             if self._retiring:
                 # Finished sequences' memory, held only until the step in

@@ -271,6 +271,32 @@ def test_streamed_events_add_up_to_the_result(tiny):
         assert_idle_and_released(llm)
 
 
+def test_a_request_waiting_for_a_slot_counts_its_prompt_once(tiny):
+    """The test holds one of the cache's two slots: a second request cannot
+    get its vTensors beside a running one, and waits, trying each step,
+    until the running one's deliver callback gives the slot back (on the
+    engine thread, at its third event: the running one still has tokens to
+    go). Its prompt is counted once in prefix_query_tokens; each refused try
+    used to count it again (review)."""
+    folder, oracle = tiny
+    prompts = clean_prompts([9, 7], seed=19)
+    with LLM(folder, max_num_seqs=2) as llm:
+        held = llm.kv_cache.create()
+        events = []
+
+        def deliver(event):
+            events.append(event)
+            if len(events) == 3:
+                llm.kv_cache.release(held)
+
+        running = llm.submit(prompts[0], greedy(40), deliver=deliver)
+        waiting = llm.submit(prompts[1], greedy(4))
+        assert_greedy_equal(oracle, prompts[:1], [running.result(timeout=60)], 40)
+        assert_greedy_equal(oracle, prompts[1:], [waiting.result(timeout=60)], 4)
+        assert llm.stats()["prefix_query_tokens"] == len(prompts[0]) + len(prompts[1])
+        assert_idle_and_released(llm)
+
+
 def test_requests_that_do_not_stream_hear_only_of_their_end(tiny):
     """The loop hands a step's sequences to their requests (_dispatch) when
     one of them ended or some request streams: a pass over sequences that
@@ -483,6 +509,24 @@ def test_a_deliver_that_raises_fails_its_own_request_alone(tiny, caplog, raises_
         assert_greedy_equal(oracle, prompts[:1], [beside.result(timeout=30)], 24)
         assert llm.problem is None
         assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(4)), 4)
+        assert_idle_and_released(llm)
+
+
+def test_a_ctrl_c_while_a_deliver_runs_on_the_callers_thread_is_not_swallowed(tiny):
+    """A refused request's end is delivered on the caller's thread, where a
+    KeyboardInterrupt may be the user's Ctrl-C: it reaches the caller (review:
+    catching everything there made it the request's error). The engine
+    serves on."""
+    folder, oracle = tiny
+    prompt = clean_prompts([6], seed=20)[0]
+    with LLM(folder, max_model_len=32) as llm:
+        def deliver(event):
+            signal.raise_signal(signal.SIGINT)
+
+        with pytest.raises(KeyboardInterrupt):
+            llm.submit(list(range(3, 40)), greedy(4), deliver=deliver)  # 37 + 4 tokens: past max_model_len
+        assert llm.problem is None
+        assert_greedy_equal(oracle, [prompt], run(llm, [prompt], greedy(4)), 4)
         assert_idle_and_released(llm)
 
 
