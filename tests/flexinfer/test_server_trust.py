@@ -89,6 +89,31 @@ def assert_serves(url: str, reference: LLM, prompt: str = "The capital of France
     wait_idle(url)
 
 
+def hold_prompts(llm: LLM, marker: str, release: threading.Event) -> threading.Event:
+    """Makes `llm`'s tokenizer wait for `release` (30 s at most) on a text
+    holding `marker`; the event returned is set when one reaches it."""
+    tokenizing = threading.Event()
+    encode = llm.tokenizer.encode
+
+    def held_encode(text, *args, **kwargs):
+        if marker in text:
+            tokenizing.set()
+            release.wait(30)
+        return encode(text, *args, **kwargs)
+
+    llm.tokenizer.encode = held_encode
+    return tokenizing
+
+
+def post_in_thread(url: str, body: dict, results: dict) -> threading.Thread:
+    """POSTs `body` to /v1/completions on a thread of its own (started);
+    its response goes to results["response"]."""
+    thread = threading.Thread(target=lambda: results.update(response=httpx.post(
+        f"{url}/v1/completions", json=body, timeout=60)))
+    thread.start()
+    return thread
+
+
 @pytest.fixture
 def in_process(tiny_chat):
     """An app in this process (to reach into its LLM), started by `start(llm)`; stopped at the end."""
@@ -157,20 +182,10 @@ def test_fewer_than_one_sample_is_a_400_that_takes_no_place(tiny_chat, in_proces
     for n in (0, -1000000):
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "n": n, "max_tokens": 1}, timeout=30)
         assert_error(response, 400, "n")
-    release, tokenizing = threading.Event(), threading.Event()
-    encode = llm.tokenizer.encode
-
-    def held_encode(text, *args, **kwargs):
-        if "HOLD" in text:
-            tokenizing.set()
-            release.wait(30)
-        return encode(text, *args, **kwargs)
-
-    llm.tokenizer.encode = held_encode
+    release = threading.Event()
+    tokenizing = hold_prompts(llm, "HOLD", release)
     results = {}
-    negative = threading.Thread(target=lambda: results.update(response=httpx.post(
-        f"{url}/v1/completions", json={"prompt": "HOLD Hello", "n": -5, "max_tokens": 1}, timeout=60)))
-    negative.start()
+    negative = post_in_thread(url, {"prompt": "HOLD Hello", "n": -5, "max_tokens": 1}, results)
     tokenizing.wait(2)  # set only where it was admitted: refused, it never reaches the tokenizer
     try:
         assert_serves(url, reference)
@@ -234,20 +249,10 @@ def test_tokenizing_and_submitting_run_off_the_event_loop(tiny_chat, in_process,
     an event that only an answered /health sets (on the event loop, that wait would stall both)."""
     llm = LLM(tiny_chat, **ENGINE_OPTIONS)
     url = in_process(llm)
-    health_answered, tokenizing = threading.Event(), threading.Event()
-    encode = llm.tokenizer.encode
-
-    def slow_encode(text, *args, **kwargs):
-        if "BLOCK" in text:
-            tokenizing.set()
-            health_answered.wait(20)
-        return encode(text, *args, **kwargs)
-
-    llm.tokenizer.encode = slow_encode
+    health_answered = threading.Event()
+    tokenizing = hold_prompts(llm, "BLOCK", health_answered)
     results = {}
-    request = threading.Thread(target=lambda: results.update(response=httpx.post(
-        f"{url}/v1/completions", json={"prompt": "BLOCK The capital of France is", "max_tokens": 4}, timeout=60)))
-    request.start()
+    request = post_in_thread(url, {"prompt": "BLOCK The capital of France is", "max_tokens": 4}, results)
     assert tokenizing.wait(20)
     try:
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
