@@ -558,16 +558,16 @@ class Scheduler:
                     if vtensors is not None:
                         self._release(vtensors)
                     return False
-                hit = min(matched, len(seq.prompt_ids)) if vtensors is not None else 0
-                counts = (len(seq.prompt_ids), min(matched, seq.swapped), hit,
-                          min(restored, len(seq.prompt_ids)) if vtensors is not None else 0)
+                hit = hit_host = 0
                 if vtensors is not None:
+                    hit, hit_host = min(matched, len(seq.prompt_ids)), min(restored, len(seq.prompt_ids))
                     seq.vtensors = vtensors
                     seq.num_cached = matched
                     seq.extended = matched
                     # A window group's low mark after a match is vtm's: the next step sets it.
                     seq.map_limit, seq.unmap_at = self.kv.limits(matched, matched)[0], 0
                     seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens, hit)
+                counts = (len(seq.prompt_ids), min(matched, seq.swapped), hit, hit_host)
             if not seq.vtensors:
                 seq.vtensors = self.kv.create()
             self._count_admission(seq, counts)

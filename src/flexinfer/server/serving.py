@@ -10,9 +10,9 @@ back (IncrementalText), and usage comes last.
 Admission: a request asks for prompts x n sequences; more than
 `max_seqs_per_request` or `max_queued_seqs` is a 400, and more than the
 free places of `max_queued_seqs` (sequences admitted and not finished) a
-429, all before anything else happens. Tokenizing and submitting then run on a worker
-thread (the tokenizer lets go of the GIL), so the event loop keeps
-answering while a long prompt is read.
+429, all before anything else happens. Tokenizing and submitting then run
+on a worker thread (the tokenizer lets go of the GIL), so the event loop
+keeps answering while a long prompt is read.
 """
 
 from __future__ import annotations

@@ -316,10 +316,10 @@ std::int64_t Manager::RecordAndRelease(Space& sp, std::uint64_t id, const std::v
   // cannot fail). Meanwhile the pages the tree may take are held, so that
   // they count as shared: the release keeps none of them in the slot cache
   // (a page the tree holds is never written again), and none is freed
-  // between its unmap and the tree's reference.
-  // Those are the new leaf's pages, and, where the tree fills the holes of
-  // a window's nodes or gives nodes on the host their chunks back, any page
-  // of the path; the others stay private to the slot (and may be cached).
+  // between its unmap and the tree's reference. Those are the new leaf's
+  // pages, and, where the tree fills the holes of a window's nodes or gives
+  // nodes on the host their chunks back, any page of the path; the others
+  // stay private to the slot (and may be cached).
   std::size_t from = 0;
   if (sp.window_tokens == 0 && sp.tree->tier() == nullptr) {
     const std::size_t recorded = sp.tree->Find(tokens.data(), tokens.size()).length;
@@ -329,6 +329,9 @@ std::int64_t Manager::RecordAndRelease(Space& sp, std::uint64_t id, const std::v
   for (std::size_t q = from; q < std::min(sp.tree->PageEnd(tokens.size()), pages.size()); ++q)
     if (pages[q] != kNoChunk) held.push_back(pages[q]);
   for (ChunkId c : held) pool_->Ref(c);
+  const auto let_go = [&] {
+    for (ChunkId c : held) pool_->Unref(c);
+  };
   std::size_t added = 0;
   try {
     UndoLog undo(&rollback_failures_total_);
@@ -337,10 +340,10 @@ std::int64_t Manager::RecordAndRelease(Space& sp, std::uint64_t id, const std::v
     undo.Commit();
     FinishRelease(id, unmapped);
   } catch (...) {
-    for (ChunkId c : held) pool_->Unref(c);
+    let_go();
     throw;
   }
-  for (ChunkId c : held) pool_->Unref(c);
+  let_go();
   AfterCommit();
   return static_cast<std::int64_t>(added);
 }
