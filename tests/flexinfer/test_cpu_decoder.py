@@ -1,8 +1,9 @@
-"""The one-call CPU decoder (src/flexinfer/csrc/decoder_cpu.h) against the model's
-Python loop over the same kernels: logits and every cache byte equal, bit for
-bit, through prefill, decode and chunks that continue a cached prefix, in
-float32 and bfloat16, with q/k/v biases and with layer groups whose rows
-differ in length. Bad slots and positions change nothing. Runs on vtm's host
+"""The one-call CPU decoder (src/flexinfer/csrc/decoder_cpu.h), both its calls
+(the whole pass, and the layers alone), against the model's Python loop over
+the same kernels: logits and every cache byte equal, bit for bit, through
+prefill, decode and chunks that continue a cached prefix, in float32 and
+bfloat16, with q/k/v biases and with layer groups whose rows differ in
+length. Bad ids, slots and positions change nothing. Runs on vtm's host
 backend, whose unmapped pages fault on an over-read."""
 
 from __future__ import annotations
@@ -62,22 +63,28 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
+# The three ways a CPU pass of a Llama runs: one call for the whole pass, one
+# call for the layers (the model makes the embeddings and the logits), and
+# the model's Python loop. Every pass runs all three, each on its own cache.
+PATHS = ("whole", "layers", "loop")
+
+
 class Runner:
-    """One model, two caches of the same layout: the fused decoder writes one,
-    the loop the other; every pass compares the logits and every cached row."""
+    """One model, a cache per path of the same layout; every pass compares
+    the logits and every cached row of each path with the loop's."""
 
     def __init__(self, manager, config, dtype, layer_groups, requests, max_tokens=64):
         # Positions up to the caches' length, as an engine's max_model_len gives them.
         self.model = LlamaModel(config, random_weights(config, seed=3), dtype, linear="packed",
                                 max_positions=max_tokens)
-        assert self.model.decoder is not None
+        assert self.model.decoder is not None and self.model.decoder.runs_whole_pass
         self.attention = KernelAttention(CPU)
         self.manager = manager
         self.caches = [KVCache(manager, config, dtype, max_tokens=max_tokens, max_slots=requests + 2,
-                               layer_groups=layer_groups) for _ in range(2)]
+                               layer_groups=layer_groups) for _ in PATHS]
         # A vTensor in each cache's first slot, outside the batch: no pass may touch its rows.
         self.bystanders = [cache.create(3) for cache in self.caches]
-        self.bystander_rows = [self.rows(0, self.bystanders[0], 3)]
+        self.bystander_rows = [self.rows(cache, self.bystanders[cache], 3) for cache in range(len(PATHS))]
         # One more slot taken in the last group only: each group's slots differ.
         self.offsets = [cache.spaces[-1].create(0).result() if layer_groups > 1 else None for cache in self.caches]
         self.vts = [[cache.create(0) for _ in range(requests)] for cache in self.caches]
@@ -91,40 +98,46 @@ class Runner:
     def slots(self, cache: int) -> list[tuple[int, ...]]:
         return [tuple(vt.slot for vt in group) for group in self.vts[cache]]
 
-    def forward(self, cache: int, ids: torch.Tensor, new_lens: list[int], fused: bool) -> torch.Tensor:
-        """A pass through the one call (which must run) or through the loop."""
+    def forward(self, cache: int, ids: torch.Tensor, new_lens: list[int], path: str) -> torch.Tensor:
+        """A pass through `path`, which must be the one that runs."""
         batch = ForwardBatch.build(self.slots(cache), self.lengths, new_lens, CPU)
         decoder = self.model.decoder
         calls = []
 
-        def counted(*args):
-            calls.append(args)
-            return decoder.run(*args)
+        def counted(name):
+            def call(*args):
+                calls.append(name)
+                return getattr(decoder, name)(*args)
+            return call
 
-        self.model.decoder = SimpleNamespace(run=counted) if fused else None
+        self.model.decoder = None if path == "loop" else SimpleNamespace(
+            run=counted("run"), forward=counted("forward"), runs_whole_pass=path == "whole")
         try:
             logits = self.model.forward(ids, batch, self.caches[cache], self.attention)
         finally:
             self.model.decoder = decoder
-        assert len(calls) == (1 if fused else 0)
+        assert calls == {"whole": ["forward"], "layers": ["run"], "loop": []}[path]
         return logits
 
     def step(self, new_lens: list[int], seed: int) -> torch.Tensor:
-        """One pass of `new_lens[i]` new tokens per request through both paths."""
-        for cache in range(2):
+        """One pass of `new_lens[i]` new tokens per request through every path."""
+        for cache in range(len(PATHS)):
             self.manager.step({vt: length + n for group, length, n in zip(self.vts[cache], self.lengths, new_lens)
                                for vt in group}).result()
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(3, self.model.config.vocab_size, (sum(new_lens),), generator=gen)
-        fused, loop = (self.forward(cache, ids, new_lens, fused) for cache, fused in ((0, True), (1, False)))
-        assert torch.equal(raw(fused), raw(loop)) and torch.isfinite(fused).all()
+        *fused, loop = (self.forward(cache, ids, new_lens, path) for cache, path in enumerate(PATHS))
+        assert torch.isfinite(loop).all()
+        for logits in fused:
+            assert logits.dtype is torch.float32 and torch.equal(raw(logits), raw(loop))
         self.lengths = [length + n for length, n in zip(self.lengths, new_lens)]
-        for a, b, length in zip(self.vts[0], self.vts[1], self.lengths):
-            for got, want in zip(self.rows(0, a, length), self.rows(1, b, length)):
-                assert torch.equal(got, want)
-        for got, want in zip(self.rows(0, self.bystanders[0], 3), self.bystander_rows[0]):
-            assert torch.equal(got, want)
-        return fused
+        for cache in range(len(PATHS) - 1):
+            for a, b, length in zip(self.vts[cache], self.vts[-1], self.lengths):
+                for got, want in zip(self.rows(cache, a, length), self.rows(len(PATHS) - 1, b, length)):
+                    assert torch.equal(got, want)
+        for cache, rows in enumerate(self.bystander_rows):
+            assert all(torch.equal(got, want) for got, want in zip(self.rows(cache, self.bystanders[cache], 3), rows))
+        return loop
 
     def close(self) -> None:
         for cache, bystander, vts, offset in zip(self.caches, self.bystanders, self.vts, self.offsets):
@@ -179,27 +192,30 @@ def test_one_request_equals_the_loop(dtype):
 
 
 def test_decoder_follows_the_cache_it_is_given_and_refuses_a_closed_or_foreign_one():
-    """Two caches in turn (the cache table is rebuilt for each), then a closed
-    cache and one of another geometry: InvalidArgument, nothing written."""
+    """Three caches in turn (the cache table is rebuilt for each), then a
+    closed cache and one of another geometry: InvalidArgument, nothing written."""
     config = tiny_config()
     with host_manager() as manager:
         runner = Runner(manager, config, torch.float32, layer_groups=2, requests=2)
         runner.step([4, 6], seed=0)
-        # Both caches through the one call now, alternating: the loop's cache
-        # (1) gets the same tokens, so both must keep giving equal logits.
+        # Every cache through the decoder now, in turn (the loop's too, which
+        # gets the same tokens), through both its calls: all must keep giving
+        # equal logits.
+        paths = ("whole", "layers", "whole")
         for seed in range(1, 4):
-            for cache in range(2):
+            for cache in range(len(paths)):
                 manager.step({vt: length + 1 for group, length in zip(runner.vts[cache], runner.lengths)
                               for vt in group}).result()
             gen = torch.Generator().manual_seed(seed)
             ids = torch.randint(3, config.vocab_size, (2,), generator=gen)
-            a, b = (runner.forward(cache, ids, [1, 1], fused=True) for cache in range(2))
-            assert torch.equal(raw(a), raw(b))
+            first, *others = (runner.forward(cache, ids, [1, 1], path) for cache, path in enumerate(paths))
+            assert all(torch.equal(raw(first), raw(other)) for other in others)
             runner.lengths = [length + 1 for length in runner.lengths]
-            # Each cache got its own rows (a stale table would have written cache 0 twice).
-            for vts_a, vts_b, length in zip(runner.vts[0], runner.vts[1], runner.lengths):
-                for got, want in zip(runner.rows(0, vts_a, length), runner.rows(1, vts_b, length)):
-                    assert torch.equal(got, want)
+            # Each cache got its own rows (a stale table would have written one cache twice).
+            for cache in range(1, len(paths)):
+                for vts_a, vts_b, length in zip(runner.vts[0], runner.vts[cache], runner.lengths):
+                    for got, want in zip(runner.rows(0, vts_a, length), runner.rows(cache, vts_b, length)):
+                        assert torch.equal(got, want)
         decoder = runner.model.decoder
         other = KVCache(manager, dataclasses.replace(config, num_key_value_heads=1), torch.float32, max_tokens=64,
                         max_slots=4)
@@ -210,11 +226,13 @@ def test_decoder_follows_the_cache_it_is_given_and_refuses_a_closed_or_foreign_o
         for cache, message in ((closed, "layers"), (other, "cache view")):
             hidden = torch.randn(2, config.hidden_size)
             kept = hidden.clone()
+            batch = ForwardBatch.build([(0,)] * 2 if cache is other else runner.slots(0), runner.lengths, [1, 1],
+                                       CPU)
             with pytest.raises(InvalidArgument, match=message):
-                decoder.run(hidden, cos, sin, ForwardBatch.build([(0,)] * 2 if cache is other else
-                                                                 runner.slots(0), runner.lengths, [1, 1], CPU),
-                            cache)
+                decoder.run(hidden, cos, sin, batch, cache)
             assert torch.equal(hidden, kept)
+            with pytest.raises(InvalidArgument, match=message):
+                decoder.forward(torch.tensor([5, 6]), batch, cache)
         other.close()
         runner.close()
         manager.check()
@@ -231,29 +249,48 @@ def test_model_runs_the_decoder_only_with_packed_projections_and_the_kernel_atte
     assert not model._runs_decoder(1, KernelAttention(CPU)) and model._runs_decoder(2, KernelAttention(CPU))
 
 
-@pytest.mark.parametrize("bad", ["slot", "position", "seq_len"])
-def test_bad_slot_or_position_changes_nothing(bad):
+# The ids, the RoPE tables' bound and the last-token index are the whole
+# pass's alone: the layers' call takes embeddings and rows the model gathered.
+@pytest.mark.parametrize("bad, call", [(bad, call) for bad in ("slot", "position", "seq_len")
+                                       for call in ("whole", "layers")]
+                         + [("id", "whole"), ("table", "whole"), ("last", "whole")])
+def test_bad_id_slot_or_position_changes_nothing(bad, call):
+    """A bad value in any vector a call reads: InvalidArgument, no cache row
+    and no input written."""
     config = tiny_config()
     with host_manager() as manager:
         runner = Runner(manager, config, torch.float32, layer_groups=2, requests=2)
+        decoder, cache = runner.model.decoder, runner.caches[0]
+        if bad == "table":  # tables of 6 positions: the cache holds the next token's position 6, they do not
+            runner.model = LlamaModel(config, random_weights(config, seed=3), torch.float32, linear="packed",
+                                      max_positions=6)
+            decoder = runner.model.decoder
         runner.step([4, 6], seed=0)
-        for cache in range(2):
-            manager.step({vt: length + 1 for group, length in zip(runner.vts[cache], runner.lengths)
+        for c in range(len(PATHS)):
+            manager.step({vt: length + 1 for group, length in zip(runner.vts[c], runner.lengths)
                           for vt in group}).result()
         batch = ForwardBatch.build(runner.slots(0), runner.lengths, [1, 1], CPU)
+        ids = torch.tensor([5, 6])
         if bad == "slot":  # the second group's slot of the last request, past the space
-            batch.slot_index[1][1] = runner.caches[0].max_slots
+            batch.slot_index[1][1] = cache.max_slots
         elif bad == "position":
-            batch.positions[1] = runner.caches[0].max_tokens
-        else:
-            batch.seq_lens[0] = runner.caches[0].max_tokens + 1
+            batch.positions[1] = cache.max_tokens
+        elif bad == "seq_len":
+            batch.seq_lens[0] = cache.max_tokens + 1
+        elif bad == "id":
+            ids[1] = config.vocab_size
+        elif bad == "last":
+            batch.last_index[0] = 2
         before = [runner.rows(0, vts, length + 1) for vts, length in zip(runner.vts[0], runner.lengths)]
         hidden = torch.randn(2, config.hidden_size)
-        kept = hidden.clone()
-        cos, sin = runner.model._rope(batch.positions.clamp(max=63))[FULL]
+        kept, ids_kept = hidden.clone(), ids.clone()
         with pytest.raises(InvalidArgument, match="outside"):
-            runner.model.decoder.run(hidden, cos, sin, batch, runner.caches[0])
-        assert torch.equal(hidden, kept)
+            if call == "whole":
+                decoder.forward(ids, batch, cache)
+            else:
+                cos, sin = runner.model._rope(batch.positions.clamp(max=63))[FULL]
+                decoder.run(hidden, cos, sin, batch, cache)
+        assert torch.equal(hidden, kept) and torch.equal(ids, ids_kept)
         after = [runner.rows(0, vts, length + 1) for vts, length in zip(runner.vts[0], runner.lengths)]
         for rows_before, rows_after in zip(before, after):
             assert all(torch.equal(x, y) for x, y in zip(rows_before, rows_after))
@@ -275,6 +312,12 @@ def test_decoder_refuses_inputs_of_the_wrong_shape_or_dtype():
                 decoder.run(hidden, cos, sin, batch, cache)
         with pytest.raises(InvalidArgument, match="cos"):
             decoder.run(torch.zeros(3, config.hidden_size), cos[:2], sin, batch, cache)
+        for ids in (torch.zeros(3, dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int64)):
+            with pytest.raises(InvalidArgument, match="input ids"):
+                decoder.forward(ids, batch, cache)
+        with pytest.raises(InvalidArgument, match="last-token index"):
+            decoder.forward(torch.zeros(3, dtype=torch.int64), dataclasses.replace(
+                batch, last_index=batch.last_index.int()), cache)
         runner.close()
 
 

@@ -1,6 +1,7 @@
 #include "decoder_cpu.h"
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -181,7 +182,7 @@ void CheckShapes(const DecoderArgs& a) {
   if (!(a.eps >= 0.0f) || std::isinf(a.eps)) Invalid("the norms' eps must be finite and >= 0");
   if (a.groups < 1) Invalid("the cache needs at least one layer group");
   if (a.layers == 0 || a.tokens == 0) return;
-  if (a.hidden == nullptr || a.cos == nullptr || a.sin == nullptr || a.positions == nullptr ||
+  if (a.positions == nullptr ||
       a.slot_index == nullptr || a.slots == nullptr || a.seq_lens == nullptr || a.weights == nullptr ||
       a.cache == nullptr)
     Invalid("a null decoder argument");
@@ -199,21 +200,29 @@ void CheckShapes(const DecoderArgs& a) {
   }
 }
 
-}  // namespace
-
-void DecoderLayers(const DecoderArgs& a) {
-  CheckShapes(a);
-  if (a.layers == 0 || a.tokens == 0) return;
-  const std::int64_t q_width = std::int64_t{a.heads} * a.head_dim;
-  const Scratch scratch = Allocate(a, (std::int64_t{a.heads} + 2 * a.kv_heads) * a.head_dim, q_width);
+// The layers of one pass, every call built and checked before any runs.
+struct LayerPlan {
+  Scratch scratch;
   std::vector<LayerCalls> calls;
-  calls.reserve(a.layers);
+};
+
+LayerPlan Plan(const DecoderArgs& a) {
+  CheckShapes(a);
+  LayerPlan plan;
+  if (a.layers == 0 || a.tokens == 0) return plan;
+  const std::int64_t q_width = std::int64_t{a.heads} * a.head_dim;
+  plan.scratch = Allocate(a, (std::int64_t{a.heads} + 2 * a.kv_heads) * a.head_dim, q_width);
+  plan.calls.reserve(a.layers);
   for (std::int64_t l = 0; l < a.layers; ++l) {
-    calls.push_back(Calls(a, l, scratch));
-    CheckRotaryKVWrite(calls.back().rotary);
-    CheckAttention(calls.back().attention);
+    plan.calls.push_back(Calls(a, l, plan.scratch));
+    CheckRotaryKVWrite(plan.calls.back().rotary);
+    CheckAttention(plan.calls.back().attention);
   }
-  for (const LayerCalls& c : calls) {
+  return plan;
+}
+
+void Run(const LayerPlan& plan) {
+  for (const LayerCalls& c : plan.calls) {
     RmsNorm(c.input_norm);
     PackedLinear(c.qkv);
     RotaryKVWrite(c.rotary);
@@ -223,6 +232,95 @@ void DecoderLayers(const DecoderArgs& a) {
     PackedLinear(c.gate_up);
     SiluMul(c.silu_mul);
     PackedLinear(c.down);
+  }
+}
+
+void CheckEnds(const DecoderArgs& a, const DecoderEnds& e) {
+  if (a.batch > 0 && a.tokens == 0) Invalid("requests without tokens have no last token");
+  if (a.tokens == 0) return;
+  if (e.input_ids == nullptr || e.embed == nullptr || e.cos_table == nullptr || e.sin_table == nullptr ||
+      e.final_norm == nullptr || e.lm_head == nullptr || e.last_index == nullptr || e.logits == nullptr ||
+      a.positions == nullptr)
+    Invalid("a null argument of the pass's ends");
+  if (e.vocab <= 0 || e.lm_vocab <= 0 || e.table_positions <= 0)
+    Invalid("the vocabularies and the RoPE tables must not be empty");
+  for (std::int64_t t = 0; t < a.tokens; ++t) {
+    if (e.input_ids[t] < 0 || e.input_ids[t] >= e.vocab)
+      Invalid("token id " + std::to_string(e.input_ids[t]) + " is outside [0, " + std::to_string(e.vocab) + ")");
+    if (a.positions[t] < 0 || a.positions[t] >= e.table_positions)
+      Invalid("position " + std::to_string(a.positions[t]) + " is outside the RoPE tables' [0, " +
+              std::to_string(e.table_positions) + ")");
+  }
+  for (std::int64_t r = 0; r < a.batch; ++r) {
+    if (e.last_index[r] < 0 || e.last_index[r] >= a.tokens)
+      Invalid("request " + std::to_string(r) + "'s last token " + std::to_string(e.last_index[r]) +
+              " is outside [0, " + std::to_string(a.tokens) + ")");
+  }
+}
+
+// Copies rows[index[i]] of a dense [*, width] table into out's row i.
+void GatherRows(const void* rows, const std::int64_t* index, std::int64_t count, std::int64_t row_bytes,
+                void* out) {
+  for (std::int64_t i = 0; i < count; ++i)
+    std::memcpy(static_cast<char*>(out) + i * row_bytes, static_cast<const char*>(rows) + index[i] * row_bytes,
+                row_bytes);
+}
+
+}  // namespace
+
+void DecoderLayers(const DecoderArgs& a) {
+  if (a.layers > 0 && a.tokens > 0 && (a.hidden == nullptr || a.cos == nullptr || a.sin == nullptr))
+    Invalid("a null hidden state, cos or sin");
+  Run(Plan(a));
+}
+
+void DecoderForward(const DecoderArgs& args, const DecoderEnds& e) {
+  CheckShapes(args);  // what the scratch's size needs; Plan checks the rest
+  CheckEnds(args, e);
+  if (args.tokens == 0) return;
+  const std::int64_t element = ElementBytes(args.dtype), hidden_bytes = args.hidden_size * element;
+  const std::int64_t rope_bytes = std::int64_t{args.head_dim} * element;
+  // The pass's own tensors: hidden, cos and sin per token; per request its
+  // last row, that row normed and, in bfloat16, the head's output before
+  // it is widened.
+  const std::int64_t head_out = args.dtype == DType::kFloat32 ? 0 : args.batch * e.lm_vocab;
+  const std::int64_t widths[] = {args.tokens * args.hidden_size, args.tokens * args.head_dim,
+                                 args.tokens * args.head_dim, args.batch * args.hidden_size,
+                                 args.batch * args.hidden_size, head_out};
+  std::int64_t offsets[6], bytes = 0;
+  for (int i = 0; i < 6; ++i) {
+    offsets[i] = bytes;
+    bytes += (widths[i] * element + 63) / 64 * 64;
+  }
+  std::unique_ptr<float[]> storage(new float[bytes / 4 + 16]);  // std::bad_alloc before anything is written
+  char* base = reinterpret_cast<char*>(storage.get());
+  base += (64 - reinterpret_cast<std::uintptr_t>(base) % 64) % 64;
+  void* buffers[6];
+  for (int i = 0; i < 6; ++i) buffers[i] = base + offsets[i];
+  void *hidden = buffers[0], *cos = buffers[1], *sin = buffers[2], *last = buffers[3], *normed = buffers[4];
+
+  DecoderArgs a = args;
+  a.hidden = hidden;
+  a.cos = cos;
+  a.sin = sin;
+  const LayerPlan plan = Plan(a);
+  RmsNormArgs norm = Norm(a, last, e.final_norm, normed);
+  norm.rows = a.batch;
+  LinearArgs head = Projection(a, normed, a.hidden_size, e.lm_head, nullptr, nullptr,
+                               head_out ? buffers[5] : static_cast<void*>(e.logits), e.lm_vocab);
+  head.m = a.batch;
+
+  GatherRows(e.embed, e.input_ids, a.tokens, hidden_bytes, hidden);
+  GatherRows(e.cos_table, a.positions, a.tokens, rope_bytes, cos);
+  GatherRows(e.sin_table, a.positions, a.tokens, rope_bytes, sin);
+  Run(plan);
+  if (a.batch == 0) return;
+  GatherRows(hidden, e.last_index, a.batch, hidden_bytes, last);
+  RmsNorm(norm);
+  PackedLinear(head);
+  if (head_out) {
+    const auto* narrow = static_cast<const std::uint16_t*>(buffers[5]);
+    for (std::int64_t i = 0; i < head_out; ++i) e.logits[i] = Widen(narrow[i]);
   }
 }
 

@@ -89,4 +89,34 @@ struct DecoderArgs {
 // Runs every layer over args.hidden in place.
 void DecoderLayers(const DecoderArgs& args);
 
+// What a whole forward pass adds around the layers: the embedding in, RoPE's
+// rows from tables, the final norm and the LM head out. Why: at one token a
+// 1-layer model's pass cost ~60 us, of which the layers' call was ~15; the
+// rest was Python around five small torch calls (embedding, two gathers, the
+// norm, the head) and the checks of their arguments.
+struct DecoderEnds {
+  const std::int64_t* input_ids = nullptr;  // [tokens], each in [0, vocab)
+  const void* embed = nullptr;  // [vocab, hidden_size], dense
+  std::int64_t vocab = 0;
+  // [table_positions, head_dim] each, dense: cos and sin (its first half
+  // negated) of every position, as RotaryKVWrite takes their rows.
+  const void* cos_table = nullptr;
+  const void* sin_table = nullptr;
+  std::int64_t table_positions = 0;
+  const void* final_norm = nullptr;  // [hidden_size]
+  const void* lm_head = nullptr;  // packed by PackLinearWeight from [lm_vocab, hidden_size]
+  std::int64_t lm_vocab = 0;
+  const std::int64_t* last_index = nullptr;  // [batch]: the row of each request's last token, in [0, tokens)
+  float* logits = nullptr;  // [batch, lm_vocab], dense: the output
+};
+
+// A whole forward pass, ids in, logits out: hidden = embed[input_ids]; the
+// layers as DecoderLayers runs them, with cos and sin the tables' rows at the
+// positions; logits = lm_head(rms_norm(hidden[last_index], final_norm)),
+// rounded to the dtype, then widened to float32. args.hidden, args.cos and
+// args.sin are ignored: the call makes them in its scratch. Checked as
+// DecoderLayers is, and every id, position (against the tables) and last
+// index too, before anything is written; the logits are written last.
+void DecoderForward(const DecoderArgs& args, const DecoderEnds& ends);
+
 }  // namespace flexinfer

@@ -30,6 +30,128 @@ DType ToDType(int code) {
   return static_cast<DType>(code);
 }
 
+// A model's decoder as a pass calls it (decoder_cpu.h): what belongs to the
+// model (shapes, the layers' weight addresses, the pass's ends) is
+// converted once, at construction, so that a call converts only its own
+// arguments. The Python side (src/flexinfer/kernels/cpu_decoder.py) keeps the
+// tensors behind every address alive and checks what it passes.
+class Decoder {
+ public:
+  // weight_table: an int64 array [layers][7] of weight addresses in
+  // DecoderLayerWeights' order.
+  Decoder(std::int64_t layers, std::int64_t hidden_size, std::int64_t intermediate_size, int heads, int kv_heads,
+          int head_dim, float eps, float scale, int dtype, std::uintptr_t weight_table, std::uintptr_t embed,
+          std::int64_t vocab, std::uintptr_t cos_table, std::uintptr_t sin_table, std::int64_t table_positions,
+          std::uintptr_t final_norm, std::uintptr_t lm_head, std::int64_t lm_vocab) {
+    if (layers < 0) throw std::invalid_argument("negative layer count");
+    const auto* w = static_cast<const std::int64_t*>(Ptr(weight_table));
+    weights_.resize(layers);
+    for (std::int64_t l = 0; l < layers; ++l) {
+      const std::int64_t* row = w + 7 * l;
+      weights_[l] = {Ptr(row[0]), Ptr(row[1]), Ptr(row[2]), Ptr(row[3]), Ptr(row[4]), Ptr(row[5]), Ptr(row[6])};
+    }
+    args_.layers = layers;
+    args_.hidden_size = hidden_size;
+    args_.intermediate_size = intermediate_size;
+    args_.heads = heads;
+    args_.kv_heads = kv_heads;
+    args_.head_dim = head_dim;
+    args_.eps = eps;
+    args_.scale = scale;
+    args_.dtype = ToDType(dtype);
+    args_.weights = weights_.data();
+    ends_.embed = Ptr(embed);
+    ends_.vocab = vocab;
+    ends_.cos_table = Ptr(cos_table);
+    ends_.sin_table = Ptr(sin_table);
+    ends_.table_positions = table_positions;
+    ends_.final_norm = Ptr(final_norm);
+    ends_.lm_head = Ptr(lm_head);
+    ends_.lm_vocab = lm_vocab;
+  }
+
+  // Every layer over hidden [tokens, hidden_size] in place (DecoderLayers).
+  void Layers(std::uintptr_t cache_table, std::int64_t groups, std::int64_t max_slots, std::int64_t max_tokens,
+              std::int64_t tokens, std::int64_t batch, std::uintptr_t hidden, std::uintptr_t cos, std::uintptr_t sin,
+              std::uintptr_t positions, const std::vector<std::uintptr_t>& slot_index,
+              const std::vector<std::uintptr_t>& slots, std::uintptr_t seq_lens, std::uintptr_t cu_q, int threads) {
+    Pass pass(*this, cache_table, groups, max_slots, max_tokens, tokens, batch, positions, slot_index, slots,
+              seq_lens, cu_q, threads);
+    pass.args.hidden = reinterpret_cast<void*>(hidden);
+    pass.args.cos = Ptr(cos);
+    pass.args.sin = Ptr(sin);
+    py::gil_scoped_release release;
+    DecoderLayers(pass.args);
+  }
+
+  // The whole pass, input ids in, float32 logits [batch, lm_vocab] of each
+  // request's last token out (DecoderForward).
+  void Forward(std::uintptr_t cache_table, std::int64_t groups, std::int64_t max_slots, std::int64_t max_tokens,
+               std::int64_t tokens, std::int64_t batch, std::uintptr_t input_ids, std::uintptr_t positions,
+               const std::vector<std::uintptr_t>& slot_index, const std::vector<std::uintptr_t>& slots,
+               std::uintptr_t seq_lens, std::uintptr_t cu_q, std::uintptr_t last_index, std::uintptr_t logits,
+               int threads) {
+    Pass pass(*this, cache_table, groups, max_slots, max_tokens, tokens, batch, positions, slot_index, slots,
+              seq_lens, cu_q, threads);
+    DecoderEnds ends = ends_;
+    ends.input_ids = static_cast<const std::int64_t*>(Ptr(input_ids));
+    ends.last_index = static_cast<const std::int64_t*>(Ptr(last_index));
+    ends.logits = reinterpret_cast<float*>(logits);
+    py::gil_scoped_release release;
+    DecoderForward(pass.args, ends);
+  }
+
+ private:
+  // One call's arguments: the model's, with the cache's and the pass's added.
+  struct Pass {
+    Pass(const Decoder& d, std::uintptr_t cache_table, std::int64_t groups, std::int64_t max_slots,
+         std::int64_t max_tokens, std::int64_t tokens, std::int64_t batch, std::uintptr_t positions,
+         const std::vector<std::uintptr_t>& slot_index, const std::vector<std::uintptr_t>& slots,
+         std::uintptr_t seq_lens, std::uintptr_t cu_q, int threads)
+        : args(d.args_) {
+      // cache_table: an int64 array [layers][6] of cache views (address, four
+      // strides, group: DecoderLayerCache's order); the per-group vectors'
+      // addresses come as lists.
+      if (groups < 1) throw std::invalid_argument("no layer group");
+      if (slot_index.size() != static_cast<std::size_t>(groups) || slots.size() != static_cast<std::size_t>(groups))
+        throw std::invalid_argument("one slot index and one slot vector per layer group");
+      const auto* cache = static_cast<const std::int64_t*>(Ptr(cache_table));
+      views.resize(args.layers);
+      for (std::int64_t l = 0; l < args.layers; ++l) {
+        const std::int64_t* c = cache + 6 * l;
+        views[l] = {reinterpret_cast<void*>(c[0]), c[1], c[2], c[3], c[4], c[5]};
+      }
+      for (std::int64_t g = 0; g < groups; ++g) {
+        group_slot_index.push_back(static_cast<const std::int64_t*>(Ptr(slot_index[g])));
+        group_slots.push_back(static_cast<const std::int32_t*>(Ptr(slots[g])));
+      }
+      args.cache = views.data();
+      args.groups = groups;
+      args.max_slots = max_slots;
+      args.max_tokens = max_tokens;
+      args.tokens = tokens;
+      args.batch = batch;
+      args.positions = static_cast<const std::int64_t*>(Ptr(positions));
+      args.slot_index = group_slot_index.data();
+      args.slots = group_slots.data();
+      args.seq_lens = static_cast<const std::int32_t*>(Ptr(seq_lens));
+      args.cu_q = static_cast<const std::int32_t*>(Ptr(cu_q));
+      args.threads = threads;
+    }
+    Pass(const Pass&) = delete;
+    Pass& operator=(const Pass&) = delete;
+
+    DecoderArgs args;
+    std::vector<DecoderLayerCache> views;
+    std::vector<const std::int64_t*> group_slot_index;
+    std::vector<const std::int32_t*> group_slots;
+  };
+
+  std::vector<DecoderLayerWeights> weights_;
+  DecoderArgs args_;  // the model's part; the rest is each call's
+  DecoderEnds ends_;  // the model's part: tables, norm and head
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -189,67 +311,12 @@ PYBIND11_MODULE(_kernels, m) {
         RotaryKVWrite(a);
       },
       "Rotates q and k of qkv in place and writes k and v into a layer's cache view (see layer_ops_cpu.h).");
-  m.def(
-      "decoder_layers",
-      [](std::int64_t layers, std::int64_t hidden_size, std::int64_t intermediate_size, int heads, int kv_heads,
-         int head_dim, float eps, float scale, int dtype, std::uintptr_t weight_table, std::uintptr_t cache_table,
-         std::int64_t groups, std::int64_t max_slots, std::int64_t max_tokens,
-         std::int64_t tokens, std::int64_t batch, std::uintptr_t hidden, std::uintptr_t cos, std::uintptr_t sin,
-         std::uintptr_t positions, const std::vector<std::uintptr_t>& slot_index,
-         const std::vector<std::uintptr_t>& slots, std::uintptr_t seq_lens, std::uintptr_t cu_q, int threads) {
-        // The tables are int64 arrays: [layers][7] weight addresses (in
-        // DecoderLayerWeights' order) and [layers][6] cache views (address,
-        // four strides, group: DecoderLayerCache's order); the per-group
-        // vectors' addresses come as lists (a step's, built per call).
-        if (layers < 0 || groups < 1) throw std::invalid_argument("negative layer count or no layer group");
-        if (slot_index.size() != static_cast<std::size_t>(groups) || slots.size() != static_cast<std::size_t>(groups))
-          throw std::invalid_argument("one slot index and one slot vector per layer group");
-        const auto* w = static_cast<const std::int64_t*>(Ptr(weight_table));
-        const auto* cache = static_cast<const std::int64_t*>(Ptr(cache_table));
-        std::vector<DecoderLayerWeights> weights(layers);
-        std::vector<DecoderLayerCache> views(layers);
-        for (std::int64_t l = 0; l < layers; ++l) {
-          const std::int64_t* row = w + 7 * l;
-          weights[l] = {Ptr(row[0]), Ptr(row[1]), Ptr(row[2]), Ptr(row[3]), Ptr(row[4]), Ptr(row[5]), Ptr(row[6])};
-          const std::int64_t* c = cache + 6 * l;
-          views[l] = {reinterpret_cast<void*>(c[0]), c[1], c[2], c[3], c[4], c[5]};
-        }
-        std::vector<const std::int64_t*> group_slot_index(groups);
-        std::vector<const std::int32_t*> group_slots(groups);
-        for (std::int64_t g = 0; g < groups; ++g) {
-          group_slot_index[g] = static_cast<const std::int64_t*>(Ptr(slot_index[g]));
-          group_slots[g] = static_cast<const std::int32_t*>(Ptr(slots[g]));
-        }
-        DecoderArgs a;
-        a.layers = layers;
-        a.hidden_size = hidden_size;
-        a.intermediate_size = intermediate_size;
-        a.heads = heads;
-        a.kv_heads = kv_heads;
-        a.head_dim = head_dim;
-        a.eps = eps;
-        a.scale = scale;
-        a.dtype = ToDType(dtype);
-        a.weights = weights.data();
-        a.cache = views.data();
-        a.groups = groups;
-        a.max_slots = max_slots;
-        a.max_tokens = max_tokens;
-        a.tokens = tokens;
-        a.batch = batch;
-        a.hidden = reinterpret_cast<void*>(hidden);
-        a.cos = Ptr(cos);
-        a.sin = Ptr(sin);
-        a.positions = static_cast<const std::int64_t*>(Ptr(positions));
-        a.slot_index = group_slot_index.data();
-        a.slots = group_slots.data();
-        a.seq_lens = static_cast<const std::int32_t*>(Ptr(seq_lens));
-        a.cu_q = static_cast<const std::int32_t*>(Ptr(cu_q));
-        a.threads = threads;
-        py::gil_scoped_release release;
-        DecoderLayers(a);
-      },
-      "Every decoder layer of a forward pass in one call (see decoder_cpu.h).");
+  py::class_<Decoder>(m, "Decoder", "A Llama's decoder in one call per pass (see decoder_cpu.h).")
+      .def(py::init<std::int64_t, std::int64_t, std::int64_t, int, int, int, float, float, int, std::uintptr_t,
+                    std::uintptr_t, std::int64_t, std::uintptr_t, std::uintptr_t, std::int64_t, std::uintptr_t,
+                    std::uintptr_t, std::int64_t>())
+      .def("layers", &Decoder::Layers, "Every decoder layer of a pass over hidden in place.")
+      .def("forward", &Decoder::Forward, "A whole pass: input ids in, each request's float32 logits out.");
   m.def(
       "kernel_arch",
       [] {

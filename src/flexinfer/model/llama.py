@@ -17,7 +17,9 @@ GPU step is bound by its number of kernels. Elsewhere they are torch ops. On
 the CPU, when a pass's projections run the `packed` kernel and attention is
 the batched kernel, all its layers run as one C++ call
 (kernels/cpu_decoder.py) that makes the loop's kernel calls in the loop's
-order: the same bits without ~9 Python calls per layer.
+order: the same bits without ~9 Python calls per layer. Where the LM head
+runs `packed` too (decode steps), that call runs the whole pass, ids in,
+logits out.
 
 The families differ from Llama only in what ModelConfig says, and each
 difference is one branch in the loop, rounded as transformers rounds it: q/k
@@ -366,9 +368,16 @@ class LlamaModel:
         self._rotate_(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])
         kv_cache.write(layer, batch, qkv[:, heads:].view(qkv.shape[0], 2, kv_heads, qkv.shape[2]))
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache, attention) -> torch.Tensor:
         """Logits [B, vocab] for the last new token of each sequence (float32)."""
+        if self._runs_whole_pass(input_ids, batch, attention):
+            # One C++ call makes no tensor but its output: no inference mode
+            # to enter (~2 µs of a one-token pass's ~20).
+            return self.decoder.forward(input_ids, batch, kv_cache)
+        return self._forward(input_ids, batch, kv_cache, attention)
+
+    @torch.inference_mode()
+    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache, attention) -> torch.Tensor:
         c = self.config
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
@@ -414,6 +423,14 @@ class LlamaModel:
         decoder calls both itself)."""
         return (self.decoder is not None and attention.name == "kernel"
                 and self.layers[0]["qkv"].kind_for(tokens) == "packed")
+
+    def _runs_whole_pass(self, input_ids: torch.Tensor, batch: ForwardBatch, attention) -> bool:
+        """Whether this pass runs whole as one C++ call, ids in, logits out:
+        its layers do (_runs_decoder) and so does the LM head at the batch's
+        row count."""
+        return (self.decoder is not None and self.decoder.runs_whole_pass and input_ids.dtype is torch.int64
+                and self._runs_decoder(input_ids.shape[0], attention)
+                and self.lm_head.kind_for(batch.last_index.shape[0]) == "packed")
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None = None) -> torch.Tensor:
         """`delta`: the last layer's output, not yet added to `hidden` (norm_adds_residual)."""
