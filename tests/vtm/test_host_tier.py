@@ -689,6 +689,44 @@ def test_an_account_at_its_limit_drops_its_own_prefixes_and_not_another_accounts
     assert_pool_consistent(mgr)
 
 
+@WINDOWS
+def test_matches_that_split_anothers_prefix_on_the_host_cost_its_account_nothing(backend, make_manager, window):
+    """Tenant A only reads tenant B's prefix: matches of shorter and shorter
+    prefixes of it, each ending inside a page, each restored then spilled
+    again. Each match splits B's node on the host, the halves sharing the
+    block of the page between them, and restores the upper half; its spill
+    used to take a block of its own for that page, charged to B, so that at
+    B's limit (its prefix's pages and one spare) the second read dropped B's
+    own tail. The half now shares its child's block again. (In a window
+    space the reads stay above the holes, below row 20.)"""
+    chunk = chunk_for(backend)
+    row = chunk // 20 + 7  # ~20 rows a page
+    tokens = [7000 + i for i in range(80)]
+    pages = -(-len(tokens) * row // chunk)
+    # Room for the whole path once the reads have cut it in six nodes, each
+    # restoring its own version of the page it starts in.
+    mgr = make_manager(backend, chunks=2 * CHUNKS, host_tier_bytes=4 * pages * chunk)
+    a, b = (mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns", name=name,
+                             window_tokens=window, tier_account=account) for name, account in (("a", 1), ("b", 2)))
+    mgr.set_host_tier_limit(2, (pages + 1) * chunk)
+    io_b = RowIO(b, backend)
+    record_any(b, io_b, tokens)
+    fill_pool(a)
+    for end in (75, 70, 65, 55, 52):  # each inside a page
+        m = match(a, tokens[:end])
+        assert m.num_tokens == end and m.restored_tokens > 0
+        m.vtensor.release().result()
+        fill_pool(a)
+        st = assert_pool_consistent(mgr)
+        assert st["host_tier_accounts"][2]["used_bytes"] <= pages * chunk, (end, st)
+        assert st["host_tier_limit_drops_total"] == 0, (end, st)
+    m = match(b, tokens)
+    assert m.num_tokens == len(tokens)
+    io_b.verify(m.vtensor, tokens)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
 def test_a_node_its_account_has_no_room_for_is_charged_to_the_accounts_below_it(backend, make_manager):
     """Account 2 recorded two stems and is limited to one; account 1 extended
     both stems. Evicting the second stem would drop account 1's prefix below

@@ -12,7 +12,8 @@
 //
 // Invariants:
 //  * refs(block) == the host_pages entries of tree nodes that hold it (a
-//    split node's halves share the block of the page that straddles them);
+//    node and its child on the host may share the block of the page that
+//    straddles them: Manager::SharedEndBlock);
 //  * blocks with refs 0 are exactly the free list; allocated() <= capacity();
 //  * used_by(a) == the held blocks charged to a.
 //

@@ -373,6 +373,16 @@ class Manager {
   // tier is full of locked nodes, or a copy fails), evicts the node's subtree
   // as a tree without a tier would. Returns the chunks freed.
   std::size_t SpillNode(PrefixTree& tree, PrefixNode* node);
+  // A block charged to `account` that holds, for a child of `node` on the
+  // host, the page straddling node's end (the child's first), or kNoBlock.
+  // A spill of `node` shares it instead of taking a block of its own: the
+  // child's version of that page holds the right bytes for the whole path up
+  // to the child's end, node's range included (prefix_tree.h). Why: a match
+  // that ends inside another's prefix on the host splits it there, the
+  // halves sharing the block, and restores the upper half; spilled again
+  // with a block of its own for that page, the half cost the prefix's
+  // account a block per such match, and at its limit one of its prefixes.
+  BlockId SharedEndBlock(const PrefixTree& tree, const PrefixNode* node, std::uint32_t account) const;
   // Drops the bytes of nodes on the host (charged to `account`, when
   // given; PrefixTree::HostDroppable: unlocked leaves, and a window tree's
   // nodes above nodes on the device), least recently used first, until

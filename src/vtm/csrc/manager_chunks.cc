@@ -304,11 +304,17 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   // on the host hang below it (they are matchable only through it), most
   // recently used first, if that one has room as it is: evicting the node
   // would drop those nodes anyway, and no other account loses a leaf for it.
+  // The blocks it takes charged to `payer`: one fewer where a child on the
+  // host lends the page straddling the node's end (SharedEndBlock), which
+  // the drops below may take away.
+  const auto need = [&](std::uint32_t payer) {
+    return pages - (SharedEndBlock(tree, node, payer) != kNoBlock ? 1 : 0);
+  };
   std::optional<std::uint32_t> account;
   const std::uint32_t own = node->tier_account;
   const std::optional<std::size_t> own_limit = HostTierLimit(own);
-  if (!own_limit || (pages <= *own_limit && DropHostNodes(own, [&] {
-                       return tier_->used_by(own) + pages <= *own_limit;
+  if (!own_limit || (need(own) <= *own_limit && DropHostNodes(own, [&] {
+                       return tier_->used_by(own) + need(own) <= *own_limit;
                      }))) {
     account = own;
   } else {
@@ -316,10 +322,17 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   }
   // Then the tier.
   const bool room =
-      account && DropHostNodes(std::nullopt, [&] { return tier_->used() + pages <= tier_->capacity(); });
+      account && DropHostNodes(std::nullopt, [&] { return tier_->used() + need(*account) <= tier_->capacity(); });
+  const BlockId lent = account ? SharedEndBlock(tree, node, *account) : kNoBlock;
+  std::size_t copied = 0;
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
+      if (lent != kNoBlock && i + 1 == node->pages.size()) {
+        tier_->Ref(lent);
+        blocks[i] = lent;
+        continue;
+      }
       if (!room || !tier_->Take(*account, &blocks[i])) {
         // Every block (of the tier, or of the account's share) is held by a locked node.
         give_back();
@@ -329,6 +342,7 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
       // After the kernels that wrote the page: a record shared it without a
       // copy only after ordering the backend's copies after its stream.
       backend_->copy_to_host(tier_->data(blocks[i]), pool_->handle(node->pages[i]), chunk_bytes_, nullptr);
+      ++copied;
     }
   } catch (const Error&) {
     // No host memory, or a failed copy: the node goes as it would without a tier.
@@ -337,9 +351,21 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
     return tree.EvictSubtree(node);
   }
   ++spills_total_;
-  spilled_pages_total_ += pages;
+  spilled_pages_total_ += copied;
   tree.SetTierAccount(node, *account);  // whoever pays for it keeps it from now on
   return tree.Spill(node, blocks);
+}
+
+BlockId Manager::SharedEndBlock(const PrefixTree& tree, const PrefixNode* node, std::uint32_t account) const {
+  if (node->pages.empty() || node->pages.back() == kNoChunk) return kNoBlock;
+  // Its children start on a page of their own where its end is a page boundary.
+  if (tree.FirstPage(node->end()) != tree.PageEnd(node->end()) - 1) return kNoBlock;
+  for (const auto& [token, child] : node->children) {
+    if (child->on_host && !child->host_pages.empty() && child->host_pages.front() != kNoBlock &&
+        tier_->account(child->host_pages.front()) == account)
+      return child->host_pages.front();
+  }
+  return kNoBlock;
 }
 
 std::vector<std::uint32_t> Manager::AccountsBelow(const PrefixNode* node) const {
@@ -415,7 +441,7 @@ bool Manager::FitTierAccount(std::uint32_t account, std::size_t blocks) {
   });
   for (auto [tree, node] = walk.Next(); node != nullptr; std::tie(tree, node) = walk.Next()) {
     std::size_t held = 0;
-    bool shared = false;  // a split node's halves share a block, charged to both
+    bool shared = false;  // a block shared with a node it meets inside a page, charged to both
     for (BlockId b : node->host_pages) {
       held += b != kNoBlock ? 1 : 0;
       shared = shared || (b != kNoBlock && tier_->refs(b) > 1);
