@@ -6,7 +6,8 @@ KiB, MiB, GiB or TiB, in any case, a space allowed before it (`512MiB`,
 `8 GiB`, `0.5GiB`), whose value is a whole number of bytes. Refused, with a
 message saying what is accepted: decimal or one-letter suffixes (`1.5GB`,
 `512M`: is a GB 10^9 or 2^30 bytes? memory comes in binary units, so we ask
-for them), negative numbers, fractions of a byte.
+for them), negative numbers, fractions of a byte, and sizes of 2^63 bytes
+or more (no machine has them, and they overflow the broker's 64-bit fields).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fractions import Fraction
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 ACCEPTED = "a byte count (4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB)"
+MAX_SIZE = (1 << 63) - 1
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
 
 
@@ -31,5 +33,7 @@ def parse_size(text: str) -> int:
     value = Fraction(found.group(1)) * unit
     if value.denominator != 1:
         raise ValueError(f"{text!r} is not a whole number of bytes ({float(value):g}); expected {ACCEPTED}")
+    if value > MAX_SIZE:
+        raise ValueError(f"{text!r} is more than the largest size, {MAX_SIZE} bytes (2^63 - 1); expected {ACCEPTED}")
     return int(value)
 

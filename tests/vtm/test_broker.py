@@ -101,6 +101,16 @@ def test_errors_map_to_the_in_process_exceptions(broker, fast_path):
             space.prefix_record(vt, list(range(11))).result()
         with pytest.raises(vtm.InvalidArgument):
             space.prefix_match([2**40]).result()
+        # Ids that are not integers are a TypeError, as in process: the
+        # client used to truncate 1.5, parse "12" and raise ValueError on "x".
+        for bad in ([1.5, 2.5], ["12"], "abc"):
+            with pytest.raises(TypeError):
+                space.prefix_match(bad)
+            with pytest.raises(TypeError):
+                space.prefix_restore_bytes(bad)
+            with pytest.raises(TypeError):
+                space.prefix_record(vt, bad)
+        assert space.prefix_nodes() == []
         vt.release().result()
         with pytest.raises(vtm.FailedPrecondition):
             vt.release().result()

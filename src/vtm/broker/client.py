@@ -57,6 +57,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import operator
 import os
 import queue
 import threading
@@ -93,6 +94,16 @@ def _count(n, what: str) -> int:
 
 def _ask(value, what: str):
     return None if value is None else _count(value, what)
+
+
+
+def _token_ids(token_ids) -> list[int]:
+    """The ids as Python ints. Anything but a sequence of integers is a
+    TypeError, as the in-process manager raises: int() would truncate 1.5 and
+    parse "12"."""
+    if isinstance(token_ids, (str, bytes)):
+        raise TypeError(f"token ids must be a sequence of integers, got {type(token_ids).__name__}")
+    return [operator.index(t) for t in token_ids]
 
 
 class RemoteManager:
@@ -699,7 +710,7 @@ class RemoteManager:
     def _prefix_record(self, space: RemoteSpace, vt, token_ids, stream=None, release=False) -> RemoteFuture:
         vt = self._own(vt, "prefix_record")
         request = _message(vtm_pb2.PrefixRecordRequest, "prefix_record", space_id=space.id, vtensor_id=vt.id,
-                           token_ids=[int(t) for t in token_ids], release=bool(release))
+                           token_ids=_token_ids(token_ids), release=bool(release))
         # The broker copies the recorded bytes in its own process, where no
         # stream of ours orders anything: the bytes are made final (the work
         # queued on `stream` now has finished; None on the host) before the
@@ -753,7 +764,7 @@ class RemoteManager:
         # `stream` orders nothing here: a match copies only pages of the
         # tree, and every client waited for its bytes before recording them.
         request = _message(vtm_pb2.PrefixMatchRequest, "prefix_match", space_id=space.id,
-                           token_ids=[int(t) for t in token_ids])
+                           token_ids=_token_ids(token_ids))
 
         def run():
             reply = self._or_without_pages_ahead(lambda _: self._rpc("prefix_match", self._stub.PrefixMatch, request))
@@ -771,7 +782,7 @@ class RemoteManager:
 
     def _prefix_restore_bytes(self, space: RemoteSpace, token_ids) -> RemoteFuture:
         request = _message(vtm_pb2.PrefixMatchRequest, "prefix_restore_bytes", space_id=space.id,
-                           token_ids=[int(t) for t in token_ids])
+                           token_ids=_token_ids(token_ids))
         return self._submit(lambda: self._rpc("prefix_restore_bytes", self._stub.PrefixRestoreBytes, request).value)
 
     def _prefix_nodes(self, space: RemoteSpace) -> RemoteFuture:
