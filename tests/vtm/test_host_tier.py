@@ -1110,6 +1110,20 @@ def test_through_vtmd_a_client_names_host_tier_limit_keeps_its_spills_off_anothe
             assert ctl.main(["--address", b.address, "stats"]) == 0
             assert "tier MiB" in capsys.readouterr().out
             assert {c["name"]: c for c in ma.stats()["clients"]}["a"]["host_tier_limit_bytes"] == 0
+            # b leaves; a space of a's keeps b's namespace, so b's prefix
+            # stays, spills, and is shown under b's name (the rows used not
+            # to add up to the tier's use).
+            keeper = ma.create_space(row_bytes=row, max_tokens=4096, max_slots=1, namespace="ns-b")
+            mb.close()
+            fill_pool(sa)
+            stats = ma.stats()
+            assert stats["tier_names_offline"] == [{"name": "b", "host_tier_bytes": pages * chunk,
+                                                    "host_tier_limit_bytes": 0}], stats
+            assert stats["host_tier_used_bytes"] == sum(c["host_tier_bytes"] for c in stats["clients"]
+                                                        + stats["tier_names_offline"])
+            assert ctl.main(["--address", b.address, "stats"]) == 0
+            assert any(line.split()[:3] == ["b", "-", "offline"] for line in capsys.readouterr().out.splitlines())
+            keeper.close()
             ma.check()
     finally:
         b.kill()

@@ -62,6 +62,10 @@ def _clients_table(stats: dict) -> list[str]:
                     f"{_mib(c['owes_bytes']):>9} {c['spaces']:>6} {c['vtensors']:>5}"
                     + (f" {_mib(c['host_tier_bytes']):>9} "
                        f"{_mib(c['host_tier_limit_bytes']) if c['host_tier_limit_bytes'] else '-':>9}" if tier else ""))
+    for n in stats.get("tier_names_offline", []):  # prefixes in the tier, no session: only the tier's columns
+        rows.append(f"{n['name'][:20]:<20} {'-':>8} {'offline':>11} {'-':>5} {'-':>11} {'-':>9} {'-':>10} {'-':>9} "
+                    f"{'-':>6} {'-':>5} {_mib(n['host_tier_bytes']):>9} "
+                    f"{_mib(n['host_tier_limit_bytes']) if n['host_tier_limit_bytes'] else '-':>9}")
     return rows
 
 

@@ -249,6 +249,17 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                                              max(0, s.mapped_bytes(chunk_bytes) - s.owed_target))}
                 for s in sessions]
 
+    def _tier_names_offline(self, tier: dict, clients: list[dict]) -> list[dict]:
+        """The names with prefixes in the host tier and no session: a prefix
+        outlives its session, and without these rows the tier's use would
+        not add up to the clients'."""
+        online = {c["name"] for c in clients}
+        with self._mu:
+            return [{"name": name, "host_tier_bytes": tier[account]["used_bytes"],
+                     "host_tier_limit_bytes": self.quotas.offered(name).host_tier_limit_bytes}
+                    for name, account in sorted(self._tier_accounts.items())
+                    if name not in online and tier.get(account, {}).get("used_bytes")]
+
     # -- plumbing ------------------------------------------------------------
 
     def _run(self, context, body, session_required=True):
@@ -832,7 +843,9 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def Stats(self, request, context):
         def body(_):
             stats = self.manager.stats()
-            stats["clients"] = self.clients(stats.pop("host_tier_accounts"))
+            tier = stats.pop("host_tier_accounts")
+            stats["clients"] = self.clients(tier)
+            stats["tier_names_offline"] = self._tier_names_offline(tier, stats["clients"])
             with self._mu:
                 stats["tier_accounts"] = len(self._tier_accounts)
             return vtm_pb2.StatsReply(json=json.dumps(stats))
