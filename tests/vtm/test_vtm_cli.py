@@ -60,6 +60,9 @@ def test_vtmd_takes_human_sizes(tmp_path, capsys):
         assert stats["capacity_bytes"] == 4 * MiB and stats["chunk_bytes"] == 64 * KiB
         assert ctl.main(["--address", b.address, "set-quota", "app", "1MiB", "--guaranteed", "0.5MiB"]) == 0
         assert capsys.readouterr().out.startswith(f"app: limit {MiB} bytes, guaranteed {MiB // 2} bytes")
+        # No session is named "": a quota for it was stored and never applied.
+        assert ctl.main(["--address", b.address, "set-quota", "", "1MiB"]) == 2
+        assert "give the name" in capsys.readouterr().err
         assert ctl.main(["--address", b.address, "trim", "--bytes", "128KiB"]) == 0
     finally:
         b.kill()

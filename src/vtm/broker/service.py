@@ -866,6 +866,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if fields.get("host_tier_limit_bytes") and not self._has_tier:
                 raise vtm.InvalidArgument("set-quota: this vtmd has no host tier (--host-tier-bytes) to limit")
             name = request.name
+            if not name:  # a client that gives no name is named client<id>: no session could have ""
+                raise vtm.InvalidArgument("set-quota: give the name of the clients to set it for")
             capacity = self.manager.capacity_bytes
             with self._mu:
                 quota = self.quotas.with_entry(name, **fields)
