@@ -9,6 +9,7 @@ backend, whose unmapped pages fault on an over-read."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -236,6 +237,52 @@ def test_decoder_follows_the_cache_it_is_given_and_refuses_a_closed_or_foreign_o
         other.close()
         runner.close()
         manager.check()
+
+
+def one_token_pass(manager, config, decoder) -> torch.Tensor:
+    """The whole pass of one token at position 0 through `decoder`, on a cache of its own."""
+    cache = KVCache(manager, config, torch.float32, max_tokens=64, max_slots=2)
+    group = cache.create(0)
+    manager.step({vt: 1 for vt in group}).result()
+    try:
+        return decoder.forward(torch.tensor([5]), ForwardBatch.build([tuple(vt.slot for vt in group)], [0], [1], CPU),
+                               cache)
+    finally:
+        cache.release(group)
+        cache.close()
+
+
+def test_the_whole_pass_returns_float32_logits_whatever_the_default_dtype():
+    """The logits' buffer took torch's default dtype, while the call writes
+    float32: under torch.set_default_dtype(torch.bfloat16) it wrote past the
+    buffer's end (the process aborted)."""
+    config = tiny_config(layers=1)
+    with host_manager() as manager:
+        model = LlamaModel(config, random_weights(config, seed=3), torch.float32, linear="packed", max_positions=64)
+        want = one_token_pass(manager, config, model.decoder)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            got = one_token_pass(manager, config, model.decoder)
+        finally:
+            torch.set_default_dtype(default)
+        assert got.dtype is torch.float32 and torch.equal(raw(got), raw(want))
+
+
+def test_the_decoder_keeps_the_tensors_it_reads_alive():
+    """The C++ side keeps the addresses of the model's embeddings, RoPE
+    tables, norms and packed weights: a decoder that outlived its model read
+    freed memory (NaN logits)."""
+    config = tiny_config(layers=1)
+    with host_manager() as manager:
+        model = LlamaModel(config, random_weights(config, seed=3), torch.float32, linear="packed", max_positions=64)
+        decoder = model.decoder
+        want = one_token_pass(manager, config, decoder)
+        del model
+        gc.collect()
+        junk = [torch.full((96, 48), 1e30) for _ in range(50)]  # takes the freed memory, if any
+        assert torch.equal(raw(one_token_pass(manager, config, decoder)), raw(want))
+        del junk
 
 
 def test_model_runs_the_decoder_only_with_packed_projections_and_the_kernel_attention():

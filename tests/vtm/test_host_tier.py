@@ -727,6 +727,37 @@ def test_matches_that_split_anothers_prefix_on_the_host_cost_its_account_nothing
     assert_pool_consistent(mgr)
 
 
+def test_a_lowered_limit_still_moves_a_node_whose_child_could_lend_it_a_block(backend, make_manager):
+    """Account 1 records two turns (a stem, then the stem and more: a node
+    and its child, both 1's), account 2 extends the second; all spill. The
+    stem must not share its child's block of the page between them: the
+    child has 2's prefix below it, and a lowered limit of 1's moves such a
+    node to 2, which it cannot with a shared block. It dropped it, and 2's
+    prefix with it, when the first version of the sharing allowed it."""
+    chunk = chunk_for(backend)
+    row = chunk // 20 + 7
+    mgr = make_manager(backend, chunks=2 * CHUNKS, host_tier_bytes=4 * CHUNKS * chunk)
+    one, two = (mgr.create_space(row_bytes=row, max_tokens=200, max_slots=8, namespace="ns", name=f"s{a}",
+                                 tier_account=a) for a in (1, 2))
+    io_one, io_two = RowIO(one, backend), RowIO(two, backend)
+    stem = [(13 * i + 4) % 97 for i in range(50)]  # row 50 is inside a page
+    turn = stem + [300 + i for i in range(30)]
+    longer = turn + [600 + i for i in range(40)]
+    record(one, io_one, stem)
+    record(one, io_one, turn)
+    record(two, io_two, longer)
+    fill_pool(two)
+    assert all(n["on_host"] for n in one.prefix_nodes())
+    mgr.set_host_tier_limit(1, chunk - 1)
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_limit_drops_total"] == 0 and st["host_tier_accounts"][1]["used_bytes"] == 0, st
+    m = match(two, longer)
+    assert m.num_tokens == m.restored_tokens == len(longer)
+    io_two.verify(m.vtensor, longer)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
 def test_a_node_its_account_has_no_room_for_is_charged_to_the_accounts_below_it(backend, make_manager):
     """Account 2 recorded two stems and is limited to one; account 1 extended
     both stems. Evicting the second stem would drop account 1's prefix below

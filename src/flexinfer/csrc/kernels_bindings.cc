@@ -70,6 +70,10 @@ class Decoder {
     ends_.lm_vocab = lm_vocab;
   }
 
+  // args_ points into weights_: a copy would point into the original's.
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
   // Every layer over hidden [tokens, hidden_size] in place (DecoderLayers).
   void Layers(std::uintptr_t cache_table, std::int64_t groups, std::int64_t max_slots, std::int64_t max_tokens,
               std::int64_t tokens, std::int64_t batch, std::uintptr_t hidden, std::uintptr_t cos, std::uintptr_t sin,

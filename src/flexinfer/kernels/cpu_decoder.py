@@ -29,8 +29,8 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 class CpuDecoder:
     """The forward pass of `model` (a LlamaModel whose projections all hold a
-    packed weight). The model keeps every tensor the C++ side reads (and the
-    decoder no reference to the model, which holds the decoder)."""
+    packed weight). It holds every tensor of the model the C++ side reads,
+    and no reference to the model, which holds the decoder."""
 
     def __init__(self, model):
         c = model.config
@@ -48,14 +48,19 @@ class CpuDecoder:
                          layer["post_norm"].data_ptr(), packed["gate_up"].data_ptr(), packed["down"].data_ptr()])
         weights = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 7)  # read once, by the constructor
         cos, sin = model.rope_tables[FULL]
-        for t, width in ((model.embed, c.hidden_size), (model.norm, None), (cos, c.head_dim), (sin, c.head_dim)):
-            if (t.dtype is not model.dtype or not t.is_contiguous() or t.device.type != "cpu"
-                    or t.shape[-1] != (width or c.hidden_size)):
-                raise InvalidArgument("the embeddings, final norm and RoPE tables must be contiguous CPU tensors "
-                                      "of the model's dtype and widths")
-        # The LM head's packed weight, if it has one (None: no whole pass).
+        # The LM head's packed weight, where the whole pass can run (None: the
+        # layers' call only): the ends' tensors must be as the C++ side reads them.
         self._head = model.lm_head.weights.get("packed") if model.lm_head.bias is None else None
+        if not all(t.dtype is model.dtype and t.is_contiguous() and t.device.type == "cpu" and t.shape[-1] == width
+                   for t, width in ((model.embed, c.hidden_size), (model.norm, c.hidden_size), (cos, c.head_dim),
+                                    (sin, c.head_dim))):
+            self._head = None
         self.vocab = 0 if self._head is None else self._head.out_features
+        # Every tensor whose address the C++ side keeps, kept alive as long
+        # as it is (the model could drop or replace its own).
+        self._kept = (model.embed, model.norm, cos, sin, self._head,
+                      [(layer["input_norm"], layer["post_norm"], layer["qkv"].bias,
+                        *(layer[name].weights["packed"] for name in _PROJECTIONS)) for layer in model.layers])
         self._shape = (len(rows), c.num_key_value_heads, c.head_dim)
         self._decoder = _kernels.Decoder(
             len(rows), c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
@@ -99,17 +104,17 @@ class CpuDecoder:
         if self._head is None:
             raise InvalidArgument("the model's LM head has no packed weight: the pass cannot run whole")
         tokens = input_ids.shape[0]
-        if input_ids.dtype is not torch.int64 or input_ids.shape != (tokens,):
-            raise InvalidArgument("input ids must be a [T] int64 tensor")
+        if input_ids.dtype is not torch.int64 or input_ids.shape != (tokens,) or not input_ids.is_cpu:
+            raise InvalidArgument("input ids must be a [T] int64 CPU tensor")
         input_ids = input_ids.contiguous()
         last_index = batch.last_index.contiguous()
         requests = last_index.shape[0]
-        if last_index.dtype is not torch.int64 or last_index.shape != (requests,):
-            raise InvalidArgument("the last-token index must be a [B] int64 tensor")
+        if last_index.dtype is not torch.int64 or last_index.shape != (requests,) or not last_index.is_cpu:
+            raise InvalidArgument("the last-token index must be a [B] int64 CPU tensor")
         held, pass_args = self._pass(batch, kv_cache, tokens)
         if requests != pass_args[5]:
             raise InvalidArgument(f"the batch has {pass_args[5]} lengths and {requests} last tokens")
-        logits = torch.empty(requests, self.vocab)
+        logits = torch.empty(requests, self.vocab, dtype=torch.float32)  # what the call writes, whatever the default
         try:
             self._decoder.forward(*pass_args[:6], input_ids.data_ptr(), *pass_args[6:-1], last_index.data_ptr(),
                                   logits.data_ptr(), pass_args[-1])

@@ -382,7 +382,14 @@ class Manager {
   // halves sharing the block, and restores the upper half; spilled again
   // with a block of its own for that page, the half cost the prefix's
   // account a block per such match, and at its limit one of its prefixes.
+  // Only a child whose subtree is all charged to `account` lends: a lowered
+  // limit moves a node with other accounts' prefixes below it to one of
+  // them, which it cannot do with a block it shares (FitTierAccount drops
+  // such a node, and what hangs below it); the drops of the account's own
+  // leaves take such a child, and its share, first.
   BlockId SharedEndBlock(const PrefixTree& tree, const PrefixNode* node, std::uint32_t account) const;
+  // Whether every node of `node`'s subtree, itself included, is charged to `account`.
+  bool OneAccountBelow(const PrefixNode* node, std::uint32_t account) const;
   // Drops the bytes of nodes on the host (charged to `account`, when
   // given; PrefixTree::HostDroppable: unlocked leaves, and a window tree's
   // nodes above nodes on the device), least recently used first, until

@@ -362,10 +362,21 @@ BlockId Manager::SharedEndBlock(const PrefixTree& tree, const PrefixNode* node, 
   if (tree.FirstPage(node->end()) != tree.PageEnd(node->end()) - 1) return kNoBlock;
   for (const auto& [token, child] : node->children) {
     if (child->on_host && !child->host_pages.empty() && child->host_pages.front() != kNoBlock &&
-        tier_->account(child->host_pages.front()) == account)
+        tier_->account(child->host_pages.front()) == account && OneAccountBelow(child.get(), account))
       return child->host_pages.front();
   }
   return kNoBlock;
+}
+
+bool Manager::OneAccountBelow(const PrefixNode* node, std::uint32_t account) const {
+  std::vector<const PrefixNode*> stack{node};
+  while (!stack.empty()) {
+    const PrefixNode* n = stack.back();
+    stack.pop_back();
+    if (n->tier_account != account) return false;
+    for (const auto& [token, child] : n->children) stack.push_back(child.get());
+  }
+  return true;
 }
 
 std::vector<std::uint32_t> Manager::AccountsBelow(const PrefixNode* node) const {
