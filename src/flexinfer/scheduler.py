@@ -241,9 +241,13 @@ class Scheduler:
             try:
                 self.manager.step(self._targets(need)).result()
             except vtm.OutOfMemory as exc:
-                if self._retiring:
-                    # Finished sequences' memory, held only until the step
-                    # that used it completes: take it before preempting anyone.
+                if self._launched > self._completed:
+                    # Memory held only until the steps in flight complete:
+                    # finished sequences' (retiring), and the rows below a
+                    # window's low mark that a step in flight still reads
+                    # (_low_start), which KVBudget does not count. Take it
+                    # before preempting anyone, or failing a lone sequence
+                    # that fits once they have completed.
                     self.settle_steps()
                     continue
                 victim = self._victim()

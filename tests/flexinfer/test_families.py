@@ -240,6 +240,29 @@ def test_greedy_tokens_match_without_prefix_caching_and_under_preemption(familie
     manager.close()
 
 
+@pytest.mark.parametrize("name", ["gemma3", "mistral-sliding"])
+def test_a_lone_request_that_fits_its_pool_finishes_with_overlap(families, name):
+    """One request, prefilled in chunks, on a pool the engine's own budget
+    says it fits with room to spare, overlap on (the default on a GPU). A
+    step in flight still reads the rows below its window's low mark, so the
+    mapping for the next chunk kept them: twice the rows the budget counts.
+    The scheduler found itself alone and too big and failed the request
+    with OutOfMemory; it now waits for the steps in flight first."""
+    folder, oracle = families[name]
+    prompt = _prompts([54], seed=0)[0]
+    manager = vtm.Manager(backend="host", capacity_bytes=1024 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    with LLM(folder, manager=manager, max_model_len=128, max_batch_tokens=16, enable_prefix_caching=False) as llm:
+        chunks = llm.engine.kv_budget.chunks_needed(len(prompt), 2) + 2
+    manager.close()
+    manager = vtm.Manager(backend="host", capacity_bytes=chunks * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    with LLM(folder, manager=manager, max_model_len=128, max_batch_tokens=16, enable_prefix_caching=False,
+             overlap=True) as llm:
+        out = llm.generate([prompt], _greedy(2), use_tqdm=False)[0]
+        assert out.outputs[0].error is None and out.token_ids == oracle.greedy(prompt, 2)
+        manager.check()
+    manager.close()
+
+
 def _first_decode_logits(folder: str, dtype: torch.dtype, prompt: list[int], token: int) -> torch.Tensor:
     """FlexInfer's logits after a prefill of `prompt` and one decode step of `token`."""
     loaded = load_model(folder, dtype)
