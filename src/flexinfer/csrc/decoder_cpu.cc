@@ -182,9 +182,8 @@ void CheckShapes(const DecoderArgs& a) {
   if (!(a.eps >= 0.0f) || std::isinf(a.eps)) Invalid("the norms' eps must be finite and >= 0");
   if (a.groups < 1) Invalid("the cache needs at least one layer group");
   if (a.layers == 0 || a.tokens == 0) return;
-  if (a.positions == nullptr ||
-      a.slot_index == nullptr || a.slots == nullptr || a.seq_lens == nullptr || a.weights == nullptr ||
-      a.cache == nullptr)
+  if (a.positions == nullptr || a.slot_index == nullptr || a.slots == nullptr || a.seq_lens == nullptr ||
+      a.weights == nullptr || a.cache == nullptr)
     Invalid("a null decoder argument");
   for (std::int64_t g = 0; g < a.groups; ++g) {
     if (a.slot_index[g] == nullptr || a.slots[g] == nullptr) Invalid("null slots of layer group " + std::to_string(g));

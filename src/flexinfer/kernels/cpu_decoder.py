@@ -76,7 +76,9 @@ class CpuDecoder:
 
     @property
     def runs_whole_pass(self) -> bool:
-        """Whether `forward` can run: the LM head holds a packed weight and no bias."""
+        """Whether `forward` can run: the LM head holds a packed weight and no
+        bias, and the embeddings, final norm and RoPE tables are dense tensors
+        of the model's dtype."""
         return self._head is not None
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, kv_cache) -> None:
@@ -102,7 +104,7 @@ class CpuDecoder:
         each sequence, as the model's own forward returns them. A bad id,
         slot, length or position raises InvalidArgument and changes nothing."""
         if self._head is None:
-            raise InvalidArgument("the model's LM head has no packed weight: the pass cannot run whole")
+            raise InvalidArgument("this model's pass cannot run whole (see runs_whole_pass)")
         tokens = input_ids.shape[0]
         if input_ids.dtype is not torch.int64 or input_ids.shape != (tokens,) or not input_ids.is_cpu:
             raise InvalidArgument("input ids must be a [T] int64 CPU tensor")
