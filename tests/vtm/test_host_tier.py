@@ -86,6 +86,14 @@ def on_host(sp):
     return [n for n in sp.prefix_nodes() if n["on_host"]]
 
 
+def assert_matches_whole(sp, io, tokens):
+    """A match of all of `tokens`, its rows checked byte for byte, released."""
+    m = match(sp, tokens)
+    assert m.num_tokens == len(tokens)
+    io.verify(m.vtensor, tokens)
+    m.vtensor.release().result()
+
+
 def test_an_evicted_prefix_comes_back_from_the_host_tier_byte_for_byte(backend, make_manager):
     mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
     A = [(7 * i + 3) % 101 for i in range(60)]
@@ -720,10 +728,7 @@ def test_matches_that_split_anothers_prefix_on_the_host_cost_its_account_nothing
         st = assert_pool_consistent(mgr)
         assert st["host_tier_accounts"][2]["used_bytes"] <= pages * chunk, (end, st)
         assert st["host_tier_limit_drops_total"] == 0, (end, st)
-    m = match(b, tokens)
-    assert m.num_tokens == len(tokens)
-    io_b.verify(m.vtensor, tokens)
-    m.vtensor.release().result()
+    assert_matches_whole(b, io_b, tokens)
     assert_pool_consistent(mgr)
 
 
@@ -783,10 +788,7 @@ def test_a_node_its_account_has_no_room_for_is_charged_to_the_accounts_below_it(
     assert st["spill_failures_total"] == 0, st
     assert st["host_tier_accounts"][2]["used_bytes"] <= stem_pages * chunk + chunk
     for tokens in longer:
-        m = match(one, tokens)
-        assert m.num_tokens == len(tokens)
-        io_one.verify(m.vtensor, tokens)
-        m.vtensor.release().result()
+        assert_matches_whole(one, io_one, tokens)
     assert_pool_consistent(mgr)
 
 
