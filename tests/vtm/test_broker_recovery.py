@@ -161,6 +161,40 @@ def test_a_rebuild_the_new_broker_refuses_half_way_changes_nothing(tmp_path):
         broker.kill()
 
 
+def test_a_broker_back_with_another_chunk_size_is_refused_every_time(tmp_path):
+    """Found by fuzzing engines through vtmd: the refused reconnect had
+    already taken the new broker's chunk size, so the next one compared it
+    with itself and succeeded, and an engine computed on reservations that
+    did not fit (a segfault). And once refused, the right broker was refused
+    too. Now the client keeps its geometry until a reconnect is accepted."""
+    broker = BrokerProcess(tmp_path)
+    try:
+        mgr = vtm.connect(broker.address, timeout=5)
+        space = mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=2)
+        broker.kill()
+        with pytest.raises(vtm.Unavailable):
+            space.create(1).result()
+        broker.chunk_bytes *= 2
+        broker.capacity_bytes *= 2
+        broker.start()
+        for _ in range(2):
+            with pytest.raises(vtm.FailedPrecondition, match="chunks of"):
+                mgr.reconnect(timeout=10)
+            assert not mgr.healthy and mgr.chunk_bytes == CHUNK
+        with vtm.connect(broker.address, timeout=5) as probe:  # the refused sessions left nothing behind
+            assert [c["name"] for c in probe.stats()["clients"]] == [probe.name]
+        broker.kill()
+        broker.chunk_bytes //= 2
+        broker.capacity_bytes //= 2
+        broker.start()
+        mgr.reconnect(timeout=10)
+        assert mgr.healthy and space.create(10).result().mapped_bytes == CHUNK
+        mgr.check()
+        mgr.close()
+    finally:
+        broker.kill()
+
+
 def test_operations_of_the_lost_session_never_reach_the_new_one(broker):
     mgr = vtm.connect(broker.address, timeout=5)
     space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)

@@ -166,10 +166,13 @@ class RemoteManager:
         self._worker = threading.Thread(target=self._work, name=f"vtm-client-{self.client_id}", daemon=True)
         self._worker.start()
 
-    def _open_session(self, deadline: float):
+    def _open_session(self, deadline: float, geometry: tuple | None = None):
         """Says hello to the broker (waiting until `deadline` for one that is
         starting), attaches the session's channel, opens the fd and step
-        sockets and starts the notice listener; returns the HelloReply."""
+        sockets and starts the notice listener; returns the HelloReply.
+        `geometry`: the (backend, chunk_bytes, granularity) this client's
+        reservations were made for; a broker of another is refused
+        (FailedPrecondition) before any of this client's fields take its values."""
         path = self._address[len("unix:"):]
         wait = f"{max(0.0, deadline - time.monotonic()):.2g} s"  # this call's wait: a reconnect's try is short
         while not os.path.exists(path):
@@ -188,6 +191,13 @@ class RemoteManager:
         self._metadata = ((status.LEASE_KEY, hello.lease),)
         self._lease = hello.lease
         self._fd_socket = hello.fd_socket
+        if geometry is not None and (hello.backend, hello.chunk_bytes, hello.granularity) != geometry:
+            # The session goes again (the caller disconnects, saying bye
+            # with the lease above); the next reconnect compares with the
+            # same geometry, and a broker of it is taken.
+            raise errors.FailedPrecondition(
+                f"the vtm broker came back with backend {hello.backend}, chunks of {hello.chunk_bytes} bytes "
+                f"(was {geometry[0]}, {geometry[1]}): this client's reservations do not fit it")
         self.name = hello.name
         self.client_id = hello.client_id
         self.backend = hello.backend
@@ -405,14 +415,9 @@ class RemoteManager:
         deadline = time.monotonic() + (self._timeout if timeout is None else float(timeout))
         with self._op_mu:
             self._lost(self._liveness.broken)
-            backend, chunk_bytes, granularity = self.backend, self.chunk_bytes, self.granularity
             self._disconnect()
             try:
-                self._open_session(deadline)
-                if (self.backend, self.chunk_bytes, self.granularity) != (backend, chunk_bytes, granularity):
-                    raise errors.FailedPrecondition(
-                        f"the vtm broker came back with backend {self.backend}, chunks of {self.chunk_bytes} "
-                        f"bytes (was {backend}, {chunk_bytes}): this client's reservations do not fit it")
+                self._open_session(deadline, (self.backend, self.chunk_bytes, self.granularity))
                 replies = self._reopen_spaces()
             except BaseException:
                 self._disconnect()
