@@ -96,7 +96,6 @@ def _ask(value, what: str):
     return None if value is None else _count(value, what)
 
 
-
 def _token_ids(token_ids) -> list[int]:
     """The ids as Python ints. Anything but a sequence of integers is a
     TypeError, as the in-process manager raises: int() would truncate 1.5 and

@@ -304,12 +304,26 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   // on the host hang below it (they are matchable only through it), most
   // recently used first, if that one has room as it is: evicting the node
   // would drop those nodes anyway, and no other account loses a leaf for it.
-  // The blocks it takes charged to `payer`: one fewer where a child on the
-  // host lends the page straddling the node's end (SharedEndBlock), which
-  // the drops below may take away.
-  const auto need = [&](std::uint32_t payer) {
-    return pages - (SharedEndBlock(tree, node, payer) != kNoBlock ? 1 : 0);
+  // The block a child on the host lends it for the page straddling its end
+  // (SharedEndBlock), charged to `payer`. SharedEndBlock walks the child's
+  // subtree, so it runs once per payer; the drops below may take the child
+  // since, which a lookup of its first token then finds.
+  std::optional<std::uint32_t> lender_payer;
+  std::optional<std::int32_t> lender;  // the lending child's first token
+  const auto lent_to = [&](std::uint32_t payer) -> BlockId {
+    if (lender_payer != payer) {
+      lender_payer = payer;
+      lender.reset();
+      const BlockId b = SharedEndBlock(tree, node, payer);
+      for (const auto& [token, child] : node->children)
+        if (b != kNoBlock && child->on_host && child->host_pages.front() == b) lender = token;
+    }
+    if (!lender) return kNoBlock;
+    auto it = node->children.find(*lender);
+    return it != node->children.end() && it->second->on_host ? it->second->host_pages.front() : kNoBlock;
   };
+  // The blocks it takes charged to `payer`: one fewer where a child lends one.
+  const auto need = [&](std::uint32_t payer) { return pages - (lent_to(payer) != kNoBlock ? 1 : 0); };
   std::optional<std::uint32_t> account;
   const std::uint32_t own = node->tier_account;
   const std::optional<std::size_t> own_limit = HostTierLimit(own);
@@ -323,7 +337,7 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   // Then the tier.
   const bool room =
       account && DropHostNodes(std::nullopt, [&] { return tier_->used() + need(*account) <= tier_->capacity(); });
-  const BlockId lent = account ? SharedEndBlock(tree, node, *account) : kNoBlock;
+  const BlockId lent = account ? lent_to(*account) : kNoBlock;
   std::size_t copied = 0;
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
