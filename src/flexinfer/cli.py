@@ -26,7 +26,7 @@ from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
 from flexinfer.cli_log import ENV, command_logging
 from flexinfer.detokenizer import IncrementalText
-from flexinfer.engine import BROKER_WAIT_S
+from flexinfer.engine import BROKER_WAIT_S, MEMORY_WAIT_S
 from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
                               ModelLoadError)
 from flexinfer.inputs import request_problem
@@ -167,6 +167,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker-wait", type=_number(0), default=BROKER_WAIT_S, metavar="S",
                    help="with --manager: how long requests wait for a vtm broker that went away to come back "
                         "(they resume by recompute) before they fail")
+    p.add_argument("--memory-wait", type=_number(0), default=MEMORY_WAIT_S, metavar="S",
+                   help="with --manager: how long requests wait for KV memory that the broker's other clients "
+                        "hold before they fail with out of memory")
     _add_verbose(p, default=argparse.SUPPRESS)
 
 
@@ -216,8 +219,8 @@ def _engine(args) -> LLM:
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
                attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
-               broker_wait_s=args.broker_wait, host_tier_bytes=host_tier, preemption=args.preemption,
-               overlap=None if args.overlap == "auto" else args.overlap == "on")
+               broker_wait_s=args.broker_wait, memory_wait_s=args.memory_wait, host_tier_bytes=host_tier,
+               preemption=args.preemption, overlap=None if args.overlap == "auto" else args.overlap == "on")
 
 
 def _load(args) -> LLM:

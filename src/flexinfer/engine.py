@@ -54,6 +54,8 @@ _MAX_THREADS_PER_CPU = 8
 RECONNECT_TRY_S = 0.25
 # How long requests wait for a broker that went away before they fail (broker_wait_s).
 BROKER_WAIT_S = 30.0
+# How long a request waits for memory the other users of a shared pool hold (memory_wait_s).
+MEMORY_WAIT_S = 30.0
 
 
 class Engine:
@@ -64,7 +66,7 @@ class Engine:
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,
                  broker_wait_s: float = BROKER_WAIT_S, host_tier_bytes: int = 0, preemption: str = "recompute",
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, memory_wait_s: float = MEMORY_WAIT_S):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
         if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
             dtype = _DTYPE_NAMES[dtype]
@@ -90,8 +92,9 @@ class Engine:
                                       f"got {device!r}") from None
         if namespace is not None and not isinstance(namespace, str):
             raise InvalidArgument(f"namespace must be a str or None, got {namespace!r}")
-        if isinstance(broker_wait_s, bool) or not isinstance(broker_wait_s, (int, float)) or not broker_wait_s >= 0:
-            raise InvalidArgument(f"broker_wait_s must be a number >= 0, got {broker_wait_s!r}")
+        for name, value in (("broker_wait_s", broker_wait_s), ("memory_wait_s", memory_wait_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise InvalidArgument(f"{name} must be a number >= 0, got {value!r}")
         if isinstance(host_tier_bytes, bool) or not isinstance(host_tier_bytes, int) or host_tier_bytes < 0:
             raise InvalidArgument(f"host_tier_bytes must be an int >= 0, got {host_tier_bytes!r}")
         if preemption not in ("recompute", "swap"):
@@ -207,8 +210,12 @@ class Engine:
 
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, max_num_seqs,
                                            [vt.slot for vt in self._sink])
+            # A pool given to the engine may have other users (engines in this
+            # process, or other clients of a vtm broker): a request that finds
+            # none of it free waits for them, up to memory_wait_s.
             self.scheduler = Scheduler(self.kv_cache, max_num_seqs, max_batch_tokens, enable_prefix_caching,
-                                       swap=preemption == "swap")
+                                       swap=preemption == "swap",
+                                       memory_wait_s=None if self._own_manager else float(memory_wait_s))
             # On a CPU a step computes while it is launched: overlap would only add a discarded token.
             self.overlap = self.device.type == "cuda" if overlap is None else overlap
             # Where sampled rows are chosen: the device's own (CUDA), else the host (None).
@@ -397,6 +404,10 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a device that fails here fails the next step too
                     log.exception("waiting for the device after a failed step failed")
                 failed += broken
+        elif not self.scheduler.running:
+            # The queue waits for memory a shared pool's other users hold:
+            # the next try comes at retry_at, and the loop does not spin.
+            time.sleep(max(0.0, self.scheduler.retry_at - time.monotonic()))
         # The launched step is in flight before the one before it is read:
         # should reading raise, it is still there to be read.
         previous, self._in_flight = self._in_flight, launched

@@ -21,8 +21,15 @@ than that record. A preempted sequence is recorded and released in one
 vtm operation, which needs no free chunk (a preemption comes when none is
 left); a swapped-out one whose KV the host tier keeps waits for room to
 copy it back rather than compute it again. A sequence that cannot
-fit even alone fails with an error while the others go on. Finished
-sequences are recorded so the next chat turn maps them.
+fit even alone fails with an error while the others go on, unless the
+pool is shared (memory_wait_s: a manager given to the engine, in-process
+or vtm.connect): there memory others hold comes back, so a sequence alone
+in this engine that finds none goes back to the queue (released, as if
+preempted) and admission is tried again every MEMORY_RETRY_S (retry_at:
+the engine sleeps until then, see Engine.step) until memory_wait_s have
+passed without a step that found memory; then it fails with
+vtm.OutOfMemory. Finished sequences are recorded so the next chat turn
+maps them.
 
 A memory operation that fails for another reason (a device error: a failed
 map, unmap or copy; vtm leaves its state as it was) fails only what it
@@ -63,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 
@@ -71,6 +79,10 @@ from flexinfer.kv_cache import KVCache
 from flexinfer.sequence import Sequence, Status
 
 log = logging.getLogger("flexinfer")
+
+# On a shared pool, how often a request alone in the engine that found no
+# memory tries again: a try is one allocation (a broker round trip).
+MEMORY_RETRY_S = 0.05
 
 
 def _weak_handler(method):
@@ -85,7 +97,7 @@ def _weak_handler(method):
 
 class Scheduler:
     def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_batch_tokens: int, prefix_caching: bool,
-                 swap: bool = False):
+                 swap: bool = False, memory_wait_s: float | None = None):
         self.kv = kv_cache
         self.manager = kv_cache.manager
         self.max_num_seqs = max_num_seqs
@@ -95,6 +107,15 @@ class Scheduler:
         # again when it is readmitted, with prefix caching on or off (the tree
         # keeps it, on the device or in vtm's host tier).
         self.swap = swap
+        # None: the pool is this engine's alone, and what does not fit with
+        # nothing else running never will. Else how long a sequence alone
+        # here waits for memory the pool's other users hold.
+        self.memory_wait_s = memory_wait_s
+        # Since when nothing here runs and the queue's head finds no memory
+        # (None: a step found memory since); no admission is tried before
+        # retry_at (time.monotonic()).
+        self._starved_since: float | None = None
+        self.retry_at = 0.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._pending = None  # (future, {seq: (tokens, start)}) of the pre-extend for this step
@@ -251,13 +272,15 @@ class Scheduler:
                     self.settle_steps()
                     continue
                 victim = self._victim()
-                if victim is None or (victim in need and len(self.running) == 1):
-                    # Alone and still too big: this request can never fit.
-                    victim = victim or next(iter(need))
-                    self._fail(victim, exc)
-                elif victim in admitted:
+                # Alone and still too big: this request can never fit (it
+                # fails), unless others hold the memory (a shared pool):
+                # then it gives way as a victim does, to be tried again.
+                alone = victim is None or (victim in need and len(self.running) == 1)
+                victim = victim or next(iter(need))
+                gives_way = not alone or self._fail_unless_waiting(victim, exc)
+                if gives_way and victim in admitted:
                     self._unadmit(victim)
-                else:
+                elif gives_way:
                     self._preempt(victim)
                 plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
                 continue
@@ -582,7 +605,7 @@ class Scheduler:
                 self.settle_steps()
                 return self._admit(seq)
             if not self.running:
-                self._fail(seq, exc)
+                self._fail_unless_waiting(seq, exc)
             return False
         except vtm.Unavailable:
             raise
@@ -595,6 +618,27 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = Status.RUNNING
+        return True
+
+    def _fail_unless_waiting(self, seq: Sequence, exc: vtm.OutOfMemory) -> bool:
+        """`seq`, alone in this engine, found no memory (`exc`): whether it
+        waits, because the pool is shared and memory_wait_s has not passed
+        since nothing here could run; else it fails. A request that could
+        never fit the pool was refused at submission (KVBudget): what it
+        waits for is memory others hold."""
+        if self.memory_wait_s is None:
+            self._fail(seq, exc)
+            return False
+        now = time.monotonic()
+        if self._starved_since is None:
+            self._starved_since = now
+            log.info("no KV memory free in the shared pool: requests wait up to %g s for its other users",
+                     self.memory_wait_s)
+        if now - self._starved_since >= self.memory_wait_s:
+            self._fail(seq, vtm.OutOfMemory(f"{exc}; waited {now - self._starved_since:.1f} s (memory_wait_s) "
+                                            f"for the pool's other users to free memory"))
+            return False
+        self.retry_at = now + MEMORY_RETRY_S
         return True
 
     def _count_admission(self, seq: Sequence, counts: tuple[int, int, int, int]) -> None:
@@ -655,7 +699,8 @@ class Scheduler:
             if seq.num_cached + n >= seq.map_limit:
                 late.append((seq, n))
         admitted: set[Sequence] = set()
-        room = self._unadmitted_at != self._releases or not self.running
+        room = (self._unadmitted_at != self._releases or not self.running) and (
+            self.running or self._starved_since is None or time.monotonic() >= self.retry_at)
         while room and budget > 0 and len(self.running) < self.max_num_seqs and not reclaimed:
             seq = next((s for s in self.waiting if self._admissible(s)), None)
             if seq is None:
@@ -670,6 +715,8 @@ class Scheduler:
             late.append((seq, n))
             budget -= n
         plan = self._ensure(plan, late, admitted)
+        if plan:
+            self._starved_since = None  # memory was found: a later wait counts from its own start
         # Pre-extend: map what the next step will write while this one
         # computes. Only where it maps or unmaps a page: a step within both
         # limits would only advance vtm's token count, which a record raises

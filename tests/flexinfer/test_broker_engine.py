@@ -348,3 +348,34 @@ def test_one_broker_connection_serves_one_engine(tiny_folder, broker):
     finally:
         llm.close()
         manager.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_waits_for_memory_another_client_holds(tiny_folder, tmp_path, overlap):
+    """Another client of the broker holds most of the pool for a while: a
+    request that fits the pool waits for it (it used to fail at once with
+    OutOfMemory, as if it could never fit) and gets its tokens when the
+    other client lets go."""
+    prompts = random_prompts([40], seed=7)
+    with LLM(tiny_folder, backend="host") as local:
+        want = [o.token_ids for o in local.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)]
+    b = BrokerProcess(tmp_path, capacity_chunks=40, chunk_bytes=PAGE)
+    hog = vtm.connect(b.address, name="hog")
+    manager = vtm.connect(b.address, name="engine")
+    try:
+        # 36 of the 40 pages: the request (52 rows of 512 bytes, 7 pages) cannot map now.
+        held = hog.create_space(row_bytes=PAGE, max_tokens=64, max_slots=1, name="held").create(36).result()
+        with LLM(tiny_folder, manager=manager, overlap=overlap) as engine:
+            release = threading.Timer(1.0, lambda: held.release().result())
+            release.start()
+            started = time.monotonic()
+            outs = engine.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)
+            release.join()
+            assert [o.error for o in outs] == [None]
+            assert [o.token_ids for o in outs] == want
+            assert time.monotonic() - started >= 0.9
+            assert engine.stats()["preemptions"] == 0  # it waited before it ran: nothing was preempted
+    finally:
+        hog.close()
+        manager.close()
+        b.kill()

@@ -18,6 +18,8 @@ import json
 import os
 import random
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -914,6 +916,87 @@ def test_two_engines_share_one_manager(tiny, tiny_prompts):
     b.close()
     manager.check()
     manager.close()
+
+
+@pytest.mark.parametrize("holder", ["before", "while running"])
+def test_a_request_waits_for_memory_another_user_of_the_pool_holds(tiny_llama, tiny_prompts, holder):
+    """Another user of a shared pool holds the memory a request needs, from
+    before it is admitted or from while it runs: it waits (released, as if
+    preempted, in the second case) and gets its tokens once the memory is
+    given back. It used to fail at once with OutOfMemory, as if it could
+    never fit."""
+    folder, oracle = tiny_llama
+    prompt, n = tiny_prompts[3], 60  # 99 rows of 512 bytes: 13 of the pool's 16 chunks
+    chunks = 16
+    manager = small_manager(chunks)
+    other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=chunks, max_slots=1, name="other")
+    llm = LLM(folder, manager=manager, enable_prefix_caching=False)
+    held = []
+
+    def hold(count: int) -> None:
+        held.append(other.create(count).result())
+        threading.Timer(0.5, lambda: held.pop().release().result()).start()
+
+    def hold_what_is_free_once_running() -> None:
+        space = llm.kv_cache.space.name
+        while manager.stats()["spaces"][space]["mapped_bytes"] < 5 * SMALL_CHUNK:  # the prompt's
+            time.sleep(0.0005)
+        while not held:
+            try:
+                hold(chunks - manager.stats()["chunks_held"])
+            except vtm.OutOfMemory:  # the engine mapped one more meanwhile
+                continue
+    if holder == "before":
+        hold(chunks - 2)
+    else:
+        threading.Thread(target=hold_what_is_free_once_running).start()
+    started = time.monotonic()
+    out = run(llm, [prompt], greedy(n))
+    assert time.monotonic() - started >= 0.5
+    assert out[0].outputs[0].error is None
+    assert_greedy_equal(oracle, [prompt], out, n)
+    assert out[0].metrics.preemptions == (holder == "while running")
+    other.close()
+    llm.close()
+    manager.check()
+    manager.close()
+
+
+def test_a_request_fails_once_memory_wait_s_passed_and_the_engine_goes_on(tiny_llama, tiny_prompts):
+    """Nobody gives the memory back: past memory_wait_s every queued
+    request fails with OutOfMemory saying how long it waited, tried again
+    about every 50 ms, not in a spin; the engine serves the next ones once
+    the memory is back."""
+    folder, oracle = tiny_llama
+    prompt, n = tiny_prompts[3], 8
+    manager = small_manager(8)
+    other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=8, max_slots=1, name="other")
+    held = other.create(7).result()
+    llm = LLM(folder, manager=manager, memory_wait_s=0.5)
+    started = time.monotonic()
+    out = run(llm, [prompt, tiny_prompts[2]], greedy(n))
+    waited = time.monotonic() - started
+    assert [type(o.outputs[0].error) for o in out] == [vtm.OutOfMemory] * 2
+    assert "waited 0.5 s (memory_wait_s)" in str(out[0].outputs[0].error)
+    assert 0.5 <= waited < 5
+    # Each try admits both, and undoes both: two a retry, not thousands in a spin.
+    assert llm.stats()["admissions_undone"] <= 2 * (waited / 0.05 + 2)
+    held.release().result()
+    assert_greedy_equal(oracle, [prompt], run(llm, [prompt], greedy(n)), n)
+    other.close()
+    llm.close()
+    manager.close()
+
+
+def test_an_engines_own_pool_fails_at_once_what_does_not_fit_alone(tiny_llama, tiny_prompts):
+    """Only a pool given to the engine has other users to wait for: on the
+    engine's own, what finds no memory with nothing else running never will."""
+    folder, _ = tiny_llama
+    with pytest.raises(InvalidArgument, match="memory_wait_s"):
+        LLM(folder, memory_wait_s=-1)
+    llm = LLM(folder, memory_wait_s=30)
+    assert llm.scheduler.memory_wait_s is None
+    llm.close()
 
 
 def test_two_engines_of_one_model_share_prefixes(tiny_llama, tiny_prompts):
