@@ -527,6 +527,33 @@ def test_preemption_by_swap_keeps_the_kv_with_prefix_caching_off(tiny_llama, tin
     manager.close()
 
 
+def test_the_longest_request_the_budget_admits_survives_a_swap_with_prefix_caching_off(tiny_llama):
+    """preemption="swap" records a preempted sequence even with prefix
+    caching off, and its readmission maps the record back: writing into the
+    record's partial last page copies it (the tree keeps its own), one chunk
+    more than the budget, which counts such a copy only for the prompt with
+    prefix caching on. The longest request the budget admits still ends:
+    out of memory, vtm unpins the path that only this request's match
+    locks, and the tree's copy goes (Manager::UnpinPrefix)."""
+    folder, oracle = tiny_llama
+    chunks = 16
+    manager = small_manager(chunks, host_tier_chunks=64)
+    llm = LLM(folder, manager=manager, enable_prefix_caching=False, preemption="swap", memory_wait_s=0)
+    short, long = list(range(3, 13)), list(range(20, 41))
+    most = llm.kv_budget.max_new_tokens(len(long))
+    assert llm.kv_budget.chunks_needed(len(long), most) == chunks
+    # The short request came first: the long one is preempted for it.
+    outputs = run(llm, [short, long], [greedy(100), greedy(most)])
+    assert [o.outputs[0].error for o in outputs] == [None, None]
+    assert_greedy_equal(oracle, [short], outputs[:1], 100)
+    assert_greedy_equal(oracle, [long], outputs[1:], most)
+    stats = llm.stats()
+    assert outputs[1].metrics.preemptions > 0 and stats["swap_in_tokens"] % 8, stats  # a partial last page
+    assert stats["vtm"]["cow_copies_total"] > 0 and stats["vtm"]["prefix_unpins_total"] > 0, stats
+    llm.close()
+    manager.close()
+
+
 def test_an_admission_undone_takes_back_what_it_counted(tiny_llama):
     """Under swap, admissions that do not fit beside the running sequences
     are undone (and made again later): each used to count its swapped-in
