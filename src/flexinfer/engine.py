@@ -407,7 +407,7 @@ class Engine:
         elif not self.scheduler.running:
             # The queue waits for memory a shared pool's other users hold:
             # the next try comes at retry_at, and the loop does not spin.
-            time.sleep(max(0.0, self.scheduler.retry_at - time.monotonic()))
+            time.sleep(max(0.0, self.scheduler.retry_at - time.perf_counter()))
         # The launched step is in flight before the one before it is read:
         # should reading raise, it is still there to be read.
         previous, self._in_flight = self._in_flight, launched

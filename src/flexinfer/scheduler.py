@@ -26,9 +26,9 @@ pool is shared (memory_wait_s: a manager given to the engine, in-process
 or vtm.connect): there memory others hold comes back, so a sequence alone
 in this engine that finds none goes back to the queue (released, as if
 preempted) and admission is tried again every MEMORY_RETRY_S (retry_at:
-the engine sleeps until then, see Engine.step) until memory_wait_s have
-passed without a step that found memory; then it fails with
-vtm.OutOfMemory. Finished sequences are recorded so the next chat turn
+the engine sleeps until then, see Engine.step). A request that waited
+memory_wait_s so (from its arrival, or from when nothing here could run,
+whichever came later) fails with vtm.OutOfMemory. Finished sequences are recorded so the next chat turn
 maps them.
 
 A memory operation that fails for another reason (a device error: a failed
@@ -112,8 +112,9 @@ class Scheduler:
         # here waits for memory the pool's other users hold.
         self.memory_wait_s = memory_wait_s
         # Since when nothing here runs and the queue's head finds no memory
-        # (None: a step found memory since); no admission is tried before
-        # retry_at (time.monotonic()).
+        # (None: a step found memory since, or the queue emptied); no
+        # admission is tried before retry_at. time.perf_counter(), the
+        # clock of a sequence's arrival_s.
         self._starved_since: float | None = None
         self.retry_at = 0.0
         self.waiting: deque[Sequence] = deque()
@@ -470,6 +471,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if not self.waiting:
+            self._starved_since = None  # nobody waits for memory
 
     def _drop_vtensors(self, seq: Sequence, record: bool, swap: bool = False) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds
@@ -622,21 +625,24 @@ class Scheduler:
 
     def _fail_unless_waiting(self, seq: Sequence, exc: vtm.OutOfMemory) -> bool:
         """`seq`, alone in this engine, found no memory (`exc`): whether it
-        waits, because the pool is shared and memory_wait_s has not passed
-        since nothing here could run; else it fails. A request that could
-        never fit the pool was refused at submission (KVBudget): what it
-        waits for is memory others hold."""
+        waits, because the pool is shared and it has not waited
+        memory_wait_s yet; else it fails. It has waited since nothing here
+        could run, or since it arrived if later: requests queued behind it
+        waited as long, and one that ran since found memory. A request
+        that could never fit the pool was refused at submission
+        (KVBudget): what it waits for is memory others hold."""
         if self.memory_wait_s is None:
             self._fail(seq, exc)
             return False
-        now = time.monotonic()
+        now = time.perf_counter()
         if self._starved_since is None:
             self._starved_since = now
             log.info("no KV memory free in the shared pool: requests wait up to %g s for its other users",
                      self.memory_wait_s)
-        if now - self._starved_since >= self.memory_wait_s:
-            self._fail(seq, vtm.OutOfMemory(f"{exc}; waited {now - self._starved_since:.1f} s (memory_wait_s) "
-                                            f"for the pool's other users to free memory"))
+        waited = now - max(self._starved_since, seq.metrics.arrival_s)
+        if waited >= self.memory_wait_s:
+            self._fail(seq, vtm.OutOfMemory(f"{exc}; waited {waited:.1f} s (memory_wait_s) for the pool's other "
+                                            f"users to free memory"))
             return False
         self.retry_at = now + MEMORY_RETRY_S
         return True
@@ -700,7 +706,7 @@ class Scheduler:
                 late.append((seq, n))
         admitted: set[Sequence] = set()
         room = (self._unadmitted_at != self._releases or not self.running) and (
-            self.running or self._starved_since is None or time.monotonic() >= self.retry_at)
+            self.running or self._starved_since is None or time.perf_counter() >= self.retry_at)
         while room and budget > 0 and len(self.running) < self.max_num_seqs and not reclaimed:
             seq = next((s for s in self.waiting if self._admissible(s)), None)
             if seq is None:

@@ -992,8 +992,9 @@ def test_a_request_waits_for_memory_another_user_of_the_pool_holds(tiny_llama, t
 def test_a_request_fails_once_memory_wait_s_passed_and_the_engine_goes_on(tiny_llama, tiny_prompts):
     """Nobody gives the memory back: past memory_wait_s every queued
     request fails with OutOfMemory saying how long it waited, tried again
-    about every 50 ms, not in a spin; the engine serves the next ones once
-    the memory is back."""
+    about every 50 ms, not in a spin. The next request, which finds the
+    memory held for a moment more, waits for it: the first wait's start was
+    kept, and it failed at once, saying it had waited since then."""
     folder, oracle = tiny_llama
     prompt, n = tiny_prompts[3], 8
     manager = small_manager(8)
@@ -1008,8 +1009,33 @@ def test_a_request_fails_once_memory_wait_s_passed_and_the_engine_goes_on(tiny_l
     assert 0.5 <= waited < 5
     # Each try admits both, and undoes both: two a retry, not thousands in a spin.
     assert llm.stats()["admissions_undone"] <= 2 * (waited / 0.05 + 2)
-    held.release().result()
+    time.sleep(0.6)
+    threading.Timer(0.2, lambda: held.release().result()).start()
     assert_greedy_equal(oracle, [prompt], run(llm, [prompt], greedy(n)), n)
+    other.close()
+    llm.close()
+    manager.close()
+
+
+def test_memory_wait_s_counts_from_each_requests_arrival(tiny_llama, tiny_prompts):
+    """A request queued while another already waited for memory waits its
+    own memory_wait_s: it used to fail with the first, saying it had waited
+    the first one's time."""
+    folder, _ = tiny_llama
+    manager = small_manager(8)
+    other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=8, max_slots=1, name="other")
+    held = other.create(7).result()
+    llm = LLM(folder, manager=manager, memory_wait_s=1.0)
+    first = llm.submit(tiny_prompts[3], greedy(4))
+    time.sleep(0.6)
+    second = llm.submit(tiny_prompts[2], greedy(4))
+    started = time.monotonic()
+    assert isinstance(first.result(timeout=30).outputs[0].error, vtm.OutOfMemory)
+    assert time.monotonic() - started < 0.8
+    error = second.result(timeout=30).outputs[0].error
+    assert isinstance(error, vtm.OutOfMemory) and "waited 1.0 s" in str(error)
+    assert time.monotonic() - started >= 0.9
+    held.release().result()
     other.close()
     llm.close()
     manager.close()
