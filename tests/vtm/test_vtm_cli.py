@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from broker_testing import BrokerProcess
+from broker_testing import BrokerProcess, wait_serving
 from vtm.broker import ctl, server
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -204,3 +204,67 @@ def test_top_appends_when_not_a_terminal(broker, capsys):
     assert ctl.main(["--address", broker.address, "top", "--iterations", "2", "--interval", "0"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and out.count("client") == 2
+
+
+def test_top_says_whose_broker_and_when(broker, capsys):
+    """Each frame's first line was a bare clock time."""
+    assert ctl.main(["--address", broker.address, "top", "--iterations", "1", "--interval", "0.5"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(rf"vtm broker at {re.escape(broker.address)}, \d\d:\d\d:\d\d, every 0\.5 s", first), first
+
+
+# ----------------------------------------------------------------------------- what a new user meets
+
+
+def test_vtmd_says_it_listens_on_stderr(tmp_path):
+    """The daemon's lines go with its log lines, on stderr: `vtmd ... 2> vtmd.log`
+    (docs/getting-started.md) left the log empty and the terminal noisy."""
+    address = f"unix:{tmp_path}/run/sock"
+    proc = subprocess.Popen([sys.executable, "-m", "vtm.broker", "--listen", address, "--backend", "host",
+                             "--capacity-bytes", "4MiB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_serving(address, 30)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out == "", (out, err)
+    assert err.startswith(f"vtmd: listening on {address} (host, ") and err.endswith("\nvtmd: stopped\n"), err
+
+
+def test_a_vtmd_that_cannot_start_leaves_no_socket_folder(tmp_path):
+    done = vtmd("--listen", f"unix:{tmp_path}/a/b/sock", "--backend", "host", "--capacity-bytes", "3MiB")
+    assert done.returncode == 2 and "not a positive multiple" in done.stderr, done.stderr
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("main, prog", [(server.main, "vtmd"), (ctl.main, "vtmctl")])
+def test_version(main, prog, capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"{prog} {metadata.version('vtm')}\n"
+
+
+def test_vtmctl_without_a_broker_says_so_in_one_line(tmp_path, capsys):
+    """It printed gRPC's 'failed to connect to all addresses; last error: ...'."""
+    assert ctl.main(["--address", f"unix:{tmp_path}/sock", "stats"]) == 2
+    assert capsys.readouterr().err == f"vtmctl: error: no vtm broker answers at unix:{tmp_path}/sock: no such socket\n"
+
+
+@pytest.mark.parametrize("command", ["stats", "top --iterations 200 --interval 0"])
+def test_vtmctl_into_head_ends_quietly(broker, command):
+    """`vtmctl stats | head -1` printed a BrokenPipeError traceback and exited 1."""
+    done = subprocess.run(f"{sys.executable} -m vtm.broker.ctl --address {broker.address} {command} | head -1; "
+                          "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.count("\n") == 1
+
+
+def test_trim_help_says_what_bytes_does(capsys):
+    """It said 'at most this much'; a trim of --bytes frees at least that
+    much, evicting cached prefixes when free chunks are not enough."""
+    flat = " ".join(_help(ctl.main, ["trim"], capsys).split())
+    assert "at least this much" in flat and "cached prefixes no client uses" in flat, flat

@@ -5,6 +5,7 @@ every default and whose errors are one line, and the argparse type of a size
 from __future__ import annotations
 
 import argparse
+from importlib import metadata
 
 from vtm.sizes import parse_size
 
@@ -31,6 +32,15 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog.split()[0]}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """--version: the installed `vtm` distribution's (vtmd, vtmctl and flexinfer ship in it)."""
+    try:
+        version = metadata.version("vtm")
+    except metadata.PackageNotFoundError:  # an uninstalled source tree
+        version = "0+unknown"
+    parser.add_argument("--version", action="version", version=f"{parser.prog} {version}")
 
 
 def size(text: str) -> int:

@@ -16,13 +16,15 @@ yet to connect (a client may ask for less, never more): a limit below what
 one maps asks it for the excess back (a reclaim notice), a guarantee that
 would sum past the capacity is refused.
 
-Exit status 0 on success, 2 when the broker cannot be reached or refuses
-(one line on stderr).
+Exit status 0 on success (also when the reader of its output stops early:
+`vtmctl ... stats | head -1`), 2 when the broker cannot be reached or
+refuses (one line on stderr).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -30,7 +32,7 @@ import grpc
 
 from vtm import errors
 from vtm.broker import status
-from vtm.broker.cli_args import Parser, size
+from vtm.broker.cli_args import Parser, add_version, size
 from vtm.broker.control import TOKEN_KEY, read_token
 from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
@@ -95,7 +97,7 @@ def _tier(stats: dict) -> list[str]:
 _ALT_SCREEN_ON, _ALT_SCREEN_OFF, _HOME_CLEAR = "\x1b[?1049h", "\x1b[?1049l", "\x1b[H\x1b[2J"
 
 
-def _top(read_stats, interval: float, iterations: int) -> None:
+def _top(read_stats, address: str, interval: float, iterations: int) -> None:
     """Redraws in place on a terminal; appends frames elsewhere (a pipe, a
     file), where escape sequences would be noise."""
     out = sys.stdout
@@ -106,7 +108,8 @@ def _top(read_stats, interval: float, iterations: int) -> None:
         n = 0
         while iterations == 0 or n < iterations:
             stats = read_stats()
-            frame = "\n".join([time.strftime("%H:%M:%S")] + _summary(stats)[1:2] + _tier(stats) + _clients_table(stats))
+            heading = f"vtm broker at {address}, {time.strftime('%H:%M:%S')}, every {interval:g} s"
+            frame = "\n".join([heading] + _summary(stats)[1:2] + _tier(stats) + _clients_table(stats))
             out.write(_HOME_CLEAR + frame if terminal else frame + "\n")
             out.flush()
             n += 1
@@ -121,6 +124,7 @@ def _top(read_stats, interval: float, iterations: int) -> None:
 def main(argv=None) -> int:
     parser = Parser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd). Sizes are a byte count "
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
+    add_version(parser)
     parser.add_argument("--address", required=True, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
     parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
                         help="seconds to wait for each answer of the broker")
@@ -145,9 +149,10 @@ def main(argv=None) -> int:
     quota.add_argument("--host-tier-limit", type=size, default=None, metavar="SIZE",
                        help="most bytes of vtmd's host tier the prefixes they record may keep; 0: no limit "
                             "(default: unchanged)")
-    trim = sub.add_parser("trim", help="give free chunks back to the device")
+    trim = sub.add_parser("trim", help="give memory back to the device: every free chunk, or --bytes")
     trim.add_argument("--bytes", type=size, default=None, metavar="SIZE",
-                      help="at most this much (default: every free chunk)")
+                      help="at least this much where it can: free chunks first, then cached prefixes no client "
+                           "uses, least recently used first (default: every free chunk, no prefix evicted)")
     args = parser.parse_args(argv)
     try:
         if args.address.startswith("tcp:"):
@@ -157,6 +162,8 @@ def main(argv=None) -> int:
                 raise errors.InvalidArgument(str(exc)) from None
         elif args.address.startswith("unix:"):
             target = args.address
+            if not os.path.exists(args.address[len("unix:"):]):
+                raise errors.Unavailable(f"no vtm broker answers at {args.address}: no such socket")
         else:
             raise errors.InvalidArgument(f"--address must be unix:PATH or tcp:HOST:PORT, got {args.address!r}")
         metadata = ((TOKEN_KEY, read_token(args.token_file)),) if args.token_file else None
@@ -167,7 +174,7 @@ def main(argv=None) -> int:
                 print(json.dumps(stats, indent=2) if args.json else "\n".join(_summary(stats) + _clients_table(stats)))
             elif args.command == "top":
                 _top(lambda: json.loads(_call(stub.Stats, vtm_pb2.StatsRequest(), args.timeout, "stats",
-                                              metadata).json), args.interval, args.iterations)
+                                              metadata).json), args.address, args.interval, args.iterations)
             elif args.command == "set-quota":
                 if args.bytes is not None and args.limit is not None:
                     raise errors.InvalidArgument("give the limit once: LIMIT or --limit")
@@ -186,6 +193,11 @@ def main(argv=None) -> int:
         print(f"vtmctl: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # The reader went away (`| head`): what is left to write has no one
+        # to read it, and Python's flush of stdout at exit must not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 0
 

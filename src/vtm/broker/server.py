@@ -36,7 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import vtm
-from vtm.broker.cli_args import Parser, size
+from vtm.broker.cli_args import Parser, add_version, size
 from vtm.broker.control import ControlService, is_loopback, read_token
 from vtm.broker.fd_channel import FdServer
 from vtm.broker.quota import Quotas
@@ -67,12 +67,17 @@ def tcp_target(address: str) -> str:
     return f"{host}:{port}"
 
 
-def _private_folder(path: str) -> None:
+def _private_folder(path: str) -> list[str]:
     """The socket folder is the only wall around the control calls: it must
     be this user's and closed to others. A missing one is created so; an
-    existing one is never changed (it may be a home folder, or /tmp)."""
+    existing one is never changed (it may be a home folder, or /tmp).
+    Returns the folders it created, deepest first."""
     folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
+    created, missing = [], folder
+    while not os.path.isdir(missing):
+        created.append(missing)
+        missing = os.path.dirname(missing)
+    if created:
         os.makedirs(folder, mode=0o700)
     st = os.stat(folder)
     mode = stat.S_IMODE(st.st_mode)
@@ -88,6 +93,16 @@ def _private_folder(path: str) -> None:
         raise PermissionError(f"the socket folder {folder} must have mode 0700, not {mode:04o}: run "
                               f"`chmod 700 {shlex.quote(folder)}`, or listen in a folder of its own (vtmd creates a "
                               f"missing one with mode 0700)")
+    return created
+
+
+def _remove_folders(folders: list[str]) -> None:
+    """Removes the folders _private_folder created, deepest first, where empty."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
 
 
 def _own_socket_example() -> str:
@@ -135,17 +150,21 @@ class Broker:
         if control_target is not None and token is None and not is_loopback(control_target.rpartition(":")[0]):
             raise ValueError(f"--control {control} is not on loopback: anyone who reaches it could steer the "
                              "broker; give --control-token-file (every control call must then carry the token)")
-        _private_folder(self.path)
-        _clear_stale(self.path, socket.SOCK_STREAM)
-        _clear_stale(self.path + ".fds", socket.SOCK_SEQPACKET)
-        _clear_stale(self.path + ".step", socket.SOCK_SEQPACKET)
-        _raise_fd_limit()
-        # No slot cache: a released slot's pages go back to the pool at once,
-        # so no operation of one client ever changes another client's
-        # mappings (the effects of a call are on the caller's spaces only).
-        self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
-                                   workers=workers, granularity=granularity, slot_cache_bytes=0,
-                                   record_mappings=True, export_chunks=True, host_tier_bytes=host_tier_bytes)
+        created = _private_folder(self.path)
+        try:
+            _clear_stale(self.path, socket.SOCK_STREAM)
+            _clear_stale(self.path + ".fds", socket.SOCK_SEQPACKET)
+            _clear_stale(self.path + ".step", socket.SOCK_SEQPACKET)
+            _raise_fd_limit()
+            # No slot cache: a released slot's pages go back to the pool at once,
+            # so no operation of one client ever changes another client's
+            # mappings (the effects of a call are on the caller's spaces only).
+            self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
+                                       workers=workers, granularity=granularity, slot_cache_bytes=0,
+                                       record_mappings=True, export_chunks=True, host_tier_bytes=host_tier_bytes)
+        except BaseException:
+            _remove_folders(created)  # a broker that never started leaves nothing behind
+            raise
         self.service = self.fds = self.steps = self.control = self.reactor = None
         self.control_address = None
         try:
@@ -193,6 +212,7 @@ class Broker:
             if self.reactor is not None:
                 self.reactor.close()
             self.manager.close()
+            _remove_folders(created)
             raise
         self._stopped = False
 
@@ -220,6 +240,7 @@ class Broker:
 def main(argv=None) -> int:
     parser = Parser(prog="vtmd", description="The vtm memory broker (docs/broker.md). Sizes are a byte count "
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
+    add_version(parser)
     parser.add_argument("--listen", required=True, metavar="unix:PATH",
                         help="the socket; its folder must be private (0700): vtmd creates a missing one so")
     parser.add_argument("--control", default=None, metavar="tcp:HOST:PORT",
@@ -257,12 +278,14 @@ def main(argv=None) -> int:
         print(f"vtmd: error: {exc}", file=sys.stderr)
         return 2
     tier = broker.manager.stats()["host_tier_capacity_bytes"]
+    # On stderr, with the log lines, as a daemon's messages go (and flexinfer serve's).
     print(f"vtmd: listening on unix:{broker.path} ({broker.manager.backend}, "
           f"{broker.manager.capacity_bytes} bytes in chunks of {broker.manager.chunk_bytes}"
           + (f", a host tier of {tier} bytes" if tier else "") + ")"
-          + (f", control on {broker.control_address}" if broker.control_address else ""), flush=True)
+          + (f", control on {broker.control_address}" if broker.control_address else ""), file=sys.stderr,
+          flush=True)
     while not stop.wait(0.5):
         pass
     broker.stop()
-    print("vtmd: stopped", flush=True)
+    print("vtmd: stopped", file=sys.stderr, flush=True)
     return 0
