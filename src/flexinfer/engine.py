@@ -431,6 +431,10 @@ class Engine:
         there is none, requests wait, up to broker_wait_s of the broker's
         absence; then everything queued fails with vtm.Unavailable."""
         if self._unhealthy_since is None:
+            # Said once an outage, running or idle: an operator reading the
+            # log sees it begin, and end (reconnected, below) or fail requests.
+            log.warning("the vtm broker is unavailable: reconnecting; requests wait up to %g s (broker_wait_s)",
+                        self.broker_wait_s)
             self.scheduler.lose_memory(vtm.Unavailable("the vtm broker is unavailable"))
             self._sink = []
         started = time.monotonic()
@@ -454,6 +458,9 @@ class Engine:
         now = time.monotonic()
         self._unhealthy_since = self._unhealthy_since or now
         if now - self._unhealthy_since >= self.broker_wait_s:
+            if self.scheduler.waiting:
+                log.warning("the vtm broker is still unavailable after %g s: failing %d queued requests",
+                            self.broker_wait_s, len(self.scheduler.waiting))
             self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker is still unavailable after "
                                                         f"{self.broker_wait_s:g} s: {exc}"))
 

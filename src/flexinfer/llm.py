@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 import weakref
 
 from tqdm import tqdm
@@ -89,7 +90,8 @@ class LLM:
         try:
             for (text, ids), p, priority in zip(encoded, params, priorities):
                 handles.append(self._loop.submit(text, ids, p, priority))
-            show = use_tqdm if use_tqdm is not None else len(handles) > 1
+            # A bar is for a person watching: not in a log or a pipe.
+            show = use_tqdm if use_tqdm is not None else len(handles) > 1 and _stderr_is_a_terminal()
             with tqdm(total=len(handles), desc="generate", disable=not show, unit="req") as bar:
                 for handle in handles:
                     # In slices: a signal (Ctrl-C) is handled between them.
@@ -172,3 +174,10 @@ def _check_option_names(options: dict) -> None:
             close = difflib.get_close_matches(name, OPTIONS, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"the options are {', '.join(OPTIONS)}"
             raise InvalidArgument(f"unknown option {name!r}: {hint}")
+
+
+def _stderr_is_a_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except ValueError:  # closed
+        return False

@@ -5,6 +5,7 @@ engine answers a reclaim notice by preempting without changing its output."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -288,10 +289,12 @@ def test_a_session_lost_while_planning_computes_nothing_on_revoked_memory(tiny_f
         manager.close()
 
 
-def test_a_broker_that_stays_away_fails_requests_and_the_engine_lives_on(tiny_folder, broker):
+def test_a_broker_that_stays_away_fails_requests_and_the_engine_lives_on(tiny_folder, broker, caplog):
     """Past broker_wait_s of the broker's absence every request ends with
     vtm.Unavailable (no hang), the engine thread survives, and it serves
-    again once the broker is back."""
+    again once the broker is back. The log says when the outage began and
+    what it failed (an operator saw only the reconnect)."""
+    caplog.set_level(logging.INFO, logger="flexinfer")
     prompts = random_prompts(TINY_PROMPT_LENGTHS, seed=21)
     manager = vtm.connect(broker.address, name="engine-orphan", timeout=2)
     llm = LLM(tiny_folder, manager=manager, broker_wait_s=1.0)
@@ -309,6 +312,10 @@ def test_a_broker_that_stays_away_fails_requests_and_the_engine_lives_on(tiny_fo
         broker.start()
         back = llm.generate(prompts[:2], greedy(4), use_tqdm=False)
         assert all(o.error is None and len(o.token_ids) == 4 for o in back), [o.error for o in back]
+        said = [r.getMessage() for r in caplog.records if r.name == "flexinfer"]
+        assert "the vtm broker is unavailable: reconnecting; requests wait up to 1 s (broker_wait_s)" in said, said
+        assert any(m.startswith("the vtm broker is still unavailable after 1 s: failing ") for m in said), said
+        assert any(m.startswith("reconnected to the vtm broker") for m in said), said
     finally:
         llm.close()
         manager.close()

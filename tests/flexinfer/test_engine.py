@@ -1317,3 +1317,13 @@ def test_a_failed_constructor_restores_the_thread_count(tiny_llama, monkeypatch)
     with pytest.raises(RuntimeError, match="injected"):
         LLM(folder, threads=before + 1)
     assert torch.get_num_threads() == before and threads._open_tuners == opened
+
+
+def test_generate_draws_no_progress_bar_into_a_log(tiny_llm, tiny_prompts, capfd):
+    """use_tqdm=None drew a bar for more than one prompt wherever stderr
+    went: a server's or a script's log got a line of it per call. It is
+    for a terminal; use_tqdm=True still asks for it anywhere."""
+    tiny_llm.generate(tiny_prompts[:2], greedy(2))
+    assert "generate" not in capfd.readouterr().err
+    tiny_llm.generate(tiny_prompts[:2], greedy(2), use_tqdm=True)
+    assert "generate: 100%" in capfd.readouterr().err
