@@ -160,7 +160,7 @@ class Engine:
                 cuda_graphs = self.device.type == "cuda" and isinstance(self.attention, KernelAttention)
             if cuda_graphs and (self.device.type != "cuda" or not isinstance(self.attention, KernelAttention)):
                 raise InvalidArgument("cuda_graphs needs a CUDA device and attention='kernel' (or 'auto')")
-            if preemption == "swap" and not manager.stats().get("host_tier_capacity_bytes"):
+            if preemption == "swap" and not self._on_the_broker(manager.stats).get("host_tier_capacity_bytes"):
                 raise InvalidArgument("preemption='swap' keeps preempted requests' KV in vtm's host tier: give "
                                       "host_tier_bytes (or a vtm broker started with --host-tier-bytes)")
             # The checks that need the model's config read it alone (a tenth
@@ -194,10 +194,9 @@ class Engine:
             # and K/V write) whatever the attention.
             self._keeps_sink = keep_sink = self.device.type == "cuda" and (
                 isinstance(self.attention, KernelAttention) or self.model.layer_ops is not None)
-            self.kv_cache = KVCache(manager, self.config, self.dtype, self.max_model_len,
-                                    max_num_seqs + (1 if keep_sink else 0),
-                                    namespace=prefix_namespace(fingerprint, dtype, namespace),
-                                    layer_groups=layer_groups)
+            self.kv_cache = self._on_the_broker(lambda: KVCache(
+                manager, self.config, self.dtype, self.max_model_len, max_num_seqs + (1 if keep_sink else 0),
+                namespace=prefix_namespace(fingerprint, dtype, namespace), layer_groups=layer_groups))
             if self.device.type == "cuda" and self.kv_cache.device.index != _cuda_index(self.device, "cuda"):
                 # Kernels would index one GPU's memory from another (a shared
                 # manager opened on another device).
@@ -283,6 +282,22 @@ class Engine:
 
     def _forget_batches(self) -> None:
         self._last_launched = self._sampled_batch = self._plan_lists = None
+
+    def _on_the_broker(self, call):
+        """call() on the manager while the engine is built. A broker session
+        lost since vtm.connect (vtmd restarted while the model loaded) is
+        opened again first, waiting for the broker up to broker_wait_s, as
+        a request would; in process it is call()."""
+        deadline = time.monotonic() + self.broker_wait_s
+        while True:
+            try:
+                if not self.manager.healthy:
+                    self.manager.reconnect(timeout=max(0.0, deadline - time.monotonic()))
+                return call()
+            except vtm.Unavailable:
+                # A session that is up and still unanswered is not ours to retry.
+                if self.manager.healthy or time.monotonic() >= deadline:
+                    raise
 
     def _kv_budget(self) -> KVBudget:
         """What one request's KV can ever take: the pool, or with vtm.connect

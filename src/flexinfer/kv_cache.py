@@ -51,24 +51,34 @@ class KVCache:
         self.kv: list[torch.Tensor] = [None] * layers  # [slot, token, k|v, kv_head, head_dim] per layer
         self.k: list[torch.Tensor] = [None] * layers  # [slot, token, kv_head, head_dim] per layer
         self.v: list[torch.Tensor] = [None] * layers
-        for g, (group_layers, window, label) in enumerate(groups):
-            row_bytes = config.kv_row_bytes(itemsize, layers=len(group_layers))
-            # The namespace names the layers a row holds (what its bytes
-            # mean), the space name only tells groups apart.
-            space = manager.create_space(row_bytes=row_bytes, max_tokens=max_tokens, max_slots=max_slots,
-                                         namespace=None if namespace is None else namespace + label,
-                                         name=None if name is None or len(groups) == 1 else name + label,
-                                         window_tokens=window)
-            self.spaces.append(space)
-            self.windows.append(window)
-            flat = space.tensor(dtype)  # [max_slots, slot_bytes // itemsize]
-            row_elems = row_bytes // itemsize
-            rows = flat[:, : max_tokens * row_elems].view(max_slots, max_tokens, len(group_layers), 2, heads, dim)
-            for index, layer in enumerate(group_layers):
-                self.group_of[layer] = g
-                self.kv[layer] = rows[:, :, index]
-                self.k[layer] = rows[:, :, index, 0]
-                self.v[layer] = rows[:, :, index, 1]
+        try:
+            for g, (group_layers, window, label) in enumerate(groups):
+                row_bytes = config.kv_row_bytes(itemsize, layers=len(group_layers))
+                # The namespace names the layers a row holds (what its bytes
+                # mean), the space name only tells groups apart.
+                space = manager.create_space(row_bytes=row_bytes, max_tokens=max_tokens, max_slots=max_slots,
+                                             namespace=None if namespace is None else namespace + label,
+                                             name=None if name is None or len(groups) == 1 else name + label,
+                                             window_tokens=window)
+                self.spaces.append(space)
+                self.windows.append(window)
+                flat = space.tensor(dtype)  # [max_slots, slot_bytes // itemsize]
+                row_elems = row_bytes // itemsize
+                rows = flat[:, : max_tokens * row_elems].view(max_slots, max_tokens, len(group_layers), 2, heads, dim)
+                for index, layer in enumerate(group_layers):
+                    self.group_of[layer] = g
+                    self.kv[layer] = rows[:, :, index]
+                    self.k[layer] = rows[:, :, index, 0]
+                    self.v[layer] = rows[:, :, index, 1]
+        except BaseException:
+            # A shared manager keeps no space of a cache that was never made
+            # (a group's space refused: its reservation, a lost broker).
+            for space in self.spaces:
+                try:
+                    space.close()
+                except vtm.Error:
+                    pass  # gone with a lost session already
+            raise
         self.has_window = any(self.windows)
         self._chunk_bytes = manager.chunk_bytes
         self._layouts = [(space.row_bytes, window) for space, window in zip(self.spaces, self.windows)]

@@ -321,6 +321,33 @@ def test_a_broker_that_stays_away_fails_requests_and_the_engine_lives_on(tiny_fo
         manager.close()
 
 
+def test_an_engine_built_after_a_broker_restart_reconnects(tiny_folder, broker):
+    """vtmd restarted between vtm.connect and LLM(...) (while the model
+    loaded): the engine's first call on the lost session raised
+    vtm.Unavailable out of LLM(...). It now opens a new session first,
+    waiting for the broker up to broker_wait_s as a request would, and
+    raises Unavailable only once that has passed."""
+    manager = vtm.connect(broker.address, name="engine-late", timeout=2)
+    orphan = None
+    try:
+        broker.kill()
+        broker.start()
+        with LLM(tiny_folder, manager=manager) as llm:
+            assert manager.reconnects == 1
+            out = llm.generate([[1, 5, 6, 7]], greedy(4), use_tqdm=False)[0]
+            assert out.error is None and len(out.token_ids) == 4
+        orphan = vtm.connect(broker.address, name="engine-orphan", timeout=2)
+        broker.kill()
+        started = time.monotonic()
+        with pytest.raises(vtm.Unavailable):
+            LLM(tiny_folder, manager=orphan, broker_wait_s=1.0)
+        assert 1.0 <= time.monotonic() - started < 20
+    finally:
+        manager.close()
+        if orphan is not None:
+            orphan.close()
+
+
 def test_an_idle_engine_reconnects_without_traffic(tiny_folder, broker):
     """Review of finding 8: only a step reconnected, and an idle loop never
     stepped: /health stayed 503 after the broker came back, and a load

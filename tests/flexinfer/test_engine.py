@@ -1327,3 +1327,32 @@ def test_generate_draws_no_progress_bar_into_a_log(tiny_llm, tiny_prompts, capfd
     assert "generate" not in capfd.readouterr().err
     tiny_llm.generate(tiny_prompts[:2], greedy(2), use_tqdm=True)
     assert "generate: 100%" in capfd.readouterr().err
+
+
+def test_a_kv_cache_whose_second_space_is_refused_leaves_no_space(tiny_llama):
+    """A KV cache of two layer groups whose second space the manager refused
+    (its reservation, a broker gone) kept the first one open on a shared
+    manager: a space nobody would ever close."""
+    config = load_model(tiny_llama[0], torch.float32).config
+    manager = small_manager(16)
+
+    class RefusesTheSecondSpace:
+        chunk_bytes = manager.chunk_bytes
+        backend = manager.backend
+
+        def __init__(self):
+            self.made = 0
+
+        def create_space(self, **kwargs):
+            self.made += 1
+            if self.made == 2:
+                raise vtm.OutOfMemory("no room for the second reservation")
+            return manager.create_space(**kwargs)
+
+        def __getattr__(self, name):
+            return getattr(manager, name)
+
+    with pytest.raises(vtm.OutOfMemory, match="second reservation"):
+        KVCache(RefusesTheSecondSpace(), config, torch.float32, max_tokens=64, max_slots=2, layer_groups=2)
+    assert manager.stats()["spaces"] == {}
+    manager.close()
