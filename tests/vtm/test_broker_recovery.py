@@ -128,6 +128,37 @@ def test_spaces_come_back_when_new_ids_collide(broker):
         mine.close()
 
 
+def test_a_space_closed_while_the_session_is_lost_stays_closed(broker):
+    """Found reviewing an engine built across a broker restart: close() on a
+    lost session raised Unavailable and kept the space, and reconnect() then
+    rebuilt it in the new session, where nobody would ever close it. The
+    session took the space with it: close() now succeeds, and reconnect()
+    brings back only the spaces still open; a space whose id a new one takes
+    does not get in its way."""
+    mine = vtm.connect(broker.address, timeout=5)
+    kept = mine.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, name="kept")
+    gone = mine.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, name="gone")
+    vt = gone.create(10).result()
+    broker.kill()
+    with pytest.raises(vtm.Unavailable):
+        kept.create(1).result()
+    gone.close()
+    assert gone.closed and vt.released
+    for use in (lambda: gone.create(1), gone.close):
+        with pytest.raises(vtm.FailedPrecondition, match="closed"):
+            use()
+    broker.start()
+    try:
+        mine.reconnect(timeout=10)
+        assert list(mine.stats()["spaces"]) == ["kept"]
+        assert not kept.closed and kept.create(50).result().mapped_bytes == CHUNK
+        again = mine.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, name="gone")
+        assert again.create(10).result().mapped_bytes == CHUNK
+        mine.check()
+    finally:
+        mine.close()
+
+
 def test_a_rebuild_the_new_broker_refuses_half_way_changes_nothing(tmp_path):
     """Review of finding 8: a reconnect that failed half way lost the spaces
     it had not rebuilt, and the next one "succeeded" with none left. The

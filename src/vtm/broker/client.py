@@ -204,7 +204,8 @@ class RemoteManager:
         self._map_ahead.pages = self._map_ahead_asked
         self.capacity_bytes = hello.capacity_bytes
         self.granularity = hello.granularity
-        # What the operator granted (less where this client asked for less).
+        # What the operator granted (less where this client asked for less);
+        # a quota notice brings the operator's changes (_listen).
         self.priority = hello.priority
         self.guaranteed_bytes = hello.guaranteed_bytes
         self.limit_bytes = hello.limit_bytes
@@ -276,6 +277,11 @@ class RemoteManager:
                 self.recall_notices += 1
                 self._give_back_pages_ahead(float(notice.get("deadline_s", self._timeout)))
                 session.ack(notice.get("id"))
+            elif notice.get("notice") == "quota" and session is self._session:
+                # The operator's new grant (vtmctl set-quota), as Hello gave it.
+                self.priority = int(notice["priority"])
+                self.guaranteed_bytes = int(notice["guaranteed_bytes"])
+                self.limit_bytes = int(notice["limit_bytes"])
         if not self._closed:
             self._session_lost(session, "the vtm broker ended this session (its channel closed)")
 
@@ -425,6 +431,7 @@ class RemoteManager:
             for vt in list(self._live.values()):
                 vt._released = True
             self._live.clear()
+            self._forget_closed_spaces()
             self._rename_spaces(replies)
             self._epoch += 1
             self._liveness.renew()
@@ -437,7 +444,7 @@ class RemoteManager:
         failure closes the ones made, and the old spaces stay as they were)."""
         made = {}
         try:
-            for space in self._spaces.values():
+            for space in [s for s in self._spaces.values() if not s.closed]:
                 request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=space.row_bytes,
                                    max_tokens=space.max_tokens, max_slots=space.max_slots,
                                    namespace=space.namespace, name=space.name, window_tokens=space.window_tokens)
@@ -455,6 +462,16 @@ class RemoteManager:
                     pass  # the session is being dropped: the broker closes it with the session
             raise
         return made
+
+    def _forget_closed_spaces(self) -> None:
+        """Removes the spaces closed while the session was lost (_close_space)
+        from the mapper, the old session's mappings revoked already."""
+        for space in [s for s in self._spaces.values() if s.closed]:
+            del self._spaces[space.id]
+            try:
+                self._mapper.remove_space(space.id)
+            except errors.Error:
+                pass  # an unmap failed: the range stays reserved under its mapping (mapper_client.cc)
 
     def _rename_spaces(self, new_ids: dict[int, int]) -> None:
         """Moves every space (its mapper area, reservation and object) to its
@@ -799,6 +816,21 @@ class RemoteManager:
         return self._submit(run)
 
     def _close_space(self, space: RemoteSpace) -> RemoteFuture:
+        with self._op_mu:
+            lost = self._liveness.broken is not None and not space.closed
+            if lost:
+                # The lost session took the space with it: closed here, so
+                # that reconnect() does not bring it back; its area goes once
+                # the old mappings are revoked (reconnect, close).
+                for vt in [vt for vt in self._live.values() if vt._space is space]:
+                    vt._released = True
+                    self._live.pop(vt.id, None)
+                space.closed = True
+        if lost:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return RemoteFuture(done, None)
+
         def run():
             if space.closed:
                 raise errors.FailedPrecondition(f"space '{space.name}' is closed")

@@ -160,32 +160,44 @@ class RemoteSpace:
         return self._mgr._mapper._device
 
     def _dlpack(self, code, bits, shape, versioned):
-        if self.closed:
-            raise errors.FailedPrecondition(f"space '{self.name}' is closed")
+        self._open()
         return self._mgr._mapper._dlpack(self.id, code, bits, shape, versioned)
 
     def tensor(self, dtype, shape=None):
         return views.tensor(self, dtype, shape)
 
+    def _open(self) -> None:
+        # A closed space's id may be another space's by now (a new session
+        # numbers its spaces from 1 again): nothing of it goes to the broker.
+        if self.closed:
+            raise errors.FailedPrecondition(f"space '{self.name}' is closed")
+
     def create(self, num_tokens: int) -> RemoteFuture:
+        self._open()
         return self._mgr._create(self, num_tokens)
 
     def prefix_record(self, vtensor, token_ids, *, stream=None, release=False) -> RemoteFuture:
+        self._open()
         return self._mgr._prefix_record(self, vtensor, token_ids, stream, release)
 
     def prefix_match(self, token_ids, *, stream=None) -> RemoteFuture:
+        self._open()
         return self._mgr._prefix_match(self, token_ids, stream)
 
     def clear_prefixes(self) -> int:
+        self._open()
         return self._mgr._clear_prefixes(self).result()
 
     def prefix_restore_bytes(self, token_ids) -> int:
+        self._open()
         return self._mgr._prefix_restore_bytes(self, token_ids).result()
 
     def prefix_nodes(self):
+        self._open()
         return self._mgr._prefix_nodes(self).result()
 
     def close(self) -> None:
+        self._open()
         self._mgr._close_space(self).result()
 
     def __repr__(self):

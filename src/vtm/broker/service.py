@@ -885,6 +885,11 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if "host_tier_limit_bytes" in fields:
                 self._apply_tier_limit(name, make=False)  # a name without an account gets it when it makes one
             for session in matching:
+                # The client's view of its grant, before any reclaim this
+                # asks: an engine checks a request against its limit before
+                # it waits for memory the limit would never give it.
+                session.notify({"notice": "quota", "priority": session.priority,
+                                "guaranteed_bytes": session.guaranteed_bytes, "limit_bytes": session.limit_bytes})
                 if session.limit_bytes != limits[session] and session.state == LIVE:
                     # Over a lowered limit: ask for the excess, as for a
                     # higher priority; nothing the client runs fails. A

@@ -25,6 +25,9 @@ Messages, one JSON object a datagram:
     {"notice": "recall", "id": N, "deadline_s": S, "reason": R}
                                    give back the pages mapped ahead
     {"notice": "shutdown", "reason": R}
+    {"notice": "quota", "priority": P, "guaranteed_bytes": G, "limit_bytes": L}
+                                   the operator changed this session's grant
+                                   (vtmctl set-quota; no answer)
 
 Threading: one thread reads the channel (the client's listener); ack() may
 be called from it, drop() and close() from any thread. The reader owns the socket while
