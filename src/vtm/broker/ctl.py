@@ -197,7 +197,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         # The reader went away (`| head`): what is left to write has no one
         # to read it, and Python's flush of stdout at exit must not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 0
     return 0
 

@@ -77,8 +77,18 @@ def _private_folder(path: str) -> list[str]:
     while not os.path.isdir(missing):
         created.append(missing)
         missing = os.path.dirname(missing)
-    if created:
-        os.makedirs(folder, mode=0o700)
+    parent = os.path.dirname(folder)
+    if os.path.isdir(parent):  # else created below, this user's and private
+        pst = os.stat(parent)
+        # Whoever may rename entries of the parent may swap the folder for one of theirs.
+        if pst.st_uid not in (0, os.getuid()) or (stat.S_IMODE(pst.st_mode) & 0o002
+                                                  and not pst.st_mode & stat.S_ISVTX):
+            raise PermissionError(f"the socket folder's parent {parent} is another user's or writable by every "
+                                  f"user without the sticky bit: anyone who may write there may replace the socket "
+                                  f"folder; listen in a folder of your own, e.g. --listen unix:{_own_socket_example()}")
+    for made in reversed(created):  # each 0700: makedirs gives the parents the umask's mode
+        os.mkdir(made, 0o700)
+        os.chmod(made, 0o700)  # whatever the umask
     st = os.stat(folder)
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != os.getuid():
@@ -94,6 +104,19 @@ def _private_folder(path: str) -> list[str]:
                               f"`chmod 700 {shlex.quote(folder)}`, or listen in a folder of its own (vtmd creates a "
                               f"missing one with mode 0700)")
     return created
+
+
+def _listen(server, target: str, address: str | None = None) -> int:
+    """server.add_insecure_port(target), whose failure (an address in use) is
+    an OSError naming `address` (the target as the user wrote it), not
+    gRPC's RuntimeError or a port of 0."""
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen at {address or target}: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot listen at {address or target}")
+    return port
 
 
 def _remove_folders(folders: list[str]) -> None:
@@ -165,7 +188,7 @@ class Broker:
         except BaseException:
             _remove_folders(created)  # a broker that never started leaves nothing behind
             raise
-        self.service = self.fds = self.steps = self.control = self.reactor = None
+        self.service = self.fds = self.steps = self.server = self.control = self.reactor = None
         self.control_address = None
         try:
             quotas = (Quotas.load(quota_file, self.manager.capacity_bytes) if quota_file
@@ -184,8 +207,7 @@ class Broker:
             vtm_pb2_grpc.add_BrokerServicer_to_server(self.service, self.server)
             self.health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-            if self.server.add_insecure_port("unix:" + self.path) == 0:
-                raise OSError(f"cannot listen at unix:{self.path}")
+            _listen(self.server, "unix:" + self.path)
             os.chmod(self.path, 0o600)
             self.server.start()
             if control_target is not None:
@@ -193,9 +215,7 @@ class Broker:
                                                                       thread_name_prefix="vtmd-control"))
                 vtm_pb2_grpc.add_BrokerServicer_to_server(ControlService(self.service, token), self.control)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, self.control)
-                port = self.control.add_insecure_port(control_target)
-                if port == 0:
-                    raise OSError(f"cannot listen at {control}")
+                port = _listen(self.control, control_target, control)
                 self.control_address = f"tcp:{control_target.rpartition(':')[0]}:{port}"
                 self.control.start()
             for name in ("", SERVICE_NAME):
@@ -203,6 +223,12 @@ class Broker:
         except BaseException:
             if self.control is not None:
                 self.control.stop(None)
+            if self.server is not None:
+                self.server.stop(None)
+                try:
+                    os.unlink(self.path)  # gRPC leaves the socket file behind
+                except FileNotFoundError:
+                    pass
             if self.steps is not None:
                 self.steps.close()  # and its socket file
             if self.fds is not None:
