@@ -203,7 +203,7 @@ class Engine:
                 raise InvalidArgument(f"the vtm manager's memory is on {self.kv_cache.device} but the engine "
                                       f"computes on cuda:{_cuda_index(self.device, 'cuda')}")
             if keep_sink:
-                self._sink = self.kv_cache.create(1)
+                self._sink = self._on_the_broker(lambda: self.kv_cache.create(1))
             if cuda_graphs:
                 from flexinfer.cuda_graphs import DecodeGraphs
 
@@ -220,7 +220,8 @@ class Engine:
             # Where sampled rows are chosen: the device's own (CUDA), else the host (None).
             self.sampling_device = self.device if self.device.type == "cuda" else None
             self.scheduler.wait_for_device = _weak_call(self._wait_for_device)
-            self.kv_budget = self._kv_budget()
+            self.scheduler.never_fits = _weak_call(self._never_fits)
+            self._budget = (self.manager.limit_bytes, self._kv_budget())
             # CPU threads: measured while decoding ("auto", see threads.py) or fixed.
             if self.device.type == "cpu":
                 self.thread_tuner = (ThreadTuner(monitor=NeighbourLoad.open()) if threads == "auto"
@@ -288,16 +289,42 @@ class Engine:
         lost since vtm.connect (vtmd restarted while the model loaded) is
         opened again first, waiting for the broker up to broker_wait_s, as
         a request would; in process it is call()."""
-        deadline = time.monotonic() + self.broker_wait_s
+        deadline = time.monotonic() + self.broker_wait_s  # inf: wait for it for ever
         while True:
+            started = time.monotonic()
             try:
                 if not self.manager.healthy:
-                    self.manager.reconnect(timeout=max(0.0, deadline - time.monotonic()))
+                    self.manager.reconnect(timeout=min(RECONNECT_TRY_S, max(0.0, deadline - started)))
                 return call()
             except vtm.Unavailable:
                 # A session that is up and still unanswered is not ours to retry.
                 if self.manager.healthy or time.monotonic() >= deadline:
                     raise
+            # One try per RECONNECT_TRY_S at most, however fast it failed.
+            time.sleep(max(0.0, min(started + RECONNECT_TRY_S, deadline) - time.monotonic()))
+
+    @property
+    def kv_budget(self) -> KVBudget:
+        """What one request's KV can ever take (_kv_budget), as the manager
+        grants it now: a broker client learns a new limit from the operator
+        (vtmctl set-quota) while it runs. Read from any thread (submission
+        checks): the pair is replaced whole."""
+        limit, budget = self._budget
+        if self.manager.limit_bytes != limit:
+            limit, budget = self.manager.limit_bytes, self._kv_budget()
+            self._budget = (limit, budget)
+        return budget
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        """Why `seq` can never fit the KV budget as the manager grants it
+        now, or None."""
+        budget = self.kv_budget
+        need = budget.chunks_needed(len(seq.prompt_ids), seq.params.max_tokens)
+        if need <= budget.chunks:
+            return None
+        return (f"it needs {need} chunks of {budget.chunk_bytes} bytes and one request can now have at most "
+                f"{budget.chunks}" + (f" (this client's limit is {self.manager.limit_bytes} bytes)"
+                                      if self.manager.limit_bytes else ""))
 
     def _kv_budget(self) -> KVBudget:
         """What one request's KV can ever take: the pool, or with vtm.connect
@@ -380,6 +407,7 @@ class Engine:
                 self._make_sink()
             except vtm.Error as exc:  # lost again, or others hold the whole pool for now
                 self._memory_not_back(exc)
+                time.sleep(RECONNECT_TRY_S)  # one try per RECONNECT_TRY_S: the loop does not spin
                 return self._finish_in_flight() + self._take_failed()
         self._unhealthy_since = None
         # Sequences the scheduler failed (one that can never fit in memory).
@@ -419,10 +447,6 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a device that fails here fails the next step too
                     log.exception("waiting for the device after a failed step failed")
                 failed += broken
-        elif not self.scheduler.running:
-            # The queue waits for memory a shared pool's other users hold:
-            # the next try comes at retry_at, and the loop does not spin.
-            time.sleep(max(0.0, self.scheduler.retry_at - time.perf_counter()))
         # The launched step is in flight before the one before it is read:
         # should reading raise, it is still there to be read.
         previous, self._in_flight = self._in_flight, launched
@@ -433,6 +457,11 @@ class Engine:
         if launched is not None and (not self.overlap or (launched.seqs and (launched.chosen_on_host or all(
                 seq.status is Status.FINISHED for seq in launched.seqs)))):
             done += self._finish_in_flight()
+        if not plan and not self.scheduler.running:
+            # The queue waits for memory a shared pool's other users hold:
+            # the next try comes at retry_at, and the loop does not spin.
+            # After the step before was read: its tokens are not held back.
+            time.sleep(max(0.0, self.scheduler.retry_at - time.perf_counter()))
         return failed + done
 
     def _take_failed(self) -> list[Sequence]:
@@ -465,7 +494,7 @@ class Engine:
             time.sleep(max(0.0, started + RECONNECT_TRY_S - time.monotonic()))
             return
         log.info("reconnected to the vtm broker; %d requests resume", len(self.scheduler.waiting))
-        self.kv_budget = self._kv_budget()  # the operator may grant the new session another limit
+        self._budget = (self.manager.limit_bytes, self._kv_budget())  # the new session may have another limit
 
     def _memory_not_back(self, exc: Exception) -> None:
         """Requests wait for the memory to come back, up to broker_wait_s
@@ -842,13 +871,13 @@ class _SampledBatch:
 
 def _weak_call(method):
     """A callback that does not keep its object alive (the scheduler's
-    wait_for_device, which would make a cycle with its engine)."""
+    wait_for_device, which would make a cycle with its engine); None once
+    the object is gone."""
     ref = weakref.WeakMethod(method)
 
-    def call():
+    def call(*args):
         target = ref()
-        if target is not None:
-            target()
+        return None if target is None else target(*args)
     return call
 
 

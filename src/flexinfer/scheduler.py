@@ -26,10 +26,12 @@ pool is shared (memory_wait_s: a manager given to the engine, in-process
 or vtm.connect): there memory others hold comes back, so a sequence alone
 in this engine that finds none goes back to the queue (released, as if
 preempted) and admission is tried again every MEMORY_RETRY_S (retry_at:
-the engine sleeps until then, see Engine.step). A request that waited
-memory_wait_s so (from its arrival, or from when nothing here could run,
-whichever came later) fails with vtm.OutOfMemory. Finished sequences are recorded so the next chat turn
-maps them.
+the engine sleeps until then, see Engine.step). It fails with
+vtm.OutOfMemory once memory_wait_s have passed since it arrived or since
+the engine last computed a token, whichever is later (a readmission that
+only computes again what it had does not count), or at once when it could
+never fit the KV budget the manager grants now (never_fits). Finished
+sequences are recorded so the next chat turn maps them.
 
 A memory operation that fails for another reason (a device error: a failed
 map, unmap or copy; vtm leaves its state as it was) fails only what it
@@ -111,12 +113,16 @@ class Scheduler:
         # nothing else running never will. Else how long a sequence alone
         # here waits for memory the pool's other users hold.
         self.memory_wait_s = memory_wait_s
-        # Since when nothing here runs and the queue's head finds no memory
-        # (None: a step found memory since, or the queue emptied); no
-        # admission is tried before retry_at. time.perf_counter(), the
-        # clock of a sequence's arrival_s.
+        # Since when a sequence alone here finds no memory (None: a step
+        # has computed a token since, or the queue emptied); no admission
+        # is tried before retry_at. time.perf_counter(), the clock of a
+        # sequence's arrival_s.
         self._starved_since: float | None = None
         self.retry_at = 0.0
+        # The engine's: why a sequence can never fit its KV budget as the
+        # manager grants it now (a broker client's limit, lowered since it
+        # was admitted), or None. None: nothing to ask.
+        self.never_fits = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._pending = None  # (future, {seq: (tokens, start)}) of the pre-extend for this step
@@ -430,6 +436,7 @@ class Scheduler:
             seq.swapped = 0  # nor of what swapped-out ones kept
         self.num_preemptions += len(self.running)
         self.running.clear()
+        self._starved_since = None  # a wait for others' memory starts again in the new session
         self._steady = None
         self._pending = None
         self._background.clear()
@@ -634,11 +641,16 @@ class Scheduler:
         if self.memory_wait_s is None:
             self._fail(seq, exc)
             return False
+        problem = self.never_fits(seq) if self.never_fits is not None else None
+        if problem is not None:  # no other user's memory will make it fit: fail now, not at memory_wait_s
+            self._fail(seq, vtm.OutOfMemory(f"{exc}; {problem}"))
+            return False
         now = time.perf_counter()
         if self._starved_since is None:
             self._starved_since = now
-            log.info("no KV memory free in the shared pool: requests wait up to %g s for its other users",
-                     self.memory_wait_s)
+            if self.memory_wait_s > 0:
+                log.info("no KV memory free in the shared pool: requests wait up to %g s for its other users",
+                         self.memory_wait_s)
         waited = now - max(self._starved_since, seq.metrics.arrival_s)
         if waited >= self.memory_wait_s:
             self._fail(seq, vtm.OutOfMemory(f"{exc}; waited {waited:.1f} s (memory_wait_s) for the pool's other "
@@ -721,8 +733,11 @@ class Scheduler:
             late.append((seq, n))
             budget -= n
         plan = self._ensure(plan, late, admitted)
-        if plan:
-            self._starved_since = None  # memory was found: a later wait counts from its own start
+        if self._starved_since is not None and any(s.num_cached + n >= s.num_tokens for s, n in plan):
+            # This step computes a token: the engine gets further, and a
+            # later wait starts anew. Computing again what a preemption
+            # dropped (a prompt's chunks) is not getting further.
+            self._starved_since = None
         # Pre-extend: map what the next step will write while this one
         # computes. Only where it maps or unmaps a page: a step within both
         # limits would only advance vtm's token count, which a record raises

@@ -148,6 +148,38 @@ def test_lowering_a_quota_preempts_instead_of_failing(tiny_folder, tmp_path):
         b.kill()
 
 
+def test_a_request_the_lowered_quota_can_never_fit_fails_at_once(tiny_folder, tmp_path):
+    """vtmctl set-quota below what one request alone needs: the engine
+    preempts it (the reclaim notice), and its re-admission used to wait
+    memory_wait_s for memory no other client held before failing (the
+    limit, not the pool, refused it). The broker now tells the client its
+    new quota, and the request fails at once naming the limit; later
+    requests that could never fit it are refused at submission."""
+    prompt = random_prompts([40], seed=9)[0]
+    b = BrokerProcess(tmp_path, capacity_chunks=400, chunk_bytes=PAGE)
+    manager = vtm.connect(b.address, name="engine")
+    try:
+        with LLM(tiny_folder, manager=manager) as llm:
+            handle = llm.submit(prompt, greedy(200))  # 239 rows of 512 bytes: 30 pages
+            deadline = time.monotonic() + 60
+            while manager.stats()["clients"][0]["mapped_bytes"] < 10 * PAGE and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert ctl.main(["--address", b.address, "set-quota", "engine", str(8 * PAGE)]) == 0
+            started = time.monotonic()
+            out = handle.result(timeout=60)
+            assert isinstance(out.error, vtm.OutOfMemory), out.error
+            assert f"this client's limit is {8 * PAGE} bytes" in str(out.error), out.error
+            assert time.monotonic() - started < 10  # not memory_wait_s (30 s)
+            assert manager.limit_bytes == 8 * PAGE
+            refused = llm.submit(prompt, greedy(200)).result(timeout=60).error
+            assert isinstance(refused, InvalidArgument) and "can never fit" in str(refused), refused
+            fits = llm.generate([prompt], greedy(4), use_tqdm=False)[0]
+            assert fits.error is None and len(fits.token_ids) == 4
+    finally:
+        manager.close()
+        b.kill()
+
+
 def test_cli_manager_flag_reaches_the_broker(tmp_path, tiny_folder, capsys):
     dead = f"unix:{tmp_path}/nobody/sock"
     # (A prompt within the tiny vocabulary: one outside it is refused before anything connects.)
