@@ -328,10 +328,11 @@ class Engine:
 
     def _kv_budget(self) -> KVBudget:
         """What one request's KV can ever take: the pool, or with vtm.connect
-        the broker's pool within this client's limit (as granted at connect),
+        the broker's pool within this client's limit (as last granted),
         less the sink held for the engine's life. Requests that need more are
         refused at submission (request_problem). Computed when the engine
-        starts and after a reconnect: submitting reads it without calling vtm."""
+        starts, after a reconnect and when the limit changes (kv_budget):
+        submitting reads it without calling vtm."""
         held = (self.kv_cache.groups if self._keeps_sink else 0) * self.manager.chunk_bytes
         pool = self.manager.capacity_bytes
         if self.manager.limit_bytes:

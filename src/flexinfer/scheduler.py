@@ -633,11 +633,12 @@ class Scheduler:
     def _fail_unless_waiting(self, seq: Sequence, exc: vtm.OutOfMemory) -> bool:
         """`seq`, alone in this engine, found no memory (`exc`): whether it
         waits, because the pool is shared and it has not waited
-        memory_wait_s yet; else it fails. It has waited since nothing here
-        could run, or since it arrived if later: requests queued behind it
-        waited as long, and one that ran since found memory. A request
-        that could never fit the pool was refused at submission
-        (KVBudget): what it waits for is memory others hold."""
+        memory_wait_s yet; else it fails. It has waited since the engine
+        last computed a token, or since it arrived if later: requests
+        queued behind it waited as long. One that could never fit the pool
+        was refused at submission (KVBudget), and one that no longer fits
+        the limit granted now (never_fits) fails at once: what it waits for
+        is memory others hold."""
         if self.memory_wait_s is None:
             self._fail(seq, exc)
             return False

@@ -69,7 +69,8 @@ def tcp_target(address: str) -> str:
 
 def _private_folder(path: str) -> list[str]:
     """The socket folder is the only wall around the control calls: it must
-    be this user's and closed to others. A missing one is created so; an
+    be this user's and closed to others, in a parent where nobody else may
+    replace it. A missing one (and its missing parents) is created so; an
     existing one is never changed (it may be a home folder, or /tmp).
     Returns the folders it created, deepest first."""
     folder = os.path.dirname(path)
