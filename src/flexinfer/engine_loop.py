@@ -17,6 +17,7 @@ sequences' KV is released before it is reported done.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -233,6 +234,15 @@ class EngineLoop:
             self._cv.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    @contextlib.contextmanager
+    def together(self):
+        """Requests submitted inside reach the engine thread together: a
+        batch of prompts (LLM.generate) is admitted as one, not as the
+        thread happened to wake between them (which changed the plans, and
+        with a pool that preempts, which requests were preempted)."""
+        with self._cv:  # reentrant: _post takes it again
+            yield
 
     def _post(self, op: str, handle: RequestStream) -> None:
         with self._cv:

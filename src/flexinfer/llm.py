@@ -88,8 +88,9 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         handles: list[RequestStream] = []
         try:
-            for (text, ids), p, priority in zip(encoded, params, priorities):
-                handles.append(self._loop.submit(text, ids, p, priority))
+            with self._loop.together():
+                for (text, ids), p, priority in zip(encoded, params, priorities):
+                    handles.append(self._loop.submit(text, ids, p, priority))
             # A bar is for a person watching: not in a log or a pipe.
             show = use_tqdm if use_tqdm is not None else len(handles) > 1 and _stderr_is_a_terminal()
             with tqdm(total=len(handles), desc="generate", disable=not show, unit="req") as bar:

@@ -1373,3 +1373,29 @@ def test_a_kv_cache_whose_second_space_is_refused_leaves_no_space(tiny_llama):
         KVCache(RefusesTheSecondSpace(), config, torch.float32, max_tokens=64, max_slots=2, layer_groups=2)
     assert manager.stats()["spaces"] == {}
     manager.close()
+
+
+def test_generate_hands_the_engine_its_prompts_together(tiny_llama, tiny_prompts, monkeypatch):
+    """The engine thread woke at the first of generate()'s prompts and
+    planned without the rest whenever the submitting thread was slow to
+    post them (a loaded machine): the plans, and on a small pool which
+    requests were preempted, changed from run to run."""
+    from flexinfer import engine_loop
+
+    check = engine_loop.request_problem
+
+    def slow_check(*args):
+        time.sleep(0.05)  # a submitting thread the scheduler of a loaded machine put aside
+        return check(*args)
+    monkeypatch.setattr(engine_loop, "request_problem", slow_check)
+    llm = LLM(tiny_llama[0])
+    seen = []
+    schedule = llm.engine.scheduler.schedule
+
+    def watched():
+        seen.append(len(llm.engine.scheduler.waiting) + len(llm.engine.scheduler.running))
+        return schedule()
+    llm.engine.scheduler.schedule = watched
+    llm.generate(tiny_prompts[:4], greedy(2))
+    assert seen[0] == 4, seen
+    llm.close()
