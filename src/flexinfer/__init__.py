@@ -1,7 +1,6 @@
 """FlexInfer: an LLM serving engine whose KV cache lives in vtm vTensors."""
 
-from importlib import metadata as _metadata
-
+from vtm import __version__
 from flexinfer.engine import Engine
 from flexinfer.engine_loop import RequestStream
 from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
@@ -9,11 +8,6 @@ from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, Flex
 from flexinfer.llm import LLM
 from flexinfer.outputs import CompletionOutput, RequestOutput, StreamEvent
 from flexinfer.sampling import SamplingParams
-
-try:  # flexinfer ships in the `vtm` distribution
-    __version__ = _metadata.version("vtm")
-except _metadata.PackageNotFoundError:  # an uninstalled source tree
-    __version__ = "0+unknown"
 
 __all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamEvent", "RequestStream",
            "FlexInferError", "InvalidArgument", "ModelLoadError", "ChatTemplateError", "EngineError",

@@ -77,7 +77,7 @@ class KVCache:
                 try:
                     space.close()
                 except vtm.Error:
-                    pass  # gone with a lost session already
+                    pass  # its manager closed or failing: nothing more to give back here
             raise
         self.has_window = any(self.windows)
         self._chunk_bytes = manager.chunk_bytes

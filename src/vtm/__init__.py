@@ -27,10 +27,17 @@ from vtm.errors import (
     OutOfMemory,
     Unavailable,
 )
+from importlib import metadata as _metadata
+
 from vtm import limits
 from vtm.views import tensor as _tensor
 
 Space.tensor = _tensor
+
+try:  # the `vtm` distribution: vtm, vtmd, vtmctl and flexinfer ship in it
+    __version__ = _metadata.version("vtm")
+except _metadata.PackageNotFoundError:  # an uninstalled source tree
+    __version__ = "0+unknown"
 
 
 def connect(address, name=None, priority=None, guaranteed_bytes=None, limit_bytes=None, timeout=10, fast_path=True,
@@ -65,4 +72,5 @@ __all__ = [
     "VTensor",
     "connect",
     "cuda_available",
+    "__version__",
 ]

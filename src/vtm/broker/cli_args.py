@@ -5,8 +5,8 @@ every default and whose errors are one line, and the argparse type of a size
 from __future__ import annotations
 
 import argparse
-from importlib import metadata
 
+import vtm
 from vtm.sizes import parse_size
 
 
@@ -35,12 +35,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_version(parser: argparse.ArgumentParser) -> None:
-    """--version: the installed `vtm` distribution's (vtmd, vtmctl and flexinfer ship in it)."""
-    try:
-        version = metadata.version("vtm")
-    except metadata.PackageNotFoundError:  # an uninstalled source tree
-        version = "0+unknown"
-    parser.add_argument("--version", action="version", version=f"{parser.prog} {version}")
+    """--version: the `vtm` distribution's (vtm.__version__)."""
+    parser.add_argument("--version", action="version", version=f"{parser.prog} {vtm.__version__}")
 
 
 def size(text: str) -> int:

@@ -541,6 +541,12 @@ class RemoteManager:
             raise errors.FailedPrecondition(f"{what}: vTensor of another manager")
         return vt
 
+    def _release_vtensors_of(self, space: RemoteSpace) -> None:
+        """Marks the space's live vTensors released (its close takes them)."""
+        for vt in [vt for vt in self._live.values() if vt._space is space]:
+            vt._released = True
+            self._live.pop(vt.id, None)
+
     def _live_in(self, space: RemoteSpace) -> int:
         return sum(1 for vt in list(self._live.values()) if vt._space is space)
 
@@ -822,9 +828,7 @@ class RemoteManager:
                 # The lost session took the space with it: closed here, so
                 # that reconnect() does not bring it back; its area goes once
                 # the old mappings are revoked (reconnect, close).
-                for vt in [vt for vt in self._live.values() if vt._space is space]:
-                    vt._released = True
-                    self._live.pop(vt.id, None)
+                self._release_vtensors_of(space)
                 space.closed = True
         if lost:
             done: concurrent.futures.Future = concurrent.futures.Future()
@@ -836,9 +840,7 @@ class RemoteManager:
                 raise errors.FailedPrecondition(f"space '{space.name}' is closed")
             # Unmapped here first, as for a release; the space's vTensors
             # are unusable from here on.
-            for vt in [vt for vt in self._live.values() if vt._space is space]:
-                vt._released = True
-                self._live.pop(vt.id, None)
+            self._release_vtensors_of(space)
             self._mapper.unmap_space(space.id)
             self._apply(self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=space.id)))
         return self._submit(run)
