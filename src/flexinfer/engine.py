@@ -129,6 +129,7 @@ class Engine:
         self.thread_tuner = None
         self._sink = []
         self._unhealthy_since = None  # when the manager was first seen unhealthy (a broker away)
+        self._queues = (0, 0)  # (running, waiting): see _publish_queues
         self._keeps_sink = False
         self._sampled_batch = None  # the last sampled batch's _SampledBatch (holds its sequences until the next)
         self._shared_generator: torch.Generator | None = None  # unseeded rows' on the sampling device
@@ -245,6 +246,7 @@ class Engine:
         """Queue a sequence (checked by the caller: see flexinfer.inputs)."""
         seq.generator = self._generator_for(seq.params, seq.sample_index)
         self.scheduler.add(seq)
+        self._publish_queues()
 
     def _generator_for(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
         """A sampled sequence's generator where its rows are chosen, seeded
@@ -264,6 +266,14 @@ class Engine:
         self.scheduler.abort(seq, reason, error)
         if seq.metrics.finish_s is None:
             seq.metrics.finish_s = time.perf_counter()
+        self._publish_queues()
+
+    def _publish_queues(self) -> None:
+        """The (running, waiting) counts stats() reports, one tuple set
+        between changes: read from another thread, the two lists could be
+        seen halfway through a move (admitted, preempted), a request in
+        neither."""
+        self._queues = (len(self.scheduler.running), len(self.scheduler.waiting))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -342,12 +352,14 @@ class Engine:
                         tuple(self.kv_cache.windows), self.scheduler.max_batch_tokens)
 
     def stats(self, timeout: float | None = None) -> dict:
-        """Counters for metrics; read from any thread (plain ints and list lengths).
+        """Counters for metrics; read from any thread (plain ints, and the
+        queue lengths as of the last change).
         `timeout`: a manager on a broker (vtm.connect) must answer within it,
         else vtm.Unavailable, and a late answer leaves the connection usable;
         an in-process manager answers at once."""
         s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
+        running, waiting = self._queues
+        return {"running": running, "waiting": waiting, "preemptions": s.num_preemptions,
                 "prefix_query_tokens": s.prefix_query_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
                 "prefix_hit_tokens_host": s.prefix_hit_tokens_host,
                 "swap_out_tokens": s.swap_out_tokens, "swap_in_tokens": s.swap_in_tokens,
@@ -396,6 +408,12 @@ class Engine:
         its own sequence. A broker that went away is a preemption: the
         running sequences wait, and resume by recompute once the engine has
         reconnected (see _recover)."""
+        try:
+            return self._step()
+        finally:
+            self._publish_queues()
+
+    def _step(self) -> list[Sequence]:
         # The step before, for a decode batch that continues it (_launch);
         # any step that launches nothing (a lost session, a failure) forgets it.
         previous_launch, self._last_launched = self._last_launched, None

@@ -12,6 +12,7 @@ by checking that clearing the prefix tree and trimming leaves no chunk held.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -1030,6 +1031,35 @@ def test_a_wait_whose_readmissions_only_recompute_still_ends(tiny_llama):
     other.close()
     llm.close()
     manager.close()
+
+
+def test_stats_never_shows_a_request_halfway_between_queues(tiny_llama, tiny_prompts):
+    """stats() is read on another thread (a /metrics scrape). Read while
+    the engine moved a request from waiting to running, it showed it in
+    neither (0 running, 0 waiting for a queued request): it reported both
+    list lengths as they were at that moment."""
+    folder, _ = tiny_llama
+    llm = LLM(folder)
+    moving, go = threading.Event(), threading.Event()
+
+    class PausedQueue(collections.deque):
+        def remove(self, seq) -> None:  # the admission's first half: paused until stats() was read
+            super().remove(seq)
+            if not moving.is_set():
+                moving.set()
+                go.wait(10)
+    scheduler = llm.engine.scheduler
+    scheduler.waiting = PausedQueue(scheduler.waiting)
+    handle = llm.submit(tiny_prompts[0], greedy(2))
+    assert moving.wait(10)
+    try:
+        stats = llm.stats()
+    finally:
+        go.set()
+    assert (stats["running"], stats["waiting"]) == (0, 1)
+    assert handle.result(timeout=30).outputs[0].error is None
+    assert (llm.stats()["running"], llm.stats()["waiting"]) == (0, 0)
+    llm.close()
 
 
 def test_memory_wait_s_counts_from_each_requests_arrival(tiny_llama, tiny_prompts):
