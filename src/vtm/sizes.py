@@ -1,5 +1,6 @@
 """Byte sizes as people type them, one parser for every command line and
-file that takes one (vtmd, vtmctl, the quota file).
+file that takes one (vtmd, vtmctl, the quota file), and as they read them
+(format_size, in the same units).
 
 Accepted: a whole number of bytes (`4096`), or a number with a binary suffix
 KiB, MiB, GiB or TiB, in any case, a space allowed before it (`512MiB`,
@@ -37,3 +38,14 @@ def parse_size(text: str) -> int:
         raise ValueError(f"{text!r} is more than the largest size, {MAX_SIZE} bytes (2^63 - 1); expected {ACCEPTED}")
     return int(value)
 
+
+
+def format_size(nbytes: int) -> str:
+    """`nbytes` in the largest binary unit it fills, as parse_size reads
+    it back when exact: 65536 is `64KiB`, 3 << 29 is `1.5GiB`, 1000 is
+    `1000B`; at most two decimals, so an odd size is rounded (`95.37MiB`)."""
+    for suffix in ("TiB", "GiB", "MiB", "KiB"):
+        unit = UNITS[suffix.lower()]
+        if nbytes >= unit:
+            return f"{nbytes / unit:.2f}".rstrip("0").rstrip(".") + suffix
+    return f"{nbytes}B"

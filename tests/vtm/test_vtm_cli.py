@@ -47,6 +47,18 @@ def test_sizes_refused_say_what_is_accepted(text, says):
     assert "KiB, MiB, GiB or TiB" in str(refused.value)
 
 
+@pytest.mark.parametrize("nbytes, text", [
+    (64 * KiB, "64KiB"), (2 * MiB, "2MiB"), (3 * GiB // 2, "1.5GiB"), (1000, "1000B"), (0, "0B"),
+    (100_000_000, "95.37MiB"), ((1 << 63) - 1, "8388608TiB"),
+])
+def test_sizes_are_shown_in_the_units_they_are_typed_in(nbytes, text):
+    from vtm.sizes import format_size, parse_size
+
+    assert format_size(nbytes) == text
+    if "." not in text and nbytes < 1 << 62:  # exact: read back as it was (the largest is rounded up)
+        assert parse_size(text) == nbytes
+
+
 def vtmd(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vtm.broker", *args], capture_output=True, text=True, timeout=60)
 
@@ -211,6 +223,16 @@ def test_top_says_whose_broker_and_when(broker, capsys):
     assert ctl.main(["--address", broker.address, "top", "--iterations", "1", "--interval", "0.5"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert re.fullmatch(rf"vtm broker at {re.escape(broker.address)}, \d\d:\d\d:\d\d, every 0\.5 s", first), first
+
+
+def test_stats_shows_a_small_chunk_in_its_own_unit(tmp_path, capsys):
+    """A 64 KiB chunk was shown as "0.1 MiB"."""
+    b = BrokerProcess(tmp_path, capacity_chunks=16, chunk_bytes=64 * KiB)
+    try:
+        assert ctl.main(["--address", b.address, "stats"]) == 0
+    finally:
+        b.kill()
+    assert "capacity 1MiB in chunks of 64KiB" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- what a new user meets

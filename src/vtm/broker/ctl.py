@@ -36,6 +36,7 @@ from vtm.broker.cli_args import Parser, add_version, size
 from vtm.broker.control import TOKEN_KEY, read_token
 from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+from vtm.sizes import format_size
 
 
 def _call(stub_method, request, timeout: float, what: str, metadata=None):
@@ -73,7 +74,8 @@ def _clients_table(stats: dict) -> list[str]:
 
 def _summary(stats: dict) -> list[str]:
     chunk = stats["chunk_bytes"]
-    return [f"backend {stats['backend']}, capacity {_mib(stats['capacity_bytes'])} MiB in chunks of {_mib(chunk)} MiB",
+    return [f"backend {stats['backend']}, capacity {format_size(stats['capacity_bytes'])} "
+            f"in chunks of {format_size(chunk)}",
             f"chunks: created {stats['chunks_created']}, held {stats['chunks_held']}, free {stats['chunks_free']}, "
             f"mapped {stats['chunks_mapped']}, in prefix trees {stats['chunks_in_tree']} "
             f"({stats['tree_nodes']} nodes, {stats['tree_tokens']} tokens)",
