@@ -468,6 +468,48 @@ def test_the_server_refuses_what_can_never_fit_with_a_400(tiny_chat, in_process,
         manager.close()
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_streamed_request_that_gets_no_memory_is_a_503(tiny_chat, in_process, reference, route):
+    """Others hold the shared pool past memory_wait_s: a streamed request
+    failed before its first token was answered 200 and an error event,
+    which a client or a proxy cannot tell from success by the status (one
+    not streamed was a 503). Now it is a 503 too. One whose client leaves
+    while it waits is cancelled; one whose memory comes back in time streams."""
+    llm, manager = small_pool_llm(tiny_chat, memory_wait_s=0.5, **ENGINE_OPTIONS)
+    other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=SMALL_POOL_CHUNKS, max_slots=1, name="other")
+    try:
+        url = in_process(llm)
+        held = other.create(SMALL_POOL_CHUNKS - manager.stats()["chunks_held"]).result()
+        prompt = "The capital of France is"
+        body = {"max_tokens": 6, "temperature": 0.0, "stream": True}
+        body.update({"prompt": prompt} if route == "completions" else {
+            "messages": [{"role": "user", "content": prompt}]})
+        started = time.monotonic()
+        error = assert_error(httpx.post(f"{url}/v1/{route}", json=body, timeout=30), 503)
+        assert "memory_wait_s" in error["message"] and time.monotonic() - started >= 0.5
+        with pytest.raises(httpx.ReadTimeout):  # the client leaves while the request waits
+            httpx.post(f"{url}/v1/{route}", json=body, timeout=0.2)
+        deadline = time.monotonic() + 10
+        while (metrics(url).get("flexinfer_requests_total{finish_reason=abort}") != 1
+               or llm.stats()["running"] + llm.stats()["waiting"]):
+            assert time.monotonic() < deadline, "the request whose client left was not cancelled"
+            time.sleep(0.05)
+        threading.Timer(0.3, lambda: held.release().result()).start()
+        with httpx.stream("POST", f"{url}/v1/{route}", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+        if route == "completions":
+            want = reference.generate([prompt], greedy(6), use_tqdm=False)[0]
+            assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want.text
+        assert_serves(url, reference)
+        other.close()
+        manager.check()
+    finally:
+        llm.close()
+        manager.close()
+
+
 def test_serve_says_where_it_serves_and_warns_about_a_small_pool(tiny_chat, tmp_path, reference):
     """The ready line (URL, context length, KV capacity in tokens), and on a broker whose pool holds less
     than one max_model_len request, a warning; such a request is a 400 (the finding's 500 after 9 s)."""

@@ -34,7 +34,7 @@ from flexinfer.sampling import SamplingParams
 from flexinfer.server.config import ServerLimits
 from flexinfer.server.disconnect import EventStreamResponse, unless_disconnected
 from flexinfer.server.errors import APIError, bad_request, too_busy, unavailable
-from flexinfer.server.generation import Generation
+from flexinfer.server.generation import ChoiceUpdate, Generation
 from flexinfer.server.limits import Admission
 from flexinfer.server.metrics import ServerMetrics
 from flexinfer.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -84,8 +84,8 @@ class Serving:
         generation, prompts = await self._admit(count, "prompt" if body.n == 1 else "n", prepare, arrival)
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return EventStreamResponse(self._completion_events(generation, body, response_id, created),
-                                       on_close=generation.cancel)
+            return await self._stream(request, generation, lambda updates: self._completion_events(
+                generation, updates, body, response_id, created))
         if not await self._finish(request, generation):
             return Response(status_code=499)  # nobody is listening
         choices = [CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason,
@@ -96,13 +96,13 @@ class Serving:
                                  prompt_token_ids=prompts if body.return_token_ids else None)
         return JSONResponse(out.model_dump(mode="json"))
 
-    async def _completion_events(self, generation: Generation, body: CompletionRequest, response_id: str,
-                                 created: int) -> AsyncIterator[bytes]:
+    async def _completion_events(self, generation: Generation, updates: AsyncIterator[ChoiceUpdate],
+                                 body: CompletionRequest, response_id: str, created: int) -> AsyncIterator[bytes]:
         def chunk(choices, usage=None) -> bytes:
             return _event(CompletionResponse(id=response_id, created=created, model=self.model_name,
                                              choices=choices, usage=usage))
 
-        async for update in generation.updates():
+        async for update in updates:
             if update.choice.error is not None:
                 yield _error_event(update.choice.error)
                 return
@@ -155,8 +155,8 @@ class Serving:
         generation, (ids,) = await self._admit(body.n, "n", prepare, arrival)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return EventStreamResponse(self._chat_events(generation, body, response_id, created),
-                                       on_close=generation.cancel)
+            return await self._stream(request, generation, lambda updates: self._chat_events(
+                generation, updates, body, response_id, created))
         if not await self._finish(request, generation):
             return Response(status_code=499)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content="".join(c.text)),
@@ -167,8 +167,8 @@ class Serving:
                                      usage=generation.usage(), prompt_token_ids=ids if body.return_token_ids else None)
         return JSONResponse(out.model_dump(mode="json"))
 
-    async def _chat_events(self, generation: Generation, body: ChatCompletionRequest, response_id: str,
-                           created: int) -> AsyncIterator[bytes]:
+    async def _chat_events(self, generation: Generation, updates: AsyncIterator[ChoiceUpdate],
+                           body: ChatCompletionRequest, response_id: str, created: int) -> AsyncIterator[bytes]:
         def chunk(choices, usage=None) -> bytes:
             return _event(ChatCompletionChunk(id=response_id, created=created, model=self.model_name,
                                               choices=choices, usage=usage))
@@ -176,7 +176,7 @@ class Serving:
         # The role first, for every choice, as OpenAI's server does.
         for choice in generation.choices:
             yield chunk([ChatStreamChoice(index=choice.index, delta=Delta(role="assistant", content=""))])
-        async for update in generation.updates():
+        async for update in updates:
             if update.choice.error is not None:
                 yield _error_event(update.choice.error)
                 return
@@ -284,6 +284,26 @@ class Serving:
         except EngineClosed:
             raise unavailable("the server is shutting down") from None
 
+    async def _stream(self, request: Request, generation: Generation,
+                      events: Callable[[AsyncIterator[ChoiceUpdate]], AsyncIterator[bytes]]) -> Response:
+        """A streamed response, begun once the engine has the first update
+        for it: a request that fails before its first token (no memory came
+        within memory_wait_s, the broker stayed away) is answered with its
+        error's status, as one that is not streamed is, rather than 200 and
+        an error event. A client that leaves while it waits cancels it."""
+        updates = generation.updates()
+        first: list[ChoiceUpdate | None] = []
+
+        async def wait() -> None:
+            first.append(await anext(updates, None))
+        if not await unless_disconnected(request, wait()):
+            await updates.aclose()
+            return Response(status_code=499)
+        if first[0] is not None and first[0].choice.error is not None:
+            await updates.aclose()
+            raise _api_error(first[0].choice.error)
+        return EventStreamResponse(events(_after(first[0], updates)), on_close=generation.cancel)
+
     async def _finish(self, request: Request, generation: Generation) -> bool:
         """Run a generation that is not streamed to its end; False if the client left first.
         A failed choice fails the call with the status its error calls for."""
@@ -293,6 +313,14 @@ class Serving:
         if error is not None:
             raise _api_error(error)
         return True
+
+
+async def _after(first: ChoiceUpdate | None, rest: AsyncIterator[ChoiceUpdate]) -> AsyncIterator[ChoiceUpdate]:
+    """`first` (None: nothing), then the updates of `rest`."""
+    if first is not None:
+        yield first
+    async for update in rest:
+        yield update
 
 
 def _prompt_count(prompt) -> int:
