@@ -10,6 +10,7 @@ is still starting instead of failing at once.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -154,6 +155,33 @@ def test_a_space_closed_while_the_session_is_lost_stays_closed(broker):
         assert not kept.closed and kept.create(50).result().mapped_bytes == CHUNK
         again = mine.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, name="gone")
         assert again.create(10).result().mapped_bytes == CHUNK
+        mine.check()
+    finally:
+        mine.close()
+
+
+def test_a_space_whose_close_finds_the_session_lost_stays_closed(broker):
+    """Review: only a close() that knew the session lost kept its space
+    from coming back. One that found out itself (the broker stopped
+    answering during it) raised Unavailable, and reconnect() rebuilt the
+    space in the new session, where nobody would ever close it."""
+    mine = vtm.connect(broker.address, timeout=1)
+    kept = mine.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, name="kept")
+    gone = mine.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, name="gone")
+    gone.create(10).result()
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(vtm.Unavailable):
+            gone.close()
+        assert not mine.healthy
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+    try:
+        mine.reconnect(timeout=10)
+        assert list(mine.stats()["spaces"]) == ["kept"] and gone.closed
+        with pytest.raises(vtm.FailedPrecondition, match="closed"):
+            gone.create(1)
+        assert kept.create(50).result().mapped_bytes == CHUNK
         mine.check()
     finally:
         mine.close()

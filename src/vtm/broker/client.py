@@ -126,6 +126,7 @@ class RemoteManager:
         self._liveness = Liveness()  # the session up or lost, the revoke (liveness.py)
         self._closed = False
         self._op_mu = threading.Lock()  # held by the worker around each operation, and by reconnect()
+        self._grant_mu = threading.Lock()  # a quota notice's check of its session, and its fields
         self._epoch = 0  # sessions opened after the first
         self._spaces: dict[int, RemoteSpace] = {}
         self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -277,11 +278,14 @@ class RemoteManager:
                 self.recall_notices += 1
                 self._give_back_pages_ahead(float(notice.get("deadline_s", self._timeout)))
                 session.ack(notice.get("id"))
-            elif notice.get("notice") == "quota" and session is self._session:
-                # The operator's new grant (vtmctl set-quota), as Hello gave it.
-                self.priority = int(notice["priority"])
-                self.guaranteed_bytes = int(notice["guaranteed_bytes"])
-                self.limit_bytes = int(notice["limit_bytes"])
+            elif notice.get("notice") == "quota":
+                # The operator's grant as it stands (vtmctl set-quota), as Hello
+                # gave it; never an old session's over a new one's (_disconnect).
+                with self._grant_mu:
+                    if session is self._session:
+                        self.priority = int(notice["priority"])
+                        self.guaranteed_bytes = int(notice["guaranteed_bytes"])
+                        self.limit_bytes = int(notice["limit_bytes"])
         if not self._closed:
             self._session_lost(session, "the vtm broker ended this session (its channel closed)")
 
@@ -444,7 +448,7 @@ class RemoteManager:
         failure closes the ones made, and the old spaces stay as they were)."""
         made = {}
         try:
-            for space in [s for s in self._spaces.values() if not s.closed]:
+            for space in [s for s in self._spaces.values() if not (s.closed or s.close_requested)]:
                 request = _message(vtm_pb2.CreateSpaceRequest, "create_space", row_bytes=space.row_bytes,
                                    max_tokens=space.max_tokens, max_slots=space.max_slots,
                                    namespace=space.namespace, name=space.name, window_tokens=space.window_tokens)
@@ -464,9 +468,12 @@ class RemoteManager:
         return made
 
     def _forget_closed_spaces(self) -> None:
-        """Removes the spaces closed while the session was lost (_close_space)
-        from the mapper, the old session's mappings revoked already."""
-        for space in [s for s in self._spaces.values() if s.closed]:
+        """Removes the spaces closed while the session was lost (_close_space),
+        and those whose close the lost session never answered (the close
+        that found it lost, or one queued behind it), from the mapper, the
+        old session's mappings revoked already."""
+        for space in [s for s in self._spaces.values() if s.closed or s.close_requested]:
+            space.closed = True
             del self._spaces[space.id]
             try:
                 self._mapper.remove_space(space.id)
@@ -823,6 +830,7 @@ class RemoteManager:
 
     def _close_space(self, space: RemoteSpace) -> RemoteFuture:
         with self._op_mu:
+            space.close_requested = True
             lost = self._liveness.broken is not None and not space.closed
             if lost:
                 # The lost session took the space with it: closed here, so
@@ -944,9 +952,10 @@ class RemoteManager:
             except (OSError, ValueError, errors.Error):
                 pass  # the broker is gone (or hung), and the session with it
             self._lease = None
-        if self._session is not None:
-            self._session.close()  # ends the listener's wait; the listener closes the fd
-            self._session = None
+        with self._grant_mu:  # from here on, the old session's listener applies no quota notice
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()  # ends the listener's wait; the listener closes the fd
         if self._channel is not None:
             self._channel.close()
             self._channel = None

@@ -146,6 +146,9 @@ class RemoteSpace:
         self.pages_per_slot = reply.pages_per_slot
         self.window_tokens = reply.window_tokens
         self.closed = False
+        # close() was called: a reconnect does not bring the space back,
+        # even if the broker never answered the close (the session lost).
+        self.close_requested = False
 
     @property
     def base_address(self) -> int:
