@@ -47,6 +47,25 @@ def test_limit_refuses_and_set_quota_lifts_it(broker, capsys):
         assert "nothing to set" in capsys.readouterr().err
 
 
+def test_a_quota_set_between_hello_and_attach_reaches_the_client(broker, monkeypatch):
+    """Review: a set-quota that matched a session Hello had registered but
+    whose channel was not attached yet was told to nobody: the client kept
+    Hello's limit for the whole session. It hears its grant once attached."""
+    from vtm.broker import client as client_module
+
+    attach = client_module.SessionChannel
+
+    def attach_after_set_quota(*args, **kwargs):
+        set_quota(broker, "late", "--limit", 4 * CHUNK)
+        return attach(*args, **kwargs)
+    monkeypatch.setattr(client_module, "SessionChannel", attach_after_set_quota)
+    with vtm.connect(broker.address, name="late") as mgr:
+        deadline = time.monotonic() + 10
+        while mgr.limit_bytes != 4 * CHUNK:
+            assert time.monotonic() < deadline, f"the client still thinks its limit is {mgr.limit_bytes}"
+            time.sleep(0.01)
+
+
 def test_a_lowered_limit_asks_for_the_excess_and_fails_nothing(broker):
     # The operator lowers a client's limit below what it maps: the client
     # gets a reclaim notice for the excess, and meanwhile what it does within
@@ -483,12 +502,16 @@ def test_a_recalled_client_keeps_its_mark_until_it_gave_its_pages_ahead_back():
     from vtm.broker.policy import Policy
 
     asker, ahead, victim = _asker_one_ahead_one_below()
-    policy = Policy(lambda: [asker, ahead, victim], 1, free_bytes=lambda: 0, wait_s=0.05)
+    policy = Policy(lambda: [asker, ahead, victim], 1, free_bytes=lambda: 0, wait_s=0.3)
     ahead.channel.ok = False
     assert policy.recall(asker) is False and ahead.maps_ahead and ahead.recall_id is None
     ahead.channel.ok = True
-    assert policy.recall(asker) and ahead.maps_ahead and ahead.recall_id is not None
+    first = threading.Thread(target=policy.recall, args=(asker,))
+    first.start()
+    time.sleep(0.1)
     assert policy.recall(asker, reserve_bytes=4) and len(ahead.channel.sent) == 2  # one failed, one sent
+    first.join()
+    assert ahead.maps_ahead and ahead.recall_id is not None
     with policy.gate(ahead, 3, wait=False):
         pass  # a recalled client's allocation is not held to the asker's reservation
     with pytest.raises(vtm.OutOfMemory, match="reserved"):
@@ -530,6 +553,29 @@ def test_a_recall_ends_when_the_answers_so_far_free_enough():
     assert [n["notice"] for n in silent.channel.sent] == ["recall"] and silent.recall_id is not None
     assert victim.channel.sent == []  # enough was free: no reclaim notice
     assert policy._reserved_for_others(victim) == 4
+
+
+def test_a_client_that_never_answered_its_recall_holds_up_only_the_first_asker():
+    """A client maps pages ahead and does not answer its recall (hung):
+    the first asker waits wait_s for it; every later one waited wait_s
+    again, until it answered. Now they go on at once (to the reclaim of
+    lower-priority clients), and it is waited for again once it answers."""
+    from vtm.broker.policy import Policy
+
+    asker, ahead, victim = _asker_one_ahead_one_below()
+    policy = Policy(lambda: [asker, ahead, victim], 1, free_bytes=lambda: 0, wait_s=0.3)
+    started = time.monotonic()
+    assert policy.recall(asker)
+    assert time.monotonic() - started >= 0.3
+    for _ in range(3):
+        started = time.monotonic()
+        assert not policy.recall(asker)  # nobody to wait for
+        assert time.monotonic() - started < 0.1
+    assert [n["notice"] for n in ahead.channel.sent] == ["recall"]
+    policy.answered(ahead, ahead.channel.sent[0]["id"])
+    started = time.monotonic()
+    assert policy.recall(asker) and len(ahead.channel.sent) == 2  # answered: asked, and waited for, again
+    assert time.monotonic() - started >= 0.3
 
 
 @pytest.fixture

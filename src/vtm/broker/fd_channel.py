@@ -95,6 +95,7 @@ class FdServer(SeqpacketServer):
                 return False
             conn.session, conn.anchor = session, True
             conn.sock.send(json.dumps({"attached": True}).encode())
+        self._service.attached(session)
         return True
 
     def _on_channel(self, conn, request: dict) -> bool:

@@ -225,7 +225,9 @@ class Policy:
         for their answers, or until the pool has `need_bytes` free beyond
         others' reservations (0: every answer); False when nobody maps any.
         So a client that does not answer holds the requester only while the
-        others' answers fall short. What they free stays reserved for the
+        others' answers fall short, and only until its recall is wait_s old:
+        later recalls do not wait for it again until it answers (a hung
+        client would hold every asker up for wait_s). What they free stays reserved for the
         requester's retry, as in reclaim(). A client keeps maps_ahead until
         it gave them back (gave_back_ahead): meanwhile its own refusals still
         send it to its pages ahead first (service.py)."""
@@ -239,6 +241,10 @@ class Policy:
                 pending = session.recall_id is not None
                 if not pending:
                     session.recall_id = notice_id = next(self._ids)
+                    session.recall_sent_s = time.monotonic()
+                overdue = pending and time.monotonic() - session.recall_sent_s >= self.wait_s
+            if overdue:
+                continue
             if pending:
                 asked.append(session)
             elif session.notify({"notice": "recall", "id": notice_id, "deadline_s": self.wait_s,

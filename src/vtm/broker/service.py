@@ -150,6 +150,19 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
             session.pid, session.pidfd, session.channel, session.state = conn.pid, pidfd, conn, LIVE
 
+    def attached(self, session: Session) -> None:
+        """The client has the reply to its attach: a set-quota between Hello
+        and the attach found no channel to tell, so it hears its grant as
+        it stands now, which Hello's reply may predate."""
+        with self._mu:
+            self._notify_quota(session)
+
+    def _notify_quota(self, session: Session) -> None:
+        """Tells the client its grant as it stands (with _mu held: grants
+        change under it, so the last notice sent carries the last grant)."""
+        session.notify({"notice": "quota", "priority": session.priority,
+                        "guaranteed_bytes": session.guaranteed_bytes, "limit_bytes": session.limit_bytes})
+
     def channel_closed(self, session: Session) -> None:
         """The session's channel ended: if its process lives, the session is
         quarantined (its chunks may still be mapped there), else it ends."""
@@ -882,14 +895,14 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 limits = {session: session.limit_bytes for session in matching}
                 for session, granted in grants.items():
                     session.grant(granted)
+                    # The client's view of its grant, before any reclaim
+                    # this asks: an engine checks a request against its
+                    # limit before it waits for memory the limit would
+                    # never give it.
+                    self._notify_quota(session)
             if "host_tier_limit_bytes" in fields:
                 self._apply_tier_limit(name, make=False)  # a name without an account gets it when it makes one
             for session in matching:
-                # The client's view of its grant, before any reclaim this
-                # asks: an engine checks a request against its limit before
-                # it waits for memory the limit would never give it.
-                session.notify({"notice": "quota", "priority": session.priority,
-                                "guaranteed_bytes": session.guaranteed_bytes, "limit_bytes": session.limit_bytes})
                 if session.limit_bytes != limits[session] and session.state == LIVE:
                     # Over a lowered limit: ask for the excess, as for a
                     # higher priority; nothing the client runs fails. A

@@ -102,6 +102,7 @@ class Session:
         self.gives_back_ahead = False
         self.maps_ahead = False
         self.recall_id = None
+        self.recall_sent_s = 0.0  # time.monotonic() when recall_id was sent
 
     @property
     def closed(self) -> bool:
