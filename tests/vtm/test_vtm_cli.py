@@ -322,13 +322,16 @@ def test_vtmd_makes_every_folder_it_creates_private(tmp_path):
         b.kill()
 
 
-def test_vtmd_refuses_a_socket_folder_whose_parent_others_may_write(tmp_path):
-    """Whoever may rename entries of the parent may swap the private folder
-    for one of theirs (a sticky /tmp does not let them)."""
+@pytest.mark.parametrize("below", ["vtm", "a/b/vtm"])
+def test_vtmd_refuses_a_socket_folder_under_a_folder_others_may_write(tmp_path, below):
+    """Whoever may rename entries of a folder above may swap the private
+    folder, or one on its way, for one of theirs (a sticky /tmp does not let
+    them). Review: only the socket folder's own parent was looked at, so
+    folders vtmd created under a shared one (a/b/vtm) were accepted."""
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    done = vtmd("--listen", f"unix:{shared}/vtm/sock", "--backend", "host")
+    done = vtmd("--listen", f"unix:{shared}/{below}/sock", "--backend", "host")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert f"the socket folder's parent {shared} is another user's or writable by every user" in done.stderr
+    assert f"{shared}, above the socket folder, is another user's or writable by every user" in done.stderr
     assert os.listdir(shared) == []

@@ -69,24 +69,29 @@ def tcp_target(address: str) -> str:
 
 def _private_folder(path: str) -> list[str]:
     """The socket folder is the only wall around the control calls: it must
-    be this user's and closed to others, in a parent where nobody else may
+    be this user's and closed to others, under folders where nobody else may
     replace it. A missing one (and its missing parents) is created so; an
     existing one is never changed (it may be a home folder, or /tmp).
     Returns the folders it created, deepest first."""
     folder = os.path.dirname(path)
-    created, missing = [], folder
-    while not os.path.isdir(missing):
-        created.append(missing)
-        missing = os.path.dirname(missing)
-    parent = os.path.dirname(folder)
-    if os.path.isdir(parent):  # else created below, this user's and private
-        pst = os.stat(parent)
-        # Whoever may rename entries of the parent may swap the folder for one of theirs.
-        if pst.st_uid not in (0, os.getuid()) or (stat.S_IMODE(pst.st_mode) & 0o002
-                                                  and not pst.st_mode & stat.S_ISVTX):
-            raise PermissionError(f"the socket folder's parent {parent} is another user's or writable by every "
-                                  f"user without the sticky bit: anyone who may write there may replace the socket "
-                                  f"folder; listen in a folder of your own, e.g. --listen unix:{_own_socket_example()}")
+    created, existing = [], folder
+    while not os.path.isdir(existing):
+        created.append(existing)
+        existing = os.path.dirname(existing)
+    # Whoever may rename entries of a folder above it may swap the socket
+    # folder, or a folder on its way, for one of theirs: every one must be
+    # this user's or root's, and closed to other writers or sticky (/tmp),
+    # as ssh asks of the folders above authorized_keys.
+    above = existing if created else os.path.dirname(folder)
+    while True:
+        st = os.stat(above)
+        if st.st_uid not in (0, os.getuid()) or (stat.S_IMODE(st.st_mode) & 0o002 and not st.st_mode & stat.S_ISVTX):
+            raise PermissionError(f"{above}, above the socket folder, is another user's or writable by every user "
+                                  f"without the sticky bit: anyone who may write there may replace the socket folder; "
+                                  f"listen in a folder of your own, e.g. --listen unix:{_own_socket_example()}")
+        if os.path.dirname(above) == above:
+            break
+        above = os.path.dirname(above)
     for made in reversed(created):  # each 0700: makedirs gives the parents the umask's mode
         os.mkdir(made, 0o700)
         os.chmod(made, 0o700)  # whatever the umask
