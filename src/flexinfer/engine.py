@@ -40,7 +40,7 @@ from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel, long_tensor
 from flexinfer.model.loader import load_config, load_model
 from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, greedy_tokens, sample
-from flexinfer.scheduler import Scheduler
+from flexinfer.scheduler import MEMORY_RETRY_S, Scheduler
 from flexinfer.sequence import Sequence, Status
 from flexinfer.threads import NeighbourLoad, ThreadTuner
 
@@ -424,7 +424,15 @@ class Engine:
         if self._keeps_sink and not self._sink:
             try:
                 self._make_sink()
-            except vtm.Error as exc:  # lost again, or others hold the whole pool for now
+            except vtm.OutOfMemory as exc:
+                # The broker is back, but its other clients hold the pool:
+                # requests wait for their memory (memory_wait_s), not for
+                # the broker (which would fail them as unavailable).
+                self._unhealthy_since = None
+                self.scheduler.wait_for_memory(exc)
+                time.sleep(max(MEMORY_RETRY_S, self.scheduler.retry_at - time.perf_counter()))
+                return self._finish_in_flight() + self._take_failed()
+            except vtm.Error as exc:  # lost again
                 self._memory_not_back(exc)
                 time.sleep(RECONNECT_TRY_S)  # one try per RECONNECT_TRY_S: the loop does not spin
                 return self._finish_in_flight() + self._take_failed()

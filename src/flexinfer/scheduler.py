@@ -284,11 +284,15 @@ class Scheduler:
                 # then it gives way as a victim does, to be tried again.
                 alone = victim is None or (victim in need and len(self.running) == 1)
                 victim = victim or next(iter(need))
+                # A lone sequence that gives way again in the same wait (it
+                # recomputed a prompt chunk, and no more fits) counts once:
+                # else the count would rise at every retry.
+                again = alone and self._starved_since is not None
                 gives_way = not alone or self._fail_unless_waiting(victim, exc)
                 if gives_way and victim in admitted:
                     self._unadmit(victim)
                 elif gives_way:
-                    self._preempt(victim)
+                    self._preempt(victim, counted=not again)
                 plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
                 continue
             except vtm.Unavailable:
@@ -385,15 +389,16 @@ class Scheduler:
         self._unadmitted_at = self._releases
         self.num_unadmitted += 1
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, counted: bool = True) -> None:
         # The memory is needed now: wait for the steps still using it.
         if self._in_use(seq):
             self.settle_steps()
         self._drop_vtensors(seq, record=self.prefix_caching or self.swap, swap=self.swap)
         self.running.remove(seq)
         seq.status = Status.WAITING
-        seq.metrics.preemptions += 1
-        self.num_preemptions += 1
+        if counted:
+            seq.metrics.preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def reclaim(self, nbytes: int, timeout_s: float = 1.5) -> int:
@@ -447,6 +452,14 @@ class Scheduler:
         """Fails every queued sequence with `exc` (no memory will come back in time)."""
         for seq in list(self.waiting):
             self._fail(seq, exc)
+
+    def wait_for_memory(self, exc: vtm.OutOfMemory) -> None:
+        """Nothing can run until the pool's other users free memory (`exc`:
+        the engine's own fixed memory did not fit, after a reconnect): each
+        queued sequence waits as one that found no memory does, up to
+        memory_wait_s, and is tried again at retry_at."""
+        for seq in list(self.waiting):
+            self._fail_unless_waiting(seq, exc)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         self.abort(seq, "error", exc)

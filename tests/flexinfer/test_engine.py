@@ -1018,7 +1018,9 @@ def test_a_wait_whose_readmissions_only_recompute_still_ends(tiny_llama):
     """Review: a lone request whose first prompt chunk fits but not the
     rest (prefix caching off, chunked prefill) was readmitted, computed its
     first chunk again, gave way again, for ever: each step that planned
-    anything restarted its wait. Only a step that computes a token does."""
+    anything restarted its wait. Only a step that computes a token does.
+    Each such retry gave way as a preemption (a review found the count rise
+    by 20 a second): it counts once a wait."""
     folder, _ = tiny_llama
     manager = small_manager(16)
     other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=16, max_slots=1, name="other")
@@ -1027,6 +1029,7 @@ def test_a_wait_whose_readmissions_only_recompute_still_ends(tiny_llama):
     handle = llm.submit(random_prompts([60], seed=3)[0], greedy(4))  # 60 rows: 8 chunks, 4 free
     out = handle.result(timeout=20)
     assert isinstance(out.outputs[0].error, vtm.OutOfMemory), out.outputs[0].error
+    assert out.metrics.preemptions == llm.stats()["preemptions"] == 1
     held.release().result()
     other.close()
     llm.close()
@@ -1060,6 +1063,33 @@ def test_stats_never_shows_a_request_halfway_between_queues(tiny_llama, tiny_pro
     assert handle.result(timeout=30).outputs[0].error is None
     assert (llm.stats()["running"], llm.stats()["waiting"]) == (0, 0)
     llm.close()
+
+
+def test_a_sink_the_pool_has_no_room_for_yet_waits_for_memory_not_the_broker(tiny_llama, tiny_prompts):
+    """Review: after a reconnect, an engine that keeps a sink (CUDA graphs'
+    padding rows) remakes it; when the pool's other users held every chunk,
+    its queued requests failed with Unavailable ("the vtm broker is still
+    unavailable") after broker_wait_s, the broker being up, memory_wait_s
+    ignored. They wait for memory, and fail with OutOfMemory past it. (The
+    sink is CUDA's: here the engine is put in that state by hand.)"""
+    folder, oracle = tiny_llama
+    prompt, n = tiny_prompts[3], 4
+    manager = small_manager(16)
+    llm = LLM(folder, manager=manager, memory_wait_s=1.0, broker_wait_s=0.2)
+    other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=16, max_slots=1, name="other")
+    held = other.create(16 - manager.stats()["chunks_held"]).result()
+    llm.engine._keeps_sink, llm.engine._sink = True, []
+    started = time.monotonic()
+    error = llm.submit(prompt, greedy(n)).result(timeout=20).outputs[0].error
+    assert isinstance(error, vtm.OutOfMemory) and "memory_wait_s" in str(error), error
+    assert time.monotonic() - started >= 1.0
+    threading.Timer(0.3, lambda: held.release().result()).start()
+    assert_greedy_equal(oracle, [prompt], [llm.submit(prompt, greedy(n)).result(timeout=20)], n)
+    assert len(llm.engine._sink) == llm.engine.kv_cache.groups
+    llm.close()
+    other.close()
+    manager.check()
+    manager.close()
 
 
 def test_memory_wait_s_counts_from_each_requests_arrival(tiny_llama, tiny_prompts):
