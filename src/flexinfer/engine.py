@@ -378,9 +378,11 @@ class Engine:
         self._forget_batches()
         self.graphs = None
         try:
-            self.kv_cache.release(self._sink)
-            self._sink = []
-            self.kv_cache.close()
+            try:
+                self.kv_cache.release(self._sink)
+            finally:
+                self._sink = []
+                self.kv_cache.close()
         except vtm.Unavailable:
             # The broker is gone, and with it this session: it released the
             # space's memory when the connection dropped.

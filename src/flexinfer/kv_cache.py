@@ -251,9 +251,18 @@ class KVCache:
         return sum(space.clear_prefixes() for space in self.spaces)
 
     def close(self) -> None:
+        """Closes every space; the first failure is raised once all were
+        tried (a broker gone away: a space left unclosed behind it would be
+        rebuilt by the next reconnect of a shared connection)."""
         self.kv = self.k = self.v = self.k_heads = self.v_heads = []
+        failure = None
         for space in self.spaces:
-            space.close()
+            try:
+                space.close()
+            except vtm.Error as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 def plan_spaces(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_slots: int, manager,

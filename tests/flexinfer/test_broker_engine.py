@@ -6,6 +6,8 @@ engine answers a reclaim notice by preempting without changing its output."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -398,6 +400,29 @@ def test_an_idle_engine_reconnects_without_traffic(tiny_folder, broker):
         assert out.error is None and len(out.token_ids) == 4
     finally:
         llm.close()
+        manager.close()
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_an_engine_closed_as_the_broker_stops_answering_leaves_no_space_to_rebuild(tiny_folder, broker, sink):
+    """Review: an engine closing while the broker hung stopped at the first
+    call that failed (the sink's release, CUDA's: given by hand here, or
+    the first space's close), so its spaces were never closed and the
+    connection's next reconnect() rebuilt them, open for ever."""
+    manager = vtm.connect(broker.address, name="engine-closing", timeout=1)
+    engine = Engine(tiny_folder, manager=manager, layer_groups=2)
+    try:
+        if sink:
+            engine._keeps_sink, engine._sink = True, engine.kv_cache.create(1)
+        os.kill(broker.proc.pid, signal.SIGSTOP)
+        try:
+            engine.close()
+        finally:
+            os.kill(broker.proc.pid, signal.SIGCONT)
+        manager.reconnect(timeout=10)
+        assert manager.stats()["spaces"] == {}
+        manager.check()
+    finally:
         manager.close()
 
 
