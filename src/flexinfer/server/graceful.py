@@ -4,9 +4,13 @@ serve` needs.
 SIGTERM or Ctrl-C first tells the app it is shutting down (so anything that
 still arrives gets a 503), then starts uvicorn's graceful shutdown (stop
 accepting, let in-flight requests finish for `timeout_graceful_shutdown`
-seconds, cancel the rest, run the app's shutdown). A second Ctrl-C skips the
-wait. Unlike uvicorn's default, the signal is not raised again afterwards,
-which would end the process with the signal's status instead of 0.
+seconds, cancel the rest, run the app's shutdown). A second signal skips the
+wait: what still runs is aborted at once, and answered so, as when the wait
+is over. Only a third quits without answering (uvicorn's force_exit, which
+would otherwise come with the second: every handler then cut, a stream
+without its end, a plain-text 500 for the rest). Unlike uvicorn's default,
+the signal is not raised again afterwards, which would end the process with
+the signal's status instead of 0.
 
 When the timeout has passed, the app is told to abort what still runs
 (`on_grace_over`) and its handlers get ABORT_ANSWER_S more to answer so
@@ -44,6 +48,12 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._on_signal = on_signal
         self._on_grace_over = on_grace_over
+        self._signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._grace is None:
@@ -57,7 +67,10 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_signal()
-        if self.should_exit and sig == signal.SIGINT:
+        self._signals += 1
+        if self._signals == 2 and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_grace_over)
+        elif self._signals > 2:
             self.force_exit = True
         self.should_exit = True
 
