@@ -163,9 +163,11 @@ class Scheduler:
         self.num_unadmitted = 0  # admissions undone (_unadmit)
         self.prefix_hit_tokens = 0
         self.prefix_hit_tokens_host = 0  # of those, tokens vtm copied back from its host tier
-        # What each admission of the step being planned added to the four
-        # counts above: an admission undone (_unadmit) takes its part back,
-        # so that a sequence counts once, when its admission holds.
+        # What each admission of the step being planned adds to the four
+        # counts above, added once the step's plan holds (_commit_admissions):
+        # an admission undone (_unadmit) adds nothing. Added at admission and
+        # taken back when undone, the counts went down between a scrape and
+        # the next, which Prometheus reads as a counter reset.
         self._admission_counts: dict[Sequence, tuple[int, int, int, int]] = {}
         self.num_prefix_failures = 0  # prefix records and matches that failed (the prefix is not reused)
         self.num_memory_faults = 0  # maps and releases that failed and were contained
@@ -375,11 +377,7 @@ class Scheduler:
         it was (what its admission matched stays in the tree, and a
         swapped-out sequence's record with it). Not a preemption: it had not
         run, and counting it would count one per step while memory is short."""
-        query, swap_in, hit, hit_host = self._admission_counts.pop(seq, (0, 0, 0, 0))
-        self.prefix_query_tokens -= query
-        self.swap_in_tokens -= swap_in
-        self.prefix_hit_tokens -= hit
-        self.prefix_hit_tokens_host -= hit_host
+        self._admission_counts.pop(seq, None)
         swapped = seq.swapped
         self._drop_vtensors(seq, record=False)
         seq.swapped = swapped
@@ -674,14 +672,18 @@ class Scheduler:
         return True
 
     def _count_admission(self, seq: Sequence, counts: tuple[int, int, int, int]) -> None:
-        """Adds an admission's (prompt tokens queried, swapped-in tokens,
-        prefix hit tokens, of those from the host tier) to the counts."""
-        query, swap_in, hit, hit_host = counts
-        self.prefix_query_tokens += query
-        self.swap_in_tokens += swap_in
-        self.prefix_hit_tokens += hit
-        self.prefix_hit_tokens_host += hit_host
+        """An admission's (prompt tokens queried, swapped-in tokens, prefix
+        hit tokens, of those from the host tier), counted if it holds."""
         self._admission_counts[seq] = counts
+
+    def _commit_admissions(self) -> None:
+        """The step's plan holds: its admissions count."""
+        for query, swap_in, hit, hit_host in self._admission_counts.values():
+            self.prefix_query_tokens += query
+            self.swap_in_tokens += swap_in
+            self.prefix_hit_tokens += hit
+            self.prefix_hit_tokens_host += hit_host
+        self._admission_counts.clear()
 
     def _match(self, token_ids: list[int]):
         """kv.match, where a failure other than out of memory (a failed copy)
@@ -711,7 +713,7 @@ class Scheduler:
             steady.slack -= 1
             self._steady = steady
             return steady.plan
-        self._admission_counts.clear()  # an admission of an earlier step is not undone
+        self._admission_counts.clear()  # those of a plan that failed (a broker lost) never held
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         # Of the plan, those whose next step or the one after needs a page
@@ -747,6 +749,7 @@ class Scheduler:
             late.append((seq, n))
             budget -= n
         plan = self._ensure(plan, late, admitted)
+        self._commit_admissions()
         if self._starved_since is not None and any(s.num_cached + n >= s.num_tokens for s, n in plan):
             # This step computes a token: the engine gets further, and a
             # later wait starts anew. Computing again what a preemption

@@ -1092,6 +1092,36 @@ def test_a_sink_the_pool_has_no_room_for_yet_waits_for_memory_not_the_broker(tin
     manager.close()
 
 
+def test_counts_never_go_down_while_admissions_are_undone(tiny_llama, tiny_prompts):
+    """A request waiting for memory is admitted and its admission undone at
+    every retry. Its prefix counts were added at admission and taken back
+    when undone (found by fuzzing: /metrics counters went down between
+    scrapes, which Prometheus reads as resets). They count once a plan holds."""
+    folder, _ = tiny_llama
+    manager = small_manager(8)
+    other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=8, max_slots=1, name="other")
+    held = other.create(7).result()
+    llm = LLM(folder, manager=manager, memory_wait_s=0.3)
+    counters = ("prefix_query_tokens", "prefix_hit_tokens", "swap_in_tokens")
+    seen = []
+    ensure = llm.engine.scheduler._ensure
+
+    def watched(*args):  # the counts as a scrape could read them, between admitting and undoing
+        seen.append(tuple(llm.stats()[c] for c in counters))
+        plan = ensure(*args)
+        seen.append(tuple(llm.stats()[c] for c in counters))
+        return plan
+    llm.engine.scheduler._ensure = watched
+    out = run(llm, [tiny_prompts[3]], greedy(4))
+    assert isinstance(out[0].outputs[0].error, vtm.OutOfMemory)
+    assert llm.stats()["admissions_undone"] >= 2
+    assert all(a <= b for earlier, later in zip(seen, seen[1:]) for a, b in zip(earlier, later)), seen
+    held.release().result()
+    other.close()
+    llm.close()
+    manager.close()
+
+
 def test_memory_wait_s_counts_from_each_requests_arrival(tiny_llama, tiny_prompts):
     """A request queued while another already waited for memory waits its
     own memory_wait_s: it used to fail with the first, saying it had waited
