@@ -103,6 +103,25 @@ def test_vtmctl_refuses_a_bad_size_in_one_line(capsys, argv, says):
     assert err.startswith("vtmctl: error: ") and says in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("argv, says", [
+    # Past the protocol's int32: a ValueError traceback out of protobuf (found by fuzzing).
+    (["set-quota", "app", "--priority", "2147483648"], "2147483648 is out of range: a priority is from"),
+    (["set-quota", "app", "--priority", "-99999999999999999999"], "out of range"),
+    (["set-quota", "app", "--priority", "high"], "expected an integer"),
+    # Accepted, then every call failed with "Deadline Exceeded".
+    (["--timeout", "-1", "stats"], "expected a number of seconds above 0"),
+    (["--timeout", "nan", "stats"], "expected a number of seconds above 0"),
+    (["top", "--interval", "-1"], "expected a number of seconds from 0"),
+    (["top", "--iterations", "-2"], "expected 0 or more"),
+])
+def test_vtmctl_refuses_a_bad_number_in_one_line(capsys, argv, says):
+    with pytest.raises(SystemExit) as done:
+        ctl.main(["--address", "unix:/nonexistent", *argv])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vtmctl: error: ") and says in err and err.count("\n") == 1, err
+
+
 def test_the_quota_file_takes_human_sizes(tmp_path):
     from vtm.broker.quota import Quota, Quotas
 

@@ -1,10 +1,12 @@
 """What vtmd's and vtmctl's command lines share: a parser whose --help shows
-every default and whose errors are one line, and the argparse type of a size
-(src/vtm/sizes.py)."""
+every default and whose errors are one line, and the argparse types of what
+they take: a size (src/vtm/sizes.py), a priority (the protocol's int32), a
+count and a number of seconds, each checked where it is typed."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import vtm
 from vtm.sizes import parse_size
@@ -45,3 +47,43 @@ def size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def priority(text: str) -> int:
+    """argparse type: a priority, an int32 as the protocol carries it."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not INT32[0] <= value <= INT32[1]:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: a priority is from {INT32[0]} to {INT32[1]}")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def seconds(positive: bool):
+    """argparse type: a finite number of seconds, more than 0 (`positive`)
+    or 0 or more."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"expected a number of seconds {'above' if positive else 'from'} 0, "
+                                             f"got {text}")
+        return value
+    return parse

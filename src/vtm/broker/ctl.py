@@ -32,7 +32,7 @@ import grpc
 
 from vtm import errors
 from vtm.broker import status
-from vtm.broker.cli_args import Parser, add_version, size
+from vtm.broker.cli_args import Parser, add_version, count, priority, seconds, size
 from vtm.broker.control import TOKEN_KEY, read_token
 from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
     add_version(parser)
     parser.add_argument("--address", required=True, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
+    parser.add_argument("--timeout", type=seconds(positive=True), default=5.0, metavar="S",
                         help="seconds to wait for each answer of the broker")
     parser.add_argument("--token-file", default=None, metavar="FILE",
                         help="the control token (vtmd --control-token-file; default: send none)")
@@ -136,8 +136,8 @@ def main(argv=None) -> int:
     st = sub.add_parser("stats", help="the pool, prefix trees and clients")
     st.add_argument("--json", action="store_true", help="everything the broker reports, as JSON")
     top = sub.add_parser("top", help="the clients, refreshed (in place on a terminal)")
-    top.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes")
-    top.add_argument("--iterations", type=int, default=0, metavar="N",
+    top.add_argument("--interval", type=seconds(positive=False), default=1.0, metavar="S", help="seconds between refreshes")
+    top.add_argument("--iterations", type=count, default=0, metavar="N",
                      help="refreshes before exiting; 0: until interrupted")
     quota = sub.add_parser("set-quota", help="the operator's limit (0: none), guarantee and priority for a client name")
     quota.add_argument("name", help="the client name (vtm.connect(name=...), flexinfer --client-name)")
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                        help="most bytes the clients of this name may map; 0: no limit (default: unchanged)")
     quota.add_argument("--guaranteed", type=size, default=None, metavar="SIZE",
                        help="bytes never reclaimed from them (default: unchanged)")
-    quota.add_argument("--priority", type=int, default=None, metavar="P",
+    quota.add_argument("--priority", type=priority, default=None, metavar="P",
                        help="higher keeps memory longer under pressure (default: unchanged)")
     quota.add_argument("--host-tier-limit", type=size, default=None, metavar="SIZE",
                        help="most bytes of vtmd's host tier the prefixes they record may keep; 0: no limit "
