@@ -426,6 +426,29 @@ def test_an_engine_closed_as_the_broker_stops_answering_leaves_no_space_to_rebui
         manager.close()
 
 
+def test_kv_usage_is_each_clients_own(broker):
+    """flexinfer_kv_cache_usage_ratio on a shared pool was the whole pool's
+    (found by fuzzing: an idle server reported its neighbour's 0.72). It is
+    this client's mapped bytes over its limit, or the pool's capacity."""
+    from flexinfer.server.metrics import kv_cache_usage
+
+    assert ctl.main(["--address", broker.address, "set-quota", "capped", "--limit", str(8 * PAGE)]) == 0
+    busy = vtm.connect(broker.address, name="busy")
+    capped = vtm.connect(broker.address, name="capped")
+    idle = vtm.connect(broker.address, name="idle")
+    try:
+        rows = busy.create_space(row_bytes=PAGE, max_tokens=64, max_slots=1).create(16).result()
+        few = capped.create_space(row_bytes=PAGE, max_tokens=64, max_slots=1).create(2).result()
+        assert kv_cache_usage(busy.stats()) == 16 * PAGE / broker.capacity_bytes
+        assert kv_cache_usage(capped.stats()) == 2 / 8
+        assert kv_cache_usage(idle.stats()) == 0
+        rows.release().result()
+        few.release().result()
+    finally:
+        for manager in (busy, capped, idle):
+            manager.close()
+
+
 def test_one_broker_connection_serves_one_engine(tiny_folder, broker):
     """Review of finding 8: a lost session's mappings are revoked on the
     thread that computes on them; a second engine's thread on the same

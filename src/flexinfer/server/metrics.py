@@ -168,14 +168,22 @@ class _EngineCollector(Collector):
         yield hits
         vtm_stats = stats["vtm"]
         yield _gauge("flexinfer_kv_cache_usage_ratio",
-                     "Share of the KV pool's capacity mapped by live requests (reclaimable cached and "
-                     "prefix-tree chunks not counted)", kv_cache_usage(vtm_stats))
+                     "Share of the KV memory this server may map that it maps for live requests: the pool's "
+                     "capacity, or on a vtm broker its limit (reclaimable cached and prefix-tree chunks not "
+                     "counted)", kv_cache_usage(vtm_stats))
         yield from _vtm_metrics(vtm_stats)
 
 
 def kv_cache_usage(vtm_stats: dict) -> float:
     """Chunks mapped in live slots (mapped minus those mapped only in released
-    slots) over the chunks the capacity allows."""
+    slots) over the chunks the capacity allows. On a broker (vtm.connect)
+    the pool is every client's: this client's mapped bytes over its limit
+    (the capacity without one), so that each server of a shared pool
+    reports its own use, not the others'."""
+    mine = next((c for c in vtm_stats.get("clients", ()) if c["id"] == vtm_stats.get("client_id")), None)
+    if mine is not None:
+        allowed = mine["limit_bytes"] or vtm_stats["capacity_bytes"]
+        return mine["mapped_bytes"] / allowed if allowed else 0.0
     capacity_chunks = vtm_stats["capacity_bytes"] // vtm_stats["chunk_bytes"]
     live = vtm_stats["chunks_mapped"] - vtm_stats["chunks_cached"]
     return live / capacity_chunks if capacity_chunks else 0.0

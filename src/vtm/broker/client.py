@@ -887,7 +887,8 @@ class RemoteManager:
 
     def stats(self, timeout: float | None = None) -> dict:
         """The broker's stats (the whole pool, every client's spaces) plus
-        "clients"; this client's spaces appear under the names it gave them.
+        "clients", and "client_id", this client's id there; this client's
+        spaces appear under the names it gave them.
 
         `timeout` (seconds) is for monitoring: the call skips the op queue
         (stats orders against nothing), and a broker that does not answer in
@@ -900,6 +901,7 @@ class RemoteManager:
             mine = f"c{self.client_id}/"
             stats["spaces"] = {(name[len(mine):] if name.startswith(mine) else name): info
                                for name, info in stats["spaces"].items()}
+            stats["client_id"] = self.client_id  # this client's row of "clients"
             return stats
         if timeout is None:
             return self._submit(run).result()
