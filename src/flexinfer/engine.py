@@ -344,12 +344,12 @@ class Engine:
         starts, after a reconnect and when the limit changes (kv_budget):
         submitting reads it without calling vtm."""
         held = (self.kv_cache.groups if self._keeps_sink else 0) * self.manager.chunk_bytes
-        pool = self.manager.capacity_bytes
-        if self.manager.limit_bytes:
-            pool = min(pool, self.manager.limit_bytes)
+        pool, limit = self.manager.capacity_bytes, self.manager.limit_bytes
+        limited = 0 < limit < pool
         return KVBudget(tuple(space.row_bytes for space in self.kv_cache.spaces), self.manager.chunk_bytes,
-                        (pool - held) // self.manager.chunk_bytes, self.scheduler.prefix_caching,
-                        tuple(self.kv_cache.windows), self.scheduler.max_batch_tokens)
+                        ((limit if limited else pool) - held) // self.manager.chunk_bytes,
+                        self.scheduler.prefix_caching, tuple(self.kv_cache.windows), self.scheduler.max_batch_tokens,
+                        limit if limited else 0)
 
     def stats(self, timeout: float | None = None) -> dict:
         """Counters for metrics; read from any thread (plain ints, and the

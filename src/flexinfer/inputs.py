@@ -114,7 +114,10 @@ class KVBudget:
     `windows`: per group, its sliding window (0: every token). A window
     group's vTensor holds at most the window and the tokens of one step
     (`step_tokens`) and the page the window starts in, however long the
-    request grows."""
+    request grows.
+
+    `limit_bytes`: a vtm broker's limit for this client where it, not the
+    pool, bounds `chunks` (0: the pool does); the operator may change it."""
 
     row_bytes: tuple[int, ...]
     chunk_bytes: int
@@ -122,6 +125,7 @@ class KVBudget:
     prefix_caching: bool
     windows: tuple[int, ...] = ()
     step_tokens: int = 0
+    limit_bytes: int = 0
 
     def chunks_needed(self, prompt_tokens: int, max_tokens: int) -> int:
         return self._chunks_for(prompt_tokens + max_tokens - 1) + self._prompt_copies(prompt_tokens)
@@ -199,9 +203,11 @@ def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len
                                   f"no token to sample before min_tokens ({params.min_tokens})", "stop_token_ids")
     if kv is not None and kv.chunks_needed(len(prompt_ids), params.max_tokens) > kv.chunks:
         fit = kv.max_new_tokens(len(prompt_ids))
+        where = (f"this client's share of the KV pool (the vtm broker's limit for it, {kv.limit_bytes} bytes, "
+                 f"which its operator may change)" if kv.limit_bytes else "the KV pool")
         return RequestProblem(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit in the KV "
-            f"pool: it needs {kv.chunks_needed(len(prompt_ids), params.max_tokens)} chunks of "
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit in {where}: "
+            f"it needs {kv.chunks_needed(len(prompt_ids), params.max_tokens)} chunks of "
             f"{kv.chunk_bytes} bytes and one request can have at most {kv.chunks}; "
             + (f"at most {fit} new tokens fit after this prompt" if fit else "this prompt alone does not fit"),
             "prompt")
