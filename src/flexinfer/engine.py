@@ -516,7 +516,7 @@ class Engine:
         except vtm.Error as exc:
             if isinstance(exc, vtm.FailedPrecondition):  # closed, or a broker its reservations do not fit
                 self._unhealthy_since = self._unhealthy_since or started
-                self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker cannot be used again: {exc}"))
+                self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker cannot take this engine back now: {exc}"))
             else:  # no broker yet, or it cannot take this client back yet
                 self._memory_not_back(exc)
             # One try per RECONNECT_TRY_S at most, however fast it failed: the loop does not spin.
