@@ -26,7 +26,9 @@ pool is shared (memory_wait_s: a manager given to the engine, in-process
 or vtm.connect): there memory others hold comes back, so a sequence alone
 in this engine that finds none goes back to the queue (released, as if
 preempted) and admission is tried again every MEMORY_RETRY_S (retry_at:
-the engine sleeps until then, see Engine.step). It fails with
+the engine sleeps until then, see Engine.step; a retry maps its whole prompt
+before computing any of it, so a retry that cannot go on computes nothing,
+except in a window model, whose groups hold less). It fails with
 vtm.OutOfMemory once memory_wait_s have passed since it arrived or since
 the engine last computed a token, whichever is later (a readmission that
 only computes again what it had does not count), or at once when it could
@@ -260,8 +262,8 @@ class Scheduler:
         `admitted`: those admitted by this step, which go back to waiting
         uncounted when they must give way (they computed nothing yet)."""
         while True:
-            need = self._with_starts({s: s.num_cached + n for s, n in late
-                                      if s.map_limit < s.num_cached + n and s.status is Status.RUNNING})
+            need = self._with_starts({s: t for s, n in late
+                                      if s.map_limit < (t := self._writes_to(s, n)) and s.status is Status.RUNNING})
             if not need:
                 return plan
             # Low marks due go with it: the pages they unmap are the first
@@ -291,6 +293,10 @@ class Scheduler:
                 # else the count would rise at every retry.
                 again = alone and self._starved_since is not None
                 gives_way = not alone or self._fail_unless_waiting(victim, exc)
+                if gives_way and alone and not self.kv.has_window:
+                    # Its retries map its whole prompt first (a window's
+                    # group holds less than the prompt: not there).
+                    victim.map_prompt_first = True
                 if gives_way and victim in admitted:
                     self._unadmit(victim)
                 elif gives_way:
@@ -306,7 +312,13 @@ class Scheduler:
                 plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
                 continue
             for seq, (tokens, start) in need.items():
+                seq.map_prompt_first = False
                 self._stepped(seq, tokens, start)
+
+    def _writes_to(self, seq: Sequence, n: int) -> int:
+        """The rows `seq` must have mapped to compute its next `n` tokens:
+        all of them once it gave way in a wait (map_prompt_first)."""
+        return max(seq.num_cached + n, seq.num_tokens) if seq.map_prompt_first else seq.num_cached + n
 
     def _ensure_each(self, need: dict[Sequence, tuple[int, int]]) -> None:
         """After a batched map failed: map each sequence alone and fail those
@@ -321,6 +333,7 @@ class Scheduler:
             except vtm.Error as exc:
                 self._fail(seq, exc)
                 continue
+            seq.map_prompt_first = False
             self._stepped(seq, tokens, start)
 
     def _with_starts(self, wanted: dict[Sequence, int]) -> dict[Sequence, tuple[int, int]]:

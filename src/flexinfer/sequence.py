@@ -78,9 +78,9 @@ class Sequence:
 
     __slots__ = ("id", "request_index", "sample_index", "prompt_ids", "output_ids", "num_tokens", "params",
                  "priority", "status", "vtensors", "slots", "num_cached", "extended", "map_limit", "unmap_at",
-                 "pending", "feed_row", "last_step", "last_start", "prompt_recorded", "finish_reason", "text",
-                 "prefix_offset", "read_offset", "stops_from", "error", "metrics", "stop_ids", "banned_ids",
-                 "checks_from", "generator", "leader", "swapped")
+                 "pending", "feed_row", "last_step", "last_start", "prompt_recorded", "map_prompt_first",
+                 "finish_reason", "text", "prefix_offset", "read_offset", "stops_from", "error", "metrics", "stop_ids",
+                 "banned_ids", "checks_from", "generator", "leader", "swapped")
 
     def __init__(self, seq_id: int, request_index: int, sample_index: int, prompt_ids: list[int],
                  params: SamplingParams, priority: int, eos_ids: tuple[int, ...]):
@@ -105,6 +105,10 @@ class Sequence:
         self.last_step = 0
         self.last_start = 0  # num_cached when last_step was launched: the first query row it computes
         self.prompt_recorded = False
+        # It gave way, alone, waiting for memory others hold: its next
+        # admission maps its whole prompt before computing any of it, so
+        # that a retry that cannot go on computes nothing (Scheduler._ensure).
+        self.map_prompt_first = False
         # Tokens whose KV its preemption recorded (preemption="swap"): its
         # readmission matches them, and no further.
         self.swapped = 0

@@ -1020,16 +1020,23 @@ def test_a_wait_whose_readmissions_only_recompute_still_ends(tiny_llama):
     first chunk again, gave way again, for ever: each step that planned
     anything restarted its wait. Only a step that computes a token does.
     Each such retry gave way as a preemption (a review found the count rise
-    by 20 a second): it counts once a wait."""
+    by 20 a second): it counts once a wait, and computes nothing again."""
     folder, _ = tiny_llama
     manager = small_manager(16)
     other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=16, max_slots=1, name="other")
     held = other.create(12).result()
     llm = LLM(folder, manager=manager, enable_prefix_caching=False, max_batch_tokens=16, memory_wait_s=0.5)
+    launches = []
+    launch = llm.engine._launch
+    llm.engine._launch = lambda *args: launches.append(1) or launch(*args)
     handle = llm.submit(random_prompts([60], seed=3)[0], greedy(4))  # 60 rows: 8 chunks, 4 free
     out = handle.result(timeout=20)
     assert isinstance(out.outputs[0].error, vtm.OutOfMemory), out.outputs[0].error
     assert out.metrics.preemptions == llm.stats()["preemptions"] == 1
+    # Each retry also computed the first chunk again, ~20 a second (8 steps
+    # in all): once it gave way, a readmission maps the whole prompt before
+    # computing any. The two prompt chunks that fitted before are all it ran.
+    assert len(launches) == 2
     held.release().result()
     other.close()
     llm.close()
@@ -1119,6 +1126,27 @@ def test_counts_never_go_down_while_admissions_are_undone(tiny_llama, tiny_promp
     held.release().result()
     other.close()
     llm.close()
+    manager.close()
+
+
+def test_a_chunked_prompt_that_waited_maps_it_all_and_gets_its_tokens(tiny_llama):
+    """A lone request whose chunked prompt ran out of memory gives way, and
+    its readmission maps the whole prompt before computing (map_prompt_first):
+    once the other user frees memory, it computes the prompt and decodes the
+    same tokens as without the wait."""
+    folder, oracle = tiny_llama
+    prompt, n = random_prompts([60], seed=3)[0], 6
+    manager = small_manager(16)
+    other = manager.create_space(row_bytes=SMALL_CHUNK, max_tokens=16, max_slots=1, name="other")
+    held = other.create(12).result()
+    llm = LLM(folder, manager=manager, enable_prefix_caching=False, max_batch_tokens=16, memory_wait_s=30)
+    threading.Timer(0.5, lambda: held.release().result()).start()
+    out = llm.submit(prompt, greedy(n)).result(timeout=30)
+    assert out.outputs[0].error is None and out.metrics.preemptions == 1
+    assert_greedy_equal(oracle, [prompt], [out], n)
+    llm.close()
+    other.close()
+    manager.check()
     manager.close()
 
 
