@@ -115,7 +115,12 @@ def _private_folder(path: str) -> list[str]:
 def _listen(server, target: str, address: str | None = None) -> int:
     """server.add_insecure_port(target), whose failure (an address in use) is
     an OSError naming `address` (the target as the user wrote it), not
-    gRPC's RuntimeError or a port of 0."""
+    gRPC's RuntimeError or a port of 0. A TCP address is tried first with a
+    socket of our own: gRPC logs its own error lines before it fails, and
+    binds with SO_REUSEPORT, so that a second vtmd on the port of a first
+    would share its connections instead of failing."""
+    if not target.startswith("unix:"):
+        _check_bindable(target, address or target)
     try:
         port = server.add_insecure_port(target)
     except RuntimeError as exc:
@@ -123,6 +128,23 @@ def _listen(server, target: str, address: str | None = None) -> int:
     if port == 0:
         raise OSError(f"cannot listen at {address or target}")
     return port
+
+
+def _check_bindable(target: str, address: str) -> None:
+    """OSError, naming `address`, unless every address HOST:PORT resolves to
+    can be bound now (the port is free, the host is this machine's)."""
+    host, _, port = target.rpartition(":")
+    try:
+        resolved = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen at {address}: {exc.strerror}") from None
+    for family, kind, proto, _, sockaddr in resolved:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no obstacle
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                raise OSError(f"cannot listen at {address}: {exc.strerror}") from None
 
 
 def _remove_folders(folders: list[str]) -> None:
