@@ -2,6 +2,6 @@
 
 import sys
 
-from flexinfer.cli import main
+from flexinfer.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -15,6 +15,7 @@ import argparse
 import functools
 import logging
 import math
+import os
 import queue
 import signal
 import sys
@@ -448,5 +449,22 @@ def main(argv: list[str] | None = None) -> int:
             args.broker.close()
 
 
+def run() -> int:
+    """The `flexinfer` command (pyproject's script, `python -m flexinfer`):
+    main(), then the interpreter exits. A Ctrl-C while it does (a second
+    one, after "interrupted") printed a traceback from its shutdown: there
+    it ends the process at once, quietly, with 130. What was printed is
+    flushed first. Not main's: a caller of main() in-process keeps its
+    own SIGINT handler."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (| head): nothing more to show there
+            pass
+    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -537,6 +537,19 @@ def test_ctrl_c_in_generate_exits_130_without_a_traceback(tiny):
     assert "Traceback" not in text and text.rstrip().endswith("flexinfer: interrupted"), text
 
 
+def test_a_ctrl_c_while_the_command_exits_quits_at_once_without_a_traceback():
+    """A second Ctrl-C, after "interrupted", landed in the interpreter's
+    shutdown: a KeyboardInterrupt traceback from threading or atexit (found
+    by fuzzing). Here the signal comes at exit, from an atexit callback."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import atexit, os, signal, sys, time\n"
+        "from flexinfer import cli\n"
+        "cli.main = lambda argv=None: print('done', flush=True) or cli.EXIT_INTERRUPTED\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5), print('not quit')))\n"
+        "sys.exit(cli.run())\n")], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "done\n", "")
+
+
 def test_ctrl_c_keeps_the_text_streamed_so_far(tiny):
     """One prompt: text shows as it is generated; Ctrl-C ends its line, says so, exits 130."""
     child = flexinfer_process(["generate", *tiny_args(tiny), "--max-tokens", "3000", "--prompt", "Tell me a story"])
