@@ -194,15 +194,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a fresh one)")
 
 
-def _engine(args) -> LLM:
-    manager = None
+_SWAP_NEEDS_TIER = "--preemption swap keeps preempted requests' KV in vtm's host tier"
+
+
+def _check_engine_flags(args) -> None:
+    """The flags that do not go together, refused before anything loads
+    (the engine would refuse them too, naming its Python arguments)."""
     if args.manager is not None and args.host_tier_gib > 0:
         raise InvalidArgument("--host-tier-gib sizes the host tier of an in-process pool; with --manager the "
                               "tier is the broker's (vtmd --host-tier-bytes)")
-    # The engine would refuse these too, naming its Python arguments.
-    swap_needs_tier = "--preemption swap keeps preempted requests' KV in vtm's host tier"
     if args.preemption == "swap" and args.manager is None and args.host_tier_gib == 0:
-        raise InvalidArgument(f"{swap_needs_tier}: give --host-tier-gib too")
+        raise InvalidArgument(f"{_SWAP_NEEDS_TIER}: give --host-tier-gib too")
+
+
+def _engine(args) -> LLM:
+    manager = None
+    _check_engine_flags(args)
     if args.manager is not None:
         name = args.client_name or f"flexinfer-{args.command}"
         # Closed by main() after the command: an LLM never closes a manager it was given.
@@ -212,7 +219,7 @@ def _engine(args) -> LLM:
             log.warning("asked for priority %d; the operator's quota for '%s' grants %d", args.priority, name,
                         manager.priority)
         if args.preemption == "swap" and not manager.stats().get("host_tier_capacity_bytes"):
-            raise InvalidArgument(f"{swap_needs_tier}, and the vtm broker at --manager has none "
+            raise InvalidArgument(f"{_SWAP_NEEDS_TIER}, and the vtm broker at --manager has none "
                                   "(vtmd --host-tier-bytes)")
     capacity = max(1, math.ceil(args.kv_capacity_gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
     host_tier = math.ceil(args.host_tier_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
@@ -227,6 +234,7 @@ def _engine(args) -> LLM:
 def _load(args) -> LLM:
     """The engine, with what loads and how long it took said on stderr (a
     progress bar too on a terminal, where loading takes more than a second)."""
+    _check_engine_flags(args)  # before "loading": nothing loads
     print(f"flexinfer: loading {args.model} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     llm = _engine(args)

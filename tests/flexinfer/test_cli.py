@@ -294,6 +294,13 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, message):
     one_line_error(capsys.readouterr().err, message)
 
 
+def test_flags_that_do_not_go_together_are_refused_before_loading_starts(capsys):
+    """It said "flexinfer: loading smollm2 ..." first (found by fuzzing), as
+    if the model loaded."""
+    assert main(["generate", "--prompt", "hi", "--preemption", "swap"]) == 2
+    assert capsys.readouterr().err.startswith("flexinfer: error: --preemption swap keeps")
+
+
 @pytest.mark.parametrize("prompt, message", [
     ("", "the prompt is empty"),
     (("word " * 600).strip(), "prompt (600 tokens) + max_tokens (128) exceeds max_model_len 512"),
