@@ -460,17 +460,17 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> int:
     """The `flexinfer` command (pyproject's script, `python -m flexinfer`):
     main(), then the interpreter exits. A Ctrl-C while it does (a second
-    one, after "interrupted") printed a traceback from its shutdown: there
-    it ends the process at once, quietly, with 130. What was printed is
-    flushed first. Not main's: a caller of main() in-process keeps its
-    own SIGINT handler."""
+    one, after "interrupted") printed a traceback from its shutdown: from
+    here on it ends the process at once, quietly, with 130 (the flush
+    below included: a blocked pipe may hold it). Not main's: a caller of
+    main() in-process keeps its own SIGINT handler."""
     code = main()
+    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (| head): nothing more to show there
             pass
-    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
     return code
 
 

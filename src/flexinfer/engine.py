@@ -387,8 +387,9 @@ class Engine:
             # The broker is gone, and with it this session: it released the
             # space's memory when the connection dropped.
             log.warning("closing the KV space: the vtm broker is unavailable")
-        if self._own_manager:
-            self.manager.close()
+        finally:
+            if self._own_manager:
+                self.manager.close()
 
     def __enter__(self) -> "Engine":
         return self

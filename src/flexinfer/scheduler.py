@@ -120,6 +120,7 @@ class Scheduler:
         # is tried before retry_at. time.perf_counter(), the clock of a
         # sequence's arrival_s.
         self._starved_since: float | None = None
+        self._gave_way: Sequence | None = None  # the lone sequence that last gave way in a wait (_ensure)
         self.retry_at = 0.0
         # The engine's: why a sequence can never fit its KV budget as the
         # manager grants it now (a broker client's limit, lowered since it
@@ -289,14 +290,15 @@ class Scheduler:
                 alone = victim is None or (victim in need and len(self.running) == 1)
                 victim = victim or next(iter(need))
                 # A lone sequence that gives way again in the same wait (it
-                # recomputed a prompt chunk, and no more fits) counts once:
-                # else the count would rise at every retry.
-                again = alone and self._starved_since is not None
+                # computed what fitted, and no more fits) counts once: else
+                # the count would rise at every retry.
+                again = alone and self._starved_since is not None and victim is self._gave_way
                 gives_way = not alone or self._fail_unless_waiting(victim, exc)
-                if gives_way and alone and not self.kv.has_window:
+                if gives_way and alone:
+                    self._gave_way = victim
                     # Its retries map its whole prompt first (a window's
                     # group holds less than the prompt: not there).
-                    victim.map_prompt_first = True
+                    victim.map_prompt_first = not self.kv.has_window
                 if gives_way and victim in admitted:
                     self._unadmit(victim)
                 elif gives_way:

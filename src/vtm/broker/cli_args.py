@@ -74,16 +74,12 @@ def count(text: str) -> int:
     return value
 
 
-def seconds(positive: bool):
-    """argparse type: a finite number of seconds, more than 0 (`positive`)
-    or 0 or more."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"expected a number of seconds {'above' if positive else 'from'} 0, "
-                                             f"got {text}")
-        return value
-    return parse
+def seconds(text: str) -> float:
+    """argparse type: a finite number of seconds, more than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text}")
+    return value

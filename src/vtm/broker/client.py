@@ -845,6 +845,8 @@ class RemoteManager:
 
         def run():
             if space.closed:
+                if space.close_requested:
+                    return  # closed since it was queued (a reconnect forgot it): what this close asked
                 raise errors.FailedPrecondition(f"space '{space.name}' is closed")
             # Unmapped here first, as for a release; the space's vTensors
             # are unusable from here on.

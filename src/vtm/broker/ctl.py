@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
     add_version(parser)
     parser.add_argument("--address", required=True, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
-    parser.add_argument("--timeout", type=seconds(positive=True), default=5.0, metavar="S",
+    parser.add_argument("--timeout", type=seconds, default=5.0, metavar="S",
                         help="seconds to wait for each answer of the broker")
     parser.add_argument("--token-file", default=None, metavar="FILE",
                         help="the control token (vtmd --control-token-file; default: send none)")
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     st = sub.add_parser("stats", help="the pool, prefix trees and clients")
     st.add_argument("--json", action="store_true", help="everything the broker reports, as JSON")
     top = sub.add_parser("top", help="the clients, refreshed (in place on a terminal)")
-    top.add_argument("--interval", type=seconds(positive=False), default=1.0, metavar="S", help="seconds between refreshes")
+    top.add_argument("--interval", type=seconds, default=1.0, metavar="S", help="seconds between refreshes")
     top.add_argument("--iterations", type=count, default=0, metavar="N",
                      help="refreshes before exiting; 0: until interrupted")
     quota = sub.add_parser("set-quota", help="the operator's limit (0: none), guarantee and priority for a client name")

@@ -255,7 +255,9 @@ class Policy:
         if asked:
             self._notified()
             # A client no longer live frees nothing more by answering.
-            self._wait(lambda: all(s.recall_id is None or s.state != LIVE for s in asked),
+            # A recall wait_s old is given up on: its client may never answer.
+            self._wait(lambda: all(s.recall_id is None or s.state != LIVE
+                                   or time.monotonic() - s.recall_sent_s >= self.wait_s for s in asked),
                        enough=(lambda: self._has_free(requester, need_bytes)) if need_bytes > 0 else None)
         return bool(asked)
 

@@ -22,6 +22,7 @@ and client pidfd, and IO_THREADS answer them (src/vtm/broker/reactor.py).
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import shlex
@@ -116,9 +117,7 @@ def _listen(server, target: str, address: str | None = None) -> int:
     """server.add_insecure_port(target), whose failure (an address in use) is
     an OSError naming `address` (the target as the user wrote it), not
     gRPC's RuntimeError or a port of 0. A TCP address is tried first with a
-    socket of our own: gRPC logs its own error lines before it fails, and
-    binds with SO_REUSEPORT, so that a second vtmd on the port of a first
-    would share its connections instead of failing."""
+    socket of our own: gRPC logs its own error lines before it fails."""
     if not target.startswith("unix:"):
         _check_bindable(target, address or target)
     try:
@@ -131,20 +130,25 @@ def _listen(server, target: str, address: str | None = None) -> int:
 
 
 def _check_bindable(target: str, address: str) -> None:
-    """OSError, naming `address`, unless every address HOST:PORT resolves to
-    can be bound now (the port is free, the host is this machine's)."""
+    """OSError, naming `address`, unless one of the addresses HOST:PORT
+    resolves to can be bound now, as gRPC needs (`localhost` is ::1 too,
+    where IPv6 may be off). A port in use is the error named first."""
     host, _, port = target.rpartition(":")
     try:
         resolved = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise OSError(f"cannot listen at {address}: {exc.strerror}") from None
+    failures = []
     for family, kind, proto, _, sockaddr in resolved:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no obstacle
-            try:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no obstacle
                 probe.bind(sockaddr)
-            except OSError as exc:
-                raise OSError(f"cannot listen at {address}: {exc.strerror}") from None
+            return
+        except OSError as exc:
+            failures.append(exc)
+    first = min(failures, key=lambda exc: exc.errno != errno.EADDRINUSE)
+    raise OSError(f"cannot listen at {address}: {first.strerror}")
 
 
 def _remove_folders(folders: list[str]) -> None:
@@ -239,8 +243,11 @@ class Broker:
             os.chmod(self.path, 0o600)
             self.server.start()
             if control_target is not None:
+                # Not SO_REUSEPORT (gRPC's default): a second vtmd on this
+                # port would share its connections with the first.
                 self.control = grpc.server(futures.ThreadPoolExecutor(max_workers=_CONTROL_THREADS,
-                                                                      thread_name_prefix="vtmd-control"))
+                                                                      thread_name_prefix="vtmd-control"),
+                                           options=[("grpc.so_reuseport", 0)])
                 vtm_pb2_grpc.add_BrokerServicer_to_server(ControlService(self.service, token), self.control)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, self.control)
                 port = _listen(self.control, control_target, control)
