@@ -225,10 +225,11 @@ class Policy:
         for their answers, or until the pool has `need_bytes` free beyond
         others' reservations (0: every answer); False when nobody maps any.
         So a client that does not answer holds the requester only while the
-        others' answers fall short, and only until its recall is wait_s old:
-        later recalls do not wait for it again until it answers (a hung
-        client would hold every asker up for wait_s). What they free stays reserved for the
-        requester's retry, as in reclaim(). A client keeps maps_ahead until
+        others' answers fall short, and only until its recall is wait_s old,
+        whenever the requester came: later recalls do not wait for it again
+        until it answers (a hung client would hold every asker up for
+        wait_s). What they free stays reserved for the requester's retry, as
+        in reclaim(). A client keeps maps_ahead until
         it gave them back (gave_back_ahead): meanwhile its own refusals still
         send it to its pages ahead first (service.py)."""
         asked = []
