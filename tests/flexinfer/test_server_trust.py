@@ -655,85 +655,13 @@ def test_limits_flags_are_checked(tiny_chat, capsys):
 # -- shutdown --------------------------------------------------------------------
 
 
-def test_requests_still_running_when_the_shutdown_timeout_ends_are_answered_abort(tiny_chat):
-    """uvicorn cancels the handlers still running once --shutdown-timeout has passed, before the LLM is
-    closed: a stream was cut without its last chunk, a whole response became uvicorn's plain-text
-    500. The server now aborts those requests first, so each handler answers as documented:
-    finish_reason "abort", then [DONE]. (The server runs on this thread, as `flexinfer serve` does:
-    it installs signal handlers.)"""
-    import uvicorn
-
-    from flexinfer.server.app import create_app
-    from flexinfer.server.graceful import GracefulServer
-
-    llm = LLM(tiny_chat, **ENGINE_OPTIONS)
-    step = llm.engine.step
-
-    def slow_step():  # so that both requests are still running when the timeout ends
-        time.sleep(0.01)
-        return step()
-
-    llm.engine.step = slow_step
-    app = create_app(lambda: llm, "tiny")
-    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
-                            timeout_graceful_shutdown=0.3)
-    server = GracefulServer(config, app.state.server.begin_shutdown, app.state.server.abort_in_flight)
-    url = f"http://127.0.0.1:{config.port}"
-    body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "n": 2}
-    results = {}
-
-    def stream():
-        events = []
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 1:
-                        results["streaming"] = True
-        results["stream"] = events
-
-    def whole():
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        results["whole"] = (response.status_code, response.headers.get("content-type"), response.text)
-
-    def drive():
-        try:
-            deadline = time.monotonic() + 60
-            while not server.started or httpx.get(f"{url}/health").status_code != 200:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
-            for client in clients:
-                client.start()
-            while not (results.get("streaming") and metrics(url)["flexinfer_num_requests_running"] == 4):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            server.handle_exit(signal.SIGTERM, None)
-            for client in clients:
-                client.join(60)
-        finally:
-            server.should_exit = True
-
-    driver = threading.Thread(target=drive)
-    driver.start()
-    server.run()
-    driver.join(60)
-    status, content_type, text = results["whole"]
-    assert status == 200 and content_type == "application/json", text
-    assert [c["finish_reason"] for c in json.loads(text)["choices"]] == ["abort", "abort"]
-    events = results["stream"]
-    assert events[-1] == "[DONE]", events[-3:]
-    finished = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
-    assert finished == ["abort", "abort"], events[-3:]
-
-
-def test_a_second_signal_aborts_what_runs_and_answers_it(tiny_chat, caplog):
-    """A second SIGTERM or Ctrl-C skips the shutdown's wait. It was uvicorn's
-    force exit: a stream cut without its end, a request not streamed
-    answered a plain-text 500, tracebacks in the log (found by fuzzing). Now
-    what runs is aborted at once and answered so, long before the 60 s the
-    first signal would have let the requests run. (As above: the server on
-    this thread, the engine slowed so that the requests still run.)"""
+def _shut_down_while_two_requests_run(tiny_chat: str, grace_s: float, n: int, signals: list[int]) -> dict:
+    """A GracefulServer on this thread, as `flexinfer serve` runs it (it
+    installs signal handlers), its engine slowed so that requests still run
+    when they should; a streamed and a whole completion of `n` samples of
+    1,000 tokens; once both run, `signals` reach the server, 0.3 s apart.
+    Returns {"stream": its events, "whole": (status, content type, text),
+    "signalled": when the last signal came}."""
     import uvicorn
 
     from flexinfer.server.app import create_app
@@ -749,10 +677,10 @@ def test_a_second_signal_aborts_what_runs_and_answers_it(tiny_chat, caplog):
     llm.engine.step = slow_step
     app = create_app(lambda: llm, "tiny")
     config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
-                            timeout_graceful_shutdown=60)
+                            timeout_graceful_shutdown=grace_s)
     server = GracefulServer(config, app.state.server.begin_shutdown, app.state.server.abort_in_flight)
     url = f"http://127.0.0.1:{config.port}"
-    body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
+    body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "n": n}
     results = {}
 
     def stream():
@@ -766,7 +694,7 @@ def test_a_second_signal_aborts_what_runs_and_answers_it(tiny_chat, caplog):
 
     def whole():
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        results["whole"] = (response.status_code, response.text)
+        results["whole"] = (response.status_code, response.headers.get("content-type"), response.text)
 
     def drive():
         try:
@@ -777,13 +705,14 @@ def test_a_second_signal_aborts_what_runs_and_answers_it(tiny_chat, caplog):
             clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
             for client in clients:
                 client.start()
-            while not (results.get("streaming") and metrics(url)["flexinfer_num_requests_running"] == 2):
+            while not (results.get("streaming") and metrics(url)["flexinfer_num_requests_running"] == 2 * n):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            server.handle_exit(signal.SIGINT, None)
-            time.sleep(0.3)
-            results["second"] = time.monotonic()
-            server.handle_exit(signal.SIGINT, None)
+            for k, sig in enumerate(signals):
+                if k:
+                    time.sleep(0.3)
+                results["signalled"] = time.monotonic()
+                server.handle_exit(sig, None)
             for client in clients:
                 client.join(60)
         finally:
@@ -791,11 +720,36 @@ def test_a_second_signal_aborts_what_runs_and_answers_it(tiny_chat, caplog):
 
     driver = threading.Thread(target=drive)
     driver.start()
-    with caplog.at_level(logging.ERROR):
-        server.run()
+    server.run()
     driver.join(60)
-    assert time.monotonic() - results["second"] < 20
-    status, text = results["whole"]
+    return results
+
+
+def test_requests_still_running_when_the_shutdown_timeout_ends_are_answered_abort(tiny_chat):
+    """uvicorn cancels the handlers still running once --shutdown-timeout has passed, before the LLM is
+    closed: a stream was cut without its last chunk, a whole response became uvicorn's plain-text
+    500. The server now aborts those requests first, so each handler answers as documented:
+    finish_reason "abort", then [DONE]."""
+    results = _shut_down_while_two_requests_run(tiny_chat, grace_s=0.3, n=2, signals=[signal.SIGTERM])
+    status, content_type, text = results["whole"]
+    assert status == 200 and content_type == "application/json", text
+    assert [c["finish_reason"] for c in json.loads(text)["choices"]] == ["abort", "abort"]
+    events = results["stream"]
+    assert events[-1] == "[DONE]", events[-3:]
+    finished = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+    assert finished == ["abort", "abort"], events[-3:]
+
+
+def test_a_second_signal_aborts_what_runs_and_answers_it(tiny_chat, caplog):
+    """A second SIGTERM or Ctrl-C skips the shutdown's wait. It was uvicorn's
+    force exit: a stream cut without its end, a request not streamed
+    answered a plain-text 500, tracebacks in the log (found by fuzzing). Now
+    what runs is aborted at once and answered so, long before the 60 s the
+    first signal would have let the requests run."""
+    with caplog.at_level(logging.ERROR):
+        results = _shut_down_while_two_requests_run(tiny_chat, grace_s=60, n=1, signals=[signal.SIGINT] * 2)
+    assert time.monotonic() - results["signalled"] < 20
+    status, _, text = results["whole"]
     assert status == 200, text
     assert json.loads(text)["choices"][0]["finish_reason"] == "abort"
     events = results["stream"]

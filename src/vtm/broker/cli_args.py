@@ -52,12 +52,16 @@ def size(text: str) -> int:
 INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
+def _parse(text: str, kind: type, what: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
 def priority(text: str) -> int:
     """argparse type: a priority, an int32 as the protocol carries it."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _parse(text, int, "an integer")
     if not INT32[0] <= value <= INT32[1]:
         raise argparse.ArgumentTypeError(f"{value} is out of range: a priority is from {INT32[0]} to {INT32[1]}")
     return value
@@ -65,10 +69,7 @@ def priority(text: str) -> int:
 
 def count(text: str) -> int:
     """argparse type: a whole number, 0 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _parse(text, int, "a whole number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
     return value
@@ -76,10 +77,7 @@ def count(text: str) -> int:
 
 def seconds(text: str) -> float:
     """argparse type: a finite number of seconds, more than 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    value = _parse(text, float, "a number of seconds")
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text}")
     return value
