@@ -45,8 +45,9 @@ import os
 import statistics
 import time
 
+import sys
+
 import torch
-from vllm import LLM, SamplingParams
 
 
 def make_prompts(batch: int, length: int) -> list[list[int]]:
@@ -55,10 +56,8 @@ def make_prompts(batch: int, length: int) -> list[list[int]]:
     return [[1] + torch.randint(100, 40000, (length - 1,), generator=g).tolist() for _ in range(batch)]
 
 
-def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    # min_tokens = max_tokens with ignore_eos: every request decodes exactly new_tokens.
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens,
-                            ignore_eos=True, detokenize=False)
+def run(llm, params, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """`llm` and `params` are vLLM's LLM and SamplingParams."""
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -78,6 +77,13 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    try:  # after --help, which works anywhere
+        from vllm import LLM, SamplingParams
+    except ImportError as exc:
+        sys.exit(f"bench_vllm_cpu.py runs in vLLM's own environment (see its docstring for the setup): {exc}")
+    # min_tokens = max_tokens with ignore_eos: every request decodes exactly new_tokens.
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, min_tokens=args.new_tokens,
+                            ignore_eos=True, detokenize=False)
 
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True,
@@ -97,11 +103,11 @@ def main() -> None:
     print(f"vllm loaded {args.model} in {load_s:.1f}s, dtype {llm.llm_engine.model_config.dtype}, "
           f"VLLM_CPU_OMP_THREADS_BIND={omp_bind}")
 
-    run(llm, make_prompts(1, args.prompt_len), args.new_tokens)  # warm-up: first-call allocations
+    run(llm, params, make_prompts(1, args.prompt_len), args.new_tokens)  # warm-up: first-call allocations
     rows = []
     for batch in batches:
         prompts = make_prompts(batch, args.prompt_len)
-        runs = [run(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
+        runs = [run(llm, params, prompts, args.new_tokens) for _ in range(args.repeats)]
         samples = [rate for rate, _ in runs]
         # The greedy tokens, so the caller can check both engines computed the same thing.
         rows.append({"batch": batch, "tokens_per_s": statistics.median(samples), "samples": samples,

@@ -281,6 +281,10 @@ def test_metrics_survive_a_failing_stats_source():
     ("completions", {"prompt": [100000]}, 400, "prompt", None),
     ("completions", {"max_tokens": 4}, 400, "prompt", None),
     ("completions", {"prompt": "Hi", "logprobs": 1}, 400, "logprobs", None),
+    # Both endpoints, as docs/server.md says: completions ignored it (a new user's walkthrough).
+    ("completions", {"prompt": "Hi", "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                          "response_format": {"type": "json_object"}}, 400, "response_format", None),
     ("completions", {"prompt": "Hi", "stream_options": {"include_usage": "yes"}}, 400, "stream_options", None),
     ("completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("completions", {"prompt": "Hi " * 1100}, 400, "prompt", "context_length_exceeded"),

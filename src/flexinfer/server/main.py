@@ -57,8 +57,9 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
         from flexinfer.server.app import create_app
         from flexinfer.server.graceful import GracefulServer
     except ImportError as exc:
-        raise FlexInferError(f"flexinfer serve needs the serve extra ({exc}): "
-                             "pip install 'vtm[serve]' (from a clone: pip install '.[serve]')") from None
+        # Not `pip install 'vtm[serve]'`: "vtm" on PyPI is another project's.
+        raise FlexInferError(f"flexinfer serve needs the serve extra ({exc}): in the repository's folder, "
+                             "pip install '.[serve]' (or make, which installs every extra)") from None
 
     if args.shutdown_timeout < 0:
         raise FlexInferError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")

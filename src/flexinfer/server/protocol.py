@@ -54,6 +54,8 @@ class SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's chat field, vLLM's on completions too (guided decoding).
+    response_format: dict | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not implement."""
@@ -62,6 +64,8 @@ class SamplingRequest(BaseModel):
                 return name
         if self.logit_bias:
             return "logit_bias"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
         return None
 
 
@@ -126,7 +130,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    response_format: dict | None = None
 
     def unsupported(self) -> str | None:
         if self.logprobs:
@@ -135,8 +138,6 @@ class ChatCompletionRequest(SamplingRequest):
             return "top_logprobs"
         if self.tools:
             return "tools"
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format"
         return super().unsupported()
 
 
