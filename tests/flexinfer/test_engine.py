@@ -595,6 +595,29 @@ def test_a_lost_broker_forgets_what_swapped_out_sequences_kept(tiny_llama):
     manager.close()
 
 
+def test_a_lost_broker_starts_the_memory_wait_anew(tiny_llama):
+    """A request that waited for others' memory before a broker restart
+    waits memory_wait_s again in the new session: what it waited for
+    (memory the old session's users held) is gone with it."""
+    from flexinfer.sequence import Sequence, Status
+
+    manager = small_manager(16)
+    llm = LLM(tiny_llama[0], manager=manager, memory_wait_s=5.0)
+    scheduler = llm.engine.scheduler
+    seq = Sequence(10_000, 0, 0, [1, 2, 3, 4], greedy(4), 0, ())
+    seq.metrics.arrival_s -= 10
+    scheduler.waiting.append(seq)
+    problem = vtm.OutOfMemory("no chunk free")
+    assert scheduler._fail_unless_waiting(seq, problem)
+    scheduler._starved_since -= 6  # it has waited past memory_wait_s
+    scheduler.lose_memory(vtm.Unavailable("the broker went away"))
+    assert scheduler._fail_unless_waiting(seq, problem), "the wait before the restart was counted"
+    assert seq.status is Status.WAITING
+    scheduler.waiting.remove(seq)
+    llm.close()
+    manager.close()
+
+
 def test_preemption_by_swap_needs_a_host_tier(tiny_llama):
     with pytest.raises(InvalidArgument, match="host tier"):
         LLM(tiny_llama[0], kv_capacity_bytes=4 << 20, preemption="swap")
