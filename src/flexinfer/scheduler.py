@@ -120,7 +120,7 @@ class Scheduler:
         # is tried before retry_at. time.perf_counter(), the clock of a
         # sequence's arrival_s.
         self._starved_since: float | None = None
-        self._gave_way: Sequence | None = None  # the lone sequence that last gave way in a wait (_ensure)
+        self._preempted_in_wait: Sequence | None = None  # the lone sequence preempted in this wait (_ensure)
         self.retry_at = 0.0
         # The engine's: why a sequence can never fit its KV budget as the
         # manager grants it now (a broker client's limit, lowered since it
@@ -289,13 +289,12 @@ class Scheduler:
                 # then it gives way as a victim does, to be tried again.
                 alone = victim is None or (victim in need and len(self.running) == 1)
                 victim = victim or next(iter(need))
-                # A lone sequence that gives way again in the same wait (it
+                # A lone sequence preempted again in the same wait (it
                 # computed what fitted, and no more fits) counts once: else
                 # the count would rise at every retry.
-                again = alone and self._starved_since is not None and victim is self._gave_way
+                again = alone and self._starved_since is not None and victim is self._preempted_in_wait
                 gives_way = not alone or self._fail_unless_waiting(victim, exc)
                 if gives_way and alone:
-                    self._gave_way = victim
                     # Its retries map its whole prompt first (a window's
                     # group holds less than the prompt: not there).
                     victim.map_prompt_first = not self.kv.has_window
@@ -303,6 +302,8 @@ class Scheduler:
                     self._unadmit(victim)
                 elif gives_way:
                     self._preempt(victim, counted=not again)
+                    if alone:
+                        self._preempted_in_wait = victim
                 plan = [(s, n) for s, n in plan if s.status is Status.RUNNING]
                 continue
             except vtm.Unavailable:
@@ -454,7 +455,7 @@ class Scheduler:
             seq.swapped = 0  # nor of what swapped-out ones kept
         self.num_preemptions += len(self.running)
         self.running.clear()
-        self._starved_since = None  # a wait for others' memory starts again in the new session
+        self._end_wait()  # a wait for others' memory starts again in the new session
         self._steady = None
         self._pending = None
         self._background.clear()
@@ -505,7 +506,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if not self.waiting:
-            self._starved_since = None  # nobody waits for memory
+            self._end_wait()  # nobody waits for memory
 
     def _drop_vtensors(self, seq: Sequence, record: bool, swap: bool = False) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds
@@ -686,6 +687,10 @@ class Scheduler:
         self.retry_at = now + MEMORY_RETRY_S
         return True
 
+    def _end_wait(self) -> None:
+        self._starved_since = None
+        self._preempted_in_wait = None
+
     def _count_admission(self, seq: Sequence, counts: tuple[int, int, int, int]) -> None:
         """An admission's (prompt tokens queried, swapped-in tokens, prefix
         hit tokens, of those from the host tier), counted if it holds."""
@@ -769,7 +774,7 @@ class Scheduler:
             # This step computes a token: the engine gets further, and a
             # later wait starts anew. Computing again what a preemption
             # dropped (a prompt's chunks) is not getting further.
-            self._starved_since = None
+            self._end_wait()
         # Pre-extend: map what the next step will write while this one
         # computes. Only where it maps or unmaps a page: a step within both
         # limits would only advance vtm's token count, which a record raises

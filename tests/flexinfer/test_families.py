@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import threading
 
 import pytest
 import torch
@@ -502,3 +503,35 @@ def test_a_prefix_the_window_group_cannot_serve_falls_back(families):
         assert out.metrics.prefix_hit_tokens < 40
         manager.check()
     manager.close()
+
+
+def test_a_window_models_lone_request_preempted_in_a_wait_counts_once(families):
+    """Review: a lone request that first gave way at admission (not a
+    preemption) was then taken as having been counted, so its real
+    preemptions later in the same wait (a prompt chunk computed, its KV
+    dropped for the next one, at every retry of a window model, which
+    cannot map its whole prompt first) counted none. They count one."""
+    folder, _ = families["gemma2"]
+    manager = vtm.Manager(backend="host", capacity_bytes=64 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK)
+    llm = LLM(folder, manager=manager, enable_prefix_caching=False, max_batch_tokens=16, memory_wait_s=1.5)
+    other = manager.create_space(row_bytes=CHUNK, max_tokens=64, max_slots=2, name="other")
+    big = other.create(64 - 7 - manager.stats()["chunks_held"]).result()
+    small = other.create(4).result()  # freed while the request waits: its first chunks fit, not its prompt
+    scheduler = llm.engine.scheduler
+    dropped = []
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda seq, counted=True: dropped.append(seq.num_cached) or preempt(seq, counted)
+    timer = threading.Timer(0.3, lambda: small.release().result())
+    timer.start()
+    try:
+        out = llm.submit(_prompts([60], seed=5)[0], SamplingParams(max_tokens=2, temperature=0.0,
+                                                                    ignore_eos=True)).result(timeout=60)
+        assert isinstance(out.outputs[0].error, vtm.OutOfMemory), out.outputs[0].error
+        assert any(dropped), dropped  # computed KV was dropped
+        assert out.metrics.preemptions == llm.stats()["preemptions"] == 1
+    finally:
+        timer.join()
+        llm.close()
+        big.release().result()
+        other.close()
+        manager.close()
