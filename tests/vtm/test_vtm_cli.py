@@ -395,5 +395,30 @@ def test_vtmd_refuses_a_socket_folder_under_a_folder_others_may_write(tmp_path, 
     shared.chmod(0o777)
     done = vtmd("--listen", f"unix:{shared}/{below}/sock", "--backend", "host")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert f"{shared}, above the socket folder, is another user's or writable by every user" in done.stderr
+    assert f"{shared}, above the socket folder, is another user's or writable by other users" in done.stderr
     assert os.listdir(shared) == []
+
+
+def test_vtmd_refuses_a_socket_folder_under_a_folder_its_group_may_write(tmp_path):
+    """Review: only the write bit for every user was looked at, though
+    members of a folder's group may rename its entries as well. A group
+    that is this user's alone (a private group) is no one else's."""
+    import pwd
+
+    from vtm.broker.server import _own_group, _private_folder
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o770)
+    others = next((u.pw_gid for u in pwd.getpwall() if u.pw_uid != os.getuid() and u.pw_gid != os.getgid()), None)
+    try:
+        os.chown(shared, -1, others)
+    except (PermissionError, TypeError):
+        pytest.skip("no group of another user that this user may give a folder to")
+    done = vtmd("--listen", f"unix:{shared}/vtm/sock", "--backend", "host")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"{shared}, above the socket folder, is another user's or writable by other users" in done.stderr
+    assert os.listdir(shared) == []
+    if _own_group(os.getgid()):
+        os.chown(shared, -1, os.getgid())
+        assert _private_folder(str(shared / "vtm" / "sock")) == [str(shared / "vtm")]

@@ -23,7 +23,9 @@ and client pidfd, and IO_THREADS answer them (src/vtm/broker/reactor.py).
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import resource
 import shlex
 import signal
@@ -68,6 +70,20 @@ def tcp_target(address: str) -> str:
     return f"{host}:{port}"
 
 
+def _own_group(gid: int) -> bool:
+    """Whether no user but this one can be in group `gid` (a user's private
+    group): none names it as theirs, and it lists no other member."""
+    try:
+        me = {pwd.getpwuid(os.getuid()).pw_name}
+    except KeyError:  # a user without an entry (a container's): no group lists them
+        me = set()
+    try:
+        members = set(grp.getgrgid(gid).gr_mem)
+    except KeyError:  # a group without an entry lists no member; users name it as theirs in passwd
+        members = set()
+    return members <= me and all(user.pw_uid == os.getuid() for user in pwd.getpwall() if user.pw_gid == gid)
+
+
 def _private_folder(path: str) -> list[str]:
     """The socket folder is the only wall around the control calls: it must
     be this user's and closed to others, under folders where nobody else may
@@ -82,12 +98,15 @@ def _private_folder(path: str) -> list[str]:
     # Whoever may rename entries of a folder above it may swap the socket
     # folder, or a folder on its way, for one of theirs: every one must be
     # this user's or root's, and closed to other writers or sticky (/tmp),
-    # as ssh asks of the folders above authorized_keys.
+    # as ssh asks of the folders above authorized_keys (group-writable
+    # only where the group is this user's alone, as Debian's ssh allows).
     above = existing if created else os.path.dirname(folder)
     while True:
         st = os.stat(above)
-        if st.st_uid not in (0, os.getuid()) or (stat.S_IMODE(st.st_mode) & 0o002 and not st.st_mode & stat.S_ISVTX):
-            raise PermissionError(f"{above}, above the socket folder, is another user's or writable by every user "
+        mode = stat.S_IMODE(st.st_mode)
+        others_write = mode & 0o002 or (mode & 0o020 and not _own_group(st.st_gid))
+        if st.st_uid not in (0, os.getuid()) or (others_write and not st.st_mode & stat.S_ISVTX):
+            raise PermissionError(f"{above}, above the socket folder, is another user's or writable by other users "
                                   f"without the sticky bit: anyone who may write there may replace the socket folder; "
                                   f"listen in a folder of your own, e.g. --listen unix:{_own_socket_example()}")
         if os.path.dirname(above) == above:
