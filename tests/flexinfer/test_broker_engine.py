@@ -432,13 +432,18 @@ def test_an_engine_closed_as_the_broker_stops_answering_leaves_no_space_to_rebui
 def test_kv_usage_is_each_clients_own(broker):
     """flexinfer_kv_cache_usage_ratio on a shared pool was the whole pool's
     (found by fuzzing: an idle server reported its neighbour's 0.72). It is
-    this client's mapped bytes over its limit, or the pool's capacity."""
+    this client's mapped bytes over its limit, or the pool's capacity
+    where it has none or a larger one (review: a client whose limit is
+    twice the pool's read 0.5 with the whole pool mapped)."""
     from flexinfer.server.metrics import kv_cache_usage
 
     assert ctl.main(["--address", broker.address, "set-quota", "capped", "--limit", str(8 * PAGE)]) == 0
+    assert ctl.main(["--address", broker.address, "set-quota", "loose", "--limit",
+                     str(2 * broker.capacity_bytes)]) == 0
     busy = vtm.connect(broker.address, name="busy")
     capped = vtm.connect(broker.address, name="capped")
     idle = vtm.connect(broker.address, name="idle")
+    loose = vtm.connect(broker.address, name="loose")
     try:
         rows = busy.create_space(row_bytes=PAGE, max_tokens=64, max_slots=1).create(16).result()
         few = capped.create_space(row_bytes=PAGE, max_tokens=64, max_slots=1).create(2).result()
@@ -447,8 +452,12 @@ def test_kv_usage_is_each_clients_own(broker):
         assert kv_cache_usage(idle.stats()) == 0
         rows.release().result()
         few.release().result()
+        pages = broker.capacity_bytes // PAGE
+        everything = loose.create_space(row_bytes=PAGE, max_tokens=pages, max_slots=1).create(pages).result()
+        assert kv_cache_usage(loose.stats()) == 1.0
+        everything.release().result()
     finally:
-        for manager in (busy, capped, idle):
+        for manager in (busy, capped, idle, loose):
             manager.close()
 
 

@@ -178,11 +178,12 @@ def kv_cache_usage(vtm_stats: dict) -> float:
     """Chunks mapped in live slots (mapped minus those mapped only in released
     slots) over the chunks the capacity allows. On a broker (vtm.connect)
     the pool is every client's: this client's mapped bytes over its limit
-    (the capacity without one), so that each server of a shared pool
+    (the capacity without one, or where the limit is larger), so that each server of a shared pool
     reports its own use, not the others'."""
     mine = next((c for c in vtm_stats.get("clients", ()) if c["id"] == vtm_stats.get("client_id")), None)
     if mine is not None:
-        allowed = mine["limit_bytes"] or vtm_stats["capacity_bytes"]
+        limit, capacity = mine["limit_bytes"], vtm_stats["capacity_bytes"]
+        allowed = min(limit, capacity) if limit else capacity  # a limit above the pool allows the pool
         return mine["mapped_bytes"] / allowed if allowed else 0.0
     capacity_chunks = vtm_stats["capacity_bytes"] // vtm_stats["chunk_bytes"]
     live = vtm_stats["chunks_mapped"] - vtm_stats["chunks_cached"]
