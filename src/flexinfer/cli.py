@@ -278,7 +278,7 @@ def cmd_generate(args) -> int:
 
 
 def _stream(llm: LLM, args, ids: list[int], params: SamplingParams) -> RequestOutput:
-    text = IncrementalText(llm.tokenizer, params.stop, params.min_tokens)
+    text = IncrementalText(llm.tokenizer, params.stop, params.min_tokens, params.stop_token_ids)
     printed = False  # whether stdout holds a line this function must end
     if args.echo:
         print(args.prompt[0], end="", flush=True)

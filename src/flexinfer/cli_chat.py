@@ -111,7 +111,8 @@ class ChatSession:
             print(f"[dropped the oldest {dropped} messages: the conversation outgrew max_model_len "
                   f"{self.llm.max_model_len} (with room for {self.params.max_tokens} new tokens)]", file=sys.stderr)
         handle = None
-        text = IncrementalText(self.llm.tokenizer, self.params.stop, self.params.min_tokens)
+        text = IncrementalText(self.llm.tokenizer, self.params.stop, self.params.min_tokens,
+                               self.params.stop_token_ids)
         try:
             print("assistant> ", end="", flush=True)
             handle = self.llm.submit(prompt, self.params)

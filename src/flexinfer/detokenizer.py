@@ -7,9 +7,16 @@ the output, as in the OpenAI API). With min_tokens, only a stop string that
 ends in the text of the min_tokens-th token or a later one counts. While streaming, text that could be the
 start of a stop string is held back until the next tokens show it is not,
 so a client never receives text that is later cut.
+
+Stop token ids: the token that ended the output stays in its token ids,
+and its text is not in the output's (as vLLM's, and as an end-of-sequence
+token's). A stop token can only be the last: before min_tokens they are
+banned, after it the first one sampled ends the sample.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from flexinfer.tokenizer import Tokenizer
 
@@ -26,9 +33,12 @@ def cut_at_stop(text: str, stop: list[str], stops_from: int = 0) -> tuple[str, b
 _MAX_INCOMPLETE = 3
 
 
-def final_text(tokenizer: Tokenizer, ids: list[int], stop: list[str], min_tokens: int = 0) -> str:
+def final_text(tokenizer: Tokenizer, ids: list[int], stop: list[str], min_tokens: int = 0,
+               stop_token_ids: Iterable[int] = ()) -> str:
     """The text of a whole output, cut at its first stop string that counts
-    (see stops_from())."""
+    (see stops_from()), without the text of a stop token that ended it."""
+    if ids and ids[-1] in stop_token_ids:
+        ids = ids[:-1]
     return cut_at_stop(_complete_text(tokenizer, ids), stop, stops_from(tokenizer, ids, min_tokens))[0]
 
 
@@ -59,8 +69,10 @@ class IncrementalText:
     Invariant: the concatenation of everything `push` and `finish` return
     equals final_text() of all the tokens pushed."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], min_tokens: int = 0):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], min_tokens: int = 0,
+                 stop_token_ids: Iterable[int] = ()):
         self._tokenizer = tokenizer
+        self._stop_token_ids = frozenset(stop_token_ids)
         self._stop = stop
         self._min_tokens = min_tokens
         # stops_from() of the output, known once its first min_tokens - 1
@@ -82,6 +94,8 @@ class IncrementalText:
         however long the output)."""
         if self._stopped:
             return ""
+        if token_ids and token_ids[-1] in self._stop_token_ids:  # the last of the output: its text is not shown
+            token_ids = token_ids[:-1]
         self._ids.extend(token_ids)
         new, self._prefix_offset, self._read_offset = self._tokenizer.decode_incremental(
             self._ids, self._prefix_offset, self._read_offset)

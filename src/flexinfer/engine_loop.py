@@ -99,7 +99,8 @@ class RequestStream:
         tokenizer = self._loop.engine.tokenizer
         out = RequestOutput(self.prompt, self.prompt_token_ids)
         for seq in self._seqs:
-            text = final_text(tokenizer, seq.output_ids, seq.params.stop, seq.params.min_tokens)
+            text = final_text(tokenizer, seq.output_ids, seq.params.stop, seq.params.min_tokens,
+                              seq.params.stop_token_ids)
             out.outputs.append(CompletionOutput(text, list(seq.output_ids), seq.finish_reason, seq.metrics, seq.error,
                                                 seq.sample_index))
         return out

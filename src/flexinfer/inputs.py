@@ -175,17 +175,21 @@ class RequestProblem(NamedTuple):
 
 
 def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                    eos_ids: tuple[int, ...], kv: KVBudget | None = None) -> RequestProblem | None:
+                    eos_ids: tuple[int, ...], kv: KVBudget | None = None,
+                    max_tokens_name: str | None = "max_tokens") -> RequestProblem | None:
     """Why a well-formed request cannot run, or None. With `kv`, a request
     whose KV can never fit in the pool is one of them: admitted, it would
     run until memory ran out and then fail with its output lost. `eos_ids`:
     the model's end-of-sequence ids, which stop a sample (and are banned
-    before min_tokens) unless it ignores them."""
+    before min_tokens) unless it ignores them. `max_tokens_name`: what the
+    caller called max_tokens (None: it asked for none, and the least, one
+    new token, does not fit)."""
     if not prompt_ids:
         return RequestProblem("the prompt is empty", "prompt")
+    asked = f"{max_tokens_name} ({params.max_tokens})" if max_tokens_name else "one new token"
     if len(prompt_ids) + params.max_tokens > max_model_len:
-        return RequestProblem(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                              f"max_model_len {max_model_len}", "prompt")
+        return RequestProblem(f"prompt ({len(prompt_ids)} tokens) + {asked} exceeds max_model_len {max_model_len}",
+                              "prompt")
     if max(prompt_ids) >= vocab_size or min(prompt_ids) < 0:
         return RequestProblem("a prompt token id is outside the vocabulary", "prompt")
     outside = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
@@ -206,7 +210,7 @@ def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len
         where = (f"this client's share of the KV pool (the vtm broker's limit for it, {kv.limit_bytes} bytes, "
                  f"which its operator may change)" if kv.limit_bytes else "the KV pool")
         return RequestProblem(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit in {where}: "
+            f"prompt ({len(prompt_ids)} tokens) + {asked} can never fit in {where}: "
             f"it needs {kv.chunks_needed(len(prompt_ids), params.max_tokens)} chunks of "
             f"{kv.chunk_bytes} bytes and one request can have at most {kv.chunks}; "
             + (f"at most {fit} new tokens fit after this prompt" if fit else "this prompt alone does not fit"),

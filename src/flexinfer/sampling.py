@@ -65,6 +65,11 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidArgument(f"stop must be a str or a list of non-empty str, got {self.stop!r}")
         self.stop = list(self.stop)
+        for s in self.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no output text can hold it
+                raise InvalidArgument(f"stop string {s!r} is not valid Unicode text ({exc.reason})") from None
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
             longest = max(map(len, self.stop), default=0)
             raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "

@@ -875,6 +875,11 @@ def test_stop_token_ids_and_max_tokens(tiny_llm):
     out = run(tiny_llm, [prompt], greedy(20, stop_token_ids=[stop_token]))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == full[:first + 1]
+    # Its text is not in the output's, as an end-of-sequence token's is not
+    # (fuzzing the API found it there; vLLM leaves it out too).
+    decode = tiny_llm.tokenizer.decode
+    assert out.text == decode(full[:first], skip_special_tokens=True) != decode(full[:first + 1],
+                                                                               skip_special_tokens=True)
     for max_tokens in (1, 7):
         out = run(tiny_llm, [prompt], greedy(max_tokens))[0]
         assert (out.token_ids, out.finish_reason) == (full[:max_tokens], "length")

@@ -95,6 +95,47 @@ def collect_stream(chunks) -> tuple[dict, dict, dict, object]:
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server.url}/health").status_code == 200
+    # Fuzzing the API: OpenAI's retrieve-model route was a 404, and a
+    # load balancer's HEAD /health a 405.
+    assert client.models.retrieve("tiny").id == "tiny"
+    missing = httpx.get(f"{server.url}/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.head(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    ("completions", {"prompt": "Hi"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_null_is_the_default_of_an_optional_field(server, path, body):
+    """Fuzzing the API: clients that write every field send null for those
+    they leave unset, as OpenAI's reference allows (n, stream, logprobs,
+    echo): such requests were refused as wrong types."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "min_tokens": None, "ignore_eos": None,
+             "return_token_ids": None, "temperature": 0.0, "max_tokens": 4}
+    if path == "completions":
+        nulls["echo"] = None
+    want = httpx.post(f"{server.url}/v1/{path}", json={**body, "temperature": 0.0, "max_tokens": 4}, timeout=30)
+    got = httpx.post(f"{server.url}/v1/{path}", json={**body, **nulls}, timeout=30)
+    assert got.status_code == want.status_code == 200, got.text
+    assert [c.get("text", c.get("message")) for c in got.json()["choices"]] == \
+        [c.get("text", c.get("message")) for c in want.json()["choices"]]
+
+
+def test_errors_name_the_max_tokens_field_the_request_used(server):
+    """Fuzzing the API: a chat request with max_completion_tokens too large
+    was told its max_tokens was; one that left it unset was told of a
+    max_tokens (1) it never sent."""
+    messages = [{"role": "user", "content": "Hi"}]
+    response = httpx.post(f"{server.url}/v1/chat/completions",
+                          json={"messages": messages, "max_completion_tokens": MAX_MODEL_LEN}, timeout=30)
+    assert response.status_code == 400
+    assert f"max_completion_tokens ({MAX_MODEL_LEN})" in response.json()["error"]["message"], response.text
+    response = httpx.post(f"{server.url}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "Hi " * 1100}]}, timeout=30)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "one new token exceeds" in message and "max_tokens" not in message, message
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -121,6 +162,29 @@ def test_completions_equal_generate(client, reference, stream, kind):
     assert usage.completion_tokens == sum(len(w.token_ids) for w in want)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_tokens_text_is_not_in_the_output(client, reference, stream):
+    """Fuzzing the API: the text of the stop_token_ids token that ended a
+    choice was in its text (vLLM's and an end-of-sequence token's is not);
+    it stays in token_ids."""
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    full = reference.generate([prompt], greedy(16), use_tqdm=False)[0]
+    stop = full.token_ids[3]
+    want = reference.generate([prompt], greedy(16, stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert want.token_ids[-1] == stop and want.finish_reason == "stop"
+    request = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0.0,
+                   extra_body={"stop_token_ids": [stop], "return_token_ids": True})
+    if stream:
+        texts, ids, finish, _ = collect_stream(client.completions.create(stream=True, **request))
+        text, ids, finish = texts[0], ids[0], finish[0]
+    else:
+        choice = client.completions.create(**request).choices[0]
+        text, ids, finish = choice.text, choice.token_ids, choice.finish_reason
+    shown = reference.tokenizer.decode(want.token_ids[:-1], skip_special_tokens=True)
+    assert (text, ids, finish) == (want.text, want.token_ids, "stop")
+    assert text == shown != reference.tokenizer.decode(want.token_ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -296,10 +360,26 @@ def test_metrics_survive_a_failing_stats_source():
      "context_length_exceeded"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, 400,
      "tools", None),
+    # Fuzzing the API: a forced function call, with tools or the older functions, was answered with text.
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required"}, 400,
+     "tool_choice", None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "functions": [{"name": "f"}],
+                          "function_call": {"name": "f"}}, 400, "functions", None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "function_call": {"name": "f"}}, 400,
+     "function_call", None),
+    # ... stream_options without stream was ignored (OpenAI and vLLM refuse it);
+    ("completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    # ... a stop string no text can hold (a lone surrogate) was accepted (such a prompt is a 400).
+    ("completions", {"prompt": "Hi", "stop": ["\ud800"]}, 400, "stop", None),
+    ("completions", {"prompt": "\ud800"}, 400, "prompt", None),
+    ("completions", {"prompt": "Hi", "n": None, "stream": None, "echo": None}, 200, None, None),
 ])
 def test_bad_requests_get_openai_error_bodies(server, path, body, status, param, code):
-    response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+    response = httpx.post(f"{server.url}/v1/{path}", content=json.dumps(body), timeout=30,  # ASCII: surrogates escaped
+                          headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
+    if status == 200:
+        return
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")

@@ -29,7 +29,7 @@ from fastapi.responses import Response
 
 from flexinfer.llm import LLM
 from flexinfer.server.config import ServerLimits
-from flexinfer.server.errors import install_error_handlers, unavailable
+from flexinfer.server.errors import install_error_handlers, model_not_found, unavailable
 from flexinfer.server.limits import BodyLimit, parse_body
 from flexinfer.server.metrics import ServerMetrics
 from flexinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -128,7 +128,7 @@ def create_app(load: Callable[[], LLM], model_name: str,
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
     install_error_handlers(app)  # outermost: its middleware also answers a bug in the one above
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         problem = state.ready().llm.problem
         if problem is not None:
@@ -142,9 +142,16 @@ def create_app(load: Callable[[], LLM], model_name: str,
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        serving = state.ready()
-        return ModelList(data=[ModelCard(id=model_name, created=state.created,
-                                         max_model_len=serving.llm.max_model_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        if model != model_name:  # a name may hold slashes (org/model)
+            raise model_not_found(model, model_name)
+        return card()
+
+    def card() -> ModelCard:
+        return ModelCard(id=model_name, created=state.created, max_model_len=state.ready().llm.max_model_len)
 
     # The bodies are read here rather than declared as parameters, so that
     # FastAPI does not parse them on the event loop (limits.parse_body).

@@ -38,6 +38,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def model_not_found(asked: str, served: str, param: str | None = None) -> APIError:
+    return APIError(404, f"The model `{asked}` does not exist (this server serves `{served}`).", "not_found_error",
+                    param, "model_not_found")
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", None, "service_unavailable")
 

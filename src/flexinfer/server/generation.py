@@ -69,7 +69,8 @@ class Generation:
         self.choices: list[Choice] = []
         try:
             self._queue: asyncio.Queue[tuple[int, StreamEvent | None]] = asyncio.Queue()
-            self.choices = [Choice(i, IncrementalText(llm.tokenizer, params.stop, params.min_tokens))
+            self.choices = [Choice(i, IncrementalText(llm.tokenizer, params.stop, params.min_tokens,
+                                                      params.stop_token_ids))
                             for i in range(len(prompts) * params.n)]
             for i, ids in enumerate(prompts):
                 release = _release(admission, params.n)

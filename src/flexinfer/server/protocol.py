@@ -3,7 +3,7 @@
 Requests are validated strictly (a string where a number belongs, a float
 token id, a bool for an int is a 400, never silently converted). Fields
 other servers accept and this one does not implement (logprobs, echo,
-penalties, tools, ...) are declared so that a request using them is told so
+penalties, tools, function calling, ...) are declared so that a request using them is told so
 (400) rather than served as if they had been honoured; fields nobody
 declares are ignored, as the OpenAI and vLLM servers do. The vLLM extras
 (top_k, min_tokens, ignore_eos, stop_token_ids, return_token_ids) are
@@ -12,13 +12,19 @@ accepted in the body (`extra_body` in the openai client).
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def _omit_none(value) -> bool:
     return value is None
+
+
+def _null_means_default(model: type[BaseModel], name: str) -> bool:
+    field = model.model_fields.get(name)
+    return field is not None and not field.is_required() and type(None) not in typing.get_args(field.annotation)
 
 
 # -- requests ------------------------------------------------------------
@@ -34,6 +40,18 @@ class SamplingRequest(BaseModel):
     """What completions and chat completions share."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's optional fields are nullable (`"n": null`, `"stream":
+        null`): a client that writes every field sends null for those it
+        leaves unset. Where a field's type has no null, null means its
+        default; a required field (prompt, messages) must still be given,
+        and where null is a value (completions' max_tokens) it stays."""
+        if isinstance(data, dict):
+            data = {key: value for key, value in data.items() if value is not None or not _null_means_default(cls, key)}
+        return data
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=128)  # OpenAI's limit: each sample is a sequence in the engine
@@ -130,14 +148,24 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    # Without tools, only choices that call none are honoured: "required" or
+    # a named function would be answered with text as if they had been.
+    tool_choice: str | dict | None = None
+    # The older function calling (before tools).
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
 
     def unsupported(self) -> str | None:
         if self.logprobs:
             return "logprobs"
         if self.top_logprobs is not None:
             return "top_logprobs"
-        if self.tools:
-            return "tools"
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                return name
         return super().unsupported()
 
 

@@ -33,7 +33,7 @@ from flexinfer.llm import LLM
 from flexinfer.sampling import SamplingParams
 from flexinfer.server.config import ServerLimits
 from flexinfer.server.disconnect import EventStreamResponse, unless_disconnected
-from flexinfer.server.errors import APIError, bad_request, too_busy, unavailable
+from flexinfer.server.errors import APIError, bad_request, model_not_found, too_busy, unavailable
 from flexinfer.server.generation import ChoiceUpdate, Generation
 from flexinfer.server.limits import Admission
 from flexinfer.server.metrics import ServerMetrics
@@ -78,7 +78,7 @@ class Serving:
                 max_tokens = self._default_max_tokens(max(map(len, prompts)))
             params = _sampling_params(body, max_tokens)
             for ids in prompts:
-                self._check_fits(ids, params, "prompt")
+                self._check_fits(ids, params, "prompt", "max_tokens" if body.max_tokens is not None else None)
             return prompts, params
 
         generation, prompts = await self._admit(count, "prompt" if body.n == 1 else "n", prepare, arrival)
@@ -149,7 +149,8 @@ class Serving:
                 # Up to the context length, as OpenAI and vLLM do.
                 max_tokens = self._default_max_tokens(len(ids))
             params = _sampling_params(body, max_tokens, max_tokens_param)
-            self._check_fits(ids, params, "messages")
+            self._check_fits(ids, params, "messages", max_tokens_param if getattr(body, max_tokens_param) is not None
+                             else None)
             return [ids], params
 
         generation, (ids,) = await self._admit(body.n, "n", prepare, arrival)
@@ -192,11 +193,12 @@ class Serving:
 
     def _check_common(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
-                                f"`{self.model_name}`).", "not_found_error", "model", "model_not_found")
+            raise model_not_found(body.model, self.model_name, "model")
         unsupported = body.unsupported()
         if unsupported is not None:
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
     def _role(self, role: str) -> str:
         return "system" if role == "developer" and self._developer_as_system else role
@@ -208,10 +210,13 @@ class Serving:
         fit = self.llm.kv_budget.max_new_tokens(prompt_tokens)
         return max(1, min(self.llm.max_model_len - prompt_tokens, fit))
 
-    def _check_fits(self, ids: list[int], params: SamplingParams, param: str) -> None:
+    def _check_fits(self, ids: list[int], params: SamplingParams, param: str, max_tokens_param: str | None) -> None:
+        """`max_tokens_param`: the field max_tokens came from, None where
+        the request left it to the server (up to the context length)."""
         kv = self.llm.kv_budget
         config = self.llm.config
-        problem = request_problem(ids, params, self.llm.max_model_len, config.vocab_size, config.eos_token_ids, kv)
+        problem = request_problem(ids, params, self.llm.max_model_len, config.vocab_size, config.eos_token_ids, kv,
+                                  max_tokens_param)
         if problem is not None:
             if problem.param != "prompt":
                 raise bad_request(problem.message, problem.param)
