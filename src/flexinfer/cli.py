@@ -27,7 +27,7 @@ from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
 from flexinfer.cli_log import ENV, command_logging
 from flexinfer.detokenizer import IncrementalText
-from flexinfer.engine import BROKER_WAIT_S, MEMORY_WAIT_S
+from flexinfer.engine import BROKER_WAIT_S, MAX_BYTES, MEMORY_WAIT_S
 from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
                               ModelLoadError)
 from flexinfer.inputs import request_problem
@@ -105,7 +105,7 @@ def _number(low: float, high: float = math.inf, low_open: bool = False):
         except ValueError:
             number = math.nan
         if not (math.isfinite(number) and (number > low if low_open else number >= low) and number <= high):
-            interval = ("(" if low_open else "[") + f"{low:g}, " + (f"{high:g}]" if math.isfinite(high) else "inf)")
+            interval = ("(" if low_open else "[") + f"{low:g}, " + (f"{high:.12g}]" if math.isfinite(high) else "inf)")
             raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {value!r}")
         return number
     return parse
@@ -127,10 +127,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a Hugging Face folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights, activations and KV cache (float16: CUDA only)")
-    p.add_argument("--kv-capacity-gib", type=_number(0, low_open=True), default=2.0,
+    p.add_argument("--kv-capacity-gib", type=_number(0, MAX_BYTES >> 30, low_open=True), default=2.0,
                    help=f"physical KV memory the pool may use, in GiB, rounded up to a whole number of "
                         f"{CHUNK_BYTES >> 20} MiB chunks")
-    p.add_argument("--host-tier-gib", type=_number(0), default=0.0,
+    p.add_argument("--host-tier-gib", type=_number(0, MAX_BYTES >> 30), default=0.0,
                    help="host memory, in GiB, that keeps the KV of prefixes evicted from the pool, so that a later "
                         "request (the next turn of a chat) copies it back instead of recomputing it; 0: none")
     p.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],

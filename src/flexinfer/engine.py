@@ -56,6 +56,9 @@ RECONNECT_TRY_S = 0.25
 BROKER_WAIT_S = 30.0
 # How long a request waits for memory the other users of a shared pool hold (memory_wait_s).
 MEMORY_WAIT_S = 30.0
+# The largest byte size an option takes (4 EiB): vtm's sizes are int64, and
+# one rounded up to whole chunks must still be one.
+MAX_BYTES = 1 << 62
 
 
 class Engine:
@@ -77,6 +80,9 @@ class Engine:
                             ("chunk_bytes", chunk_bytes), ("workers", workers), ("layer_groups", layer_groups)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("kv_capacity_bytes", kv_capacity_bytes), ("chunk_bytes", chunk_bytes)):
+            if value > MAX_BYTES:
+                raise InvalidArgument(f"{name} must be at most 2**62 (4 EiB), got {value!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise InvalidArgument(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         for name, value in (("cuda_graphs", cuda_graphs), ("overlap", overlap)):
@@ -95,8 +101,9 @@ class Engine:
         for name, value in (("broker_wait_s", broker_wait_s), ("memory_wait_s", memory_wait_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise InvalidArgument(f"{name} must be a number >= 0, got {value!r}")
-        if isinstance(host_tier_bytes, bool) or not isinstance(host_tier_bytes, int) or host_tier_bytes < 0:
-            raise InvalidArgument(f"host_tier_bytes must be an int >= 0, got {host_tier_bytes!r}")
+        if (isinstance(host_tier_bytes, bool) or not isinstance(host_tier_bytes, int)
+                or not 0 <= host_tier_bytes <= MAX_BYTES):
+            raise InvalidArgument(f"host_tier_bytes must be an int from 0 to 2**62 (4 EiB), got {host_tier_bytes!r}")
         if preemption not in ("recompute", "swap"):
             raise InvalidArgument(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
         if host_tier_bytes and manager is not None:

@@ -271,7 +271,12 @@ def test_overlap_flag_reaches_the_engine(capsys, monkeypatch, tiny, flag, overla
     (["generate", "--prompt", "hi", "--max-tokens", "0"], "argument --max-tokens: expected a positive integer, got '0'"),
     (["generate", "--prompt", "hi", "--max-model-len", "-1"], "argument --max-model-len: expected a positive integer"),
     (["generate", "--prompt", "hi", "--max-model-len", "0"], "argument --max-model-len: expected a positive integer"),
-    (["generate", "--prompt", "hi", "--kv-capacity-gib", "0"], "argument --kv-capacity-gib: expected a number in (0, inf)"),
+    (["generate", "--prompt", "hi", "--kv-capacity-gib", "0"],
+     "argument --kv-capacity-gib: expected a number in (0, 4294967296]"),
+    # Fuzzing the host tier: past int64 bytes, a traceback.
+    (["generate", "--prompt", "hi", "--kv-capacity-gib", "1e10"], "argument --kv-capacity-gib: expected a number in"),
+    (["generate", "--prompt", "hi", "--host-tier-gib", "1e10"],
+     "argument --host-tier-gib: expected a number in [0, 4294967296]"),
     (["generate", "--prompt", "hi", "--kv-capacity-gib", "nan"], "argument --kv-capacity-gib"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "argument --temperature: expected a number in [0, inf)"),
     (["generate", "--prompt", "hi", "--top-p", "0"], "argument --top-p: expected a number in (0, 1]"),

@@ -60,9 +60,14 @@ def test_a_host_tier_needs_the_engines_own_manager(tiny_gpu_folder):
     with vtm.Manager(backend="host", capacity_bytes=4 * CHUNK, chunk_bytes=CHUNK) as manager:
         with pytest.raises(InvalidArgument, match="host_tier_bytes"):
             LLM(tiny_gpu_folder, manager=manager, host_tier_bytes=CHUNK)
-    for bad in (-1, 1.5, True):
+    # Fuzzing the host tier: 2**63 - 1 and above were pybind's TypeError
+    # (2**63 - 1 rounded up to whole chunks is past int64).
+    for bad in (-1, 1.5, True, 2**63 - 1, 2**64):
         with pytest.raises(InvalidArgument, match="host_tier_bytes"):
             LLM(tiny_gpu_folder, backend="host", host_tier_bytes=bad)
+    for name in ("kv_capacity_bytes", "chunk_bytes"):
+        with pytest.raises(InvalidArgument, match=name):
+            LLM(tiny_gpu_folder, backend="host", **{name: 2**64})
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])

@@ -1138,6 +1138,12 @@ def test_through_vtmd_a_client_names_host_tier_limit_keeps_its_spills_off_anothe
                 assert (view.read(m.vtensor.slot, 0, len(tokens) * row) == pattern(tokens, row)).all()
                 m.vtensor.release().result()
             capsys.readouterr()
+            # Fuzzing the tier: a limit was shown as given and enforced in
+            # whole chunks (under one chunk: shown, and nothing kept).
+            assert ctl.main(["--address", b.address, "set-quota", "z", "--host-tier-limit", str(chunk - 1)]) == 2
+            assert "less than one chunk" in capsys.readouterr().err
+            assert ctl.main(["--address", b.address, "set-quota", "z", "--host-tier-limit", str(3 * chunk + 5)]) == 0
+            assert f"host tier limit {3 * chunk} bytes" in capsys.readouterr().out
             assert ctl.main(["--address", b.address, "set-quota", "a", "--host-tier-limit", "0"]) == 0
             assert "host tier limit 0 bytes" in capsys.readouterr().out
             assert ctl.main(["--address", b.address, "stats"]) == 0

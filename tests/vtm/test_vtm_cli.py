@@ -134,6 +134,12 @@ def test_the_quota_file_takes_human_sizes(tmp_path):
     path.write_text('[default]\nhost_tier_limit_bytes = -1\n')
     with pytest.raises(Exception, match=r"host_tier_limit_bytes -1 is out of range"):
         Quotas.load(str(path), 4 * GiB)
+    # The tier keeps whole chunks: a limit is stored (and shown) as what it enforces.
+    path.write_text('[clients."a"]\nhost_tier_limit_bytes = "100KiB"\n')
+    assert Quotas.load(str(path), 4 * GiB, 64 << 10).offered("a").host_tier_limit_bytes == 64 << 10
+    path.write_text('[clients."a"]\nhost_tier_limit_bytes = 65535\n')
+    with pytest.raises(Exception, match=r"quota file .*'a'.*65535 is less than one chunk \(65536 bytes\)"):
+        Quotas.load(str(path), 4 * GiB, 64 << 10)
     path.write_text('[default]\nlimit_bytes = "2GB"\n')
     with pytest.raises(Exception, match=r"\[default\]: limit_bytes: expected .*write 2GiB"):
         Quotas.load(str(path), 4 * GiB)

@@ -19,7 +19,9 @@ The quota file (vtmd --quota-file PATH), TOML:
     host_tier_limit_bytes = "16GiB"
 
 host_tier_limit_bytes caps the broker's host tier memory that the prefixes
-recorded by the clients of a name keep (rounded down to whole chunks): at
+recorded by the clients of a name keep (rounded down to whole chunks, and
+that is the value stored and shown; a limit under one chunk is refused,
+since it would keep nothing while 0 means no limit): at
 the limit, their spills drop their own least recently used prefixes on the
 host, never another name's. It is charged per name, not per session, since
 a prefix outlives the session that recorded it, and a client cannot ask for
@@ -73,8 +75,10 @@ def grant(offered: Quota, asked: Ask) -> Quota:
     return Quota(priority, min(guaranteed, limit) if limit else guaranteed, limit, offered.host_tier_limit_bytes)
 
 
-def check(quota: Quota, what: str) -> Quota:
-    """`quota` if valid, else InvalidArgument naming `what`."""
+def check(quota: Quota, what: str, chunk_bytes: int = 1) -> Quota:
+    """`quota` if valid, its host tier limit in whole chunks of
+    `chunk_bytes` (what the tier enforces), else InvalidArgument naming
+    `what`."""
     for field, value in zip(_FIELDS, quota):
         if not isinstance(value, int) or isinstance(value, bool):
             raise errors.InvalidArgument(f"{what}: {field} must be an integer, got {value!r}")
@@ -86,21 +90,27 @@ def check(quota: Quota, what: str) -> Quota:
     if quota.limit_bytes and quota.guaranteed_bytes > quota.limit_bytes:
         raise errors.InvalidArgument(f"{what}: guaranteed_bytes {quota.guaranteed_bytes} exceed limit_bytes "
                                      f"{quota.limit_bytes}")
-    return quota
+    if 0 < quota.host_tier_limit_bytes < chunk_bytes:
+        raise errors.InvalidArgument(f"{what}: host_tier_limit_bytes {quota.host_tier_limit_bytes} is less than one "
+                                     f"chunk ({chunk_bytes} bytes): the tier keeps whole chunks; give at least one, "
+                                     f"or 0 for no limit")
+    return quota._replace(host_tier_limit_bytes=quota.host_tier_limit_bytes // chunk_bytes * chunk_bytes)
 
 
 class Quotas:
-    def __init__(self, capacity_bytes: int, default: Quota = Quota(), named: dict[str, Quota] | None = None):
+    def __init__(self, capacity_bytes: int, default: Quota = Quota(), named: dict[str, Quota] | None = None,
+                 chunk_bytes: int = 1):
         self.capacity_bytes = capacity_bytes
-        self.default = check(default, "the default quota")
-        self.named = {name: check(q, f"the quota of '{name}'") for name, q in (named or {}).items()}
+        self.chunk_bytes = chunk_bytes
+        self.default = check(default, "the default quota", chunk_bytes)
+        self.named = {name: check(q, f"the quota of '{name}'", chunk_bytes) for name, q in (named or {}).items()}
         self._check_sum(self.named)
         if self.default.guaranteed_bytes > capacity_bytes:
             raise errors.InvalidArgument(f"the default guarantee of {self.default.guaranteed_bytes} bytes is past "
                                          f"the capacity of {capacity_bytes}")
 
     @classmethod
-    def load(cls, path: str, capacity_bytes: int) -> "Quotas":
+    def load(cls, path: str, capacity_bytes: int, chunk_bytes: int = 1) -> "Quotas":
         """The quotas of a quota file; InvalidArgument says what is wrong with it."""
         try:
             with open(path, "rb") as f:
@@ -114,8 +124,14 @@ class Quotas:
         clients = table.get("clients", {})
         if not isinstance(clients, dict) or not all(isinstance(v, dict) for v in clients.values()):
             raise errors.InvalidArgument(f"quota file {path}: [clients] must hold one table per client name")
-        return cls(capacity_bytes, _entry(table.get("default", {}), f"quota file {path}, [default]"),
-                   {name: _entry(entry, f"quota file {path}, [clients.{name}]") for name, entry in clients.items()})
+        try:
+            return cls(capacity_bytes, _entry(table.get("default", {}), f"quota file {path}, [default]"),
+                       {name: _entry(entry, f"quota file {path}, [clients.{name}]") for name, entry in clients.items()},
+                       chunk_bytes)
+        except errors.InvalidArgument as exc:
+            if str(exc).startswith("quota file"):
+                raise
+            raise errors.InvalidArgument(f"quota file {path}: {exc}") from None
 
     def offered(self, name: str) -> Quota:
         return self.named.get(name, self.default)
@@ -131,7 +147,8 @@ class Quotas:
         if unknown:
             raise errors.InvalidArgument(f"unknown quota fields {sorted(unknown)}")
         old = self.offered(name)
-        new = check(old._replace(**{f: v for f, v in fields.items() if v is not None}), f"the quota of '{name}'")
+        new = check(old._replace(**{f: v for f, v in fields.items() if v is not None}), f"the quota of '{name}'",
+                    self.chunk_bytes)
         self._check_sum({**self.named, name: new})
         return new
 

@@ -242,8 +242,9 @@ class Broker:
         self.service = self.fds = self.steps = self.server = self.control = self.reactor = None
         self.control_address = None
         try:
-            quotas = (Quotas.load(quota_file, self.manager.capacity_bytes) if quota_file
-                      else Quotas(self.manager.capacity_bytes))
+            chunk = self.manager.chunk_bytes
+            quotas = (Quotas.load(quota_file, self.manager.capacity_bytes, chunk) if quota_file
+                      else Quotas(self.manager.capacity_bytes, chunk_bytes=chunk))
             self.reactor = Reactor(IO_THREADS)
             self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds", self.reactor,
                                          quotas, max_sessions)
