@@ -182,11 +182,13 @@ def request_problem(prompt_ids: list[int], params: SamplingParams, max_model_len
     run until memory ran out and then fail with its output lost. `eos_ids`:
     the model's end-of-sequence ids, which stop a sample (and are banned
     before min_tokens) unless it ignores them. `max_tokens_name`: what the
-    caller called max_tokens (None: it asked for none, and the least, one
-    new token, does not fit)."""
+    caller called max_tokens (None: it left max_tokens to the server)."""
     if not prompt_ids:
         return RequestProblem("the prompt is empty", "prompt")
-    asked = f"{max_tokens_name} ({params.max_tokens})" if max_tokens_name else "one new token"
+    if max_tokens_name:
+        asked = f"{max_tokens_name} ({params.max_tokens})"
+    else:
+        asked = "one new token" if params.max_tokens == 1 else f"the default max_tokens ({params.max_tokens})"
     if len(prompt_ids) + params.max_tokens > max_model_len:
         return RequestProblem(f"prompt ({len(prompt_ids)} tokens) + {asked} exceeds max_model_len {max_model_len}",
                               "prompt")

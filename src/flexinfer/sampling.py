@@ -93,7 +93,7 @@ class SamplingParams:
         if self.n < 1:
             raise InvalidArgument(f"n must be >= 1, got {self.n}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidArgument(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            raise InvalidArgument(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
             raise InvalidArgument(f"seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
                                   f"got {self.seed}")

@@ -100,6 +100,8 @@ def test_models_and_health(server, client):
     assert client.models.retrieve("tiny").id == "tiny"
     missing = httpx.get(f"{server.url}/v1/models/gpt-4")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{server.url}/v1/models/tiny/").json()["id"] == "tiny"
+    assert httpx.get(f"{server.url}/v1/models/").json()["error"]["code"] is None  # a route, not a model
     assert httpx.head(f"{server.url}/health").status_code == 200
 
 
@@ -112,7 +114,7 @@ def test_null_is_the_default_of_an_optional_field(server, path, body):
     they leave unset, as OpenAI's reference allows (n, stream, logprobs,
     echo): such requests were refused as wrong types."""
     nulls = {"n": None, "stream": None, "logprobs": None, "min_tokens": None, "ignore_eos": None,
-             "return_token_ids": None, "temperature": 0.0, "max_tokens": 4}
+             "return_token_ids": None, "temperature": 0.0, "max_tokens": 4, "stream_options": None}
     if path == "completions":
         nulls["echo"] = None
     want = httpx.post(f"{server.url}/v1/{path}", json={**body, "temperature": 0.0, "max_tokens": 4}, timeout=30)
@@ -120,6 +122,10 @@ def test_null_is_the_default_of_an_optional_field(server, path, body):
     assert got.status_code == want.status_code == 200, got.text
     assert [c.get("text", c.get("message")) for c in got.json()["choices"]] == \
         [c.get("text", c.get("message")) for c in want.json()["choices"]]
+    # Review: a nested field's null too.
+    streamed = httpx.post(f"{server.url}/v1/{path}", timeout=30,
+                          json={**body, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.status_code == 200 and '"usage":{' not in streamed.text, streamed.text
 
 
 def test_errors_name_the_max_tokens_field_the_request_used(server):
@@ -136,6 +142,13 @@ def test_errors_name_the_max_tokens_field_the_request_used(server):
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert "one new token exceeds" in message and "max_tokens" not in message, message
+    # Review: min_tokens was compared with a "max_tokens" the request did not send.
+    response = httpx.post(f"{server.url}/v1/chat/completions",
+                          json={"messages": messages, "max_completion_tokens": 3, "min_tokens": 5}, timeout=30)
+    assert "min_tokens must be in [0, max_completion_tokens (3)], got 5" in response.json()["error"]["message"]
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": None,
+                                                               "min_tokens": 10 * MAX_MODEL_LEN}, timeout=30)
+    assert "min_tokens must be in [0, the default max_tokens (" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

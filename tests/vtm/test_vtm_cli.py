@@ -63,6 +63,19 @@ def vtmd(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vtm.broker", *args], capture_output=True, text=True, timeout=60)
 
 
+def test_a_vtmd_without_a_tier_takes_a_quota_file_with_tier_limits(tmp_path, capsys):
+    """Review: the check that a host tier limit is at least a chunk refused
+    a quota file that vtmds with a tier share with one without, where the
+    limit has no effect."""
+    path = tmp_path / "quotas.toml"
+    path.write_text('[clients."a"]\nhost_tier_limit_bytes = 4096\n')
+    b = BrokerProcess(tmp_path, extra_args=["--quota-file", str(path)])
+    try:
+        assert ctl.main(["--address", b.address, "stats"]) == 0
+    finally:
+        b.kill()
+
+
 def test_vtmd_takes_human_sizes(tmp_path, capsys):
     b = BrokerProcess(tmp_path, extra_args=["--capacity-bytes", "4MiB", "--chunk-bytes", "64KiB",
                                             "--granularity", "64KiB"])
@@ -409,9 +422,10 @@ def test_vtmd_refuses_a_socket_folder_under_a_folder_its_group_may_write(tmp_pat
     """Review: only the write bit for every user was looked at, though
     members of a folder's group may rename its entries as well. A group
     that is this user's alone (a private group) is no one else's."""
+    import grp
     import pwd
 
-    from vtm.broker.server import _own_group, _private_folder
+    from vtm.broker.server import _private_folder, _private_group
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -425,6 +439,15 @@ def test_vtmd_refuses_a_socket_folder_under_a_folder_its_group_may_write(tmp_pat
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert f"{shared}, above the socket folder, is another user's or writable by other users" in done.stderr
     assert os.listdir(shared) == []
-    if _own_group(os.getgid()):
+    # Review: a group with no member known (tty, a gid without an entry)
+    # was taken for this user's own.
+    for gid in (next((g.gr_gid for g in grp.getgrall() if not g.gr_mem and g.gr_gid not in
+                      {u.pw_gid for u in pwd.getpwall()}), None), max(g.gr_gid for g in grp.getgrall()) + 4242):
+        if gid is not None:
+            os.chown(shared, -1, gid)
+            assert not _private_group(gid, os.getuid())
+            with pytest.raises(PermissionError, match="writable by other users"):
+                _private_folder(str(shared / "vtm" / "sock"))
+    if _private_group(os.getgid(), os.getuid()):
         os.chown(shared, -1, os.getgid())
         assert _private_folder(str(shared / "vtm" / "sock")) == [str(shared / "vtm")]

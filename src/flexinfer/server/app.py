@@ -26,6 +26,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexinfer.llm import LLM
 from flexinfer.server.config import ServerLimits
@@ -146,7 +147,10 @@ def create_app(load: Callable[[], LLM], model_name: str,
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:
-        if model != model_name:  # a name may hold slashes (org/model)
+        model = model.removesuffix("/")  # a name may hold slashes (org/model); one at the end is the route's
+        if not model:
+            raise StarletteHTTPException(404)
+        if model != model_name:
             raise model_not_found(model, model_name)
         return card()
 

@@ -30,14 +30,8 @@ def _null_means_default(model: type[BaseModel], name: str) -> bool:
 # -- requests ------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    include_usage: bool = False
-
-
-class SamplingRequest(BaseModel):
-    """What completions and chat completions share."""
+class _Options(BaseModel):
+    """A body of optional fields, validated strictly."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -52,6 +46,14 @@ class SamplingRequest(BaseModel):
         if isinstance(data, dict):
             data = {key: value for key, value in data.items() if value is not None or not _null_means_default(cls, key)}
         return data
+
+
+class StreamOptions(_Options):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Options):
+    """What completions and chat completions share."""
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=128)  # OpenAI's limit: each sample is a sequence in the engine

@@ -74,11 +74,12 @@ class Serving:
         def prepare() -> tuple[list[list[int]], SamplingParams]:  # on a worker thread
             prompts = self._completion_prompts(body.prompt)
             max_tokens = body.max_tokens
-            if max_tokens is None:  # an explicit null: up to the context length (of the longest prompt)
-                max_tokens = self._default_max_tokens(max(map(len, prompts)))
-            params = _sampling_params(body, max_tokens)
+            given = "max_tokens" if max_tokens is not None else None
+            if max_tokens is None:  # an explicit null: up to the context length, or the pool, for every prompt
+                max_tokens = min(self._default_max_tokens(len(ids)) for ids in prompts)
+            params = _sampling_params(body, max_tokens, given)
             for ids in prompts:
-                self._check_fits(ids, params, "prompt", "max_tokens" if body.max_tokens is not None else None)
+                self._check_fits(ids, params, "prompt", given)
             return prompts, params
 
         generation, prompts = await self._admit(count, "prompt" if body.n == 1 else "n", prepare, arrival)
@@ -143,14 +144,15 @@ class Serving:
                 raise bad_request(str(exc), "messages") from None
             # OpenAI's newer name wins over the deprecated max_tokens, and
             # an error about the value names the field it came from.
-            max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            max_tokens = getattr(body, max_tokens_param)
-            if max_tokens is None:
+            given = ("max_completion_tokens" if body.max_completion_tokens is not None
+                     else "max_tokens" if body.max_tokens is not None else None)
+            if given is None:
                 # Up to the context length, as OpenAI and vLLM do.
                 max_tokens = self._default_max_tokens(len(ids))
-            params = _sampling_params(body, max_tokens, max_tokens_param)
-            self._check_fits(ids, params, "messages", max_tokens_param if getattr(body, max_tokens_param) is not None
-                             else None)
+            else:
+                max_tokens = getattr(body, given)
+            params = _sampling_params(body, max_tokens, given)
+            self._check_fits(ids, params, "messages", given)
             return [ids], params
 
         generation, (ids,) = await self._admit(body.n, "n", prepare, arrival)
@@ -340,9 +342,10 @@ def _cancel_generation(started: asyncio.Future) -> None:
         started.result()[0].cancel()
 
 
-def _sampling_params(body: SamplingRequest, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
+def _sampling_params(body: SamplingRequest, max_tokens: int, max_tokens_param: str | None) -> SamplingParams:
     """`body`'s SamplingParams; `max_tokens_param`: the field max_tokens
-    came from (chat's max_completion_tokens), named in its errors."""
+    came from (chat's max_completion_tokens), named in its errors; None:
+    the request left it to the server."""
     top_k = body.top_k or 0
     try:
         return SamplingParams(
@@ -355,8 +358,11 @@ def _sampling_params(body: SamplingRequest, max_tokens: int, max_tokens_param: s
     except InvalidArgument as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]
-        if field == "max_tokens":  # named as the client sent it
-            field, message = max_tokens_param, max_tokens_param + message[len(field):]
+        said = max_tokens_param or "the default max_tokens"  # named as the client sent it, or not
+        if field == "max_tokens":
+            field, message = max_tokens_param, said + message[len(field):]
+        elif field == "min_tokens":
+            message = message.replace("max_tokens (", f"{said} (")
         elif field not in _PARAM_FIELDS:
             field = None
         raise bad_request(message, field) from None

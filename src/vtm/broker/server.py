@@ -70,18 +70,18 @@ def tcp_target(address: str) -> str:
     return f"{host}:{port}"
 
 
-def _own_group(gid: int) -> bool:
-    """Whether no user but this one can be in group `gid` (a user's private
-    group): none names it as theirs, and it lists no other member."""
+def _private_group(gid: int, owner: int) -> bool:
+    """Whether group `gid` is user `owner`'s alone: it exists, and its
+    members, by their passwd entry or by its member list, are that user and
+    nobody else. A group with no member known is not (setgid programs run
+    as such groups, and a directory service may list none of its users)."""
     try:
-        me = {pwd.getpwuid(os.getuid()).pw_name}
-    except KeyError:  # a user without an entry (a container's): no group lists them
-        me = set()
-    try:
-        members = set(grp.getgrgid(gid).gr_mem)
-    except KeyError:  # a group without an entry lists no member; users name it as theirs in passwd
-        members = set()
-    return members <= me and all(user.pw_uid == os.getuid() for user in pwd.getpwall() if user.pw_gid == gid)
+        group, name = grp.getgrgid(gid), pwd.getpwuid(owner).pw_name
+    except KeyError:  # a group or owner without an entry: who is in it cannot be told
+        return False
+    by_passwd = {user.pw_uid for user in pwd.getpwall() if user.pw_gid == gid}
+    listed = set(group.gr_mem)
+    return by_passwd <= {owner} and listed <= {name} and bool(by_passwd or listed)
 
 
 def _private_folder(path: str) -> list[str]:
@@ -104,7 +104,7 @@ def _private_folder(path: str) -> list[str]:
     while True:
         st = os.stat(above)
         mode = stat.S_IMODE(st.st_mode)
-        others_write = mode & 0o002 or (mode & 0o020 and not _own_group(st.st_gid))
+        others_write = mode & 0o002 or (mode & 0o020 and not _private_group(st.st_gid, st.st_uid))
         if st.st_uid not in (0, os.getuid()) or (others_write and not st.st_mode & stat.S_ISVTX):
             raise PermissionError(f"{above}, above the socket folder, is another user's or writable by other users "
                                   f"without the sticky bit: anyone who may write there may replace the socket folder; "
@@ -242,7 +242,10 @@ class Broker:
         self.service = self.fds = self.steps = self.server = self.control = self.reactor = None
         self.control_address = None
         try:
-            chunk = self.manager.chunk_bytes
+            # A host tier keeps whole chunks: its limits are set in them. Without
+            # one they have no effect, and a quota file shared with vtmds that
+            # have one is not refused for them.
+            chunk = self.manager.chunk_bytes if host_tier_bytes else 1
             quotas = (Quotas.load(quota_file, self.manager.capacity_bytes, chunk) if quota_file
                       else Quotas(self.manager.capacity_bytes, chunk_bytes=chunk))
             self.reactor = Reactor(IO_THREADS)
