@@ -417,14 +417,15 @@ def test_fd_socket_gives_only_leased_chunks(broker):
                 FdClient(a._fds._sock.getpeername(), "0" * 32, 5).fetch([1])
         finally:
             stolen.close()
-        # Garbage never crashes the fd server.
-        raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        raw.connect(a._fds._sock.getpeername())
-        for junk in (b"", b"{", b"[]", b'{"lease": 1, "serials": "x"}', os.urandom(300)):
-            if junk:
-                raw.send(junk)
-                assert b"error" in raw.recv(4096)
-        raw.close()
+        # Garbage never crashes the fd server; a connection that names no
+        # session of its peer is closed after the error.
+        for junk in (b"{", b"[]", b'{"lease": 1, "serials": "x"}', os.urandom(300), b"[" * 65_000):
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            raw.connect(a._fds._sock.getpeername())
+            raw.send(junk)
+            assert b"error" in raw.recv(4096)
+            assert raw.recv(64) == b""
+            raw.close()
         vt.extend(200).result()  # the broker still serves a's own fds
         assert vt.mapped_bytes == 4 * CHUNK
 

@@ -79,7 +79,24 @@ class _Echo:
                     raise RuntimeError("a bug in one answer")
                 self.send(conn, data)
                 return True
-        return Echo(path, reactor, max_connections, 1024)
+        return Echo(path, reactor, max_connections, 1024, 1)
+
+
+def _flood(conn: socket.socket) -> int:
+    """Sends 1 KiB datagrams, reading none of the replies, until the server
+    takes no more for 0.2 s: the replies fill this peer's queue (the kernel
+    queues ~200 KiB a connection), and the server stops reading it. Returns
+    how many it sent."""
+    conn.setblocking(False)
+    sent, last = 0, time.monotonic()
+    while sent < 4096 and time.monotonic() - last < 0.2:
+        try:
+            conn.send(b"x" * 1024)
+            sent, last = sent + 1, time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.005)
+    conn.settimeout(10)
+    return sent
 
 
 def _connect(path) -> socket.socket:
@@ -169,6 +186,96 @@ def test_connections_that_never_speak_give_way_at_the_cap(tmp_path, monkeypatch)
     finally:
         server.close()
         reactor.close()
+
+
+def test_peers_that_never_read_their_replies_hold_no_worker(tmp_path):
+    """Found by a hostile client: each peer that sends and never reads made
+    a worker wait up to 5 s on a send (the kernel queues ten datagrams a
+    peer), so a few dozen of them, each with no session, stalled every
+    client's calls for seconds (one lost its broker). Replies that do not
+    fit wait in the connection's outbox; no worker waits."""
+    from vtm.broker.reactor import Reactor
+
+    reactor = Reactor(1)  # one worker: held by a send, nobody else is answered
+    server = _Echo(str(tmp_path / "echo"), reactor, 32)
+    flood = []
+    try:
+        sent = []
+        for _ in range(2):  # each would hold the worker 5 s
+            flood.append(_connect(server.path))
+            sent.append(_flood(flood[-1]))
+        good = _connect(server.path)
+        good.settimeout(3)
+        for i in range(20):
+            good.send(b"%d" % i)
+            assert good.recv(64) == b"%d" % i
+        # A peer that reads late gets every reply, in order, and is served on.
+        late = flood[0]
+        assert all(late.recv(2048) == b"x" * 1024 for _ in range(sent[0]))
+        late.send(b"after")
+        assert late.recv(64) == b"after"
+        good.close()
+    finally:
+        for conn in flood:
+            conn.close()
+        server.close()
+        reactor.close()
+
+
+def test_peers_that_do_not_read_give_way_at_the_cap(tmp_path, monkeypatch):
+    from vtm.broker import seqpacket
+    from vtm.broker.reactor import Reactor
+
+    monkeypatch.setattr(seqpacket, "SEND_TIMEOUT_S", 1.0)
+    reactor = Reactor(2)
+    server = _Echo(str(tmp_path / "echo"), reactor, 3)
+    try:
+        stuck = [_connect(server.path) for _ in range(3)]
+        for conn in stuck:
+            _flood(conn)
+        time.sleep(1.5)
+        newcomer = _connect(server.path)
+        newcomer.send(b"in")
+        assert newcomer.recv(64) == b"in"
+        newcomer.close()
+    finally:
+        for conn in stuck:
+            conn.close()
+        server.close()
+        reactor.close()
+
+
+def test_a_session_cannot_fill_the_side_sockets_caps(tmp_path):
+    """Found by a hostile client: one session opened the step socket's cap
+    of connections (all its own), and connections with a bad lease, kept
+    once they had spoken, filled the fd socket's: every new client was
+    refused. A session has at most a few connections to each, and a fetch
+    naming no session of its peer closes its connection."""
+    import vtm
+    from vtm.broker import step_channel
+    from vtm.broker.server import Broker
+
+    path = str(tmp_path / "vtmd" / "sock")
+    chunk = 2 << 20
+    broker = Broker("unix:" + path, backend="host", capacity_bytes=16 * chunk, chunk_bytes=chunk, granularity=chunk,
+                    max_sessions=2)
+    try:
+        with vtm.connect("unix:" + path, name="greedy") as mgr:
+            extra = step_channel.StepClient(path + ".step", mgr._lease, 10)  # a second one: room for a replacement
+            with pytest.raises(vtm.FailedPrecondition, match="step connections already"):
+                step_channel.StepClient(path + ".step", mgr._lease, 10)
+            extra.close()
+            junk = _connect(path + ".fds")
+            junk.send(b'{"lease": "x", "serials": []}')
+            assert b"no such lease" in junk.recv(4096)
+            assert junk.recv(64) == b""  # closed
+            junk.close()
+            space = mgr.create_space(row_bytes=4096, max_tokens=1024, max_slots=1)
+            assert space.create(1024).result().mapped_bytes == 2 * chunk
+            with vtm.connect("unix:" + path, name="other") as other:
+                assert other.stats()["capacity_bytes"] == 16 * chunk
+    finally:
+        broker.stop()
 
 
 def test_an_idle_client_keeps_its_fetch_connection_when_silent_ones_give_way(tmp_path, monkeypatch):

@@ -32,6 +32,9 @@ from vtm.broker.session import LIVE, PENDING
 from vtm.broker.session_channel import MAX_MESSAGE
 
 MAX_FDS = 200  # below the kernel's SCM_MAX_FD (253)
+# A session's connections here: its channel and its fetch connection, and
+# room for one being replaced. More would only let a client fill the cap.
+PER_SESSION = 3
 
 
 def _error(exc: errors.Error) -> dict:
@@ -46,16 +49,16 @@ class FdServer(SeqpacketServer):
     def __init__(self, path: str, service, dup_fd, reactor, max_connections: int):
         self._service = service
         self._dup_fd = dup_fd
-        super().__init__(path, reactor, max_connections, MAX_MESSAGE)
+        super().__init__(path, reactor, max_connections, MAX_MESSAGE, PER_SESSION)
 
     def _datagram(self, conn, data: bytes) -> bool:
         try:
             request = json.loads(data)
             if not isinstance(request, dict):
                 raise ValueError
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
             self.send(conn, json.dumps({"error": "malformed request (expected a JSON object)"}).encode())
-            return not conn.anchor
+            return conn.session is not None and not conn.anchor
         if conn.anchor:
             return self._on_channel(conn, request)
         if request.get("attach") is True:
@@ -63,13 +66,13 @@ class FdServer(SeqpacketServer):
         if request.get("bye") is True:
             self.send(conn, json.dumps(self._bye(conn, request.get("lease"))).encode())
             return False
-        header, fds = self._fetch(conn, request)
+        header, fds, keep = self._fetch(conn, request)
         try:
             self.send(conn, json.dumps(header).encode(), fds)
         finally:
             for fd in fds:
                 os.close(fd)
-        return True
+        return keep
 
     def _closed(self, conn) -> None:
         if conn.anchor:
@@ -86,15 +89,19 @@ class FdServer(SeqpacketServer):
             self.send(conn, json.dumps(_error(errors.FailedPrecondition(
                 f"peer uid {conn.uid} may not use this broker"))).encode())
             return False
+        if not self.bind(conn, session):
+            self.send(conn, json.dumps(_error(errors.FailedPrecondition(
+                "this session holds as many connections to the fd socket as it may"))).encode())
+            return False
         # Under the send lock: the session's first notice cannot overtake the reply.
         with conn.send_lock:
             try:
                 self._service.attach(session, conn)
             except errors.Error as exc:
-                conn.sock.send(json.dumps(_error(exc)).encode())
+                conn.queue_locked([(json.dumps(_error(exc)).encode(), ())])
                 return False
-            conn.session, conn.anchor = session, True
-            conn.sock.send(json.dumps({"attached": True}).encode())
+            conn.anchor = True
+            conn.queue_locked([(json.dumps({"attached": True}).encode(), ())])
         self._service.attached(session)
         return True
 
@@ -120,30 +127,38 @@ class FdServer(SeqpacketServer):
     # -- fds ------------------------------------------------------------------
 
     def _fetch(self, conn, request: dict):
+        """(reply header, fds, whether the connection stays). A connection
+        fetches for one session, its first fetch's: one that names no
+        session of its peer is closed after the error, so that only
+        sessions hold connections here (each at most PER_SESSION)."""
         lease, serials = request.get("lease"), request.get("serials")
         if (not isinstance(lease, str) or not isinstance(serials, list) or len(serials) > MAX_FDS
                 or not all(isinstance(s, int) and not isinstance(s, bool) for s in serials)):
-            return {"error": f"malformed request (a JSON object with a lease and at most {MAX_FDS} serials)"}, []
+            return {"error": f"malformed request (a JSON object with a lease and at most {MAX_FDS} serials)"}, [], \
+                conn.session is not None
         session = self._service.lookup(lease)
         if session is None:
-            return {"error": "no such lease"}, []
+            return {"error": "no such lease"}, [], False
         if conn.uid != os.getuid() or conn.pid != session.pid:
-            return {"error": f"peer pid {conn.pid} uid {conn.uid} does not hold this lease"}, []
+            return {"error": f"peer pid {conn.pid} uid {conn.uid} does not hold this lease"}, [], False
+        if not self.bind(conn, session):
+            return {"error": "this connection fetches for another session, or this session holds as many "
+                             "connections to the fd socket as it may"}, [], False
         fds = []
         with session.lock:
             if session.state != LIVE:
-                return {"error": f"the session is {session.state}"}, []
+                return {"error": f"the session is {session.state}"}, [], True
             missing = [s for s in serials if s not in session.chunk_of]
             if missing:
-                return {"error": f"chunks {missing[:8]} are not leased to this client"}, []
+                return {"error": f"chunks {missing[:8]} are not leased to this client"}, [], True
             try:
                 for serial in serials:
                     fds.append(self._dup_fd(session.chunk_of[serial], serial))
             except Exception as exc:  # noqa: BLE001 - reported to the client, fds closed
                 for fd in fds:
                     os.close(fd)
-                return {"error": f"export failed: {exc}"}, []
-        return {"serials": serials}, fds
+                return {"error": f"export failed: {exc}"}, [], True
+        return {"serials": serials}, fds, True
 
 
 class FdClient:

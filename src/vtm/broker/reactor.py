@@ -36,6 +36,7 @@ import threading
 log = logging.getLogger("vtm.broker")
 
 _ONESHOT = select.EPOLLIN | select.EPOLLONESHOT
+_ONESHOT_WRITABLE = select.EPOLLOUT | select.EPOLLONESHOT
 
 
 class Reactor:
@@ -62,7 +63,7 @@ class Reactor:
 
     def watch(self, fd: int, callback) -> None:
         """Calls callback(fd) on a worker once `fd` is readable, then again
-        after each rearm(fd)."""
+        after each rearm(fd) (or, after rearm_writable(fd), once writable)."""
         with self._mu:
             if self._stopping:
                 raise OSError("the broker is stopping")
@@ -77,6 +78,13 @@ class Reactor:
         with self._mu:
             if fd in self._callbacks:
                 self._epoll.modify(fd, _ONESHOT)
+
+    def rearm_writable(self, fd: int) -> None:
+        """As rearm(), but the callback runs once `fd` can be written to
+        (a connection whose replies wait for room)."""
+        with self._mu:
+            if fd in self._callbacks:
+                self._epoll.modify(fd, _ONESHOT_WRITABLE)
 
     def unwatch(self, fd: int) -> None:
         with self._mu:

@@ -8,6 +8,12 @@ connection and one of its fixed workers reads one datagram and answers it
 (reactor.py), so idle connections cost an fd each, and neither an accept
 that fails nor a connection that misbehaves stops the others.
 
+No send waits: a reply the peer's queue has no room for (a peer that does
+not read; the kernel queues only a few datagrams) waits in the connection's
+outbox, and the connection is watched for room instead of for its next
+request. A worker blocked on such a send would be one of a fixed few: a
+few dozen peers that never read would stop the broker answering anyone.
+
 Invariants:
   * the socket file is 0600 (the broker's folder is 0700 too);
   * _conns holds every open connection, each watched by the reactor until
@@ -16,13 +22,19 @@ Invariants:
     since their accept for SILENT_S make room (closed), else one more is
     accepted and closed: a peer that connects and says nothing cannot
     lock the others out;
-  * a reply that cannot be sent within SEND_TIMEOUT_S (a peer that does not
-    read) drops the connection instead of holding a worker;
+  * no worker waits to send: a connection whose outbox is not empty reads
+    no request until it is, and one whose outbox has waited SEND_TIMEOUT_S
+    (a peer that does not read) is dropped when there is room to make or
+    when it is next served, so it holds neither a worker nor a place;
+  * a connection serves at most one session (`bind`), and a session holds
+    at most the server's `per_session` connections: a client cannot fill
+    the socket's cap with connections of its own;
   * `close()` stops accepting, ends every connection and removes the file.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -34,6 +46,7 @@ import time
 log = logging.getLogger("vtm.broker")
 
 SEND_TIMEOUT_S = 5
+MAX_QUEUED_NOTICES = 64  # notices that wait behind a reply in an outbox; past them, a notice is not sent
 SILENT_S = 10.0  # a connection that has sent nothing for this long gives way at the cap (as a Hello's attach)
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
 _ACCEPT_BATCH = 64
@@ -61,40 +74,106 @@ class Connection:
     """One accepted connection and what the server binds to it."""
 
     __slots__ = ("sock", "fd", "pid", "uid", "session", "anchor", "busy", "send_lock", "dropped", "accepted_at",
-                 "heard")
+                 "heard", "outbox", "waiting_since")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int):
         self.sock = sock
         self.fd = sock.fileno()
         self.pid = pid
         self.uid = uid
-        self.session = None  # the session it authenticated as
+        self.session = None  # the session it serves (SeqpacketServer.bind)
         self.anchor = False  # the session's liveness channel (fd_channel)
         self.busy = threading.Lock()  # held while a worker reads and answers a datagram
-        self.send_lock = threading.Lock()  # replies and notices never interleave
+        self.send_lock = threading.Lock()  # guards outbox and the sends: replies and notices never interleave
         self.dropped = False
         self.accepted_at = time.monotonic()
         self.heard = False  # whether it has sent a datagram
+        self.outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()  # (datagram, its own fds)
+        self.waiting_since: float | None = None  # since when the outbox has not been empty
 
     def post(self, data: bytes) -> bool:
-        """Sends without waiting (a notice): False when the peer's buffer is
-        full or the connection is gone."""
+        """Sends without waiting (a notice), after what the outbox holds:
+        False when the peer's queue is full or the connection is gone."""
         with self.send_lock:
+            if self.outbox:
+                if len(self.outbox) >= MAX_QUEUED_NOTICES:
+                    return False
+                self.outbox.append((data, []))
+                return True
             try:
                 self.sock.send(data, socket.MSG_DONTWAIT)
                 return True
             except OSError:
                 return False
 
+    def queue(self, datagrams) -> None:
+        """Sends (data, fds) datagrams in order, those the peer's queue has
+        no room for left in the outbox (with copies of their fds: the
+        caller closes its own). Raises OSError when the connection failed.
+        Called by the connection's own worker, which watches for room."""
+        with self.send_lock:
+            self.queue_locked(datagrams)
+
+    def queue_locked(self, datagrams) -> None:
+        """queue(), send_lock held."""
+        for data, fds in datagrams:
+            if not self.outbox and _sent(self.sock, data, fds):
+                continue
+            self.outbox.append((data, [os.dup(fd) for fd in fds]))
+            if self.waiting_since is None:
+                self.waiting_since = time.monotonic()
+
+    def flush(self) -> None:
+        """Sends what the outbox holds, as far as the peer's queue has room."""
+        with self.send_lock:
+            while self.outbox:
+                data, fds = self.outbox[0]
+                if not _sent(self.sock, data, fds):
+                    return
+                self.outbox.popleft()
+                _close_all(fds)
+            self.waiting_since = None
+
+    def stuck(self, now: float) -> bool:
+        """Whether its outbox has waited SEND_TIMEOUT_S: its peer does not read."""
+        since = self.waiting_since
+        return since is not None and now - since > SEND_TIMEOUT_S
+
+    def discard_outbox(self) -> None:
+        with self.send_lock:
+            for _, fds in self.outbox:
+                _close_all(fds)
+            self.outbox.clear()
+
+
+def _sent(sock: socket.socket, data: bytes, fds) -> bool:
+    """Sends one datagram without waiting: False when the peer's queue has
+    no room (nothing sent); OSError when the connection failed."""
+    try:
+        if fds:
+            socket.send_fds(sock, [data], fds, socket.MSG_DONTWAIT)
+        else:
+            sock.send(data, socket.MSG_DONTWAIT)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
+
 
 class SeqpacketServer:
-    def __init__(self, path: str, reactor, max_connections: int, max_datagram: int):
+    def __init__(self, path: str, reactor, max_connections: int, max_datagram: int, per_session: int):
         self.path = path
         self._reactor = reactor
         self._max_connections = max_connections
         self._max_datagram = max_datagram
+        self._per_session = per_session
         self._mu = threading.Lock()
         self._conns: dict[int, Connection] = {}
+        self._bound: collections.Counter = collections.Counter()  # session -> its connections here
         self._stopping = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -117,11 +196,21 @@ class SeqpacketServer:
         """The connection is gone (the peer closed it, or it was dropped)."""
 
     def send(self, conn: Connection, data: bytes, fds=()) -> None:
-        with conn.send_lock:
-            if fds:
-                socket.send_fds(conn.sock, [data], fds)
-            else:
-                conn.sock.send(data)
+        """Sends one datagram (the caller closes its fds), or leaves it in
+        the outbox; from the connection's own worker (_datagram)."""
+        conn.queue([(data, fds)])
+
+    def bind(self, conn: Connection, session) -> bool:
+        """Makes `conn` serve `session`; False (nothing changed) when the
+        session holds per_session connections here already."""
+        with self._mu:
+            if conn.session is session:
+                return True
+            if conn.session is not None or self._bound[session] >= self._per_session:
+                return False
+            conn.session = session
+            self._bound[session] += 1
+            return True
 
     # -- the reactor's callbacks ---------------------------------------------
 
@@ -144,8 +233,7 @@ class SeqpacketServer:
 
     def _adopt(self, sock: socket.socket) -> None:
         try:
-            sock.setblocking(True)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
+            sock.setblocking(False)  # no worker ever waits on a connection
             pid, uid, _ = peer_credentials(sock)
             conn = Connection(sock, pid, uid)
             with self._mu:
@@ -168,14 +256,21 @@ class SeqpacketServer:
 
     def _drop_silent(self) -> None:
         """Closes the connections that have sent nothing since SILENT_S after
-        their accept (and are not being served)."""
+        their accept, or whose replies have waited SEND_TIMEOUT_S to be read
+        (and are not being served)."""
         now = time.monotonic()
         with self._mu:
-            silent = [c for c in self._conns.values() if not c.heard and now - c.accepted_at > SILENT_S]
+            silent = [c for c in self._conns.values()
+                      if (not c.heard and now - c.accepted_at > SILENT_S) or c.stuck(now)]
         for conn in silent:
             if not conn.busy.acquire(blocking=False):
                 continue  # it speaks now
             try:
+                if conn.stuck(now):
+                    log.warning("%s: closing a connection that has not read its replies for %.0f s, to make room",
+                                self.path, now - conn.waiting_since)
+                    self.drop(conn)
+                    continue
                 if not conn.heard:
                     log.warning("%s: closing a connection silent for %.0f s to make room", self.path,
                                 now - conn.accepted_at)
@@ -195,9 +290,13 @@ class SeqpacketServer:
             return  # a report for a connection gone (or being served): see reactor.py
         keep = False
         try:
-            data = conn.sock.recv(self._max_datagram, socket.MSG_DONTWAIT)
-            conn.heard = True
-            keep = bool(data) and self._datagram(conn, data)
+            if conn.outbox:  # room for the replies it waits for (or a spurious report)
+                conn.flush()
+                keep = not conn.stuck(time.monotonic())
+            else:
+                data = conn.sock.recv(self._max_datagram, socket.MSG_DONTWAIT)
+                conn.heard = True
+                keep = bool(data) and self._datagram(conn, data)
         except BlockingIOError:
             keep = True  # a spurious report: nothing to read yet
         except OSError:
@@ -207,7 +306,12 @@ class SeqpacketServer:
         finally:
             conn.busy.release()
         if keep and not conn.dropped:
-            self._reactor.rearm(fd)
+            # Its next request waits until its replies are sent: an outbox
+            # holds one reply at most, and notices.
+            if conn.outbox:
+                self._reactor.rearm_writable(fd)
+            else:
+                self._reactor.rearm(fd)
         else:
             self.drop(conn)
 
@@ -219,11 +323,16 @@ class SeqpacketServer:
             conn.dropped = True
             if self._conns.get(conn.fd) is conn:
                 del self._conns[conn.fd]
+            if conn.session is not None:
+                self._bound[conn.session] -= 1
+                if self._bound[conn.session] <= 0:
+                    del self._bound[conn.session]
         self._reactor.unwatch(conn.fd)
         try:
             self._closed(conn)
         finally:
             conn.sock.close()
+            conn.discard_outbox()
 
     def close(self) -> None:
         with self._mu:

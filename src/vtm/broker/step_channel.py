@@ -71,6 +71,9 @@ SERIAL = struct.Struct("<Q")
 NAME_LEN = struct.Struct("<H")
 
 MAX_DATAGRAM = 1 << 16
+# A client's step connection is its worker's (one); the second is room for
+# one being replaced. More would only let a client fill the socket's cap.
+PER_SESSION = 2
 MAX_REQUEST = MAX_DATAGRAM  # 4,095 pairs (2,730 triples): larger steps go over gRPC
 MAX_PAIRS = (MAX_REQUEST - REQUEST.size) // PAIR.size
 MAX_TRIPLES = (MAX_REQUEST - REQUEST.size) // (3 * 8)
@@ -100,16 +103,11 @@ def encode_error(request_id: int, exc: BaseException) -> bytes:
     return REPLY.pack(1, 0, request_id, REPLY.size + len(body), 0) + body
 
 
-def send_reply(conn: socket.socket, payload: bytes, fds) -> None:
-    """Sends a reply in datagrams of MAX_DATAGRAM bytes, the fds (at most
-    MAX_FDS) on the first."""
-    first = payload[:MAX_DATAGRAM]
-    if fds:
-        socket.send_fds(conn, [first], fds)
-    else:
-        conn.send(first)
-    for start in range(MAX_DATAGRAM, len(payload), MAX_DATAGRAM):
-        conn.send(payload[start:start + MAX_DATAGRAM])
+def reply_datagrams(payload: bytes, fds) -> list[tuple[bytes, list[int]]]:
+    """A reply as (data, fds) datagrams of MAX_DATAGRAM bytes, the fds (at
+    most MAX_FDS) on the first."""
+    return [(payload[start:start + MAX_DATAGRAM], fds if start == 0 else [])
+            for start in range(0, max(len(payload), 1), MAX_DATAGRAM)]
 
 
 class Reply:
@@ -187,22 +185,22 @@ class StepServer(SeqpacketServer):
         self._ops = {CREATE: self._create, EXTEND: self._extend, STEP: self._step, RELEASE: self._release,
                      EXTEND_LOW: self._extend_low, STEP_LOW: self._step_low, CREATE_AHEAD: self._create_ahead,
                      STEP_AHEAD: self._step_ahead}
-        super().__init__(path, reactor, max_connections, MAX_REQUEST + 1)
+        super().__init__(path, reactor, max_connections, MAX_REQUEST + 1, PER_SESSION)
 
     def _datagram(self, conn, data: bytes) -> bool:
         if conn.session is None:
             session, error = self._authenticate(data, conn.pid, conn.uid)
             rid = REQUEST.unpack_from(data)[2] if len(data) >= REQUEST.size else 0
+            if error is None and not self.bind(conn, session):
+                error = vtm.FailedPrecondition(f"this session holds {PER_SESSION} step connections already")
             if error is not None:
                 self.send(conn, encode_error(rid, error))
                 return False
-            conn.session = session
             self.send(conn, encode_ok(rid, (0, 0, 0, 0), [], []))
             return True
         payload, fds = self._answer(conn.session, data)
         try:
-            with conn.send_lock:
-                send_reply(conn.sock, payload, fds)
+            conn.queue(reply_datagrams(payload, fds))
         finally:
             for fd in fds:
                 os.close(fd)
