@@ -400,6 +400,25 @@ def test_vtmd_refuses_a_shared_socket_folder_and_bad_addresses(tmp_path):
     assert not any((shared / name).exists() for name in ("sock", "sock.fds", "sock.step"))
 
 
+def test_names_a_client_gives_are_short_and_printable(broker):
+    """Found by a hostile client: a 100 KB client name and names with
+    control characters were kept and shown by stats and vtmctl; a space's
+    name and namespace, up to gRPC's 4 MB each for 64 spaces a session, let
+    one client make the broker hold gigabytes."""
+    from vtm.broker import ctl
+
+    for name in ("x" * 257, "evil\x1b[2J"):
+        with pytest.raises(vtm.InvalidArgument, match="a client name must be at most 256 printable"):
+            vtm.connect(broker.address, name=name)
+        assert ctl.main(["--address", broker.address, "set-quota", name, "--priority", "1"]) == 2
+    with vtm.connect(broker.address, name="n" * 256) as mgr:
+        for kwargs in (dict(name="s" * 257), dict(namespace="ns" * 600)):
+            with pytest.raises(vtm.InvalidArgument, match="at most"):
+                mgr.create_space(row_bytes=ROW, max_tokens=10, max_slots=1, **kwargs)
+        mgr.create_space(row_bytes=ROW, max_tokens=10, max_slots=1, name="s" * 256, namespace="ns" * 512)
+        assert list(mgr.stats()["spaces"]) == ["s" * 256]
+
+
 def test_fd_socket_gives_only_leased_chunks(broker):
     from vtm.broker.fd_channel import FdClient
 

@@ -60,6 +60,8 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 log = logging.getLogger("vtm.broker")
 
 _MAX_COUNT = 1 << 62  # sizes above this are malformed (the manager takes int64)
+MAX_NAME = 256  # characters of a client's or a space's name
+MAX_NAMESPACE = 1024  # of a namespace (FlexInfer's hold a model fingerprint, a dtype, a salt, layers)
 _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
 MAX_SPACES = 64  # per session
 
@@ -67,6 +69,17 @@ MAX_SPACES = 64  # per session
 def _count(value: int, what: str) -> int:
     if value >= _MAX_COUNT:
         raise vtm.InvalidArgument(f"{what} {value} is out of range")
+    return value
+
+
+def _label(value: str, what: str, most: int = MAX_NAME) -> str:
+    """A name a client gives: the broker keeps it for the session's life
+    and shows it (stats, vtmctl), so it is short and printable, or a client
+    could make the broker hold megabytes per space and print control
+    characters to an operator's terminal."""
+    if len(value) > most or not value.isprintable():
+        raise vtm.InvalidArgument(f"{what} must be at most {most} printable characters, got {len(value)} "
+                                  f"characters{'' if value.isprintable() else ' with control characters'}")
     return value
 
 
@@ -571,7 +584,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                     raise vtm.OutOfMemory(f"vtmd serves at most {self.max_sessions} sessions (--max-sessions); "
                                           "try again when one ends")
                 client_id = self._next_client
-                name = request.name or f"client{client_id}"
+                name = _label(request.name, "a client name") or f"client{client_id}"
                 granted = grant(self.quotas.offered(name), asked)
                 guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values()) + granted.guaranteed_bytes
                 if guaranteed > capacity:
@@ -591,7 +604,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def CreateSpace(self, request, context):
         def body(session):
-            name = request.name or f"space{session.next_space}"
+            name = _label(request.name, "a space name") or f"space{session.next_space}"
+            _label(request.namespace, "a namespace", MAX_NAMESPACE)
             if name in session.space_names.values():
                 raise vtm.InvalidArgument(f"a space named '{name}' already exists")
             row_bytes = _count(request.row_bytes, "row_bytes")
@@ -878,7 +892,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 raise vtm.InvalidArgument("set-quota: nothing to set (a priority, guarantee or limit)")
             if fields.get("host_tier_limit_bytes") and not self._has_tier:
                 raise vtm.InvalidArgument("set-quota: this vtmd has no host tier (--host-tier-bytes) to limit")
-            name = request.name
+            name = _label(request.name, "a client name")
             if not name:  # a client that gives no name is named client<id>: no session could have ""
                 raise vtm.InvalidArgument("set-quota: give the name of the clients to set it for")
             capacity = self.manager.capacity_bytes
