@@ -222,6 +222,119 @@ def test_peers_that_never_read_their_replies_hold_no_worker(tmp_path):
         reactor.close()
 
 
+def _big_replies(path, reactor, datagrams: int):
+    """A seqpacket server whose every reply is `datagrams` datagrams of 60 KB (a large step reply)."""
+    from vtm.broker.seqpacket import SeqpacketServer
+
+    class Big(SeqpacketServer):
+        def _datagram(self, conn, data):
+            conn.queue([(bytes([i]) * 60_000, ()) for i in range(datagrams)])
+            return True
+    return Big(path, reactor, 8, 1024, 1)
+
+
+def test_a_slow_reader_of_a_long_reply_is_not_taken_for_a_stuck_one(tmp_path, monkeypatch):
+    """Review: the wait of an outbox counted from its first datagram, not
+    from the last one the peer took, so an honest client reading a reply of
+    many datagrams slowly was dropped halfway through it."""
+    from vtm.broker import seqpacket
+    from vtm.broker.reactor import Reactor
+
+    monkeypatch.setattr(seqpacket, "SEND_TIMEOUT_S", 0.5)
+    reactor = Reactor(2)
+    server = _big_replies(str(tmp_path / "big"), reactor, 30)
+    try:
+        conn = _connect(server.path)
+        conn.send(b"go")
+        got = []
+        for _ in range(30):  # 1.5 s in all, 3 x SEND_TIMEOUT_S
+            got.append(conn.recv(65536))
+            time.sleep(0.05)
+        assert got == [bytes([i]) * 60_000 for i in range(30)]
+        conn.send(b"again")
+        assert conn.recv(65536) == bytes([0]) * 60_000
+        conn.close()
+    finally:
+        server.close()
+        reactor.close()
+
+
+def test_a_connection_that_changed_while_a_sweep_looked_is_still_served(tmp_path):
+    """Review: a sweep that picked a connection and then found it fine
+    watched it for its next request only, though its outbox held the rest
+    of a reply: nothing sent it, and its client timed out."""
+    from vtm.broker.reactor import Reactor
+
+    reactor = Reactor(2)
+    server = _big_replies(str(tmp_path / "big"), reactor, 12)
+    try:
+        conn = _connect(server.path)
+        conn.send(b"go")
+        deadline = time.monotonic() + 5
+        while not any(c.outbox for c in list(server._conns.values())) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        calls = []
+        # Picked when listed, no longer doomed once held (what a reader or the worker changed meanwhile).
+        server._drop_where(lambda c, now: None if calls.append(c) or len(calls) > 1 else "looked stuck")
+        assert len(calls) == 2
+        assert [conn.recv(65536) for _ in range(12)] == [bytes([i]) * 60_000 for i in range(12)]
+        conn.close()
+    finally:
+        server.close()
+        reactor.close()
+
+
+def test_a_peer_that_stops_reading_is_dropped_below_the_cap_too(tmp_path, monkeypatch):
+    """Review: its outbox holds copies of chunk fds (up to 200 a reply);
+    below the cap nothing dropped it (before the outbox, the send gave up
+    after 5 s). The reactor's tick drops it."""
+    from vtm.broker import seqpacket
+    from vtm.broker.reactor import Reactor
+
+    monkeypatch.setattr(seqpacket, "SEND_TIMEOUT_S", 0.5)
+    reactor = Reactor(2)
+    server = _big_replies(str(tmp_path / "big"), reactor, 12)
+    try:
+        conn = _connect(server.path)
+        conn.send(b"go")
+        deadline = time.monotonic() + 10
+        while not any(c.outbox for c in list(server._conns.values())) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server._conns  # accepted, its reply waiting
+        while server._conns and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server._conns
+        conn.close()
+    finally:
+        server.close()
+        reactor.close()
+
+
+def test_copies_of_fds_are_all_or_none(monkeypatch):
+    """Review: out of fds halfway through a reply's copies, those made
+    leaked (copies of chunk fds, in the broker)."""
+    from vtm.broker import seqpacket
+
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
+    made, real_dup = [], os.dup
+
+    def dup(fd):
+        if len(made) == 2:
+            raise OSError(24, "Too many open files")
+        made.append(real_dup(fd))
+        return made[-1]
+    monkeypatch.setattr(seqpacket.os, "dup", dup)
+    try:
+        with pytest.raises(OSError):
+            seqpacket._copies(fds)
+        for fd in made:
+            with pytest.raises(OSError):
+                os.fstat(fd)  # closed
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_peers_that_do_not_read_give_way_at_the_cap(tmp_path, monkeypatch):
     from vtm.broker import seqpacket
     from vtm.broker.reactor import Reactor

@@ -8,6 +8,9 @@ idle session must cost a few fds and no thread (issue 17, finding 5). Threads
 are started here once, at construction: serving a new connection never
 starts one, so it cannot fail for want of one.
 
+Callbacks registered with every_second() run on a worker about once a
+second (the poller's tick): sweeps, with no thread of their own.
+
 Each fd is watched one-shot (EPOLLONESHOT): when it fires, its callback runs
 on a worker and the fd stays disarmed until the callback calls rearm(), so
 one connection's datagrams are handled one at a time and in order, and a
@@ -32,11 +35,18 @@ import os
 import queue
 import select
 import threading
+import time
 
 log = logging.getLogger("vtm.broker")
 
 _ONESHOT = select.EPOLLIN | select.EPOLLONESHOT
 _ONESHOT_WRITABLE = select.EPOLLOUT | select.EPOLLONESHOT
+_ONESHOT_EITHER = select.EPOLLIN | select.EPOLLOUT | select.EPOLLONESHOT
+TICK_S = 1.0
+
+
+def _tick(callback) -> None:
+    callback()
 
 
 class Reactor:
@@ -46,6 +56,7 @@ class Reactor:
         self._epoll = select.epoll()
         self._mu = threading.Lock()
         self._callbacks: dict[int, object] = {}
+        self._ticks: list = []  # every_second's callbacks
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._epoll.register(self._wake_r, select.EPOLLIN)
@@ -86,6 +97,23 @@ class Reactor:
             if fd in self._callbacks:
                 self._epoll.modify(fd, _ONESHOT_WRITABLE)
 
+    def rearm_either(self, fd: int) -> None:
+        """As rearm(), once `fd` is readable or writable: for a caller that
+        cannot tell which the fd waits for (the callback finds out)."""
+        with self._mu:
+            if fd in self._callbacks:
+                self._epoll.modify(fd, _ONESHOT_EITHER)
+
+    def every_second(self, callback) -> None:
+        """Calls callback() on a worker about every TICK_S, until stop_ticking."""
+        with self._mu:
+            self._ticks.append(callback)
+
+    def stop_ticking(self, callback) -> None:
+        with self._mu:
+            if callback in self._ticks:
+                self._ticks.remove(callback)
+
     def unwatch(self, fd: int) -> None:
         with self._mu:
             if self._callbacks.pop(fd, None) is not None:
@@ -95,13 +123,20 @@ class Reactor:
                     pass  # already closed: epoll dropped it itself
 
     def _poll(self) -> None:
+        next_tick = time.monotonic() + TICK_S
         while True:
             try:
-                events = self._epoll.poll()
+                events = self._epoll.poll(max(0.0, next_tick - time.monotonic()))
             except InterruptedError:
                 continue
             except OSError:
                 return  # closed under us
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + TICK_S
+                with self._mu:
+                    ticks = list(self._ticks)
+                for tick in ticks:
+                    self._ready.put((_tick, tick))
             for fd, _ in events:
                 if fd == self._wake_r:
                     return

@@ -23,9 +23,10 @@ Invariants:
     accepted and closed: a peer that connects and says nothing cannot
     lock the others out;
   * no worker waits to send: a connection whose outbox is not empty reads
-    no request until it is, and one whose outbox has waited SEND_TIMEOUT_S
-    (a peer that does not read) is dropped when there is room to make or
-    when it is next served, so it holds neither a worker nor a place;
+    no request until it is, and one whose peer has taken nothing from it
+    for SEND_TIMEOUT_S (a peer that does not read) is dropped at the
+    reactor's next tick, so it holds neither a worker nor, for long, a
+    place or the fds its outbox copied;
   * a connection serves at most one session (`bind`), and a session holds
     at most the server's `per_session` connections: a client cannot fill
     the socket's cap with connections of its own;
@@ -119,28 +120,36 @@ class Connection:
         for data, fds in datagrams:
             if not self.outbox and _sent(self.sock, data, fds):
                 continue
-            self.outbox.append((data, [os.dup(fd) for fd in fds]))
+            self.outbox.append((data, _copies(fds)))
             if self.waiting_since is None:
                 self.waiting_since = time.monotonic()
 
     def flush(self) -> None:
         """Sends what the outbox holds, as far as the peer's queue has room."""
         with self.send_lock:
+            sent = False
             while self.outbox:
                 data, fds = self.outbox[0]
                 if not _sent(self.sock, data, fds):
-                    return
+                    break
                 self.outbox.popleft()
                 _close_all(fds)
-            self.waiting_since = None
+                sent = True
+            # A peer that reads, however slowly, is not stuck: the wait
+            # counts from the last datagram it took.
+            self.waiting_since = None if not self.outbox else time.monotonic() if sent else self.waiting_since
 
     def stuck(self, now: float) -> bool:
-        """Whether its outbox has waited SEND_TIMEOUT_S: its peer does not read."""
+        """Whether its outbox has waited SEND_TIMEOUT_S since the peer last
+        took a datagram: its peer does not read."""
         since = self.waiting_since
         return since is not None and now - since > SEND_TIMEOUT_S
 
-    def discard_outbox(self) -> None:
+    def close(self) -> None:
+        """Closes the socket and what the outbox holds; under the send lock,
+        so that no notice goes to the fd number once it is reused."""
         with self.send_lock:
+            self.sock.close()
             for _, fds in self.outbox:
                 _close_all(fds)
             self.outbox.clear()
@@ -159,9 +168,33 @@ def _sent(sock: socket.socket, data: bytes, fds) -> bool:
         return False
 
 
+def _stuck(conn: Connection, now: float) -> str | None:
+    if conn.stuck(now):
+        return f"that has not read its replies for {now - conn.waiting_since:.0f} s"
+    return None
+
+
+def _silent(conn: Connection, now: float) -> str | None:
+    if not conn.heard and now - conn.accepted_at > SILENT_S:
+        return f"silent for {now - conn.accepted_at:.0f} s since its accept, to make room"
+    return None
+
+
 def _close_all(fds) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def _copies(fds) -> list[int]:
+    """Duplicates of `fds`, all or none (EMFILE halfway closes those made)."""
+    copies = []
+    try:
+        for fd in fds:
+            copies.append(os.dup(fd))
+    except BaseException:
+        _close_all(copies)
+        raise
+    return copies
 
 
 class SeqpacketServer:
@@ -182,7 +215,9 @@ class SeqpacketServer:
             self._sock.listen(128)
             self._sock.setblocking(False)
             reactor.watch(self._sock.fileno(), self._on_listener)
+            reactor.every_second(self._drop_stuck)
         except BaseException:
+            self._reactor.unwatch(self._sock.fileno())
             self._sock.close()
             raise
 
@@ -239,7 +274,7 @@ class SeqpacketServer:
             with self._mu:
                 at_cap = len(self._conns) >= self._max_connections
             if at_cap:
-                self._drop_silent()
+                self._drop_where(lambda c, now: _stuck(c, now) or _silent(c, now))
             with self._mu:
                 if self._stopping or len(self._conns) >= self._max_connections:
                     if not self._stopping:
@@ -254,34 +289,35 @@ class SeqpacketServer:
                 self._conns.pop(sock.fileno(), None)
             sock.close()
 
-    def _drop_silent(self) -> None:
-        """Closes the connections that have sent nothing since SILENT_S after
-        their accept, or whose replies have waited SEND_TIMEOUT_S to be read
-        (and are not being served)."""
+    def _drop_stuck(self) -> None:
+        """Closes the connections whose peer has not read its replies for
+        SEND_TIMEOUT_S (the reactor's tick): they hold no worker, but their
+        outbox holds copies of chunk fds."""
+        self._drop_where(_stuck)
+
+    def _drop_where(self, doomed) -> None:
+        """Closes the connections for which `doomed(conn, now)` gives a
+        reason (and that are not being served)."""
         now = time.monotonic()
         with self._mu:
-            silent = [c for c in self._conns.values()
-                      if (not c.heard and now - c.accepted_at > SILENT_S) or c.stuck(now)]
-        for conn in silent:
+            picked = [c for c in self._conns.values() if doomed(c, now)]
+        for conn in picked:
             if not conn.busy.acquire(blocking=False):
-                continue  # it speaks now
+                continue  # being served
             try:
-                if conn.stuck(now):
-                    log.warning("%s: closing a connection that has not read its replies for %.0f s, to make room",
-                                self.path, now - conn.waiting_since)
-                    self.drop(conn)
-                    continue
-                if not conn.heard:
-                    log.warning("%s: closing a connection silent for %.0f s to make room", self.path,
-                                now - conn.accepted_at)
+                why = doomed(conn, time.monotonic())
+                if why:
+                    log.warning("%s: closing a connection %s", self.path, why)
                     self.drop(conn)
                     continue
             finally:
                 conn.busy.release()
-            # It spoke since: a report for it that came while this held it
-            # was passed over (reactor.py), so it is watched again.
+            # It changed since it was picked: a report for it that came
+            # while this held it was passed over (reactor.py), so it is
+            # watched again, for either way it may go (its outbox may have
+            # filled since; a report for nothing to do is harmless).
             if not conn.dropped:
-                self._reactor.rearm(conn.fd)
+                self._reactor.rearm_either(conn.fd)
 
     def _on_readable(self, fd: int) -> None:
         with self._mu:
@@ -331,13 +367,13 @@ class SeqpacketServer:
         try:
             self._closed(conn)
         finally:
-            conn.sock.close()
-            conn.discard_outbox()
+            conn.close()
 
     def close(self) -> None:
         with self._mu:
             self._stopping = True
             conns = list(self._conns.values())
+        self._reactor.stop_ticking(self._drop_stuck)
         self._reactor.unwatch(self._sock.fileno())
         self._sock.close()
         for conn in conns:
