@@ -73,3 +73,22 @@ def test_bad_control_addresses_are_refused(tmp_path, capsys):
     assert "tcp:HOST:PORT" in capsys.readouterr().err
     assert ctl.main(["--address", "http://x", "stats"]) == 2
     assert "unix:PATH or tcp:HOST:PORT" in capsys.readouterr().err
+
+
+def test_hellos_nobody_attaches_do_not_lock_clients_out(tmp_path):
+    """Found reviewing the broker: a process that sent --max-sessions Hellos
+    and never attached refused every client for 10 s, and again at every
+    round of Hellos. At the cap, a Hello ends the oldest session that has
+    not attached (a client attaches within milliseconds of its Hello)."""
+    b = BrokerProcess(tmp_path, extra_args=["--max-sessions", "4"])
+    try:
+        with grpc.insecure_channel(b.address) as channel:
+            stub = vtm_pb2_grpc.BrokerStub(channel)
+            for i in range(8):
+                stub.Hello(vtm_pb2.HelloRequest(name=f"flood{i}"), timeout=10)
+        with vtm.connect(b.address, name="victim") as mgr:
+            vt = mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1).create(10).result()
+            assert vt.mapped_bytes == CHUNK
+            assert [c["name"] for c in mgr.stats()["clients"] if c["name"] == "victim"] == ["victim"]
+    finally:
+        b.kill()

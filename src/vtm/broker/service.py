@@ -232,6 +232,27 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             except OSError:
                 pass
 
+    def _make_room_for_a_session(self) -> None:
+        """At --max-sessions, ends the oldest session that said Hello and has
+        not attached: a client attaches within milliseconds of its Hello,
+        and Hellos nobody attaches (one process can send hundreds a second;
+        no pid is known before the attach) must not lock the others out
+        for _ATTACH_S."""
+        with self._mu:
+            if len(self._sessions) < self.max_sessions:
+                return
+            pending = [s for s in self._sessions.values() if s.state == PENDING]
+        for session in sorted(pending, key=lambda s: s.created_at):
+            with session.lock:
+                if session.state != PENDING:
+                    continue  # it attached meanwhile
+                session.state = CLOSED  # so it cannot attach any more
+            log.warning("vtmd serves at most %d sessions: ending client %d ('%s'), which said Hello %.1f s ago and "
+                        "has not attached, to make room", self.max_sessions, session.client_id, session.name,
+                        time.monotonic() - session.created_at)
+            self.end_session(session)
+            return
+
     def _reap(self) -> None:
         while not self._reaper_stop.wait(1.0):
             now = time.monotonic()
@@ -579,12 +600,14 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                         if request.HasField("guaranteed_bytes") else None,
                         _count(request.limit_bytes, "limit_bytes") if request.HasField("limit_bytes") else None)
             capacity = self.manager.capacity_bytes
+            name = _label(request.name, "a client name")
+            self._make_room_for_a_session()
             with self._mu:
                 if len(self._sessions) >= self.max_sessions:
                     raise vtm.OutOfMemory(f"vtmd serves at most {self.max_sessions} sessions (--max-sessions); "
                                           "try again when one ends")
                 client_id = self._next_client
-                name = _label(request.name, "a client name") or f"client{client_id}"
+                name = name or f"client{client_id}"
                 granted = grant(self.quotas.offered(name), asked)
                 guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values()) + granted.guaranteed_bytes
                 if guaranteed > capacity:
