@@ -440,6 +440,7 @@ def test_fd_socket_gives_only_leased_chunks(broker):
         # session of its peer is closed after the error.
         for junk in (b"{", b"[]", b'{"lease": 1, "serials": "x"}', os.urandom(300), b"[" * 65_000):
             raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            raw.settimeout(10)
             raw.connect(a._fds._sock.getpeername())
             raw.send(junk)
             assert b"error" in raw.recv(4096)
