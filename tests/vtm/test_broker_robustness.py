@@ -233,6 +233,18 @@ def _big_replies(path, reactor, datagrams: int):
     return Big(path, reactor, 8, 1024, 1)
 
 
+def _waiting_for_room(server) -> socket.socket:
+    """A connection to `server` that asked for a reply and reads none of it:
+    returned once the reply waits in its outbox."""
+    conn = _connect(server.path)
+    conn.send(b"go")
+    deadline = time.monotonic() + 10
+    while not any(c.outbox for c in list(server._conns.values())):
+        assert time.monotonic() < deadline, "no reply waits for room"
+        time.sleep(0.01)
+    return conn
+
+
 def test_a_slow_reader_of_a_long_reply_is_not_taken_for_a_stuck_one(tmp_path, monkeypatch):
     """Review: the wait of an outbox counted from its first datagram, not
     from the last one the peer took, so an honest client reading a reply of
@@ -268,11 +280,7 @@ def test_a_connection_that_changed_while_a_sweep_looked_is_still_served(tmp_path
     reactor = Reactor(2)
     server = _big_replies(str(tmp_path / "big"), reactor, 12)
     try:
-        conn = _connect(server.path)
-        conn.send(b"go")
-        deadline = time.monotonic() + 5
-        while not any(c.outbox for c in list(server._conns.values())) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        conn = _waiting_for_room(server)
         calls = []
         # Picked when listed, no longer doomed once held (what a reader or the worker changed meanwhile).
         server._drop_where(lambda c, now: None if calls.append(c) or len(calls) > 1 else "looked stuck")
@@ -295,12 +303,8 @@ def test_a_peer_that_stops_reading_is_dropped_below_the_cap_too(tmp_path, monkey
     reactor = Reactor(2)
     server = _big_replies(str(tmp_path / "big"), reactor, 12)
     try:
-        conn = _connect(server.path)
-        conn.send(b"go")
+        conn = _waiting_for_room(server)
         deadline = time.monotonic() + 10
-        while not any(c.outbox for c in list(server._conns.values())) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server._conns  # accepted, its reply waiting
         while server._conns and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not server._conns
