@@ -92,3 +92,47 @@ def test_hellos_nobody_attaches_do_not_lock_clients_out(tmp_path):
             assert [c["name"] for c in mgr.stats()["clients"] if c["name"] == "victim"] == ["victim"]
     finally:
         b.kill()
+
+
+def test_a_hello_refused_anyway_ends_no_pending_session(tmp_path):
+    """Review: a Hello past the guarantees was refused after it had ended
+    another client's pending session to make room."""
+    from vtm.broker.session_channel import SessionChannel
+
+    quotas = tmp_path / "q.toml"
+    quotas.write_text(f'[clients."big"]\nguaranteed_bytes = {64 * CHUNK}\n')
+    b = BrokerProcess(tmp_path, extra_args=["--max-sessions", "2", "--quota-file", str(quotas)])
+    try:
+        with vtm.connect(b.address, name="big"), grpc.insecure_channel(b.address) as channel:
+            stub = vtm_pb2_grpc.BrokerStub(channel)
+            pending = stub.Hello(vtm_pb2.HelloRequest(name="slow"), timeout=10)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Hello(vtm_pb2.HelloRequest(name="big"), timeout=10)
+            assert "guarantees would sum" in refused.value.details()
+            SessionChannel(pending.fd_socket, pending.lease, 5).close()  # still pending: it attaches
+    finally:
+        b.kill()
+
+
+def test_a_client_whose_session_was_ended_before_its_attach_says_hello_again(tmp_path, monkeypatch):
+    """Review: a client whose pending session another Hello ended to make
+    room failed at once with "no such lease (say Hello first)". It is told
+    why, and vtm.connect says Hello again within its timeout."""
+    import vtm.broker.client as client_module
+
+    b = BrokerProcess(tmp_path, extra_args=["--max-sessions", "1"])
+    real, calls = client_module.SessionChannel, []
+
+    def attach_after_another_hello(path, lease, timeout):
+        calls.append(lease)
+        if len(calls) == 1:  # another client's Hello lands between this one's Hello and its attach
+            with grpc.insecure_channel(b.address) as channel:
+                vtm_pb2_grpc.BrokerStub(channel).Hello(vtm_pb2.HelloRequest(name="other"), timeout=10)
+        return real(path, lease, timeout)
+    monkeypatch.setattr(client_module, "SessionChannel", attach_after_another_hello)
+    try:
+        with vtm.connect(b.address, name="victim", timeout=10) as mgr:
+            assert len(calls) == 2 and calls[0] != calls[1]
+            assert mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1).create(10).result().mapped_bytes == CHUNK
+    finally:
+        b.kill()

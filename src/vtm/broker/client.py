@@ -73,7 +73,7 @@ from vtm.broker.liveness import Liveness
 from vtm.broker.map_ahead import MapAhead
 from vtm.broker import step_channel
 from vtm.broker.remote import RemoteFuture, RemoteMatch, RemoteSpace, RemoteVTensor
-from vtm.broker.session_channel import SessionChannel, say_bye
+from vtm.broker.session_channel import Evicted, SessionChannel, say_bye
 from vtm.broker.transport import GrpcTransport, StepTransport, _message
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 
@@ -187,35 +187,42 @@ class RemoteManager:
         except grpc.FutureTimeoutError:
             raise errors.Unavailable(f"no vtm broker answers at {self._address} (waited {wait})") from None
         self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
-        hello = self._rpc("hello", self._stub.Hello, self._hello, lease=False)
-        self._metadata = ((status.LEASE_KEY, hello.lease),)
-        self._lease = hello.lease
-        self._fd_socket = hello.fd_socket
-        if geometry is not None and (hello.backend, hello.chunk_bytes, hello.granularity) != geometry:
-            # The session goes again (the caller disconnects, saying bye
-            # with the lease above); the next reconnect compares with the
-            # same geometry, and a broker of it is taken.
-            raise errors.FailedPrecondition(
-                f"the vtm broker came back with backend {hello.backend}, chunks of {hello.chunk_bytes} bytes "
-                f"(was {geometry[0]}, {geometry[1]}): this client's reservations do not fit it")
-        self.name = hello.name
-        self.client_id = hello.client_id
-        self.backend = hello.backend
-        self.chunk_bytes = self._map_ahead.chunk_bytes = hello.chunk_bytes
-        self._map_ahead.pages = self._map_ahead_asked
-        self.capacity_bytes = hello.capacity_bytes
-        self.granularity = hello.granularity
-        # What the operator granted (less where this client asked for less);
-        # a quota notice brings the operator's changes (_listen).
-        self.priority = hello.priority
-        self.guaranteed_bytes = hello.guaranteed_bytes
-        self.limit_bytes = hello.limit_bytes
-        # The session's anchor, first: the broker serves nothing else
-        # before it knows this process.
-        try:
-            self._session = SessionChannel(hello.fd_socket, hello.lease, self._timeout)
-        except (OSError, ValueError) as exc:
-            raise errors.Unavailable(f"attaching to the vtm broker failed: {exc}") from None
+        while True:
+            hello = self._rpc("hello", self._stub.Hello, self._hello, lease=False)
+            self._metadata = ((status.LEASE_KEY, hello.lease),)
+            self._lease = hello.lease
+            self._fd_socket = hello.fd_socket
+            if geometry is not None and (hello.backend, hello.chunk_bytes, hello.granularity) != geometry:
+                # The session goes again (the caller disconnects, saying bye
+                # with the lease above); the next reconnect compares with the
+                # same geometry, and a broker of it is taken.
+                raise errors.FailedPrecondition(
+                    f"the vtm broker came back with backend {hello.backend}, chunks of {hello.chunk_bytes} bytes "
+                    f"(was {geometry[0]}, {geometry[1]}): this client's reservations do not fit it")
+            self.name = hello.name
+            self.client_id = hello.client_id
+            self.backend = hello.backend
+            self.chunk_bytes = self._map_ahead.chunk_bytes = hello.chunk_bytes
+            self._map_ahead.pages = self._map_ahead_asked
+            self.capacity_bytes = hello.capacity_bytes
+            self.granularity = hello.granularity
+            # What the operator granted (less where this client asked for less);
+            # a quota notice brings the operator's changes (_listen).
+            self.priority = hello.priority
+            self.guaranteed_bytes = hello.guaranteed_bytes
+            self.limit_bytes = hello.limit_bytes
+            # The session's anchor, first: the broker serves nothing else
+            # before it knows this process.
+            try:
+                self._session = SessionChannel(hello.fd_socket, hello.lease, self._timeout)
+                break
+            except Evicted:
+                # Ended before its attach, to make room for others at the
+                # broker's --max-sessions: a new Hello may get a place.
+                if time.monotonic() >= deadline:
+                    raise
+            except (OSError, ValueError) as exc:
+                raise errors.Unavailable(f"attaching to the vtm broker failed: {exc}") from None
         try:
             self._fds = FdClient(hello.fd_socket, hello.lease, self._timeout)
         except (OSError, ValueError) as exc:

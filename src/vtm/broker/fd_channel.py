@@ -82,6 +82,11 @@ class FdServer(SeqpacketServer):
 
     def _attach(self, conn, lease) -> bool:
         session = self._service.lookup(lease) if isinstance(lease, str) else None
+        if session is None and isinstance(lease, str) and self._service.evicted(lease):
+            self.send(conn, json.dumps({**_error(errors.Unavailable(
+                "vtmd ended this session before its attach, to make room (--max-sessions): say Hello again")),
+                "evicted": True}).encode())
+            return False
         if session is None:
             self.send(conn, json.dumps(_error(errors.Unavailable("no such lease (say Hello first)"))).encode())
             return False
@@ -141,6 +146,8 @@ class FdServer(SeqpacketServer):
             return {"error": "no such lease"}, [], False
         if conn.uid != os.getuid() or conn.pid != session.pid:
             return {"error": f"peer pid {conn.pid} uid {conn.uid} does not hold this lease"}, [], False
+        if session.state != LIVE:
+            return {"error": f"the session is {session.state}"}, [], False
         if not self.bind(conn, session):
             return {"error": "this connection fetches for another session, or this session holds as many "
                              "connections to the fd socket as it may"}, [], False

@@ -41,7 +41,6 @@ log = logging.getLogger("vtm.broker")
 
 _ONESHOT = select.EPOLLIN | select.EPOLLONESHOT
 _ONESHOT_WRITABLE = select.EPOLLOUT | select.EPOLLONESHOT
-_ONESHOT_EITHER = select.EPOLLIN | select.EPOLLOUT | select.EPOLLONESHOT
 TICK_S = 1.0
 
 
@@ -96,13 +95,6 @@ class Reactor:
         with self._mu:
             if fd in self._callbacks:
                 self._epoll.modify(fd, _ONESHOT_WRITABLE)
-
-    def rearm_either(self, fd: int) -> None:
-        """As rearm(), once `fd` is readable or writable: for a caller that
-        cannot tell which the fd waits for (the callback finds out)."""
-        with self._mu:
-            if fd in self._callbacks:
-                self._epoll.modify(fd, _ONESHOT_EITHER)
 
     def every_second(self, callback) -> None:
         """Calls callback() on a worker about every TICK_S, until stop_ticking."""

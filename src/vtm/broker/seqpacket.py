@@ -75,7 +75,7 @@ class Connection:
     """One accepted connection and what the server binds to it."""
 
     __slots__ = ("sock", "fd", "pid", "uid", "session", "anchor", "busy", "send_lock", "dropped", "accepted_at",
-                 "heard", "outbox", "waiting_since")
+                 "heard", "outbox", "waiting_since", "ending")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int):
         self.sock = sock
@@ -91,6 +91,7 @@ class Connection:
         self.heard = False  # whether it has sent a datagram
         self.outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()  # (datagram, its own fds)
         self.waiting_since: float | None = None  # since when the outbox has not been empty
+        self.ending = False  # shut down by a sweep: its worker drops it at its next report (SeqpacketServer.end)
 
     def post(self, data: bytes) -> bool:
         """Sends without waiting (a notice), after what the outbox holds:
@@ -144,6 +145,15 @@ class Connection:
         took a datagram: its peer does not read."""
         since = self.waiting_since
         return since is not None and now - since > SEND_TIMEOUT_S
+
+    def shut(self) -> None:
+        """Shuts the socket down (both ways): the reactor reports it, and the
+        worker that serves the report drops the connection."""
+        with self.send_lock:  # not after close(): the fd number may be another socket's by then
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed already
 
     def close(self) -> None:
         """Closes the socket and what the outbox holds; under the send lock,
@@ -272,11 +282,11 @@ class SeqpacketServer:
             pid, uid, _ = peer_credentials(sock)
             conn = Connection(sock, pid, uid)
             with self._mu:
-                at_cap = len(self._conns) >= self._max_connections
+                at_cap = self._open() >= self._max_connections
             if at_cap:
-                self._drop_where(lambda c, now: _stuck(c, now) or _silent(c, now))
+                self._end_where(lambda c, now: _stuck(c, now) or _silent(c, now))
             with self._mu:
-                if self._stopping or len(self._conns) >= self._max_connections:
+                if self._stopping or self._open() >= self._max_connections:
                     if not self._stopping:
                         log.warning("%s: %d connections open, refusing one more", self.path, len(self._conns))
                     sock.close()
@@ -289,35 +299,37 @@ class SeqpacketServer:
                 self._conns.pop(sock.fileno(), None)
             sock.close()
 
+    def _open(self) -> int:
+        """Connections open and not ending (those a sweep shut down are
+        dropped as soon as a worker sees them): _mu held."""
+        return sum(1 for c in self._conns.values() if not c.ending)
+
     def _drop_stuck(self) -> None:
-        """Closes the connections whose peer has not read its replies for
+        """Ends the connections whose peer has not read its replies for
         SEND_TIMEOUT_S (the reactor's tick): they hold no worker, but their
         outbox holds copies of chunk fds."""
-        self._drop_where(_stuck)
+        self._end_where(_stuck)
 
-    def _drop_where(self, doomed) -> None:
-        """Closes the connections for which `doomed(conn, now)` gives a
-        reason (and that are not being served)."""
+    def end_session(self, session) -> None:
+        """Ends every connection that serves `session` (it ended): a
+        client may not keep connections of a session that is gone, which
+        no per-session cap would count any more."""
+        self._end_where(lambda c, now: "of a session that ended" if c.session is session else None)
+
+    def _end_where(self, doomed) -> None:
+        """Ends the connections for which `doomed(conn, now)` gives a
+        reason: shut down (Connection.shut), so that the worker that next
+        serves each drops it, at once if none serves it now. A sweep neither
+        waits for a worker nor re-arms a connection, so it cannot leave one
+        watched the wrong way while a worker serves it."""
         now = time.monotonic()
         with self._mu:
-            picked = [c for c in self._conns.values() if doomed(c, now)]
-        for conn in picked:
-            if not conn.busy.acquire(blocking=False):
-                continue  # being served
-            try:
-                why = doomed(conn, time.monotonic())
-                if why:
-                    log.warning("%s: closing a connection %s", self.path, why)
-                    self.drop(conn)
-                    continue
-            finally:
-                conn.busy.release()
-            # It changed since it was picked: a report for it that came
-            # while this held it was passed over (reactor.py), so it is
-            # watched again, for either way it may go (its outbox may have
-            # filled since; a report for nothing to do is harmless).
-            if not conn.dropped:
-                self._reactor.rearm_either(conn.fd)
+            picked = [(c, why) for c in self._conns.values() if not c.ending and (why := doomed(c, now))]
+            for conn, _ in picked:
+                conn.ending = True
+        for conn, why in picked:
+            log.warning("%s: closing a connection %s", self.path, why)
+            conn.shut()
 
     def _on_readable(self, fd: int) -> None:
         with self._mu:

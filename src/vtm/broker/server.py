@@ -258,6 +258,7 @@ class Broker:
             self.steps = StepServer(self.path + ".step", self.service, self.manager._chunk_fd, self.reactor,
                                     max_sessions + 16)
             self.service.step_socket = self.steps.path
+            self.service.session_ended += [self.fds.end_session, self.steps.end_session]
             self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS, thread_name_prefix="vtmd"))
             vtm_pb2_grpc.add_BrokerServicer_to_server(self.service, self.server)
             self.health = health.HealthServicer()

@@ -97,6 +97,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._device = device
         self._fd_socket = fd_socket
         self.step_socket = ""  # advertised in Hello once its server listens
+        self.session_ended: list = []  # f(session) for each side socket: ends the session's connections
+        self._evicted: dict[str, None] = {}  # leases ended before their attach to make room, oldest first
         self._reactor = reactor
         self.quotas = quotas  # guarded by _mu
         self.max_sessions = max_sessions
@@ -163,6 +165,11 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
             session.pid, session.pidfd, session.channel, session.state = conn.pid, pidfd, conn, LIVE
 
+    def evicted(self, lease: str) -> bool:
+        """Whether `lease` was ended before its attach to make room."""
+        with self._mu:
+            return lease in self._evicted
+
     def attached(self, session: Session) -> None:
         """The client has the reply to its attach: a set-quota between Hello
         and the attach found no channel to tell, so it hears its grant as
@@ -223,6 +230,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             pidfd, channel = session.pidfd, session.channel
             session.pidfd = session.channel = None
         self.policy.unreserve(session)
+        for end_connections in self.session_ended:
+            end_connections(session)
         if pidfd is not None:
             self._reactor.unwatch(pidfd)
             os.close(pidfd)
@@ -232,15 +241,17 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             except OSError:
                 pass
 
-    def _make_room_for_a_session(self) -> None:
+    def _make_room_for_a_session(self) -> bool:
         """At --max-sessions, ends the oldest session that said Hello and has
         not attached: a client attaches within milliseconds of its Hello,
         and Hellos nobody attaches (one process can send hundreds a second;
         no pid is known before the attach) must not lock the others out
-        for _ATTACH_S."""
+        for _ATTACH_S. Whether there is room now (another Hello may take it
+        first: the caller tries again). An ended lease is remembered, so
+        that its client is told why when it attaches (and says Hello again)."""
         with self._mu:
             if len(self._sessions) < self.max_sessions:
-                return
+                return True
             pending = [s for s in self._sessions.values() if s.state == PENDING]
         for session in sorted(pending, key=lambda s: s.created_at):
             with session.lock:
@@ -250,8 +261,13 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             log.warning("vtmd serves at most %d sessions: ending client %d ('%s'), which said Hello %.1f s ago and "
                         "has not attached, to make room", self.max_sessions, session.client_id, session.name,
                         time.monotonic() - session.created_at)
+            with self._mu:
+                self._evicted[session.lease] = None
+                while len(self._evicted) > self.max_sessions:
+                    del self._evicted[next(iter(self._evicted))]
             self.end_session(session)
-            return
+            return True
+        return False
 
     def _reap(self) -> None:
         while not self._reaper_stop.wait(1.0):
@@ -600,23 +616,26 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                         if request.HasField("guaranteed_bytes") else None,
                         _count(request.limit_bytes, "limit_bytes") if request.HasField("limit_bytes") else None)
             capacity = self.manager.capacity_bytes
-            name = _label(request.name, "a client name")
-            self._make_room_for_a_session()
-            with self._mu:
-                if len(self._sessions) >= self.max_sessions:
+            named = _label(request.name, "a client name")
+            while True:
+                with self._mu:
+                    client_id = self._next_client
+                    name = named or f"client{client_id}"
+                    granted = grant(self.quotas.offered(name), asked)
+                    guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values()) + granted.guaranteed_bytes
+                    if guaranteed > capacity:
+                        raise vtm.OutOfMemory(f"the sessions' guarantees would sum to {guaranteed} bytes, past the "
+                                              f"capacity of {capacity}: ask for a smaller guarantee")
+                    if len(self._sessions) < self.max_sessions:
+                        self._next_client += 1
+                        session = Session(client_id, name, asked, granted)
+                        session.gives_back_ahead = request.gives_back_ahead
+                        self._sessions[session.lease] = session
+                        break
+                # Admitted but for the cap: room is made only now.
+                if not self._make_room_for_a_session():
                     raise vtm.OutOfMemory(f"vtmd serves at most {self.max_sessions} sessions (--max-sessions); "
                                           "try again when one ends")
-                client_id = self._next_client
-                name = name or f"client{client_id}"
-                granted = grant(self.quotas.offered(name), asked)
-                guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values()) + granted.guaranteed_bytes
-                if guaranteed > capacity:
-                    raise vtm.OutOfMemory(f"the sessions' guarantees would sum to {guaranteed} bytes, past the "
-                                          f"capacity of {capacity}: ask for a smaller guarantee")
-                self._next_client += 1
-                session = Session(client_id, name, asked, granted)
-                session.gives_back_ahead = request.gives_back_ahead
-                self._sessions[session.lease] = session
             m = self.manager
             return vtm_pb2.HelloReply(lease=session.lease, client_id=client_id, backend=self._backend,
                                       device=self._device, chunk_bytes=m.chunk_bytes, capacity_bytes=capacity,

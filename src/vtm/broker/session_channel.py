@@ -48,6 +48,11 @@ from vtm import errors
 MAX_MESSAGE = 1 << 16
 
 
+class Evicted(errors.Unavailable):
+    """The broker ended the session between its Hello and its attach, to
+    make room for others at --max-sessions: a new Hello may get one."""
+
+
 def error_of(reply: dict) -> errors.Error:
     """The vtm error a broker's {"error": ..., "class": ...} reply reports."""
     cls = getattr(errors, str(reply.get("class", "")), None)
@@ -71,6 +76,8 @@ class SessionChannel:
             self._sock.settimeout(timeout)
             self._sock.connect(path)
             reply = _request(self._sock, {"lease": lease, "attach": True})
+            if reply.get("evicted"):
+                raise Evicted(str(reply.get("error")))
             if not reply.get("attached"):
                 raise error_of(reply)
             self._sock.settimeout(None)  # the listener waits for notices for as long as the session lives
