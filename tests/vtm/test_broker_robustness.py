@@ -5,6 +5,7 @@ session's lock meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -188,49 +189,63 @@ def test_connections_that_never_speak_give_way_at_the_cap(tmp_path, monkeypatch)
         reactor.close()
 
 
+@contextlib.contextmanager
+def _served(make, workers: int = 2):
+    """A Reactor of `workers` threads and the server make(reactor) on it,
+    both closed after."""
+    from vtm.broker.reactor import Reactor
+
+    reactor = Reactor(workers)
+    try:
+        server = make(reactor)
+        try:
+            yield server
+        finally:
+            server.close()
+    finally:
+        reactor.close()
+
+
 def test_peers_that_never_read_their_replies_hold_no_worker(tmp_path):
     """Found by a hostile client: each peer that sends and never reads made
     a worker wait up to 5 s on a send (the kernel queues ten datagrams a
     peer), so a few dozen of them, each with no session, stalled every
     client's calls for seconds (one lost its broker). Replies that do not
     fit wait in the connection's outbox; no worker waits."""
-    from vtm.broker.reactor import Reactor
-
-    reactor = Reactor(1)  # one worker: held by a send, nobody else is answered
-    server = _Echo(str(tmp_path / "echo"), reactor, 32)
     flood = []
-    try:
-        sent = []
-        for _ in range(2):  # each would hold the worker 5 s
-            flood.append(_connect(server.path))
-            sent.append(_flood(flood[-1]))
-        good = _connect(server.path)
-        good.settimeout(3)
-        for i in range(20):
-            good.send(b"%d" % i)
-            assert good.recv(64) == b"%d" % i
-        # A peer that reads late gets every reply, in order, and is served on.
-        late = flood[0]
-        assert all(late.recv(2048) == b"x" * 1024 for _ in range(sent[0]))
-        late.send(b"after")
-        assert late.recv(64) == b"after"
-        good.close()
-    finally:
-        for conn in flood:
-            conn.close()
-        server.close()
-        reactor.close()
+    # One worker: held by a send, nobody else would be answered.
+    with _served(lambda reactor: _Echo(str(tmp_path / "echo"), reactor, 32), workers=1) as server:
+        try:
+            sent = []
+            for _ in range(2):  # each would hold the worker 5 s
+                flood.append(_connect(server.path))
+                sent.append(_flood(flood[-1]))
+            good = _connect(server.path)
+            good.settimeout(3)
+            for i in range(20):
+                good.send(b"%d" % i)
+                assert good.recv(64) == b"%d" % i
+            # A peer that reads late gets every reply, in order, and is served on.
+            late = flood[0]
+            assert all(late.recv(2048) == b"x" * 1024 for _ in range(sent[0]))
+            late.send(b"after")
+            assert late.recv(64) == b"after"
+            good.close()
+        finally:
+            for conn in flood:
+                conn.close()
 
 
-def _big_replies(path, reactor, datagrams: int):
-    """A seqpacket server whose every reply is `datagrams` datagrams of 60 KB (a large step reply)."""
+def _big_replies(path, datagrams: int):
+    """make(reactor) of a seqpacket server whose every reply is `datagrams`
+    datagrams of 60 KB (a large step reply)."""
     from vtm.broker.seqpacket import SeqpacketServer
 
     class Big(SeqpacketServer):
         def _datagram(self, conn, data):
             conn.queue([(bytes([i]) * 60_000, ()) for i in range(datagrams)])
             return True
-    return Big(path, reactor, 8, 1024, 1)
+    return lambda reactor: Big(path, reactor, 8, 1024, 1)
 
 
 def _waiting_for_room(server) -> socket.socket:
@@ -250,12 +265,9 @@ def test_a_slow_reader_of_a_long_reply_is_not_taken_for_a_stuck_one(tmp_path, mo
     from the last one the peer took, so an honest client reading a reply of
     many datagrams slowly was dropped halfway through it."""
     from vtm.broker import seqpacket
-    from vtm.broker.reactor import Reactor
 
     monkeypatch.setattr(seqpacket, "SEND_TIMEOUT_S", 0.5)
-    reactor = Reactor(2)
-    server = _big_replies(str(tmp_path / "big"), reactor, 30)
-    try:
+    with _served(_big_replies(str(tmp_path / "big"), 30)) as server:
         conn = _connect(server.path)
         conn.send(b"go")
         got = []
@@ -266,9 +278,6 @@ def test_a_slow_reader_of_a_long_reply_is_not_taken_for_a_stuck_one(tmp_path, mo
         conn.send(b"again")
         assert conn.recv(65536) == bytes([0]) * 60_000
         conn.close()
-    finally:
-        server.close()
-        reactor.close()
 
 
 def test_a_peer_that_stops_reading_is_dropped_below_the_cap_too(tmp_path, monkeypatch):
@@ -276,21 +285,15 @@ def test_a_peer_that_stops_reading_is_dropped_below_the_cap_too(tmp_path, monkey
     below the cap nothing dropped it (before the outbox, the send gave up
     after 5 s). The reactor's tick drops it."""
     from vtm.broker import seqpacket
-    from vtm.broker.reactor import Reactor
 
     monkeypatch.setattr(seqpacket, "SEND_TIMEOUT_S", 0.5)
-    reactor = Reactor(2)
-    server = _big_replies(str(tmp_path / "big"), reactor, 12)
-    try:
+    with _served(_big_replies(str(tmp_path / "big"), 12)) as server:
         conn = _waiting_for_room(server)
         deadline = time.monotonic() + 10
         while server._conns and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not server._conns
         conn.close()
-    finally:
-        server.close()
-        reactor.close()
 
 
 def test_copies_of_fds_are_all_or_none(monkeypatch):
@@ -319,26 +322,25 @@ def test_copies_of_fds_are_all_or_none(monkeypatch):
 
 
 def test_peers_that_do_not_read_give_way_at_the_cap(tmp_path, monkeypatch):
+    """At the cap, connections whose peers have not read their replies for
+    SEND_TIMEOUT_S make room for a new one, as silent ones do."""
     from vtm.broker import seqpacket
-    from vtm.broker.reactor import Reactor
 
     monkeypatch.setattr(seqpacket, "SEND_TIMEOUT_S", 1.0)
-    reactor = Reactor(2)
-    server = _Echo(str(tmp_path / "echo"), reactor, 3)
-    try:
-        stuck = [_connect(server.path) for _ in range(3)]
-        for conn in stuck:
-            _flood(conn)
-        time.sleep(1.5)
-        newcomer = _connect(server.path)
-        newcomer.send(b"in")
-        assert newcomer.recv(64) == b"in"
-        newcomer.close()
-    finally:
-        for conn in stuck:
-            conn.close()
-        server.close()
-        reactor.close()
+    stuck = []
+    with _served(lambda reactor: _Echo(str(tmp_path / "echo"), reactor, 3)) as server:
+        try:
+            for _ in range(3):
+                stuck.append(_connect(server.path))
+                _flood(stuck[-1])
+            time.sleep(1.5)
+            newcomer = _connect(server.path)
+            newcomer.send(b"in")
+            assert newcomer.recv(64) == b"in"
+            newcomer.close()
+        finally:
+            for conn in stuck:
+                conn.close()
 
 
 def test_a_session_cannot_fill_the_side_sockets_caps(tmp_path):

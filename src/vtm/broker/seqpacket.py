@@ -216,7 +216,6 @@ class SeqpacketServer:
         self._per_session = per_session
         self._mu = threading.Lock()
         self._conns: dict[int, Connection] = {}
-        self._bound: collections.Counter = collections.Counter()  # session -> its connections here
         self._stopping = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -251,10 +250,11 @@ class SeqpacketServer:
         with self._mu:
             if conn.session is session:
                 return True
-            if conn.session is not None or self._bound[session] >= self._per_session:
+            if conn.session is not None:
+                return False
+            if sum(1 for c in self._conns.values() if c.session is session) >= self._per_session:
                 return False
             conn.session = session
-            self._bound[session] += 1
             return True
 
     # -- the reactor's callbacks ---------------------------------------------
@@ -371,10 +371,6 @@ class SeqpacketServer:
             conn.dropped = True
             if self._conns.get(conn.fd) is conn:
                 del self._conns[conn.fd]
-            if conn.session is not None:
-                self._bound[conn.session] -= 1
-                if self._bound[conn.session] <= 0:
-                    del self._bound[conn.session]
         self._reactor.unwatch(conn.fd)
         try:
             self._closed(conn)
