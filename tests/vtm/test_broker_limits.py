@@ -115,3 +115,35 @@ def test_closed_spaces_cost_nothing_in_the_broker(tmp_path):
             mgr.check()
     finally:
         b.kill()
+
+
+def test_records_of_new_tokens_cannot_grow_the_broker(tmp_path):
+    """A client that records its pages under ever new tokens adds nodes but
+    no chunks, and before the prefix index had a bound (docs/api.md, "The
+    prefix index's bound") grew vtmd by each record's tokens, for all its
+    clients. Now the broker's index stays within its budget and the others'
+    work goes on."""
+    b = BrokerProcess(tmp_path, capacity_chunks=32)
+    try:
+        with vtm.connect(b.address, name="recorder") as mgr:
+            n = 1 << 19
+            space = mgr.create_space(row_bytes=1, max_tokens=n, max_slots=1)
+            vt = space.create(n).result()
+            budget = mgr.stats()["index_budget_bytes"]
+            records = 2 * budget // (4 * n)  # twice the budget's worth of tokens
+            rss = []
+            for i in range(2 * records):
+                space.prefix_record(vt, list(range(i * n, (i + 1) * n))).result()
+                if i + 1 in (records, 2 * records):
+                    rss.append(rss_bytes(b.proc.pid))
+            st = mgr.stats()
+            assert st["tree_tokens"] * 4 <= budget + 4 * n
+            assert st["index_bytes"] <= budget + 4 * n + 4096 and st["index_drops_total"] > 0
+            # The second round's tokens replace the first's. (Under
+            # AddressSanitizer freed memory waits in its quarantine first.)
+            if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+                assert rss[1] - rss[0] < budget // 2, f"vtmd grew from {rss[0] / MiB:.0f} to {rss[1] / MiB:.0f} MiB"
+            mgr.check()
+        honest_work(b.address)
+    finally:
+        b.kill()

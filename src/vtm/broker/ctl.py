@@ -78,7 +78,8 @@ def _summary(stats: dict) -> list[str]:
             f"in chunks of {format_size(chunk)}",
             f"chunks: created {stats['chunks_created']}, held {stats['chunks_held']}, free {stats['chunks_free']}, "
             f"mapped {stats['chunks_mapped']}, in prefix trees {stats['chunks_in_tree']} "
-            f"({stats['tree_nodes']} nodes, {stats['tree_tokens']} tokens)",
+            f"({stats['tree_nodes']} nodes, {stats['tree_tokens']} tokens, index "
+            f"{format_size(stats['index_bytes'])} of {format_size(stats['index_budget_bytes'])})",
             f"evictions {stats['evictions_total']}, copy-on-write {stats['cow_copies_total']}, "
             f"released to the device {stats['chunks_released_total']}"] + _tier(stats)
 

@@ -181,6 +181,9 @@ py::dict StatsDict(const Stats& st) {
   d["chunks_in_tree"] = st.chunks_in_tree;
   d["tree_nodes"] = st.tree_nodes;
   d["tree_tokens"] = st.tree_tokens;
+  d["index_bytes"] = st.index_bytes;
+  d["index_budget_bytes"] = st.index_budget_bytes;
+  d["index_drops_total"] = st.index_drops_total;
   d["evictions_total"] = st.evictions_total;
   d["cow_copies_total"] = st.cow_copies_total;
   d["slot_reuses_total"] = st.slot_reuses_total;

@@ -148,10 +148,11 @@ struct Stats {
   std::string backend;
   std::size_t chunk_bytes = 0, capacity_bytes = 0;
   std::size_t chunks_created = 0, chunks_free = 0, chunks_held = 0, chunks_mapped = 0,
-              chunks_cached = 0, chunks_in_tree = 0, tree_nodes = 0, tree_tokens = 0;
+              chunks_cached = 0, chunks_in_tree = 0, tree_nodes = 0, tree_tokens = 0, index_bytes = 0,
+              index_budget_bytes = 0;
   std::uint64_t evictions_total = 0, cow_copies_total = 0, slot_reuses_total = 0,
                 prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0,
-                reservation_free_failures_total = 0, prefix_unpins_total = 0;
+                reservation_free_failures_total = 0, prefix_unpins_total = 0, index_drops_total = 0;
   // The host tier (all 0 without one).
   std::size_t host_tier_capacity_bytes = 0, host_tier_used_bytes = 0, host_tier_nodes = 0;
   std::uint64_t spills_total = 0, spilled_bytes_total = 0, spill_failures_total = 0, restores_total = 0,
@@ -181,6 +182,19 @@ class Manager {
   static constexpr std::size_t kTableEntriesPerChunk = 64;
   static constexpr std::size_t kMinTableEntries = std::size_t{1} << 20;
   std::size_t PageTableBudget() const { return std::max(kMinTableEntries, kTableEntriesPerChunk * capacity_chunks_); }
+  // The prefix index (the nodes of every tree, PrefixTree::index_bytes) may
+  // take at most IndexBudget() bytes of host memory, a share of the memory
+  // it indexes: a record made with honest tokens indexes each row of KV
+  // once, 4 bytes for a token against a row of at least 32 bytes in every
+  // model we know. A client recording the same pages under ever new tokens
+  // indexes no new memory, and without the bound grew the index (and the
+  // process, or the broker shared by many) without end. A record that takes
+  // the index past the budget drops its least recently used unlocked
+  // prefixes (the host tier's first) until it is within it again; only the
+  // paths live vTensors lock, and the record itself, may keep it above.
+  static constexpr std::size_t kIndexShare = 8;
+  static constexpr std::size_t kMinIndexBytes = std::size_t{64} << 20;
+  std::size_t IndexBudget() const;
 
   explicit Manager(const ManagerOptions& options);
   ~Manager();  // Close()
@@ -357,6 +371,10 @@ class Manager {
   bool TreeCanFree(std::size_t need, bool pinned) const;
   std::size_t ReclaimCachedPages(std::size_t need);
   std::size_t EvictTreeLeaves(std::size_t need);
+  // Brings the prefix index within IndexBudget() (see there), dropping
+  // unlocked leaves used before `tick` (a record's own path is used at it),
+  // least recently used first, the host tier's before the device's.
+  void TrimIndex(std::uint64_t tick);
   // The last resort before OutOfMemory: a live vTensor's lock keeps its path
   // in the tree, with chunks it does not map (see the definition); unlocks
   // the path that alone pins the most of those. Returns whether it unlocked
@@ -469,7 +487,7 @@ class Manager {
   bool refill_blocked_ = false;  // the last refill found the device full
   bool closed_ = false;
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
-                rollback_failures_total_ = 0, prefix_unpins_total_ = 0;
+                rollback_failures_total_ = 0, prefix_unpins_total_ = 0, index_drops_total_ = 0;
   std::uint64_t spills_total_ = 0, spilled_pages_total_ = 0, spill_failures_total_ = 0, restores_total_ = 0,
                 restored_pages_total_ = 0, tier_drops_total_ = 0, tier_limit_drops_total_ = 0;
   double restore_seconds_total_ = 0;

@@ -286,6 +286,32 @@ std::size_t Manager::EvictTreeLeaves(std::size_t need) {
   return freed;
 }
 
+std::size_t Manager::IndexBudget() const {
+  const std::size_t indexed = (capacity_chunks_ + (tier_ != nullptr ? tier_->capacity() : 0)) * chunk_bytes_;
+  return std::max(kMinIndexBytes, indexed / kIndexShare);
+}
+
+void Manager::TrimIndex(std::uint64_t tick) {
+  const auto within = [&] {
+    std::size_t bytes = 0;
+    for (const auto& [ns, tree] : trees_) bytes += tree->index_bytes();
+    return bytes <= IndexBudget();
+  };
+  if (within()) return;
+  // A leaf's parent that becomes a leaf lies ahead in the walk (it was used
+  // no earlier), so whole unlocked branches go, from their ends up.
+  for (bool on_host : {true, false}) {
+    OldestFirst walk(trees_, on_host, [&](PrefixTree&, PrefixNode* n) {
+      return n->children.empty() && n->locks == 0 && n->last_access < tick;
+    });
+    for (auto [tree, node] = walk.Next(); node != nullptr; std::tie(tree, node) = walk.Next()) {
+      tree->EvictLeaf(node);
+      ++index_drops_total_;
+      if (within()) return;
+    }
+  }
+}
+
 std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   std::vector<BlockId> blocks(node->pages.size(), kNoBlock);
   const auto give_back = [&] {

@@ -101,7 +101,8 @@ Stats Manager::GetStats() const {
   for (const auto& [space_id, slot] : cached_lru_)
     for (ChunkId c : SpaceOf(space_id).slots[slot].pages)
       if (c != kNoChunk) cached.insert(c);
-  for (const auto& [name, tree] : trees_)
+  for (const auto& [name, tree] : trees_) {
+    st.index_bytes += tree->index_bytes();
     tree->ForEach([&](const PrefixNode& n) {
       ++st.tree_nodes;
       st.host_tier_nodes += n.on_host ? 1 : 0;
@@ -109,6 +110,9 @@ Stats Manager::GetStats() const {
       for (ChunkId c : n.pages)
         if (c != kNoChunk) in_tree.insert(c);  // a hole holds nothing
     });
+  }
+  st.index_budget_bytes = IndexBudget();
+  st.index_drops_total = index_drops_total_;
   st.chunks_mapped = mapped.size();
   st.chunks_cached = cached.size();
   st.chunks_in_tree = in_tree.size();

@@ -305,6 +305,7 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   sp.tree->Lock(node);
   if (recorder.lock_node != nullptr) UnlockPath(*sp.tree, recorder.lock_node);
   recorder.lock_node = node;
+  TrimIndex(tick_);
   AfterCommit();
   return static_cast<std::int64_t>(added);
 }
@@ -344,6 +345,7 @@ std::int64_t Manager::RecordAndRelease(Space& sp, std::uint64_t id, const std::v
     throw;
   }
   let_go();
+  TrimIndex(tick_);
   AfterCommit();
   return static_cast<std::int64_t>(added);
 }

@@ -98,6 +98,7 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   // node covers [s, e) with s < at < e; it becomes [at, e) under a new
   // parent covering [s, at).
   const std::size_t offset = at - node->start;
+  CountNode(*node, false);  // counted again as two halves below
   auto upper = std::make_unique<PrefixNode>();
   upper->tokens.assign(node->tokens.begin(), node->tokens.begin() + offset);
   upper->start = node->start;
@@ -129,6 +130,8 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   if (lower_first == upper_last && upper->pages.back() != kNoChunk) pool_->Ref(upper->pages.back());
   if (lower_first == upper_last && upper->on_host && upper->host_pages.back() != kNoBlock)
     tier_->Ref(upper->host_pages.back());
+  CountNode(*upper, true);
+  CountNode(*node, true);
 
   PrefixNode* parent = node->parent;
   auto& slot = parent->children[upper->tokens.front()];
@@ -166,14 +169,26 @@ PrefixNode* PrefixTree::Unsplit(PrefixNode* upper) {
   if (shared && (upper->pages.back() != lower->pages.front() ||
                  (upper->on_host && upper->host_pages.back() != lower->host_pages.front())))
     return nullptr;
+  // The merged label and pages are built before anything changes.
+  const std::size_t keep = upper->pages.size() - (shared ? 1 : 0);
+  std::vector<ChunkId> pages(upper->pages.begin(), upper->pages.begin() + keep);
+  pages.insert(pages.end(), lower->pages.begin(), lower->pages.end());
+  std::vector<BlockId> host_pages;
+  if (lower->on_host) {
+    host_pages.assign(upper->host_pages.begin(), upper->host_pages.begin() + keep);
+    host_pages.insert(host_pages.end(), lower->host_pages.begin(), lower->host_pages.end());
+  }
+  std::vector<std::int32_t> tokens(upper->tokens);
+  tokens.insert(tokens.end(), lower->tokens.begin(), lower->tokens.end());
   if (shared && upper->pages.back() != kNoChunk) pool_->Unref(upper->pages.back());
   if (shared && upper->on_host && upper->host_pages.back() != kNoBlock) tier_->Unref(upper->host_pages.back());
-  const std::size_t keep = upper->pages.size() - (shared ? 1 : 0);
-  lower->pages.insert(lower->pages.begin(), upper->pages.begin(), upper->pages.begin() + keep);
-  if (lower->on_host)
-    lower->host_pages.insert(lower->host_pages.begin(), upper->host_pages.begin(), upper->host_pages.begin() + keep);
-  lower->tokens.insert(lower->tokens.begin(), upper->tokens.begin(), upper->tokens.end());
+  CountNode(*upper, false);
+  CountNode(*lower, false);
+  lower->pages.swap(pages);
+  lower->host_pages.swap(host_pages);
+  lower->tokens.swap(tokens);
   lower->first_page = upper->first_page;
+  CountNode(*lower, true);
   Unindex(upper);
   Unindex(lower);
   lower->start = upper->start;
@@ -246,6 +261,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     PrefixNode* raw = leaf.get();
     node->children.emplace(leaf->tokens.front(), std::move(leaf));
     Index(raw);
+    CountNode(*raw, true);
     ChildLinked(node, raw, true);
     node = raw;
   }
@@ -312,6 +328,7 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
   const std::size_t freed = DropReferences(leaf);
   Unindex(leaf);
   CountAccount(leaf->tier_account, false);
+  CountNode(*leaf, false);
   PrefixNode* parent = leaf->parent;
   ChildLinked(parent, leaf, false);
   parent->children.erase(leaf->tokens.front());
@@ -339,6 +356,7 @@ std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node, std::size_
     for (auto& [token, child] : n->children) stack.push_back(std::move(child));
     Unindex(n.get());
     CountAccount(n->tier_account, false);
+    CountNode(*n, false);
     const std::size_t chunks = DropReferences(n.get());
     if (freed != nullptr) *freed += chunks;
     ++dropped;
@@ -371,6 +389,18 @@ void PrefixTree::CountAccount(std::uint32_t account, bool added) {
   if (it == nodes_by_account_.end())
     Throw(ErrorCode::kInternal, "prefix tree: a node of tier account " + std::to_string(account) + " was not counted");
   if (--it->second == 0) nodes_by_account_.erase(it);
+}
+
+void PrefixTree::CountNode(const PrefixNode& node, bool added) {
+  if (added) {
+    tokens_ += node.tokens.size();
+    pages_ += node.pages.size();
+    ++nodes_;
+  } else {
+    tokens_ -= node.tokens.size();
+    pages_ -= node.pages.size();
+    --nodes_;
+  }
 }
 
 void PrefixTree::SetTierAccount(PrefixNode* node, std::uint32_t account) {
@@ -511,9 +541,13 @@ void PrefixTree::CheckIndex() const {
   };
   check_closed(root_);
   std::unordered_map<std::uint32_t, std::size_t> by_account;
+  std::size_t tokens = 0, pages = 0, nodes = 0;
   ForEach([&](const PrefixNode& n) {
     check_closed(n);
     ++by_account[n.tier_account];
+    tokens += n.tokens.size();
+    pages += n.pages.size();
+    ++nodes;
     const LruIndex& list = ByAge(n.on_host);
     if (list.count(const_cast<PrefixNode*>(&n)) != 1)
       fail("prefix node at token " + std::to_string(n.start) + " is not in its tier's LRU list");
@@ -522,6 +556,10 @@ void PrefixTree::CheckIndex() const {
     ++(n.on_host ? host : device);
   });
   if (by_account != nodes_by_account_) fail("the nodes counted per tier account differ from the tree's");
+  if (tokens != tokens_ || pages != pages_ || nodes != nodes_)
+    fail("the index counts " + std::to_string(nodes_) + " nodes, " + std::to_string(tokens_) + " tokens and " +
+         std::to_string(pages_) + " pages, the tree " + std::to_string(nodes) + ", " + std::to_string(tokens) +
+         " and " + std::to_string(pages));
   if (device != device_lru_.size() || host != host_lru_.size())
     fail("the LRU lists hold " + std::to_string(device_lru_.size()) + " + " + std::to_string(host_lru_.size()) +
          " nodes, the tree " + std::to_string(device) + " + " + std::to_string(host));

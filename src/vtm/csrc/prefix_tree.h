@@ -257,7 +257,18 @@ class PrefixTree {
   // used first (see the invariants). Erasing a node, or moving it to the
   // other list, invalidates only iterators to it.
   const LruIndex& ByAge(bool on_host) const { return on_host ? host_lru_ : device_lru_; }
-  // Verifies the LRU index and the closed counts against the tree; throws kInternal.
+  // The host memory the tree's nodes take, as the Manager's budget for the
+  // prefix index counts it: their token labels, their page entries (a chunk
+  // and a block each) and a fixed cost per node (the node, its children map
+  // entry and its LRU entry). Kept as nodes come and go: reading it walks nothing.
+  static constexpr std::size_t kNodeBytes = 256;
+  static constexpr std::size_t kPageEntryBytes = sizeof(ChunkId) + sizeof(BlockId);
+  std::size_t index_bytes() const {
+    return tokens_ * sizeof(std::int32_t) + pages_ * kPageEntryBytes + nodes_ * kNodeBytes;
+  }
+
+  // Verifies the LRU index, the closed counts and the index's size against
+  // the tree; throws kInternal.
   void CheckIndex() const;
 
   std::size_t FirstPage(std::size_t token) const { return token * row_bytes_ / page_bytes_; }
@@ -290,6 +301,8 @@ class PrefixTree {
   void ChildLinked(PrefixNode* parent, const PrefixNode* child, bool added);
   // A node charged to `account` was made (added) or is gone.
   void CountAccount(std::uint32_t account, bool added);
+  // `node` joined the tree (added) or left it: index_bytes() counts it.
+  void CountNode(const PrefixNode& node, bool added);
   // Drops a detached subtree's references; returns its node count and adds
   // the chunks that became free to *freed.
   std::size_t DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed = nullptr);
@@ -306,6 +319,8 @@ class PrefixTree {
   // The nodes charged to each tier account, accounts with none left out:
   // what Manager::UnusedTierAccounts asks without walking the tree.
   std::unordered_map<std::uint32_t, std::size_t> nodes_by_account_;
+  // Over every node but the root: what index_bytes() counts.
+  std::size_t tokens_ = 0, pages_ = 0, nodes_ = 0;
 };
 
 }  // namespace vtm
