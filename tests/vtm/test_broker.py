@@ -8,10 +8,15 @@ each process's own space.tensor() views of the same physical chunks.
 
 from __future__ import annotations
 
+import array
+import fcntl
+import json
 import multiprocessing
 import os
+import select
 import signal
 import socket
+import termios
 import time
 
 import numpy as np
@@ -448,6 +453,54 @@ def test_fd_socket_gives_only_leased_chunks(broker):
             raw.close()
         vt.extend(200).result()  # the broker still serves a's own fds
         assert vt.mapped_bytes == 4 * CHUNK
+
+
+def test_a_fetch_cannot_multiply_chunk_fds(broker):
+    """Found by a hostile client: a fetch naming one serial 200 times got
+    200 fds of it, and a peer that fetched on without reading kept 222 such
+    replies (44,400 fds) in flight on one connection. Past the user's
+    RLIMIT_NOFILE of fds in flight the kernel refuses every fd the broker
+    passes, and the broker dropped whichever client it was serving. A
+    serial may appear once in a fetch, and a connection that asks again
+    before reading its reply is closed: one reply's fds at most wait."""
+    with vtm.connect(broker.address, name="a") as a:
+        space = a.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+        vt = space.create(100).result()
+        serial = a._mapper.mapped_from(space.id, vt.slot, 0)[0][3]  # (slot, page, chunk, serial)
+        lease = a._metadata[0][1]
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        raw.settimeout(10)
+        try:
+            raw.connect(a._fds._sock.getpeername())
+            raw.send(json.dumps({"lease": lease, "serials": []}).encode())  # binds it to a's session
+            assert json.loads(raw.recv(4096)) == {"serials": []}
+            raw.send(json.dumps({"lease": lease, "serials": [serial] * 200}).encode())
+            reply, fds, _, _ = socket.recv_fds(raw, 4096, 253)
+            assert b"none twice" in reply and fds == []
+            raw.send(json.dumps({"lease": lease, "serials": [serial]}).encode())
+            assert select.select([raw], [], [], 10)[0], "no reply"
+            raw.send(json.dumps({"lease": lease, "serials": [serial]}).encode())  # before reading the reply
+            deadline = time.monotonic() + 10
+            while _unread_bytes(raw) > 0:  # until the broker has read the second request
+                assert time.monotonic() < deadline, "the broker does not read"
+                time.sleep(0.01)
+            reply, fds, _, _ = socket.recv_fds(raw, 4096, 253)
+            for fd in fds:
+                os.close(fd)
+            assert json.loads(reply) == {"serials": [serial]} and len(fds) == 1
+            assert raw.recv(4096) == b""  # closed: no second reply
+        finally:
+            raw.close()
+        vt.extend(200).result()  # the client's own connections serve on
+        assert vt.mapped_bytes == 4 * CHUNK
+        a.check()
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    """What `sock` sent that its peer has not read yet (SIOCOUTQ)."""
+    out = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, out, True)
+    return out[0]
 
 
 def test_proto_stubs_are_fresh(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -81,23 +82,6 @@ class _Echo:
                 self.send(conn, data)
                 return True
         return Echo(path, reactor, max_connections, 1024, 1)
-
-
-def _flood(conn: socket.socket) -> int:
-    """Sends 1 KiB datagrams, reading none of the replies, until the server
-    takes no more for 0.2 s: the replies fill this peer's queue (the kernel
-    queues ~200 KiB a connection), and the server stops reading it. Returns
-    how many it sent."""
-    conn.setblocking(False)
-    sent, last = 0, time.monotonic()
-    while sent < 4096 and time.monotonic() - last < 0.2:
-        try:
-            conn.send(b"x" * 1024)
-            sent, last = sent + 1, time.monotonic()
-        except BlockingIOError:
-            time.sleep(0.005)
-    conn.settimeout(10)
-    return sent
 
 
 def _connect(path) -> socket.socket:
@@ -206,37 +190,37 @@ def _served(make, workers: int = 2):
         reactor.close()
 
 
-def test_peers_that_never_read_their_replies_hold_no_worker(tmp_path):
-    """Found by a hostile client: each peer that sends and never reads made
-    a worker wait up to 5 s on a send (the kernel queues ten datagrams a
-    peer), so a few dozen of them, each with no session, stalled every
-    client's calls for seconds (one lost its broker). Replies that do not
-    fit wait in the connection's outbox; no worker waits."""
-    flood = []
-    # One worker: held by a send, nobody else would be answered.
+def test_peers_that_ask_again_without_reading_are_dropped(tmp_path):
+    """Found by hostile clients: each peer that sends and never reads made
+    a worker wait up to 5 s on a send, so a few dozen of them, each with no
+    session, stalled every client's calls for seconds (one lost its
+    broker). With outboxes no worker waited, but the kernel went on queuing
+    a connection's replies as far as its send buffer held: 222 fetch
+    replies, 44,400 chunk fds in flight, before an outbox held one. Now a
+    peer that asks again before it has read its last reply is dropped: one
+    reply waits for it at most, and the others are served meanwhile."""
+    greedy = []
     with _served(lambda reactor: _Echo(str(tmp_path / "echo"), reactor, 32), workers=1) as server:
         try:
-            sent = []
-            for _ in range(2):  # each would hold the worker 5 s
-                flood.append(_connect(server.path))
-                sent.append(_flood(flood[-1]))
+            for _ in range(8):
+                greedy.append(_connect(server.path))
+                greedy[-1].send(b"first")
+                assert select.select([greedy[-1]], [], [], 10)[0], "no reply"  # there, unread
+                greedy[-1].send(b"again")
             good = _connect(server.path)
-            good.settimeout(3)
             for i in range(20):
                 good.send(b"%d" % i)
                 assert good.recv(64) == b"%d" % i
-            # A peer that reads late gets every reply, in order, and is served on.
-            late = flood[0]
-            assert all(late.recv(2048) == b"x" * 1024 for _ in range(sent[0]))
-            late.send(b"after")
-            assert late.recv(64) == b"after"
             good.close()
+            for conn in greedy:
+                assert conn.recv(64) == b"first"  # the one reply it asked for, then the end
+                assert conn.recv(64) == b""
         finally:
-            for conn in flood:
+            for conn in greedy:
                 conn.close()
 
 
-def _big_replies(path, datagrams: int):
+def _big_replies(path, datagrams: int, max_connections: int = 8):
     """make(reactor) of a seqpacket server whose every reply is `datagrams`
     datagrams of 60 KB (a large step reply)."""
     from vtm.broker.seqpacket import SeqpacketServer
@@ -245,16 +229,17 @@ def _big_replies(path, datagrams: int):
         def _datagram(self, conn, data):
             conn.queue([(bytes([i]) * 60_000, ()) for i in range(datagrams)])
             return True
-    return lambda reactor: Big(path, reactor, 8, 1024, 1)
+    return lambda reactor: Big(path, reactor, max_connections, 1024, 1)
 
 
 def _waiting_for_room(server) -> socket.socket:
     """A connection to `server` that asked for a reply and reads none of it:
     returned once the reply waits in its outbox."""
+    waiting = sum(1 for c in list(server._conns.values()) if c.outbox)
     conn = _connect(server.path)
     conn.send(b"go")
     deadline = time.monotonic() + 10
-    while not any(c.outbox for c in list(server._conns.values())):
+    while sum(1 for c in list(server._conns.values()) if c.outbox) <= waiting:
         assert time.monotonic() < deadline, "no reply waits for room"
         time.sleep(0.01)
     return conn
@@ -328,15 +313,14 @@ def test_peers_that_do_not_read_give_way_at_the_cap(tmp_path, monkeypatch):
 
     monkeypatch.setattr(seqpacket, "SEND_TIMEOUT_S", 1.0)
     stuck = []
-    with _served(lambda reactor: _Echo(str(tmp_path / "echo"), reactor, 3)) as server:
+    with _served(_big_replies(str(tmp_path / "big"), 12, max_connections=3)) as server:
         try:
             for _ in range(3):
-                stuck.append(_connect(server.path))
-                _flood(stuck[-1])
+                stuck.append(_waiting_for_room(server))
             time.sleep(1.5)
             newcomer = _connect(server.path)
             newcomer.send(b"in")
-            assert newcomer.recv(64) == b"in"
+            assert newcomer.recv(65536) == bytes([0]) * 60_000
             newcomer.close()
         finally:
             for conn in stuck:

@@ -3,7 +3,7 @@ channels.
 
 gRPC cannot carry file descriptors, so a client trades chunk serials for
 chunk fds here (SCM_RIGHTS): a request is one datagram of JSON,
-{"lease": token, "serials": [...]}, at most MAX_FDS serials. The broker checks
+{"lease": token, "serials": [...]}, at most MAX_FDS serials, none twice. The broker checks
 the peer with SO_PEERCRED (same uid, the session's pid, which the kernel gave
 when the session attached) and that every serial is mapped by that client
 now, then answers one datagram, {"serials": [...]} with one fd per serial
@@ -138,9 +138,10 @@ class FdServer(SeqpacketServer):
         sessions hold connections here (each at most PER_SESSION)."""
         lease, serials = request.get("lease"), request.get("serials")
         if (not isinstance(lease, str) or not isinstance(serials, list) or len(serials) > MAX_FDS
-                or not all(isinstance(s, int) and not isinstance(s, bool) for s in serials)):
-            return {"error": f"malformed request (a JSON object with a lease and at most {MAX_FDS} serials)"}, [], \
-                conn.session is not None
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in serials)
+                or len(set(serials)) != len(serials)):  # one fd per chunk: no request multiplies them
+            return {"error": f"malformed request (a JSON object with a lease and at most {MAX_FDS} serials, "
+                             "none twice)"}, [], conn.session is not None
         session = self._service.lookup(lease)
         if session is None:
             return {"error": "no such lease"}, [], False

@@ -9,9 +9,9 @@ connection and one of its fixed workers reads one datagram and answers it
 that fails nor a connection that misbehaves stops the others.
 
 No send waits: a reply the peer's queue has no room for (a peer that does
-not read; the kernel queues only a few datagrams) waits in the connection's
-outbox, and the connection is watched for room instead of for its next
-request. A worker blocked on such a send would be one of a fixed few: a
+not read; the kernel queues what the send buffer holds) waits in the
+connection's outbox, and the connection is watched for room instead of for
+its next request. A worker blocked on such a send would be one of a fixed few: a
 few dozen peers that never read would stop the broker answering anyone.
 
 Invariants:
@@ -23,7 +23,10 @@ Invariants:
     accepted and closed: a peer that connects and says nothing cannot
     lock the others out;
   * no worker waits to send: a connection whose outbox is not empty reads
-    no request until it is, and one whose peer has taken nothing from it
+    no request until it is; one (not a session's channel, which gets
+    notices nobody asked for) whose peer asks again before it has read its
+    last reply is dropped, so a connection's unread replies, and the chunk
+    fds they carry, stay one reply's worth; and one whose peer has taken nothing from it
     for SEND_TIMEOUT_S (a peer that does not read) is dropped at the
     reactor's next tick, so it holds neither a worker nor, for long, a
     place or the fds its outbox copied;
@@ -35,12 +38,15 @@ Invariants:
 
 from __future__ import annotations
 
+import array
 import collections
 import errno
+import fcntl
 import logging
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 
@@ -176,6 +182,14 @@ def _sent(sock: socket.socket, data: bytes, fds) -> bool:
         return True
     except BlockingIOError:
         return False
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on `sock` that its peer has not read yet (SIOCOUTQ: for a
+    Unix socket, what the kernel still queues at the peer)."""
+    out = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, out, True)
+    return out[0]
 
 
 def _stuck(conn: Connection, now: float) -> str | None:
@@ -344,6 +358,20 @@ class SeqpacketServer:
             else:
                 data = conn.sock.recv(self._max_datagram, socket.MSG_DONTWAIT)
                 conn.heard = True
+                if data and not conn.anchor and _unread_bytes(conn.sock) > 0:
+                    # Every client waits for its reply before it asks again.
+                    # A peer that asks without reading would pile replies up
+                    # in the kernel's queue, where no outbox sees them: on a
+                    # connected SOCK_SEQPACKET socket the kernel queues as
+                    # much as the send buffer holds, and a fetch's reply
+                    # carries up to MAX_FDS chunk fds, which count against
+                    # this user's fds in flight until read (past its
+                    # RLIMIT_NOFILE the kernel refuses every fd the broker
+                    # passes, to every client). Read first: a connection
+                    # closed with a request unread resets the peer's reads.
+                    log.warning("%s: closing a connection whose peer asked again before it read its last reply",
+                                self.path)
+                    data = b""
                 keep = bool(data) and self._datagram(conn, data)
         except BlockingIOError:
             keep = True  # a spurious report: nothing to read yet
