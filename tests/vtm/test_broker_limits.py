@@ -65,6 +65,35 @@ def test_sessions_beyond_the_cap_are_refused_and_the_others_unaffected(tmp_path)
         b.kill()
 
 
+def test_one_process_holds_at_most_its_share_of_the_sessions(tmp_path, spawn):
+    """Review: one process could take every place of --max-sessions (one that
+    leaks a session per request, say), and then no other client connected.
+    A process holds at most a quarter of them, at least 16."""
+    b = BrokerProcess(tmp_path, capacity_chunks=64, extra_args=["--max-sessions", "20"])
+    managers = []
+    try:
+        managers = [vtm.connect(b.address, name="leaky", timeout=10) for _ in range(16)]
+        with pytest.raises(vtm.OutOfMemory, match="holds 16 sessions of vtmd already"):
+            vtm.connect(b.address, name="leaky", timeout=10)
+        q = CTX.Queue()
+        spawn(_honest_child, b.address, q)
+        assert q.get(timeout=60) == "served"  # another process connects and works
+        managers.pop().close()
+        managers.append(vtm.connect(b.address, name="leaky", timeout=10))  # a closed one frees its place
+    finally:
+        for mgr in managers:
+            mgr.close()
+        b.kill()
+
+
+def _honest_child(address, q):
+    try:
+        honest_work(address)
+        q.put("served")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        q.put(f"{type(exc).__name__}: {exc}")
+
+
 def test_spaces_are_bounded_by_the_capacity_and_counted_per_client(tmp_path):
     b = BrokerProcess(tmp_path, capacity_chunks=16)
     try:

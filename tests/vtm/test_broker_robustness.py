@@ -452,6 +452,70 @@ def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
         manager.close()
 
 
+def test_a_retry_after_reclaim_counts_what_the_client_changed_meanwhile(tmp_path):
+    """Review: an allocation that waited for reclaim was admitted again with
+    the growth it had counted before the wait. Meanwhile (its session's lock
+    free) the client shrank the same vTensor and mapped the freed pages
+    elsewhere, so the retry mapped more than it was admitted for: past the
+    client's limit (6 chunks mapped under a limit of 4)."""
+    import threading
+
+    import vtm
+    from vtm.broker.quota import Ask, Quota, Quotas
+    from vtm.broker.reactor import Reactor
+    from vtm.broker.service import BrokerService
+    from vtm.broker.session import LIVE, Session
+
+    chunk = 64 << 10
+    manager = vtm.Manager(backend="host", capacity_bytes=16 * chunk, chunk_bytes=chunk, granularity=chunk,
+                          slot_cache_bytes=0, record_mappings=True, export_chunks=True)
+    reactor = Reactor(1)
+    service = BrokerService(manager, "host", 0, str(tmp_path / "fds"), reactor, Quotas(16 * chunk), 8)
+    service.policy.wait_s = 60
+    try:
+        sessions = {}
+        for name, quota in (("victim", Quota()), ("asker", Quota(priority=10, limit_bytes=4 * chunk))):
+            session = Session(len(sessions) + 1, name, Ask(), quota)
+            session.state = LIVE
+            space = manager.create_space(row_bytes=chunk, max_tokens=16, max_slots=2)
+            session.spaces[space.id] = space
+            session.geometry[space.id] = (chunk, 16)
+            service._sessions[session.lease] = session
+            sessions[name] = (session, space.id)
+        victim, victim_space = sessions["victim"]
+        asker, asker_space = sessions["asker"]
+
+        def run(session, body):
+            return service.run_op(session, lambda: (body(), service.collect(session))[0])
+        held = run(victim, lambda: service.create(victim, victim_space, 14))
+        grown = run(asker, lambda: service.create(asker, asker_space, 2))  # the pool is full
+        failed = {}
+
+        def grow():
+            try:
+                run(asker, lambda: service.extend(asker, grown, 4))  # 2 chunks more: within the limit
+            except vtm.OutOfMemory as exc:
+                failed["error"] = exc
+        waiter = threading.Thread(target=grow)
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while victim.owed_target is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert victim.owed_target is not None, "the victim was never asked"
+        run(asker, lambda: service.shrink(asker, [(grown, 0)]))  # its 2 chunks back...
+        run(asker, lambda: service.create(asker, asker_space, 2))  # ...and mapped elsewhere
+        run(victim, lambda: service.release(victim, held))  # pays: the retry goes on
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert asker.mapped_bytes(chunk) <= 4 * chunk, f"{asker.mapped_bytes(chunk) // chunk} chunks mapped"
+        assert "limited" in str(failed.get("error")), "the extend now maps 4 chunks, past the limit"
+        manager.check()
+    finally:
+        service.close_all()
+        reactor.close()
+        manager.close()
+
+
 def attached_channel(tmp_path, notices):
     """A SessionChannel attached to a stand-in broker that sends `notices`
     after the attach; returns it and the broker's end (close both)."""

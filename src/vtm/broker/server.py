@@ -347,7 +347,8 @@ def main(argv=None) -> int:
                         help="the host backend's mapping granularity (default: 2MiB; cuda: the driver's)")
     parser.add_argument("--workers", type=int, default=2, help="the manager's worker threads")
     parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
-                        help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED")
+                        help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED; one process "
+                             "holds at most a quarter of them, at least 16")
     parser.add_argument("--quota-file", default=None, metavar="FILE",
                         help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (default: priority "
                              "0, no guarantee and no limit for every client); see docs/broker.md")

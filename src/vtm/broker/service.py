@@ -17,7 +17,9 @@ process lives quarantines it (nothing freed, nothing served). No thread is
 held per session.
 
 What a client can make the broker hold is bounded: at most max_sessions
-sessions (Hello beyond is RESOURCE_EXHAUSTED), at most MAX_SPACES spaces a
+sessions (Hello beyond is RESOURCE_EXHAUSTED), of which one process holds at
+most max_sessions_per_process (its attach beyond is refused: a client that
+leaks sessions leaves room to the others), at most MAX_SPACES spaces a
 session, and page tables (slots x pages a slot) of at most the budget one
 space of the manager may have (vtm.limits.page_table_budget) a session;
 a closed space leaves nothing behind (the manager erases it). The host
@@ -83,6 +85,14 @@ def _label(value: str, what: str, most: int = MAX_NAME) -> str:
     return value
 
 
+def sessions_per_process(max_sessions: int) -> int:
+    """The sessions one process may hold: a quarter of --max-sessions, at
+    least 16 (and at most all of them). A client that leaks sessions (a new
+    connect per request, say) then leaves room to the others; a process
+    that needs more is one the operator sizes --max-sessions for."""
+    return min(max_sessions, max(16, max_sessions // 4))
+
+
 def _process_exited(pidfd: int) -> bool:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
@@ -102,6 +112,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._reactor = reactor
         self.quotas = quotas  # guarded by _mu
         self.max_sessions = max_sessions
+        self.max_sessions_per_process = sessions_per_process(max_sessions)
         # A session's spaces together: what one space of the manager may have.
         self._table_budget = page_table_budget(manager.capacity_bytes, self._chunk_bytes)
         self._mu = threading.Lock()
@@ -149,21 +160,43 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def attach(self, session: Session, conn) -> None:
         """Makes `conn` (on the fd socket) the session's channel: its peer's
         pid, from the kernel, becomes the session's, and its exit ends the
-        session."""
+        session. Refused past max_sessions_per_process sessions of that
+        process (live, quarantined or attaching): the session stays pending,
+        ended by the reaper, or first by a Hello at --max-sessions."""
         with session.lock:  # and so before end_session can close the pidfd
             if session.state != PENDING:
                 raise vtm.FailedPrecondition(f"the session is {session.state}, not waiting to attach")
+            # Counted and claimed at once (the pid of an attach under way
+            # counts), so that attaches racing from one process cannot
+            # each find room.
+            with self._mu:
+                held = sum(1 for s in self._sessions.values() if s.pid == conn.pid and s.state != CLOSED)
+                if held < self.max_sessions_per_process:
+                    session.pid = conn.pid
+            if session.pid != conn.pid:
+                raise vtm.OutOfMemory(
+                    f"process {conn.pid} holds {held} sessions of vtmd already, as many as one process may "
+                    f"(a quarter of --max-sessions, at least 16): close one first")
             try:
-                pidfd = peer_pidfd(conn.sock, conn.pid)
-            except OSError as exc:
-                raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
-            try:
-                # Readable once the process has exited (at once if it already has).
-                self._reactor.watch(pidfd, lambda _fd: self.end_session(session))
-            except OSError as exc:
-                os.close(pidfd)
-                raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
-            session.pid, session.pidfd, session.channel, session.state = conn.pid, pidfd, conn, LIVE
+                self._watch_process(session, conn)
+            except BaseException:
+                session.pid = None
+                raise
+
+    def _watch_process(self, session: Session, conn) -> None:
+        """The rest of an attach (the session's lock held): its process's
+        exit ends the session from now on."""
+        try:
+            pidfd = peer_pidfd(conn.sock, conn.pid)
+        except OSError as exc:
+            raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
+        try:
+            # Readable once the process has exited (at once if it already has).
+            self._reactor.watch(pidfd, lambda _fd: self.end_session(session))
+        except OSError as exc:
+            os.close(pidfd)
+            raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
+        session.pidfd, session.channel, session.state = pidfd, conn, LIVE
 
     def evicted(self, lease: str) -> bool:
         """Whether `lease` was ended before its attach to make room."""
@@ -464,7 +497,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         return stats["capacity_bytes"] - stats["chunks_held"] * self._chunk_bytes
 
     def _allocate(self, session: Session, extra_bytes: int, op, gate_bytes: int | None = None,
-                  speculative: bool = False, slot_space=None):
+                  speculative: bool = False, slot_space=None, recount=None):
         """Runs an allocating op under the policy: the client's limit and
         debts first; memory reserved for another client's retry left alone
         (`gate_bytes`, default extra_bytes: what the op may take); on out of
@@ -478,7 +511,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         ahead gets any refusal at once (status.OWN_PAGES_AHEAD): it gives
         them back and asks again before others are asked for anything.
         `slot_space`: the space whose slot the op takes; a refusal while it
-        has no free slot is about the slot, and no other client can help."""
+        has no free slot is about the slot, and no other client can help.
+        `recount()`: (extra_bytes, gate_bytes) counted again, for a retry
+        after the wait (the client's other calls may have changed what the
+        op adds: shrunk the vTensor it grows, say)."""
         gate_bytes = extra_bytes if gate_bytes is None else gate_bytes
         if speculative:
             self.policy.admit(session, extra_bytes)
@@ -522,7 +558,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if session.state != LIVE:
                 raise vtm.Unavailable(f"the session is {session.state}")
             # Admitted again: the client's other calls may have mapped
-            # memory while this one waited without the lock.
+            # memory while this one waited without the lock, or changed
+            # what this one adds.
+            if recount is not None:
+                extra_bytes, gate_bytes = recount()
             try:
                 self.policy.admit(session, extra_bytes)
             except vtm.OutOfMemory as exc:
@@ -732,8 +771,13 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                     raise vtm.InvalidArgument(f"{op}: low {low} exceeds num_tokens {n}")
             was_n, was_low = wanted.get(vt_id, (-1, None))
             wanted[vt_id] = (max(n, was_n), low if was_low is None else max(was_low, low or 0))
-        growth = [self._growth(session, vt_id, n, low) for vt_id, (n, low) in wanted.items()]
-        extra, new = sum(g[0] for g in growth), sum(g[1] for g in growth)
+
+        def growth():
+            for vt_id in wanted:
+                self._vtensor(session, vt_id)  # released meanwhile (a retry's recount): its error
+            counts = [self._growth(session, vt_id, n, low) for vt_id, (n, low) in wanted.items()]
+            return sum(c[0] for c in counts), sum(c[1] for c in counts)
+        extra, new = growth()
 
         def run():
             if op == "extend":
@@ -741,7 +785,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 return self._vtensor(session, vt_id).extend(n, low=low).result()
             return self.manager.step({self._vtensor(session, i): n if low is None else (n, low)
                                       for i, (n, low) in wanted.items()}).result()
-        self._allocate(session, extra, run, gate_bytes=new, speculative=speculative)
+        self._allocate(session, extra, run, gate_bytes=new, speculative=speculative, recount=growth)
         for vt_id, (n, low) in wanted.items():
             state = session.vt_state[vt_id]
             state.num_tokens = max(state.num_tokens, n)
