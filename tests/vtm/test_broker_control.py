@@ -136,3 +136,30 @@ def test_a_client_whose_session_was_ended_before_its_attach_says_hello_again(tmp
             assert mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1).create(10).result().mapped_bytes == CHUNK
     finally:
         b.kill()
+
+
+def test_a_goodbye_on_the_session_channel_is_answered(tmp_path):
+    """Review: a goodbye said on the session's own channel (the protocol
+    allows any connection of the session's process) ended the session,
+    whose end shut that channel down before the answer went: the client
+    read EOF, not {"bye": true}."""
+    import socket
+
+    b = BrokerProcess(tmp_path)
+    try:
+        with grpc.insecure_channel(b.address) as channel:
+            hello = vtm_pb2_grpc.BrokerStub(channel).Hello(vtm_pb2.HelloRequest(name="polite"), timeout=10)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as anchor:
+            anchor.settimeout(10)
+            anchor.connect(hello.fd_socket)
+            anchor.send(json.dumps({"lease": hello.lease, "attach": True}).encode())
+            assert json.loads(anchor.recv(65536)) == {"attached": True}
+            anchor.send(json.dumps({"lease": hello.lease, "bye": True}).encode())
+            said = []
+            while (message := anchor.recv(65536)) != b"":
+                said.append(json.loads(message))
+            assert {"bye": True} in said, said
+        with vtm.connect(b.address, name="observer") as mgr:
+            assert [c["name"] for c in mgr.stats()["clients"]] == ["observer"]
+    finally:
+        b.kill()

@@ -64,8 +64,7 @@ class FdServer(SeqpacketServer):
         if request.get("attach") is True:
             return self._attach(conn, request.get("lease"))
         if request.get("bye") is True:
-            self.send(conn, json.dumps(self._bye(conn, request.get("lease"))).encode())
-            return False
+            return self._bye(conn, request.get("lease"))
         header, fds, keep = self._fetch(conn, request)
         try:
             self.send(conn, json.dumps(header).encode(), fds)
@@ -115,19 +114,28 @@ class FdServer(SeqpacketServer):
             self._service.ack(conn.session, request["ack"])
             return True
         if request.get("bye") is True:
-            self.send(conn, json.dumps(self._bye(conn, request.get("lease"))).encode())
-            return False
+            return self._bye(conn, request.get("lease"))
         return True  # nothing else is said on a channel: ignored
 
-    def _bye(self, conn, lease) -> dict:
+    def _bye(self, conn, lease) -> bool:
+        """Ends the session `lease` names and answers; the connection
+        closes after (False)."""
         session = self._service.lookup(lease) if isinstance(lease, str) else None
-        if session is None:
-            return {"bye": True}  # already gone
         # A pending session holds nothing: whoever has its lease may end it.
-        if session.state != PENDING and (conn.uid != os.getuid() or conn.pid != session.pid):
-            return _error(errors.FailedPrecondition(f"peer pid {conn.pid} does not hold this lease"))
-        self._service.end_session(session)  # the client unmapped everything first
-        return {"bye": True}
+        if session is not None and session.state != PENDING and (conn.uid != os.getuid() or
+                                                                 conn.pid != session.pid):
+            self.send(conn, json.dumps(_error(errors.FailedPrecondition(
+                f"peer pid {conn.pid} does not hold this lease"))).encode())
+            return False
+        # The answer first: the session's end ends its connections, this one
+        # too when it is the session's channel, and its peer would read EOF.
+        try:
+            self.send(conn, json.dumps({"bye": True}).encode())
+        except OSError:
+            pass  # the peer did not wait for it (say_bye(wait=False)): it ends all the same
+        if session is not None:  # else gone already
+            self._service.end_session(session)  # the client unmapped everything first
+        return False
 
     # -- fds ------------------------------------------------------------------
 
