@@ -1,6 +1,7 @@
 #include "mapper_client.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 #include "error.h"
 
@@ -136,9 +137,9 @@ std::shared_ptr<Reservation> ClientMapper::reservation(std::uint32_t space) cons
 std::vector<std::uint64_t> ClientMapper::Missing(const std::vector<PageEffect>& effects) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::uint64_t> out;
+  std::unordered_set<std::uint64_t> listed;  // a step may map thousands of chunks: no scan of `out` per page
   for (const PageEffect& e : effects)
-    if (e.serial != 0 && imports_.count(e.serial) == 0 && std::find(out.begin(), out.end(), e.serial) == out.end())
-      out.push_back(e.serial);
+    if (e.serial != 0 && imports_.count(e.serial) == 0 && listed.insert(e.serial).second) out.push_back(e.serial);
   return out;
 }
 
