@@ -234,29 +234,35 @@ namespace {
 // call looks past the last node it returned, by key, so a node that an
 // action moved into a list behind that (a window tree's node dropped from
 // the host back to the device, as holes) is still reached; a parent that
-// becomes a candidate lies ahead of its children.
+// becomes a candidate lies ahead of its children. `only_its_tree`: the
+// caller's action on a node changes no tree but the node's, so the other
+// trees' candidates stand and are not looked for again (else a walk that
+// takes many nodes from one tree would scan the others' nodes that are no
+// candidates once per node taken).
 class OldestFirst {
  public:
   OldestFirst(const std::map<std::string, std::unique_ptr<PrefixTree>>& trees, bool on_host,
-              std::function<bool(PrefixTree&, PrefixNode*)> take)
-      : take_(std::move(take)) {
-    for (const auto& [name, tree] : trees) walks_.push_back(Walk{tree.get(), &tree->ByAge(on_host), std::nullopt});
+              std::function<bool(PrefixTree&, PrefixNode*)> take, bool only_its_tree = false)
+      : take_(std::move(take)), only_its_tree_(only_its_tree) {
+    for (const auto& [name, tree] : trees) walks_.push_back(Walk{tree.get(), &tree->ByAge(on_host)});
   }
   // The next candidate of all the trees, or {nullptr, nullptr}.
   std::pair<PrefixTree*, PrefixNode*> Next() {
     Walk* best = nullptr;
-    PrefixNode* best_node = nullptr;
     for (Walk& w : walks_) {
-      auto it = w.after ? w.list->upper_bound(*w.after) : w.list->begin();
-      while (it != w.list->end() && !take_(*w.tree, *it)) ++it;
-      if (it != w.list->end() && (best == nullptr || OlderFirst()(*it, best_node))) {
-        best = &w;
-        best_node = *it;
+      if (!w.found || !only_its_tree_) {
+        auto it = w.after ? w.list->upper_bound(*w.after) : w.list->begin();
+        while (it != w.list->end() && !take_(*w.tree, *it)) ++it;
+        w.candidate = it != w.list->end() ? *it : nullptr;
+        w.found = true;
       }
+      if (w.candidate != nullptr && (best == nullptr || OlderFirst()(w.candidate, best->candidate))) best = &w;
     }
     if (best == nullptr) return {nullptr, nullptr};
-    best->after = LruKey::Of(best_node);
-    return {best->tree, best_node};
+    PrefixNode* node = best->candidate;
+    best->after = LruKey::Of(node);
+    best->found = false;  // its tree is the one the caller changes
+    return {best->tree, node};
   }
 
  private:
@@ -264,8 +270,11 @@ class OldestFirst {
     PrefixTree* tree;
     const LruIndex* list;
     std::optional<LruKey> after;  // the last node returned: the walk goes on past it
+    PrefixNode* candidate = nullptr;  // its next one (null: none), while `found`
+    bool found = false;
   };
   std::function<bool(PrefixTree&, PrefixNode*)> take_;
+  const bool only_its_tree_;
   std::vector<Walk> walks_;
 };
 
@@ -301,9 +310,10 @@ void Manager::TrimIndex(std::uint64_t tick) {
   // A leaf's parent that becomes a leaf lies ahead in the walk (it was used
   // no earlier), so whole unlocked branches go, from their ends up.
   for (bool on_host : {true, false}) {
-    OldestFirst walk(trees_, on_host, [&](PrefixTree&, PrefixNode* n) {
-      return n->children.empty() && n->locks == 0 && n->last_access < tick;
-    });
+    OldestFirst walk(
+        trees_, on_host,
+        [&](PrefixTree&, PrefixNode* n) { return n->children.empty() && n->locks == 0 && n->last_access < tick; },
+        /*only_its_tree=*/true);  // EvictLeaf changes the leaf's tree alone
     for (auto [tree, node] = walk.Next(); node != nullptr; std::tie(tree, node) = walk.Next()) {
       tree->EvictLeaf(node);
       ++index_drops_total_;
