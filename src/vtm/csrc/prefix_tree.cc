@@ -98,7 +98,6 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   // node covers [s, e) with s < at < e; it becomes [at, e) under a new
   // parent covering [s, at).
   const std::size_t offset = at - node->start;
-  CountNode(*node, false);  // counted again as two halves below
   auto upper = std::make_unique<PrefixNode>();
   upper->tokens.assign(node->tokens.begin(), node->tokens.begin() + offset);
   upper->start = node->start;
@@ -112,20 +111,32 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   upper->locks = node->locks;
   upper->last_access = node->last_access;
   upper->tier_account = node->tier_account;
-  CountAccount(upper->tier_account, true);
   upper->parent = node->parent;
   upper->closed = node->closed;  // its one child is node: the parent's count is unchanged
   upper->open_children = node->closed ? 0 : 1;
+  // What may fail (allocate) comes before the tree changes: the upper
+  // half's account count, its entry for the lower half (filled below) and
+  // its LRU entry. The index then holds it a moment before the tree does,
+  // with nothing that can fail in between.
+  CountAccount(upper->tier_account, true);
+  try {
+    upper->children.emplace(node->tokens[offset], nullptr);
+    Index(upper.get());
+  } catch (...) {
+    CountAccount(upper->tier_account, false);
+    throw;
+  }
 
   const std::size_t lower_first = FirstPage(at);
+  CountNode(*node, false);  // counted again, as the lower half, below: after upper's allocations, which may fail
   node->pages.erase(node->pages.begin(), node->pages.begin() + (lower_first - node->first_page));
   if (node->on_host)
     node->host_pages.erase(node->host_pages.begin(), node->host_pages.begin() + (lower_first - node->first_page));
   node->first_page = lower_first;
   node->tokens.erase(node->tokens.begin(), node->tokens.begin() + offset);
-  Unindex(node);
+  auto entry = Unindex(node);
   node->start = at;
-  Index(node);
+  Index(node, std::move(entry));
   // The page holding byte at*R now belongs to both halves (a hole in both).
   if (lower_first == upper_last && upper->pages.back() != kNoChunk) pool_->Ref(upper->pages.back());
   if (lower_first == upper_last && upper->on_host && upper->host_pages.back() != kNoBlock)
@@ -134,12 +145,10 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   CountNode(*node, true);
 
   PrefixNode* parent = node->parent;
-  auto& slot = parent->children[upper->tokens.front()];
-  std::unique_ptr<PrefixNode> lower = std::move(slot);
-  lower->parent = upper.get();
-  upper->children.emplace(lower->tokens.front(), std::move(lower));
+  auto& slot = parent->children.find(upper->tokens.front())->second;
+  node->parent = upper.get();
+  upper->children.begin()->second = std::move(slot);
   slot = std::move(upper);
-  Index(slot.get());  // once linked: the index never holds a node the tree does not
   return slot.get();
 }
 
@@ -190,10 +199,10 @@ PrefixNode* PrefixTree::Unsplit(PrefixNode* upper) {
   lower->first_page = upper->first_page;
   CountNode(*lower, true);
   Unindex(upper);
-  Unindex(lower);
+  auto entry = Unindex(lower);
   lower->start = upper->start;
   lower->last_access = upper->last_access;  // >= lower's own, <= its parent's
-  Index(lower);
+  Index(lower, std::move(entry));
   CountAccount(upper->tier_account, false);
   // upper->closed equals lower->closed (its one child): no count above changes.
   PrefixNode* parent = upper->parent;
@@ -221,7 +230,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   for (PrefixNode* m = node; tier_ != nullptr && m != &root_; m = m->parent) {
     if (!m->on_host) continue;
     if (m->first_page + m->pages.size() > adopt_end || !Adoptable(m, pages, end_page)) continue;
-    Unindex(m);
+    auto entry = Unindex(m);
     for (std::size_t i = 0; i < m->pages.size(); ++i) {
       m->pages[i] = pages[m->first_page + i];
       if (m->pages[i] != kNoChunk) pool_->Ref(m->pages[i]);
@@ -229,7 +238,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     }
     m->host_pages.clear();
     m->on_host = false;
-    Index(m);
+    Index(m, std::move(entry));
     Reclose(m);
   }
   // Union: the holes of the path's nodes on the device take the recorder's
@@ -253,14 +262,26 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     leaf->tier_account = tier_account;
     for (std::size_t p = leaf->first_page; p < end_page; ++p)
       leaf->pages.push_back(p < pages.size() ? pages[p] : kNoChunk);
-    CountAccount(tier_account, true);  // may throw: the last step before the leaf takes references
-    for (ChunkId c : leaf->pages)
-      if (c != kNoChunk) pool_->Ref(c);
     leaf->parent = node;
     leaf->last_access = tick;
     PrefixNode* raw = leaf.get();
-    node->children.emplace(leaf->tokens.front(), std::move(leaf));
-    Index(raw);
+    // What may fail (allocate) comes before the leaf takes references: its
+    // account count, its LRU entry, its parent's entry for it.
+    CountAccount(tier_account, true);
+    try {
+      Index(raw);
+      try {
+        node->children.emplace(raw->tokens.front(), std::move(leaf));
+      } catch (...) {
+        Unindex(raw);
+        throw;
+      }
+    } catch (...) {
+      CountAccount(tier_account, false);
+      throw;
+    }
+    for (ChunkId c : raw->pages)
+      if (c != kNoChunk) pool_->Ref(c);
     CountNode(*raw, true);
     ChildLinked(node, raw, true);
     node = raw;
@@ -301,9 +322,9 @@ std::size_t PrefixTree::HostPagesOnPath(const TreePosition& pos) const {
 void PrefixTree::Touch(PrefixNode* node, std::uint64_t tick) {
   for (PrefixNode* n = node; n != &root_; n = n->parent) {
     if (n->last_access == tick) continue;
-    Unindex(n);
+    auto entry = Unindex(n);
     n->last_access = tick;
-    Index(n);
+    Index(n, std::move(entry));
   }
   root_.last_access = tick;
 }
@@ -446,9 +467,9 @@ void PrefixTree::DropHostAndBelow(PrefixNode* node) {
   for (BlockId b : node->host_pages)
     if (b != kNoBlock) tier_->Unref(b);
   node->host_pages.clear();
-  Unindex(node);
+  auto entry = Unindex(node);
   node->on_host = false;
-  Index(node);
+  Index(node, std::move(entry));
   Reclose(node);
 }
 
@@ -461,9 +482,9 @@ std::size_t PrefixTree::Spill(PrefixNode* node, const std::vector<BlockId>& bloc
     c = kNoChunk;
   }
   node->host_pages = blocks;
-  Unindex(node);
+  auto entry = Unindex(node);
   node->on_host = true;
-  Index(node);
+  Index(node, std::move(entry));
   Reclose(node);
   return freed;
 }
@@ -475,9 +496,9 @@ void PrefixTree::Restore(PrefixNode* node, const std::vector<ChunkId>& chunks) {
   for (BlockId b : node->host_pages)
     if (b != kNoBlock) tier_->Unref(b);
   node->host_pages.clear();
-  Unindex(node);
+  auto entry = Unindex(node);
   node->on_host = false;
-  Index(node);
+  Index(node, std::move(entry));
   Reclose(node);
 }
 

@@ -290,9 +290,15 @@ class PrefixTree {
   }
   PrefixNode* Split(PrefixNode* node, std::size_t at);
   // Every change to a node's last_access, start or on_host goes between
-  // Unindex and Index.
+  // Unindex, which takes the node's entry out of its list, and Index(node,
+  // entry), which puts that entry back, into the list of its tier now: a
+  // change allocates nothing, so it cannot fail halfway. Index(node) makes
+  // a node's entry (it may throw bad_alloc), for a node new to the tree.
+  LruIndex::node_type Unindex(PrefixNode* node) { return (node->on_host ? host_lru_ : device_lru_).extract(node); }
+  void Index(PrefixNode* node, LruIndex::node_type entry) {
+    (node->on_host ? host_lru_ : device_lru_).insert(std::move(entry));
+  }
   void Index(PrefixNode* node) { (node->on_host ? host_lru_ : device_lru_).insert(node); }
-  void Unindex(PrefixNode* node) { (node->on_host ? host_lru_ : device_lru_).erase(node); }
   // After node->on_host or the closed flag of a child changed: updates
   // node->closed and, while that flips, the counts of the nodes above (a
   // spill stops at the parent, on the device).

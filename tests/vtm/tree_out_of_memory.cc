@@ -1,0 +1,114 @@
+// The prefix tree when an allocation fails (tests/vtm/test_tree_out_of_memory.py).
+//
+// operator new here fails on the k-th allocation after it is armed. Each
+// scenario runs a tree operation with k = 0, 1, 2, ... until it succeeds,
+// and after every failure checks that the tree is whole: CheckIndex (the
+// LRU lists, the closed counts, the index's sizes) and every chunk's
+// references (one held here, plus one per node that keeps it). The
+// operation may have done part of its work (an Insert that split a node
+// before its leaf failed), but never half of one step.
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "error.h"
+#include "pool.h"
+#include "prefix_tree.h"
+
+namespace {
+long allocations_until_failure = -1;  // -1: none fails
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (allocations_until_failure >= 0 && allocations_until_failure-- == 0) throw std::bad_alloc();
+  if (void* p = std::malloc(n != 0 ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+using vtm::ChunkId;
+
+constexpr std::size_t kPage = std::size_t{64} << 10;
+constexpr std::size_t kRow = kPage / 4;  // four rows a page; splits fall inside pages
+
+bool Whole(const vtm::PrefixTree& tree, const vtm::Pool& pool, const std::vector<ChunkId>& chunks,
+           const std::string& what) {
+  try {
+    tree.CheckIndex();
+  } catch (const vtm::Error& e) {
+    std::printf("%s: %s\n", what.c_str(), e.what());
+    return false;
+  }
+  for (ChunkId c : chunks) {
+    int held = 1;
+    tree.ForEach([&](const vtm::PrefixNode& n) {
+      for (ChunkId page : n.pages) held += page == c ? 1 : 0;
+    });
+    if (pool.refs(c) != held) {
+      std::printf("%s: chunk %u has %d references, the tree and this test hold %d\n", what.c_str(), c,
+                  pool.refs(c), held);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Runs op() with the k-th allocation failing, k = 0, 1, ..., until it
+// succeeds; false (after a message) when a failure left the tree broken.
+template <class Op>
+bool EveryFailure(const char* name, const vtm::PrefixTree& tree, const vtm::Pool& pool,
+                  const std::vector<ChunkId>& chunks, Op op) {
+  for (long k = 0;; ++k) {
+    allocations_until_failure = k;
+    try {
+      op();
+      allocations_until_failure = -1;
+      std::printf("%s: succeeded after %ld failures\n", name, k);
+      return Whole(tree, pool, chunks, std::string(name) + " after success");
+    } catch (const std::bad_alloc&) {
+      allocations_until_failure = -1;
+      if (!Whole(tree, pool, chunks, std::string(name) + " failing allocation " + std::to_string(k))) return false;
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  auto backend = vtm::MakeHostBackend(kPage);
+  vtm::Pool pool(backend, 16);
+  std::vector<ChunkId> chunks;
+  for (int i = 0; i < 5; ++i) chunks.push_back(pool.Adopt(backend->create_chunk(kPage), 1));
+  vtm::PrefixTree tree(kRow, kPage, 0, &pool);
+  std::uint64_t tick = 0;
+  const std::vector<std::int32_t> first(16, 1);
+  std::vector<std::int32_t> branch(first.begin(), first.begin() + 6);  // diverges inside page 1: a split
+  branch.insert(branch.end(), {2, 2});
+  std::vector<std::int32_t> longer(first);
+  longer.push_back(3);  // a leaf below the first path's node, in a fifth page
+
+  bool ok = EveryFailure("a new path", tree, pool, chunks,
+                         [&] { tree.Insert(first.data(), first.size(), chunks, ++tick); });
+  ok = ok && EveryFailure("a path that splits a node", tree, pool, chunks,
+                          [&] { tree.Insert(branch.data(), branch.size(), chunks, ++tick); });
+  ok = ok && EveryFailure("a leaf below a node", tree, pool, chunks,
+                          [&] { tree.Insert(longer.data(), longer.size(), chunks, ++tick); });
+  // The split's upper half, merged back with its lower half once the branch is gone.
+  const vtm::TreePosition split = tree.Find(branch.data(), 6);
+  vtm::PrefixNode* upper = split.node;
+  const vtm::TreePosition at_branch = tree.Find(branch.data(), branch.size());
+  ok = ok && upper->end() == 6 && at_branch.node->children.empty();
+  if (ok) tree.EvictLeaf(at_branch.node);
+  ok = ok && EveryFailure("merging halves", tree, pool, chunks, [&] {
+    if (tree.Unsplit(upper) == nullptr) throw std::logic_error("the halves did not merge");
+  });
+  std::printf(ok ? "whole after every failure\n" : "BROKEN\n");
+  return ok ? 0 : 1;
+}
