@@ -13,6 +13,7 @@ multimodal tower) is refused when the config is built, never silently ignored.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -99,6 +100,13 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 raise ModelLoadError(f"{name} must be a positive number or absent, got {value!r}")
+        # An infinite base rotates nothing (no position information), a zero or
+        # negative one (or factor) rotates by NaN; a NaN or negative epsilon
+        # turns every norm's output into NaN.
+        if not _positive_finite(self.rope_theta):
+            raise ModelLoadError(f"rope_theta must be a positive finite number, got {self.rope_theta!r}")
+        if not (_is_number(self.rms_norm_eps) and 0 <= self.rms_norm_eps < math.inf):
+            raise ModelLoadError(f"rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type")
             if kind not in SUPPORTED_ROPE_TYPES:
@@ -107,6 +115,9 @@ class ModelConfig:
             missing = [k for k in _REQUIRED_ROPE_KEYS[kind] if k not in self.rope_scaling]
             if missing:
                 raise ModelLoadError(f"rope scaling {kind!r} lacks {', '.join(missing)}")
+            if not _positive_finite(self.rope_scaling["factor"]):
+                raise ModelLoadError(f"rope scaling factor must be a positive finite number, "
+                                     f"got {self.rope_scaling['factor']!r}")
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -190,6 +201,14 @@ class ModelConfig:
         """Bytes of K and V for one token across `layers` layers (all layers by default)."""
         layers = self.num_hidden_layers if layers is None else layers
         return layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_finite(value: Any) -> bool:
+    return _is_number(value) and 0 < value < math.inf  # False for NaN too
 
 
 def token_id_tuple(value: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
