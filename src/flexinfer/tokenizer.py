@@ -8,9 +8,10 @@ either from a Hugging Face tokenizer.json or from the metadata of a GGUF file.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
@@ -47,6 +48,9 @@ _GGUF_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
 }
 # Llama 3's tokenizer looks a whole pre-token up in the vocabulary before merging.
 _GGUF_IGNORE_MERGES = {"llama-bpe"}
+# The special tokens' ids a GGUF file may give (the ones read here).
+_GGUF_TOKEN_ID_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                       "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id")
 
 
 class Tokenizer:
@@ -69,10 +73,8 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{path}: missing (only fast tokenizers, tokenizer.json, are supported)")
-        try:
+        with _backend_errors(str(path)):
             backend = BackendTokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust library reports every parse failure as a bare Exception
-            raise ModelLoadError(f"{path}: malformed tokenizer: {exc}") from exc
 
         config_path = folder / "tokenizer_config.json"
         tok_config: dict[str, Any] = {}
@@ -104,13 +106,14 @@ class Tokenizer:
         if kind not in ("gpt2", "llama"):
             raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} "
                                  "(supported: byte-level BPE 'gpt2', SentencePiece 'llama')")
-        try:
-            tokens = list(metadata["tokenizer.ggml.tokens"])
-        except KeyError as exc:
-            raise ModelLoadError(f"{source}: GGUF metadata lacks {exc.args[0]}") from None
-        token_types = list(metadata.get("tokenizer.ggml.token_type", ()))
+        tokens = _gguf_list(metadata, "tokenizer.ggml.tokens", str, source)
+        token_types = _gguf_list(metadata, "tokenizer.ggml.token_type", int, source, default=[])
         if token_types and len(token_types) != len(tokens):
             raise ModelLoadError(f"{source}: {len(token_types)} token types for {len(tokens)} tokens")
+        for key in _GGUF_TOKEN_ID_KEYS:
+            value = metadata.get(key)
+            if value is not None and not (_is_int(value) and 0 <= value < len(tokens)):
+                raise ModelLoadError(f"{source}: {key} is {value!r}, not one of the {len(tokens)} tokens' ids")
         backend = (_byte_level_bpe(metadata, tokens, source) if kind == "gpt2"
                    else _sentencepiece(metadata, tokens, token_types, source))
         # Control and unknown tokens are special (matched whole, dropped by
@@ -200,14 +203,18 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: str)
     if pre not in _GGUF_PRE_TOKENIZERS:
         raise ModelLoadError(f"{source}: unsupported GGUF pre-tokenizer {pre!r} "
                              f"(supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))})")
-    if "tokenizer.ggml.merges" not in metadata:
-        raise ModelLoadError(f"{source}: GGUF metadata lacks tokenizer.ggml.merges")
-    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-    if any(len(m) != 2 for m in merges):
-        raise ModelLoadError(f"{source}: malformed entry in tokenizer.ggml.merges")
     vocab = {token: index for index, token in enumerate(tokens)}
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                                          ignore_merges=pre in _GGUF_IGNORE_MERGES))
+    merges = []
+    for merge in _gguf_list(metadata, "tokenizer.ggml.merges", str, source):
+        pair = tuple(merge.split(" ", 1))
+        # The backend refuses a merge of unknown tokens, and panics on one whose result is unknown.
+        if len(pair) != 2 or not (pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab):
+            raise ModelLoadError(f"{source}: tokenizer.ggml.merges entry {merge!r} is not two tokens of the "
+                                 "vocabulary that merge into a third")
+        merges.append(pair)
+    with _backend_errors(source):
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                              ignore_merges=pre in _GGUF_IGNORE_MERGES))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _GGUF_PRE_TOKENIZERS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -226,9 +233,7 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], token_types: 
     vocabulary becomes its UTF-8 bytes' <0xNN> tokens. A BPE model whose merges
     are every split of every token into two tokens, ranked by that token's
     score, makes the same choices. The text is never split into words."""
-    if "tokenizer.ggml.scores" not in metadata:
-        raise ModelLoadError(f"{source}: GGUF metadata lacks tokenizer.ggml.scores")
-    scores = list(metadata["tokenizer.ggml.scores"])
+    scores = _gguf_list(metadata, "tokenizer.ggml.scores", (int, float), source)
     if len(scores) != len(tokens):
         raise ModelLoadError(f"{source}: {len(scores)} token scores for {len(tokens)} tokens")
     if metadata.get("tokenizer.ggml.precompiled_charsmap"):
@@ -238,9 +243,10 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], token_types: 
     ranked = sorted(((-scores[i], i, token[:cut], token[cut:]) for i in mergeable if len(token := tokens[i]) > 1
                      for cut in range(1, len(token)) if token[:cut] in vocab and token[cut:] in vocab))
     unknown_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    backend = BackendTokenizer(models.BPE(
-        vocab=vocab, merges=[(left, right) for _, _, left, right in ranked], byte_fallback=True, fuse_unk=True,
-        unk_token=tokens[unknown_id] if unknown_id is not None else None))
+    with _backend_errors(source):
+        backend = BackendTokenizer(models.BPE(
+            vocab=vocab, merges=[(left, right) for _, _, left, right in ranked], byte_fallback=True, fuse_unk=True,
+            unk_token=tokens[unknown_id] if unknown_id is not None else None))
     add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     # A normaliser runs on each stretch of text between special tokens, so
     # the prefix follows every special token too, as llama.cpp's does.
@@ -250,6 +256,41 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], token_types: 
         [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     return backend
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _gguf_list(metadata: Mapping[str, Any], key: str, kind: type | tuple[type, ...], source: str,
+               default: list | None = None) -> list:
+    """metadata[key] (or `default` where absent), refused unless a list of
+    `kind` (bools aside: GGUF keeps them apart from numbers)."""
+    value = metadata.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"{source}: GGUF metadata lacks {key}")
+    if not isinstance(value, list):
+        raise ModelLoadError(f"{source}: {key} must be an array, got {value!r:.60}")
+    for index, item in enumerate(value):
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise ModelLoadError(f"{source}: {key}[{index}] is {item!r:.60}, not of the array's type")
+    return value
+
+
+@contextmanager
+def _backend_errors(source: str) -> Iterator[None]:
+    """The tokenizers library reports a malformed vocabulary as a bare
+    Exception, and some as a Rust panic (pyo3_runtime.PanicException, a
+    BaseException, which `except Exception` lets through): either is the
+    file's fault, a ModelLoadError."""
+    try:
+        yield
+    except Exception as exc:
+        raise ModelLoadError(f"{source}: malformed tokenizer: {exc}") from exc
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ModelLoadError(f"{source}: malformed tokenizer: {exc}") from exc
 
 
 def _raise_exception(message: str) -> None:

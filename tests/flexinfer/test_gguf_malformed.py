@@ -13,7 +13,8 @@ gguf = pytest.importorskip("gguf")
 from flexinfer.errors import ModelLoadError  # noqa: E402
 from flexinfer.model.config import ModelConfig  # noqa: E402
 from flexinfer.model.loader import load_config, load_model, load_tokenizer  # noqa: E402
-from gguf_testing import write_tiny_llama  # noqa: E402
+from flexinfer.tokenizer import Tokenizer  # noqa: E402
+from gguf_testing import byte_level_metadata, write_tiny_llama  # noqa: E402
 
 
 def _every_loader(path, match: str) -> None:
@@ -55,3 +56,54 @@ def test_rope_and_norm_floats_must_be_finite(extra, message):
 def test_a_gguf_rope_base_must_be_finite(tmp_path):
     path = write_tiny_llama(tmp_path / "rope.gguf", {"llama.rope.freq_base": float("inf")})
     _every_loader(path, f"{path}: rope_theta must be a positive finite number, got inf")
+
+
+# ----------------------------------------------------------------------------- tokenizer metadata
+
+def _byte_level(**changes):
+    metadata = {**byte_level_metadata("smollm", ["ĠĠ"], ["Ġ Ġ"]), "tokenizer.ggml.eos_token_id": 256}
+    return {**metadata, **{f"tokenizer.ggml.{k}": v for k, v in changes.items()}}
+
+
+def _sentencepiece(**changes):
+    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "▁", "a", "▁a"],
+                "tokenizer.ggml.scores": [0.0, -1.0, -2.0, -3.0], "tokenizer.ggml.token_type": [2, 1, 1, 1],
+                "tokenizer.ggml.unknown_token_id": 0}
+    return {**metadata, **{f"tokenizer.ggml.{k}": v for k, v in changes.items()}}
+
+
+@pytest.mark.parametrize("metadata, message", [
+    (_byte_level(bos_token_id=10**6, add_bos_token=True), "bos_token_id is 1000000, not one of the 257"),  # IndexError
+    (_byte_level(bos_token_id=-1, add_bos_token=True), "bos_token_id is -1, not one"),  # silently the last token
+    (_byte_level(eos_token_id=10**6), "eos_token_id is 1000000, not one"),  # the model would never stop
+    (_byte_level(eot_token_id=True), "eot_token_id is True, not one"),
+    (_sentencepiece(unknown_token_id=4), "unknown_token_id is 4, not one of the 4"),  # IndexError
+    (_byte_level(merges=[1, 2]), r"tokenizer.ggml.merges\[0\] is 1, not of the array's type"),  # AttributeError
+    (_byte_level(merges=["zz qq"]), "merges entry 'zz qq' is not two tokens of the vocabulary"),  # bare Exception
+    # A Rust panic (pyo3_runtime.PanicException, a BaseException):
+    (_byte_level(merges=["Ġ Ġ"], tokens=byte_level_metadata("smollm", [], [])["tokenizer.ggml.tokens"],
+                 token_type=[1] * 256, eos_token_id=255), "merges entry 'Ġ Ġ' is not two tokens of the vocabulary"),
+    (_byte_level(tokens=[[t] for t in _byte_level()["tokenizer.ggml.tokens"]]),
+     r"tokenizer.ggml.tokens\[0\] is \['Ā'\], not of the array's type"),  # TypeError
+    (_byte_level(tokens="abc"), "tokenizer.ggml.tokens must be an array, got 'abc'"),
+    (_byte_level(token_type=["1"] * 257), r"token_type\[0\] is '1', not of the array's type"),
+    (_sentencepiece(scores=["x"] * 4), r"tokenizer.ggml.scores\[0\] is 'x', not of the array's type"),  # TypeError
+])
+def test_tokenizer_metadata_is_checked(metadata, message):
+    with pytest.raises(ModelLoadError, match=f"t.gguf: .*{message}"):
+        Tokenizer.from_gguf_metadata(metadata, "t.gguf")
+
+
+def test_a_panic_of_the_tokenizers_library_is_a_load_error(monkeypatch):
+    """Whatever the checks miss and makes the Rust library panic is still the
+    file's fault: a ModelLoadError, not a BaseException past every handler."""
+    from flexinfer import tokenizer
+
+    PanicException = type("PanicException", (BaseException,), {})  # pyo3_runtime's is not importable
+
+    def panics(*args, **kwargs):
+        raise PanicException("range end index 4 out of range for slice of length 2")
+
+    monkeypatch.setattr(tokenizer.models, "BPE", panics)
+    with pytest.raises(ModelLoadError, match="t.gguf: malformed tokenizer: range end index 4"):
+        Tokenizer.from_gguf_metadata(_byte_level(), "t.gguf")
