@@ -88,3 +88,13 @@ def _gguf_type(value):
     if isinstance(value, (str, bytes)):
         return GGUFValueType.STRING
     return GGUFValueType.ARRAY
+
+
+def set_tensor_offset(path, name: str, offset: int) -> None:
+    """Point tensor `name`'s data at `offset` (from the start of the data section), in place."""
+    import gguf
+
+    reader = gguf.GGUFReader(path, "r+")
+    tensor = next(t for t in reader.tensors if t.name == name)
+    tensor.field.parts[-1][0] = offset  # the parts are views of the mapped file
+    reader.data.flush()

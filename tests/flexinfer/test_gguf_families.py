@@ -434,18 +434,21 @@ def test_gemma_defaults_are_llama_cpps():
     6 with a local RoPE base of 10000."""
     from flexinfer.model.loader import _gguf_config_from_metadata
 
-    tensors = {"token_embd.weight"}
-    g2 = _gguf_config_from_metadata(_gemma_metadata("gemma2", 46), tensors)
+    def tensors(layers):  # block_count must count the layers the tensors hold
+        return {"token_embd.weight", *(f"blk.{i}.attn_norm.weight" for i in range(layers))}
+
+    g2 = _gguf_config_from_metadata(_gemma_metadata("gemma2", 46), tensors(46))
     assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.sliding_window) == (50.0, 30.0, 4096)
     assert g2.query_pre_attn_scalar == 144.0 and g2.layer_types[:3] == (SLIDING, FULL, SLIDING)
     assert g2.tie_word_embeddings and g2.hidden_act == "gelu_pytorch_tanh"
-    assert _gguf_config_from_metadata(_gemma_metadata("gemma2", 42), tensors).query_pre_attn_scalar == 128.0
-    g3 = _gguf_config_from_metadata(_gemma_metadata("gemma3", 62, **{"attention.sliding_window": 1024}), tensors)
+    assert _gguf_config_from_metadata(_gemma_metadata("gemma2", 42), tensors(42)).query_pre_attn_scalar == 128.0
+    g3 = _gguf_config_from_metadata(_gemma_metadata("gemma3", 62, **{"attention.sliding_window": 1024}),
+                                    tensors(62))
     assert g3.query_pre_attn_scalar == 144.0 and g3.rope_local_theta == 10000.0
     assert g3.layer_types[:12] == (SLIDING,) * 5 + (FULL,) + (SLIDING,) * 5 + (FULL,)
     assert (g3.attn_logit_softcapping, g3.final_logit_softcapping) == (None, None)
     # Without a window Gemma 3's layers are all full (llama.cpp: swa_type NONE).
-    g3_full = _gguf_config_from_metadata(_gemma_metadata("gemma3", 26), tensors)
+    g3_full = _gguf_config_from_metadata(_gemma_metadata("gemma3", 26), tensors(26))
     assert g3_full.layer_types == () and g3_full.rope_local_theta is None and g3_full.query_pre_attn_scalar == 128.0
 
 

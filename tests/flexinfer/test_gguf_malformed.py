@@ -5,6 +5,9 @@ each file is the tiny valid Llama of gguf_testing.py with one thing changed."""
 
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import pytest
 import torch
 
@@ -14,14 +17,29 @@ from flexinfer.errors import ModelLoadError  # noqa: E402
 from flexinfer.model.config import ModelConfig  # noqa: E402
 from flexinfer.model.loader import load_config, load_model, load_tokenizer  # noqa: E402
 from flexinfer.tokenizer import Tokenizer  # noqa: E402
-from gguf_testing import byte_level_metadata, write_tiny_llama  # noqa: E402
+from gguf_testing import byte_level_metadata, set_tensor_offset, write_tiny_llama  # noqa: E402
+
+# GGUF value types, as the file stores them (gguf.GGUFValueType).
+UINT8, UINT32, ARRAY = 0, 4, 9
 
 
-def _every_loader(path, match: str) -> None:
-    """load_config, load_tokenizer and load_model each refuse the file."""
-    for load in (load_config, load_tokenizer, lambda p: load_model(p, torch.float32)):
+def _every_loader(path, match: str, model_first: bool = False) -> None:
+    """load_config, load_tokenizer and load_model each refuse the file (load_model
+    first where its defect was its own, and the others' could hide it)."""
+    loads = [load_config, load_tokenizer, lambda p: load_model(p, torch.float32)]
+    for load in loads[-1:] + loads[:-1] if model_first else loads:
         with pytest.raises(ModelLoadError, match=match):
             load(str(path))
+
+
+def _rewrite(path, old: bytes, new: bytes) -> None:
+    data = path.read_bytes()
+    assert data.count(old) == 1
+    path.write_bytes(data.replace(old, new))
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
 
 
 def test_the_tiny_file_loads(tmp_path):
@@ -29,7 +47,73 @@ def test_the_tiny_file_loads(tmp_path):
     assert loaded.config.num_hidden_layers == 2 and loaded.tokenizer.eos_token_ids == (256,)
 
 
+# ----------------------------------------------------------------------------- counts and structure
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_block_count_must_count_the_layers_in_the_tensors(tmp_path, window):
+    """Lists per layer were sized by the declared count before anything read
+    it: 2**62 layers over two layers' tensors was a MemoryError (with a
+    window) or a loop of 2**62 steps."""
+    path = write_tiny_llama(tmp_path / "layers.gguf", {"llama.block_count": 2**62,
+                                                       "llama.attention.sliding_window": window})
+    _every_loader(path, f"{path}: llama.block_count is {2**62}, but the tensors hold 2 layers")
+
+
+@pytest.mark.parametrize("count", [2**40, 2**63])
+def test_an_array_count_past_the_end_of_the_file_is_refused_before_gguf_reads_it(tmp_path, monkeypatch, count):
+    """np.frombuffer raised OverflowError at 2**63; gguf's reader, given the
+    file unchecked, looped 2**40 times growing memory."""
+    path = write_tiny_llama(tmp_path / "count.gguf", {"test.array": [1, 2, 3]})
+    _rewrite(path, _key("test.array") + struct.pack("<IIQ", ARRAY, UINT32, 3),
+             _key("test.array") + struct.pack("<IIQ", ARRAY, UINT32, count))
+
+    def reader_of_unchecked_files(*args, **kwargs):
+        raise AssertionError("gguf's reader was given a file the loader had not checked")
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader_of_unchecked_files)
+    _every_loader(path, f"{path}: .*test.array: an array of {count} items runs past the end of the file",
+                  model_first=True)
+
+
+def test_arrays_nested_50000_deep_are_refused(tmp_path):
+    """The header parser recursed once per level: a RecursionError."""
+    path = write_tiny_llama(tmp_path / "nested.gguf", {"test.nested": b"x"})
+    nested = struct.pack("<IQ", ARRAY, 1) * 50_000 + struct.pack("<IQ", UINT8, 0)
+    _rewrite(path, _key("test.nested") + struct.pack("<I", 8) + _key("x"),
+             _key("test.nested") + struct.pack("<I", ARRAY) + nested)
+    _every_loader(path, f"{path}: .*test.nested: arrays nested more than 8 deep")
+
+
+def test_keys_appear_once_and_the_alignment_is_a_power_of_two(tmp_path):
+    """gguf's reader refused these and the header parser did not, so a
+    config or tokenizer loaded from a file whose weights could not."""
+    path = write_tiny_llama(tmp_path / "twice.gguf", {"test.first": 1, "test.other": 1})
+    _rewrite(path, _key("test.other"), _key("test.first"))
+    _every_loader(path, f"{path}: .*metadata key test.first appears twice")
+    for alignment in (0, 48):
+        path = write_tiny_llama(tmp_path / f"align{alignment}.gguf", {"general.alignment": 32})
+        _rewrite(path, _key("general.alignment") + struct.pack("<II", UINT32, 32),
+                 _key("general.alignment") + struct.pack("<II", UINT32, alignment))
+        _every_loader(path, f"{path}: .*general.alignment must be a power of two, got {alignment}")
+
+
+def test_a_string_that_is_not_utf8_is_a_load_error(tmp_path):
+    """load_model let gguf's reader decode it: a UnicodeDecodeError."""
+    path = write_tiny_llama(tmp_path / "latin1.gguf", {"general.name": b"caf\xe9"})
+    _every_loader(path, f"{path}: .*general.name: 'utf-8' codec can't decode byte 0xe9", model_first=True)
+
+
 # ----------------------------------------------------------------------------- hyper-parameters
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.attention.head_count", 0, "llama.attention.head_count must be positive, got 0"),  # ZeroDivisionError
+    ("llama.embedding_length", float("inf"), "llama.embedding_length must be an integer, got inf"),  # OverflowError
+    ("llama.attention.head_count", float("nan"), "llama.attention.head_count must be an integer, got nan"),
+])
+def test_header_values_that_break_arithmetic(tmp_path, key, value, message):
+    path = write_tiny_llama(tmp_path / "value.gguf", {key: value})
+    _every_loader(path, f"{path}: {message}")
+
 
 _HF_BASE = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
@@ -56,6 +140,13 @@ def test_rope_and_norm_floats_must_be_finite(extra, message):
 def test_a_gguf_rope_base_must_be_finite(tmp_path):
     path = write_tiny_llama(tmp_path / "rope.gguf", {"llama.rope.freq_base": float("inf")})
     _every_loader(path, f"{path}: rope_theta must be a positive finite number, got inf")
+
+
+def test_more_tokens_than_embedding_rows_are_refused(tmp_path):
+    """The tokenizer could produce ids the embedding has no row for."""
+    metadata = byte_level_metadata("smollm", ["ĠĠ", "extra"], ["Ġ Ġ"])
+    path = write_tiny_llama(tmp_path / "tokens.gguf", {**metadata, "llama.vocab_size": 257})
+    _every_loader(path, f"{path}: tokenizer.ggml.tokens lists 258 tokens, more than llama.vocab_size 257")
 
 
 # ----------------------------------------------------------------------------- tokenizer metadata
@@ -107,3 +198,35 @@ def test_a_panic_of_the_tokenizers_library_is_a_load_error(monkeypatch):
     monkeypatch.setattr(tokenizer.models, "BPE", panics)
     with pytest.raises(ModelLoadError, match="t.gguf: malformed tokenizer: range end index 4"):
         Tokenizer.from_gguf_metadata(_byte_level(), "t.gguf")
+
+
+# ----------------------------------------------------------------------------- tensors
+
+@pytest.mark.parametrize("name, shape, message", [
+    ("blk.0", (4,), "unexpected tensor blk.0 for a llama model"),  # ValueError: not enough values to unpack
+    ("blk.1.attn_q.bias", (16,), "unexpected tensor blk.1.attn_q.bias"),  # KeyError: only in layer 1
+    ("blk.00.attn_q.weight", (16, 16), "unexpected tensor blk.00.attn_q.weight"),  # KeyError
+    ("blk.٠.attn_q.weight", (16, 16), "unexpected tensor blk.٠.attn_q.weight"),  # an Arabic-Indic zero
+    ("blk.0.attn_q.weight", (15, 16), r"tensor blk.0.attn_q.weight has shape \(15, 16\), the config implies "
+                                      r"\(16, 16\)"),  # ValueError: cannot reshape (unpermuting whole heads)
+])
+def test_tensor_names_and_shapes_are_checked_before_use(tmp_path, name, shape, message):
+    path = write_tiny_llama(tmp_path / "tensor.gguf", tensors={name: np.zeros(shape, np.float32)})
+    with pytest.raises(ModelLoadError, match=f"{path}: {message}"):
+        load_model(str(path), torch.float32)
+
+
+@pytest.mark.parametrize("name, offset, message", [
+    ("token_embd.weight", 2**64 - 1, "data offset 18446744073709551615 is not a multiple of the alignment"),
+    ("output_norm.weight", 4, "output_norm.weight's data offset 4 is not a multiple of the alignment 32"),
+    ("output_norm.weight", 0, r"tensors output_norm.weight and token_embd.weight share bytes \d+ to \d+"),
+    ("output_norm.weight", 2**40, r"output_norm.weight's data \(bytes .*\) runs past the end of the file"),
+])
+def test_tensor_data_lies_inside_the_file_aligned_and_apart(tmp_path, name, offset, message):
+    """gguf's reader added offsets in uint64 (2**64 - 1 wrapped around into
+    the header) and took misaligned and overlapping data as it found it: the
+    model loaded garbage."""
+    path = write_tiny_llama(tmp_path / "offsets.gguf")
+    set_tensor_offset(path, name, offset)
+    with pytest.raises(ModelLoadError, match=f"{path}: .*{message}"):
+        load_model(str(path), torch.float32)

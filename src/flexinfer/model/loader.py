@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import mmap
+import re
 import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -87,8 +89,8 @@ def load_tokenizer(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
     if path.is_dir():
         config = _hf_config(path)
         return config, Tokenizer.from_hf_folder(path, config.eos_token_ids)
-    metadata, tensor_names = _read_gguf_header(path)
-    return _gguf_config(path, metadata, tensor_names), Tokenizer.from_gguf_metadata(metadata, str(path))
+    metadata, tensors = _read_gguf_header(path)
+    return _gguf_config(path, metadata, tensors), Tokenizer.from_gguf_metadata(metadata, str(path))
 
 
 def _resolve(name_or_path: str) -> Path:
@@ -223,6 +225,11 @@ _GGUF_ARCH_LAYER_TENSORS = {
     "gemma3": _GEMMA_LAYER_TENSORS,
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
+# Phi-3's fused projections (its attn_qkv and ffn_up above).
+_GGUF_FUSED = frozenset({"self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"})
+# A layer's tensor: "blk.{i}.{rest}", i in canonical ASCII decimal (so that one
+# layer has one name: not "blk.01", not other scripts' digits).
+_GGUF_LAYER_NAME = re.compile(r"blk\.(0|[1-9][0-9]*)\.(.+)", re.DOTALL)
 _GGUF_GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -264,23 +271,33 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
 
     # The bar starts before the reader, whose own seconds count towards its delay.
     with progress("reading weights", "tensor") as bar:
+        # Our own reading of the header first: gguf's reader trusts the counts and
+        # offsets it reads (an array of 2**40 items is a loop of 2**40 steps, an
+        # offset near 2**64 wraps around into the header), and the metadata it
+        # would give is the same (see _read_gguf_header).
+        metadata, tensor_infos = _read_gguf_header(path)
+        _check_tensor_extents(path, tensor_infos, path.stat().st_size)
+        config = _gguf_config(path, metadata, tensor_infos)
+        tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
         try:
             reader = gguf.GGUFReader(path)
         except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:
-            # The reader maps the file and checks every size, so a truncated file fails here.
             raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt): {exc}") from exc
-        metadata = {name: field.contents() for name, field in reader.fields.items()}
         tensors = {t.name: t for t in reader.tensors}
         bar.total = len(tensors)
-        config = _gguf_config(path, metadata, tensors)
-        tokenizer = Tokenizer.from_gguf_metadata(metadata, str(path))
 
         arch = metadata["general.architecture"]
+        expected = _expected_shapes(config)
         weights: dict[str, torch.Tensor] = {}
         for gguf_name, tensor in tensors.items():
-            name = _hf_name_from_gguf(path, arch, gguf_name, config)
+            name = _hf_name_from_gguf(path, arch, gguf_name, config, expected)
             # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
             shape = tuple(int(n) for n in reversed(tensor.shape))
+            # Checked before the rows are unpermuted, which needs whole heads
+            # (Phi-3's fused tensors are checked as they are split).
+            if name in expected and shape != expected[name]:
+                raise ModelLoadError(f"{path}: tensor {gguf_name} has shape {shape}, the config implies "
+                                     f"{expected[name]}")
             try:
                 array = dequantize(tensor.data, tensor.tensor_type)
             except NotImplementedError:
@@ -305,25 +322,44 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
 
 # GGUF value types (gguf.GGUFValueType): scalars by struct format; 8 is a string, 9 an array.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_UINT32, _GGUF_STRING, _GGUF_ARRAY = 4, 8, 9
 _GGUF_MAGIC, _GGUF_VERSIONS = b"GGUF", (2, 3)
+_GGUF_DEFAULT_ALIGNMENT = 32  # of tensor data, where general.alignment is absent
+# Arrays of arrays nested deeper are refused: llama.cpp reads no array of
+# arrays at all, and a bound keeps the recursion far from Python's limit.
+_GGUF_MAX_ARRAY_DEPTH = 8
+_GGML_MAX_DIMS = 4
 
 
-def _read_gguf_header(path: Path) -> tuple[dict[str, Any], set[str]]:
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """A tensor as a GGUF header describes it."""
+    dims: tuple[int, ...]  # fastest-first (ggml's ne order)
+    ggml_type: int
+    offset: int  # of its data, from the start of the file
+
+
+def _read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
     """A GGUF file's metadata (as gguf's ReaderField.contents() gives it) and
-    its tensor names, read from the head of the file alone. gguf.GGUFReader
+    its tensors, read from the head of the file alone. gguf.GGUFReader
     gives the same but first builds an array view per value (two per token
     string: 2 s for SmolLM2's 49152-token vocabulary), which checking a
     prompt before loading cannot wait for. Little-endian files only, as the
-    weights' loading (the reader maps them in the host's order)."""
+    weights' loading (the reader maps them in the host's order).
+
+    Refuses what the reader refuses (a repeated key or tensor name, an
+    alignment that is not a power of two) and more: a count the rest of the
+    file cannot hold, before anything is sized by it; arrays nested deeper
+    than _GGUF_MAX_ARRAY_DEPTH; a tensor of more than ggml's 4 dimensions or
+    whose data offset is not a multiple of the alignment."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _parse_gguf_header(data)
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, struct.error) as exc:  # ValueError includes UnicodeDecodeError
         raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt): {exc}") from exc
 
 
-def _parse_gguf_header(data: mmap.mmap) -> tuple[dict[str, Any], set[str]]:
+def _parse_gguf_header(data: mmap.mmap) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
     offset = 0
 
     def take(fmt: str) -> Any:
@@ -340,20 +376,28 @@ def _parse_gguf_header(data: mmap.mmap) -> tuple[dict[str, Any], set[str]]:
         offset += size
         return data[offset - size:offset].decode("utf-8")
 
-    def value(kind: int) -> Any:
+    def value(kind: int, depth: int = 0) -> Any:
         nonlocal offset
         if kind in _GGUF_SCALARS:
             return take(_GGUF_SCALARS[kind])
         if kind == _GGUF_STRING:
             return string()
         if kind == _GGUF_ARRAY:
+            if depth == _GGUF_MAX_ARRAY_DEPTH:
+                raise ValueError(f"arrays nested more than {_GGUF_MAX_ARRAY_DEPTH} deep")
             item, count = take("I"), take("Q")
+            # The fewest bytes an item takes: a scalar's size, a string's
+            # length, an array's type and count.
+            item_bytes = (struct.calcsize("<" + _GGUF_SCALARS[item]) if item in _GGUF_SCALARS
+                          else 8 if item == _GGUF_STRING else 12)
+            if count * item_bytes > len(data) - offset:
+                raise ValueError(f"an array of {count} items runs past the end of the file")
             if item in _GGUF_SCALARS:  # numbers in one go
                 dtype = np.dtype("<" + _GGUF_SCALARS[item])
                 items = np.frombuffer(data, dtype, count, offset).tolist()
                 offset += dtype.itemsize * count
                 return items
-            return [value(item) for _ in range(count)]
+            return [value(item, depth + 1) for _ in range(count)]
         raise ValueError(f"unknown GGUF value type {kind}")
 
     if data[:4] != _GGUF_MAGIC:
@@ -366,13 +410,57 @@ def _parse_gguf_header(data: mmap.mmap) -> tuple[dict[str, Any], set[str]]:
     metadata = {}
     for _ in range(kv_count):
         key = string()
-        metadata[key] = value(take("I"))
-    names = set()
+        if key in metadata:
+            raise ValueError(f"metadata key {key} appears twice")
+        kind = take("I")
+        if key == "general.alignment" and kind != _GGUF_UINT32:
+            raise ValueError(f"general.alignment must be a uint32, not of GGUF type {kind}")
+        try:
+            metadata[key] = value(kind)
+        except (ValueError, struct.error) as exc:
+            raise ValueError(f"metadata {key}: {exc}") from None
+    alignment = metadata.get("general.alignment", _GGUF_DEFAULT_ALIGNMENT)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment must be a power of two, got {alignment}")
+    headers = []
     for _ in range(tensor_count):
-        names.add(string())
-        dimensions = take("I")
-        offset += 8 * dimensions + 4 + 8  # the dimensions, the type, the data offset
-    return metadata, names
+        name, dimensions = string(), take("I")
+        if dimensions > _GGML_MAX_DIMS:
+            raise ValueError(f"tensor {name} has {dimensions} dimensions, more than ggml's {_GGML_MAX_DIMS}")
+        headers.append((name, tuple(take("Q") for _ in range(dimensions)), take("I"), take("Q")))
+    data_start = offset + (-offset) % alignment
+    tensors = {}
+    for name, dims, ggml_type, data_offset in headers:
+        if name in tensors:
+            raise ValueError(f"tensor {name} appears twice")
+        if data_offset % alignment:
+            raise ValueError(f"tensor {name}'s data offset {data_offset} is not a multiple of the alignment {alignment}")
+        tensors[name] = GGUFTensorInfo(dims, ggml_type, data_start + data_offset)
+    return metadata, tensors
+
+
+def _check_tensor_extents(path: Path, tensors: dict[str, GGUFTensorInfo], file_size: int) -> None:
+    """Every tensor's data lies inside the file, apart from every other's:
+    gguf's reader checks neither (two tensors on the same bytes load, an
+    offset near 2**64 wraps around into the header)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    extents = []
+    for name, info in tensors.items():
+        try:
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        except (ValueError, KeyError):
+            raise ModelLoadError(f"{path}: tensor {name} has unknown type {info.ggml_type}") from None
+        end = info.offset + math.prod(info.dims) * type_size // block_size
+        if end > file_size:
+            raise ModelLoadError(f"{path}: tensor {name}'s data (bytes {info.offset} to {end}) runs past the end "
+                                 f"of the file ({file_size} bytes)")
+        extents.append((info.offset, end, name))
+    extents.sort()
+    for (_, end, name), (start, next_end, next_name) in zip(extents, extents[1:]):
+        if start < end:
+            raise ModelLoadError(f"{path}: tensors {name} and {next_name} share bytes {start} to "
+                                 f"{min(end, next_end)}")
 
 
 def _unpermute_rotary_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
@@ -390,14 +478,19 @@ def _unpermute_rotary_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
             .reshape(array.shape))
 
 
-def _hf_name_from_gguf(path: Path, arch: str, gguf_name: str, config: ModelConfig) -> str:
+def _hf_name_from_gguf(path: Path, arch: str, gguf_name: str, config: ModelConfig, expected: Collection[str]) -> str:
+    """The Hugging Face name of a GGUF tensor among the `expected` ones; any
+    other (a layer past block_count, a bias only some layers have, `blk.00`)
+    is refused by name before its data is read."""
     if gguf_name in _GGUF_GLOBAL_TENSORS:
         return _GGUF_GLOBAL_TENSORS[gguf_name]
-    if gguf_name.startswith("blk."):
-        _, layer, rest = gguf_name.split(".", 2)
+    if layer_name := _GGUF_LAYER_NAME.fullmatch(gguf_name):
+        layer, rest = layer_name.groups()
         hf_rest = _GGUF_ARCH_LAYER_TENSORS.get(arch, {}).get(rest, _GGUF_LAYER_TENSORS.get(rest))
-        if layer.isdigit() and int(layer) < config.num_hidden_layers and hf_rest is not None:
-            return f"model.layers.{layer}.{hf_rest}"
+        name = f"model.layers.{layer}.{hf_rest}"
+        # Fused tensors are checked as they are split (_split_fused).
+        if name in expected or (hf_rest in _GGUF_FUSED and int(layer) < config.num_hidden_layers):
+            return name
     if gguf_name == "rope_freqs.weight":
         # llama.cpp stores Llama 3.1-style rope scaling as precomputed per-frequency
         # factors, from which Hugging Face's llama3 parameters cannot be recovered.
@@ -413,7 +506,7 @@ def _gguf_config(path: Path, metadata: dict[str, Any], tensors: Collection[str])
         return _gguf_config_from_metadata(metadata, tensors)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ArithmeticError) as exc:
         raise ModelLoadError(f"{path}: malformed GGUF metadata: {exc}") from None
 
 
@@ -432,14 +525,35 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}")
         return value
 
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    num_layers = int(key("block_count"))
-    max_positions = int(key("context_length"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("attention.value_length", head_dim)) != head_dim:
+    def integer(name: str, default: Any = ModelLoadError) -> int:
+        value = key(name, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError, ArithmeticError):  # a string, a list, an infinite or NaN float
+            raise ModelLoadError(f"{arch}.{name} must be an integer, got {value!r}") from None
+
+    def number(name: str, default: Any = ModelLoadError) -> float:
+        value = key(name, default)
+        try:
+            return float(value)
+        except (TypeError, ValueError, ArithmeticError):
+            raise ModelLoadError(f"{arch}.{name} must be a number, got {value!r}") from None
+
+    hidden = integer("embedding_length")
+    heads = integer("attention.head_count")
+    if heads <= 0:
+        raise ModelLoadError(f"{arch}.attention.head_count must be positive, got {heads}")
+    num_layers = integer("block_count")
+    # Lists per layer are sized by block_count: it must count the layers the
+    # tensors hold before any is built (a file may declare 2**31 and hold 2).
+    layers = {layer_name[1] for name in tensors if (layer_name := _GGUF_LAYER_NAME.fullmatch(name))}
+    if num_layers != len(layers):
+        raise ModelLoadError(f"{arch}.block_count is {num_layers}, but the tensors hold {len(layers)} layers")
+    max_positions = integer("context_length")
+    head_dim = integer("attention.key_length", hidden // heads)
+    if integer("attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"unsupported value_length {key('attention.value_length')} != key_length {head_dim}")
-    rotary_dim = int(key("rope.dimension_count", head_dim))
+    rotary_dim = integer("rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise ModelLoadError(f"unsupported partial rotary embedding ({rotary_dim} of {head_dim} dims)")
 
@@ -447,7 +561,7 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
     if scaling_type == "none":
         rope_scaling = None
     elif scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor")}
     else:
         raise ModelLoadError(f"unsupported rope scaling type {scaling_type!r}")
 
@@ -457,28 +571,33 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
     if arch == "gemma3" and SLIDING in layer_types:
         # llama.cpp hard-codes Gemma 3's local base (rope_freq_base_train_swa
         # = 10000, unscaled); a file that states it is read.
-        rope_local_theta = float(key("rope.freq_base_swa", 10000.0))
+        rope_local_theta = number("rope.freq_base_swa", 10000.0)
     if arch == "gemma2":
         # llama.cpp always soft-caps Gemma 2, with its hparams' defaults where the file is silent.
-        attn_cap = float(key("attn_logit_softcapping", 50.0))
-        final_cap = float(key("final_logit_softcapping", 30.0))
+        attn_cap = number("attn_logit_softcapping", 50.0)
+        final_cap = number("final_logit_softcapping", 30.0)
     else:
         attn_cap = absent_or_float(key("attn_logit_softcapping", 0.0))
         final_cap = absent_or_float(key("final_logit_softcapping", 0.0))
     eos_ids = [int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                           "tokenizer.ggml.eom_token_id") if k in metadata]
     bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
+    num_tokens = len(metadata.get("tokenizer.ggml.tokens", ()))
+    vocab_size = integer("vocab_size", num_tokens)
+    if num_tokens > vocab_size:  # a token past the embedding's rows would fail only once sampled
+        raise ModelLoadError(f"tokenizer.ggml.tokens lists {num_tokens} tokens, more than {arch}.vocab_size "
+                             f"{vocab_size}")
     return ModelConfig(
         architecture=_GGUF_ARCHITECTURES[arch],
-        vocab_size=int(key("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))),
+        vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=integer("feed_forward_length"),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        num_key_value_heads=integer("attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
+        rope_theta=number("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
         # llama.cpp omits the output matrix when it is the embedding matrix.
