@@ -137,6 +137,15 @@ def test_rope_and_norm_floats_must_be_finite(extra, message):
     assert ModelConfig.from_hf_dict({**_HF_BASE, "rms_norm_eps": 0.0}).rms_norm_eps == 0.0
 
 
+@pytest.mark.parametrize("layers", [0, -1, 2**31, 10**18])
+def test_a_hugging_face_layer_count_is_bounded_before_lists_are_sized_by_it(layers):
+    """Review: a config.json declaring 2**31 layers built per-layer tuples of
+    that length (16 GB) before any weight was read."""
+    with pytest.raises(ModelLoadError, match="num_hidden_layers must be in 1..1024"):
+        ModelConfig.from_hf_dict({**_HF_BASE, "num_hidden_layers": layers, "sliding_window": 64,
+                                  "model_type": "gemma2"})
+
+
 def test_a_gguf_rope_base_must_be_finite(tmp_path):
     path = write_tiny_llama(tmp_path / "rope.gguf", {"llama.rope.freq_base": float("inf")})
     _every_loader(path, f"{path}: rope_theta must be a positive finite number, got inf")

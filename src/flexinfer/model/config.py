@@ -28,6 +28,11 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GEMMA = ("gemma2", "gemma3_text")
 # rope_scaling kinds the forward pass implements; "default" is stored as None.
 SUPPORTED_ROPE_TYPES = ("linear", "llama3")
+# Per-layer lists are sized by a config's layer count before any weight is
+# read, so a count past this is refused as malformed (the deepest model we
+# know, Llama 3.1 405B, has 126 layers). A GGUF file's count must match the
+# layers its tensors hold instead (loader.py).
+MAX_LAYERS = 1024
 _REQUIRED_ROPE_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -146,6 +151,8 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(f"config has a malformed value: {exc}") from None
 
+        if not 0 < num_layers <= MAX_LAYERS:
+            raise ModelLoadError(f"num_hidden_layers must be in 1..{MAX_LAYERS}, got {num_layers}")
         if d.get("mlp_bias"):
             raise ModelLoadError("unsupported mlp_bias=true")
         if d.get("use_bidirectional_attention"):
