@@ -566,8 +566,9 @@ def test_a_match_never_runs_out_of_memory_that_only_its_own_lock_holds(make_mana
     end, and in a window space the pages below its low mark. With every
     other chunk held, growing it used to fail with OutOfMemory, so a request
     running alone failed in a pool it fits in. Now the lock gives way: the
-    path is evicted (spilled, with a tier) and the growth maps, the
-    vTensor's bytes intact, and its record locks the path again."""
+    path is evicted (spilled, with a tier), or a window path gives up the
+    pages no vTensor maps, and the growth maps, the vTensor's bytes intact,
+    and its record locks the path again."""
     mgr = make_manager(chunks=8, host_tier_bytes=tier * CHUNK)
     row = 3000 * SCALE  # 21.8 rows a page: 25 rows are page 0 full, page 1 partial
     space = mgr.create_space(row_bytes=row, max_tokens=120, max_slots=8, window_tokens=window)
@@ -589,8 +590,11 @@ def test_a_match_never_runs_out_of_memory_that_only_its_own_lock_holds(make_mana
     vt.extend(grown, low=vt.low).result()  # a new page, and none given back
     io.write(vt, t, 50 if window else 25, grown)
     st = assert_pool_consistent(mgr)
-    assert st["prefix_unpins_total"] >= 1
-    assert all(nd["locks"] == 0 for nd in space.prefix_nodes())
+    # A window path gives up its page below the low mark and stays locked
+    # (DropLockedWindowPages), else the lock goes.
+    holes = [c is None for nd in space.prefix_nodes() if nd["locks"] for c in nd["pages"]]
+    assert (window and any(holes)) or (st["prefix_unpins_total"] >= 1 and
+                                       all(nd["locks"] == 0 for nd in space.prefix_nodes()))
     io.verify(vt, t, vt.low, grown)
     for h in held:
         h.release().result()

@@ -567,7 +567,10 @@ class WindowMachine(RuleBasedStateMachine):
     row before it leaves the window. The model keeps, per recorded sequence,
     the first page its recorder held: a match is never longer than a common
     prefix, never shorter than any one record that holds its window alone,
-    and its rows [low, n) are exactly the recorded bytes."""
+    and its rows [low, n) are exactly the recorded bytes. Under pressure
+    (WindowTierMachine) the pages locked paths keep but no vTensor maps may
+    go (window_page_drops_total): the records made before hold no pages the
+    model can count on then."""
 
     W = 30
 
@@ -579,6 +582,7 @@ class WindowMachine(RuleBasedStateMachine):
         self.ios = [RowIO(s) for s in self.spaces]
         self.live = {}  # vt -> [space index, tokens, low]
         self.records = {}  # sequence -> the first page its recorders held (the lowest over them)
+        self.window_page_drops = 0
 
     def make_manager(self):
         return new_manager(chunks=2048)
@@ -666,6 +670,11 @@ class WindowMachine(RuleBasedStateMachine):
         if sum(1 for s, _, _ in self.live.values() if s == si) >= 5:
             return
         q = self.query(data) or [data.draw(TOK)]
+        drops = self.mgr.stats()["window_page_drops_total"]
+        if drops != self.window_page_drops:  # any page of any record may be gone
+            self.window_page_drops = drops
+            self.records = {seq: 1 << 30 for seq in self.records}
+            event("window: pages of locked paths given up")
         upper = min(best_lcp(q, self.records), len(q) - 1)
         lower = 0
         for seq, first in self.records.items():

@@ -368,3 +368,48 @@ def test_a_failed_window_record_or_match_changes_nothing(op):
             finally:
                 mgr.close()
     assert checked >= 1
+
+
+def test_pages_below_every_lockers_window_are_given_up_under_pressure():
+    """Review: two matches of a window path lock all of it, though each maps
+    only the pages under its window. Eviction takes no locked node, and the
+    last resort unpins only a path one vTensor alone locks, so the pages
+    below the windows, which no vTensor maps and no limit charged, stayed
+    pinned: a request the pool had room for failed (through vtmd, one
+    client limited to 4 chunks kept 62 of 64). Under pressure they go now,
+    as holes (a window tree has them anyway): the matches keep their bytes,
+    and a match whose window lies there is shorter."""
+    m = new_manager(chunks=16, prealloc_chunks=0, slot_cache_bytes=0)
+    try:
+        chunk = m.chunk_bytes
+        win = m.create_space(row_bytes=chunk, max_tokens=16, max_slots=6, window_tokens=3)
+        io = RowIO(win)
+        tokens = A[:12]
+        vt = win.create(12).result()  # twelve pages, a row each
+        io.write(vt, tokens, 0, 12)
+        win.prefix_record(vt, tokens).result()
+        vt.extend(12, low=10).result()  # it slides: pages 0-9 stay in the tree alone
+        vt.release().result()
+        matches = [win.prefix_match(tokens + [SENTINEL]).result().vtensor for _ in range(2)]
+        for match in matches:
+            assert (match.num_tokens, match.low) == (12, 10)
+        assert m.stats()["chunks_held"] == 12  # ten of them mapped by no one
+        big = win.create(10).result()  # 10 chunks: 4 free, and the 10 no vTensor maps
+        assert big.mapped_bytes == 10 * chunk
+        io.write(big, B, 0, 10)
+        for match in matches:
+            io.verify(match, tokens, 10, 12)
+        # As many as the request lacked (6 of the 10), from the path's first page on.
+        assert [p is None for p in win.prefix_nodes()[0]["pages"]] == [True] * 6 + [False] * 6
+        again = win.prefix_match(tokens + [SENTINEL]).result()  # its window is still there
+        assert again.num_tokens == 12
+        io.verify(again.vtensor, tokens, 10, 12)
+        assert win.prefix_match(tokens[:5] + [SENTINEL]).result().vtensor is None  # its window went
+        shorter = win.prefix_match(tokens[:9] + [SENTINEL]).result()  # its window, rows 7-8, is there
+        assert shorter.num_tokens == 9
+        io.verify(shorter.vtensor, tokens, 7, 9)
+        for v in [again.vtensor, shorter.vtensor, big] + matches:
+            v.release().result()
+        m.check()
+    finally:
+        m.close()

@@ -184,6 +184,7 @@ py::dict StatsDict(const Stats& st) {
   d["index_bytes"] = st.index_bytes;
   d["index_budget_bytes"] = st.index_budget_bytes;
   d["index_drops_total"] = st.index_drops_total;
+  d["window_page_drops_total"] = st.window_page_drops_total;
   d["evictions_total"] = st.evictions_total;
   d["cow_copies_total"] = st.cow_copies_total;
   d["slot_reuses_total"] = st.slot_reuses_total;

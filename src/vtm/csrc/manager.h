@@ -152,7 +152,8 @@ struct Stats {
               index_budget_bytes = 0;
   std::uint64_t evictions_total = 0, cow_copies_total = 0, slot_reuses_total = 0,
                 prealloc_chunks_total = 0, chunks_released_total = 0, rollback_failures_total = 0,
-                reservation_free_failures_total = 0, prefix_unpins_total = 0, index_drops_total = 0;
+                reservation_free_failures_total = 0, prefix_unpins_total = 0, index_drops_total = 0,
+                window_page_drops_total = 0;
   // The host tier (all 0 without one).
   std::size_t host_tier_capacity_bytes = 0, host_tier_used_bytes = 0, host_tier_nodes = 0;
   std::uint64_t spills_total = 0, spilled_bytes_total = 0, spill_failures_total = 0, restores_total = 0,
@@ -361,11 +362,28 @@ class Manager {
   std::unordered_map<const PrefixNode*, int> PinsByNode() const;
   // Chunks whose every reference is a Takeable node's: what evicting those
   // frees. Without `pinned`, unlocked nodes only; with it, also nodes one
-  // live vTensor's lock alone keeps (UnpinPrefix unlocks them first).
-  std::size_t EvictableTreeChunks(bool pinned) const;
+  // live vTensor's lock alone keeps (UnpinPrefix unlocks them first); with
+  // `window_pages`, also the window pages DropLockedWindowPages gives up.
+  std::size_t EvictableTreeChunks(bool pinned, bool window_pages) const;
   // Whether eviction may take `n`: unlocked, or (`pinned`) locked by one
   // live vTensor's lock and nothing else (`pins`: PinsByNode()).
   static bool Takeable(const PrefixNode& n, const std::unordered_map<const PrefixNode*, int>& pins, bool pinned);
+  // Whether `n`, a node of `tree`, may give up pages that only the tree
+  // holds though live vTensors lock it: a window tree's node on the device
+  // that only live vTensors' locks keep (no operation in flight locks it).
+  static bool WindowPagesTakeable(const PrefixTree& tree, const PrefixNode& n,
+                                  const std::unordered_map<const PrefixNode*, int>& pins);
+  // Window trees: the chunks that the nodes WindowPagesTakeable accepts hold
+  // and nothing else does (no slot maps them: pages below the window of
+  // every vTensor that locks the node) become holes, least recently used
+  // nodes first, until `need` are free. A window match needs only the pages
+  // under its window, so the lockers lose nothing, and the tree matches
+  // less far where a window lay there. Why: a lock keeps a path's nodes
+  // from eviction, but a window path's lockers map a few of its pages, and
+  // the rest, pinned by several lockers (which UnpinPrefix leaves alone) and
+  // charged to none, would fail requests the pool has room for. Returns the
+  // chunks freed.
+  std::size_t DropLockedWindowPages(std::size_t need);
   // Whether evicting tree nodes (unpinning live vTensors' paths, with
   // `pinned`) would free `need` chunks.
   bool TreeCanFree(std::size_t need, bool pinned) const;
@@ -487,7 +505,8 @@ class Manager {
   bool refill_blocked_ = false;  // the last refill found the device full
   bool closed_ = false;
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
-                rollback_failures_total_ = 0, prefix_unpins_total_ = 0, index_drops_total_ = 0;
+                rollback_failures_total_ = 0, prefix_unpins_total_ = 0, index_drops_total_ = 0,
+                window_page_drops_total_ = 0;
   std::uint64_t spills_total_ = 0, spilled_pages_total_ = 0, spill_failures_total_ = 0, restores_total_ = 0,
                 restored_pages_total_ = 0, tier_drops_total_ = 0, tier_limit_drops_total_ = 0;
   double restore_seconds_total_ = 0;

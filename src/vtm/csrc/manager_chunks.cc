@@ -27,17 +27,19 @@ std::unordered_map<const PrefixNode*, int> Manager::PinsByNode() const {
   return pins;
 }
 
-std::size_t Manager::EvictableTreeChunks(bool pinned) const {
+std::size_t Manager::EvictableTreeChunks(bool pinned, bool window_pages) const {
   // A node is taken once no live vTensor's lock but one keeps it: such a
   // vTensor alone locks its whole subtree, so UnpinPrefix unlocks it (its
   // path holds a chunk counted here) and the eviction reaches every node of
   // it. A node that an operation in flight locks (a match's path), or
   // several vTensors do (a shared prefix), is not.
+  // With `window_pages`, a window tree's locked node counts too, for the
+  // pages only the tree holds (DropLockedWindowPages).
   const std::unordered_map<const PrefixNode*, int> pins = PinsByNode();
   std::unordered_map<ChunkId, int> refs;
   for (const auto& [name, tree] : trees_)
     tree->ForEach([&](const PrefixNode& n) {
-      if (!Takeable(n, pins, pinned)) return;
+      if (!Takeable(n, pins, pinned) && !(window_pages && WindowPagesTakeable(*tree, n, pins))) return;
       for (ChunkId c : n.pages)
         if (c != kNoChunk) ++refs[c];
     });
@@ -53,6 +55,41 @@ bool Manager::Takeable(const PrefixNode& n, const std::unordered_map<const Prefi
   return it != pins.end() && it->second == 1;
 }
 
+bool Manager::WindowPagesTakeable(const PrefixTree& tree, const PrefixNode& n,
+                                  const std::unordered_map<const PrefixNode*, int>& pins) {
+  if (tree.window_tokens() == 0 || n.on_host || n.locks == 0) return false;
+  const auto it = pins.find(&n);
+  return it != pins.end() && it->second == n.locks;
+}
+
+std::size_t Manager::DropLockedWindowPages(std::size_t need) {
+  const std::unordered_map<const PrefixNode*, int> pins = PinsByNode();
+  std::unordered_map<ChunkId, int> held;  // the references such nodes hold on each chunk
+  for (const auto& [name, tree] : trees_)
+    tree->ForEach([&](const PrefixNode& n) {
+      if (!WindowPagesTakeable(*tree, n, pins)) return;
+      for (ChunkId c : n.pages)
+        if (c != kNoChunk) ++held[c];
+    });
+  std::size_t freed = 0;
+  // A page's chunk goes only when such nodes hold all its references (two
+  // may share one: the page straddling their boundary); keys do not change,
+  // so the LRU lists are walked as they are.
+  for (const auto& [name, tree] : trees_)
+    for (PrefixNode* n : tree->ByAge(/*on_host=*/false)) {
+      if (!WindowPagesTakeable(*tree, *n, pins)) continue;
+      for (std::size_t i = 0; i < n->pages.size() && freed < need; ++i) {
+        const auto it = n->pages[i] != kNoChunk ? held.find(n->pages[i]) : held.end();
+        if (it == held.end() || pool_->refs(it->first) != it->second) continue;  // mapped, or kept elsewhere
+        --it->second;
+        freed += tree->DropPage(n, i) ? 1 : 0;
+        ++window_page_drops_total_;
+      }
+      if (freed >= need) return freed;
+    }
+  return freed;
+}
+
 bool Manager::TreeCanFree(std::size_t need, bool pinned) const {
   // Chunks that only an unlocked leaf (or, with a tier, a spillable node)
   // holds are freed by its eviction, and no two such nodes share one: a
@@ -66,7 +103,7 @@ bool Manager::TreeCanFree(std::size_t need, bool pinned) const {
       if (!tree->Evictable(n)) continue;
       for (ChunkId c : n->pages) sure += c != kNoChunk && pool_->refs(c) == 1 ? 1 : 0;
     }
-  return sure >= need || EvictableTreeChunks(pinned) >= need;
+  return sure >= need || EvictableTreeChunks(pinned, /*window_pages=*/pinned) >= need;
 }
 
 bool Manager::UnpinPrefix(UndoLog& undo) {
@@ -194,7 +231,12 @@ std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_
     // Unpinning gives up more than a cache: only when evicting what it
     // unpins is sure to satisfy the rest, which then takes no wait (the
     // refill thread cannot start a creation while this holds the mutex).
-    if (may_unpin && EvictableTreeChunks(/*pinned=*/true) >= n - out.size() && UnpinPrefix(undo)) continue;
+    // It goes first: the unpinned path may spill to the host tier, while a
+    // window page given up is lost.
+    if (may_unpin && EvictableTreeChunks(/*pinned=*/true, /*window_pages=*/false) >= n - out.size() &&
+        UnpinPrefix(undo))
+      continue;
+    if (may_unpin && DropLockedWindowPages(n - out.size()) > 0) continue;
     if (!device_error.empty()) Throw(ErrorCode::kOutOfMemory, "device out of memory: " + device_error);
     Throw(ErrorCode::kOutOfMemory, "pool capacity exhausted: " + std::to_string(n) + " chunks needed, capacity " +
                                        Bytes(capacity_chunks_ * chunk_bytes_));

@@ -113,6 +113,7 @@ Stats Manager::GetStats() const {
   }
   st.index_budget_bytes = IndexBudget();
   st.index_drops_total = index_drops_total_;
+  st.window_page_drops_total = window_page_drops_total_;
   st.chunks_mapped = mapped.size();
   st.chunks_cached = cached.size();
   st.chunks_in_tree = in_tree.size();

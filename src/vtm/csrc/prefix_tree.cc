@@ -356,6 +356,14 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
   return freed;
 }
 
+bool PrefixTree::DropPage(PrefixNode* node, std::size_t i) {
+  if (window_tokens_ == 0 || node->on_host || i >= node->pages.size() || node->pages[i] == kNoChunk)
+    Throw(ErrorCode::kInternal, "dropping a page that is not a window tree's chunk on the device");
+  const ChunkId chunk = node->pages[i];
+  node->pages[i] = kNoChunk;
+  return pool_->Unref(chunk);
+}
+
 std::size_t PrefixTree::DropReferences(PrefixNode* node) {
   std::size_t freed = 0;
   for (ChunkId c : node->pages) freed += c != kNoChunk && pool_->Unref(c) ? 1 : 0;

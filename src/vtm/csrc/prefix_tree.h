@@ -203,6 +203,9 @@ class PrefixTree {
 
   // Removes a leaf with locks == 0; returns how many chunks became free.
   std::size_t EvictLeaf(PrefixNode* leaf);
+  // Window trees: `node` (on the device, locked or not) gives up its i-th
+  // page's chunk, which becomes a hole; returns whether the chunk became free.
+  bool DropPage(PrefixNode* node, std::size_t i);
 
   // The host tier (trees that have one).
   HostTier* tier() const { return tier_; }
