@@ -1,8 +1,9 @@
 """The prefix tree survives a failed allocation in every step of an insert,
 a split and a merge (review: Split counted its node out of the index's
-sizes before the allocations that could fail, and a failed LRU entry or
-child entry left a node out of its list or references taken for a leaf
-that never joined). Out of memory is an error to handle, never a broken
+sizes before the allocations that could fail, a failed LRU entry or child
+entry left a node out of its list or references taken for a leaf that
+never joined, and an adoption's first block given back to a fresh host
+tier grew its free list halfway through the node's change). Out of memory is an error to handle, never a broken
 tree: tests/vtm/tree_out_of_memory.cc fails each allocation in turn and
 checks the tree after each, built here from the sources."""
 
@@ -29,5 +30,6 @@ def test_the_tree_is_whole_after_every_failed_allocation(tmp_path):
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "whole after every failure" in run.stdout
-    for scenario in ("a new path", "a path that splits a node", "a leaf below a node", "merging halves"):
+    for scenario in ("a new path", "a path that splits a node", "a leaf below a node", "merging halves",
+                     "adopting a node on the host", "a window path with holes", "filling its holes"):
         assert f"{scenario}: succeeded after" in run.stdout, run.stdout

@@ -16,6 +16,7 @@
 
 #include "backend.h"
 #include "error.h"
+#include "host_tier.h"
 #include "pool.h"
 #include "prefix_tree.h"
 
@@ -39,7 +40,7 @@ constexpr std::size_t kPage = std::size_t{64} << 10;
 constexpr std::size_t kRow = kPage / 4;  // four rows a page; splits fall inside pages
 
 bool Whole(const vtm::PrefixTree& tree, const vtm::Pool& pool, const std::vector<ChunkId>& chunks,
-           const std::string& what) {
+           const std::string& what, const vtm::HostTier* tier = nullptr) {
   try {
     tree.CheckIndex();
   } catch (const vtm::Error& e) {
@@ -57,6 +58,26 @@ bool Whole(const vtm::PrefixTree& tree, const vtm::Pool& pool, const std::vector
       return false;
     }
   }
+  if (tier != nullptr) {  // every block held is held by the tree's nodes on the host, as often
+    std::size_t blocks = 0;
+    bool ok = true;
+    tree.ForEach([&](const vtm::PrefixNode& n) {
+      for (vtm::BlockId b : n.host_pages) {
+        if (b == vtm::kNoBlock) continue;
+        int held = 0;
+        tree.ForEach([&](const vtm::PrefixNode& m) {
+          for (vtm::BlockId x : m.host_pages) held += x == b ? 1 : 0;
+        });
+        ok = ok && tier->refs(b) == held;
+        ++blocks;
+      }
+    });
+    if (!ok || tier->used() > blocks) {
+      std::printf("%s: the tier holds %zu blocks, references that the tree's nodes do not\n", what.c_str(),
+                  tier->used());
+      return false;
+    }
+  }
   return true;
 }
 
@@ -64,17 +85,18 @@ bool Whole(const vtm::PrefixTree& tree, const vtm::Pool& pool, const std::vector
 // succeeds; false (after a message) when a failure left the tree broken.
 template <class Op>
 bool EveryFailure(const char* name, const vtm::PrefixTree& tree, const vtm::Pool& pool,
-                  const std::vector<ChunkId>& chunks, Op op) {
+                  const std::vector<ChunkId>& chunks, Op op, const vtm::HostTier* tier = nullptr) {
   for (long k = 0;; ++k) {
     allocations_until_failure = k;
     try {
       op();
       allocations_until_failure = -1;
       std::printf("%s: succeeded after %ld failures\n", name, k);
-      return Whole(tree, pool, chunks, std::string(name) + " after success");
+      return Whole(tree, pool, chunks, std::string(name) + " after success", tier);
     } catch (const std::bad_alloc&) {
       allocations_until_failure = -1;
-      if (!Whole(tree, pool, chunks, std::string(name) + " failing allocation " + std::to_string(k))) return false;
+      if (!Whole(tree, pool, chunks, std::string(name) + " failing allocation " + std::to_string(k), tier))
+        return false;
     }
   }
 }
@@ -108,6 +130,39 @@ int main() {
   if (ok) tree.EvictLeaf(at_branch.node);
   ok = ok && EveryFailure("merging halves", tree, pool, chunks, [&] {
     if (tree.Unsplit(upper) == nullptr) throw std::logic_error("the halves did not merge");
+  });
+  // A tree with a host tier: a node spilled to the host, then adopted by a
+  // longer record (it takes the recorder's chunks and gives its blocks back).
+  // Each tree its own chunks: Whole counts one tree's references.
+  const auto more_chunks = [&] {
+    std::vector<ChunkId> out;
+    for (int i = 0; i < 5; ++i) out.push_back(pool.Adopt(backend->create_chunk(kPage), 1));
+    return out;
+  };
+  vtm::HostTier tier(backend, kPage, 16);
+  vtm::PrefixTree tiered(kRow, kPage, 0, &pool, &tier);
+  const std::vector<ChunkId> tiered_chunks = more_chunks();
+  ok = ok && EveryFailure("a new path, tiered", tiered, pool, tiered_chunks,
+                          [&] { tiered.Insert(first.data(), first.size(), tiered_chunks, ++tick); }, &tier);
+  vtm::PrefixNode* spilled = tiered.Find(first.data(), first.size()).node;
+  std::vector<vtm::BlockId> blocks(spilled->pages.size());
+  for (vtm::BlockId& b : blocks) ok = ok && tier.Take(0, &b);
+  if (ok) tiered.Spill(spilled, blocks);
+  ok = ok && EveryFailure("adopting a node on the host", tiered, pool, tiered_chunks, [&] {
+    tiered.Insert(longer.data(), longer.size(), tiered_chunks, ++tick, 0, tiered_chunks.size());
+    if (spilled->on_host) throw std::logic_error("the node was not adopted");
+  }, &tier);
+  // A window tree: a record with holes, then one that fills them (the union).
+  vtm::PrefixTree window(kRow, kPage, 3, &pool);
+  const std::vector<ChunkId> window_chunks = more_chunks();
+  std::vector<ChunkId> holed(window_chunks);
+  holed[0] = holed[1] = vtm::kNoChunk;
+  ok = ok && EveryFailure("a window path with holes", window, pool, window_chunks,
+                          [&] { window.Insert(first.data(), first.size(), holed, ++tick); });
+  ok = ok && EveryFailure("filling its holes", window, pool, window_chunks, [&] {
+    window.Insert(longer.data(), longer.size(), window_chunks, ++tick);
+    if (window.Find(first.data(), first.size()).node->pages[0] == vtm::kNoChunk)
+      throw std::logic_error("the holes stayed");
   });
   std::printf(ok ? "whole after every failure\n" : "BROKEN\n");
   return ok ? 0 : 1;

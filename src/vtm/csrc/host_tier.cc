@@ -27,6 +27,9 @@ bool HostTier::Take(std::uint32_t account, BlockId* out) {
   }
   void* ptr = nullptr;
   try {
+    // The free list has room for every block, so that Unref, which the
+    // tree calls halfway through its changes, never allocates (never fails).
+    free_.reserve(blocks_.size() + 1);
     ptr = backend_->alloc_host(block_bytes_);
     blocks_.push_back(Block{ptr, 1, account});
   } catch (...) {

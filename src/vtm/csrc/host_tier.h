@@ -14,7 +14,8 @@
 //  * refs(block) == the host_pages entries of tree nodes that hold it (a
 //    node and its child on the host may share the block of the page that
 //    straddles them: Manager::SharedEndBlock);
-//  * blocks with refs 0 are exactly the free list; allocated() <= capacity();
+//  * blocks with refs 0 are exactly the free list, which has room for every
+//    block: Unref never allocates; allocated() <= capacity();
 //  * used_by(a) == the held blocks charged to a.
 //
 // Not thread-safe: the Manager calls it with its mutex held.

@@ -28,6 +28,9 @@ bool Pool::TakeFree(ChunkId* out) {
 }
 
 ChunkId Pool::Adopt(ChunkHandle handle, int refs, int export_fd) {
+  // The free list has room for every chunk alive, so that Unref, which the
+  // tree calls halfway through its changes, never allocates (never fails).
+  free_.reserve(alive_ + 1);
   ChunkId id;
   if (!dead_ids_.empty()) {
     id = dead_ids_.back();

@@ -13,7 +13,8 @@
 // the chunk is released.
 //
 // Invariants:
-//  * a chunk is in free_ iff it is alive and its refcount is 0, once;
+//  * a chunk is in free_ iff it is alive and its refcount is 0, once, and
+//    free_ has room for every alive chunk: Unref never allocates;
 //  * alive chunks + creating_ <= capacity_chunks_;
 //  * a chunk is released to the device only when its refcount is 0;
 //  * serials of alive chunks are distinct and never reused.

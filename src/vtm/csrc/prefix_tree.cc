@@ -222,6 +222,41 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     if (p >= pages.size() || pages[p] == kNoChunk)
       Throw(ErrorCode::kInternal, "prefix_record: page " + std::to_string(p) + " is not mapped");
   PrefixNode* node = SplitAt(pos);
+  // The new leaf first, with everything that may fail (allocate): its
+  // label and pages, its account count, its LRU entry, its parent's entry
+  // for it. Past that nothing allocates, so a failure leaves the tree as
+  // the split left it (a split changes what the tree matches in no way).
+  const std::size_t start = pos.length;
+  PrefixNode* leaf = nullptr;
+  if (start < n) {
+    auto made = std::make_unique<PrefixNode>();
+    made->tokens.assign(tokens + start, tokens + n);
+    made->start = start;
+    made->first_page = FirstPage(start);
+    made->tier_account = tier_account;
+    for (std::size_t p = made->first_page; p < end_page; ++p)
+      made->pages.push_back(p < pages.size() ? pages[p] : kNoChunk);
+    made->parent = node;
+    made->last_access = tick;
+    leaf = made.get();
+    CountAccount(tier_account, true);
+    try {
+      Index(leaf);
+      try {
+        node->children.emplace(leaf->tokens.front(), std::move(made));
+      } catch (...) {
+        Unindex(leaf);
+        throw;
+      }
+    } catch (...) {
+      CountAccount(tier_account, false);
+      throw;
+    }
+    for (ChunkId c : leaf->pages)
+      if (c != kNoChunk) pool_->Ref(c);
+    CountNode(*leaf, true);
+    ChildLinked(node, leaf, true);
+  }
   // Adoption: nodes of the path on the host take the recorder's chunks,
   // except those holding the page the recorder writes next (the deepest,
   // and its parent too when the page straddles their boundary), and those
@@ -234,7 +269,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     for (std::size_t i = 0; i < m->pages.size(); ++i) {
       m->pages[i] = pages[m->first_page + i];
       if (m->pages[i] != kNoChunk) pool_->Ref(m->pages[i]);
-      if (m->host_pages[i] != kNoBlock) tier_->Unref(m->host_pages[i]);
+      if (m->host_pages[i] != kNoBlock) tier_->Unref(m->host_pages[i]);  // allocates nothing (host_tier.h)
     }
     m->host_pages.clear();
     m->on_host = false;
@@ -253,39 +288,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
       }
     }
   }
-  const std::size_t start = pos.length;
-  if (start < n) {
-    auto leaf = std::make_unique<PrefixNode>();
-    leaf->tokens.assign(tokens + start, tokens + n);
-    leaf->start = start;
-    leaf->first_page = FirstPage(start);
-    leaf->tier_account = tier_account;
-    for (std::size_t p = leaf->first_page; p < end_page; ++p)
-      leaf->pages.push_back(p < pages.size() ? pages[p] : kNoChunk);
-    leaf->parent = node;
-    leaf->last_access = tick;
-    PrefixNode* raw = leaf.get();
-    // What may fail (allocate) comes before the leaf takes references: its
-    // account count, its LRU entry, its parent's entry for it.
-    CountAccount(tier_account, true);
-    try {
-      Index(raw);
-      try {
-        node->children.emplace(raw->tokens.front(), std::move(leaf));
-      } catch (...) {
-        Unindex(raw);
-        throw;
-      }
-    } catch (...) {
-      CountAccount(tier_account, false);
-      throw;
-    }
-    for (ChunkId c : raw->pages)
-      if (c != kNoChunk) pool_->Ref(c);
-    CountNode(*raw, true);
-    ChildLinked(node, raw, true);
-    node = raw;
-  }
+  if (leaf != nullptr) node = leaf;
   Touch(node, tick);
   return {node, n - start};
 }
