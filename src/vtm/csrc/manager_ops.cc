@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 #include <unordered_set>
 
 #include "error.h"
@@ -295,9 +296,16 @@ FutureValue Manager::DoRecord(std::uint32_t space, std::uint64_t id, const std::
   // copy-on-write of one must not overtake their writers either.
   if (copy == kNoChunk && after != nullptr) backend_->order_copies_after(*after);
   if (release) return RecordAndRelease(sp, id, tokens, pages);
-  auto [node, added] = sp.tree->Insert(tokens.data(), n, pages, ++tick_, sp.tier_account,
-                                         // The page the recorder writes next is the tree's only as a copy.
-                                         written_again && copy == kNoChunk ? p : pages.size());
+  PrefixNode* node = nullptr;
+  std::size_t added = 0;
+  try {
+    std::tie(node, added) = sp.tree->Insert(tokens.data(), n, pages, ++tick_, sp.tier_account,
+                                            // The page the recorder writes next is the tree's only as a copy.
+                                            written_again && copy == kNoChunk ? p : pages.size());
+  } catch (...) {
+    if (copy != kNoChunk) pool_->Unref(copy);  // nothing took it: free again
+    throw;
+  }
   if (copy != kNoChunk) pool_->Unref(copy);  // the tree took its own reference (or, if unused, it is free)
   // The vTensor now locks the path it recorded (it maps those chunks). Look
   // it up again: Acquire may have waited without the lock.
