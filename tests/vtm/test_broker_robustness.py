@@ -397,69 +397,14 @@ def test_an_idle_client_keeps_its_fetch_connection_when_silent_ones_give_way(tmp
         broker.stop()
 
 
-def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
-    # The asker's allocation waits for a lower priority to give memory back;
-    # meanwhile its session's lock is free (its fd fetches, its goodbye and its
-    # process's exit are served), and it is taken again for the retry.
-    import threading
-
-    import vtm
-    from vtm.broker.quota import Ask, Quota, Quotas
-    from vtm.broker.reactor import Reactor
-    from vtm.broker.service import BrokerService
-    from vtm.broker.session import LIVE, Session
-
-    chunk = 64 << 10
-    manager = vtm.Manager(backend="host", capacity_bytes=16 * chunk, chunk_bytes=chunk, granularity=chunk,
-                          slot_cache_bytes=0, record_mappings=True, export_chunks=True)
-    reactor = Reactor(1)
-    service = BrokerService(manager, "host", 0, str(tmp_path / "fds"), reactor, Quotas(16 * chunk), 8)
-    service.policy.wait_s = 60  # the asker waits until the victim answers
-    try:
-        sessions = {}
-        for name, priority in (("victim", 0), ("asker", 10)):
-            session = Session(len(sessions) + 1, name, Ask(), Quota(priority=priority))
-            session.state = LIVE
-            space = manager.create_space(row_bytes=chunk, max_tokens=16, max_slots=1)
-            session.spaces[space.id] = space
-            session.geometry[space.id] = (chunk, 16)
-            service._sessions[session.lease] = session
-            sessions[name] = (session, space.id)
-        victim, victim_space = sessions["victim"]
-        asker, asker_space = sessions["asker"]
-
-        def run(session, body):
-            return service.run_op(session, lambda: (body(), service.collect(session))[0])
-        held = run(victim, lambda: service.create(victim, victim_space, 14))  # 14 of 16 chunks
-        got = {}
-        waiter = threading.Thread(target=lambda: got.update(vt=run(asker, lambda: service.create(asker, asker_space,
-                                                                                                 8))))
-        waiter.start()
-        deadline = time.monotonic() + 30
-        while victim.owed_target is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert victim.owed_target is not None, "the victim was never asked"
-        assert asker.lock.acquire(timeout=5), "the asker's session lock is held while it waits"
-        asker.lock.release()
-        assert waiter.is_alive()
-        run(victim, lambda: service.release(victim, held))  # pays: the asker's retry goes on
-        waiter.join(30)
-        assert not waiter.is_alive() and got["vt"] in asker.vtensors
-        manager.check()
-    finally:
-        service.close_all()
-        reactor.close()
-        manager.close()
-
-
-def test_a_retry_after_reclaim_counts_what_the_client_changed_meanwhile(tmp_path):
-    """Review: an allocation that waited for reclaim was admitted again with
-    the growth it had counted before the wait. Meanwhile (its session's lock
-    free) the client shrank the same vTensor and mapped the freed pages
-    elsewhere, so the retry mapped more than it was admitted for: past the
-    client's limit (6 chunks mapped under a limit of 4)."""
-    import threading
-
+@contextlib.contextmanager
+def _victim_and_asker(tmp_path, asker_quota):
+    """A broker service in this process on a pool of 16 chunks of 64 KiB,
+    with two live sessions, each with a space of 16 one-chunk rows: a victim
+    of priority 0 and an asker of `asker_quota` (priority 10 or more), whose
+    allocations wait (up to 60 s) for the victim to give memory back.
+    Yields (manager, service, {name: (session, space id)}, run(session,
+    body)), run doing what a call of that session does."""
     import vtm
     from vtm.broker.quota import Ask, Quota, Quotas
     from vtm.broker.reactor import Reactor
@@ -474,7 +419,7 @@ def test_a_retry_after_reclaim_counts_what_the_client_changed_meanwhile(tmp_path
     service.policy.wait_s = 60
     try:
         sessions = {}
-        for name, quota in (("victim", Quota()), ("asker", Quota(priority=10, limit_bytes=4 * chunk))):
+        for name, quota in (("victim", Quota()), ("asker", asker_quota)):
             session = Session(len(sessions) + 1, name, Ask(), quota)
             session.state = LIVE
             space = manager.create_space(row_bytes=chunk, max_tokens=16, max_slots=2)
@@ -482,11 +427,62 @@ def test_a_retry_after_reclaim_counts_what_the_client_changed_meanwhile(tmp_path
             session.geometry[space.id] = (chunk, 16)
             service._sessions[session.lease] = session
             sessions[name] = (session, space.id)
-        victim, victim_space = sessions["victim"]
-        asker, asker_space = sessions["asker"]
 
         def run(session, body):
             return service.run_op(session, lambda: (body(), service.collect(session))[0])
+        yield manager, service, sessions, run
+    finally:
+        service.close_all()
+        reactor.close()
+        manager.close()
+
+
+def _wait_until_asked(victim) -> None:
+    deadline = time.monotonic() + 30
+    while victim.owed_target is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert victim.owed_target is not None, "the victim was never asked"
+
+
+def test_a_client_waiting_for_reclaim_does_not_hold_its_session_lock(tmp_path):
+    # The asker's allocation waits for a lower priority to give memory back;
+    # meanwhile its session's lock is free (its fd fetches, its goodbye and its
+    # process's exit are served), and it is taken again for the retry.
+    import threading
+
+    from vtm.broker.quota import Quota
+
+    with _victim_and_asker(tmp_path, Quota(priority=10)) as (manager, service, sessions, run):
+        (victim, victim_space), (asker, asker_space) = sessions["victim"], sessions["asker"]
+        held = run(victim, lambda: service.create(victim, victim_space, 14))  # 14 of 16 chunks
+        got = {}
+        waiter = threading.Thread(target=lambda: got.update(vt=run(asker, lambda: service.create(
+            asker, asker_space, 8))))
+        waiter.start()
+        _wait_until_asked(victim)
+        assert asker.lock.acquire(timeout=5), "the asker's session lock is held while it waits"
+        asker.lock.release()
+        assert waiter.is_alive()
+        run(victim, lambda: service.release(victim, held))  # pays: the asker's retry goes on
+        waiter.join(30)
+        assert not waiter.is_alive() and got["vt"] in asker.vtensors
+        manager.check()
+
+
+def test_a_retry_after_reclaim_counts_what_the_client_changed_meanwhile(tmp_path):
+    """Review: an allocation that waited for reclaim was admitted again with
+    the growth it had counted before the wait. Meanwhile (its session's lock
+    free) the client shrank the same vTensor and mapped the freed pages
+    elsewhere, so the retry mapped more than it was admitted for: past the
+    client's limit (6 chunks mapped under a limit of 4)."""
+    import threading
+
+    import vtm
+    from vtm.broker.quota import Quota
+
+    chunk = 64 << 10
+    with _victim_and_asker(tmp_path, Quota(priority=10, limit_bytes=4 * chunk)) as (manager, service, sessions, run):
+        (victim, victim_space), (asker, asker_space) = sessions["victim"], sessions["asker"]
         held = run(victim, lambda: service.create(victim, victim_space, 14))
         grown = run(asker, lambda: service.create(asker, asker_space, 2))  # the pool is full
         failed = {}
@@ -498,10 +494,7 @@ def test_a_retry_after_reclaim_counts_what_the_client_changed_meanwhile(tmp_path
                 failed["error"] = exc
         waiter = threading.Thread(target=grow)
         waiter.start()
-        deadline = time.monotonic() + 30
-        while victim.owed_target is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert victim.owed_target is not None, "the victim was never asked"
+        _wait_until_asked(victim)
         run(asker, lambda: service.shrink(asker, [(grown, 0)]))  # its 2 chunks back...
         run(asker, lambda: service.create(asker, asker_space, 2))  # ...and mapped elsewhere
         run(victim, lambda: service.release(victim, held))  # pays: the retry goes on
@@ -510,10 +503,6 @@ def test_a_retry_after_reclaim_counts_what_the_client_changed_meanwhile(tmp_path
         assert asker.mapped_bytes(chunk) <= 4 * chunk, f"{asker.mapped_bytes(chunk) // chunk} chunks mapped"
         assert "limited" in str(failed.get("error")), "the extend now maps 4 chunks, past the limit"
         manager.check()
-    finally:
-        service.close_all()
-        reactor.close()
-        manager.close()
 
 
 def attached_channel(tmp_path, notices):
