@@ -413,3 +413,61 @@ def test_pages_below_every_lockers_window_are_given_up_under_pressure():
         m.check()
     finally:
         m.close()
+
+
+def test_a_page_two_locked_nodes_share_goes_from_both_or_stays():
+    """Review: the page straddling a split belongs to both halves; the drop
+    took it from one half, freed nothing, and stopped there: a hole for
+    nothing, and a match of the path six rows long came back five."""
+    m = new_manager(chunks=16, prealloc_chunks=0, slot_cache_bytes=0)
+    try:
+        chunk = m.chunk_bytes
+        win = m.create_space(row_bytes=chunk // 2, max_tokens=16, max_slots=6, window_tokens=3)
+        io = RowIO(win)
+        tokens, other = A[:12], A[:5] + B[:7]  # they part at row 5, inside page 2
+        for seq in (tokens, other):
+            vt = win.create(12).result()
+            io.write(vt, seq, 0, 12)
+            win.prefix_record(vt, seq).result()
+            vt.release().result()
+        matches = [win.prefix_match(tokens + [SENTINEL]).result().vtensor for _ in range(2)]
+        win.clear_prefixes()  # the other branch, unlocked, goes: its path stays split at row 5
+        filler = m.create_space(row_bytes=chunk, max_tokens=32, max_slots=2, namespace="filler")
+        filler.create(16 - m.stats()["chunks_held"]).result()
+        win.create(2).result()  # one chunk, which only the locked path's pages no one maps can give
+        pages = [nd["pages"] for nd in win.prefix_nodes()]
+        shared = pages[0][-1]
+        assert (shared is None) == (pages[1][0] is None), f"page 2 went from one half only: {pages}"
+        assert m.stats()["window_page_drops_total"] == sum(p is None for nd in pages for p in nd)
+        for match in matches:
+            io.verify(match, tokens, match.low, 12)
+        m.check()
+    finally:
+        m.close()
+
+
+def test_locked_window_pages_go_least_recently_used_first_over_all_namespaces():
+    """Review: the drops walked each namespace's tree in turn (by name), so a
+    path used a moment ago lost its pages before one idle for long."""
+    m = new_manager(chunks=16, prealloc_chunks=0, slot_cache_bytes=0)
+    try:
+        chunk = m.chunk_bytes
+        spaces = {ns: m.create_space(row_bytes=chunk, max_tokens=8, max_slots=4, window_tokens=2, namespace=ns)
+                  for ns in ("old", "new")}  # "new" sorts first by name
+        locked = []
+        for ns in ("old", "new"):  # the path of "old" is used first: the least recently used
+            space, io = spaces[ns], RowIO(spaces[ns])
+            vt = space.create(6).result()
+            io.write(vt, A, 0, 6)
+            space.prefix_record(vt, A[:6]).result()
+            vt.extend(6, low=5).result()
+            vt.release().result()
+            locked += [space.prefix_match(A[:6] + [SENTINEL]).result().vtensor for _ in range(2)]
+        filler = m.create_space(row_bytes=chunk, max_tokens=32, max_slots=2, namespace="filler")
+        filler.create(16 - m.stats()["chunks_held"]).result()
+        filler.create(1).result()
+        holes = {ns: sum(p is None for nd in space.prefix_nodes() for p in nd["pages"]) for ns, space in spaces.items()}
+        assert holes == {"old": 1, "new": 0}, holes
+        m.check()
+    finally:
+        m.close()

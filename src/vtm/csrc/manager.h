@@ -38,8 +38,9 @@
 //    it that is not live names a closed space.
 //
 // Caches may shrink on the way to a failure that is not out of memory
-// (pages cached in released slots, unreferenced tree leaves); everything
-// else is as before the failed operation.
+// (pages cached in released slots, unreferenced tree leaves, window pages
+// no vTensor maps: DropLockedWindowPages); everything else is as before
+// the failed operation.
 #pragma once
 
 #include <algorithm>
@@ -376,7 +377,8 @@ class Manager {
   // Window trees: the chunks that the nodes WindowPagesTakeable accepts hold
   // and nothing else does (no slot maps them: pages below the window of
   // every vTensor that locks the node) become holes, least recently used
-  // nodes first, until `need` are free. A window match needs only the pages
+  // nodes first (over all trees), until `need` are free; a chunk goes from
+  // every node that holds it at once, so no page becomes a hole for nothing. A window match needs only the pages
   // under its window, so the lockers lose nothing, and the tree matches
   // less far where a window lay there. Why: a lock keeps a path's nodes
   // from eviction, but a window path's lockers map a few of its pages, and

@@ -62,34 +62,6 @@ bool Manager::WindowPagesTakeable(const PrefixTree& tree, const PrefixNode& n,
   return it != pins.end() && it->second == n.locks;
 }
 
-std::size_t Manager::DropLockedWindowPages(std::size_t need) {
-  const std::unordered_map<const PrefixNode*, int> pins = PinsByNode();
-  std::unordered_map<ChunkId, int> held;  // the references such nodes hold on each chunk
-  for (const auto& [name, tree] : trees_)
-    tree->ForEach([&](const PrefixNode& n) {
-      if (!WindowPagesTakeable(*tree, n, pins)) return;
-      for (ChunkId c : n.pages)
-        if (c != kNoChunk) ++held[c];
-    });
-  std::size_t freed = 0;
-  // A page's chunk goes only when such nodes hold all its references (two
-  // may share one: the page straddling their boundary); keys do not change,
-  // so the LRU lists are walked as they are.
-  for (const auto& [name, tree] : trees_)
-    for (PrefixNode* n : tree->ByAge(/*on_host=*/false)) {
-      if (!WindowPagesTakeable(*tree, *n, pins)) continue;
-      for (std::size_t i = 0; i < n->pages.size() && freed < need; ++i) {
-        const auto it = n->pages[i] != kNoChunk ? held.find(n->pages[i]) : held.end();
-        if (it == held.end() || pool_->refs(it->first) != it->second) continue;  // mapped, or kept elsewhere
-        --it->second;
-        freed += tree->DropPage(n, i) ? 1 : 0;
-        ++window_page_drops_total_;
-      }
-      if (freed >= need) return freed;
-    }
-  return freed;
-}
-
 bool Manager::TreeCanFree(std::size_t need, bool pinned) const {
   // Chunks that only an unlocked leaf (or, with a tier, a spillable node)
   // holds are freed by its eviction, and no two such nodes share one: a
@@ -334,6 +306,43 @@ std::size_t Manager::EvictTreeLeaves(std::size_t need) {
     freed += tree->tier() != nullptr ? SpillNode(*tree, node) : tree->EvictLeaf(node);
     ++evictions_total_;
   }
+  return freed;
+}
+
+std::size_t Manager::DropLockedWindowPages(std::size_t need) {
+  const std::unordered_map<const PrefixNode*, int> pins = PinsByNode();
+  const auto takeable = [&](PrefixTree& tree, PrefixNode* n) { return WindowPagesTakeable(tree, *n, pins); };
+  // Where such nodes keep each chunk: a chunk goes only when they hold all
+  // its references, and then from all of them at once (two share the page
+  // straddling their boundary), so that no page becomes a hole for nothing.
+  struct Holder {
+    PrefixTree* tree;
+    PrefixNode* node;
+    std::size_t page;
+  };
+  std::unordered_map<ChunkId, std::vector<Holder>> holders;
+  for (const auto& [name, tree] : trees_)
+    for (PrefixNode* n : tree->ByAge(/*on_host=*/false)) {
+      if (!takeable(*tree, n)) continue;
+      for (std::size_t i = 0; i < n->pages.size(); ++i)
+        if (n->pages[i] != kNoChunk) holders[n->pages[i]].push_back(Holder{tree.get(), n, i});
+    }
+  std::size_t freed = 0;
+  // Least recently used paths first, over every tree; a drop changes no
+  // node's key, and no tree but its own (a chunk is one namespace's).
+  OldestFirst walk(trees_, /*on_host=*/false, takeable, /*only_its_tree=*/true);
+  for (auto [tree, node] = walk.Next(); node != nullptr && freed < need; std::tie(tree, node) = walk.Next())
+    for (std::size_t i = 0; i < node->pages.size() && freed < need; ++i) {
+      const ChunkId chunk = node->pages[i];
+      const auto it = chunk != kNoChunk ? holders.find(chunk) : holders.end();
+      if (it == holders.end() || pool_->refs(chunk) != static_cast<int>(it->second.size())) continue;
+      for (const Holder& h : it->second) {
+        h.tree->DropPage(h.node, h.page);
+        ++window_page_drops_total_;
+      }
+      holders.erase(it);
+      ++freed;
+    }
   return freed;
 }
 
