@@ -8,21 +8,19 @@ each process's own space.tensor() views of the same physical chunks.
 
 from __future__ import annotations
 
-import array
-import fcntl
 import json
 import multiprocessing
 import os
 import select
 import signal
 import socket
-import termios
 import time
 
 import numpy as np
 import pytest
 
 import vtm
+from vtm.broker.seqpacket import _unread_bytes
 from vtm.broker.transport import StepTransport
 from broker_testing import (CHUNK, ROW, BrokerProcess, RowView, child_allocate, child_extend_forever, child_record,
                             held, pattern)
@@ -494,13 +492,6 @@ def test_a_fetch_cannot_multiply_chunk_fds(broker):
         vt.extend(200).result()  # the client's own connections serve on
         assert vt.mapped_bytes == 4 * CHUNK
         a.check()
-
-
-def _unread_bytes(sock: socket.socket) -> int:
-    """What `sock` sent that its peer has not read yet (SIOCOUTQ)."""
-    out = array.array("i", [0])
-    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, out, True)
-    return out[0]
 
 
 def test_proto_stubs_are_fresh(tmp_path):

@@ -773,10 +773,13 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             wanted[vt_id] = (max(n, was_n), low if was_low is None else max(was_low, low or 0))
 
         def growth():
-            for vt_id in wanted:
-                self._vtensor(session, vt_id)  # released meanwhile (a retry's recount): its error
             counts = [self._growth(session, vt_id, n, low) for vt_id, (n, low) in wanted.items()]
             return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+        def recount():
+            for vt_id in wanted:
+                self._vtensor(session, vt_id)  # one released while the retry waited: its error
+            return growth()
         extra, new = growth()
 
         def run():
@@ -785,7 +788,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 return self._vtensor(session, vt_id).extend(n, low=low).result()
             return self.manager.step({self._vtensor(session, i): n if low is None else (n, low)
                                       for i, (n, low) in wanted.items()}).result()
-        self._allocate(session, extra, run, gate_bytes=new, speculative=speculative, recount=growth)
+        self._allocate(session, extra, run, gate_bytes=new, speculative=speculative, recount=recount)
         for vt_id, (n, low) in wanted.items():
             state = session.vt_state[vt_id]
             state.num_tokens = max(state.num_tokens, n)
