@@ -27,8 +27,9 @@ START_TIMEOUT_S = 30.0
 
 class BrokerProcess:
     def __init__(self, folder, capacity_chunks: int = 64, chunk_bytes: int = CHUNK, backend: str = "host",
-                 control: str | None = None, extra_args=()):
+                 control: str | None = None, extra_args=(), env=None):
         self.backend = backend
+        self.env = None if env is None else {**os.environ, **env}  # more environment for vtmd
         self.extra_args = list(extra_args)  # more vtmd flags (--max-sessions, --quota-file, ...)
         self.control = control  # tcp:HOST:PORT for vtmd --control; control_address is where it listens
         self.control_address = None
@@ -46,7 +47,7 @@ class BrokerProcess:
              "--capacity-bytes", str(self.capacity_bytes), "--chunk-bytes", str(self.chunk_bytes)]
             + (["--granularity", str(self.chunk_bytes)] if self.backend == "host" else [])
             + (["--control", self.control] if self.control else []) + self.extra_args,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         line = self.proc.stdout.readline()  # "vtmd: listening on ..." once serving
         if "listening" not in line:
             rest = self.proc.stdout.read() if self.proc.poll() is not None else ""
