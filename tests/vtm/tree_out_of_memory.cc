@@ -6,7 +6,10 @@
 // LRU lists, the closed counts, the index's sizes) and every chunk's
 // references (one held here, plus one per node that keeps it). The
 // operation may have done part of its work (an Insert that split a node
-// before its leaf failed), but never half of one step.
+// before its leaf failed), but never half of one step. Last, a pool's
+// registration of a chunk just created gives the chunk back when it fails.
+#include <dirent.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <new>
@@ -101,6 +104,39 @@ bool EveryFailure(const char* name, const vtm::PrefixTree& tree, const vtm::Pool
   }
 }
 
+// Open file descriptors: a host chunk is a memfd.
+int OpenFds() {
+  int n = 0;
+  DIR* dir = opendir("/proc/self/fd");
+  while (dirent* entry = readdir(dir)) n += entry->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+// A chunk just created on the device, registered by a pool whose lists
+// must grow: a failed registration gives the chunk back (its creator has
+// nothing left to release it with).
+bool AdoptionReleasesOnFailure(const std::shared_ptr<vtm::Backend>& backend) {
+  vtm::Pool pool(backend, 4);
+  for (long k = 0;; ++k) {
+    const int before = OpenFds();
+    const vtm::ChunkHandle handle = backend->create_chunk(kPage);
+    allocations_until_failure = k;
+    try {
+      pool.Adopt(handle, 0);
+      allocations_until_failure = -1;
+      std::printf("adopting a created chunk: succeeded after %ld failures\n", k);
+      return pool.alive() == 1 && OpenFds() == before + 1;
+    } catch (const std::bad_alloc&) {
+      allocations_until_failure = -1;
+      if (pool.alive() != 0 || OpenFds() != before) {
+        std::printf("adopting a created chunk failing allocation %ld: the chunk leaked\n", k);
+        return false;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -164,6 +200,7 @@ int main() {
     if (window.Find(first.data(), first.size()).node->pages[0] == vtm::kNoChunk)
       throw std::logic_error("the holes stayed");
   });
+  ok = ok && AdoptionReleasesOnFailure(backend);
   std::printf(ok ? "whole after every failure\n" : "BROKEN\n");
   return ok ? 0 : 1;
 }

@@ -699,11 +699,14 @@ void Manager::RefillThread() {
     lock.lock();
     pool_->EndCreate();
     if (ok) {
-      pool_->Adopt(handle, 0, fd);
-      ++prealloc_total_;
-    } else {
-      refill_blocked_ = true;  // until the next operation commits
+      try {
+        pool_->Adopt(handle, 0, fd);
+        ++prealloc_total_;
+      } catch (...) {
+        ok = false;  // out of host memory: Adopt gave the chunk back
+      }
     }
+    if (!ok) refill_blocked_ = true;  // until the next operation commits
     refill_cv_.notify_all();
   }
 }

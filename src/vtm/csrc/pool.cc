@@ -28,9 +28,18 @@ bool Pool::TakeFree(ChunkId* out) {
 }
 
 ChunkId Pool::Adopt(ChunkHandle handle, int refs, int export_fd) {
-  // The free list has room for every chunk alive, so that Unref, which the
-  // tree calls halfway through its changes, never allocates (never fails).
-  free_.reserve(alive_ + 1);
+  // Every allocation comes first, and a failed one gives the chunk back:
+  // the caller has nothing left to release it with.
+  try {
+    // The free list has room for every chunk alive, so that Unref, which the
+    // tree calls halfway through its changes, never allocates (never fails).
+    free_.reserve(alive_ + 1);
+    if (dead_ids_.empty()) records_.reserve(records_.size() + 1);
+  } catch (...) {
+    if (export_fd >= 0) close(export_fd);
+    backend_->release_chunk(handle);
+    throw;
+  }
   ChunkId id;
   if (!dead_ids_.empty()) {
     id = dead_ids_.back();

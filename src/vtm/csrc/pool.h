@@ -52,7 +52,9 @@ class Pool {
   // Pops a free chunk and gives it refcount 1; false when none is free.
   bool TakeFree(ChunkId* out);
   // Registers a chunk just created on the device; it starts with `refs`
-  // references (0 puts it in the free list). The pool owns `export_fd`.
+  // references (0 puts it in the free list). The pool owns the chunk and
+  // `export_fd` from the call on: when it fails (out of host memory) it has
+  // released both.
   ChunkId Adopt(ChunkHandle handle, int refs, int export_fd = -1);
   // Capacity accounting for a creation running without the manager's lock.
   void BeginCreate() { ++creating_; }
