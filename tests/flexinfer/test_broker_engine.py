@@ -111,6 +111,58 @@ def test_engine_preempts_to_answer_a_reclaim_notice(tiny_folder, tmp_path):
         b.kill()
 
 
+def mapped_pages(manager, name: str) -> int:
+    """The pages the broker's clients named `name` map."""
+    return sum(c["mapped_bytes"] for c in manager.stats()["clients"] if c["name"] == name) // PAGE
+
+
+def test_an_engine_of_equal_priority_gets_its_share_of_a_pool_another_fills(tiny_folder, tmp_path):
+    """Two engines of one priority on one pool. The first one's queue needs
+    more than the pool and keeps it full (it admits more whenever some
+    frees); the second one's request, within half the pool, gets its memory
+    by a reclaim notice to the first, which preempts. It used to keep the
+    pool: the second waited for its retries to catch memory between the
+    first's admissions, or failed after its memory wait. Both outputs are
+    the in-process ones."""
+    hog_prompts = random_prompts([200] * 8, seed=5)
+    prompts = random_prompts([200], seed=7)
+    hog_tokens = 50
+    with LLM(tiny_folder, backend="host") as local:
+        hog_want = [o.token_ids for o in local.generate(hog_prompts, greedy(hog_tokens), use_tqdm=False)]
+        want = [o.token_ids for o in local.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)]
+    # Rows of 512 bytes, 8 a page: each first-engine request maps 25 pages
+    # at once, 32 by its end; the second's needs 27 of the 60 that are half.
+    b = BrokerProcess(tmp_path, capacity_chunks=120, chunk_bytes=PAGE)
+    first = vtm.connect(b.address, name="first")
+    second = vtm.connect(b.address, name="second")
+    worker = hog = engine = None
+    try:
+        hog = LLM(tiny_folder, manager=first)
+        engine = LLM(tiny_folder, manager=second)
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            outs=hog.generate(hog_prompts, greedy(hog_tokens), use_tqdm=False)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while mapped_pages(first, "first") < 100 and time.monotonic() < deadline:  # not its cached prefixes
+            time.sleep(0.002)
+        outs = engine.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)
+        assert [o.error for o in outs] == [None] and [o.token_ids for o in outs] == want
+        assert first.reclaim_notices >= 1
+        worker.join(120)
+        assert [o.token_ids for o in result["outs"]] == hog_want
+        assert sum(o.metrics.preemptions for o in result["outs"]) > 0
+    finally:
+        if worker is not None:
+            worker.join(120)  # before unmapping what its compute reads
+        for llm in (engine, hog):
+            if llm is not None:
+                llm.close()
+        second.close()
+        first.close()
+        b.kill()
+
+
 def test_lowering_a_quota_preempts_instead_of_failing(tiny_folder, tmp_path):
     """vtmctl set-quota below what a running engine maps: the broker asks for
     the excess back (a reclaim notice) and the engine preempts and recomputes;

@@ -152,6 +152,85 @@ def test_reclaim_notice_lets_a_higher_priority_client_in(broker):
         low.close()
 
 
+def _holder(manager, chunks: int, name: str):
+    """`chunks` chunks mapped by `manager` in vTensors of 2 chunks, which a
+    reclaim notice releases, latest first, until it asked for enough."""
+    space = manager.create_space(row_bytes=ROW, max_tokens=2000, max_slots=chunks // 2, name=name)
+    vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(chunks // 2)]
+
+    def give_back(nbytes):
+        freed = 0
+        while freed < nbytes and vts:
+            vts.pop().release().result()
+            freed += 2 * CHUNK
+        return freed
+
+    manager.set_reclaim_handler(give_back)
+    return vts
+
+
+def test_an_equal_above_its_fair_share_gives_back_to_one_below_it(broker):
+    """Two clients of one priority: the one that took 12 of the 16 chunks
+    first is asked down to its half when the other needs 8 (it used to
+    keep them, and the other's requests failed after their memory wait)."""
+    first = vtm.connect(broker.address, name="first")
+    second = vtm.connect(broker.address, name="second")
+    try:
+        _holder(first, 12, "held")
+        vt = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * ROWS_PER_CHUNK).result()
+        assert vt.mapped_bytes == 8 * CHUNK
+        assert first.reclaim_notices == 1 and second.reclaim_notices == 0
+        clients = {c["name"]: c for c in second.stats()["clients"]}
+        assert clients["first"]["mapped_bytes"] == 8 * CHUNK and clients["first"]["owes_bytes"] == 0
+        second.check()
+    finally:
+        second.close()
+        first.close()
+
+
+def test_a_client_past_its_fair_share_asks_nothing_of_its_equals(broker):
+    """A client that would pass its half with what it asks asks nothing of
+    an equal within its own: two engines would otherwise take turns
+    preempting each other's requests."""
+    first = vtm.connect(broker.address, name="first")
+    second = vtm.connect(broker.address, name="second")
+    try:
+        _holder(first, 8, "held")
+        space = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2)
+        space.create(6 * ROWS_PER_CHUNK).result()
+        with pytest.raises(vtm.OutOfMemory):
+            space.create(4 * ROWS_PER_CHUNK).result()  # 2 chunks are free; 6 + 4 would pass its 8
+        assert first.reclaim_notices == 0
+    finally:
+        second.close()
+        first.close()
+
+
+def test_a_fair_share_splits_what_higher_priorities_leave(broker):
+    """A higher priority's 8 chunks are not shared: the two equals split the
+    other 8, so the one at 6 gives back 2 to the one asking for 4."""
+    set_quota(broker, "high", "--priority", 10)
+    high = vtm.connect(broker.address, name="high")
+    first = vtm.connect(broker.address, name="first")
+    second = vtm.connect(broker.address, name="second")
+    try:
+        high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * ROWS_PER_CHUNK).result()
+        _holder(first, 6, "held")
+        space = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2)
+        with pytest.raises(vtm.OutOfMemory):
+            space.create(6 * ROWS_PER_CHUNK).result()  # past its share of 4: nobody is asked
+        assert first.reclaim_notices == 0 and high.reclaim_notices == 0
+        vt = space.create(4 * ROWS_PER_CHUNK).result()
+        assert vt.mapped_bytes == 4 * CHUNK
+        assert first.reclaim_notices == 1 and high.reclaim_notices == 0
+        clients = {c["name"]: c for c in second.stats()["clients"]}
+        assert clients["first"]["mapped_bytes"] == 4 * CHUNK
+    finally:
+        second.close()
+        first.close()
+        high.close()
+
+
 def test_a_limit_holds_for_two_calls_of_one_client_while_one_waits_for_memory(broker):
     """Two creates of 8 chunks at once from one client limited to 8, into a pool a lower priority
     fills: the first waits for the reclaim without its session's lock, and the second is admitted

@@ -8,9 +8,10 @@ then the chunks a live match's path keeps without mapping them (a path one
 vTensor alone locks; Manager::UnpinPrefix); when that fails, a client's allocation first asks every other client that
 maps pages ahead, whatever its priority, for them (a RECALL notice: pages
 nobody uses yet, so no debt), and when what they free is not enough, asks
-lower-priority clients that map more than their guarantee to give memory
-back (a RECLAIM notice with a deadline); it waits briefly for the answers
-and retries once; then it fails with RESOURCE_EXHAUSTED. (A client that
+lower-priority clients that map more than their guarantee, then clients of
+its own priority that map more than their fair share, to give memory back
+(a RECLAIM notice with a deadline); it waits briefly for the answers and
+retries once; then it fails with RESOURCE_EXHAUSTED. (A client that
 maps pages ahead itself gives those back before any of this: its refusals
 come at once, service.py.) A client that has not come down to what a
 notice asked by its deadline gets no more memory until it does. The
@@ -68,9 +69,10 @@ from vtm.broker.session import LIVE
 
 class Policy:
     def __init__(self, sessions, chunk_bytes: int, free_bytes=None, notice_deadline_s: float = 2.0,
-                 wait_s: float = 1.0, reserve_s: float = 2.0):
+                 wait_s: float = 1.0, reserve_s: float = 2.0, capacity_bytes: int = 0):
         self._sessions = sessions  # () -> list of open sessions
         self.chunk_bytes = chunk_bytes
+        self.capacity_bytes = capacity_bytes  # the pool's, split into fair shares among equals (0: none)
         self._free_bytes = free_bytes  # () -> bytes of the pool no chunk holds (None: no reservations)
         self.notice_deadline_s = notice_deadline_s
         self.wait_s = wait_s
@@ -273,22 +275,18 @@ class Policy:
     def reclaim(self, requester, need_bytes: int, reserve_bytes: int = 0) -> bool:
         """Recalls pages ahead (recall()); when the pool's free memory is
         still short of `need_bytes`, asks lower-priority clients above their
-        guarantee for them and waits up to wait_s; False when there was
-        nobody to ask. When it asked, `reserve_bytes` stay reserved for the
+        guarantee, then equals above their fair share (_victims), for them
+        and waits up to wait_s; False when there was nobody to ask. When it asked, `reserve_bytes` stay reserved for the
         requester's retry from before the first notice until unreserve()
         (or reserve_s)."""
         recalled = self.recall(requester, reserve_bytes, need_bytes)
         if recalled and self._has_free(requester, need_bytes):
             return True
-        victims = sorted((s for s in self._sessions() if s is not requester and s.state == LIVE
-                          and s.priority < requester.priority
-                          and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes),
-                         key=lambda s: s.priority)
         asked = []
         remaining = max(need_bytes, self.chunk_bytes)
-        for victim in victims:
+        for victim, floor in self._victims(requester, need_bytes):
             mapped = victim.mapped_bytes(self.chunk_bytes)
-            ask = min(mapped - victim.guaranteed_bytes, remaining)
+            ask = min(mapped - floor, remaining)
             if ask <= 0:
                 continue
             if not asked:
@@ -304,6 +302,29 @@ class Policy:
         # A victim no longer live (quarantined, closed) frees nothing more by answering.
         self._wait(lambda: all(v.owed_target is None or v.state != LIVE for v in asked))
         return True
+
+    def _victims(self, requester, need_bytes: int) -> list:
+        """Whom reclaim asks, in order, with the bytes each may keep: lower
+        priorities first (lowest first), down to their guarantee; then the
+        requester's equals above their fair share, largest first, down to
+        it. The fair share is the pool less what higher priorities map,
+        split evenly among the clients of the requester's priority that map
+        memory, the requester counted. Equals are asked only when the
+        requester, with what it asks, stays within its share: two equal
+        engines on one pool settle at half each, and neither preempts the
+        other's requests to run more than its half (they would take turns
+        recomputing)."""
+        live = [s for s in self._sessions() if s is not requester and s.state == LIVE]
+        mapped = {s: s.mapped_bytes(self.chunk_bytes) for s in live}
+        victims = [(s, s.guaranteed_bytes) for s in sorted(live, key=lambda s: s.priority)
+                   if s.priority < requester.priority and mapped[s] > s.guaranteed_bytes]
+        equals = [s for s in live if s.priority == requester.priority and mapped[s] > 0]
+        above = sum(mapped[s] for s in live if s.priority > requester.priority)
+        share = (self.capacity_bytes - above) // (len(equals) + 1) // self.chunk_bytes * self.chunk_bytes
+        if requester.mapped_bytes(self.chunk_bytes) + need_bytes <= share:
+            victims += [(s, max(share, s.guaranteed_bytes)) for s in sorted(equals, key=lambda s: -mapped[s])
+                        if mapped[s] > max(share, s.guaranteed_bytes)]
+        return victims
 
     def ask_back(self, session, target_bytes: int, reason: str, for_limit: bool = False) -> None:
         """Asks `session` to come down to mapping `target_bytes` (a RECLAIM

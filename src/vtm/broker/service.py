@@ -135,7 +135,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self._tier_mu = threading.Lock()  # orders the host-tier limits given to the manager
         self._has_tier = manager.stats()["host_tier_capacity_bytes"] > 0
         self._stopping = False
-        self.policy = Policy(self._open_sessions, manager.chunk_bytes, self._free_bytes)
+        self.policy = Policy(self._open_sessions, manager.chunk_bytes, self._free_bytes,
+                             capacity_bytes=manager.capacity_bytes)
         self._reaper_stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="vtmd-reaper", daemon=True)
         self._reaper.start()
