@@ -812,3 +812,74 @@ def test_a_late_payer_shrinks_without_waiting_at_the_gate(in_process_service):
     _runs_at_once_beside_a_reservation(service, bystander, asker, lambda: service.shrink(bystander, [(vt_id, 3)]))
     assert service.manager.stats()["cow_copies_total"] == 1
     service.manager.check()
+
+
+def test_two_askers_of_one_victim_each_get_what_they_asked_for():
+    """Two allocations ask one victim for 1 chunk each while its first debt
+    is unpaid: the second asks below the first's target, for 1 more (both
+    asked it down to 3 of its 4: the second's retry found nothing freed for
+    it), and each notice carries what it adds, so the client, which frees
+    each notice's bytes, gives back 2 and not 1 + 2."""
+    from vtm.broker.policy import Policy
+    from vtm.broker.quota import Ask, Quota
+    from vtm.broker.session import LIVE, Session
+
+    asker, _, victim = _asker_one_ahead_one_below()
+    other = Session(5, "other", Ask(), Quota(priority=5))
+    other.state, other.channel = LIVE, _Channel()
+    policy = Policy(lambda: [asker, other, victim], 1, free_bytes=lambda: 0, wait_s=0.05)
+    assert policy.reclaim(asker, 1, reserve_bytes=1)
+    assert policy.reclaim(other, 1, reserve_bytes=1)
+    assert victim.owed_target == 2
+    assert [(n["notice"], n["bytes"]) for n in victim.channel.sent] == [("reclaim", 1), ("reclaim", 1)]
+
+
+def test_waits_for_memory_leave_the_broker_threads_to_answer_them(broker):
+    """40 clients of a high priority each need a chunk a low-priority client
+    holds, at once. Each allocation that asks waits for the answer on one of
+    vtmd's threads, and those threads also carry the victim's releases and
+    acknowledgements: 32 waiting left none, and the waits ran out (1 s
+    each, up to two of them, then out of memory). Now at most 16 wait, the
+    rest are refused at once and say so (a client tries again), and the
+    victim's whole pool goes to those that waited. (A refusal within the
+    policy's wait of 1 s is one that did not wait it out.)"""
+    set_quota(broker, "high", "--priority", 10)
+    low = vtm.connect(broker.address, name="low")
+    askers = []
+    try:
+        space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=16)
+        vts = [space.create(ROWS_PER_CHUNK).result() for _ in range(16)]  # the whole pool
+
+        def give_back(nbytes):
+            freed = 0
+            while freed < nbytes and vts:
+                vts.pop().release().result()
+                freed += CHUNK
+            return freed
+
+        low.set_reclaim_handler(give_back)
+        askers = [vtm.connect(broker.address, name="high") for _ in range(40)]
+        spaces = [a.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1) for a in askers]
+        refusals = []
+        start = threading.Barrier(len(spaces))
+
+        def ask(space):
+            start.wait()
+            began = time.monotonic()
+            try:
+                space.create(ROWS_PER_CHUNK).result()
+            except vtm.OutOfMemory as exc:
+                refusals.append((time.monotonic() - began, str(exc)))
+
+        threads = [threading.Thread(target=ask, args=(s,)) for s in spaces]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(refusals) == 40 - 16 and not vts, refusals
+        assert any("16 allocations already wait for memory: try again" in why for _, why in refusals), refusals
+        assert max(seconds for seconds, _ in refusals) < 1.0, refusals
+    finally:
+        for a in askers:
+            a.close()
+        low.close()

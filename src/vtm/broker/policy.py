@@ -36,6 +36,8 @@ reservations lapse).
 
 Notices go on the session's channel (Session.notify), as JSON:
 {"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...}
+(B: what it asks beyond what earlier notices asked and the client has not
+given back yet)
 or {"notice": "recall", "id": N, "reason": ...}; the client answers with
 {"ack": N} there (src/vtm/broker/fd_channel.py).
 
@@ -67,12 +69,26 @@ from vtm import errors
 from vtm.broker.session import LIVE
 
 
+# Allocations that may wait at once: half the broker's pool of side-socket
+# workers (server.IO_THREADS), so that as many are left for the calls that
+# end waits.
+MAX_WAITS = 16
+
+
 class Policy:
     def __init__(self, sessions, chunk_bytes: int, free_bytes=None, notice_deadline_s: float = 2.0,
-                 wait_s: float = 1.0, reserve_s: float = 2.0, capacity_bytes: int = 0):
+                 wait_s: float = 1.0, reserve_s: float = 2.0, capacity_bytes: int = 0, max_waits: int = MAX_WAITS):
         self._sessions = sessions  # () -> list of open sessions
         self.chunk_bytes = chunk_bytes
         self.capacity_bytes = capacity_bytes  # the pool's, split into fair shares among equals (0: none)
+        # Allocations waiting at once (for answers, or at the gate). A wait
+        # holds the thread that serves the call, which the broker's fixed
+        # pools share with the calls that end waits (the victims' releases
+        # and acks): without a bound, enough askers at once left none to
+        # carry them, and every wait ran out. Past it an allocation is
+        # refused at once; a client tries again (FlexInfer every 50 ms).
+        self.max_waits = max_waits
+        self._waits = threading.BoundedSemaphore(max_waits)
         self._free_bytes = free_bytes  # () -> bytes of the pool no chunk holds (None: no reservations)
         self.notice_deadline_s = notice_deadline_s
         self.wait_s = wait_s
@@ -130,27 +146,41 @@ class Policy:
         """Runs an allocation of `extra_bytes` by `session` (the with-block)
         so that it leaves the bytes reserved for others' retries free:
         while it would not, it waits (until they retried or their
-        reservations expired; wait=False: raises OutOfMemory instead). With
+        reservations expired; wait=False, or max_waits allocations waiting
+        already: raises OutOfMemory instead). With
         no reservation of others, it runs at once and concurrently with any
         other; otherwise gated allocations run one at a time, so two of them
         cannot both pass the check."""
         with self._gate:
             gated = self._gated(session, extra_bytes)
-            while gated:
-                others = self._reserved_for_others(session)
-                if others == 0 or self._free_bytes() - extra_bytes >= others:
-                    break
-                if not wait:
-                    raise errors.OutOfMemory(f"{others} bytes are reserved for other clients' retries")
-                now = time.monotonic()
-                deadlines = [d for s, (_, d) in self._reserved.items() if s is not session and d > now]
-                self._gate.wait(min(deadlines) - now if deadlines else 0)
-                # A notice sent meanwhile lets it through (_notified wakes it).
-                gated = self._gated(session, extra_bytes)
+            waiting = False
+            try:
+                while gated:
+                    others = self._reserved_for_others(session)
+                    if others == 0 or self._free_bytes() - extra_bytes >= others:
+                        break
+                    if not wait:
+                        raise errors.OutOfMemory(f"{others} bytes are reserved for other clients' retries")
+                    if not waiting:
+                        waiting = self._waits.acquire(blocking=False)
+                        if not waiting:
+                            raise self._too_many_waits(f"{others} bytes are reserved for other clients' retries")
+                    now = time.monotonic()
+                    deadlines = [d for s, (_, d) in self._reserved.items() if s is not session and d > now]
+                    self._gate.wait(min(deadlines) - now if deadlines else 0)
+                    # A notice sent meanwhile lets it through (_notified wakes it).
+                    gated = self._gated(session, extra_bytes)
+            finally:
+                if waiting:
+                    self._waits.release()
             if gated:
                 yield  # under the lock: the next gated allocation checks after this one
                 return
         yield
+
+    def _too_many_waits(self, why: str) -> errors.OutOfMemory:
+        return errors.OutOfMemory(f"{why}, and {self.max_waits} allocations already wait for memory: "
+                                  "try again shortly")
 
     def _gated(self, session, extra_bytes: int) -> bool:
         """Whether gate() holds this allocation to others' reservations (under
@@ -278,20 +308,34 @@ class Policy:
         guarantee, then equals above their fair share (_victims), for them
         and waits up to wait_s; False when there was nobody to ask. When it asked, `reserve_bytes` stay reserved for the
         requester's retry from before the first notice until unreserve()
-        (or reserve_s)."""
+        (or reserve_s). Raises OutOfMemory, asking nobody, when max_waits
+        allocations wait already."""
+        if not self._waits.acquire(blocking=False):
+            raise self._too_many_waits("the pool is out of memory")
+        try:
+            return self._reclaim(requester, need_bytes, reserve_bytes)
+        finally:
+            self._waits.release()
+
+    def _reclaim(self, requester, need_bytes: int, reserve_bytes: int) -> bool:
         recalled = self.recall(requester, reserve_bytes, need_bytes)
         if recalled and self._has_free(requester, need_bytes):
             return True
         asked = []
         remaining = max(need_bytes, self.chunk_bytes)
         for victim, floor in self._victims(requester, need_bytes):
-            mapped = victim.mapped_bytes(self.chunk_bytes)
-            ask = min(mapped - floor, remaining)
+            # Below what the victim owes already: that debt frees memory
+            # for the allocations that asked it, not for this one.
+            base = victim.mapped_bytes(self.chunk_bytes)
+            with self._mu:
+                if victim.owed_target is not None:
+                    base = min(base, victim.owed_target)
+            ask = min(base - floor, remaining)
             if ask <= 0:
                 continue
             if not asked:
                 self._reserve(requester, reserve_bytes)
-            self.ask_back(victim, mapped - ask,
+            self.ask_back(victim, base - ask,
                           f"client '{requester.name}' (priority {requester.priority}) needs memory")
             asked.append(victim)
             remaining -= ask
@@ -331,15 +375,19 @@ class Policy:
         notice for the excess, with a deadline); a no-op when it maps no more.
         `for_limit`: the operator's limit asks it, not another client."""
         mapped = session.mapped_bytes(self.chunk_bytes)
-        if mapped <= target_bytes:
-            return
         with self._mu:
-            target = target_bytes if session.owed_target is None else min(session.owed_target, target_bytes)
-            session.owed_target = target
+            # What earlier notices asked and the client has not given yet
+            # is on its way: this one asks for what it adds (the client
+            # frees each notice's bytes; the whole excess again would make
+            # it give back a debt twice).
+            asked = mapped if session.owed_target is None else min(mapped, session.owed_target)
+            if asked <= target_bytes:
+                return
+            session.owed_target = target_bytes
             if not for_limit:
                 session.owed_reclaim = (target_bytes if session.owed_reclaim is None
                                         else min(session.owed_reclaim, target_bytes))
             session.owed_deadline = time.monotonic() + self.notice_deadline_s
-        session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": mapped - target,
+        session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": asked - target_bytes,
                         "deadline_s": self.notice_deadline_s, "reason": reason})
         self._notified()

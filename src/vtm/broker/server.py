@@ -51,7 +51,7 @@ from vtm.proto.vtm.v1 import vtm_pb2_grpc
 SERVICE_NAME = "vtm.v1.Broker"
 _GRACE_S = 5.0
 GRPC_THREADS = 32
-IO_THREADS = 32  # a call may wait up to ~2 s for reclaim: enough for that many at once
+IO_THREADS = 32  # a call may wait up to ~2 s for reclaim; policy.MAX_WAITS of them at once, at most
 _CONTROL_THREADS = 4
 DEFAULT_MAX_SESSIONS = 256
 
