@@ -20,7 +20,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noq
 
 from flexinfer.errors import ChatTemplateError, FlexInferError, ModelLoadError  # noqa: E402
 from flexinfer.model.config import FULL, SLIDING, ModelConfig  # noqa: E402
-from flexinfer.model.loader import _unpermute_rotary_rows, load_model  # noqa: E402
+from flexinfer.model.loader import _unpermute_rotary_rows, load_config, load_model  # noqa: E402
 from flexinfer.tokenizer import Tokenizer  # noqa: E402
 from gguf_testing import byte_level_metadata  # noqa: E402
 
@@ -518,6 +518,32 @@ def test_config_refuses_what_the_forward_pass_does_not_run():
                            ({"model_type": "gemma3", "text_config": {}}, "unsupported architecture 'gemma3'")]:
         with pytest.raises(ModelLoadError, match=message):
             ModelConfig.from_hf_dict({**base, **extra})
+
+
+_HF_BASE = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("key, value, bound", [
+    ("vocab_size", 10**12, 2**21), ("hidden_size", 2**40, 2**16), ("intermediate_size", 2**40, 2**18),
+    ("num_attention_heads", 2**20, 2**10), ("head_dim", 2**40, 2**10), ("max_position_embeddings", 2**62, 2**24),
+])
+def test_config_sizes_are_bounded_before_anything_is_sized_by_them(tmp_path, key, value, bound):
+    """A config.json's sizes loaded whatever they were, and the engine sized
+    RoPE tables and its KV plan by them before any weight was read."""
+    # A head_dim of its own: hidden_size // 2**20 heads would be 0, refused anyway.
+    (tmp_path / "config.json").write_text(json.dumps({**_HF_BASE, "head_dim": 16, key: value}))
+    message = f"{tmp_path / 'config.json'}: {key} must be an integer in 1..{bound}, got {value}"
+    with pytest.raises(ModelLoadError) as raised:
+        load_config(str(tmp_path))
+    assert str(raised.value) == message
+
+
+def test_a_config_size_that_is_infinite_is_a_load_error(tmp_path):
+    """json reads Infinity, and int() of it raised OverflowError."""
+    (tmp_path / "config.json").write_text(json.dumps({**_HF_BASE, "hidden_size": float("inf")}))
+    with pytest.raises(ModelLoadError, match="config has a malformed value: cannot convert float infinity"):
+        load_config(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------- errors

@@ -30,9 +30,26 @@ _GEMMA = ("gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("linear", "llama3")
 # Per-layer lists are sized by a config's layer count before any weight is
 # read, so a count past this is refused as malformed (the deepest model we
-# know, Llama 3.1 405B, has 126 layers). A GGUF file's count must match the
-# layers its tensors hold instead (loader.py).
+# know, Llama 3.1 405B, has 126 layers). A GGUF file's count must also match
+# the layers its tensors hold (loader.py).
 MAX_LAYERS = 1024
+# The longest context a model may declare. RoPE tables are sized by it before
+# any weight is read (the engine's max_model_len is the model's unless a
+# smaller one is asked for), and positions are rotated in float32, which holds
+# every integer only up to 2**24. The longest context any released model
+# declares, Llama 4 Scout's 10M tokens, is below it.
+MAX_POSITIONS = 2**24
+# Every size a config gives lies in 1..its bound here, so that a malformed
+# config.json or GGUF header is one clear error rather than an allocation
+# sized by it (RoPE tables, the KV cache plan) or arithmetic far past any
+# real model's. Each bound is at least four times the largest we know of:
+# Gemma 3's 262144-token vocabulary, Llama 3.1 405B's hidden size 16384 and
+# 128 heads, Nemotron-4 340B's intermediate size 73728, Gemma's head_dim 256.
+MAX_SIZES = {
+    "vocab_size": 2**21, "hidden_size": 2**16, "intermediate_size": 2**18, "num_hidden_layers": MAX_LAYERS,
+    "num_attention_heads": 2**10, "num_key_value_heads": 2**10, "head_dim": 2**10,
+    "max_position_embeddings": MAX_POSITIONS,
+}
 _REQUIRED_ROPE_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -78,11 +95,10 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"unsupported architecture {self.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name, bound in MAX_SIZES.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelLoadError(f"{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= bound:
+                raise ModelLoadError(f"{name} must be an integer in 1..{bound}, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                                  f"num_key_value_heads={self.num_key_value_heads}")
@@ -148,7 +164,7 @@ class ModelConfig:
             rms_norm_eps = float(d.get("rms_norm_eps", 1e-6))
         except KeyError as exc:
             raise ModelLoadError(f"config lacks required key {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, ArithmeticError) as exc:  # ArithmeticError: int(Infinity)
             raise ModelLoadError(f"config has a malformed value: {exc}") from None
 
         if not 0 < num_layers <= MAX_LAYERS:
