@@ -115,6 +115,13 @@ def test_header_values_that_break_arithmetic(tmp_path, key, value, message):
     _every_loader(path, f"{path}: {message}")
 
 
+@pytest.mark.parametrize("length", [2**24 + 1, 2**62])
+def test_a_gguf_context_length_is_bounded(tmp_path, length):
+    """2**62 loaded; the engine then sized RoPE tables by it (its max_model_len by default)."""
+    path = write_tiny_llama(tmp_path / "context.gguf", {"llama.context_length": length})
+    _every_loader(path, f"{path}: llama.context_length must be in 1..16777216, got {length}")
+
+
 _HF_BASE = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
 

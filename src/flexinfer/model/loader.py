@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from flexinfer.errors import ModelLoadError
-from flexinfer.model.config import FULL, SLIDING, ModelConfig, absent_or_float, token_id_tuple
+from flexinfer.model.config import FULL, MAX_POSITIONS, SLIDING, ModelConfig, absent_or_float, token_id_tuple
 from flexinfer.tokenizer import Tokenizer
 
 
@@ -550,6 +550,8 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
     if num_layers != len(layers):
         raise ModelLoadError(f"{arch}.block_count is {num_layers}, but the tensors hold {len(layers)} layers")
     max_positions = integer("context_length")
+    if not 0 < max_positions <= MAX_POSITIONS:
+        raise ModelLoadError(f"{arch}.context_length must be in 1..{MAX_POSITIONS}, got {max_positions}")
     head_dim = integer("attention.key_length", hidden // heads)
     if integer("attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"unsupported value_length {key('attention.value_length')} != key_length {head_dim}")
