@@ -115,6 +115,26 @@ def test_header_values_that_break_arithmetic(tmp_path, key, value, message):
     _every_loader(path, f"{path}: {message}")
 
 
+@pytest.mark.parametrize("key, value, kind", [
+    ("llama.context_length", "64", "an integer"),  # int("64")
+    ("llama.embedding_length", 16.5, "an integer"),  # truncated to 16
+    ("llama.attention.head_count", True, "an integer"),
+    ("llama.attention.sliding_window", 16.0, "an integer"),
+    ("tokenizer.ggml.eos_token_id", "256", "an integer"),
+    ("llama.rope.freq_base", "10000", "a number"),  # float("10000")
+    ("llama.attention.layer_norm_rms_epsilon", True, "a number"),  # 1.0
+])
+def test_header_values_of_another_type_are_refused_not_converted(tmp_path, key, value, kind):
+    """int() and float() read them: a file written wrong loaded as if written right."""
+    path = write_tiny_llama(tmp_path / "type.gguf", {key: value})
+    _every_loader(path, f"{path}: {key} must be {kind}, got {value!r}")
+
+
+def test_a_float_may_be_written_as_an_integer(tmp_path):
+    path = write_tiny_llama(tmp_path / "float.gguf", {"llama.rope.freq_base": 10000})
+    assert load_config(str(path)).rope_theta == 10000.0
+
+
 @pytest.mark.parametrize("length", [2**24 + 1, 2**62])
 def test_a_gguf_context_length_is_bounded(tmp_path, length):
     """2**62 loaded; the engine then sized RoPE tables by it (its max_model_len by default)."""

@@ -525,19 +525,27 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}")
         return value
 
+    # A value of another GGUF type is refused, not converted: int() would
+    # read "2" as 2 and truncate 64.9 to 64, taking a file written wrong for
+    # one written right. Any integer type is one (converters differ in width
+    # and sign), and a float may be written as an integer; a bool is neither.
     def integer(name: str, default: Any = ModelLoadError) -> int:
         value = key(name, default)
-        try:
-            return int(value)
-        except (TypeError, ValueError, ArithmeticError):  # a string, a list, an infinite or NaN float
-            raise ModelLoadError(f"{arch}.{name} must be an integer, got {value!r}") from None
+        if not _is_integer(value):
+            raise ModelLoadError(f"{arch}.{name} must be an integer, got {value!r}")
+        return value
 
     def number(name: str, default: Any = ModelLoadError) -> float:
         value = key(name, default)
-        try:
-            return float(value)
-        except (TypeError, ValueError, ArithmeticError):
-            raise ModelLoadError(f"{arch}.{name} must be a number, got {value!r}") from None
+        if not (_is_integer(value) or isinstance(value, float)):
+            raise ModelLoadError(f"{arch}.{name} must be a number, got {value!r}")
+        return float(value)
+
+    def token_id(name: str) -> int | None:  # a tokenizer.ggml.* id, where given
+        value = metadata.get(name)
+        if value is not None and not _is_integer(value):
+            raise ModelLoadError(f"{name} must be an integer, got {value!r}")
+        return value
 
     hidden = integer("embedding_length")
     heads = integer("attention.head_count")
@@ -568,7 +576,7 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
         raise ModelLoadError(f"unsupported rope scaling type {scaling_type!r}")
 
     gemma = arch in ("gemma2", "gemma3")
-    layer_types, window = _gguf_layer_types(arch, key, num_layers, max_positions)
+    layer_types, window = _gguf_layer_types(arch, key, integer, num_layers, max_positions)
     rope_local_theta = None
     if arch == "gemma3" and SLIDING in layer_types:
         # llama.cpp hard-codes Gemma 3's local base (rope_freq_base_train_swa
@@ -579,11 +587,11 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
         attn_cap = number("attn_logit_softcapping", 50.0)
         final_cap = number("final_logit_softcapping", 30.0)
     else:
-        attn_cap = absent_or_float(key("attn_logit_softcapping", 0.0))
-        final_cap = absent_or_float(key("final_logit_softcapping", 0.0))
-    eos_ids = [int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                          "tokenizer.ggml.eom_token_id") if k in metadata]
-    bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
+        attn_cap = absent_or_float(number("attn_logit_softcapping", 0.0))
+        final_cap = absent_or_float(number("final_logit_softcapping", 0.0))
+    eos_ids = [token_id(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                     "tokenizer.ggml.eom_token_id") if k in metadata]
+    bos_token_id = token_id("tokenizer.ggml.bos_token_id")
     num_tokens = len(metadata.get("tokenizer.ggml.tokens", ()))
     vocab_size = integer("vocab_size", num_tokens)
     if num_tokens > vocab_size:  # a token past the embedding's rows would fail only once sampled
@@ -605,7 +613,7 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
         # llama.cpp omits the output matrix when it is the embedding matrix.
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        bos_token_id=None if bos_token_id is None else int(bos_token_id),
+        bos_token_id=bos_token_id,
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         layer_types=layer_types,
         sliding_window=window,
@@ -618,6 +626,11 @@ def _gguf_config_from_metadata(metadata: dict[str, Any], tensors: Collection[str
         query_pre_attn_scalar=_gemma_query_pre_attn_scalar(arch, num_layers, hidden, heads, head_dim),
         rope_local_theta=rope_local_theta,
     )
+
+
+def _is_integer(value: Any) -> bool:
+    """Whether a GGUF value is of an integer type (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # llama.cpp's layer count of Gemma 2 27B and Gemma 3 27B (see _gemma_query_pre_attn_scalar).
@@ -638,7 +651,7 @@ def _gemma_query_pre_attn_scalar(arch: str, num_layers: int, hidden: int, heads:
 _GGUF_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
 
 
-def _gguf_layer_types(arch: str, key: Callable[..., Any], num_layers: int,
+def _gguf_layer_types(arch: str, key: Callable[..., Any], integer: Callable[..., int], num_layers: int,
                       max_positions: int) -> tuple[tuple[str, ...], int | None]:
     """Each layer's type and the window, from `{arch}.attention.sliding_window`
     (0 or absent: none; Gemma 2's default is llama.cpp's 4096) and
@@ -646,7 +659,7 @@ def _gguf_layer_types(arch: str, key: Callable[..., Any], num_layers: int,
     sliding) or a period n (layer i slides unless i % n == n - 1, llama.cpp's
     set_swa_pattern), else the architecture's period, else every layer
     slides (Mistral, Phi-3). A window that holds every position is none."""
-    window = int(key("attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    window = integer("attention.sliding_window", 4096 if arch == "gemma2" else 0)
     if window <= 0 or window >= max_positions:
         return (), None
     pattern = key("attention.sliding_window_pattern", _GGUF_SWA_PERIOD.get(arch))
@@ -657,7 +670,7 @@ def _gguf_layer_types(arch: str, key: Callable[..., Any], num_layers: int,
     elif pattern is None:
         sliding = [True] * num_layers
     else:
-        period = int(pattern)
+        period = integer("attention.sliding_window_pattern", pattern)  # the same value, its type checked
         if period <= 0:
             raise ModelLoadError(f"sliding_window_pattern must be positive, got {period}")
         sliding = [i % period < period - 1 for i in range(num_layers)]
