@@ -107,6 +107,16 @@ class Tokenizer:
             raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {kind!r} "
                                  "(supported: byte-level BPE 'gpt2', SentencePiece 'llama')")
         tokens = _gguf_list(metadata, "tokenizer.ggml.tokens", str, source)
+        if len(set(tokens)) != len(tokens):
+            # A token listed twice has two ids and text encodes to only one of
+            # them (the vocabulary keeps the last): llama.cpp refuses such a
+            # file too (it asserts that every token has one id).
+            seen: dict[str, int] = {}
+            for index, token in enumerate(tokens):
+                if token in seen:
+                    raise ModelLoadError(f"{source}: tokenizer.ggml.tokens lists {token!r:.60} twice, "
+                                         f"as ids {seen[token]} and {index}")
+                seen[token] = index
         token_types = _gguf_list(metadata, "tokenizer.ggml.token_type", int, source, default=[])
         if token_types and len(token_types) != len(tokens):
             raise ModelLoadError(f"{source}: {len(token_types)} token types for {len(tokens)} tokens")

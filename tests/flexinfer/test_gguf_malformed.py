@@ -215,6 +215,10 @@ def _sentencepiece(**changes):
     (_byte_level(tokens="abc"), "tokenizer.ggml.tokens must be an array, got 'abc'"),
     (_byte_level(token_type=["1"] * 257), r"token_type\[0\] is '1', not of the array's type"),
     (_sentencepiece(scores=["x"] * 4), r"tokenizer.ggml.scores\[0\] is 'x', not of the array's type"),  # TypeError
+    # Text encoded to the later id alone:
+    (_sentencepiece(tokens=["<unk>", "▁", "a", "a"]), "tokenizer.ggml.tokens lists 'a' twice, as ids 2 and 3"),
+    (_byte_level(tokens=_byte_level()["tokenizer.ggml.tokens"] + ["ĠĠ"], token_type=[1] * 258),
+     "tokenizer.ggml.tokens lists 'ĠĠ' twice, as ids 256 and 257"),
 ])
 def test_tokenizer_metadata_is_checked(metadata, message):
     with pytest.raises(ModelLoadError, match=f"t.gguf: .*{message}"):
