@@ -8,6 +8,7 @@ either from a Hugging Face tokenizer.json or from the metadata of a GGUF file.
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -246,6 +247,12 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], token_types: 
     scores = _gguf_list(metadata, "tokenizer.ggml.scores", (int, float), source)
     if len(scores) != len(tokens):
         raise ModelLoadError(f"{source}: {len(scores)} token scores for {len(tokens)} tokens")
+    # The scores rank the merges: a NaN one compares false with every other,
+    # so the order (and which merge wins) would depend on where it sits; an
+    # infinite one is no log-probability, which SentencePiece's scores are.
+    for index, score in enumerate(scores):
+        if not math.isfinite(score):
+            raise ModelLoadError(f"{source}: tokenizer.ggml.scores[{index}] is {score!r}, not a finite number")
     if metadata.get("tokenizer.ggml.precompiled_charsmap"):
         raise ModelLoadError(f"{source}: unsupported SentencePiece normalisation (tokenizer.ggml.precompiled_charsmap)")
     vocab = {token: index for index, token in enumerate(tokens)}

@@ -215,6 +215,9 @@ def _sentencepiece(**changes):
     (_byte_level(tokens="abc"), "tokenizer.ggml.tokens must be an array, got 'abc'"),
     (_byte_level(token_type=["1"] * 257), r"token_type\[0\] is '1', not of the array's type"),
     (_sentencepiece(scores=["x"] * 4), r"tokenizer.ggml.scores\[0\] is 'x', not of the array's type"),  # TypeError
+    # A NaN score ranked its merges wherever the sort left them:
+    (_sentencepiece(scores=[0.0, -1.0, float("nan"), -3.0]), r"tokenizer.ggml.scores\[2\] is nan, not a finite"),
+    (_sentencepiece(scores=[0.0, -1.0, -2.0, float("-inf")]), r"tokenizer.ggml.scores\[3\] is -inf, not a finite"),
     # Text encoded to the later id alone:
     (_sentencepiece(tokens=["<unk>", "▁", "a", "a"]), "tokenizer.ggml.tokens lists 'a' twice, as ids 2 and 3"),
     (_byte_level(tokens=_byte_level()["tokenizer.ggml.tokens"] + ["ĠĠ"], token_type=[1] * 258),
