@@ -273,3 +273,16 @@ def test_tensor_data_lies_inside_the_file_aligned_and_apart(tmp_path, name, offs
     set_tensor_offset(path, name, offset)
     with pytest.raises(ModelLoadError, match=f"{path}: .*{message}"):
         load_model(str(path), torch.float32)
+
+
+@pytest.mark.parametrize("value, dtype", [(float("nan"), torch.float32), (float("-inf"), torch.float32),
+                                          (float("nan"), torch.bfloat16), (1e38, torch.float16)])
+def test_weights_that_are_not_finite_are_refused(tmp_path, value, dtype):
+    """They loaded, and every request whose tokens met them failed with NaN
+    logits. 1e38 is finite in the file's float32, infinite in float16."""
+    weight = np.ones((16, 16), np.float32)
+    weight[3, 5] = value
+    path = write_tiny_llama(tmp_path / "weights.gguf", tensors={"blk.1.attn_output.weight": weight})
+    with pytest.raises(ModelLoadError, match=f"{path}: tensor model.layers.1.self_attn.o_proj.weight holds 1 NaN "
+                                             f"or infinite value\\(s\\) in {dtype}"):
+        load_model(str(path), dtype)

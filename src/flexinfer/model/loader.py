@@ -188,6 +188,17 @@ def _check_weights(source: Path, config: ModelConfig, weights: dict[str, torch.T
         if tuple(tensor.shape) != expected[name]:
             raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
                                  f"the config implies {expected[name]}")
+        # A NaN or infinite weight turns the logits of whatever passes
+        # through it into NaN, found only as requests fail. Checked in the
+        # loaded dtype (a float32 weight past float16's range is infinite
+        # there) by the extremes: one pass that allocates nothing and carries
+        # a NaN through, several times faster than isfinite().all(), which
+        # writes a mask the size of the tensor.
+        low, high = torch.aminmax(tensor)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            count = tensor.numel() - int(torch.isfinite(tensor).sum())
+            raise ModelLoadError(f"{source}: tensor {name} holds {count} NaN or infinite value(s) in "
+                                 f"{tensor.dtype}")
 
 
 # ------------------------------------------------------------------------- GGUF
