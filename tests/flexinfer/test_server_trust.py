@@ -370,6 +370,32 @@ def test_health_is_503_once_the_engine_thread_stopped(tiny_chat, in_process):
     assert "engine thread" in error["message"]
 
 
+def test_a_request_after_the_engine_thread_stopped_is_a_503_that_says_so_and_ends_no_sample(tiny_chat, in_process):
+    """Once the engine thread has died, a request is refused with the reason /health gives, not "the
+    server is shutting down" (it is not: a client or an operator reading that would wait for a restart
+    that never comes). Its samples never reached the engine, so none of them is counted as ended: the
+    four of an n=4 request were counted as aborted, as if clients had left."""
+    class Fatal(BaseException):
+        pass
+
+    llm = LLM(tiny_chat, **ENGINE_OPTIONS)
+    url = in_process(llm)
+
+    def step():
+        raise Fatal("the engine thread dies")
+
+    llm.engine.step = step
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=30).status_code == 500
+    health = assert_error(httpx.get(f"{url}/health", timeout=10), 503)
+    ended = {k: v for k, v in metrics(url).items() if k.startswith("flexinfer_requests_total")}
+    for stream in (False, True):
+        response = httpx.post(f"{url}/v1/completions", timeout=30,
+                              json={"prompt": ["Hello", "Hi"], "n": 4, "max_tokens": 2, "stream": stream})
+        error = assert_error(response, 503, code="service_unavailable")
+        assert error["message"] == health["message"], error
+    assert {k: v for k, v in metrics(url).items() if k.startswith("flexinfer_requests_total")} == ended
+
+
 def test_an_internal_error_keeps_the_connection(tiny_chat, in_process, reference, monkeypatch):
     """A bug answered 500 (OpenAI body, no traceback) leaves the keep-alive connection usable."""
     from flexinfer.server.serving import Serving

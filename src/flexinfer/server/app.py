@@ -65,6 +65,8 @@ class ServerState:
     def begin_shutdown(self) -> None:
         if self.phase in ("loading", "ready"):
             self.phase = "shutting_down"
+        if self.serving is not None:
+            self.serving.shutting_down = True
 
     def abort_in_flight(self) -> None:
         """The shutdown timeout has passed: end the requests still running

@@ -99,10 +99,12 @@ class Generation:
             pass
 
     def cancel(self) -> None:
-        """Take back every request not yet done; its unfinished choices count as aborted."""
+        """Take back every request not yet done; its unfinished choices count
+        as aborted. The choices of prompts never submitted (submitting one
+        failed) are not counted: no sample of theirs began, so none ended."""
         for request in self.requests:
             request.cancel()
-        for choice in self.choices:
+        for choice in self.choices[:len(self.requests) * self._n]:
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
                 self._metrics.requests.labels("abort").inc()

@@ -60,6 +60,9 @@ class Serving:
         # goes with its handler, and aborting one that ended does nothing.
         self._generations: weakref.WeakSet[Generation] = weakref.WeakSet()
         self._aborting = False
+        # Set by the app when SIGTERM comes: an engine closed from then on
+        # is the shutdown's doing, not a problem of the engine's own.
+        self.shutting_down = False
         # A template that does not name the "developer" role would print it
         # as an unknown role: OpenAI's newer name for "system" is read as that.
         self._developer_as_system = "developer" not in (llm.tokenizer.chat_template or "")
@@ -289,7 +292,9 @@ class Serving:
         try:
             return Generation(self.llm, prompts, params, self.metrics, arrival, loop, self.admission)
         except EngineClosed:
-            raise unavailable("the server is shutting down") from None
+            # The reason /health gives (the engine thread stopped), unless the server closed it.
+            reason = "the server is shutting down" if self.shutting_down else self.llm.problem
+            raise unavailable(reason or "the engine is closed") from None
 
     async def _stream(self, request: Request, generation: Generation,
                       events: Callable[[AsyncIterator[ChoiceUpdate]], AsyncIterator[bytes]]) -> Response:
