@@ -681,11 +681,79 @@ def test_a_large_body_is_read_without_stalling_health(server, reference):
     assert_serves(server.url, reference)
 
 
+def test_large_bodies_are_parsed_one_at_a_time(tiny_chat, in_process, monkeypatch):
+    """Nothing bounded how many large bodies were parsed at once, so the memory their Python objects took
+    grew with the number of clients sending them (JSON token ids take about eight times their bytes). Four
+    large bodies sent together are parsed one after the other: the parse is made to take 0.2 s here, and
+    no two may overlap."""
+    from flexinfer.server import limits
+
+    parse, lock = limits._parse, threading.Lock()
+    parsing, most = [0], [0]
+
+    def slow_parse(*args):
+        with lock:
+            parsing[0] += 1
+            most[0] = max(most[0], parsing[0])
+        try:
+            time.sleep(0.2)
+            return parse(*args)
+        finally:
+            with lock:
+                parsing[0] -= 1
+
+    monkeypatch.setattr(limits, "_parse", slow_parse)
+    url = in_process(LLM(tiny_chat, **ENGINE_OPTIONS))
+    body = {"prompt": "Hello", "max_tokens": 1, "user": "x" * (300 << 10)}  # over 256 KiB: parsed on a thread
+    results = [{} for _ in range(4)]
+    for thread in [post_in_thread(url, body, r) for r in results]:
+        thread.join(60)
+    assert [r["response"].status_code for r in results] == [200] * 4
+    assert most[0] == 1
+
+
+def test_bodies_held_at_once_are_bounded_and_one_more_is_a_503_to_retry(tiny_chat, in_process, monkeypatch):
+    """Each connection could hold a body of --max-body-bytes while it waited to be parsed: a thousand
+    clients, 8 GB. Here --max-buffered-body-bytes is 1 MiB and a 600 KB body is held (its parse waits):
+    another one gets a 503 with Retry-After, from its Content-Length (its body is dropped unread, and the
+    client, which sends it all before it reads, still gets the answer); the first is answered when its
+    parse goes on, and gives its room back."""
+    from flexinfer.server import limits
+    from flexinfer.server.config import ServerLimits
+
+    parse, parsing, go_on = limits._parse, threading.Event(), threading.Event()
+
+    def held_parse(*args):
+        parsing.set()
+        go_on.wait(30)
+        return parse(*args)
+
+    monkeypatch.setattr(limits, "_parse", held_parse)
+    url = in_process(LLM(tiny_chat, **ENGINE_OPTIONS),
+                     limits=ServerLimits(max_body_bytes=1 << 20, max_buffered_body_bytes=1 << 20))
+    body = {"prompt": "Hello", "max_tokens": 1, "user": "x" * 600_000}
+    first = {}
+    thread = post_in_thread(url, body, first)
+    try:
+        assert parsing.wait(30)
+        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert_error(refused, 503, code="service_unavailable")
+        assert refused.headers["retry-after"] == "1"
+    finally:
+        go_on.set()
+        thread.join(60)
+    assert first["response"].status_code == 200, first["response"].text
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
 def test_limits_flags_are_checked(tiny_chat, capsys):
     from flexinfer.cli import main
 
     assert main(["serve", "--model", tiny_chat, "--port", "0", "--max-queued-seqs", "0"]) == 2
     assert "--max-queued-seqs must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--model", tiny_chat, "--port", "0", "--max-body-bytes", "2000",
+                 "--max-buffered-body-bytes", "1000"]) == 2
+    assert "--max-buffered-body-bytes (1000) must be at least --max-body-bytes (2000)" in capsys.readouterr().err
 
 
 # -- shutdown --------------------------------------------------------------------

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flexinfer.llm import LLM
 from flexinfer.server.config import ServerLimits
 from flexinfer.server.errors import install_error_handlers, model_not_found, unavailable
-from flexinfer.server.limits import BodyLimit, parse_body
+from flexinfer.server.limits import BodyLimit, BodyReader
 from flexinfer.server.metrics import ServerMetrics
 from flexinfer.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from flexinfer.server.serving import Serving
@@ -129,6 +129,7 @@ def create_app(load: Callable[[], LLM], model_name: str,
     app = FastAPI(title="FlexInfer", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+    bodies = BodyReader(limits.max_buffered_body_bytes)
     install_error_handlers(app)  # outermost: its middleware also answers a bug in the one above
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -160,16 +161,16 @@ def create_app(load: Callable[[], LLM], model_name: str,
         return ModelCard(id=model_name, created=state.created, max_model_len=state.ready().llm.max_model_len)
 
     # The bodies are read here rather than declared as parameters, so that
-    # FastAPI does not parse them on the event loop (limits.parse_body).
+    # FastAPI does not parse them on the event loop (limits.BodyReader).
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         serving = state.ready()
-        return await serving.completions(request, await parse_body(request, CompletionRequest))
+        return await serving.completions(request, await bodies.parse(request, CompletionRequest))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         serving = state.ready()
-        return await serving.chat(request, await parse_body(request, ChatCompletionRequest))
+        return await serving.chat(request, await bodies.parse(request, ChatCompletionRequest))
 
     return app
 

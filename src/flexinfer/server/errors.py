@@ -25,13 +25,14 @@ log = logging.getLogger("flexinfer.server")
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.info)
+        return error_response(self.status, self.info, self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -52,8 +53,8 @@ def too_busy(message: str) -> APIError:
     return APIError(429, message, "requests", None, "rate_limit_exceeded")
 
 
-def error_response(status: int, info: ErrorInfo) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+def error_response(status: int, info: ErrorInfo, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

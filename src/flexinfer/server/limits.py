@@ -8,9 +8,14 @@ queued in the engine at once. The limits' values are ServerLimits
   from its Content-Length before a byte of it is read, or as soon as a
   body sent without one (chunked) grows past the limit; the connection is
   then closed, since the rest of the body is never read.
-- parse_body: JSON and pydantic validation of a body, on a worker thread
-  when it is large (the tokenizer and this are the only per-request work
-  that grows with the body).
+- BodyReader: reads a body and parses it (JSON, then pydantic), on a
+  worker thread when it is large (the tokenizer and this are the only
+  per-request work that grows with the body), within a memory bound that
+  does not grow with the number of clients: the bodies held at once stay
+  within `max_buffered_body_bytes` (one that would pass it gets a 503 with
+  Retry-After before more of it is read), and large bodies are parsed one
+  at a time (JSON token ids take about eight times their bytes as Python
+  lists, json.loads' and pydantic's copy).
 - Admission: a count of the sequences (prompts x n) admitted and not yet
   finished. Reserved on the event loop before anything is submitted,
   released on the engine thread as each request ends (every request ends:
@@ -34,9 +39,11 @@ from flexinfer.server.errors import APIError, bad_request
 
 Body = TypeVar("Body", bound=BaseModel)
 
-# Bodies larger than this are parsed on a worker thread. json.loads and
-# pydantic hold the GIL, so this only lets the loop in between; the body
-# limit is what bounds the time (about 10 ms a MB on the development VM).
+# Bodies larger than this are parsed on a worker thread, one at a time.
+# json.loads and pydantic hold the GIL, so this only lets the loop in
+# between (two parses at once would take as long as one after the other);
+# the body limit is what bounds the time (about 10 ms a MB on the
+# development VM).
 _PARSE_INLINE_BYTES = 256 << 10
 
 
@@ -119,16 +126,53 @@ class BodyLimit:
         await self.app(scope, limited_receive, closing_send)
 
 
-async def parse_body(request, model: type[Body]) -> Body:
-    """The request's JSON body as `model`; a 400 (RequestValidationError) for what is not."""
-    try:
-        raw = await request.body()
-    except ClientDisconnect:  # the client left mid-body: nobody hears the answer, and it is no server bug
-        raise APIError(499, "the client closed the connection before its body arrived",
-                       code="client_closed") from None
-    if len(raw) > _PARSE_INLINE_BYTES:
-        return await asyncio.to_thread(_parse, raw, model)
-    return _parse(raw, model)
+class BodyReader:
+    """Reads and parses the bodies of one server's requests. Invariant:
+    `held` is the sum of what the bodies being received or parsed reserved
+    (their Content-Length, or the bytes received so far of one sent without
+    it), at most `budget_bytes`; changed on the event loop only."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.held = 0
+        self._parsing = asyncio.Semaphore(1)
+
+    async def parse(self, request, model: type[Body]) -> Body:
+        """The request's JSON body as `model`; a 400 (RequestValidationError) for what is not."""
+        length = request.headers.get("content-length")
+        reserved = 0
+        try:
+            if length is not None:  # a number within max_body_bytes (BodyLimit)
+                reserved = self._reserve(int(length))
+            # Not request.body(): the Request would keep the bytes for as long
+            # as its handler runs (a stream: the whole generation).
+            chunks = []
+            async for chunk in request.stream():
+                if length is None:
+                    reserved += self._reserve(len(chunk))
+                chunks.append(chunk)
+            raw = b"".join(chunks)
+            del chunks
+            if len(raw) <= _PARSE_INLINE_BYTES:
+                return _parse(raw, model)
+            async with self._parsing:
+                return await asyncio.to_thread(_parse, raw, model)
+        except ClientDisconnect:  # the client left mid-body: nobody hears the answer, and it is no server bug
+            raise APIError(499, "the client closed the connection before its body arrived",
+                           code="client_closed") from None
+        finally:
+            self.held -= reserved
+
+    def _reserve(self, count: int) -> int:
+        if self.held + count > self.budget_bytes:
+            # The connection stays open: uvicorn drops the rest of the body
+            # unread once the answer is sent, so a client that sends all of
+            # its body before it reads (most do) gets the 503, not a reset.
+            raise APIError(503, f"the server holds as many request bodies as it takes at once ({self.budget_bytes} "
+                                f"bytes, --max-buffered-body-bytes); retry later", "service_unavailable", None,
+                           "service_unavailable", headers={"retry-after": "1"})
+        self.held += count
+        return count
 
 
 def _parse(raw: bytes, model: type[Body]) -> Body:

@@ -45,6 +45,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "would pass it gets a 429 (retry later), one that asks for more than it a 400")
     p.add_argument("--max-body-bytes", type=int, default=_LIMITS.max_body_bytes,
                    help="largest request body; a larger one gets a 413 before it is read")
+    p.add_argument("--max-buffered-body-bytes", type=int, default=_LIMITS.max_buffered_body_bytes,
+                   help="request bodies held at once, over all requests (received or waiting to be parsed); "
+                        "a body that would pass it gets a 503 with Retry-After; at least --max-body-bytes")
 
 
 def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
@@ -63,11 +66,14 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
 
     if args.shutdown_timeout < 0:
         raise FlexInferError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    for flag in ("max_seqs_per_request", "max_queued_seqs", "max_body_bytes"):
+    for flag in ("max_seqs_per_request", "max_queued_seqs", "max_body_bytes", "max_buffered_body_bytes"):
         if getattr(args, flag) < 1:
             raise FlexInferError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_buffered_body_bytes < args.max_body_bytes:
+        raise FlexInferError(f"--max-buffered-body-bytes ({args.max_buffered_body_bytes}) must be at least "
+                             f"--max-body-bytes ({args.max_body_bytes}), or the largest body could never be taken")
     limits = ServerLimits(max_seqs_per_request=args.max_seqs_per_request, max_queued_seqs=args.max_queued_seqs,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, max_buffered_body_bytes=args.max_buffered_body_bytes)
     # Bound before the model loads: a port in use fails at once, with a clear message.
     sock = _listen(args.host, args.port)
     name = args.served_model_name or args.model
