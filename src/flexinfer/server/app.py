@@ -165,7 +165,8 @@ def create_app(load: Callable[[], LLM], model_name: str,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         serving = state.ready()
-        return await serving.completions(request, await bodies.parse(request, CompletionRequest))
+        body = await bodies.parse(request, CompletionRequest, serving.refuse_long_token_prompts)
+        return await serving.completions(request, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -15,7 +15,9 @@ queued in the engine at once. The limits' values are ServerLimits
   within `max_buffered_body_bytes` (one that would pass it gets a 503 with
   Retry-After before more of it is read), and large bodies are parsed one
   at a time (JSON token ids take about eight times their bytes as Python
-  lists, json.loads' and pydantic's copy).
+  lists, json.loads' and pydantic's copy). A route may check the decoded
+  JSON before it is validated (a token-id prompt too long for the model is
+  refused there, before pydantic copies it).
 - Admission: a count of the sequences (prompts x n) admitted and not yet
   finished. Reserved on the event loop before anything is submitted,
   released on the engine thread as each request ends (every request ends:
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from typing import TypeVar
+from typing import Any, Callable, TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
@@ -137,8 +139,11 @@ class BodyReader:
         self.held = 0
         self._parsing = asyncio.Semaphore(1)
 
-    async def parse(self, request, model: type[Body]) -> Body:
-        """The request's JSON body as `model`; a 400 (RequestValidationError) for what is not."""
+    async def parse(self, request, model: type[Body], check: Callable[[Any], None] | None = None) -> Body:
+        """The request's JSON body as `model`; a 400 (RequestValidationError)
+        for what is not. `check(data)` sees the decoded JSON before it is
+        validated (on the worker thread of a large body) and may refuse it
+        (raise an APIError)."""
         length = request.headers.get("content-length")
         reserved = 0
         try:
@@ -154,9 +159,9 @@ class BodyReader:
             raw = b"".join(chunks)
             del chunks
             if len(raw) <= _PARSE_INLINE_BYTES:
-                return _parse(raw, model)
+                return _parse(raw, model, check)
             async with self._parsing:
-                return await asyncio.to_thread(_parse, raw, model)
+                return await asyncio.to_thread(_parse, raw, model, check)
         except ClientDisconnect:  # the client left mid-body: nobody hears the answer, and it is no server bug
             raise APIError(499, "the client closed the connection before its body arrived",
                            code="client_closed") from None
@@ -175,13 +180,15 @@ class BodyReader:
         return count
 
 
-def _parse(raw: bytes, model: type[Body]) -> Body:
+def _parse(raw: bytes, model: type[Body], check: Callable[[Any], None] | None) -> Body:
     try:
         data = json.loads(raw)
     except ValueError as exc:  # also bytes that are not UTF-8
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     except RecursionError:  # the parser recurses once per level of nesting
         raise bad_request("the body is not valid JSON: it is nested too deeply") from None
+    if check is not None:
+        check(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

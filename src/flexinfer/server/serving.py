@@ -100,6 +100,25 @@ class Serving:
                                  prompt_token_ids=prompts if body.return_token_ids else None)
         return JSONResponse(out.model_dump(mode="json"))
 
+    def refuse_long_token_prompts(self, data) -> None:
+        """A completions body as decoded JSON, before it is validated (limits.BodyReader, on
+        a worker thread for a large body): a prompt of token ids that alone
+        fills the context is refused with the 400 `prepare` would give it,
+        before pydantic and check_prompt copy a list that an 8 MiB body can
+        fill with 4 million ids. The body's other faults, if it has any, are
+        then not reported; what is not well-formed here is left to validation."""
+        if not isinstance(data, dict) or not isinstance(data.get("prompt"), list):
+            return
+        max_tokens = data.get("max_tokens", CompletionRequest.model_fields["max_tokens"].default)
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+            return  # SamplingParams or validation names what is wrong with it
+        prompt = data["prompt"]
+        for ids in [prompt] if prompt and type(prompt[0]) is int else prompt:
+            if type(ids) is list and ids and type(ids[0]) is int and len(ids) >= self.llm.max_model_len:
+                # An explicit null asks for the default, which is 1 after a prompt that fills the context.
+                given = None if max_tokens is None else "max_tokens"
+                self._check_fits(ids, SamplingParams(max_tokens=max_tokens or 1), "prompt", given)
+
     async def _completion_events(self, generation: Generation, updates: AsyncIterator[ChoiceUpdate],
                                  body: CompletionRequest, response_id: str, created: int) -> AsyncIterator[bytes]:
         def chunk(choices, usage=None) -> bytes:
