@@ -50,9 +50,9 @@ def _build_tiny(folder: Path, tokenizer, nan: bool = False) -> str:
                                       initializer_range=0.1)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    if nan:  # every logit NaN: each request fails in the engine
-        with torch.no_grad():
-            model.model.norm.weight.fill_(float("nan"))
+    if nan:  # every logit NaN or infinite: each request fails in the engine
+        with torch.no_grad():  # finite weights (a NaN one is refused at load) whose products overflow
+            model.model.norm.weight.fill_(3e38)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
