@@ -59,8 +59,10 @@ machine; the real numbers come from an idle one (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
+import io
 import json
 import multiprocessing
 import os
@@ -187,6 +189,13 @@ def part_recall(args, folder):
     owned = 2 * RECALL_OWNER_VTENSORS  # a page each and one ahead
     proc, address = start_broker(folder, (owned + 1) * chunk, chunk, args.backend)
     try:
+        # Above the asker: what it gets is what a recall brings back, and
+        # never the owner's pages themselves, as it would from an equal
+        # over its fair share.
+        from vtm.broker import ctl
+        with contextlib.redirect_stdout(io.StringIO()):
+            if ctl.main(["--address", address, "set-quota", "owner", "--priority", "1"]) != 0:
+                raise RuntimeError("vtmctl set-quota failed")
         owner = vtm.connect(address, name="owner", map_ahead_pages=1)
         asker, filler = vtm.connect(address, name="asker"), vtm.connect(address, name="filler")
         own_space = owner.create_space(row_bytes=row, max_tokens=1000, max_slots=RECALL_OWNER_VTENSORS)

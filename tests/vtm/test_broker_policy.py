@@ -312,14 +312,15 @@ def test_a_client_ignoring_notices_gets_no_more_memory(broker):
 
 
 def test_memory_freed_for_a_notice_is_reserved_for_the_asker(broker):
-    # The victim frees 8 chunks for the asker, and in that very moment (from
-    # its reclaim handler) a third client asks for 6 of the 12 then free.
-    # Unreserved, the bystander would get them and the asker's retry would
-    # fail; reserved, the bystander waits for the asker's retry, then gets
-    # what is left (4 chunks: not enough).
+    # The victim frees the 4 chunks the asker lacks, and in that very moment
+    # (from its reclaim handler) a third client asks for 6 of the 8 then
+    # free. Unreserved, the bystander would get them and the asker's retry
+    # would fail; reserved, the bystander waits for the asker's retry, then
+    # finds nothing free (and the victim, at 8 with a guarantee of 4, could
+    # not give it 6: it is not asked).
     set_quota(broker, "victim", "--guaranteed", 4 * CHUNK)
     set_quota(broker, "asker", "--priority", 10)
-    set_quota(broker, "bystander", "--priority", 10)
+    set_quota(broker, "bystander", "--priority", 5)
     low = vtm.connect(broker.address, name="victim")
     high = vtm.connect(broker.address, name="asker")
     third = vtm.connect(broker.address, name="bystander")
@@ -343,17 +344,18 @@ def test_memory_freed_for_a_notice_is_reserved_for_the_asker(broker):
 
         low.set_reclaim_handler(give_back)
         hspace = high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
-        vt = hspace.create(8 * ROWS_PER_CHUNK).result()  # 4 free: needs 4 more, asks the victim for 8
+        vt = hspace.create(8 * ROWS_PER_CHUNK).result()  # 4 free: asks the victim for the other 4
         events.append("asker got memory")
         assert vt.mapped_bytes == 8 * CHUNK and low.reclaim_notices == 1
         wait = time.monotonic() + 5
         while len(events) < 2 and time.monotonic() < wait:
             time.sleep(0.01)
         assert sorted(events) == ["asker got memory", "bystander refused"]
-        assert held(high) == 12  # the victim's guaranteed 4 + the asker's 8
+        assert held(high) == 16 and low.reclaim_notices == 1  # the victim's 8 + the asker's 8
         high.check()
         # The reservation ended with the retry: the bystander takes what is free.
-        assert tspace.create(4 * ROWS_PER_CHUNK).result().mapped_bytes == 4 * CHUNK
+        vt.release().result()
+        assert tspace.create(6 * ROWS_PER_CHUNK).result().mapped_bytes == 6 * CHUNK
     finally:
         third.close()
         high.close()
@@ -883,3 +885,69 @@ def test_waits_for_memory_leave_the_broker_threads_to_answer_them(broker):
         for a in askers:
             a.close()
         low.close()
+
+
+
+def _mapped_chunks(manager, name: str) -> int:
+    return sum(c["mapped_bytes"] for c in manager.stats()["clients"] if c["name"] == name) // CHUNK
+
+
+def test_a_fair_share_is_of_what_the_equals_can_get(broker):
+    """What a lower priority keeps by its guarantee is not the equals' to
+    share: with 6 of 16 chunks so kept, two equals split 10, and one asking
+    for 5 gets them from the one at 10. (The share was 8 of all 16, so the
+    one asking for 5 asked the other for the 2 above 8 only: its retry
+    failed, and the other preempted for nothing, again at every retry.)"""
+    set_quota(broker, "low", "--priority", -1, "--guaranteed", 6 * CHUNK)
+    low, first, second = (vtm.connect(broker.address, name=n) for n in ("low", "first", "second"))
+    try:
+        low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(6 * ROWS_PER_CHUNK).result()
+        _holder(first, 10, "held")
+        vt = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(5 * ROWS_PER_CHUNK).result()
+        assert vt.mapped_bytes == 5 * CHUNK
+        assert first.reclaim_notices == 1 and low.reclaim_notices == 0
+        assert _mapped_chunks(second, "first") <= 5 and _mapped_chunks(second, "low") == 6
+    finally:
+        for m in (second, first, low):
+            m.close()
+
+
+def test_a_guarantee_of_an_equal_is_kept_out_of_the_shares(broker):
+    """An equal guaranteed 10 of 16 chunks keeps them; the other two split
+    the other 6, so one asking for 5 asks for more than its share and asks
+    nobody. (It asked the one at 6 for the 1 chunk above the share of all 16
+    among three, 5: that one preempted for nothing, the asker failed.)"""
+    set_quota(broker, "kept", "--guaranteed", 10 * CHUNK)
+    kept, first, second = (vtm.connect(broker.address, name=n) for n in ("kept", "first", "second"))
+    try:
+        kept.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(10 * ROWS_PER_CHUNK).result()
+        _holder(first, 6, "held")
+        space = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        with pytest.raises(vtm.OutOfMemory):
+            space.create(5 * ROWS_PER_CHUNK).result()
+        assert first.reclaim_notices == 0 and kept.reclaim_notices == 0
+        vt = space.create(3 * ROWS_PER_CHUNK).result()  # its share of the 6: 3
+        assert vt.mapped_bytes == 3 * CHUNK and first.reclaim_notices == 1
+    finally:
+        for m in (second, first, kept):
+            m.close()
+
+
+def test_victims_that_cannot_cover_the_need_are_not_asked(broker):
+    """A lower priority maps 4 chunks, the only ones a client of a higher
+    priority may ask for, and it needs 8: nobody is asked. (The victim gave
+    its 4 back and recomputed, and the asker failed anyway.)"""
+    set_quota(broker, "top", "--priority", 20)
+    set_quota(broker, "asker", "--priority", 10)
+    top, asker, low = (vtm.connect(broker.address, name=n) for n in ("top", "asker", "low"))
+    try:
+        top.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(12 * ROWS_PER_CHUNK).result()
+        _holder(low, 4, "held")
+        space = asker.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        with pytest.raises(vtm.OutOfMemory):
+            space.create(8 * ROWS_PER_CHUNK).result()
+        assert low.reclaim_notices == 0 and top.reclaim_notices == 0
+        assert _mapped_chunks(asker, "low") == 4
+    finally:
+        for m in (low, asker, top):
+            m.close()

@@ -9,9 +9,10 @@ vTensor alone locks; Manager::UnpinPrefix); when that fails, a client's allocati
 maps pages ahead, whatever its priority, for them (a RECALL notice: pages
 nobody uses yet, so no debt), and when what they free is not enough, asks
 lower-priority clients that map more than their guarantee, then clients of
-its own priority that map more than their fair share, to give memory back
-(a RECLAIM notice with a deadline); it waits briefly for the answers and
-retries once; then it fails with RESOURCE_EXHAUSTED. (A client that
+its own priority that map more than their fair share, to give back what the
+pool lacks (a RECLAIM notice with a deadline; nobody, when they cannot
+cover it all); it waits briefly for the answers and retries once; then it
+fails with RESOURCE_EXHAUSTED. (A client that
 maps pages ahead itself gives those back before any of this: its refusals
 come at once, service.py.) A client that has not come down to what a
 notice asked by its deadline gets no more memory until it does. The
@@ -55,7 +56,10 @@ Invariants:
   * admit() never changes state: it only refuses, and never an allocation
     of 0 bytes;
   * reclaim() waits holding no lock of this module (nor, by contract with
-    its caller, the asker's session lock).
+    its caller, the asker's session lock);
+  * share_cap is (bytes, until): an equal's reclaim asked the session down
+    to its fair share of `bytes`, and admit() refuses it more until then;
+  * at most max_waits allocations wait in reclaim() or gate() at once.
 """
 
 from __future__ import annotations
@@ -112,6 +116,13 @@ class Policy:
         if target is not None and time.monotonic() > deadline and mapped > target:
             raise errors.OutOfMemory(f"client '{session.name}' ignored a reclaim notice: it maps {mapped} bytes, "
                                      f"{mapped - target} more than asked; no more memory until it gives them back")
+        with self._mu:
+            cap, until = session.share_cap
+        if time.monotonic() < until and mapped + extra_bytes > cap:
+            # Given back for an equal below its share: not taken again
+            # (re-admitting what it preempted) before that equal took it.
+            raise errors.OutOfMemory(f"client '{session.name}' is held to its fair share of {cap} bytes for a "
+                                     "moment: a client of its priority is taking the memory it gave back")
 
     def owes(self, session) -> bool:
         """Whether the client has a reclaim notice's debt to pay."""
@@ -321,73 +332,141 @@ class Policy:
         recalled = self.recall(requester, reserve_bytes, need_bytes)
         if recalled and self._has_free(requester, need_bytes):
             return True
-        asked = []
-        remaining = max(need_bytes, self.chunk_bytes)
+        # What the pool lacks, asked of the victims in order, below what
+        # each owes already (that debt frees memory for the allocations
+        # that asked it, not for this one); and only when they can cover
+        # it all: a victim that gives back less than the retry needs
+        # preempts its requests for nothing.
+        shortfall = max(need_bytes - self._available(requester), self.chunk_bytes)
+        asks = []
         for victim, floor in self._victims(requester, need_bytes):
-            # Below what the victim owes already: that debt frees memory
-            # for the allocations that asked it, not for this one.
             base = victim.mapped_bytes(self.chunk_bytes)
             with self._mu:
                 if victim.owed_target is not None:
                     base = min(base, victim.owed_target)
-            ask = min(base - floor, remaining)
-            if ask <= 0:
-                continue
-            if not asked:
-                self._reserve(requester, reserve_bytes)
-            self.ask_back(victim, base - ask,
-                          f"client '{requester.name}' (priority {requester.priority}) needs memory")
-            asked.append(victim)
-            remaining -= ask
-            if remaining <= 0:
+            ask = min(base - floor, shortfall)
+            if ask > 0:
+                asks.append((victim, floor, ask))
+                shortfall -= ask
+            if shortfall <= 0:
                 break
-        if not asked:
+        if not asks or shortfall > 0:
             return recalled
+        self._reserve(requester, reserve_bytes)
+        reason = f"client '{requester.name}' (priority {requester.priority}) needs memory"
+        for victim, floor, ask in asks:
+            equal = victim.priority == requester.priority
+            self._ask(victim, lambda asked, floor=floor, ask=ask: max(floor, asked - ask),
+                      reason + (", and it maps less than its fair share" if equal else ""), share_cap=equal)
         # A victim no longer live (quarantined, closed) frees nothing more by answering.
-        self._wait(lambda: all(v.owed_target is None or v.state != LIVE for v in asked))
+        self._wait(lambda: all(v.owed_target is None or v.state != LIVE for v, _, _ in asks))
         return True
+
+    def _available(self, requester) -> int:
+        """The pool's free bytes beyond what is reserved for others' retries."""
+        if self._free_bytes is None:
+            return 0
+        with self._gate:
+            return max(0, self._free_bytes() - self._reserved_for_others(requester))
 
     def _victims(self, requester, need_bytes: int) -> list:
         """Whom reclaim asks, in order, with the bytes each may keep: lower
         priorities first (lowest first), down to their guarantee; then the
         requester's equals above their fair share, largest first, down to
-        it. The fair share is the pool less what higher priorities map,
-        split evenly among the clients of the requester's priority that map
-        memory, the requester counted. Equals are asked only when the
-        requester, with what it asks, stays within its share: two equal
-        engines on one pool settle at half each, and neither preempts the
-        other's requests to run more than its half (they would take turns
-        recomputing)."""
+        it (_fair_shares). Equals are asked only by a requester that stays
+        within its own share with what it asks and owes nothing itself: two
+        equal engines on one pool settle at a share each, and neither
+        preempts the other's requests to run more than its share (they
+        would take turns recomputing)."""
         live = [s for s in self._sessions() if s is not requester and s.state == LIVE]
-        mapped = {s: s.mapped_bytes(self.chunk_bytes) for s in live}
         victims = [(s, s.guaranteed_bytes) for s in sorted(live, key=lambda s: s.priority)
-                   if s.priority < requester.priority and mapped[s] > s.guaranteed_bytes]
-        equals = [s for s in live if s.priority == requester.priority and mapped[s] > 0]
-        above = sum(mapped[s] for s in live if s.priority > requester.priority)
-        share = (self.capacity_bytes - above) // (len(equals) + 1) // self.chunk_bytes * self.chunk_bytes
-        if requester.mapped_bytes(self.chunk_bytes) + need_bytes <= share:
-            victims += [(s, max(share, s.guaranteed_bytes)) for s in sorted(equals, key=lambda s: -mapped[s])
-                        if mapped[s] > max(share, s.guaranteed_bytes)]
+                   if s.priority < requester.priority and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes]
+        with self._mu:
+            owing = requester.owed_target is not None
+        if not owing and self.capacity_bytes:
+            shares = self._fair_shares(requester, need_bytes)
+            if shares is not None:
+                victims += [(s, share) for s, share in shares]
         return victims
+
+    def _fair_shares(self, requester, need_bytes: int):
+        """The requester's equals that map more than their fair share, with
+        that share, largest first; None when the requester's own demand
+        (what it maps and asks) passes its share.
+
+        The shares split what the equals contend for (the pool less what
+        higher priorities map, what lower ones keep by their guarantee, and
+        what sessions no longer live hold) max-min fairly: each client gets
+        its demand up to one level, and at least its guarantee; a client
+        that maps little (or nothing) leaves the rest of its share to the
+        others. An equal's demand is what it maps; its limit bounds it."""
+        contended = self.capacity_bytes
+        demands = {}  # session -> (demand, guarantee)
+        for s in self._sessions():
+            mapped = s.mapped_bytes(self.chunk_bytes)
+            if s is requester:
+                demands[s] = (mapped + need_bytes, s.guaranteed_bytes)
+            elif s.state != LIVE or s.priority > requester.priority:
+                contended -= mapped
+            elif s.priority < requester.priority:
+                contended -= min(mapped, s.guaranteed_bytes)
+            elif mapped > 0:
+                demands[s] = (min(mapped, s.limit_bytes) if s.limit_bytes else mapped, s.guaranteed_bytes)
+        level = self._fair_level(contended, demands.values())
+        demand, guarantee = demands[requester]
+        if demand > max(level, guarantee):
+            return None
+        shares = [(s, max(level, g)) for s, (d, g) in demands.items() if s is not requester and d > max(level, g)]
+        return sorted(shares, key=lambda sg: sg[1] - sg[0].mapped_bytes(self.chunk_bytes))
+
+    def _fair_level(self, contended: int, demands) -> int:
+        """The highest level, in whole chunks, at which every client's
+        max(guarantee, min(demand, level)) fits in `contended` bytes."""
+        demands = list(demands)
+
+        def total(level: int) -> int:
+            return sum(max(g, min(d, level)) for d, g in demands)
+
+        chunk = self.chunk_bytes
+        low, high = 0, max(d for d, _ in demands) // chunk + 1
+        while low < high:  # the highest level (in chunks) whose total fits
+            mid = (low + high + 1) // 2
+            if total(mid * chunk) <= contended:
+                low = mid
+            else:
+                high = mid - 1
+        return low * chunk
 
     def ask_back(self, session, target_bytes: int, reason: str, for_limit: bool = False) -> None:
         """Asks `session` to come down to mapping `target_bytes` (a RECLAIM
         notice for the excess, with a deadline); a no-op when it maps no more.
         `for_limit`: the operator's limit asks it, not another client."""
+        self._ask(session, lambda asked: target_bytes, reason, for_limit)
+
+    def _ask(self, session, target, reason: str, for_limit: bool = False, share_cap: bool = False) -> int:
+        """Sends `session` a reclaim notice down to target(asked) bytes,
+        where `asked` is what it maps less what earlier notices asked and it
+        has not given yet: read and raised under one lock, so that two
+        askers at once each ask for their own bytes. Returns the bytes asked.
+        `share_cap`: the asker's equal, asked down to its fair share, which
+        it may not map past until the notice's deadline (admit)."""
         mapped = session.mapped_bytes(self.chunk_bytes)
         with self._mu:
-            # What earlier notices asked and the client has not given yet
-            # is on its way: this one asks for what it adds (the client
-            # frees each notice's bytes; the whole excess again would make
-            # it give back a debt twice).
+            # What earlier notices asked is on its way: this one asks for
+            # what it adds (the client frees each notice's bytes; the whole
+            # excess again would make it give back a debt twice).
             asked = mapped if session.owed_target is None else min(mapped, session.owed_target)
+            target_bytes = target(asked)
             if asked <= target_bytes:
-                return
+                return 0
             session.owed_target = target_bytes
             if not for_limit:
                 session.owed_reclaim = (target_bytes if session.owed_reclaim is None
                                         else min(session.owed_reclaim, target_bytes))
             session.owed_deadline = time.monotonic() + self.notice_deadline_s
+            if share_cap:
+                session.share_cap = (target_bytes, session.owed_deadline)
         session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": asked - target_bytes,
                         "deadline_s": self.notice_deadline_s, "reason": reason})
         self._notified()
+        return asked - target_bytes

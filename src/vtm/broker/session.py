@@ -96,6 +96,9 @@ class Session:
         self.owed_target = None  # mapped bytes the client was asked to come down to
         self.owed_reclaim = None  # the lowest of those other clients' reclaims asked (None: the limit's only)
         self.owed_deadline = 0.0
+        # (bytes, time.monotonic() until when): what an equal's reclaim
+        # asked it down to, which it may not map past meanwhile.
+        self.share_cap = (0, 0.0)
         # Pages ahead (docs/broker.md, "Mapping ahead"): whether the client
         # said at hello that it gives them back (else it gets none), whether
         # it holds some (policy.py), and its recall notice not yet answered.
