@@ -47,6 +47,29 @@ def test_limit_refuses_and_set_quota_lifts_it(broker, capsys):
         assert "nothing to set" in capsys.readouterr().err
 
 
+def test_a_reset_forgets_the_names_own_quota(broker, capsys):
+    """`set-quota NAME --reset` gives the name's clients the default quota
+    again and forgets the entry (an operator could only overwrite it with
+    the default's values, and vtmd kept an entry for every name ever set);
+    with other flags, they apply on top of the default."""
+    set_quota(broker, "capped", "--limit", 4 * CHUNK, "--priority", 5)
+    with vtm.connect(broker.address, name="capped") as mgr:
+        assert (mgr.limit_bytes, mgr.priority) == (4 * CHUNK, 5)
+        set_quota(broker, "capped", "--reset")
+        assert "capped: limit 0 bytes, guaranteed 0 bytes, priority 0" in capsys.readouterr().out
+        wait = time.monotonic() + 5
+        while mgr.limit_bytes and time.monotonic() < wait:  # the quota notice
+            time.sleep(0.01)
+        assert (mgr.limit_bytes, mgr.priority) == (0, 0)
+        vt = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * ROWS_PER_CHUNK).result()
+        assert vt.mapped_bytes == 8 * CHUNK
+    with vtm.connect(broker.address, name="capped") as mgr:
+        assert (mgr.limit_bytes, mgr.priority) == (0, 0)
+    set_quota(broker, "capped", "--limit", 4 * CHUNK)
+    set_quota(broker, "capped", "--reset", "--priority", 3)
+    assert "capped: limit 0 bytes, guaranteed 0 bytes, priority 3" in capsys.readouterr().out
+
+
 def test_a_quota_set_between_hello_and_attach_reaches_the_client(broker, monkeypatch):
     """Review: a set-quota that matched a session Hello had registered but
     whose channel was not attached yet was told to nobody: the client kept

@@ -152,6 +152,9 @@ def main(argv=None) -> int:
     quota.add_argument("--host-tier-limit", type=size, default=None, metavar="SIZE",
                        help="most bytes of vtmd's host tier the prefixes they record may keep; 0: no limit "
                             "(default: unchanged)")
+    quota.add_argument("--reset", action="store_true",
+                       help="forget the name's own quota first: its clients get the default one (vtmd's "
+                            "--quota-file [default]), with the other flags given applied to it")
     trim = sub.add_parser("trim", help="give memory back to the device: every free chunk, or --bytes")
     trim.add_argument("--bytes", type=size, default=None, metavar="SIZE",
                       help="at least this much where it can: free chunks first, then cached prefixes no client "
@@ -183,7 +186,8 @@ def main(argv=None) -> int:
                     raise errors.InvalidArgument("give the limit once: LIMIT or --limit")
                 limit = args.limit if args.limit is not None else args.bytes
                 request = vtm_pb2.SetQuotaRequest(name=args.name, limit_bytes=limit, guaranteed_bytes=args.guaranteed,
-                                                  priority=args.priority, host_tier_limit_bytes=args.host_tier_limit)
+                                                  priority=args.priority, host_tier_limit_bytes=args.host_tier_limit,
+                                                  reset=args.reset)
                 reply = json.loads(_call(stub.SetQuota, request, args.timeout, "set-quota", metadata).json)
                 quota = reply["quota"]
                 print(f"{args.name}: limit {quota['limit_bytes']} bytes, guaranteed {quota['guaranteed_bytes']} "

@@ -136,19 +136,27 @@ class Quotas:
     def offered(self, name: str) -> Quota:
         return self.named.get(name, self.default)
 
-    def store(self, name: str, quota: Quota) -> None:
-        """Sets the entry of `name` to a quota with_entry() returned."""
-        self.named[name] = quota
+    def store(self, name: str, quota: Quota | None) -> None:
+        """Sets the entry of `name` to a quota with_entry() returned; None
+        removes it (its clients get the default)."""
+        if quota is None:
+            self.named.pop(name, None)
+        else:
+            self.named[name] = quota
 
-    def with_entry(self, name: str, **fields) -> Quota:
+    def with_entry(self, name: str, reset: bool = False, **fields) -> Quota | None:
         """The entry of `name` with the given fields changed (the others as
-        offered now), checked against the capacity but not stored."""
+        offered now, or, with `reset`, as the default offers them), checked
+        against the capacity but not stored; None for a reset that sets no
+        field (the name's entry goes)."""
         unknown = set(fields) - set(_FIELDS)
         if unknown:
             raise errors.InvalidArgument(f"unknown quota fields {sorted(unknown)}")
-        old = self.offered(name)
-        new = check(old._replace(**{f: v for f, v in fields.items() if v is not None}), f"the quota of '{name}'",
-                    self.chunk_bytes)
+        changes = {f: v for f, v in fields.items() if v is not None}
+        if reset and not changes:
+            return None
+        old = self.default if reset else self.offered(name)
+        new = check(old._replace(**changes), f"the quota of '{name}'", self.chunk_bytes)
         self._check_sum({**self.named, name: new})
         return new
 

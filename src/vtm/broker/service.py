@@ -978,8 +978,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         def body(_):
             fields = {f: getattr(request, f) for f in ("priority", "guaranteed_bytes", "limit_bytes",
                                                        "host_tier_limit_bytes") if request.HasField(f)}
-            if not fields:
-                raise vtm.InvalidArgument("set-quota: nothing to set (a priority, guarantee or limit)")
+            if not fields and not request.reset:
+                raise vtm.InvalidArgument("set-quota: nothing to set (a priority, guarantee or limit, or a reset)")
             if fields.get("host_tier_limit_bytes") and not self._has_tier:
                 raise vtm.InvalidArgument("set-quota: this vtmd has no host tier (--host-tier-bytes) to limit")
             name = _label(request.name, "a client name")
@@ -987,7 +987,8 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 raise vtm.InvalidArgument("set-quota: give the name of the clients to set it for")
             capacity = self.manager.capacity_bytes
             with self._mu:
-                quota = self.quotas.with_entry(name, **fields)
+                entry = self.quotas.with_entry(name, reset=request.reset, **fields)
+                quota = self.quotas.default if entry is None else entry
                 matching = [s for s in self._sessions.values() if s.name == name]
                 grants = {s: grant(quota, s.asked) for s in matching}
                 guaranteed = sum(s.guaranteed_bytes for s in self._sessions.values() if s.name != name)
@@ -995,7 +996,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 if guaranteed > capacity:
                     raise vtm.InvalidArgument(f"the connected clients' guarantees would sum to {guaranteed} bytes, "
                                               f"past the capacity of {capacity}")
-                self.quotas.store(name, quota)
+                self.quotas.store(name, entry)
                 limits = {session: session.limit_bytes for session in matching}
                 for session, granted in grants.items():
                     session.grant(granted)
@@ -1004,7 +1005,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                     # limit before it waits for memory the limit would
                     # never give it.
                     self._notify_quota(session)
-            if "host_tier_limit_bytes" in fields:
+            if "host_tier_limit_bytes" in fields or request.reset:
                 self._apply_tier_limit(name, make=False)  # a name without an account gets it when it makes one
             for session in matching:
                 if session.limit_bytes != limits[session] and session.state == LIVE:

@@ -51,18 +51,20 @@ class HelloReply(_message.Message):
     def __init__(self, lease: _Optional[str] = ..., client_id: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., granularity: _Optional[int] = ..., fd_socket: _Optional[str] = ..., name: _Optional[str] = ..., step_socket: _Optional[str] = ..., priority: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
 
 class SetQuotaRequest(_message.Message):
-    __slots__ = ("name", "limit_bytes", "guaranteed_bytes", "priority", "host_tier_limit_bytes")
+    __slots__ = ("name", "limit_bytes", "guaranteed_bytes", "priority", "host_tier_limit_bytes", "reset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     name: str
     limit_bytes: int
     guaranteed_bytes: int
     priority: int
     host_tier_limit_bytes: int
-    def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., host_tier_limit_bytes: _Optional[int] = ...) -> None: ...
+    reset: bool
+    def __init__(self, name: _Optional[str] = ..., limit_bytes: _Optional[int] = ..., guaranteed_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., host_tier_limit_bytes: _Optional[int] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class CreateSpaceRequest(_message.Message):
     __slots__ = ("row_bytes", "max_tokens", "max_slots", "namespace", "name", "window_tokens")
