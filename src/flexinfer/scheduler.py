@@ -422,7 +422,14 @@ class Scheduler:
         with self._reclaim_mu:
             if not self.running:
                 return 0
-            request = self._reclaim_request = [nbytes, threading.Event(), 0]
+            request = self._reclaim_request
+            if request is None:
+                request = self._reclaim_request = [nbytes, threading.Event(), 0]
+            else:
+                # A notice the step has not answered yet: the broker's
+                # notices add up (each asks for what it adds), so one answer
+                # gives back both (replacing it lost the first's bytes).
+                request[0] += nbytes
         request[1].wait(timeout_s)
         return request[2]
 

@@ -265,3 +265,30 @@ def test_a_row_that_cannot_be_sampled_fails_alone(tiny_gpu_folder):
     engine.manager.check()
     engine.close()
     manager.close()
+
+
+def test_two_reclaim_notices_before_a_step_are_answered_together(tiny_gpu_folder):
+    """A broker's second reclaim notice comes before the engine's step has
+    answered the first (a step may take seconds when its own allocation
+    waits in the broker). Each notice asks for what it adds, so the step
+    gives back both; the second used to replace the first, which left a
+    debt the broker then enforced by refusing the engine memory."""
+    manager = _manager(faults=False)
+    engine = Engine(tiny_gpu_folder, manager=manager, max_model_len=256, max_num_seqs=8)
+    seqs = [Sequence(i, i, 0, [1, 40 + i] * 20, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), 0, ())
+            for i in range(4)]
+    for seq in seqs:
+        engine.add(seq)
+    engine.step()
+    one = sum(vt.mapped_bytes for vt in engine.scheduler.running[-1].vtensors)
+    assert len(engine.scheduler.running) == 4 and one > 0
+    assert engine.scheduler.reclaim(one, timeout_s=0) == 0  # not answered yet
+    assert engine.scheduler.reclaim(one, timeout_s=0) == 0
+    engine.step()
+    assert engine.scheduler.num_preemptions == 2 and len(engine.scheduler.running) == 2
+    while engine.has_work():
+        engine.step()
+    engine.drain()
+    assert [len(seq.output_ids) for seq in seqs] == [8] * 4
+    engine.close()
+    manager.close()

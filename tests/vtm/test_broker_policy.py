@@ -974,3 +974,62 @@ def test_victims_that_cannot_cover_the_need_are_not_asked(broker):
     finally:
         for m in (low, asker, top):
             m.close()
+
+
+def _mapping(name: str, priority: int, pages: int):
+    """A live session mapping `pages` pages of 1 byte, with a channel that records notices."""
+    from vtm.broker.quota import Ask, Quota
+    from vtm.broker.session import LIVE, Session
+
+    session = Session(hash(name) & 0xFFFF, name, Ask(), Quota(priority=priority))
+    session.state, session.channel = LIVE, _Channel()
+    session.pages = {(1, 0, p): (p, p + 1) for p in range(pages)}
+    return session
+
+
+def test_a_retry_of_one_asker_does_not_ask_its_victim_again():
+    """The victim answers after the asker's wait, and the asker tries again
+    meanwhile (FlexInfer does, every 50 ms): its retry finds its own notice
+    on the way and asks nothing more. (Each retry asked for its 4 again: the
+    victim gave back 8.)"""
+    from vtm.broker.policy import Policy
+
+    asker, victim = _mapping("asker", 5, 0), _mapping("victim", 0, 16)
+    policy = Policy(lambda: [asker, victim], 1, free_bytes=lambda: 0, wait_s=0.05)
+    for _ in range(3):
+        assert policy.reclaim(asker, 4, reserve_bytes=4)
+        policy.unreserve(asker)  # its retry ran, and failed
+    assert [n["bytes"] for n in victim.channel.sent] == [4] and victim.owed_target == 12
+
+
+def test_a_limit_lowered_twice_asks_for_the_difference_the_second_time():
+    """100 → 60 → 50 before the client answers: the second notice asks for
+    the 10 the first did not (it asked for 50, and the client, which frees
+    each notice's bytes, came down to 10)."""
+    from vtm.broker.policy import Policy
+
+    client = _mapping("client", 0, 100)
+    policy = Policy(lambda: [client], 1, free_bytes=lambda: 0)
+    for limit in (60, 50):
+        client.limit_bytes = limit
+        policy.limit_changed(client, "the operator's limit")
+    assert [n["bytes"] for n in client.channel.sent] == [40, 10] and client.owed_target == 50
+
+
+def test_an_equal_is_held_to_its_share_only_while_its_asker_lives(broker):
+    """An equal gives back for one below its share and may not take it again
+    meanwhile (until the notice's deadline); once the asker's session ends,
+    it may (it was refused for the whole deadline, with the memory free)."""
+    first, second = vtm.connect(broker.address, name="first"), vtm.connect(broker.address, name="second")
+    try:
+        vts = _holder(first, 12, "held")
+        vt = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(6 * ROWS_PER_CHUNK).result()
+        assert vt.mapped_bytes == 6 * CHUNK and first.reclaim_notices == 1 and len(vts) == 5
+        with pytest.raises(vtm.OutOfMemory, match="fair share"):
+            vts[0].extend(3 * ROWS_PER_CHUNK).result()
+        second.close()
+        vts[0].extend(3 * ROWS_PER_CHUNK).result()
+        assert vts[0].mapped_bytes == 3 * CHUNK
+    finally:
+        second.close()
+        first.close()

@@ -57,8 +57,12 @@ Invariants:
     of 0 bytes;
   * reclaim() waits holding no lock of this module (nor, by contract with
     its caller, the asker's session lock);
-  * share_cap is (bytes, until): an equal's reclaim asked the session down
-    to its fair share of `bytes`, and admit() refuses it more until then;
+  * announced is None or the lowest target a notice told the session and
+    it has not come down to; asked_by[asker] is the part of what it was
+    told that asker's notices added;
+  * share_cap is (bytes, until, asker): asker, an equal, asked the session
+    down to its fair share of `bytes`, and admit() refuses it more until
+    then or the asker's end;
   * at most max_waits allocations wait in reclaim() or gate() at once.
 """
 
@@ -117,7 +121,7 @@ class Policy:
             raise errors.OutOfMemory(f"client '{session.name}' ignored a reclaim notice: it maps {mapped} bytes, "
                                      f"{mapped - target} more than asked; no more memory until it gives them back")
         with self._mu:
-            cap, until = session.share_cap
+            cap, until, _ = session.share_cap
         if time.monotonic() < until and mapped + extra_bytes > cap:
             # Given back for an equal below its share: not taken again
             # (re-admitting what it preempted) before that equal took it.
@@ -132,7 +136,11 @@ class Policy:
     def settle(self, session) -> None:
         """Clears a debt the client has paid (called after its mappings change)."""
         with self._mu:
-            if session.owed_target is not None and session.mapped_bytes(self.chunk_bytes) <= session.owed_target:
+            mapped = session.mapped_bytes(self.chunk_bytes)
+            if session.announced is not None and mapped <= session.announced:
+                session.announced = None
+                session.asked_by.clear()
+            if session.owed_target is not None and mapped <= session.owed_target:
                 session.owed_target = session.owed_reclaim = None
                 self._answered.notify_all()
 
@@ -140,9 +148,16 @@ class Policy:
         """The operator set the client's limit anew: what the old limit
         asked of it is forgiven (what other clients' reclaims asked is not),
         and a limit below what it maps asks for the excess."""
+        mapped = session.mapped_bytes(self.chunk_bytes)
         with self._mu:
             session.owed_target = session.owed_reclaim
             if session.owed_target is None:
+                if not session.limit_bytes or mapped <= session.limit_bytes:
+                    # Nothing owed, nor asked: what notices told it is
+                    # forgiven too, and a later limit asks for its whole
+                    # excess. (A lower limit asks for what it adds.)
+                    session.announced = None
+                    session.asked_by.clear()
                 self._answered.notify_all()
         self.settle(session)
         if session.limit_bytes:
@@ -217,6 +232,16 @@ class Policy:
         with self._gate:
             if self._reserved.pop(session, None) is not None:
                 self._gate.notify_all()
+
+    def session_ended(self, session) -> None:
+        """Its reservation goes, and the equals it asked down to their
+        share may take memory again: it needs none."""
+        self.unreserve(session)
+        with self._mu:
+            for other in self._sessions():
+                if other.share_cap[2] is session:
+                    other.share_cap = (0, 0.0, None)
+                other.asked_by.pop(session, None)
 
     def answered(self, session, notice_id) -> None:
         """The client acknowledged notice `notice_id`."""
@@ -333,17 +358,15 @@ class Policy:
         if recalled and self._has_free(requester, need_bytes):
             return True
         # What the pool lacks, asked of the victims in order, below what
-        # each owes already (that debt frees memory for the allocations
-        # that asked it, not for this one); and only when they can cover
-        # it all: a victim that gives back less than the retry needs
-        # preempts its requests for nothing.
+        # each was told to give back already (but for what this requester's
+        # own notices asked: a retry's, which are its to take); and only
+        # when they can cover it all: a victim that gives back less than
+        # the retry needs preempts its requests for nothing.
         shortfall = max(need_bytes - self._available(requester), self.chunk_bytes)
         asks = []
         for victim, floor in self._victims(requester, need_bytes):
-            base = victim.mapped_bytes(self.chunk_bytes)
             with self._mu:
-                if victim.owed_target is not None:
-                    base = min(base, victim.owed_target)
+                base = self._coming_back(victim, requester)
             ask = min(base - floor, shortfall)
             if ask > 0:
                 asks.append((victim, floor, ask))
@@ -356,8 +379,8 @@ class Policy:
         reason = f"client '{requester.name}' (priority {requester.priority}) needs memory"
         for victim, floor, ask in asks:
             equal = victim.priority == requester.priority
-            self._ask(victim, lambda asked, floor=floor, ask=ask: max(floor, asked - ask),
-                      reason + (", and it maps less than its fair share" if equal else ""), share_cap=equal)
+            self._ask(victim, lambda base, floor=floor, ask=ask: max(floor, base - ask),
+                      reason + (", and it maps less than its fair share" if equal else ""), requester, equal)
         # A victim no longer live (quarantined, closed) frees nothing more by answering.
         self._wait(lambda: all(v.owed_target is None or v.state != LIVE for v, _, _ in asks))
         return True
@@ -441,32 +464,47 @@ class Policy:
         """Asks `session` to come down to mapping `target_bytes` (a RECLAIM
         notice for the excess, with a deadline); a no-op when it maps no more.
         `for_limit`: the operator's limit asks it, not another client."""
-        self._ask(session, lambda asked: target_bytes, reason, for_limit)
+        self._ask(session, lambda base: target_bytes, reason, for_limit=for_limit)
 
-    def _ask(self, session, target, reason: str, for_limit: bool = False, share_cap: bool = False) -> int:
-        """Sends `session` a reclaim notice down to target(asked) bytes,
-        where `asked` is what it maps less what earlier notices asked and it
-        has not given yet: read and raised under one lock, so that two
-        askers at once each ask for their own bytes. Returns the bytes asked.
-        `share_cap`: the asker's equal, asked down to its fair share, which
-        it may not map past until the notice's deadline (admit)."""
+    def _coming_back(self, victim, asker) -> int:
+        """What `victim` maps less what notices told it to give back and it
+        has not yet, plus what `asker`'s own notices asked of that (theirs
+        to take on a retry): the bytes `asker` may still ask below. Under
+        _mu."""
+        mapped = victim.mapped_bytes(self.chunk_bytes)
+        told = mapped if victim.announced is None else min(mapped, victim.announced)
+        return min(mapped, told + victim.asked_by.get(asker, 0))
+
+    def _ask(self, session, target, reason: str, asker=None, share_cap: bool = False, for_limit: bool = False) -> int:
+        """Sends `session` a reclaim notice down to target(base) bytes, base
+        as _coming_back reads it; read and lowered under one lock, so that
+        two askers at once each ask for their own bytes, and an asker's
+        retry does not ask again for what its notice asked. The notice
+        carries what it adds to what the client was told (the client frees
+        each notice's bytes). Returns those bytes. `share_cap`: `asker`'s
+        equal, asked down to its fair share, which it may not map past until
+        the notice's deadline or the asker's end (admit)."""
         mapped = session.mapped_bytes(self.chunk_bytes)
         with self._mu:
-            # What earlier notices asked is on its way: this one asks for
-            # what it adds (the client frees each notice's bytes; the whole
-            # excess again would make it give back a debt twice).
-            asked = mapped if session.owed_target is None else min(mapped, session.owed_target)
-            target_bytes = target(asked)
-            if asked <= target_bytes:
+            target_bytes = target(self._coming_back(session, asker))
+            if mapped <= target_bytes:
                 return 0
-            session.owed_target = target_bytes
+            # Owed even when no notice adds to what it was told: it was told.
+            session.owed_target = (target_bytes if session.owed_target is None
+                                   else min(session.owed_target, target_bytes))
             if not for_limit:
                 session.owed_reclaim = (target_bytes if session.owed_reclaim is None
                                         else min(session.owed_reclaim, target_bytes))
             session.owed_deadline = time.monotonic() + self.notice_deadline_s
             if share_cap:
-                session.share_cap = (target_bytes, session.owed_deadline)
-        session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": asked - target_bytes,
+                session.share_cap = (target_bytes, session.owed_deadline, asker)
+            told = mapped if session.announced is None else min(mapped, session.announced)
+            if told <= target_bytes:
+                return 0
+            session.announced = target_bytes
+            if asker is not None:
+                session.asked_by[asker] = session.asked_by.get(asker, 0) + told - target_bytes
+        session.notify({"notice": "reclaim", "id": next(self._ids), "bytes": told - target_bytes,
                         "deadline_s": self.notice_deadline_s, "reason": reason})
         self._notified()
-        return asked - target_bytes
+        return told - target_bytes

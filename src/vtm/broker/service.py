@@ -263,7 +263,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             session.chunk_of.clear()
             pidfd, channel = session.pidfd, session.channel
             session.pidfd = session.channel = None
-        self.policy.unreserve(session)
+        self.policy.session_ended(session)
         for end_connections in self.session_ended:
             end_connections(session)
         if pidfd is not None:

@@ -96,9 +96,13 @@ class Session:
         self.owed_target = None  # mapped bytes the client was asked to come down to
         self.owed_reclaim = None  # the lowest of those other clients' reclaims asked (None: the limit's only)
         self.owed_deadline = 0.0
-        # (bytes, time.monotonic() until when): what an equal's reclaim
-        # asked it down to, which it may not map past meanwhile.
-        self.share_cap = (0, 0.0)
+        # The lowest target a notice told the client (None: it is there),
+        # forgiven or not: a later notice asks for what it adds below it.
+        self.announced = None
+        self.asked_by = {}  # asking session -> bytes its notices added to `announced`
+        # (bytes, time.monotonic() until when, asking session): what an
+        # equal's reclaim asked it down to, which it may not map past meanwhile.
+        self.share_cap = (0, 0.0, None)
         # Pages ahead (docs/broker.md, "Mapping ahead"): whether the client
         # said at hello that it gives them back (else it gets none), whether
         # it holds some (policy.py), and its recall notice not yet answered.
