@@ -32,13 +32,18 @@ def tiny(tmp_path_factory, smollm2_hf_tokenizer):
 
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory, smollm2_hf_tokenizer):
-    """A model whose token POISON embeds to NaN: a prompt holding it gets NaN logits, others are fine."""
+    """A model whose token POISON embeds to NaN once loaded (poison(llm): a
+    file holding a NaN weight is refused at load): a prompt holding it gets
+    NaN logits, others are fine."""
     folder = tmp_path_factory.mktemp("tiny-nan")
     model = _build_tiny(folder, "llama", smollm2_hf_tokenizer, 4)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[POISON] = float("nan")
-    model.save_pretrained(folder)
     return str(folder), Oracle(model)
+
+
+def poison(llm: LLM) -> LLM:
+    with torch.no_grad():
+        llm.engine.model.embed[POISON] = float("nan")
+    return llm
 
 
 def clean_prompts(lengths, seed):
@@ -162,7 +167,7 @@ def test_nan_logits_fail_their_request_alone(poisoned):
     folder, oracle = poisoned
     good = clean_prompts([6, 21, 12], seed=2)
     bad = [3, 9, POISON, 11]
-    with LLM(folder) as llm:
+    with poison(LLM(folder)) as llm:
         for params in (greedy(5), SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True)):
             outs = run(llm, [good[0], bad, good[1], good[2]], params)
             assert outs[1].finish_reason == "error" and isinstance(outs[1].error, EngineError)
