@@ -37,8 +37,8 @@ reservations lapse).
 
 Notices go on the session's channel (Session.notify), as JSON:
 {"notice": "reclaim", "id": N, "bytes": B, "deadline_s": S, "reason": ...}
-(B: what it asks beyond what earlier notices asked and the client has not
-given back yet)
+(B: what it asks beyond what earlier notices told the client and it has
+not given back yet; the client frees each notice's B)
 or {"notice": "recall", "id": N, "reason": ...}; the client answers with
 {"ack": N} there (src/vtm/broker/fd_channel.py).
 
@@ -341,11 +341,12 @@ class Policy:
     def reclaim(self, requester, need_bytes: int, reserve_bytes: int = 0) -> bool:
         """Recalls pages ahead (recall()); when the pool's free memory is
         still short of `need_bytes`, asks lower-priority clients above their
-        guarantee, then equals above their fair share (_victims), for them
-        and waits up to wait_s; False when there was nobody to ask. When it asked, `reserve_bytes` stay reserved for the
-        requester's retry from before the first notice until unreserve()
-        (or reserve_s). Raises OutOfMemory, asking nobody, when max_waits
-        allocations wait already."""
+        guarantee, then equals above their fair share (_victims), for what
+        it lacks, and waits up to wait_s; False when there was nobody to
+        ask, or not enough to cover it. When it asked, `reserve_bytes` stay
+        reserved for the requester's retry from before the first notice
+        until unreserve() (or reserve_s). Raises OutOfMemory, asking nobody,
+        when max_waits allocations wait already."""
         if not self._waits.acquire(blocking=False):
             raise self._too_many_waits("the pool is out of memory")
         try:
