@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Iterator
 
+from vtm.log_lines import OneLineFormatter
+
 ENV = "FLEXINFER_LOG"
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _LOGGERS = ("flexinfer", "vtm")
@@ -29,25 +31,6 @@ _LOGGERS = ("flexinfer", "vtm")
 def debug_requested(verbose: bool) -> bool:
     """--verbose, or FLEXINFER_LOG=debug."""
     return verbose or os.environ.get(ENV, "").strip().lower() == "debug"
-
-
-class OneLineFormatter(logging.Formatter):
-    """`flexinfer: LEVEL: message[: the exception's message]` on one line;
-    with `tracebacks`, the traceback follows on the lines below."""
-
-    def __init__(self, tracebacks: bool):
-        super().__init__()
-        self.tracebacks = tracebacks
-
-    def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
-        error = record.exc_info[1] if record.exc_info else None
-        if error is not None:
-            message += f": {error}" if str(error) else f": {type(error).__name__}"
-        line = f"flexinfer: {record.levelname.lower()}: " + " ".join(message.split("\n"))
-        if self.tracebacks and error is not None:
-            line += "\n" + self.formatException(record.exc_info).rstrip("\n")
-        return line
 
 
 @contextlib.contextmanager
@@ -59,7 +42,7 @@ def command_logging(verbose: bool) -> Iterator[None]:
     asked = os.environ.get(ENV, "").strip().lower()
     level = logging.DEBUG if debug else _LEVELS.get(asked, logging.WARNING)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(OneLineFormatter(tracebacks=debug))
+    handler.setFormatter(OneLineFormatter("flexinfer", tracebacks=debug))
     loggers = [logging.getLogger(name) for name in _LOGGERS]
     saved = [(logger.level, logger.propagate) for logger in loggers]
     for logger in loggers:

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+import vtm
 from broker_testing import BrokerProcess, wait_serving
 from vtm.broker import ctl, server
 
@@ -314,6 +318,47 @@ def test_vtmctl_without_a_broker_says_so_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == f"vtmctl: error: no vtm broker answers at unix:{tmp_path}/sock: no such socket\n"
 
 
+def test_a_client_that_leaves_normally_is_no_warning_in_vtmds_log(tmp_path):
+    """vtmd logged 'PATH.fds: closing a connection of a session that ended' (and .step), bare, at every
+    client's exit: one that said goodbye and one whose process ended."""
+    b = BrokerProcess(tmp_path, capacity_chunks=16)
+    try:
+        vtm.connect(b.address, name="says-goodbye").close()
+        subprocess.run([sys.executable, "-c", f"import vtm; vtm.connect({b.address!r}, name='exits')"],
+                       check=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while json.loads(_stats_json(b.address))["clients"]:  # the exit is seen through the process's pidfd
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        b.proc.send_signal(signal.SIGTERM)
+        log = b.proc.communicate(timeout=30)[0]  # vtmd's stderr, after "listening"
+    finally:
+        b.kill()
+    assert b.proc.returncode == 0 and log == "vtmd: stopped\n", log
+
+
+def _stats_json(address: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "vtm.broker.ctl", "--address", address, "stats", "--json"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout
+
+
+def test_vtmds_log_lines_are_its_own(capsys):
+    """Python's last-resort handler printed a record's bare message, told from nobody else's."""
+    with server._logging_to_stderr():
+        logging.getLogger("vtm.broker").warning("%s: something to know", "/run/vtm/sock.fds")
+        logging.getLogger("vtm.broker").debug("not shown")
+    assert capsys.readouterr().err == "vtmd: warning: /run/vtm/sock.fds: something to know\n"
+
+
+def test_vtmd_says_which_socket_folder_it_cannot_create(tmp_path):
+    """It said "[Errno 2] No such file or directory: '/proc/x'"."""
+    done = vtmd("--listen", "unix:/proc/nonexistent/sock", "--backend", "host", "--capacity-bytes", "4MiB")
+    assert done.returncode == 2 and done.stderr == ("vtmd: error: cannot create the socket folder /proc/nonexistent "
+                                                    "(--listen unix:/proc/nonexistent/sock): No such file or "
+                                                    "directory\n"), done.stderr
+
+
 def test_vtmctl_into_head_ends_quietly(broker):
     """`vtmctl ... | head -1` printed a BrokenPipeError traceback and exited 1
     when vtmctl wrote after head had gone (here: top's later frames)."""
@@ -335,8 +380,7 @@ def test_trim_help_says_what_bytes_does(capsys):
 def test_a_vtmd_whose_control_port_is_taken_says_so_and_leaves_nothing(tmp_path):
     """gRPC raised a RuntimeError there: a traceback and status 1, with the
     socket and its folder left behind."""
-    import socket
-
+    
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -356,8 +400,7 @@ def test_a_control_host_is_taken_when_one_of_its_addresses_binds(monkeypatch):
     file), and where IPv6 is off ::1 cannot be bound: the check refused
     what gRPC would have listened on. One address is enough, as for gRPC;
     when none binds, a port in use is what the error names."""
-    import socket
-
+    
     from vtm.broker import server
 
     unassigned = (socket.AF_INET6, socket.SOCK_STREAM, 0, "", ("2001:db8::1", 0, 0, 0))  # documentation range

@@ -328,21 +328,23 @@ class SeqpacketServer:
         """Ends every connection that serves `session` (it ended): a
         client may not keep connections of a session that is gone, which
         no per-session cap would count any more."""
-        self._end_where(lambda c, now: "of a session that ended" if c.session is session else None)
+        # Every client that exits or says goodbye ends here: nothing an
+        # operator must hear of (it was a warning on every clean exit).
+        self._end_where(lambda c, now: "of a session that ended" if c.session is session else None, logging.DEBUG)
 
-    def _end_where(self, doomed) -> None:
+    def _end_where(self, doomed, level: int = logging.WARNING) -> None:
         """Ends the connections for which `doomed(conn, now)` gives a
-        reason: shut down (Connection.shut), so that the worker that next
-        serves each drops it, at once if none serves it now. A sweep neither
-        waits for a worker nor re-arms a connection, so it cannot leave one
-        watched the wrong way while a worker serves it."""
+        reason, logged at `level`: shut down (Connection.shut), so that the
+        worker that next serves each drops it, at once if none serves it
+        now. A sweep neither waits for a worker nor re-arms a connection, so
+        it cannot leave one watched the wrong way while a worker serves it."""
         now = time.monotonic()
         with self._mu:
             picked = [(c, why) for c in self._conns.values() if not c.ending and (why := doomed(c, now))]
             for conn, _ in picked:
                 conn.ending = True
         for conn, why in picked:
-            log.warning("%s: closing a connection %s", self.path, why)
+            log.log(level, "%s: closing a connection %s", self.path, why)
             conn.shut()
 
     def _on_readable(self, fd: int) -> None:

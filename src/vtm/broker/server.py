@@ -22,8 +22,10 @@ and client pidfd, and IO_THREADS answer them (src/vtm/broker/reactor.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
+import logging
 import os
 import pwd
 import resource
@@ -34,6 +36,7 @@ import stat
 import sys
 import threading
 from concurrent import futures
+from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,6 +49,7 @@ from vtm.broker.quota import Quotas
 from vtm.broker.reactor import Reactor
 from vtm.broker.service import BrokerService
 from vtm.broker.step_channel import StepServer
+from vtm.log_lines import OneLineFormatter
 from vtm.proto.vtm.v1 import vtm_pb2_grpc
 
 SERVICE_NAME = "vtm.v1.Broker"
@@ -113,7 +117,11 @@ def _private_folder(path: str) -> list[str]:
             break
         above = os.path.dirname(above)
     for made in reversed(created):  # each 0700: makedirs gives the parents the umask's mode
-        os.mkdir(made, 0o700)
+        try:
+            os.mkdir(made, 0o700)
+        except OSError as exc:  # /proc/x: the bare errno named neither the folder's role nor the flag
+            _remove_folders(created[created.index(made) + 1:])
+            raise OSError(f"cannot create the socket folder {made} (--listen unix:{path}): {exc.strerror}") from None
         os.chmod(made, 0o700)  # whatever the umask
     st = os.stat(folder)
     mode = stat.S_IMODE(st.st_mode)
@@ -322,6 +330,26 @@ class Broker:
             pass
 
 
+@contextlib.contextmanager
+def _logging_to_stderr() -> Iterator[None]:
+    """The broker's log lines read `vtmd: warning: ...`, as its own lines do
+    (unconfigured, Python printed bare messages), while the block runs.
+    Tracebacks are kept: a daemon logs one only for a failure no client
+    caused, a bug to report."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter("vtmd", tracebacks=True))
+    logger = logging.getLogger("vtm")
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False  # else a handler on the root logger prints each record again
+    try:
+        yield
+    finally:  # main() may run in a caller's process, whose logging stays its own
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
+
+
 def main(argv=None) -> int:
     parser = Parser(prog="vtmd", description="The vtm memory broker (docs/broker.md). Sizes are a byte count "
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
@@ -353,6 +381,12 @@ def main(argv=None) -> int:
                         help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (default: priority "
                              "0, no guarantee and no limit for every client); see docs/broker.md")
     args = parser.parse_args(argv)
+    with _logging_to_stderr():
+        return _serve(args)
+
+
+def _serve(args) -> int:
+    """Starts the broker and serves until SIGTERM or SIGINT; the exit status."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
