@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -318,6 +319,36 @@ def test_vtmctl_without_a_broker_says_so_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == f"vtmctl: error: no vtm broker answers at unix:{tmp_path}/sock: no such socket\n"
 
 
+def _stale_unix_socket(path: str) -> None:
+    """A socket file nobody listens on, as a vtmd killed with -9 leaves."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+        gone.bind(path)
+
+
+def _closed_tcp_port() -> int:
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        return gone.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("socket", "connection refused (a vtmd that was killed leaves its socket behind)"),
+    ("file", "not a socket"),
+    ("tcp", "connection refused"),
+])
+def test_vtmctl_at_a_dead_address_says_why_in_one_line(tmp_path, capsys, kind, reason):
+    """A stale socket printed gRPC's 'failed to connect to all addresses; last error: FAILED_PRECONDITION:
+    unix:...: connect failed: ...'."""
+    path = str(tmp_path / "sock")
+    if kind == "socket":
+        _stale_unix_socket(path)
+    elif kind == "file":
+        open(path, "w").close()
+    address = f"tcp:127.0.0.1:{_closed_tcp_port()}" if kind == "tcp" else f"unix:{path}"
+    assert ctl.main(["--address", address, "stats"]) == 2
+    assert capsys.readouterr().err == f"vtmctl: error: no vtm broker answers at {address}: {reason}\n"
+
+
 def test_a_client_that_leaves_normally_is_no_warning_in_vtmds_log(tmp_path):
     """vtmd logged 'PATH.fds: closing a connection of a session that ended' (and .step), bare, at every
     client's exit: one that said goodbye and one whose process ended."""
@@ -380,7 +411,8 @@ def test_trim_help_says_what_bytes_does(capsys):
 def test_a_vtmd_whose_control_port_is_taken_says_so_and_leaves_nothing(tmp_path):
     """gRPC raised a RuntimeError there: a traceback and status 1, with the
     socket and its folder left behind."""
-    
+    import socket
+
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -400,7 +432,8 @@ def test_a_control_host_is_taken_when_one_of_its_addresses_binds(monkeypatch):
     file), and where IPv6 is off ::1 cannot be bound: the check refused
     what gRPC would have listened on. One address is enough, as for gRPC;
     when none binds, a port in use is what the error names."""
-    
+    import socket
+
     from vtm.broker import server
 
     unassigned = (socket.AF_INET6, socket.SOCK_STREAM, 0, "", ("2001:db8::1", 0, 0, 0))  # documentation range

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import stat
 import sys
 import time
 
@@ -38,6 +40,9 @@ from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 from vtm.sizes import format_size
 
+# How long the connect that tells why a broker did not answer may take (a tcp: host that drops packets).
+_PROBE_TIMEOUT_S = 2.0
+
 
 def _call(stub_method, request, timeout: float, what: str, metadata=None):
     try:
@@ -46,6 +51,43 @@ def _call(stub_method, request, timeout: float, what: str, metadata=None):
         if err.code() == grpc.StatusCode.UNAUTHENTICATED:
             raise errors.FailedPrecondition(f"{err.details()} (vtmctl --token-file)") from None
         raise status.from_rpc_error(err, what) from None
+
+
+def _why_unreachable(address: str) -> str | None:
+    """Why nothing listens at `address`, where a connect of our own tells;
+    None where one connects (the broker is there but did not answer).
+    gRPC's own words ("failed to connect to all addresses; last error:
+    FAILED_PRECONDITION: ...") are its internals, not what to fix."""
+    if address.startswith("unix:"):
+        path = address[len("unix:"):]
+        try:
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                return "not a socket"
+        except FileNotFoundError:
+            return "no such socket"
+        except OSError as exc:
+            return exc.strerror
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer = path
+    else:
+        host, _, port = tcp_target(address).rpartition(":")
+        try:
+            family, kind, proto, _, peer = socket.getaddrinfo(host.strip("[]"), int(port),
+                                                              type=socket.SOCK_STREAM)[0]
+        except socket.gaierror as exc:
+            return exc.strerror
+        probe = socket.socket(family, kind, proto)
+    with probe:
+        probe.settimeout(_PROBE_TIMEOUT_S)
+        try:
+            probe.connect(peer)
+        except ConnectionRefusedError:
+            # What a vtmd that was killed (kill -9) leaves: its socket, which nobody listens on.
+            return "connection refused" + (" (a vtmd that was killed leaves its socket behind)"
+                                           if address.startswith("unix:") else "")
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _mib(n: int) -> str:
@@ -168,8 +210,6 @@ def main(argv=None) -> int:
                 raise errors.InvalidArgument(str(exc)) from None
         elif args.address.startswith("unix:"):
             target = args.address
-            if not os.path.exists(args.address[len("unix:"):]):
-                raise errors.Unavailable(f"no vtm broker answers at {args.address}: no such socket")
         else:
             raise errors.InvalidArgument(f"--address must be unix:PATH or tcp:HOST:PORT, got {args.address!r}")
         metadata = ((TOKEN_KEY, read_token(args.token_file)),) if args.token_file else None
@@ -196,6 +236,11 @@ def main(argv=None) -> int:
             else:
                 request = vtm_pb2.TrimRequest(all=args.bytes is None, bytes=args.bytes or 0)
                 print(f"released {_call(stub.Trim, request, args.timeout, 'trim', metadata).value} bytes")
+    except errors.Unavailable as exc:
+        reason = _why_unreachable(args.address)
+        print(f"vtmctl: error: {f'no vtm broker answers at {args.address}: {reason}' if reason else exc}",
+              file=sys.stderr)
+        return 2
     except errors.Error as exc:
         print(f"vtmctl: error: {exc}", file=sys.stderr)
         return 2
