@@ -12,6 +12,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import logging
 import math
@@ -33,7 +34,7 @@ from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, Flex
 from flexinfer.inputs import request_problem
 from flexinfer.llm import LLM
 from flexinfer.model.linear import LINEAR_KINDS
-from flexinfer.model.loader import load_tokenizer
+from flexinfer.model.loader import load_tokenizer, model_path
 from flexinfer.outputs import RequestOutput
 from flexinfer.sampling import SamplingParams
 from flexinfer.server.main import add_serve_args, serve
@@ -56,6 +57,8 @@ DEFAULT_MAX_TOKENS = 128
 _CANCEL_WAIT_S = 30.0
 # The physical chunk size of an in-process pool: --kv-capacity-gib is rounded up to a multiple of it.
 CHUNK_BYTES = 2 << 20
+# An in-process pool's size without --kv-capacity-gib.
+DEFAULT_KV_CAPACITY_GIB = 2.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,13 +126,24 @@ def _text(value: str) -> str:
     return value
 
 
+def _broker_address(value: str) -> str:
+    """A vtm broker's address, said at parse time: a path without `unix:`
+    was refused only once the model had loaded."""
+    if not value.startswith("unix:") or value == "unix:":
+        raise argparse.ArgumentTypeError(f"expected unix:PATH, vtmd's --listen address (chunks travel as fds, "
+                                         f"over a Unix socket only), got {value!r}")
+    return value
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a Hugging Face folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights, activations and KV cache (float16: CUDA only)")
-    p.add_argument("--kv-capacity-gib", type=_number(0, MAX_BYTES >> 30, low_open=True), default=2.0,
+    # Default None: one given with --manager is refused (the pool is the broker's), the default is not.
+    p.add_argument("--kv-capacity-gib", type=_number(0, MAX_BYTES >> 30, low_open=True), default=None,
                    help=f"physical KV memory the pool may use, in GiB, rounded up to a whole number of "
-                        f"{CHUNK_BYTES >> 20} MiB chunks")
+                        f"{CHUNK_BYTES >> 20} MiB chunks; not with --manager, whose pool is the broker's "
+                        f"(default: {DEFAULT_KV_CAPACITY_GIB})")
     p.add_argument("--host-tier-gib", type=_number(0, MAX_BYTES >> 30), default=0.0,
                    help="host memory, in GiB, that keeps the KV of prefixes evicted from the pool, so that a later "
                         "request (the next turn of a chat) copies it back instead of recomputing it; 0: none")
@@ -139,9 +153,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(needs --host-tier-gib, or a broker with a tier)")
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"],
                    help="where the KV cache and the model live: auto is cuda when a driver exists, else host")
-    p.add_argument("--manager", default=None, metavar="unix:PATH",
+    p.add_argument("--manager", type=_broker_address, default=None, metavar="unix:PATH",
                    help="use the vtm broker (vtmd) at this address instead of an in-process manager; "
-                        "--backend and --kv-capacity-gib are then the broker's")
+                        "--backend and the pool (--kv-capacity-gib) are then the broker's")
     p.add_argument("--client-name", default=None, metavar="NAME",
                    help="the name this process connects to --manager under, which the operator's quotas "
                         "(priority, guarantee, limit) are keyed by (default: flexinfer-COMMAND)")
@@ -200,6 +214,9 @@ _SWAP_NEEDS_TIER = "--preemption swap keeps preempted requests' KV in vtm's host
 def _check_engine_flags(args) -> None:
     """The flags that do not go together, refused before anything loads
     (the engine would refuse them too, naming its Python arguments)."""
+    if args.manager is not None and args.kv_capacity_gib is not None:
+        raise InvalidArgument("--kv-capacity-gib sizes an in-process pool; with --manager the pool is the "
+                              "broker's (vtmd --capacity-bytes; vtmctl set-quota limits this client)")
     if args.manager is not None and args.host_tier_gib > 0:
         raise InvalidArgument("--host-tier-gib sizes the host tier of an in-process pool; with --manager the "
                               "tier is the broker's (vtmd --host-tier-bytes)")
@@ -221,7 +238,8 @@ def _engine(args) -> LLM:
         if args.preemption == "swap" and not manager.stats().get("host_tier_capacity_bytes"):
             raise InvalidArgument(f"{_SWAP_NEEDS_TIER}, and the vtm broker at --manager has none "
                                   "(vtmd --host-tier-bytes)")
-    capacity = max(1, math.ceil(args.kv_capacity_gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
+    gib = DEFAULT_KV_CAPACITY_GIB if args.kv_capacity_gib is None else args.kv_capacity_gib
+    capacity = max(1, math.ceil(gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
     host_tier = math.ceil(args.host_tier_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
@@ -396,7 +414,23 @@ def cmd_bench(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    # Before the port is bound: the model loads after it, in a thread, and a
+    # missing model was reported twice, after uvicorn had started.
+    _check_engine_flags(args)
+    model_path(args.model)
     return serve(args, lambda: _engine(args))
+
+
+def _did_you_mean(unrecognized: list[str], command: argparse.ArgumentParser) -> str:
+    """"; did you mean --max-tokens?" for the first unrecognized flag that is
+    close to one of the command's, else ""."""
+    flags = [flag for action in command._actions for flag in action.option_strings]
+    for word in unrecognized:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(s)
     s.set_defaults(fn=cmd_serve)
     try:
-        args = parser.parse_args(argv)
+        args, unrecognized = parser.parse_known_args(argv)
+        if unrecognized:
+            # The sub-command's parser: its --help lists the flags (flexinfer --help lists the commands).
+            command = sub.choices[args.command]
+            command.error(f"unrecognized arguments: {' '.join(unrecognized)}{_did_you_mean(unrecognized, command)}")
         if args.priority is not None and args.manager is None:
             # The sub-command's parser: its --help lists both flags.
             sub.choices[args.command].error("--priority is what a client asks of a vtm broker: give --manager too")

@@ -142,10 +142,11 @@ def start_in_thread(app):
 
 
 # The engine every server test compares against, and the flags that make a
-# server run that same engine (a 64 MiB pool, torch's linear, one thread).
+# server run that same engine (a 64 MiB pool, torch's linear, one thread);
+# on a broker (--manager) the pool is the broker's.
 MAX_MODEL_LEN = 1024
-SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-capacity-gib", "0.0625", "--linear", "torch",
-                "--threads", "1"]
+BROKER_SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--linear", "torch", "--threads", "1"]
+SERVER_FLAGS = [*BROKER_SERVER_FLAGS, "--kv-capacity-gib", "0.0625"]
 ENGINE_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, kv_capacity_bytes=64 << 20, linear="torch", threads=1)
 
 

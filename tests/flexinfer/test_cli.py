@@ -69,7 +69,12 @@ def tiny_nan(tmp_path_factory, smollm2_hf_tokenizer):
 
 
 def tiny_args(folder: str, *more: str) -> list[str]:
-    return ["--model", folder, "--kv-capacity-gib", "0.25", "--linear", "torch", *more]
+    return [*tiny_broker_args(folder), "--kv-capacity-gib", "0.25", *more]
+
+
+def tiny_broker_args(folder: str, *more: str) -> list[str]:
+    """tiny_args for a run with --manager, whose pool is the broker's."""
+    return ["--model", folder, "--linear", "torch", *more]
 
 
 def one_line_error(err: str, status_message: str) -> None:
@@ -313,11 +318,38 @@ def test_a_malformed_gguf_file_is_one_line_and_status_2(capsys, tmp_path, metada
     one_line_error(capsys.readouterr().err, f"{path}: {message}")
 
 
-def test_flags_that_do_not_go_together_are_refused_before_loading_starts(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--preemption", "swap"], "--preemption swap keeps"),
+    # The broker's pool is used: the flag was ignored without a word.
+    (["--kv-capacity-gib", "1", "--manager", "unix:/nonexistent/sock"],
+     "--kv-capacity-gib sizes an in-process pool; with --manager the pool is the broker's"),
+    # Refused by vtm.connect, once the model had loaded.
+    (["--manager", "/nonexistent/sock"], "argument --manager: expected unix:PATH, vtmd's --listen address"),
+])
+def test_flags_that_do_not_go_together_are_refused_before_loading_starts(capsys, argv, message):
     """It said "flexinfer: loading smollm2 ..." first (found by fuzzing), as
     if the model loaded."""
-    assert main(["generate", "--prompt", "hi", "--preemption", "swap"]) == 2
-    assert capsys.readouterr().err.startswith("flexinfer: error: --preemption swap keeps")
+    assert main(["generate", "--prompt", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flexinfer: error: {message}") and err.count("\n") == 1, err
+
+
+def test_kv_capacity_keeps_its_default_without_a_broker(capsys, monkeypatch, tiny):
+    """--kv-capacity-gib defaults to nothing in argparse (so that one given with --manager is told apart)."""
+    recorder = Recorder()
+    monkeypatch.setattr(cli, "LLM", recorder)
+    assert main(["generate", *tiny_broker_args(tiny), "--prompt", "hi", "--max-tokens", "2"]) == 0
+    assert recorder.options[0]["kv_capacity_bytes"] == 2 << 30
+
+
+def test_a_mistyped_flag_points_at_the_commands_help_and_the_flag_meant(capsys):
+    """It said "(see `flexinfer --help`)", which lists the commands, not generate's flags."""
+    assert main(["generate", "--prompt", "hi", "--max-tokenz", "4"]) == 2
+    assert capsys.readouterr().err == ("flexinfer: error: unrecognized arguments: --max-tokenz 4; did you mean "
+                                       "--max-tokens? (see `flexinfer generate --help`)\n")
+    assert main(["serve", "--nonsense"]) == 2
+    assert capsys.readouterr().err == ("flexinfer: error: unrecognized arguments: --nonsense "
+                                       "(see `flexinfer serve --help`)\n")
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -429,8 +461,8 @@ def test_a_broker_that_goes_away_is_told_in_one_line_each(tmp_path, tiny):
 
     broker = BrokerProcess(tmp_path, capacity_chunks=256)  # 16 MiB: 8192 tiny rows
     try:
-        child = flexinfer_process(["generate", *tiny_args(tiny), "--manager", broker.address, "--broker-wait", "1",
-                                   "--max-tokens", "3000", "--prompt", "Tell me a story"])
+        child = flexinfer_process(["generate", *tiny_broker_args(tiny), "--manager", broker.address,
+                                   "--broker-wait", "1", "--max-tokens", "3000", "--prompt", "Tell me a story"])
         out, err = Reader(child.stdout), Reader(child.stderr)
         shown = out.wait_for(r"\S{8}")
         broker.kill()
@@ -456,8 +488,8 @@ def test_priority_flag_asks_the_broker_for_less(tmp_path, monkeypatch, capsys, t
         assert ctl.main(["--address", broker.address, "set-quota", "tenant", "--priority", "10"]) == 0
         recorder = Recorder()
         monkeypatch.setattr(cli, "LLM", recorder)
-        argv = ["generate", *tiny_args(tiny), "--manager", broker.address, "--client-name", "tenant", "--prompt",
-                "hi", "--max-tokens", "2"]
+        argv = ["generate", *tiny_broker_args(tiny), "--manager", broker.address, "--client-name", "tenant",
+                "--prompt", "hi", "--max-tokens", "2"]
         capsys.readouterr()
         assert main(argv + ["--priority", "3"]) == 0
         assert recorder.options[-1]["manager"].priority == 3 and "warning" not in capsys.readouterr().err

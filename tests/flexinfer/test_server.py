@@ -25,8 +25,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from server_testing import (ENGINE_OPTIONS, MAX_MODEL_LEN, SERVER_FLAGS, ServerProcess, greedy,  # noqa: E402
-                            start_in_thread)
+from server_testing import (BROKER_SERVER_FLAGS, ENGINE_OPTIONS, MAX_MODEL_LEN, SERVER_FLAGS,  # noqa: E402
+                            ServerProcess, greedy, start_in_thread)
 from server_testing import reference, tiny_chat  # noqa: E402,F401 (fixtures)
 
 from flexinfer import LLM, ModelLoadError  # noqa: E402
@@ -583,7 +583,8 @@ def test_serving_on_a_vtm_broker(tiny_chat, tmp_path, reference):
     broker = BrokerProcess(tmp_path, capacity_chunks=2048, chunk_bytes=4096)
     process = None
     try:
-        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *BROKER_SERVER_FLAGS, "--manager",
+                                broker.address)
         process.wait_ready()
         client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
         out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0.0)
@@ -670,6 +671,21 @@ def test_serve_on_a_port_in_use_is_one_line_and_status_2(tiny_chat, capsys):
 def test_serve_a_model_that_fails_to_load_is_status_2(tmp_path, capsys):
     from flexinfer.cli import main
 
-    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "0", "--log-level", "critical"]) == 2
+    (tmp_path / "broken.gguf").write_bytes(b"not a GGUF file")
+    assert main(["serve", "--model", str(tmp_path / "broken.gguf"), "--port", "0", "--log-level", "critical"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("flexinfer: error: the model failed to load: ") and "missing" in err[-1]
+    assert err[-1].startswith("flexinfer: error: the model failed to load: ") and "broken.gguf" in err[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf: no such file or folder"),
+    (["--kv-capacity-gib", "1", "--manager", "unix:/nonexistent/sock"], "--kv-capacity-gib sizes an in-process pool"),
+])
+def test_serve_refuses_what_generate_does_before_it_binds(capsys, argv, message):
+    """A missing model bound the port and started uvicorn, then was reported twice (its load failed in
+    the load thread); as generate does, it is one line and status 2, and nothing listens meanwhile."""
+    from flexinfer.cli import main
+
+    assert main(["serve", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flexinfer: error: {message}") and err.count("\n") == 1, err

@@ -29,8 +29,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from server_testing import (ENGINE_OPTIONS, MAX_MODEL_LEN, SERVER_FLAGS, SMALL_CHUNK, SMALL_POOL_CHUNKS,  # noqa: E402
-                            ServerProcess, free_port, greedy, small_pool_llm, start_in_thread)
+from server_testing import (BROKER_SERVER_FLAGS, ENGINE_OPTIONS, MAX_MODEL_LEN, SERVER_FLAGS,  # noqa: E402
+                            SMALL_CHUNK, SMALL_POOL_CHUNKS, ServerProcess, free_port, greedy, small_pool_llm,
+                            start_in_thread)
 from server_testing import reference, tiny_chat  # noqa: E402,F401 (fixtures)
 
 import vtm  # noqa: E402
@@ -301,7 +302,8 @@ def test_health_is_503_once_the_broker_is_lost(tiny_chat, tmp_path, reference):
     broker = BrokerProcess(tmp_path, capacity_chunks=2048, chunk_bytes=4096)
     process = None
     try:
-        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *BROKER_SERVER_FLAGS, "--manager",
+                                broker.address)
         process.wait_ready()
         assert_serves(process.url, reference)
         broker.kill()
@@ -326,7 +328,8 @@ def test_metrics_during_a_broker_stall_never_break_the_engine(tiny_chat, tmp_pat
     broker = BrokerProcess(tmp_path, capacity_chunks=2048, chunk_bytes=4096)
     process = None
     try:
-        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *BROKER_SERVER_FLAGS, "--manager",
+                                broker.address)
         process.wait_ready()
         assert_serves(process.url, reference)
         before = metrics(process.url)
@@ -554,7 +557,8 @@ def test_serve_says_where_it_serves_and_warns_about_a_small_pool(tiny_chat, tmp_
     broker = BrokerProcess(tmp_path, capacity_chunks=SMALL_POOL_CHUNKS, chunk_bytes=SMALL_CHUNK)
     process = None
     try:
-        process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS, "--manager", broker.address)
+        process = ServerProcess(tiny_chat, tmp_path / "server.log", *BROKER_SERVER_FLAGS, "--manager",
+                                broker.address)
         process.wait_ready()
         lines = [line for line in process.log().splitlines() if line.startswith("flexinfer: ")]
         ready = next(line for line in lines if line.startswith("flexinfer: ready: "))

@@ -65,7 +65,7 @@ def _sampled_bytes(tensor: torch.Tensor, count: int = 512) -> bytes:
 def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
     """Load from an alias (see ALIASES), a .gguf file, or a Hugging Face folder
     (config.json + *.safetensors + tokenizer.json)."""
-    path = _resolve(name_or_path)
+    path = model_path(name_or_path)
     if path.is_dir():
         return _load_hf_folder(path, dtype)
     return _load_gguf(path, dtype)
@@ -74,7 +74,7 @@ def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
 def load_config(name_or_path: str) -> ModelConfig:
     """A model's config alone (config.json, or a GGUF file's header): what
     an engine checks its options against before the weights load."""
-    path = _resolve(name_or_path)
+    path = model_path(name_or_path)
     if path.is_dir():
         return _hf_config(path)
     return _gguf_config(path, *_read_gguf_header(path))
@@ -85,7 +85,7 @@ def load_tokenizer(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
     second where the weights take seconds, so that a request that cannot run
     (an empty prompt, one longer than the model's context) is refused before
     they load. Same source, same results as load_model's."""
-    path = _resolve(name_or_path)
+    path = model_path(name_or_path)
     if path.is_dir():
         config = _hf_config(path)
         return config, Tokenizer.from_hf_folder(path, config.eos_token_ids)
@@ -93,8 +93,9 @@ def load_tokenizer(name_or_path: str) -> tuple[ModelConfig, Tokenizer]:
     return _gguf_config(path, metadata, tensors), Tokenizer.from_gguf_metadata(metadata, str(path))
 
 
-def _resolve(name_or_path: str) -> Path:
-    """The folder or .gguf file a model name stands for."""
+def model_path(name_or_path: str) -> Path:
+    """The folder or .gguf file a model name stands for; ModelLoadError
+    where there is none (what `serve` checks before it binds its port)."""
     path = Path(name_or_path)
     if not path.exists():
         resolve = ALIASES.get(name_or_path)
