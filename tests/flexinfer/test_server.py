@@ -665,7 +665,8 @@ def test_serve_on_a_port_in_use_is_one_line_and_status_2(tiny_chat, capsys):
         port = busy.getsockname()[1]
         assert main(["serve", "--model", tiny_chat, "--port", str(port)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("flexinfer: error: cannot listen on 127.0.0.1:") and err.count("\n") == 1
+    assert err == (f"flexinfer: error: cannot listen on 127.0.0.1:{port}: Address already in use (another server "
+                   f"has it: --port 0 picks a free one)\n")
 
 
 def test_serve_a_model_that_fails_to_load_is_status_2(tmp_path, capsys):

@@ -14,6 +14,7 @@ This module imports FastAPI and uvicorn only inside `serve`, so the other
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import socket
 import sys
@@ -138,7 +139,8 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.set_inheritable(True)
     except OSError as exc:
         sock.close()
-        raise FlexInferError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        hint = " (another server has it: --port 0 picks a free one)" if exc.errno == errno.EADDRINUSE else ""
+        raise FlexInferError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
     return sock
 
 
