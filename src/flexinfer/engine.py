@@ -453,7 +453,7 @@ class Engine:
             plan = self.scheduler.schedule()
         except vtm.Unavailable as exc:
             done = self._finish_in_flight()
-            self.scheduler.lose_memory(exc)
+            self._lose_memory(str(exc))
             return failed + done + self._take_failed()
         except Exception as exc:
             log.exception("scheduling failed; failing every queued request")
@@ -468,7 +468,7 @@ class Engine:
             # vtm there unmapped its chunks (a broker client revokes on this
             # thread): the model must not read them.
             done = self._finish_in_flight()
-            self.scheduler.lose_memory(vtm.Unavailable("the vtm broker went away while a step was planned"))
+            self._lose_memory("the vtm broker went away while a step was planned")
             return failed + done + self._take_failed()
         launched = None
         if plan:
@@ -512,11 +512,13 @@ class Engine:
         there is none, requests wait, up to broker_wait_s of the broker's
         absence; then everything queued fails with vtm.Unavailable."""
         if self._unhealthy_since is None:
-            # Said once an outage, running or idle: an operator reading the
-            # log sees it begin, and end (reconnected, below) or fail requests.
-            log.warning("the vtm broker is unavailable: reconnecting; requests wait up to %g s (broker_wait_s)",
-                        self.broker_wait_s)
-            self.scheduler.lose_memory(vtm.Unavailable("the vtm broker is unavailable"))
+            # Said once an outage, running or idle, in one line: an operator
+            # reading the log sees it begin, and end (reconnected, below) or
+            # fail requests.
+            resumed = self.scheduler.lose_memory()
+            log.warning("the vtm broker is unavailable: reconnecting; requests wait up to %g s (broker_wait_s)%s",
+                        self.broker_wait_s,
+                        f"; {resumed} running requests will resume by recompute" if resumed else "")
             self._sink = []
         started = time.monotonic()
         try:
@@ -533,6 +535,13 @@ class Engine:
         log.info("reconnected to the vtm broker; %d requests resume", len(self.scheduler.waiting))
         self._budget = (self.manager.limit_bytes, self._kv_budget())  # the new session may have another limit
 
+    def _lose_memory(self, why: str) -> None:
+        """The session is gone (`why`): the running requests go back to the
+        queue, and the log says so once."""
+        resumed = self.scheduler.lose_memory()
+        if resumed:
+            log.warning("%s: %d running requests will resume by recompute", why, resumed)
+
     def _memory_not_back(self, exc: Exception) -> None:
         """Requests wait for the memory to come back, up to broker_wait_s
         from the first step that found it gone; then everything queued fails."""
@@ -542,8 +551,11 @@ class Engine:
             if self.scheduler.waiting:
                 log.warning("the vtm broker is still unavailable after %g s: failing %d queued requests",
                             self.broker_wait_s, len(self.scheduler.waiting))
+            # `exc` is the last try's own failure, with the try's short wait
+            # in it: said as such, not as the reason for broker_wait_s.
             self.scheduler.fail_waiting(vtm.Unavailable(f"the vtm broker is still unavailable after "
-                                                        f"{self.broker_wait_s:g} s: {exc}"))
+                                                        f"{self.broker_wait_s:g} s; the last try to reconnect: "
+                                                        f"{exc}"))
 
     def _make_sink(self) -> None:
         """The sink in a new session, and new CUDA graphs where it is not

@@ -444,14 +444,13 @@ class Scheduler:
         request[1].set()
         return True
 
-    def lose_memory(self, exc: Exception) -> None:
+    def lose_memory(self) -> int:
         """The broker session is gone, and every vTensor with it (a broker
         restart): the running sequences go back to the front of the queue,
         keeping their outputs, to be computed again once memory is back, as
-        after a preemption; nothing queued for the old session is awaited."""
-        if self.running:
-            log.warning("the vtm broker went away (%s): %d running requests will resume by recompute",
-                        exc, len(self.running))
+        after a preemption; nothing queued for the old session is awaited.
+        Returns how many were running (the engine says so, with why)."""
+        resumed = len(self.running)
         for seq in reversed(self.running):
             seq.reset_cache_state()
             seq.prompt_recorded = False  # the new session's tree has none of it
@@ -468,6 +467,7 @@ class Scheduler:
         self._background.clear()
         self._unreleased.clear()
         self._retiring.clear()
+        return resumed
 
     def fail_waiting(self, exc: Exception) -> None:
         """Fails every queued sequence with `exc` (no memory will come back in time)."""

@@ -475,6 +475,11 @@ def test_a_broker_that_goes_away_is_told_in_one_line_each(tmp_path, tiny):
     assert "Traceback" not in errors and all(line.startswith("flexinfer: ") for line in lines), errors
     assert any(line.startswith("flexinfer: warning: ") and "broker" in line for line in lines), errors
     assert lines[-1].startswith("flexinfer: error: ") and "broker" in lines[-1], errors
+    # Neither "still unavailable after 1 s: ... (waited 0.25 s)", which read as a contradiction, nor a
+    # warning that said the same thing twice ("went away (the vtm broker is unavailable)").
+    assert lines[-1].startswith("flexinfer: error: the vtm broker is still unavailable after 1 s; the last try to "
+                                "reconnect: "), errors
+    assert "went away (the vtm broker is unavailable)" not in errors, errors
 
 
 def test_priority_flag_asks_the_broker_for_less(tmp_path, monkeypatch, capsys, tiny):

@@ -588,7 +588,7 @@ def test_a_lost_broker_forgets_what_swapped_out_sequences_kept(tiny_llama):
     seq = Sequence(10_000, 0, 0, [1, 2, 3, 4], greedy(4), 0, ())
     seq.swapped = 3
     scheduler.waiting.append(seq)
-    scheduler.lose_memory(vtm.Unavailable("the broker went away"))
+    scheduler.lose_memory()
     assert seq.swapped == 0
     scheduler.waiting.remove(seq)
     llm.close()
@@ -610,7 +610,7 @@ def test_a_lost_broker_starts_the_memory_wait_anew(tiny_llama):
     problem = vtm.OutOfMemory("no chunk free")
     assert scheduler._fail_unless_waiting(seq, problem)
     scheduler._starved_since -= 6  # it has waited past memory_wait_s
-    scheduler.lose_memory(vtm.Unavailable("the broker went away"))
+    scheduler.lose_memory()
     assert scheduler._fail_unless_waiting(seq, problem), "the wait before the restart was counted"
     assert seq.status is Status.WAITING
     scheduler.waiting.remove(seq)
