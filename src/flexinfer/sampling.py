@@ -60,10 +60,11 @@ class SamplingParams:
             _require_int("seed", self.seed)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        given = self.stop  # quoted as given: stop="" was said to be ['']
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidArgument(f"stop must be a str or a list of non-empty str, got {self.stop!r}")
+            raise InvalidArgument(f"stop must be a non-empty str or a list of non-empty str, got {given!r}")
         self.stop = list(self.stop)
         for s in self.stop:
             try:

@@ -238,6 +238,14 @@ def test_top_k_is_bounded_so_the_device_sampler_can_hold_it():
             SamplingParams(top_k=top_k)
 
 
+@pytest.mark.parametrize("stop, shown", [("", "''"), (["", "x"], "['', 'x']"), (5, "5")])
+def test_a_bad_stop_is_quoted_as_given(stop, shown):
+    """stop="" was quoted as [''], a list the caller never wrote."""
+    with pytest.raises(InvalidArgument) as refused:
+        SamplingParams(stop=stop)
+    assert str(refused.value) == f"stop must be a non-empty str or a list of non-empty str, got {shown}"
+
+
 def test_one_rows_top_k_never_fails_the_batch_sampler():
     """A top_k beyond int64 set after the check (SamplingParams is a plain dataclass) is read as "all
     tokens": the batch is sampled, its other rows as usual."""

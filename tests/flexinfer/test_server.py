@@ -436,9 +436,10 @@ def test_stop_token_id_problems_name_stop_token_ids(server, reference):
     ("chat/completions", {"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens",
      "max_completion_tokens must be >= 1"),
     ("chat/completions", {"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
-    ("completions", {"stop": ""}, "stop", "stop must be a str or a list of non-empty str"),
-    ("chat/completions", {"stop": ""}, "stop", "stop must be a str or a list of non-empty str"),
-    ("completions", {"stop": ["", "x"]}, "stop", "stop must be a str or a list of non-empty str"),
+    ("completions", {"stop": ""}, "stop", "stop must be a non-empty str or a list of non-empty str, got ''"),
+    ("chat/completions", {"stop": ""}, "stop", "stop must be a non-empty str or a list of non-empty str, got ''"),
+    ("completions", {"stop": ["", "x"]}, "stop",
+     "stop must be a non-empty str or a list of non-empty str, got ['', 'x']"),
 ])
 def test_errors_name_the_field_the_client_sent(server, path, body, param, message):
     """max_completion_tokens 0 was reported as max_tokens; stop "" was taken for no stop at all while
