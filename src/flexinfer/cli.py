@@ -3,10 +3,11 @@
 Exit status: 0 on success; 1 when a request failed in the engine (say, NaN
 logits); 2 for bad input (a bad flag value; an empty, too long or non-UTF-8
 prompt; a model that cannot be loaded) or no memory; 130 when interrupted
-(Ctrl-C). With several prompts, every prompt's output or error is printed and
-the status is the worst of them. Errors are one line, `flexinfer: error: ...`
-on stderr, and so is every log line (cli_log.py). Anything else is a bug and
-keeps its traceback.
+(Ctrl-C; serve takes Ctrl-C and SIGTERM as a graceful shutdown, and exits 0).
+With several prompts, every prompt's output or error is printed and the status
+is the worst of them. Errors are one line, `flexinfer: error: ...` on stderr,
+and so is every log line (cli_log.py). Anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
