@@ -356,28 +356,8 @@ def test_metrics_during_a_broker_stall_never_break_the_engine(tiny_chat, tmp_pat
         broker.kill()
 
 
-def test_health_is_503_once_the_engine_thread_stopped(tiny_chat, in_process):
-    class Fatal(BaseException):
-        pass
-
-    llm = LLM(tiny_chat, **ENGINE_OPTIONS)
-    url = in_process(llm)
-
-    def step():
-        raise Fatal("the engine thread dies")
-
-    llm.engine.step = step
-    response = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=30)
-    assert response.status_code == 500
-    error = assert_error(httpx.get(f"{url}/health", timeout=10), 503)
-    assert "engine thread" in error["message"]
-
-
-def test_a_request_after_the_engine_thread_stopped_is_a_503_that_says_so_and_ends_no_sample(tiny_chat, in_process):
-    """Once the engine thread has died, a request is refused with the reason /health gives, not "the
-    server is shutting down" (it is not: a client or an operator reading that would wait for a restart
-    that never comes). Its samples never reached the engine, so none of them is counted as ended: the
-    four of an n=4 request were counted as aborted, as if clients had left."""
+def _served_until_the_engine_thread_dies(tiny_chat, in_process) -> str:
+    """A server whose engine thread died on its first request (a 500): its URL."""
     class Fatal(BaseException):
         pass
 
@@ -389,6 +369,21 @@ def test_a_request_after_the_engine_thread_stopped_is_a_503_that_says_so_and_end
 
     llm.engine.step = step
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=30).status_code == 500
+    return url
+
+
+def test_health_is_503_once_the_engine_thread_stopped(tiny_chat, in_process):
+    url = _served_until_the_engine_thread_dies(tiny_chat, in_process)
+    error = assert_error(httpx.get(f"{url}/health", timeout=10), 503)
+    assert "engine thread" in error["message"]
+
+
+def test_a_request_after_the_engine_thread_stopped_is_a_503_that_says_so_and_ends_no_sample(tiny_chat, in_process):
+    """Once the engine thread has died, a request is refused with the reason /health gives, not "the
+    server is shutting down" (it is not: a client or an operator reading that would wait for a restart
+    that never comes). Its samples never reached the engine, so none of them is counted as ended: the
+    four of an n=4 request were counted as aborted, as if clients had left."""
+    url = _served_until_the_engine_thread_dies(tiny_chat, in_process)
     health = assert_error(httpx.get(f"{url}/health", timeout=10), 503)
     ended = {k: v for k, v in metrics(url).items() if k.startswith("flexinfer_requests_total")}
     for stream in (False, True):

@@ -260,6 +260,25 @@ def held(mgr) -> int:
     return mgr.stats()["chunks_held"]
 
 
+def holder(manager, chunks: int, name: str, chunks_each: int = 2) -> list:
+    """`chunks` chunks mapped by `manager` in a space `name` of vTensors of
+    `chunks_each`, which a reclaim notice releases, latest first, until it
+    freed what was asked. The list of those still held."""
+    rows = chunks_each * (CHUNK // ROW)
+    space = manager.create_space(row_bytes=ROW, max_tokens=2000, max_slots=chunks // chunks_each, name=name)
+    vts = [space.create(rows).result() for _ in range(chunks // chunks_each)]
+
+    def give_back(nbytes):
+        freed = 0
+        while freed < nbytes and vts:
+            vts.pop().release().result()
+            freed += chunks_each * CHUNK
+        return freed
+
+    manager.set_reclaim_handler(give_back)
+    return vts
+
+
 def memfd_inodes(pid: int) -> set[int]:
     """The host backend's chunks (memfds) that process `pid` keeps alive:
     those it holds an fd of and those it maps. A memfd lives while either

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 import vtm
-from broker_testing import CHUNK, ROW, BrokerProcess, held
+from broker_testing import CHUNK, ROW, BrokerProcess, held, holder
 from vtm.broker import ctl
 from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
@@ -111,15 +111,7 @@ guaranteed_bytes = {4 * CHUNK}
             space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=8)
             with pytest.raises(vtm.OutOfMemory, match="limited to"):
                 space.create(13 * ROWS_PER_CHUNK).result()
-            vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(6)]  # 12 of 16
-
-            def give_back(nbytes):
-                freed = 0
-                while freed < nbytes and vts:
-                    vts.pop().release().result()
-                    freed += 2 * CHUNK
-                return freed
-            low.set_reclaim_handler(give_back)
+            holder(low, 12, "held")  # 12 of 16
             vt = high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * ROWS_PER_CHUNK).result()
             assert vt.mapped_bytes == 8 * CHUNK and low.reclaim_notices == 1
         finally:

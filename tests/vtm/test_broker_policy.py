@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 import vtm
-from broker_testing import CHUNK, ROW, held
+from broker_testing import CHUNK, ROW, held, holder
 from broker_testing import broker  # noqa: F401 (a fixture)
 from vtm.broker import ctl, status
 from vtm.proto.vtm.v1 import vtm_pb2
@@ -175,23 +175,6 @@ def test_reclaim_notice_lets_a_higher_priority_client_in(broker):
         low.close()
 
 
-def _holder(manager, chunks: int, name: str):
-    """`chunks` chunks mapped by `manager` in vTensors of 2 chunks, which a
-    reclaim notice releases, latest first, until it asked for enough."""
-    space = manager.create_space(row_bytes=ROW, max_tokens=2000, max_slots=chunks // 2, name=name)
-    vts = [space.create(2 * ROWS_PER_CHUNK).result() for _ in range(chunks // 2)]
-
-    def give_back(nbytes):
-        freed = 0
-        while freed < nbytes and vts:
-            vts.pop().release().result()
-            freed += 2 * CHUNK
-        return freed
-
-    manager.set_reclaim_handler(give_back)
-    return vts
-
-
 def test_an_equal_above_its_fair_share_gives_back_to_one_below_it(broker):
     """Two clients of one priority: the one that took 12 of the 16 chunks
     first is asked down to its half when the other needs 8 (it used to
@@ -199,7 +182,7 @@ def test_an_equal_above_its_fair_share_gives_back_to_one_below_it(broker):
     first = vtm.connect(broker.address, name="first")
     second = vtm.connect(broker.address, name="second")
     try:
-        _holder(first, 12, "held")
+        holder(first, 12, "held")
         vt = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * ROWS_PER_CHUNK).result()
         assert vt.mapped_bytes == 8 * CHUNK
         assert first.reclaim_notices == 1 and second.reclaim_notices == 0
@@ -218,7 +201,7 @@ def test_a_client_past_its_fair_share_asks_nothing_of_its_equals(broker):
     first = vtm.connect(broker.address, name="first")
     second = vtm.connect(broker.address, name="second")
     try:
-        _holder(first, 8, "held")
+        holder(first, 8, "held")
         space = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2)
         space.create(6 * ROWS_PER_CHUNK).result()
         with pytest.raises(vtm.OutOfMemory):
@@ -238,7 +221,7 @@ def test_a_fair_share_splits_what_higher_priorities_leave(broker):
     second = vtm.connect(broker.address, name="second")
     try:
         high.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(8 * ROWS_PER_CHUNK).result()
-        _holder(first, 6, "held")
+        holder(first, 6, "held")
         space = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2)
         with pytest.raises(vtm.OutOfMemory):
             space.create(6 * ROWS_PER_CHUNK).result()  # past its share of 4: nobody is asked
@@ -872,17 +855,7 @@ def test_waits_for_memory_leave_the_broker_threads_to_answer_them(broker):
     low = vtm.connect(broker.address, name="low")
     askers = []
     try:
-        space = low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=16)
-        vts = [space.create(ROWS_PER_CHUNK).result() for _ in range(16)]  # the whole pool
-
-        def give_back(nbytes):
-            freed = 0
-            while freed < nbytes and vts:
-                vts.pop().release().result()
-                freed += CHUNK
-            return freed
-
-        low.set_reclaim_handler(give_back)
+        vts = holder(low, 16, "held", chunks_each=1)  # the whole pool
         askers = [vtm.connect(broker.address, name="high") for _ in range(40)]
         spaces = [a.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1) for a in askers]
         refusals = []
@@ -925,7 +898,7 @@ def test_a_fair_share_is_of_what_the_equals_can_get(broker):
     low, first, second = (vtm.connect(broker.address, name=n) for n in ("low", "first", "second"))
     try:
         low.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(6 * ROWS_PER_CHUNK).result()
-        _holder(first, 10, "held")
+        holder(first, 10, "held")
         vt = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(5 * ROWS_PER_CHUNK).result()
         assert vt.mapped_bytes == 5 * CHUNK
         assert first.reclaim_notices == 1 and low.reclaim_notices == 0
@@ -944,7 +917,7 @@ def test_a_guarantee_of_an_equal_is_kept_out_of_the_shares(broker):
     kept, first, second = (vtm.connect(broker.address, name=n) for n in ("kept", "first", "second"))
     try:
         kept.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(10 * ROWS_PER_CHUNK).result()
-        _holder(first, 6, "held")
+        holder(first, 6, "held")
         space = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
         with pytest.raises(vtm.OutOfMemory):
             space.create(5 * ROWS_PER_CHUNK).result()
@@ -965,7 +938,7 @@ def test_victims_that_cannot_cover_the_need_are_not_asked(broker):
     top, asker, low = (vtm.connect(broker.address, name=n) for n in ("top", "asker", "low"))
     try:
         top.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(12 * ROWS_PER_CHUNK).result()
-        _holder(low, 4, "held")
+        holder(low, 4, "held")
         space = asker.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
         with pytest.raises(vtm.OutOfMemory):
             space.create(8 * ROWS_PER_CHUNK).result()
@@ -1022,7 +995,7 @@ def test_an_equal_is_held_to_its_share_only_while_its_asker_lives(broker):
     it may (it was refused for the whole deadline, with the memory free)."""
     first, second = vtm.connect(broker.address, name="first"), vtm.connect(broker.address, name="second")
     try:
-        vts = _holder(first, 12, "held")
+        vts = holder(first, 12, "held")
         vt = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(6 * ROWS_PER_CHUNK).result()
         assert vt.mapped_bytes == 6 * CHUNK and first.reclaim_notices == 1 and len(vts) == 5
         with pytest.raises(vtm.OutOfMemory, match="fair share"):
