@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import vtm  # noqa: E402
-from broker_testing import BrokerProcess  # noqa: E402
+from broker_testing import BrokerProcess, mapped_chunks  # noqa: E402
 from flexinfer import LLM, InvalidArgument  # noqa: E402
 from flexinfer.cli import main  # noqa: E402
 from flexinfer.engine import Engine  # noqa: E402
@@ -111,11 +111,6 @@ def test_engine_preempts_to_answer_a_reclaim_notice(tiny_folder, tmp_path):
         b.kill()
 
 
-def mapped_pages(manager, name: str) -> int:
-    """The pages the broker's clients named `name` map."""
-    return sum(c["mapped_bytes"] for c in manager.stats()["clients"] if c["name"] == name) // PAGE
-
-
 def test_an_engine_of_equal_priority_gets_its_share_of_a_pool_another_fills(tiny_folder, tmp_path):
     """Two engines of one priority on one pool. The first one's queue needs
     more than the pool and keeps it full (it admits more whenever some
@@ -144,7 +139,7 @@ def test_an_engine_of_equal_priority_gets_its_share_of_a_pool_another_fills(tiny
             outs=hog.generate(hog_prompts, greedy(hog_tokens), use_tqdm=False)))
         worker.start()
         deadline = time.monotonic() + 60
-        while mapped_pages(first, "first") < 100 and time.monotonic() < deadline:  # not its cached prefixes
+        while mapped_chunks(first, "first", PAGE) < 100 and time.monotonic() < deadline:
             time.sleep(0.002)
         outs = engine.generate(prompts, greedy(NEW_TOKENS), use_tqdm=False)
         assert [o.error for o in outs] == [None] and [o.token_ids for o in outs] == want

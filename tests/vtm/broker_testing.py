@@ -260,6 +260,11 @@ def held(mgr) -> int:
     return mgr.stats()["chunks_held"]
 
 
+def mapped_chunks(manager, name: str, chunk_bytes: int = CHUNK) -> int:
+    """The chunks the broker's clients named `name` map (not its cached prefixes)."""
+    return sum(c["mapped_bytes"] for c in manager.stats()["clients"] if c["name"] == name) // chunk_bytes
+
+
 def holder(manager, chunks: int, name: str, chunks_each: int = 2) -> list:
     """`chunks` chunks mapped by `manager` in a space `name` of vTensors of
     `chunks_each`, which a reclaim notice releases, latest first, until it

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 import vtm
-from broker_testing import CHUNK, ROW, held, holder
+from broker_testing import CHUNK, ROW, held, holder, mapped_chunks
 from broker_testing import broker  # noqa: F401 (a fixture)
 from vtm.broker import ctl, status
 from vtm.proto.vtm.v1 import vtm_pb2
@@ -884,10 +884,6 @@ def test_waits_for_memory_leave_the_broker_threads_to_answer_them(broker):
 
 
 
-def _mapped_chunks(manager, name: str) -> int:
-    return sum(c["mapped_bytes"] for c in manager.stats()["clients"] if c["name"] == name) // CHUNK
-
-
 def test_a_fair_share_is_of_what_the_equals_can_get(broker):
     """What a lower priority keeps by its guarantee is not the equals' to
     share: with 6 of 16 chunks so kept, two equals split 10, and one asking
@@ -902,7 +898,7 @@ def test_a_fair_share_is_of_what_the_equals_can_get(broker):
         vt = second.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1).create(5 * ROWS_PER_CHUNK).result()
         assert vt.mapped_bytes == 5 * CHUNK
         assert first.reclaim_notices == 1 and low.reclaim_notices == 0
-        assert _mapped_chunks(second, "first") <= 5 and _mapped_chunks(second, "low") == 6
+        assert mapped_chunks(second, "first") <= 5 and mapped_chunks(second, "low") == 6
     finally:
         for m in (second, first, low):
             m.close()
@@ -943,7 +939,7 @@ def test_victims_that_cannot_cover_the_need_are_not_asked(broker):
         with pytest.raises(vtm.OutOfMemory):
             space.create(8 * ROWS_PER_CHUNK).result()
         assert low.reclaim_notices == 0 and top.reclaim_notices == 0
-        assert _mapped_chunks(asker, "low") == 4
+        assert mapped_chunks(asker, "low") == 4
     finally:
         for m in (low, asker, top):
             m.close()

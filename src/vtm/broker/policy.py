@@ -237,8 +237,9 @@ class Policy:
         """Its reservation goes, and the equals it asked down to their
         share may take memory again: it needs none."""
         self.unreserve(session)
+        others = self._sessions()  # the service's lock, not under _mu
         with self._mu:
-            for other in self._sessions():
+            for other in others:
                 if other.share_cap[2] is session:
                     other.share_cap = (0, 0.0, None)
                 other.asked_by.pop(session, None)
@@ -333,10 +334,7 @@ class Policy:
     def _has_free(self, requester, need_bytes: int) -> bool:
         """Whether the pool has `need_bytes` free beyond what is reserved for
         others' retries."""
-        if self._free_bytes is None:
-            return False
-        with self._gate:
-            return self._free_bytes() - self._reserved_for_others(requester) >= need_bytes
+        return self._free_bytes is not None and self._available(requester) >= need_bytes
 
     def reclaim(self, requester, need_bytes: int, reserve_bytes: int = 0) -> bool:
         """Recalls pages ahead (recall()); when the pool's free memory is
