@@ -9,9 +9,10 @@
 #    network, nothing installed into the machine's python);
 # 2. runs the tests, GPU_CHECK_JOBS (default 6) pytest processes at a time:
 #    every vtm test file (tests/vtm/test_*.py, the long property test first)
-#    with --vtm-backend cuda, each in its own process, so a test that crashes
-#    the process (a segfault in a driver call) cannot hide the other files,
-#    and FlexInfer's GPU tests (pytest -m gpu tests/flexinfer). A lent
+#    with --vtm-backend cuda, and FlexInfer's GPU tests (pytest -m gpu, the
+#    files of tests/flexinfer that have some), each file in its own process,
+#    so a test that crashes the process (a segfault in a driver call) or
+#    poisons its CUDA context cannot hide the other files. A lent
 #    machine's minutes are what this script is short of, and most of a test
 #    file's time is Python and the broker's waits, not the GPU;
 # 3. then, alone on the machine (a benchmark shares it with nothing), the
@@ -192,10 +193,15 @@ vtm_file() {
 }
 # The longest file first, so that it does not start last and bound the pool.
 vtm_file "$REPO/tests/vtm/test_property.py" 240
+# FlexInfer's GPU tests, a process per file too: a kernel's illegal address
+# poisons its process's CUDA context, and every test after it would fail.
 if [ "$BACKEND" = cuda ]; then
-  pooled flexinfer_gpu 240 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
-    --basetemp "$OUT/t/flexinfer_gpu" -m gpu --junitxml "$OUT/flexinfer_gpu.xml" \
-    ${GPU_CHECK_FLEXINFER_TESTS:-"$REPO/tests/flexinfer"}
+  for file in ${GPU_CHECK_FLEXINFER_TESTS:-$(grep -l 'mark\.gpu' "$REPO"/tests/flexinfer/test_*.py)}; do
+    name=$(basename "$file" .py)
+    pooled "flexinfer_${name#test_}" 240 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
+      -c "$REPO/pyproject.toml" --basetemp "$OUT/t/flexinfer_${name#test_}" -m gpu \
+      --junitxml "$OUT/flexinfer_${name#test_}.xml" "$file"
+  done
 fi
 for file in "$REPO"/tests/vtm/test_*.py; do
   [ "$(basename "$file")" = test_property.py ] || vtm_file "$file" 150

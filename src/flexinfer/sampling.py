@@ -226,7 +226,9 @@ class BatchSampler:
         flat = [(i, t) for i, ids in enumerate(banned or ()) if ids for t in ids if 0 <= t < vocab]
         if flat:
             index = self._on_device(flat, torch.long)
-            row[index[:, 0], index[:, 1]] = float("-inf")
+            # The value a device tensor: `row[i, j] = float` copies a host
+            # scalar to the device, which waits for the queued steps.
+            row.index_put_((index[:, 0], index[:, 1]), torch.full((), float("-inf"), device=row.device))
             after = torch.isfinite(row.max(dim=-1).values)
             finite = after & (finite | self.greedy_mask) if self.greedy else after & finite
         greedy = row.index_select(0, self.greedy_rows).argmax(dim=-1) if self.greedy else None

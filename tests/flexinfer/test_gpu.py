@@ -36,7 +36,9 @@ def test_cuda_float32_sdpa_matches_cpu(tiny_gpu_folder):
     gpu.manager.check()
     gpu.kv_cache.space.clear_prefixes()
     gpu.manager.trim()
-    assert gpu.manager.stats()["chunks_held"] == 0
+    # Only the sink stays: under sdpa the Triton layer ops still write K/V
+    # through the views, and Triton checks the address where they begin.
+    assert gpu.manager.stats()["chunks_held"] == (1 if gpu.engine._keeps_sink else 0)
     assert all(len(t) == 24 for t in again)
     gpu.close()
 

@@ -174,6 +174,10 @@ def check_forward(dtype, out, manager, device):
                                    SdpaAttention())
             cached = [v[vt.slot, :n].clone() for v in kv.kv for vt, n in zip(vts, [8, 13])]
         finally:
+            # vtm's contract: the kernels that use a vTensor have completed
+            # before it is released (its pages are unmapped).
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
             kv.release(vts)
             kv.close()
         results.append((prefill, decode, cached))
