@@ -22,10 +22,12 @@ import pytest
 pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
-# Bit for bit where each result is one rounding of exact operands; in float32 a
-# GPU compiler may fuse the rotary embedding's multiply and add into one FMA.
-EXACT = ("add_rms_norm_sum", "rotary_qkv", "rotary_kv_write", "rotary_outside_is_skipped")
-EXACT_FLOAT32 = ("add_rms_norm_sum",)
+# Bit for bit where each result is one rounding of exact operands. Not the
+# rotary embedding: a GPU compiler fuses its multiply and add into one FMA, in
+# float32 (an H100, 2026-11-27) and in bfloat16 too (an H200, 2026-11-30: 8.6 %
+# of the values one unit in the last place apart), so x*cos is not rounded
+# before the add as torch rounds it.
+EXACT = ("add_rms_norm_sum",)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def check_layer_op_results(results: dict, bfloat16_rounds: bool) -> None:
                 # The torch path's F.rms_norm rounds 16-bit norms once, the kernels twice (as transformers).
                 rel = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 0.08}[dtype]
                 assert r["max_err"] <= rel * max(1.0, r["scale"]), where
-            elif name in (EXACT_FLOAT32 if dtype == "float32" else EXACT) and (dtype != "bfloat16" or bfloat16_rounds):
+            elif name in EXACT and (dtype != "bfloat16" or bfloat16_rounds):
                 assert r["bitwise"], where
             else:  # a unit in the last place of the largest value per conversion (two at most)
                 ulp = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}[dtype]
