@@ -20,7 +20,8 @@
 #    (its full run, batches up to 128 with a transformers baseline, with
 #    GPU_CHECK_FULL_BENCH=1) and scripts/bench_tier.py on CUDA (--quick on
 #    SmolLM2's shape and on Gemma 3's windows, then an 8K-token history:
-#    issue 21's restore-versus-recompute figure).
+#    issue 21's restore-versus-recompute figure), and scripts/bench_colocation.py
+#    on CUDA (a step through vtmd, and cross-process prefix reuse: issue 20's).
 #
 # Logs, JUnit XML and benchmark JSON go into OUTDIR; the last lines printed
 # are one summary line per step, and the exit status is nonzero when any step
@@ -222,5 +223,9 @@ if [ "$BACKEND" = cuda ]; then
   # (8,000 + 2 turns of 32 new and 32 generated tokens fit max_model_len 8192).
   step bench_tier_8k 120 "$PY" "$REPO/scripts/bench_tier.py" --backend cuda --model random --users 3 --turns 2 \
     --history 8000 --new 32 --reply 32 --pool 1 --json "$OUT/bench_tier_8k.json"
+  # Issue 20's broker figures: a batched step through vtmd against in
+  # process, and cross-process prefix reuse at 1K and 4K tokens.
+  step bench_colocation 150 "$PY" "$REPO/scripts/bench_colocation.py" --backend cuda --model random --quick \
+    --parts rpc,prefix --prefix-tokens 1024,4096 --json "$OUT/bench_colocation.json"
 fi
 finish
