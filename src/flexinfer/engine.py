@@ -15,7 +15,8 @@ one it just queued. A sequence that stops has had one more token computed,
 which is discarded, never emitted; one that reaches max_tokens is not planned
 again (Scheduler). Greedy outputs equal those of the engine without overlap.
 Sampled (non-greedy) rows are chosen on the device as well (BatchSampler;
-seeded requests draw from generators of their own there). On a CPU the host
+a seeded request's draws are a function of its seed and its token's index
+there). On a CPU the host
 chooses them (sample(), the reference), with the requests' own CPU
 generators, and the step is read at once.
 """
@@ -256,12 +257,14 @@ class Engine:
         self._publish_queues()
 
     def _generator_for(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
-        """A sampled sequence's generator where its rows are chosen, seeded
-        with seed + sample_index; None for a greedy one, and on the device
-        for an unseeded one (it draws from the engine's shared generator)."""
-        if params.greedy or (self.sampling_device is not None and params.seed is None):
+        """A sampled sequence's generator for the host's sampler, seeded
+        with seed + sample_index; None for a greedy one, and where a device
+        chooses the rows (BatchSampler: an unseeded row draws from the
+        engine's shared generator, a seeded one from its seed and token
+        index, _SampledBatch.seeds)."""
+        if params.greedy or self.sampling_device is not None:
             return None
-        generator = torch.Generator(self.sampling_device or "cpu")
+        generator = torch.Generator()
         if params.seed is None:
             generator.seed()
         else:
@@ -796,7 +799,7 @@ class Engine:
         elif self.sampling_device is not None:
             if facts.sampler is None:
                 facts.sampler = self._batch_sampler(facts)
-            choice, step.feed = facts.sampler(rows, banned)
+            choice, step.feed = facts.sampler(rows, banned, facts.steps - 1)
         else:
             # Greedy rows are chosen where the logits are; only sampled ones come to the host.
             if not facts.greedy:
@@ -814,7 +817,7 @@ class Engine:
         if self._shared_generator is None:
             self._shared_generator = torch.Generator(self.sampling_device)
             self._shared_generator.seed()
-        return BatchSampler(facts.params, facts.generators, self._shared_generator, self.sampling_device)
+        return BatchSampler(facts.params, facts.seeds, self._shared_generator, self.sampling_device, facts.drawn)
 
     # -- helpers --------------------------------------------------------
 
@@ -904,6 +907,10 @@ class _SampledBatch:
         self.seqs = seqs
         self.params: list[SamplingParams] = [s.params for s in seqs]
         self.generators = [s.generator for s in seqs]
+        # BatchSampler's: each sampled row's seed (seed + sample_index; None
+        # unseeded), and the tokens it had drawn before step 0.
+        self.seeds = [None if s.params.greedy or s.params.seed is None else s.params.seed + s.sample_index
+                      for s in seqs]
         # Every row greedy: one argmax over the batch, where the logits are.
         self.greedy = all(p.greedy for p in self.params)
         # Some row may have stop ids to ban (those of rows below min_tokens).
@@ -912,6 +919,7 @@ class _SampledBatch:
         self.sampler: BatchSampler | None = None
         # Step 0's token is each sequence's (len(output_ids) + pending)-th.
         counts = [len(s.output_ids) + s.pending for s in seqs]
+        self.drawn = [c - 1 for c in counts]
         self.steps = 0
         self.quiet_from = max(0, 2 - min(counts, default=0))
         self.quiet_until = min((s.checks_from - count for s, count in zip(seqs, counts)), default=0)

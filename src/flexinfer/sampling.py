@@ -6,6 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from flexinfer.errors import InvalidArgument
@@ -182,24 +183,46 @@ class BatchSampler:
     sample() is the reference it is tested against: the same temperature,
     bans, top-k (ties with the k-th value kept) and top-p (the smallest
     prefix of the sorted probabilities whose mass reaches top_p), then a
-    draw by the exponential race (the argmax of p_i / E_i, E_i ~ Exp(1),
-    is i with probability p_i) over every row at once. Greedy rows take
+    draw by the inverse of each row's cumulative probabilities at one
+    uniform per row (_inverse_cdf), every row at once. Greedy rows take
     their first maximum, bans applied, as sample() does. NON_FINITE as
     sample()'s: a greedy row judged after its bans, a sampled one before
     them; a sampled row whose bans leave nothing, which sample() fails with
     an error, is NON_FINITE here (the request fails either way).
 
-    Built once per batch of sequences: `params` per row, `generators` per
-    row on the logits' device (None: the row draws from `shared`, one
-    generator for every unseeded row, so that they cost one launch
-    together; a seeded row draws from its own only, whatever else is in
-    the batch)."""
+    Built once per batch of sequences: `params` per row, `seeds` per row
+    (None: the row's uniform comes from `shared`, one generator on the
+    logits' device for every unseeded row, one launch for all of them; an
+    int: the row's uniform for its d-th token is seeded_uniforms(seed, d),
+    whatever else is in the batch and wherever the row lies in it), and
+    `drawn` per row: the tokens it had drawn before the sampler's first
+    step (0 if not given).
 
-    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 shared: torch.Generator, device: torch.device):
+    Why one uniform per row, and a counter-based one for seeded rows: a
+    seeded row used to draw a vocabulary of exponentials from its own
+    torch.Generator every step (the exponential race), one launch per
+    seeded row per step (on the CPU, 49,152 draws a row). The inverse CDF
+    needs one uniform a row; a seeded row's is a hash of (seed, draw
+    index) computed for all seeded rows at once on the host (numpy, a few
+    microseconds whatever their number) and sent with one pinned,
+    non-blocking copy: no launch per row, no generator state to carry from
+    batch to batch, and a step that is computed again (one that failed)
+    draws the same uniform again. Seeded outputs differ from those of
+    versions before this sampler (which raced exponentials)."""
+
+    def __init__(self, params: list[SamplingParams], seeds: list[int | None], shared: torch.Generator,
+                 device: torch.device, drawn: list[int] | None = None):
         self.device = device
         self.shared = shared
-        self.seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+        self.rows = len(params)
+        seeded = [i for i, s in enumerate(seeds) if s is not None]
+        self.calls = 0
+        if seeded:
+            self.seeded_rows = self._on_device(seeded, torch.long)
+            self.keys = _seed_keys([seeds[i] for i in seeded])
+            self.drawn = np.array([drawn[i] if drawn else 0 for i in seeded], dtype=np.uint64)
+        self.all_seeded = len(seeded) == len(params)
+        self.seeded = seeded
         self.temperature = self._on_device([1.0 if p.greedy else p.temperature for p in params], torch.float32)[:, None]
         self.greedy = [i for i, p in enumerate(params) if p.greedy]
         if self.greedy:
@@ -214,12 +237,18 @@ class BatchSampler:
             self.top_k = self._on_device([min(p.top_k, TOP_K_MAX) for p in params], torch.long)
             self.top_p = self._on_device([p.top_p for p in params], torch.float32)
 
-    def __call__(self, logits: torch.Tensor, banned: list[list[int] | None] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits: torch.Tensor, banned: list[list[int] | None] | None = None,
+                 step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens, NON_FINITE for a row with a NaN or +inf logit or
         nothing finite; the tokens as the next step's input ids, where
         NON_FINITE reads 0). `banned[i]`: ids row i may not choose; one
-        outside the vocabulary, which no row can choose, is left out."""
+        outside the vocabulary, which no row can choose, is left out.
+        `step`: the sampler's step the call samples, counted from 0 (a
+        seeded row draws its drawn[i] + step-th uniform); None: the
+        number of calls before this one."""
+        if step is None:
+            step = self.calls
+        self.calls += 1
         vocab = logits.shape[-1]
         finite = torch.isfinite(logits.max(dim=-1).values)
         row = logits.float() / self.temperature
@@ -234,17 +263,23 @@ class BatchSampler:
         greedy = row.index_select(0, self.greedy_rows).argmax(dim=-1) if self.greedy else None
         if self.filters:
             row = self._filtered(row, vocab)
-        race = torch.empty_like(row).exponential_(generator=self.shared)
-        for i, generator in self.seeded:
-            race[i].exponential_(generator=generator)
-        # A draw of 0 would subtract log 0 = -inf: a masked token's -inf
-        # would become NaN, which argmax takes for the maximum.
-        race.clamp_(min=torch.finfo(torch.float32).tiny)
-        # The argmax of p_i / E_i in logarithms: softmax's normalisation does not move it.
-        chosen = (row - race.log_()).argmax(dim=-1)
+        chosen = _inverse_cdf(torch.softmax(row, dim=-1), self._uniforms(step, row.device))
         if greedy is not None:
             chosen.index_copy_(0, self.greedy_rows, greedy)
         return torch.where(finite, chosen, NON_FINITE), torch.where(finite, chosen, 0)
+
+    def _uniforms(self, step: int, device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row (float64): the shared generator's
+        for unseeded rows (one launch), seeded_uniforms' for seeded ones
+        (one copy)."""
+        if self.seeded:
+            seeded = self._on_device(_uniforms_at(self.keys, self.drawn + np.uint64(step)), torch.float64)
+            if self.all_seeded:  # seeded_rows is every row, in order
+                return seeded
+        u = torch.rand(self.rows, dtype=torch.float64, generator=self.shared, device=device)
+        if self.seeded:
+            u.index_copy_(0, self.seeded_rows, seeded)
+        return u
 
     def _filtered(self, row: torch.Tensor, vocab: int) -> torch.Tensor:
         """`row` with -inf outside each row's top-k, then outside its top-p."""
@@ -265,6 +300,61 @@ class BatchSampler:
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+# SplitMix64's increment and its finaliser's multipliers (Steele, Lea and
+# Flood, "Fast splittable pseudorandom number generators", 2014).
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, a bijection of uint64 (numpy's uint64 arrays wrap, as it needs)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _seed_keys(seeds: list[int]) -> np.ndarray:
+    """Each seed (SEED_MIN to SEED_MAX) as its stream's key: the seed mixed,
+    so that seeds a multiple of _GAMMA apart do not give shifted streams."""
+    return _mix(np.array([s % (1 << 64) for s in seeds], dtype=np.uint64))
+
+
+def _uniforms_at(keys: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """The uniform in [0, 1) of each key's draw (a multiple of 2**-53, as
+    torch.rand's float64): SplitMix64's output at that counter. A pure
+    function of (key, draw), so one vectorised pass serves every row."""
+    with np.errstate(over="ignore"):
+        bits = _mix(keys + (draws + np.uint64(1)) * _GAMMA)
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def seeded_uniforms(seed: int, draws: int) -> list[float]:
+    """The uniforms a row seeded with `seed` draws its first `draws` tokens
+    at (BatchSampler): the d-th token of a seeded row is the first token
+    whose cumulative probability exceeds the d-th uniform times the total,
+    however the row is batched."""
+    return _uniforms_at(_seed_keys([seed]).repeat(draws), np.arange(draws, dtype=np.uint64)).tolist()
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` [B, vocab] (each row's sum need not be 1), the
+    first token whose cumulative probability exceeds u[i] (in [0, 1)) times
+    the row's total: token t with probability probs[t] / total. The sum is
+    float64, so that a token's share of [0, total) is its probability to
+    ~1e-16 of the total, not float32's ~6e-8 (the exponential race this
+    replaced kept tokens that unlikely). A token of probability 0 adds
+    nothing to the sum, so no target falls in its (empty) interval: the
+    target is kept below the total (u * total can round to it), and at
+    u = 0 the first token of positive probability is chosen. A row without
+    any (NaN, or nothing left) gives some id in the vocabulary, which the
+    caller marks NON_FINITE."""
+    cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    total = cumulative[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    chosen = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    return chosen.clamp_(max=probs.shape[-1] - 1)
 
 
 def _sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,

@@ -130,7 +130,7 @@ class Sequence:
         self.checks_from = 1 if params.stop else params.max_tokens
         # n > 1: the first sample, whose recorded prompt the others map (EngineLoop.submit).
         self.leader: Sequence | None = None
-        # A sampled sequence's generator, where its engine samples (Engine.add).
+        # A sampled sequence's generator when its engine samples on the host (Engine.add).
         self.generator: torch.Generator | None = None
 
     @property

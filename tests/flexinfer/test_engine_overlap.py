@@ -513,8 +513,8 @@ def test_gpu_overlap_equals_the_synchronous_engine_and_launches_without_waiting(
     overlap, and a step is launched without any host-device synchronisation
     (torch's sync debug mode turns one into an error; a graph's first
     capture, which waits for the device once, is let through), sampled rows
-    too: a seeded one draws from its own generator on the device, so it
-    comes out the same in both runs; an unseeded one draws from the shared
+    too: a seeded one draws at its seed's own uniforms (sent with one
+    pinned copy a step), so it comes out the same in both runs; an unseeded one draws from the shared
     generator, and one below min_tokens has its stop ids banned there."""
     prompts = PROMPTS + _prompts([40, 3, 25, 12], seed=5)
     params = [_greedy(m) for m in MAX_TOKENS + [30, 9]] + [

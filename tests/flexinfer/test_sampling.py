@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from flexinfer import InvalidArgument, sampling
-from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, _draw, _nucleus, greedy_choice, sample
+from flexinfer.sampling import (NON_FINITE, BatchSampler, SamplingParams, _draw, _inverse_cdf, _nucleus, greedy_choice,
+                                sample, seeded_uniforms)
 
 
 def _reference(rows: torch.Tensor) -> list[int]:
@@ -77,9 +78,9 @@ def _distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def _batch_sampler(params, generators=None, seed=0):
+def _batch_sampler(params, seeds=None, seed=0, drawn=None):
     shared = torch.Generator().manual_seed(seed)
-    return BatchSampler(params, generators or [None] * len(params), shared, torch.device("cpu"))
+    return BatchSampler(params, seeds or [None] * len(params), shared, torch.device("cpu"), drawn)
 
 
 @pytest.mark.parametrize("p", [
@@ -133,24 +134,123 @@ def test_the_batch_samplers_greedy_rows_bans_and_non_finite_rows():
         assert feed[3:].tolist() == [0] * 4 and torch.equal(feed[:3], tokens[:3])
 
 
+def _first_over(probs: torch.Tensor, u: float) -> int:
+    """The token the inverse CDF gives at u, in float64 (the reference for a seeded row)."""
+    return int(torch.searchsorted(probs.double().cumsum(-1), torch.tensor([u * float(probs.sum())],
+                                                                          dtype=torch.float64), right=True))
+
+
 def test_a_seeded_row_draws_the_same_tokens_whatever_else_is_in_the_batch():
-    """A row with a generator of its own draws from it alone: the same seed
-    gives the same tokens at another row of another batch, while unseeded
-    rows come from the shared generator."""
+    """A seeded row's d-th token is the inverse CDF at its seed's d-th
+    uniform (seeded_uniforms), whatever the batch: the same tokens at
+    another row of a bigger batch, beside other seeded and unseeded rows
+    and another shared generator, and in a batch it joins after drawing
+    some tokens elsewhere (drawn), while unseeded rows come from the
+    shared generator."""
     torch.manual_seed(2)
     row = torch.randn(50)
     p = SamplingParams(temperature=1.0, seed=5)
-    runs = []
-    for at, size, shared_seed in ((0, 3, 0), (2, 5, 1)):
-        params = [SamplingParams(temperature=1.0)] * size
-        params[at] = p
-        generators = [None] * size
-        generators[at] = torch.Generator().manual_seed(5)
-        sampler = _batch_sampler(params, generators, seed=shared_seed)
+    steps = 20
+    expected = [_first_over(torch.softmax(row.double(), -1), u) for u in seeded_uniforms(5, steps)]
+    assert len(set(expected)) > 3
+    for at, size, shared_seed, neighbour_seeds in ((0, 1, 0, ()), (0, 3, 0, (None, 6)), (2, 5, 1, (5, None, 1, 2)),
+                                                   (7, 128, 3, range(127))):
+        seeds = list(neighbour_seeds) + [None] * (size - 1 - len(neighbour_seeds))
+        seeds.insert(at, 5)
+        params = [SamplingParams(temperature=1.0, seed=s) for s in seeds]
+        sampler = _batch_sampler(params, seeds, seed=shared_seed)
         logits = torch.randn(size, 50)
         logits[at] = row
-        runs.append([int(sampler(logits)[0][at]) for _ in range(20)])
-    assert runs[0] == runs[1] and len(set(runs[0])) > 3
+        assert [int(sampler(logits)[0][at]) for _ in range(steps)] == expected, (at, size)
+    # A row that drew 8 tokens in another batch continues its stream here, at step 0 or a later one.
+    joined = _batch_sampler([SamplingParams(), p], [None, 5], drawn=[0, 8])
+    assert [int(joined(torch.stack([row, row]))[0][1]) for _ in range(steps - 8)] == expected[8:]
+    assert int(joined(torch.stack([row, row]), step=3)[0][1]) == expected[11]
+    # Unseeded rows draw from the shared generator: another seed of it, other tokens.
+    unseeded = [[_batch_sampler([SamplingParams()] * 4, seed=g)(torch.stack([row] * 4))[0].tolist()
+                 for _ in range(5)] for g in (0, 1)]
+    assert unseeded[0] != unseeded[1]
+
+
+@pytest.mark.parametrize("p, banned", [
+    (SamplingParams(temperature=0.7, seed=1), None),
+    (SamplingParams(temperature=1.3, top_k=5, seed=1), [3]),
+    (SamplingParams(temperature=1.0, top_p=0.8, seed=1), [0, 11]),
+    (SamplingParams(temperature=0.9, top_k=7, top_p=0.6, seed=1), None),
+], ids=["temperature", "top_k+banned", "top_p+banned", "top_k+top_p"])
+def test_seeded_rows_draw_what_sample_draws_from(p, banned):
+    """20,000 rows of the same logits, each with a seed of its own, at their
+    tenth token: each token's frequency is within 4.5 standard deviations of
+    its probability (temperature, top-k, top-p, bans), and a token that is
+    banned or outside top-k or top-p is never drawn. One seed's 20,000
+    draws are as uniform too."""
+    torch.manual_seed(1)
+    logits = torch.randn(12) * 2
+    masked = logits.clone()
+    if banned:
+        masked[banned] = float("-inf")
+    expected = _distribution(masked, p)
+    n = 20000
+    sampler = _batch_sampler([p] * n, list(range(n)), drawn=[9] * n)
+    tokens, feed = sampler(logits.expand(n, -1).contiguous(), [banned] * n if banned else None)
+    assert torch.equal(tokens, feed)
+    freq = torch.bincount(tokens, minlength=12).double() / n
+    bound = 4.5 * (expected * (1 - expected) / n).sqrt() + 1e-9
+    assert ((freq - expected).abs() <= bound).all(), (freq, expected)
+    assert (freq[expected == 0] == 0).all()
+    u = torch.tensor(seeded_uniforms(p.seed, n), dtype=torch.float64)
+    assert ((u >= 0) & (u < 1)).all()
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    assert ((counts - n / 20).abs() <= 4.5 * (n / 20 * (1 - 1 / 20)) ** 0.5).all(), counts
+
+
+def test_a_token_of_probability_zero_is_never_chosen_whatever_the_uniform():
+    """The inverse CDF at the uniform's extremes (0, and just below 1, and
+    1 itself, which u * total can round to) and at the boundaries between
+    tokens never lands on a token of probability 0: not at either end of
+    the row, nor between two tokens."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0],
+                          [0.0, 0.0, 1e-30, 0.0, 3.0],
+                          [2.0, 0.0, 0.0, 0.0, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 1.0]])
+    below_one = 1.0 - 2.0**-53
+    for u, want in ((0.0, [1, 2, 0, 4]), (below_one, [3, 4, 0, 4]), (1.0, [3, 4, 0, 4]), (0.25, [3, 4, 0, 4])):
+        chosen = _inverse_cdf(probs, torch.full((4,), u, dtype=torch.float64))
+        assert chosen.tolist() == want, u
+    # Through the sampler: bans and filters at both ends of the row, the uniform at its extremes.
+    logits = torch.tensor([[9.0, 1.0, 2.0, 0.5, 8.0]] * 3)
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, top_k=2, seed=2),
+              SamplingParams(temperature=50.0, top_p=0.3, seed=3)]
+    sampler = _batch_sampler(params, [1, 2, 3])
+    # Allowed: 1 to 3 (0 and 4 banned); 2 and 4 (the top 2, 0 banned); 0 and 4 (the top-p prefix).
+    for u, want in ((0.0, [1, 2, 0]), (below_one, [3, 4, 4])):
+        sampler._uniforms = lambda step, device, u=u: torch.full((3,), u, dtype=torch.float64)
+        assert sampler(logits, [[0, 4], [0], None])[0].tolist() == want, u
+
+
+def test_a_step_samples_seeded_rows_with_the_same_ops_whatever_their_number():
+    """One seeded row or 64: the sampler runs the same torch ops (it drew a
+    vocabulary of exponentials per seeded row, one launch each)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    counted = []
+    for seeded in (1, 64):
+        params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(seeded)] + [SamplingParams()] * 2
+        sampler = _batch_sampler(params, list(range(seeded)) + [None] * 2)
+        logits = torch.randn(seeded + 2, 1000)
+        with Ops() as ops:
+            sampler(logits)
+        counted.append(sorted(ops.ops))
+    assert counted[0] == counted[1], [len(c) for c in counted]
 
 
 def _full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
