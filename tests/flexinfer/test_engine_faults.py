@@ -11,6 +11,7 @@ engine itself is checked against transformers in test_engine.py).
 from __future__ import annotations
 
 import pytest
+import torch
 
 import vtm
 from flexinfer import LLM, InvalidArgument, SamplingParams
@@ -176,6 +177,56 @@ def test_a_decode_step_interrupted_in_its_forward_pass_is_computed_again(tiny_gp
     assert len(interrupted) == 1 and got == expected
     # With overlap the step before's tokens are still pending: one each, counted in num_tokens.
     assert interrupted[0] == ([(1, 1)] * 2 if overlap else [(0, 0)] * 2)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_seeded_rows_draw_the_same_tokens_after_an_interrupted_step_and_beside_others(tiny_gpu_folder, overlap):
+    """On the device's sampling path (BatchSampler, forced here on a CPU), a
+    seeded request's tokens are those it draws alone: beside requests that
+    end before it (its batch changes, and its sampler with it), and when a
+    step is interrupted (Ctrl-C) after sampling and computed again. A seeded
+    row's uniform is a function of its seed and its token's index; it drew
+    from a generator whose state the interrupted step had advanced."""
+    prompts = [[1, 17, 99, 23], [1, 250, 7, 31, 64], [1, 5, 6]]
+    params = [SamplingParams(max_tokens=12, temperature=1.5, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=1.2, top_k=40, seed=9, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True)]
+
+    def run(rows, interrupt_at=None):
+        manager = _manager(faults=False)
+        engine = Engine(tiny_gpu_folder, manager=manager, max_model_len=256, overlap=overlap)
+        engine.sampling_device = torch.device("cpu")
+        seqs = [Sequence(i, i, 0, prompts[i], params[i], 0, ()) for i in rows]
+        for seq in seqs:
+            engine.add(seq)
+        sample, calls, interrupted = engine._sample, [0], []
+
+        def interrupting(*args):
+            sample(*args)
+            calls[0] += 1
+            if calls[0] == interrupt_at:
+                raise KeyboardInterrupt
+        engine._sample = interrupting
+        steps = 0
+        while engine.has_work():
+            steps += 1
+            assert steps < 100, "the sequences never finish"
+            try:
+                engine.step()
+            except KeyboardInterrupt:
+                interrupted.append(steps)
+        engine.drain()
+        engine.close()
+        manager.close()
+        assert len(interrupted) == (interrupt_at is not None)
+        return {i: (s.finish_reason, s.output_ids) for i, s in zip(rows, seqs)}
+
+    alone = run([0])[0]
+    assert alone[0] == "length" and len(alone[1]) == 12 and len(set(alone[1])) > 3
+    assert run([1])[1] == run([2, 1, 0])[1]
+    for interrupt_at in (3, 6):
+        got = run([0, 1, 2], interrupt_at)
+        assert got[0] == alone and got[1] == run([1])[1], interrupt_at
 
 
 @pytest.mark.parametrize("where", ["forward", "sampling"])
