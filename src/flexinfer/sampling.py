@@ -217,6 +217,10 @@ class BatchSampler:
         self.rows = len(params)
         seeded = [i for i, s in enumerate(seeds) if s is not None]
         self.calls = 0
+        # _inverse_cdf's float64 sums, kept from step to step: on a CPU a
+        # fresh [B, vocab] float64 buffer is above glibc's mmap threshold
+        # at batch 128 and faults its pages in every step (~30 ms).
+        self.cumulative: torch.Tensor | None = None
         if seeded:
             self.seeded_rows = self._on_device(seeded, torch.long)
             self.keys = _seed_keys([seeds[i] for i in seeded])
@@ -263,7 +267,10 @@ class BatchSampler:
         greedy = row.index_select(0, self.greedy_rows).argmax(dim=-1) if self.greedy else None
         if self.filters:
             row = self._filtered(row, vocab)
-        chosen = _inverse_cdf(torch.softmax(row, dim=-1), self._uniforms(step, row.device))
+        probs = torch.softmax(row, dim=-1)
+        if self.cumulative is None or self.cumulative.shape != probs.shape:
+            self.cumulative = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+        chosen = _inverse_cdf(probs, self._uniforms(step, row.device), self.cumulative)
         if greedy is not None:
             chosen.index_copy_(0, self.greedy_rows, greedy)
         return torch.where(finite, chosen, NON_FINITE), torch.where(finite, chosen, 0)
@@ -338,7 +345,7 @@ def seeded_uniforms(seed: int, draws: int) -> list[float]:
     return _uniforms_at(_seed_keys([seed]).repeat(draws), np.arange(draws, dtype=np.uint64)).tolist()
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per row of `probs` [B, vocab] (each row's sum need not be 1), the
     first token whose cumulative probability exceeds u[i] (in [0, 1)) times
     the row's total: token t with probability probs[t] / total. The sum is
@@ -349,8 +356,12 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target is kept below the total (u * total can round to it), and at
     u = 0 the first token of positive probability is chosen. A row without
     any (NaN, or nothing left) gives some id in the vocabulary, which the
-    caller marks NON_FINITE."""
-    cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    caller marks NON_FINITE. `out`: a float64 tensor of probs' shape for
+    the sums (torch's CPU cumsum converting float32 to float64 as it sums
+    takes ~6x as long as a copy and a float64 cumsum in place)."""
+    if out is None:
+        out = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+    cumulative = out.copy_(probs).cumsum_(dim=-1)
     total = cumulative[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     chosen = torch.searchsorted(cumulative, target, right=True).squeeze(1)
