@@ -118,12 +118,16 @@ def run_hf(model, prompts, new_tokens) -> tuple[float, list[list[int]]]:
     return len(prompts) * new_tokens / elapsed, out[:, ids.shape[1]:].tolist()
 
 
-def run_flexinfer(llm, prompts, new_tokens, temperature: float = 0.0) -> tuple[float, list[list[int]]]:
+def run_flexinfer(llm, prompts, new_tokens, temperature: float = 0.0,
+                  seed: int | None = None) -> tuple[float, list[list[int]]]:
     from flexinfer import SamplingParams
 
     start = time.perf_counter()
     params = SamplingParams(max_tokens=new_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
                             ignore_eos=True)
+    if seed is not None:  # each request a seed of its own
+        params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, top_p=0.95, ignore_eos=True,
+                                 seed=seed + i) for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start  # the token ids are on the host: the step synchronised
     assert all(len(o.token_ids) == new_tokens for o in outs)
@@ -420,17 +424,19 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
     same run, without overlap, and with the layer ops as torch ops (norm,
     residual add, rotary embedding and K/V write, SiLU*up: the CUDA path
     before triton_layer_ops.py). Then, at the smallest and largest batch,
-    sampled requests (temperature 0.8, top_p 0.95): chosen on the device,
-    and on the host as before BatchSampler (each step read at once)."""
+    sampled requests (temperature 0.8, top_p 0.95): chosen on the device
+    (unseeded, and each with a seed of its own), and on the host as before
+    BatchSampler (each step read at once)."""
     rows = []
     print(f"  weight-streaming bound {bound_us:.1f} µs a step")
     print("  engine          batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
     # "now" is the engine's default (overlap on CUDA): an engine without the option still runs it.
     ends = sorted({min(batches), max(batches)})
-    variants = (("now", "triton", None, 0.0, batches), ("no overlap", "triton", False, 0.0, batches),
-                ("torch ops", "torch", None, 0.0, batches), ("sampled", "triton", None, 0.8, ends),
-                ("sampled on host", "triton", None, 0.8, ends))
-    for name, ops, overlap, temperature, sizes in variants:
+    variants = (("now", "triton", None, 0.0, batches, None), ("no overlap", "triton", False, 0.0, batches, None),
+                ("torch ops", "torch", None, 0.0, batches, None), ("sampled", "triton", None, 0.8, ends, None),
+                ("sampled, seeded", "triton", None, 0.8, ends, 1),
+                ("sampled on host", "triton", None, 0.8, ends, None))
+    for name, ops, overlap, temperature, sizes, seed in variants:
         llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches), overlap=overlap)
         if llm is None or llm.engine.graphs is None or (name == "sampled on host"
                                                          and not hasattr(llm.engine, "sampling_device")):
@@ -445,20 +451,20 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
         try:
             for batch in sizes:
                 prompts = make_prompts(batch, PROMPT_TOKENS, SMOLLM2_SHAPE["vocab_size"])
-                run_flexinfer(llm, prompts, 4, temperature)  # graphs captured, kernels compiled
+                run_flexinfer(llm, prompts, 4, temperature, seed)  # graphs captured, kernels compiled
                 clock.reset()
-                run_flexinfer(llm, prompts, new_tokens, temperature)
+                run_flexinfer(llm, prompts, new_tokens, temperature, seed)
                 # The first decode steps follow the prefill; the last ones may end sequences.
                 samples = clock.samples
                 samples = samples[2:-2] or samples
                 step = statistics.median(w for w, _ in samples)
                 gpu = statistics.median(g for _, g in samples)
-                row = dict(engine=name, layer_ops=ops, overlap=overlap, temperature=temperature, batch=batch,
-                           steps=len(samples), step_us=step,
+                row = dict(engine=name, layer_ops=ops, overlap=overlap, temperature=temperature,
+                           seeded=seed is not None, batch=batch, steps=len(samples), step_us=step,
                            gpu_us=gpu, host_us=max(0.0, step - gpu), gpu_busy=min(1.0, gpu / step),
                            tok_s=batch / step * 1e6, step_over_bound=step / bound_us)
                 rows.append(row)
-                print(f"  {name:<14}  {batch:>5}   {step:>7.1f}   {gpu:>6.1f}   {row['host_us']:>7.1f}   "
+                print(f"  {name:<15} {batch:>5}   {step:>7.1f}   {gpu:>6.1f}   {row['host_us']:>7.1f}   "
                       f"{row['gpu_busy']:>7.0%}   {row['tok_s']:>9.0f}   {row['step_over_bound']:>6.1f}x", flush=True)
         finally:
             clock.close()
