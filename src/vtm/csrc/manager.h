@@ -453,8 +453,17 @@ class Manager {
   // Copies the host-tier nodes that a match of `length` tokens ending at
   // `node` (locked by the caller) needs (PrefixTree::HostNodesToRestore)
   // back into new chunks: all or none, a step of its own. Returns how many
-  // of the path's first `length` tokens they hold.
-  std::size_t RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length, std::unique_lock<std::mutex>& lock);
+  // of the path's first `length` tokens they hold. With something to
+  // restore, it takes `extra` more chunks in the same allocation, handed to
+  // the caller in *reserved (one reference each, the caller's to give back):
+  // the match's copy of its last page, so that a restore that stands never
+  // leaves the match without room for that copy.
+  std::size_t RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length, std::unique_lock<std::mutex>& lock,
+                          std::size_t extra = 0, std::vector<ChunkId>* reserved = nullptr);
+  // Whole-prefix trees: the longest length in (above, pos.length) whose
+  // restore (the pages HostPagesOnPath counts, plus the copy of a partial
+  // last page) takes at most `room` chunks; 0 when none does.
+  std::size_t LongestRestorable(const Space& sp, const TreePosition& pos, std::size_t above, std::size_t room) const;
   void MapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, const std::vector<ChunkId>& chunks,
                 UndoLog& undo);
   // Unmaps pages (in runs); chunk references are left for the caller.

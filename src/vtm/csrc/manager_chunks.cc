@@ -617,7 +617,8 @@ bool Manager::DropHostNodes(std::optional<std::uint32_t> account, const std::fun
 }
 
 std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length,
-                                 std::unique_lock<std::mutex>& lock) {
+                                 std::unique_lock<std::mutex>& lock, std::size_t extra,
+                                 std::vector<ChunkId>* reserved) {
   const std::vector<PrefixNode*> cold = tree.HostNodesToRestore(TreePosition{node, length});
   std::size_t n = 0, tokens = 0;
   for (PrefixNode* p : cold) {
@@ -630,7 +631,8 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   UndoLog undo(&rollback_failures_total_);
   // Not the chunks live vTensors' locks keep: the restore is optional (a
   // match falls back to what the device holds), and those paths are others'.
-  const std::vector<ChunkId> chunks = Acquire(n, undo, lock, /*may_unpin=*/false);
+  if (reserved != nullptr) reserved->reserve(extra);  // before the allocation: nothing fails after it
+  const std::vector<ChunkId> chunks = Acquire(n + extra, undo, lock, /*may_unpin=*/false);
   std::vector<std::vector<ChunkId>> pages;
   std::size_t next = 0;
   for (PrefixNode* p : cold) {
@@ -642,12 +644,35 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
     }
   }
   undo.Commit();
+  if (reserved != nullptr) reserved->assign(chunks.begin() + n, chunks.end());
   for (std::size_t k = 0; k < cold.size(); ++k) tree.Restore(cold[k], pages[k]);
   tree.Touch(node, ++tick_);  // just copied back: the last to spill again, whatever follows
   ++restores_total_;
   restored_pages_total_ += n;
   restore_seconds_total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return tokens;
+}
+
+std::size_t Manager::LongestRestorable(const Space& sp, const TreePosition& pos, std::size_t above,
+                                       std::size_t room) const {
+  // The pages a restore of a length copies grow with it, so the longest
+  // length whose pages and copy fit is found by bisection. (A length that
+  // ends on a page boundary needs no copy: one such could take a page more;
+  // it is not looked for.)
+  const auto fits = [&](std::size_t length) {
+    PrefixNode* node = pos.node;
+    while (node->start >= length) node = node->parent;
+    const std::size_t copy = length * sp.row_bytes % chunk_bytes_ != 0 ? 1 : 0;
+    return sp.tree->HostPagesOnPath(TreePosition{node, length}) + copy <= room;
+  };
+  std::size_t lo = above, hi = pos.length;  // fits(hi) is false (the caller's restore failed); lo needs no restore
+  if (hi <= lo + 1 || !fits(lo + 1)) return 0;
+  ++lo;
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
 }
 
 void Manager::RefitTierAccounts() {

@@ -387,6 +387,11 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   sp.tree->Lock(locked);
   undo.Add([this, &sp, locked] { UnlockPath(*sp.tree, locked); });
   std::size_t restored = 0;
+  // The match's copy of its partial last page, taken with the restore
+  // (RestorePath): a restore stands even when a later step fails, so one
+  // that took the last chunks would leave a match that fails for its copy,
+  // and the caller would compute the prompt it just copied back.
+  std::vector<ChunkId> reserved;
   if (sp.tree->tier() != nullptr) {
     // Nodes of the path in the host tier come back to the device first, and
     // only as far as the match reaches: a node on the host that it ends
@@ -394,29 +399,52 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     // is a step of its own and stands even if a later one fails: the prefix
     // is as matchable as before, from the device.
     bool fall_back = sp.tree->HostPagesOnPath(found) > max_restore_pages;
-    if (!fall_back) {
-      // The splits are undone when the restore fails: a failed match
-      // leaves the tree as it was, and one that falls back restores
-      // nothing. Matches and records of this tree wait for this one, and
-      // during a refill wait in RestorePath only a shrink can tell the
-      // halves apart (by moving a vTensor's lock onto an upper half): then
-      // that split stays, as any match could have left it.
+    // Restores the path up to `pos`; false when the pool has no room for it.
+    // The splits are undone when the restore fails: a failed match leaves
+    // the tree as it was, and one that falls back restores nothing. Matches
+    // and records of this tree wait for this one, and during a refill wait
+    // in RestorePath only a shrink can tell the halves apart (by moving a
+    // vTensor's lock onto an upper half): then that split stays, as any
+    // match could have left it.
+    const auto restore = [&](const TreePosition pos) {
       std::vector<PrefixNode*> uppers;
       uppers.reserve(2);  // allocated before the first split, so pushing cannot fail after it
-      PrefixNode* const end = found.node->on_host ? sp.tree->SplitAt(found) : found.node;
-      if (end != found.node) uppers.push_back(end);
-      PrefixNode* const above = sp.tree->SplitAtWindow(TreePosition{end, m});
+      PrefixNode* const end = pos.node->on_host ? sp.tree->SplitAt(pos) : pos.node;
+      if (end != pos.node) uppers.push_back(end);
+      PrefixNode* const above = sp.tree->SplitAtWindow(TreePosition{end, pos.length});
       if (above != nullptr) uppers.push_back(above);
       try {
-        restored = RestorePath(*sp.tree, end, m, lock);
+        const std::size_t copy = pos.length * sp.row_bytes % chunk_bytes_ != 0 ? 1 : 0;
+        restored = RestorePath(*sp.tree, end, pos.length, lock, copy, &reserved);
         // The half above the window counts as restored: the match serves
         // its tokens (which need no KV) thanks to the tier all the same.
         if (above != nullptr) restored += above->end() - above->start;
-        found.node = end;
+        found = TreePosition{end, pos.length};
+        m = pos.length;
+        return true;
       } catch (const Error& e) {
         for (auto it = uppers.rbegin(); it != uppers.rend(); ++it) sp.tree->Unsplit(*it);
         if (e.code() != ErrorCode::kOutOfMemory) throw;
-        fall_back = true;
+        return false;
+      }
+    };
+    if (!fall_back && !restore(found)) {
+      fall_back = true;
+      // No room for all of it (a pool the size of one conversation: the
+      // nodes' own copies of the pages they start in, and the match's copy
+      // of its last page, make the restore a few chunks bigger than the
+      // prefix): in a whole-prefix tree, the longest part that fits comes
+      // back, and the caller computes the rest, rather than all of it. The
+      // room is what the restore's allocation may take without unpinning:
+      // free and creatable chunks, and those only unlocked nodes hold (the
+      // matched path is locked).
+      if (sp.window_tokens == 0) {
+        std::size_t on_device = 0;  // where the path's first node on the host starts
+        for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
+          if (p->on_host) on_device = p->start;
+        const std::size_t room = ReachableChunks() + EvictableTreeChunks(/*pinned=*/false, /*window_pages=*/false);
+        const std::size_t shorter = LongestRestorable(sp, found, on_device, room);
+        if (shorter > 0 && restore(sp.tree->Find(tokens.data(), shorter))) fall_back = false;
       }
     }
     if (fall_back) {
@@ -463,7 +491,14 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   if (partial) {
     // Copy-on-write of the page holding the match's end: this request will
     // write its next rows there.
-    ChunkId copy = Acquire(1, undo, lock).front();
+    ChunkId copy = kNoChunk;
+    if (reserved.empty()) {
+      copy = Acquire(1, undo, lock).front();
+    } else {
+      copy = reserved.front();
+      reserved.clear();
+      undo.Add([this, copy] { pool_->Unref(copy); });
+    }
     backend_->copy(pool_->handle(copy), pool_->handle(source[shared_end]),
                    m * sp.row_bytes - shared_end * chunk_bytes_, after);
     pages.push_back(shared_end);
