@@ -1290,3 +1290,93 @@ def test_a_window_parent_the_tier_drops_back_to_the_device_during_a_spill_is_sti
     assert node(A[:20])["on_host"], "the least recently used prefix (A[:20]) stayed on the device"
     assert not node(C)["on_host"], "the most recently used prefix (C) spilled before an older one"
     vt.release().result()
+
+
+def one_conversation_pool(make_manager, backend, sink, **kw):
+    """bench_tier's shape (see the test below), three conversations after turn 1."""
+    chunk = chunk_for(backend)
+    row = chunk * 23040 // (2 << 20)
+    history, new, reply = 800, 32, 32
+    pool = -(-(history + 2 * (new + reply)) * row // chunk) + 1  # bench_tier's conversation_chunks
+    mgr = make_manager(backend, chunks=pool, host_tier_bytes=8 * pool * chunk, prealloc_chunks=0,
+                       slot_cache_bytes=0, **kw)
+    sp = mgr.create_space(row_bytes=row, max_tokens=1024, max_slots=8)
+    io = RowIO(sp, backend)
+    held = [sp.create(1).result()] if sink else []
+    rng = np.random.default_rng(0)
+    record(sp, io, [1, 5, 6, 7])  # the warm-up
+    convs = [[1] + rng.integers(3, 30000, history - 1).tolist() for _ in range(3)]
+    for conv in convs:  # turn 1: the prompt recorded at its prefill's end, the reply at the turn's
+        conv += rng.integers(3, 30000, reply - 1).tolist()
+        vt = sp.create(history).result()
+        io.write(vt, conv, 0, history)
+        sp.prefix_record(vt, conv[:history]).result()
+        vt.extend(len(conv)).result()
+        io.write(vt, conv, history, len(conv))
+        sp.prefix_record(vt, conv).result()
+        vt.release().result()
+    assert_pool_consistent(mgr)
+    turns = [conv + [conv[-1] + 1] + rng.integers(3, 30000, new).tolist() for conv in convs]
+    return SimpleNamespace(mgr=mgr, sp=sp, io=io, held=held, history=history, reply=reply, turns=turns)
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["host", "cuda_sink"])
+def test_a_pool_of_one_conversation_restores_the_next_turns_prefix_as_far_as_it_fits(backend, make_manager, sink):
+    """bench_tier's chat on a pool the size of one conversation (its shape:
+    8000-token histories, 2 MiB chunks, 23040-byte rows; here 800 tokens,
+    ~91 rows a page). The tree keeps [0, 1) (a BOS the engine's warm-up
+    shares), the first prompt [1, 800) and the reply [800, 831), each with
+    its own copy of the page it starts in; the next turn's match restores
+    those nodes and copies its partial last page. That is one chunk more than
+    the pool has (the engine's CUDA sink, `sink`, takes another), while the
+    turn itself fits: the match used to restore nothing (or restore it all,
+    then fail on the copy of its last page, and the engine computed the
+    whole prompt after all). It restores as far as fits, and the turn runs."""
+    c = one_conversation_pool(make_manager, backend, sink)
+    mgr, sp, io, reply = c.mgr, c.sp, c.io, c.reply
+    for user, prompt in enumerate(c.turns):  # turn 2
+        m = sp.prefix_match(prompt).result()
+        assert m.num_tokens >= c.history and m.restored_tokens == m.num_tokens - 1, (user, m.num_tokens)
+        io.verify(m.vtensor, prompt, 0, m.num_tokens)
+        st = assert_pool_consistent(mgr)
+        assert st["restores_total"] == user + 1
+        end = len(prompt) + reply - 1  # the prompt computed from the match on, then the reply
+        m.vtensor.extend(end).result()
+        io.write(m.vtensor, prompt + [9] * reply, m.num_tokens, end)
+        io.verify(m.vtensor, prompt + [9] * reply, 0, end)
+        sp.prefix_record(m.vtensor, (prompt + [9] * reply)[:end]).result()
+        m.vtensor.release().result()
+        assert_pool_consistent(mgr)
+    for vt in c.held:
+        vt.release().result()
+
+
+def test_a_failed_copy_of_the_part_that_fits_changes_nothing(backend, make_manager):
+    """The shorter restore (the whole one has no room) whose copy fails: the
+    match fails, and the tree is as before but for the unlocked nodes the
+    restore's allocation spilled to make room (docs/api.md: caches reclaimed
+    on the way to a failure of the memory API); the matched path stays on
+    the host, unsplit."""
+    c = one_conversation_pool(make_manager, backend, sink=True, faults=True)
+    before = c.sp.prefix_nodes()
+    c.mgr.faults.fail_nth("copy_from_host", 2)
+    with pytest.raises(vtm.BackendError):
+        c.sp.prefix_match(c.turns[0]).result()
+    after = c.sp.prefix_nodes()
+    assert len(after) == len(before)
+    for b, a in zip(before, after):
+        if a != b:  # spilled: the same node, its bytes on the host now
+            assert not b["on_host"] and a["on_host"] and a["locks"] == b["locks"] == 0
+            assert (a["start"], a["end"], a["tokens"]) == (b["start"], b["end"], b["tokens"])
+    path = [n for n in after if n["tokens"] == c.turns[0][n["start"]:n["end"]]]
+    assert [(n["start"], n["end"], n["on_host"]) for n in path] == [(0, 1, False), (1, 800, True), (800, 831, True)]
+    assert c.mgr.stats()["restores_total"] == 0
+    assert_pool_consistent(c.mgr)
+    c.mgr.faults.clear()
+    m = c.sp.prefix_match(c.turns[0]).result()
+    assert m.num_tokens >= c.history and m.restored_tokens == m.num_tokens - 1
+    c.io.verify(m.vtensor, c.turns[0], 0, m.num_tokens)
+    m.vtensor.release().result()
+    for vt in c.held:
+        vt.release().result()
+    assert_pool_consistent(c.mgr)
