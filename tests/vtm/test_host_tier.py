@@ -1351,6 +1351,24 @@ def test_a_pool_of_one_conversation_restores_the_next_turns_prefix_as_far_as_it_
         vt.release().result()
 
 
+def test_a_match_that_restores_then_finds_no_slot_gives_back_its_last_pages_chunk(backend, make_manager):
+    """The restore takes the chunk for the match's copy of its last page with
+    its own (see above). The restore stands when a later step fails (here:
+    every slot holds a live vTensor), but that chunk was the match's: it goes
+    back. It used to keep a reference nobody held."""
+    c = one_conversation_pool(make_manager, backend, sink=True)
+    live = [c.sp.create(0).result() for _ in range(7)]  # with the sink, all 8 slots
+    with pytest.raises(vtm.OutOfMemory, match="no free slot"):
+        c.sp.prefix_match(c.turns[0]).result()
+    assert c.mgr.stats()["restores_total"] == 1
+    assert_pool_consistent(c.mgr)
+    for vt in live + c.held:
+        vt.release().result()
+    c.sp.clear_prefixes()
+    c.mgr.trim()
+    assert c.mgr.stats()["chunks_held"] == 0
+
+
 def test_a_failed_copy_of_the_part_that_fits_changes_nothing(backend, make_manager):
     """The shorter restore (the whole one has no room) whose copy fails: the
     match fails, and the tree is as before but for the unlocked nodes the

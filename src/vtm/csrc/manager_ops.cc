@@ -378,7 +378,17 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   std::size_t m = found.length;
   if (m == 0) return MatchResult{0, 0};
 
+  // The match's copy of its partial last page, taken with the restore
+  // (RestorePath): a restore stands even when a later step fails, so one
+  // that took the last chunks would leave a match that fails for its copy,
+  // and the caller would compute the prompt it just copied back. Declared
+  // before the undo log, whose first step gives back what it still holds
+  // when a later step fails (no free slot, say).
+  std::vector<ChunkId> reserved;
   UndoLog undo(&rollback_failures_total_);
+  undo.Add([this, &reserved] {
+    for (ChunkId c : reserved) pool_->Unref(c);
+  });
   // Lock the matched path for the whole operation, so the eviction that
   // makes room for the copy below never picks the prefix being matched; and
   // hold its chunks, so a refill wait inside Acquire (which lets other
@@ -387,11 +397,6 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   sp.tree->Lock(locked);
   undo.Add([this, &sp, locked] { UnlockPath(*sp.tree, locked); });
   std::size_t restored = 0;
-  // The match's copy of its partial last page, taken with the restore
-  // (RestorePath): a restore stands even when a later step fails, so one
-  // that took the last chunks would leave a match that fails for its copy,
-  // and the caller would compute the prompt it just copied back.
-  std::vector<ChunkId> reserved;
   if (sp.tree->tier() != nullptr) {
     // Nodes of the path in the host tier come back to the device first, and
     // only as far as the match reaches: a node on the host that it ends
@@ -496,8 +501,8 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
       copy = Acquire(1, undo, lock).front();
     } else {
       copy = reserved.front();
-      reserved.clear();
       undo.Add([this, copy] { pool_->Unref(copy); });
+      reserved.clear();  // after: were the step not added, the first one gives the chunk back
     }
     backend_->copy(pool_->handle(copy), pool_->handle(source[shared_end]),
                    m * sp.row_bytes - shared_end * chunk_bytes_, after);
