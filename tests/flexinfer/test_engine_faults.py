@@ -17,6 +17,7 @@ import vtm
 from flexinfer import LLM, InvalidArgument, SamplingParams
 from flexinfer.engine import Engine
 from flexinfer.sequence import Sequence, Status
+from engine_testing import step_to_end
 
 CHUNK = 4096  # ~2.7 rows of the tiny model a page: rows straddle pages, prompts span several
 # Every backend operation a serving engine reaches: mapping (create, step,
@@ -158,15 +159,8 @@ def test_a_decode_step_interrupted_in_its_forward_pass_is_computed_again(tiny_gp
                 raise KeyboardInterrupt
             return forward(*args, **kwargs)
         engine.model.forward = interrupting
-        steps = 0
-        while engine.has_work():
-            steps += 1
-            assert steps < 100, "the sequences never finish"
-            try:
-                engine.step()
-            except KeyboardInterrupt:
-                interrupted.append([(s.pending, s.num_tokens - len(s.prompt_ids) - len(s.output_ids)) for s in seqs])
-        engine.drain()
+        step_to_end(engine, 100, lambda: interrupted.append(
+            [(s.pending, s.num_tokens - len(s.prompt_ids) - len(s.output_ids)) for s in seqs]))
         engine.close()
         manager.close()
         return [(s.finish_reason, s.output_ids) for s in seqs], interrupted
@@ -199,7 +193,7 @@ def test_seeded_rows_draw_the_same_tokens_after_an_interrupted_step_and_beside_o
         seqs = [Sequence(i, i, 0, prompts[i], params[i], 0, ()) for i in rows]
         for seq in seqs:
             engine.add(seq)
-        sample, calls, interrupted = engine._sample, [0], []
+        sample, calls = engine._sample, [0]
 
         def interrupting(*args):
             sample(*args)
@@ -207,15 +201,7 @@ def test_seeded_rows_draw_the_same_tokens_after_an_interrupted_step_and_beside_o
             if calls[0] == interrupt_at:
                 raise KeyboardInterrupt
         engine._sample = interrupting
-        steps = 0
-        while engine.has_work():
-            steps += 1
-            assert steps < 100, "the sequences never finish"
-            try:
-                engine.step()
-            except KeyboardInterrupt:
-                interrupted.append(steps)
-        engine.drain()
+        interrupted = step_to_end(engine, 100)
         engine.close()
         manager.close()
         assert len(interrupted) == (interrupt_at is not None)

@@ -19,6 +19,7 @@ from flexinfer import scheduler as scheduler_module
 from flexinfer.engine import Engine
 from flexinfer.model.llama import ForwardBatch
 from flexinfer.sequence import Sequence
+from engine_testing import step_to_end
 from scheduler_testing import SteadyPlans
 
 CHUNK = 16384  # ~10.7 rows of the tiny model a page: steady runs of a few steps, and pages that fill often
@@ -129,15 +130,7 @@ def test_a_step_interrupted_after_sampling_leaves_the_quiet_count_right(tiny_gpu
             if calls[0] in interrupt_at:
                 raise KeyboardInterrupt
         engine._sample = interrupting
-        steps = 0
-        while engine.has_work():
-            steps += 1
-            assert steps < 50, "the sequences never finish"
-            try:
-                engine.step()
-            except KeyboardInterrupt:
-                pass
-        engine.drain()
+        step_to_end(engine, 50)
         engine.close()
         manager.check()
         manager.close()
