@@ -148,6 +148,9 @@ def run(args, path: str, per_conversation: int, tier_size: int, vocab: int, tier
                 restored_mib=vtm_stats["restored_bytes_total"] / (1 << 20),
                 restore_ms_mean=(vtm_stats["restore_seconds_total"] / vtm_stats["restores_total"] * 1e3
                                  if vtm_stats["restores_total"] else None),
+                restore_copy_s=vtm_stats["restore_copy_seconds_total"],
+                spilled_mib=vtm_stats["spilled_bytes_total"] / (1 << 20),
+                spill_copy_s=vtm_stats["spill_copy_seconds_total"],
                 evictions=vtm_stats["evictions_total"])
 
 
@@ -214,12 +217,26 @@ def main() -> None:
                   ttft_later_p99=without["ttft_later_p99_ms"] / with_tier["ttft_later_p99_ms"],
                   tokens_per_s=with_tier["tokens_per_s"] / without["tokens_per_s"])
     if with_tier["restore_ms_mean"]:
-        restore_gb_s = with_tier["restored_mib"] * (1 << 20) / (with_tier["restore_ms_mean"] / 1e3
-                                                                * with_tier["restores"]) / 1e9
-        line = f"restores moved {restore_gb_s:.2f} GB/s (the copies and the chunks' allocation)"
+        restored = with_tier["restored_mib"] * (1 << 20)
+        restore_s = with_tier["restore_ms_mean"] / 1e3 * with_tier["restores"]
+        restore_gb_s = restored / restore_s / 1e9
+        # Where a restore's time goes: its copies (the transfer), and the rest
+        # (the chunks' allocation, with the evictions and spills that makes).
+        copy_gb_s = restored / with_tier["restore_copy_s"] / 1e9 if with_tier["restore_copy_s"] else None
+        ratios["restore_copy_share"] = with_tier["restore_copy_s"] / restore_s
+        line = (f"restores moved {restore_gb_s:.2f} GB/s in all; their copies took "
+                f"{ratios['restore_copy_share']:.0%} of the time"
+                + (f", {copy_gb_s:.2f} GB/s alone" if copy_gb_s else ""))
+        if with_tier["spill_copy_s"]:
+            line += (f"; spills copied {with_tier['spilled_mib'] * (1 << 20) / with_tier['spill_copy_s'] / 1e9:.2f}"
+                     f" GB/s")
         if args.backend == "cuda":
-            ratios["restore_over_pinned_copy"] = restore_gb_s / pinned_copy_gb_s()
-            line += f", {ratios['restore_over_pinned_copy']:.0%} of a pinned host-to-device copy"
+            pinned = pinned_copy_gb_s()
+            ratios["restore_over_pinned_copy"] = restore_gb_s / pinned
+            line += f"; a pinned host-to-device copy {pinned:.1f} GB/s: restores {ratios['restore_over_pinned_copy']:.0%}"
+            if copy_gb_s:
+                ratios["restore_copies_over_pinned_copy"] = copy_gb_s / pinned
+                line += f", their copies {ratios['restore_copies_over_pinned_copy']:.0%}"
         print(line)
     print(f"with the tier: turns >= 2 TTFT {ratios['ttft_later_p50']:.2f}x better at p50, "
           f"{ratios['ttft_later_p99']:.2f}x at p99; throughput {ratios['tokens_per_s']:.2f}x; "

@@ -28,3 +28,5 @@ def test_bench_tier_restores_a_gemma3_models_window_group_from_the_host(tmp_path
     assert result["without"]["restores"] == 0 and result["without"]["evictions"] > 0
     # Every later turn restores both groups: the full one and the window one.
     assert result["with_tier"]["restores"] == 2 * 3, result["with_tier"]
+    # A restore's time split: its copies, within it, and the spills' copies.
+    assert 0 < result["ratios"]["restore_copy_share"] <= 1 and result["with_tier"]["spill_copy_s"] > 0

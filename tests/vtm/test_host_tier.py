@@ -102,11 +102,13 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_byte_for_byte(backend, 
     st = assert_pool_consistent(mgr)
     assert st["spills_total"] >= 1 and st["chunks_in_tree"] == 0 and on_host(sp)
     assert st["host_tier_used_bytes"] == st["spilled_bytes_total"] > 0
+    assert st["spill_copy_seconds_total"] > 0 and st["restore_seconds_total"] == 0
     m = match(sp, A)
     assert m.num_tokens == m.restored_tokens == len(A)
     io.verify(m.vtensor, A)
     st = assert_pool_consistent(mgr)
     assert st["restores_total"] == 1 and st["restored_bytes_total"] == st["spilled_bytes_total"]
+    assert 0 < st["restore_copy_seconds_total"] <= st["restore_seconds_total"]
     assert not on_host(sp) and st["host_tier_used_bytes"] == 0
     m.vtensor.release().result()
     again = match(sp, A)  # from the device now

@@ -212,6 +212,8 @@ py::dict StatsDict(const Stats& st) {
   }
   d["host_tier_accounts"] = accounts;
   d["restore_seconds_total"] = st.restore_seconds_total;
+  d["restore_copy_seconds_total"] = st.restore_copy_seconds_total;
+  d["spill_copy_seconds_total"] = st.spill_copy_seconds_total;
   py::dict spaces;
   for (const auto& [name, info] : st.spaces) spaces[py::str(name)] = SpaceDict(info);
   d["spaces"] = spaces;

@@ -162,7 +162,10 @@ struct Stats {
   // Per tier account with blocks held or a limit set: (used bytes, limit
   // bytes; absent: none).
   std::map<std::uint32_t, std::pair<std::size_t, std::optional<std::size_t>>> host_tier_accounts;
-  double restore_seconds_total = 0;
+  // Restores' whole time, the part of it their copies took, and spills'
+  // copies (an eviction's, wherever it runs): on a GPU the copies are the
+  // transfer, the rest the allocation, mapping and evictions around them.
+  double restore_seconds_total = 0, restore_copy_seconds_total = 0, spill_copy_seconds_total = 0;
   std::vector<std::pair<std::string, SpaceInfo>> spaces;
   std::map<std::string, OpStat> ops;
 };
@@ -520,7 +523,7 @@ class Manager {
                 window_page_drops_total_ = 0;
   std::uint64_t spills_total_ = 0, spilled_pages_total_ = 0, spill_failures_total_ = 0, restores_total_ = 0,
                 restored_pages_total_ = 0, tier_drops_total_ = 0, tier_limit_drops_total_ = 0;
-  double restore_seconds_total_ = 0;
+  double restore_seconds_total_ = 0, restore_copy_seconds_total_ = 0, spill_copy_seconds_total_ = 0;
   std::map<std::string, OpStat> op_stats_;
   // Shared with every Reservation, which may outlive the manager in a view.
   std::shared_ptr<std::atomic<std::uint64_t>> reservation_free_failures_ =

@@ -426,6 +426,7 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
       account && DropHostNodes(std::nullopt, [&] { return tier_->used() + need(*account) <= tier_->capacity(); });
   const BlockId lent = account ? lent_to(*account) : kNoBlock;
   std::size_t copied = 0;
+  const auto copies_started = std::chrono::steady_clock::now();
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
@@ -453,6 +454,8 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   }
   ++spills_total_;
   spilled_pages_total_ += copied;
+  spill_copy_seconds_total_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - copies_started).count();
   tree.SetTierAccount(node, *account);  // whoever pays for it keeps it from now on
   return tree.Spill(node, blocks);
 }
@@ -635,6 +638,7 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   const std::vector<ChunkId> chunks = Acquire(n + extra, undo, lock, /*may_unpin=*/false);
   std::vector<std::vector<ChunkId>> pages;
   std::size_t next = 0;
+  const auto copies_started = std::chrono::steady_clock::now();
   for (PrefixNode* p : cold) {
     std::vector<ChunkId>& own = pages.emplace_back(p->host_pages.size(), kNoChunk);
     for (std::size_t i = 0; i < own.size(); ++i) {
@@ -643,6 +647,7 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
       backend_->copy_from_host(pool_->handle(own[i]), tier_->data(p->host_pages[i]), chunk_bytes_);
     }
   }
+  const auto copies_done = std::chrono::steady_clock::now();
   undo.Commit();
   if (reserved != nullptr) reserved->assign(chunks.begin() + n, chunks.end());
   for (std::size_t k = 0; k < cold.size(); ++k) tree.Restore(cold[k], pages[k]);
@@ -650,6 +655,7 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   ++restores_total_;
   restored_pages_total_ += n;
   restore_seconds_total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  restore_copy_seconds_total_ += std::chrono::duration<double>(copies_done - copies_started).count();
   return tokens;
 }
 

@@ -140,6 +140,8 @@ Stats Manager::GetStats() const {
   st.host_tier_drops_total = tier_drops_total_;
   st.host_tier_limit_drops_total = tier_limit_drops_total_;
   st.restore_seconds_total = restore_seconds_total_;
+  st.restore_copy_seconds_total = restore_copy_seconds_total_;
+  st.spill_copy_seconds_total = spill_copy_seconds_total_;
   st.ops = op_stats_;
   std::unordered_map<std::uint32_t, std::size_t> index_of;  // space id -> its entry in st.spaces
   for (const auto& [id, sp] : live_spaces_) {
