@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace vtm {
 
@@ -122,6 +123,20 @@ class Backend {
   // host memory `src` into chunk `dst`. Both complete before returning.
   virtual void copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) = 0;
   virtual void copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) = 0;
+  // Several of those at once (a node's spill, a path's restore): the first
+  // `bytes` of srcs[i] into dsts[i], the two lists of one length. All
+  // complete before returning; a failure may leave some made. These
+  // defaults make them one by one; CUDA maps each chunk while the copy
+  // before it runs, and waits once, so a chunk costs about the larger of
+  // its mapping and its transfer rather than their sum.
+  virtual void copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs,
+                                 std::size_t bytes, const Fence* after) {
+    for (std::size_t i = 0; i < dsts.size(); ++i) copy_to_host(dsts[i], srcs[i], bytes, after);
+  }
+  virtual void copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
+                                   std::size_t bytes) {
+    for (std::size_t i = 0; i < dsts.size(); ++i) copy_from_host(dsts[i], srcs[i], bytes);
+  }
 };
 
 // The host backend: memfd chunks mapped into PROT_NONE reservations.

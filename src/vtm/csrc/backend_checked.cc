@@ -224,6 +224,25 @@ void CheckedBackend::copy_from_host(ChunkHandle dst, const void* src, std::size_
   inner_->copy_from_host(dst, src, bytes);
 }
 
+// Checked as the one-chunk copies, all before any is made.
+void CheckedBackend::copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs,
+                                       std::size_t bytes, const Fence* after) {
+  if (dsts.size() != srcs.size())
+    Invalid("copy_to_host_many", std::to_string(dsts.size()) + " destinations for " +
+                                     std::to_string(srcs.size()) + " chunks");
+  for (std::size_t i = 0; i < srcs.size(); ++i) CheckHostCopy("copy_to_host_many", srcs[i], dsts[i], bytes);
+  inner_->copy_to_host_many(dsts, srcs, bytes, after);
+}
+
+void CheckedBackend::copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
+                                         std::size_t bytes) {
+  if (dsts.size() != srcs.size())
+    Invalid("copy_from_host_many", std::to_string(dsts.size()) + " chunks for " + std::to_string(srcs.size()) +
+                                       " sources");
+  for (std::size_t i = 0; i < dsts.size(); ++i) CheckHostCopy("copy_from_host_many", dsts[i], srcs[i], bytes);
+  inner_->copy_from_host_many(dsts, srcs, bytes);
+}
+
 std::shared_ptr<Backend> MakeCheckedBackend(std::shared_ptr<Backend> inner) {
   return std::make_shared<CheckedBackend>(std::move(inner));
 }

@@ -425,8 +425,12 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   const bool room =
       account && DropHostNodes(std::nullopt, [&] { return tier_->used() + need(*account) <= tier_->capacity(); });
   const BlockId lent = account ? lent_to(*account) : kNoBlock;
-  std::size_t copied = 0;
-  const auto copies_started = std::chrono::steady_clock::now();
+  // The blocks first, then every copy in one call (the backend overlaps them).
+  std::vector<void*> destinations;
+  std::vector<ChunkHandle> sources;
+  destinations.reserve(pages);
+  sources.reserve(pages);
+  std::chrono::steady_clock::time_point copies_started;
   try {
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
@@ -441,11 +445,13 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
         ++spill_failures_total_;
         return tree.EvictSubtree(node);
       }
-      // After the kernels that wrote the page: a record shared it without a
-      // copy only after ordering the backend's copies after its stream.
-      backend_->copy_to_host(tier_->data(blocks[i]), pool_->handle(node->pages[i]), chunk_bytes_, nullptr);
-      ++copied;
+      destinations.push_back(tier_->data(blocks[i]));
+      sources.push_back(pool_->handle(node->pages[i]));
     }
+    // After the kernels that wrote the pages: a record shared them without a
+    // copy only after ordering the backend's copies after its stream.
+    copies_started = std::chrono::steady_clock::now();
+    backend_->copy_to_host_many(destinations, sources, chunk_bytes_, nullptr);
   } catch (const Error&) {
     // No host memory, or a failed copy: the node goes as it would without a tier.
     give_back();
@@ -453,7 +459,7 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
     return tree.EvictSubtree(node);
   }
   ++spills_total_;
-  spilled_pages_total_ += copied;
+  spilled_pages_total_ += sources.size();
   spill_copy_seconds_total_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - copies_started).count();
   tree.SetTierAccount(node, *account);  // whoever pays for it keeps it from now on
@@ -637,16 +643,23 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   if (reserved != nullptr) reserved->reserve(extra);  // before the allocation: nothing fails after it
   const std::vector<ChunkId> chunks = Acquire(n + extra, undo, lock, /*may_unpin=*/false);
   std::vector<std::vector<ChunkId>> pages;
+  std::vector<ChunkHandle> destinations;
+  std::vector<const void*> sources;
+  destinations.reserve(n);
+  sources.reserve(n);
   std::size_t next = 0;
-  const auto copies_started = std::chrono::steady_clock::now();
   for (PrefixNode* p : cold) {
     std::vector<ChunkId>& own = pages.emplace_back(p->host_pages.size(), kNoChunk);
     for (std::size_t i = 0; i < own.size(); ++i) {
       if (p->host_pages[i] == kNoBlock) continue;
       own[i] = chunks[next++];
-      backend_->copy_from_host(pool_->handle(own[i]), tier_->data(p->host_pages[i]), chunk_bytes_);
+      destinations.push_back(pool_->handle(own[i]));
+      sources.push_back(tier_->data(p->host_pages[i]));
     }
   }
+  // Every copy in one call: the backend overlaps them.
+  const auto copies_started = std::chrono::steady_clock::now();
+  backend_->copy_from_host_many(destinations, sources, chunk_bytes_);
   const auto copies_done = std::chrono::steady_clock::now();
   undo.Commit();
   if (reserved != nullptr) reserved->assign(chunks.begin() + n, chunks.end());
