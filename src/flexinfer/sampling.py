@@ -362,6 +362,11 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None 
     if out is None:
         out = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
     cumulative = out.copy_(probs).cumsum_(dim=-1)
+    # A GPU's scan adds in tree order: at a token of probability 0 the sum
+    # may still rise by an ulp, and the sums need not even be monotone. Each
+    # token's sum is the running maximum of the positive tokens' sums up to
+    # it, so a token of probability 0 keeps an empty interval.
+    cumulative = torch.cummax(cumulative.masked_fill_(probs == 0, 0.0), dim=-1).values
     total = cumulative[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     chosen = torch.searchsorted(cumulative, target, right=True).squeeze(1)

@@ -228,6 +228,26 @@ def test_a_token_of_probability_zero_is_never_chosen_whatever_the_uniform():
         assert sampler(logits, [[0, 4], [0], None])[0].tolist() == want, u
 
 
+def test_a_token_of_probability_zero_is_never_chosen_where_the_scan_rounds_there(monkeypatch):
+    """A GPU's cumsum adds in tree order, so at a token of probability 0 the
+    sum may come out an ulp above the one before it: the interval of that
+    token is then not empty, and a target on its lower end chose it. Here a
+    scan that rounds so (and one whose sums fall back an ulp after it)."""
+    sequential = torch.Tensor.cumsum
+
+    def tree_order(self, dim):
+        sums = sequential(self, dim)
+        sums[:, 1] = torch.nextafter(sums[:, 1], torch.full_like(sums[:, 1], 2.0))  # token 1: probability 0
+        sums[1, 2] = torch.nextafter(sums[1, 2], torch.zeros_like(sums[1, 2]))
+        return self.copy_(sums)
+    monkeypatch.setattr(torch.Tensor, "cumsum_", tree_order)
+    probs = torch.tensor([[0.25, 0.0, 0.75], [0.5, 0.0, 0.0]])
+    # u * total lands on token 0's upper end: the first sum above it is token 2's (row 0), and row 1 has
+    # nothing after token 0 (its target is kept below the total).
+    chosen = _inverse_cdf(probs, torch.tensor([0.25, 1.0], dtype=torch.float64))
+    assert chosen.tolist() == [2, 0]
+
+
 def test_a_step_samples_seeded_rows_with_the_same_ops_whatever_their_number():
     """One seeded row or 64: the sampler runs the same torch ops (it drew a
     vocabulary of exponentials per seeded row, one launch each)."""

@@ -1371,6 +1371,61 @@ def test_a_match_that_restores_then_finds_no_slot_gives_back_its_last_pages_chun
     assert c.mgr.stats()["chunks_held"] == 0
 
 
+def test_the_restores_copy_chunk_may_unpin_as_a_matchs_copy_may(backend, make_manager):
+    """The chunk for the match's copy of its last page comes with the
+    restore, but from an allocation that may unpin (as the match's own copy
+    always could): with 3 free chunks and 1 that only a live vTensor's lock
+    keeps, a restore of 3 pages and that copy fits whole. Taken with the
+    restore's pages, which may not unpin, it did not, and a shorter part came
+    back."""
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=6, host_tier_bytes=32 * chunk, prealloc_chunks=0, slot_cache_bytes=0)
+    sp = mgr.create_space(row_bytes=chunk // 4, max_tokens=64, max_slots=8)
+    io = RowIO(sp, backend)
+    C = list(range(100, 110))  # pages 0 and 1, and a partial page 2
+    record(sp, io, C)
+    sp.create(24).result().release().result()  # the whole pool: C spills
+    assert all(n["on_host"] for n in sp.prefix_nodes())
+    Q = list(range(200, 206))
+    record(sp, io, Q)
+    live = sp.prefix_match(Q + [1]).result().vtensor  # Q's partial page: only the tree and this lock keep it
+    m = sp.prefix_match(C + [2]).result()
+    assert (m.num_tokens, m.restored_tokens) == (10, 10)
+    io.verify(m.vtensor, C)
+    assert_pool_consistent(mgr)
+    m.vtensor.release().result()
+    live.release().result()
+    assert_pool_consistent(mgr)
+
+
+def test_a_copy_back_that_fails_for_want_of_memory_fails_the_match(backend, make_manager):
+    """docs/api.md: a failed copy fails the match and changes nothing. One
+    that fails with an out-of-memory code (CUDA: mapping the copy scratch
+    range) was taken for a pool without room, and the match restored a
+    shorter part with a second round of copies."""
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=16, host_tier_bytes=32 * chunk, prealloc_chunks=0, slot_cache_bytes=0,
+                       faults=True)
+    sp = mgr.create_space(row_bytes=chunk // 4, max_tokens=64, max_slots=8)
+    io = RowIO(sp, backend)
+    C = list(range(100, 110))
+    record(sp, io, C)
+    sp.create(64).result().release().result()  # C spills
+    before = sp.prefix_nodes()
+    assert all(n["on_host"] for n in before)
+    mgr.faults.fail_nth("copy_from_host", 1, oom=True)
+    with pytest.raises(vtm.BackendError, match="copying a prefix back from the host tier"):
+        sp.prefix_match(C + [2]).result()
+    assert sp.prefix_nodes() == before and mgr.stats()["restores_total"] == 0
+    assert_pool_consistent(mgr)
+    mgr.faults.clear()
+    m = sp.prefix_match(C + [2]).result()
+    assert (m.num_tokens, m.restored_tokens) == (10, 10)
+    io.verify(m.vtensor, C)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
 def test_a_failed_copy_of_the_part_that_fits_changes_nothing(backend, make_manager):
     """The shorter restore (the whole one has no room) whose copy fails: the
     match fails, and the tree is as before but for the unlocked nodes the

@@ -457,10 +457,12 @@ class Manager {
   // `node` (locked by the caller) needs (PrefixTree::HostNodesToRestore)
   // back into new chunks: all or none, a step of its own. Returns how many
   // of the path's first `length` tokens they hold. With something to
-  // restore, it takes `extra` more chunks in the same allocation, handed to
-  // the caller in *reserved (one reference each, the caller's to give back):
-  // the match's copy of its last page, so that a restore that stands never
-  // leaves the match without room for that copy.
+  // restore, it takes `extra` more chunks with it (an allocation that may
+  // unpin, as the match's own may), handed to the caller in *reserved (one
+  // reference each, the caller's to give back): the match's copy of its last
+  // page, so that a restore that stands never leaves the match without room
+  // for that copy. A failed copy is kBackend, whatever the backend said: only
+  // the allocation's kOutOfMemory means "no room".
   std::size_t RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length, std::unique_lock<std::mutex>& lock,
                           std::size_t extra = 0, std::vector<ChunkId>* reserved = nullptr);
   // Whole-prefix trees: the longest length in (above, pos.length) whose

@@ -641,7 +641,13 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   // Not the chunks live vTensors' locks keep: the restore is optional (a
   // match falls back to what the device holds), and those paths are others'.
   if (reserved != nullptr) reserved->reserve(extra);  // before the allocation: nothing fails after it
-  const std::vector<ChunkId> chunks = Acquire(n + extra, undo, lock, /*may_unpin=*/false);
+  std::vector<ChunkId> chunks = Acquire(n, undo, lock, /*may_unpin=*/false);
+  // The match's own chunks (its last page's copy) may unpin as any match's
+  // copy may: the two allocations stand or fail together.
+  if (extra > 0) {
+    const std::vector<ChunkId> more = Acquire(extra, undo, lock);
+    chunks.insert(chunks.end(), more.begin(), more.end());
+  }
   std::vector<std::vector<ChunkId>> pages;
   std::vector<ChunkHandle> destinations;
   std::vector<const void*> sources;
@@ -659,7 +665,15 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
   }
   // Every copy in one call: the backend overlaps them.
   const auto copies_started = std::chrono::steady_clock::now();
-  backend_->copy_from_host_many(destinations, sources, chunk_bytes_);
+  try {
+    backend_->copy_from_host_many(destinations, sources, chunk_bytes_);
+  } catch (const Error& e) {
+    // A copy that fails for want of memory (CUDA: mapping the scratch
+    // range) is a failed copy, not a restore without room: the caller
+    // fails the match for it, and does not try a shorter restore.
+    if (e.code() != ErrorCode::kOutOfMemory) throw;
+    Throw(ErrorCode::kBackend, std::string("copying a prefix back from the host tier: ") + e.what());
+  }
   const auto copies_done = std::chrono::steady_clock::now();
   undo.Commit();
   if (reserved != nullptr) reserved->assign(chunks.begin() + n, chunks.end());
