@@ -82,3 +82,83 @@ def test_host_tier_gib_with_a_broker_is_refused_in_one_line(tmp_path):
                           "--manager", f"unix:{tmp_path}/none"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "--host-tier-gib" in out.stderr and "Traceback" not in out.stderr
+
+
+def bench_tier_chat(llm: LLM, users: int, turns: int, history: int, new: int, reply: int):
+    """scripts/bench_tier.py's load: a warm-up, then `users` conversations
+    round robin, each turn the whole conversation so far plus `new` tokens,
+    `reply` greedy tokens, one request at a time. Returns the replies and,
+    per turn after the first, (tokens the turn's prompt had recorded before
+    it, restores, prefix hit tokens, of those from the host tier), read off
+    the engine's stats around the turn."""
+    llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    histories = [[1] + [(37 * u + 11 * i) % 500 + 3 for i in range(history - 1)] for u in range(users)]
+    params = SamplingParams(max_tokens=reply, temperature=0.0, ignore_eos=True)
+    replies, later = [], []
+    for turn in range(turns):
+        for u in range(users):
+            recorded = len(histories[u]) - 1  # the last reply token's KV was never computed
+            if turn:
+                histories[u] += [(turn * 7 + u + i) % 500 + 3 for i in range(new)]
+            before = llm.stats()
+            out = llm.generate([histories[u]], params, use_tqdm=False)[0].outputs[0]
+            after = llm.stats()
+            assert out.error is None and out.finish_reason == "length", (out.error, out.finish_reason)
+            histories[u] += out.token_ids
+            replies.append(out.token_ids)
+            if turn:
+                later.append((recorded, after["vtm"]["restores_total"] - before["vtm"]["restores_total"],
+                              after["prefix_hit_tokens"] - before["prefix_hit_tokens"],
+                              after["prefix_hit_tokens_host"] - before["prefix_hit_tokens_host"]))
+    return replies, later
+
+
+@pytest.mark.parametrize("margin", [0, 1, 3], ids=["one_conversation", "one_chunk_more", "with_restore_margin"])
+def test_a_pool_of_one_conversation_restores_every_later_turn(wide_kv_folder, margin):
+    """bench_tier's `--pool 1` scaled down (on an H200: 8000-token histories,
+    91 rows a 2 MiB page; here 400 tokens, 128 rows a page): the pool holds
+    one conversation's pages as bench_tier's conversation_chunks counts them
+    (5 chunks), and `margin` more. A later turn's restore takes more than
+    the conversation's pages: the tree keeps [0, 1) (the BOS every prompt
+    shares, on the device), the first prompt [1, 400) and the reply
+    [400, 415), each of the last two with its own copy of the page it starts
+    in (4 chunks and 1), and the match copies its partial last page (1):
+    7 chunks, while the turn itself (4 pages) fits. Before b90ea53 the match
+    restored nothing in a pool of 5 (as bench_tier on the H200, whose CUDA
+    sink took the chunk the host backend has spare), and in a pool of 6 it
+    restored the prefix, then failed for its last page's copy: the engine
+    computed all 432 tokens of the prompt either way, with no prefix hit
+    from the host. Now the match restores the longest part that fits and
+    the engine computes the rest; with bench_tier's restore_margin (3 chunks
+    on the host backend) the whole prefix comes back."""
+    users, turns, history, new, reply = 3, 2, 400, 16, 16
+    row = 4 * 2 * 8 * 64 * 4  # wide_kv_folder's KV row in float32: 4 layers, K and V, 8 heads of 64
+    conversation = -(-(history + turns * (new + reply)) * row // CHUNK) + 1  # bench_tier's conversation_chunks
+    assert conversation == 5
+    options = dict(dtype="float32", backend="host", kv_capacity_bytes=(conversation + margin) * CHUNK,
+                   max_model_len=512, max_num_seqs=4)
+    with LLM(wide_kv_folder, **options) as plain:
+        assert [space.row_bytes for space in plain.kv_cache.spaces] == [row]
+        expected, recomputed = bench_tier_chat(plain, users, turns, history, new, reply)
+    assert all(hit <= 1 for _, _, hit, _ in recomputed)  # without the tier only the BOS stays
+    with LLM(wide_kv_folder, host_tier_bytes=8 * conversation * CHUNK, **options) as tiered:
+        replies, later = bench_tier_chat(tiered, users, turns, history, new, reply)
+        assert replies == expected
+        stats = tiered.stats()
+        for recorded, restores, hit, hit_host in later:
+            assert restores == 1, later
+            if margin == 3:  # the whole recorded conversation, all but the shared BOS from the host
+                assert hit == recorded and hit_host >= recorded - 1, later
+            else:  # all but what did not fit: less than a page and a copy
+                assert history - CHUNK // row <= hit_host <= hit < recorded, later
+        assert stats["vtm"]["restores_total"] == users * (turns - 1)
+        assert stats["prefix_hit_tokens_host"] == sum(hit_host for *_, hit_host in later)
+        assert stats["prefix_failures"] == 0 and stats["memory_faults"] == 0
+        manager = tiered.manager
+        manager.check()
+        assert tiered.kv_cache.clear_prefixes() > 0
+        manager.trim()
+        manager.check()
+        stats = manager.stats()
+        assert stats["chunks_held"] == 0 and stats["tree_nodes"] == 0 and stats["chunks_in_tree"] == 0, stats
+        assert stats["host_tier_used_bytes"] == 0 and stats["host_tier_nodes"] == 0, stats
