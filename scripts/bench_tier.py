@@ -7,13 +7,16 @@ prompt and reply) plus `--new` new tokens, and generates `--reply` tokens,
 greedy, one request at a time. The device pool holds `--pool` conversations'
 KV, so by a user's next turn the tree has evicted theirs: without the tier
 the turn recomputes it; with the tier (sized for every conversation) it was
-spilled to host memory and the match copies it back. Both engines run the
-same requests on the same weights; reported: time to first token of turns 2
-and later (p50, p99), the whole run's tokens per second, and the ratios;
-the greedy replies must be equal on the host backend (float32). On CUDA
-(bfloat16) the count of equal ones is reported: a restored reply's KV was
-computed a token at a time by decode steps, a recomputed one's by a prefill,
-and the two round differently, which flips near-ties of a random model.
+spilled to host memory and the match copies it back. The pool also has
+room, once, for what a turn's restore takes beyond its conversation's pages
+(restore_margin), so that a restore is whole even at `--pool 1`. Both
+engines run the same requests on the same weights; reported: time to first
+token of turns 2 and later (p50, p99), the whole run's tokens per second,
+and the ratios; the greedy replies must be equal on the host backend
+(float32). On CUDA (bfloat16) the count of equal ones is reported: a
+restored reply's KV was computed a token at a time by decode steps, a
+recomputed one's by a prefill, and the two round differently, which flips
+near-ties of a random model.
 
 On the host backend a restore is a memory copy and a recompute is a prefill;
 the issue's target is TTFT of turns >= 2 at least 3x better with the tier.
@@ -94,9 +97,31 @@ def build_window_model(folder: Path, family: str, window: int) -> None:
 def conversation_chunks(args, row_bytes: list[int]) -> int:
     """The chunks one conversation's KV takes at its last turn, one space
     per group. A window group's too: the tree keeps every row of a prompt
-    that was prefilled at once, the window's slide only holes later ones."""
+    that was prefilled at once, the window's slide only holes later ones.
+    These are the pages of one vTensor holding the whole conversation (and
+    one more a group, and the first turn's `--new` tokens it never has): the
+    tree keeps the conversation as nodes, and a restore takes more (see
+    restore_margin)."""
     tokens = args.history + args.turns * (args.new + args.reply)
     return sum(-(-tokens * row // CHUNK) + 1 for row in row_bytes)
+
+
+def restore_margin(args, row_bytes: list[int]) -> int:
+    """The chunks a turn's restore takes beyond its conversation's pages, at
+    most: per group, each node of the matched path but [0, 1) (the BOS
+    every prompt shares) starts with its own copy of the page it starts in,
+    two nodes an earlier turn (its prompt and its reply), and the match
+    copies its partial last page, which the request writes next; on CUDA the
+    engine's sink holds one chunk a group for the engine's life. Without it a
+    pool of one conversation (bench_tier_8k in gpu_check.sh: 8,000-token
+    histories, 91 chunks) had 2 chunks too few on an H200: the match
+    restored nothing before b90ea53, and since then restores all but the
+    prefix's last pages and computes those again. Other conversations' nodes
+    are not locked, so the pool needs this room once, not per conversation;
+    it is less than one conversation's nodes take, so `--pool N` still
+    spills with more than N users."""
+    sink = 1 if args.backend == "cuda" else 0
+    return len(row_bytes) * (2 * (args.turns - 1) + 1 + sink)
 
 
 def tier_chunks(args, row_bytes: list[int]) -> int:
@@ -112,9 +137,9 @@ def conversations(args, vocab: int) -> list[list[int]]:
     return [[1] + torch.randint(3, vocab, (args.history - 1,), generator=g).tolist() for _ in range(args.users)]
 
 
-def run(args, path: str, per_conversation: int, tier_size: int, vocab: int, tier: bool) -> dict:
+def run(args, path: str, pool: int, tier_size: int, vocab: int, tier: bool) -> dict:
     llm = LLM(path, dtype=args.dtype, backend=args.backend, max_num_seqs=4, max_model_len=8192,
-              kv_capacity_bytes=args.pool * per_conversation * CHUNK,
+              kv_capacity_bytes=pool * CHUNK,
               host_tier_bytes=tier_size * CHUNK if tier else 0)
     params = SamplingParams(max_tokens=args.reply, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
@@ -182,7 +207,8 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=512, help="tokens of each conversation's first prompt")
     ap.add_argument("--new", type=int, default=32, help="new tokens of each later turn")
     ap.add_argument("--reply", type=int, default=16)
-    ap.add_argument("--pool", type=int, default=2, help="conversations the device pool holds")
+    ap.add_argument("--pool", type=int, default=2,
+                    help="conversations the device pool holds (their pages, and once restore_margin)")
     ap.add_argument("--quick", action="store_true", help="4 users, 2 turns, 256-token histories")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -196,14 +222,18 @@ def main() -> None:
             row_bytes = [space.row_bytes for space in probe.kv_cache.spaces]
             vocab = probe.config.vocab_size
         per_conversation, tier_size = conversation_chunks(args, row_bytes), tier_chunks(args, row_bytes)
+        margin = restore_margin(args, row_bytes)
+        pool = args.pool * per_conversation + margin
         if args.family != "llama":
             print(f"{args.family}, random weights, a {args.window}-token window: {len(row_bytes)} groups, "
                   f"{per_conversation} chunks a conversation")
         print(f"{args.users} users x {args.turns} turns, {args.history}-token histories (+{args.new} new, "
-              f"{args.reply}-token replies), a pool of {args.pool} conversations ({args.pool * per_conversation} "
-              f"chunks), a tier of {tier_size} chunks, {args.backend} {args.dtype}")
-        without = run(args, path, per_conversation, tier_size, vocab, tier=False)
-        with_tier = run(args, path, per_conversation, tier_size, vocab, tier=True)
+              f"{args.reply}-token replies), a pool of {pool} chunks: {args.pool} conversations' pages "
+              f"({per_conversation} chunks each) and {margin} for a restore's page copies"
+              f"{' and the sink' if args.backend == 'cuda' else ''}, a tier of {tier_size} chunks, "
+              f"{args.backend} {args.dtype}")
+        without = run(args, path, pool, tier_size, vocab, tier=False)
+        with_tier = run(args, path, pool, tier_size, vocab, tier=True)
     pairs = list(zip(without.pop("replies"), with_tier.pop("replies")))
     equal = sum(a == b for a, b in pairs)
     same = equal == len(pairs)
@@ -242,7 +272,9 @@ def main() -> None:
           f"{ratios['ttft_later_p99']:.2f}x at p99; throughput {ratios['tokens_per_s']:.2f}x; "
           f"greedy replies {'equal' if same else f'equal in {equal} of {len(pairs)}'}")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(cpu=cpu_model(), args=vars(args), without=without,
+        Path(args.json).write_text(json.dumps(dict(cpu=cpu_model(), args=vars(args), pool_chunks=pool,
+                                                    conversation_chunks=per_conversation,
+                                                    restore_margin_chunks=margin, without=without,
                                                     with_tier=with_tier, ratios=ratios, same_replies=same,
                                                     equal_replies=equal, replies=len(pairs)), indent=2))
     if not same and args.backend == "host":

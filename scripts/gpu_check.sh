@@ -221,6 +221,7 @@ if [ "$BACKEND" = cuda ]; then
     --json "$OUT/bench_tier_gemma3.json"
   # Issue 21's GPU figure: a restored 8K-token prefix against recomputing it
   # (8,000 + 2 turns of 32 new and 32 generated tokens fit max_model_len 8192).
+  # --pool 1 is one conversation's pages and bench_tier's restore margin: the whole prefix comes back.
   step bench_tier_8k 120 "$PY" "$REPO/scripts/bench_tier.py" --backend cuda --model random --users 3 --turns 2 \
     --history 8000 --new 32 --reply 32 --pool 1 --json "$OUT/bench_tier_8k.json"
   # Issue 20's broker figures: a batched step through vtmd against in

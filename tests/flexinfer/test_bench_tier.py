@@ -26,7 +26,13 @@ def test_bench_tier_restores_a_gemma3_models_window_group_from_the_host(tmp_path
     result = json.loads(out.read_text())
     assert result["same_replies"] is True
     assert result["without"]["restores"] == 0 and result["without"]["evictions"] > 0
+    # The pool: 2 conversations' pages and, once, a restore's page copies
+    # (per group: the nodes' own first pages, 2 in turn 2, and the match's last page).
+    assert result["restore_margin_chunks"] == 2 * 3
+    assert result["pool_chunks"] == 2 * result["conversation_chunks"] + 2 * 3
+    assert "for a restore's page copies" in proc.stdout
     # Every later turn restores both groups: the full one and the window one.
     assert result["with_tier"]["restores"] == 2 * 3, result["with_tier"]
+    assert result["with_tier"]["spills"] > 0
     # A restore's time split: its copies, within it, and the spills' copies.
     assert 0 < result["ratios"]["restore_copy_share"] <= 1 and result["with_tier"]["spill_copy_s"] > 0
