@@ -263,7 +263,8 @@ def main() -> None:
         if args.backend == "cuda":
             pinned = pinned_copy_gb_s()
             ratios["restore_over_pinned_copy"] = restore_gb_s / pinned
-            line += f"; a pinned host-to-device copy {pinned:.1f} GB/s: restores {ratios['restore_over_pinned_copy']:.0%}"
+            line += (f"; a pinned host-to-device copy {pinned:.1f} GB/s: restores "
+                     f"{ratios['restore_over_pinned_copy']:.0%}")
             if copy_gb_s:
                 ratios["restore_copies_over_pinned_copy"] = copy_gb_s / pinned
                 line += f", their copies {ratios['restore_copies_over_pinned_copy']:.0%}"

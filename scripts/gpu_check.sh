@@ -189,8 +189,8 @@ mkdir -p "$OUT/t" || exit 2
 vtm_file() {
   local file=$1 limit=$2 name
   name=$(basename "$file" .py)
-  pooled "vtm_${name#test_}" "$limit" "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
-    --basetemp "$OUT/t/vtm_${name#test_}" --vtm-backend "$BACKEND" --junitxml "$OUT/vtm_${name#test_}.xml" "$file"
+  pooled "vtm_${name#test_}" "$limit" "$PY" -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
+    -c "$REPO/pyproject.toml" --basetemp "$OUT/t/vtm_${name#test_}" --vtm-backend "$BACKEND" --junitxml "$OUT/vtm_${name#test_}.xml" "$file"
 }
 # The longest file first, so that it does not start last and bound the pool.
 vtm_file "$REPO/tests/vtm/test_property.py" 240
