@@ -301,7 +301,10 @@ def test_a_restore_never_takes_what_other_matches_locks_keep(backend, make_manag
 
 def test_a_match_restores_no_more_than_its_budget(backend, make_manager):
     """prefix_restore_bytes says what a match would copy back; a match with
-    max_restore_bytes below that takes the part the device holds instead."""
+    max_restore_bytes below that restores the longest part of the prefix
+    within it (whole chunks), and with less than a chunk takes the part the
+    device holds. (A budget was all or nothing: one chunk short of the
+    whole, the match restored nothing and the caller computed it all.)"""
     mgr, sp, io = setup(make_manager, backend, tier_chunks=16)
     chunk = chunk_for(backend)
     A = [(5 * i + 1) % 97 for i in range(40)]
@@ -316,16 +319,24 @@ def test_a_match_restores_no_more_than_its_budget(backend, make_manager):
     assert restored > 0 and m.restored_tokens == len(A)
     m.vtensor.release().result()
     tail = sp.prefix_restore_bytes(AB + [SENTINEL])  # the lower node, still on the host
-    assert tail > 0 and tail % chunk == 0
-    short = sp.prefix_match(AB + [SENTINEL], max_restore_bytes=tail - 1).result()
-    assert short.num_tokens == len(A) and short.restored_tokens == 0
-    io.verify(short.vtensor, A)
-    short.vtensor.release().result()
+    assert tail >= 3 * chunk and tail % chunk == 0
+    none = sp.prefix_match(AB + [SENTINEL], max_restore_bytes=chunk - 1).result()
+    assert none.num_tokens == len(A) and none.restored_tokens == 0
+    io.verify(none.vtensor, A)
+    none.vtensor.release().result()
     assert sp.prefix_restore_bytes(AB + [SENTINEL]) == tail  # nothing came back
     before = mgr.stats()["restored_bytes_total"]
-    full = sp.prefix_match(AB + [SENTINEL], max_restore_bytes=tail).result()
-    assert full.num_tokens == full.restored_tokens + len(A) == len(AB)
-    assert mgr.stats()["restored_bytes_total"] - before == tail
+    part = sp.prefix_match(AB + [SENTINEL], max_restore_bytes=tail - 1).result()
+    assert len(A) < part.num_tokens < len(AB) and part.num_tokens == len(A) + part.restored_tokens
+    assert mgr.stats()["restored_bytes_total"] - before == tail - chunk
+    io.verify(part.vtensor, AB[:part.num_tokens])
+    part.vtensor.release().result()
+    rest = sp.prefix_restore_bytes(AB + [SENTINEL])
+    assert 0 < rest < tail  # what the budget left on the host (with its own copy of the page it starts in)
+    before = mgr.stats()["restored_bytes_total"]
+    full = sp.prefix_match(AB + [SENTINEL], max_restore_bytes=rest).result()
+    assert full.num_tokens == len(AB)
+    assert mgr.stats()["restored_bytes_total"] - before == rest
     io.verify(full.vtensor, AB)
     full.vtensor.release().result()
     assert sp.prefix_restore_bytes(AB + [SENTINEL]) == 0

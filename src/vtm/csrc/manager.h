@@ -253,8 +253,9 @@ class Manager {
   std::shared_ptr<FutureState> PrefixRecord(std::uint32_t space, std::uint64_t vt, std::vector<std::int32_t> tokens,
                                             std::uintptr_t stream, bool release = false);
   // A match restores at most `max_restore_pages` pages from the host tier:
-  // past that, it matches what the device holds above them (as without room
-  // for them). A broker admits that many pages before the match.
+  // in a whole-prefix space the longest part of the path within that (as
+  // without room for all of it), in a window space none, matching what the
+  // device holds. A broker admits that many pages before the match.
   std::shared_ptr<FutureState> PrefixMatch(std::uint32_t space, std::vector<std::int32_t> tokens,
                                            std::uintptr_t stream, std::size_t max_restore_pages = SIZE_MAX);
   // The pages a match of `tokens` would restore from the host tier if it ran
@@ -467,8 +468,10 @@ class Manager {
                           std::size_t extra = 0, std::vector<ChunkId>* reserved = nullptr);
   // Whole-prefix trees: the longest length in (above, pos.length) whose
   // restore (the pages HostPagesOnPath counts, plus the copy of a partial
-  // last page) takes at most `room` chunks; 0 when none does.
-  std::size_t LongestRestorable(const Space& sp, const TreePosition& pos, std::size_t above, std::size_t room) const;
+  // last page) takes at most `room` chunks, of which at most `max_pages`
+  // copied back (a match's budget); 0 when none does.
+  std::size_t LongestRestorable(const Space& sp, const TreePosition& pos, std::size_t above, std::size_t room,
+                                std::size_t max_pages) const;
   void MapPages(Space& sp, int slot, const std::vector<std::size_t>& pages, const std::vector<ChunkId>& chunks,
                 UndoLog& undo);
   // Unmaps pages (in runs); chunk references are left for the caller.

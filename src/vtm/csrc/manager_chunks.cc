@@ -687,7 +687,7 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
 }
 
 std::size_t Manager::LongestRestorable(const Space& sp, const TreePosition& pos, std::size_t above,
-                                       std::size_t room) const {
+                                       std::size_t room, std::size_t max_pages) const {
   // The pages a restore of a length copies grow with it, so the longest
   // length whose pages and copy fit is found by bisection. (A length that
   // ends on a page boundary needs no copy: one such could take a page more;
@@ -696,7 +696,8 @@ std::size_t Manager::LongestRestorable(const Space& sp, const TreePosition& pos,
     PrefixNode* node = pos.node;
     while (node->start >= length) node = node->parent;
     const std::size_t copy = length * sp.row_bytes % chunk_bytes_ != 0 ? 1 : 0;
-    return sp.tree->HostPagesOnPath(TreePosition{node, length}) + copy <= room;
+    const std::size_t pages = sp.tree->HostPagesOnPath(TreePosition{node, length});
+    return pages <= max_pages && pages + copy <= room;
   };
   std::size_t lo = above, hi = pos.length;  // fits(hi) is false (the caller's restore failed); lo needs no restore
   if (hi <= lo + 1 || !fits(lo + 1)) return 0;

@@ -403,7 +403,6 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     // inside is split there (the lock counts go to both halves). The restore
     // is a step of its own and stands even if a later one fails: the prefix
     // is as matchable as before, from the device.
-    bool fall_back = sp.tree->HostPagesOnPath(found) > max_restore_pages;
     // Restores the path up to `pos`; false when the pool has no room for it.
     // The splits are undone when the restore fails: a failed match leaves
     // the tree as it was, and one that falls back restores nothing. Matches
@@ -433,24 +432,22 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
         return false;
       }
     };
-    if (!fall_back && !restore(found)) {
-      fall_back = true;
-      // No room for all of it (a pool the size of one conversation: the
-      // nodes' own copies of the pages they start in, and the match's copy
-      // of its last page, make the restore a few chunks bigger than the
-      // prefix): in a whole-prefix tree, the longest part that fits comes
-      // back, and the caller computes the rest, rather than all of it. The
-      // room is what the restore's allocation may take without unpinning:
-      // free and creatable chunks, and those only unlocked nodes hold (the
-      // matched path is locked).
-      if (sp.window_tokens == 0) {
-        std::size_t on_device = 0;  // where the path's first node on the host starts
-        for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
-          if (p->on_host) on_device = p->start;
-        const std::size_t room = ReachableChunks() + EvictableTreeChunks(/*pinned=*/false, /*window_pages=*/false);
-        const std::size_t shorter = LongestRestorable(sp, found, on_device, room);
-        if (shorter > 0 && restore(sp.tree->Find(tokens.data(), shorter))) fall_back = false;
-      }
+    bool fall_back = sp.tree->HostPagesOnPath(found) > max_restore_pages || !restore(found);
+    if (fall_back && sp.window_tokens == 0) {
+      // Over the budget, or no room for all of it (a pool the size of one
+      // conversation: the nodes' own copies of the pages they start in, and
+      // the match's copy of its last page, make the restore a few chunks
+      // bigger than the prefix): in a whole-prefix tree, the longest part
+      // that fits both comes back, and the caller computes the rest, rather
+      // than all of it. The room is what the restore's allocation may take
+      // without unpinning: free and creatable chunks, and those only
+      // unlocked nodes hold (the matched path is locked).
+      std::size_t on_device = 0;  // where the path's first node on the host starts
+      for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
+        if (p->on_host) on_device = p->start;
+      const std::size_t room = ReachableChunks() + EvictableTreeChunks(/*pinned=*/false, /*window_pages=*/false);
+      const std::size_t shorter = LongestRestorable(sp, found, on_device, room, max_restore_pages);
+      if (shorter > 0 && restore(sp.tree->Find(tokens.data(), shorter))) fall_back = false;
     }
     if (fall_back) {
       // No device memory (or budget) for the part on the host: match what
