@@ -177,12 +177,17 @@ def test_a_node_on_the_host_splits_and_both_halves_come_back(backend, make_manag
 
 
 @WINDOWS
-@pytest.mark.parametrize("op", ["copy_to_host", "alloc_host"])
-def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manager, op, window):
+@pytest.mark.parametrize("op, nth", [("copy_to_host", 1), ("copy_to_host", 2), ("alloc_host", 1)],
+                         ids=["first_copy", "second_copy", "alloc_host"])
+def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manager, op, nth, window):
+    """The second copy fails midway through the node's batch of copies (on
+    CUDA, after the batched path made the first)."""
     mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window, faults=True)
     A = [(3 * i) % 89 for i in range(60)]
     record_any(sp, io, A)
-    mgr.faults.fail_nth(op, 1)
+    [node] = sp.prefix_nodes()
+    assert sum(p is not None for p in node["pages"]) >= 2
+    mgr.faults.fail_nth(op, nth)
     fill_pool(sp)
     st = assert_pool_consistent(mgr)
     assert st["spill_failures_total"] == 1 and not on_host(sp) and st["host_tier_used_bytes"] == 0

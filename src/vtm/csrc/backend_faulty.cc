@@ -1,6 +1,7 @@
 #include "backend_faulty.h"
 
 #include <chrono>
+#include <exception>
 #include <thread>
 
 #include "error.h"
@@ -171,6 +172,40 @@ void FaultInjectingBackend::copy_to_host(void* dst, ChunkHandle src, std::size_t
 void FaultInjectingBackend::copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) {
   Enter(kCopyFromHost);
   inner_->copy_from_host(dst, src, bytes);
+}
+
+// The batched copies count a call per chunk, as the one-by-one defaults do,
+// so "the n-th copy fails" means the same chunk either way; the chunks
+// before it are made by the inner backend's batched path (CUDA's pipeline),
+// which a fault test then reaches too, with a failure midway.
+void FaultInjectingBackend::copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs,
+                                              std::size_t bytes, const Fence* after) {
+  std::size_t admitted = 0;
+  try {
+    for (; admitted < srcs.size(); ++admitted) Enter(kCopyToHost);
+  } catch (...) {
+    const std::exception_ptr fault = std::current_exception();
+    if (admitted > 0)
+      inner_->copy_to_host_many({dsts.begin(), dsts.begin() + admitted}, {srcs.begin(), srcs.begin() + admitted},
+                                bytes, after);
+    std::rethrow_exception(fault);
+  }
+  inner_->copy_to_host_many(dsts, srcs, bytes, after);
+}
+
+void FaultInjectingBackend::copy_from_host_many(const std::vector<ChunkHandle>& dsts,
+                                                const std::vector<const void*>& srcs, std::size_t bytes) {
+  std::size_t admitted = 0;
+  try {
+    for (; admitted < dsts.size(); ++admitted) Enter(kCopyFromHost);
+  } catch (...) {
+    const std::exception_ptr fault = std::current_exception();
+    if (admitted > 0)
+      inner_->copy_from_host_many({dsts.begin(), dsts.begin() + admitted}, {srcs.begin(), srcs.begin() + admitted},
+                                  bytes);
+    std::rethrow_exception(fault);
+  }
+  inner_->copy_from_host_many(dsts, srcs, bytes);
 }
 
 }  // namespace vtm

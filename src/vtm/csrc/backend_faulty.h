@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "backend.h"
 
@@ -66,6 +67,10 @@ class FaultInjectingBackend final : public Backend {
   void free_host(void* ptr, std::size_t bytes) noexcept override { inner_->free_host(ptr, bytes); }
   void copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) override;
   void copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) override;
+  void copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs, std::size_t bytes,
+                         const Fence* after) override;
+  void copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
+                           std::size_t bytes) override;
 
  private:
   struct Pending {
