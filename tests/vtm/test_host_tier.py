@@ -177,17 +177,22 @@ def test_a_node_on_the_host_splits_and_both_halves_come_back(backend, make_manag
 
 
 @WINDOWS
-@pytest.mark.parametrize("op, nth", [("copy_to_host", 1), ("copy_to_host", 2), ("alloc_host", 1)],
-                         ids=["first_copy", "second_copy", "alloc_host"])
-def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manager, op, nth, window):
+@pytest.mark.parametrize("op, nth, bad_alloc", [("copy_to_host", 1, False), ("copy_to_host", 2, False),
+                                                ("alloc_host", 1, False), ("copy_to_host", 2, True),
+                                                ("alloc_host", 2, True)],
+                         ids=["first_copy", "second_copy", "alloc_host", "second_copy_bad_alloc",
+                              "second_alloc_host_bad_alloc"])
+def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manager, op, nth, bad_alloc, window):
     """The second copy fails midway through the node's batch of copies (on
-    CUDA, after the batched path made the first)."""
+    CUDA, after the batched path made the first). A std::bad_alloc (the host
+    out of memory inside the batch, or growing the tier's free list) is a
+    failed spill too: the blocks taken before it are given back, not leaked."""
     mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window, faults=True)
     A = [(3 * i) % 89 for i in range(60)]
     record_any(sp, io, A)
     [node] = sp.prefix_nodes()
     assert sum(p is not None for p in node["pages"]) >= 2
-    mgr.faults.fail_nth(op, nth)
+    mgr.faults.fail_nth(op, nth, bad_alloc=bad_alloc)
     fill_pool(sp)
     st = assert_pool_consistent(mgr)
     assert st["spill_failures_total"] == 1 and not on_host(sp) and st["host_tier_used_bytes"] == 0

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <exception>
+#include <new>
 #include <thread>
 
 #include "error.h"
@@ -23,10 +24,10 @@ FaultInjectingBackend::Op FaultInjectingBackend::OpFromName(const std::string& n
   Throw(ErrorCode::kInvalidArgument, "unknown backend operation '" + name + "'");
 }
 
-void FaultInjectingBackend::FailNth(Op op, int n, bool oom) {
+void FaultInjectingBackend::FailNth(Op op, int n, bool oom, bool bad_alloc) {
   if (n < 1) Throw(ErrorCode::kInvalidArgument, "fail_nth: n must be >= 1, got " + std::to_string(n));
   std::lock_guard<std::mutex> lock(mu_);
-  pending_[op] = Pending{n, oom};
+  pending_[op] = Pending{n, oom, bad_alloc};
 }
 
 void FaultInjectingBackend::SetPhysicalLimit(std::optional<std::size_t> bytes) {
@@ -64,7 +65,9 @@ void FaultInjectingBackend::Enter(Op op) {
   Pending& p = pending_[op];
   if (p.countdown == 0 || --p.countdown > 0) return;
   const bool oom = p.oom;
+  const bool bad_alloc = p.bad_alloc;
   p = Pending{};
+  if (bad_alloc) throw std::bad_alloc();
   if (oom) Throw(ErrorCode::kOutOfMemory, std::string("injected: ") + OpName(op) + ": device out of memory");
   Throw(ErrorCode::kBackend, std::string("injected fault in ") + OpName(op));
 }

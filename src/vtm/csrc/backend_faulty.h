@@ -34,8 +34,10 @@ class FaultInjectingBackend final : public Backend {
   explicit FaultInjectingBackend(std::shared_ptr<Backend> inner) : inner_(std::move(inner)) {}
 
   // The n-th call (n >= 1) of `op` from now fails once: with kOutOfMemory
-  // when `oom`, else kBackend. A later FailNth of the same op replaces it.
-  void FailNth(Op op, int n, bool oom);
+  // when `oom`, else kBackend; with std::bad_alloc (the host out of memory
+  // inside the call) when `bad_alloc`. A later FailNth of the same op
+  // replaces it.
+  void FailNth(Op op, int n, bool oom, bool bad_alloc = false);
   // create_chunk fails with kOutOfMemory when live chunk bytes would exceed
   // `bytes`; nullopt removes the cap.
   void SetPhysicalLimit(std::optional<std::size_t> bytes);
@@ -76,6 +78,7 @@ class FaultInjectingBackend final : public Backend {
   struct Pending {
     long countdown = 0;  // 0: nothing armed
     bool oom = false;
+    bool bad_alloc = false;
   };
   // Counts the call, sleeps its delay, and throws when it is the armed one.
   void Enter(Op op);

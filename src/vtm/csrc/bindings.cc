@@ -500,10 +500,10 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PyFaults>(m, "FaultInjector", "Makes chosen backend calls fail (faults=True managers only).")
       .def(
           "fail_nth",
-          [](const PyFaults& f, const std::string& op, int n, bool oom) {
-            Core(f.mgr).faults()->FailNth(FaultInjectingBackend::OpFromName(op), n, oom);
+          [](const PyFaults& f, const std::string& op, int n, bool oom, bool bad_alloc) {
+            Core(f.mgr).faults()->FailNth(FaultInjectingBackend::OpFromName(op), n, oom, bad_alloc);
           },
-          py::arg("op"), py::arg("n") = 1, py::arg("oom") = false)
+          py::arg("op"), py::arg("n") = 1, py::arg("oom") = false, py::arg("bad_alloc") = false)
       .def(
           "delay",
           [](const PyFaults& f, const std::string& op, double seconds) {

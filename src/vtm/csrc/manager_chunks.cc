@@ -452,8 +452,11 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
     // copy only after ordering the backend's copies after its stream.
     copies_started = std::chrono::steady_clock::now();
     backend_->copy_to_host_many(destinations, sources, chunk_bytes_, nullptr);
-  } catch (const Error&) {
-    // No host memory, or a failed copy: the node goes as it would without a tier.
+  } catch (...) {
+    // No host memory (a vtm Error, or std::bad_alloc from the tier's free
+    // list or the backend's batch), or a failed copy: the node goes as it
+    // would without a tier. Never only Errors: the blocks taken so far would
+    // leak, charged to the account, with no node to give them back.
     give_back();
     ++spill_failures_total_;
     return tree.EvictSubtree(node);
