@@ -180,7 +180,8 @@ void FaultInjectingBackend::copy_from_host(ChunkHandle dst, const void* src, std
 // The batched copies count a call per chunk, as the one-by-one defaults do,
 // so "the n-th copy fails" means the same chunk either way; the chunks
 // before it are made by the inner backend's batched path (CUDA's pipeline),
-// which a fault test then reaches too, with a failure midway.
+// which fault tests then run too. That path sees a whole, shorter batch: a
+// failure inside it comes only from the driver itself.
 void FaultInjectingBackend::copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs,
                                               std::size_t bytes, const Fence* after) {
   std::size_t admitted = 0;
