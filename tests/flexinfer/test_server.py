@@ -398,6 +398,22 @@ def test_bad_requests_get_openai_error_bodies(server, path, body, status, param,
     assert error["code"] == code
 
 
+@pytest.mark.parametrize("path, body", [
+    ("completions", {"prompt": "Hi"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_a_model_name_no_text_can_hold_is_a_404_not_a_500(server, path, body):
+    """Fuzzing the API: a lone surrogate in `model` (valid JSON, not UTF-8)
+    made the 404 that quotes the name fail to render: a 500 instead."""
+    response = httpx.post(f"{server.url}/v1/{path}", content=json.dumps({**body, "model": "gpt-\ud800"}),
+                          timeout=30, headers={"content-type": "application/json"})  # ASCII: the surrogate escaped
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "`gpt-\\ud800`" in error["message"], error
+    wait_idle(server)
+
+
 def test_malformed_bodies_and_routes(server, client):
     response = httpx.post(f"{server.url}/v1/completions", content=b"{not json", timeout=10,
                           headers={"content-type": "application/json"})

@@ -54,6 +54,11 @@ def too_busy(message: str) -> APIError:
 
 
 def error_response(status: int, info: ErrorInfo, headers: dict[str, str] | None = None) -> JSONResponse:
+    # A message may quote what the client sent (the model it asked for), and
+    # JSON can carry a lone surrogate ("\ud800") that UTF-8 cannot: quoted
+    # as is, rendering the error would fail, and the client get a 500.
+    info = info.model_copy(update={key: value.encode("utf-8", "backslashreplace").decode("utf-8")
+                                   for key, value in info.model_dump().items() if isinstance(value, str)})
     return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
 
 
