@@ -181,35 +181,34 @@ void FaultInjectingBackend::copy_from_host(ChunkHandle dst, const void* src, std
 // so "the n-th copy fails" means the same chunk either way; the chunks
 // before it are made by the inner backend's batched path (CUDA's pipeline),
 // which fault tests then run too. That path sees a whole, shorter batch: a
-// failure inside it comes only from the driver itself.
-void FaultInjectingBackend::copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs,
-                                              std::size_t bytes, const Fence* after) {
+// failure inside it comes only from the driver itself. `copy(d, s)` makes
+// the copies of the lists d and s (a prefix of dsts and srcs) with it.
+template <typename Dst, typename Src, typename Copy>
+void FaultInjectingBackend::CopyMany(Op op, const std::vector<Dst>& dsts, const std::vector<Src>& srcs,
+                                     const Copy& copy) {
   std::size_t admitted = 0;
   try {
-    for (; admitted < srcs.size(); ++admitted) Enter(kCopyToHost);
+    for (; admitted < dsts.size(); ++admitted) Enter(op);
   } catch (...) {
     const std::exception_ptr fault = std::current_exception();
-    if (admitted > 0)
-      inner_->copy_to_host_many({dsts.begin(), dsts.begin() + admitted}, {srcs.begin(), srcs.begin() + admitted},
-                                bytes, after);
+    if (admitted > 0) copy({dsts.begin(), dsts.begin() + admitted}, {srcs.begin(), srcs.begin() + admitted});
     std::rethrow_exception(fault);
   }
-  inner_->copy_to_host_many(dsts, srcs, bytes, after);
+  copy(dsts, srcs);
+}
+
+void FaultInjectingBackend::copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs,
+                                              std::size_t bytes, const Fence* after) {
+  CopyMany(kCopyToHost, dsts, srcs, [&](const std::vector<void*>& d, const std::vector<ChunkHandle>& s) {
+    inner_->copy_to_host_many(d, s, bytes, after);
+  });
 }
 
 void FaultInjectingBackend::copy_from_host_many(const std::vector<ChunkHandle>& dsts,
                                                 const std::vector<const void*>& srcs, std::size_t bytes) {
-  std::size_t admitted = 0;
-  try {
-    for (; admitted < dsts.size(); ++admitted) Enter(kCopyFromHost);
-  } catch (...) {
-    const std::exception_ptr fault = std::current_exception();
-    if (admitted > 0)
-      inner_->copy_from_host_many({dsts.begin(), dsts.begin() + admitted}, {srcs.begin(), srcs.begin() + admitted},
-                                  bytes);
-    std::rethrow_exception(fault);
-  }
-  inner_->copy_from_host_many(dsts, srcs, bytes);
+  CopyMany(kCopyFromHost, dsts, srcs, [&](const std::vector<ChunkHandle>& d, const std::vector<const void*>& s) {
+    inner_->copy_from_host_many(d, s, bytes);
+  });
 }
 
 }  // namespace vtm

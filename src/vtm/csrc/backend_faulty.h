@@ -82,6 +82,9 @@ class FaultInjectingBackend final : public Backend {
   };
   // Counts the call, sleeps its delay, and throws when it is the armed one.
   void Enter(Op op);
+  // A batch of host-tier copies through the inner backend's batched call (see the .cc).
+  template <typename Dst, typename Src, typename Copy>
+  void CopyMany(Op op, const std::vector<Dst>& dsts, const std::vector<Src>& srcs, const Copy& copy);
 
   std::shared_ptr<Backend> inner_;
   mutable std::mutex mu_;
