@@ -476,3 +476,30 @@ def test_a_client_that_does_not_say_it_gives_pages_ahead_back_gets_none(broker, 
         assert theirs.create(12 * int(ROWS_PER_PAGE)).result().mapped_bytes == 12 * CHUNK
         for vt in vts:
             vt.release().result()
+
+
+def test_a_match_past_the_limit_only_with_the_pages_ahead_gives_them_back_first(broker):
+    """Under a 4-page limit, 'tight' maps one page and one ahead; a match of
+    another client's 3-page prefix fits the limit only without the page
+    ahead. The broker refused it outright (the limit's check of the pages a
+    match maps came after the match, without the "maps pages ahead"
+    refusal), so the client kept a page nobody uses and lost the match."""
+    from vtm.broker import ctl
+
+    row = CHUNK // 4  # whole pages: a match copies nothing
+    tokens = list(range(12))  # 3 pages
+    assert ctl.main(["--address", broker.address, "set-quota", "tight", "--limit", str(4 * CHUNK)]) == 0
+    with vtm.connect(broker.address, name="writer") as writer, \
+            vtm.connect(broker.address, name="tight", map_ahead_pages=1) as tight:
+        recorded = writer.create_space(row_bytes=row, max_tokens=64, max_slots=1, namespace="ns")
+        vt = recorded.create(len(tokens)).result()
+        recorded.prefix_record(vt, tokens, release=True).result()
+        space = tight.create_space(row_bytes=row, max_tokens=64, max_slots=2, namespace="ns")
+        own = space.create(1).result()
+        assert own.mapped_bytes == 2 * CHUNK  # its page and one ahead
+        match = space.prefix_match(tokens + [99]).result()
+        assert match.num_tokens == len(tokens) and match.vtensor.mapped_bytes == 3 * CHUNK
+        assert own.mapped_bytes == CHUNK
+        match.vtensor.release().result()
+        own.release().result()
+        tight.check()

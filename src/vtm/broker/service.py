@@ -912,8 +912,11 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes
         if session.limit_bytes and session.mapped_bytes(self._chunk_bytes) + mapped > session.limit_bytes:
             match.vtensor.release().result()  # its effects cancel out in the drain
-            raise vtm.OutOfMemory(f"client '{session.name}' is limited to {session.limit_bytes} bytes; "
-                                  f"the match would map {mapped} more")
+            # A refusal of the limit like admit()'s: a client that maps pages
+            # ahead gives them back and asks again.
+            raise self._own_pages_ahead_first(session, vtm.OutOfMemory(
+                f"client '{session.name}' is limited to {session.limit_bytes} bytes; the match would map "
+                f"{mapped} more"))
         session.add_vtensor(match.vtensor)
         session.vt_state[match.vtensor.id].shared_pages = self._full_pages(session, space.id, match.num_tokens)
         return match
