@@ -822,6 +822,57 @@ def test_a_late_payer_shrinks_without_waiting_at_the_gate(in_process_service):
     service.manager.check()
 
 
+class _ControlContext:
+    """What a control call (no lease) needs of a gRPC context here."""
+
+    def set_trailing_metadata(self, metadata):
+        pass
+
+    def abort(self, code, details):
+        raise AssertionError(f"{code}: {details}")
+
+
+def test_a_limit_lowered_while_an_allocation_runs_asks_for_what_it_maps(in_process_service):
+    """The bystander's create of 2 pages passed the limit check (none yet)
+    and waits at the gate when the operator limits it to 1 page. The
+    set-quota read what it mapped before the create had run (0 bytes), asked
+    for nothing, and the create then mapped 2 pages: the client stayed past
+    its limit without a notice or a debt. Now the limit's check waits for the
+    call under way and asks for the excess."""
+    service, bystander, space_id, asker = in_process_service
+    bystander.channel = _Channel()
+    try:
+        _lower_the_limit_while_a_create_waits_at_the_gate(service, bystander, space_id, asker)
+        assert bystander.limit_bytes == CHUNK and bystander.mapped_bytes(CHUNK) == 2 * CHUNK
+        assert [(n["notice"], n.get("bytes")) for n in bystander.channel.sent if n["notice"] != "quota"] == [
+            ("reclaim", CHUNK)]
+        assert bystander.owed_target == CHUNK
+    finally:
+        bystander.channel = None  # the service would shut its socket down at the session's end
+
+
+def _lower_the_limit_while_a_create_waits_at_the_gate(service, bystander, space_id, asker) -> None:
+    service.policy._reserve(asker, 4 * CHUNK)  # the whole pool: the create waits at the gate
+    created = threading.Event()
+    worker = threading.Thread(target=lambda: (service.run_op(bystander, lambda: (
+        service.create(bystander, space_id, 4), service.collect(bystander))), created.set()))
+    worker.start()
+    limited = threading.Event()
+    try:
+        deadline = time.monotonic() + 30
+        while service.policy._waits._value == service.policy.max_waits:  # not yet waiting at the gate
+            assert time.monotonic() < deadline and worker.is_alive(), "the create never waited at the gate"
+            time.sleep(0.01)
+        request = vtm_pb2.SetQuotaRequest(name="bystander", limit_bytes=CHUNK)
+        setter = threading.Thread(target=lambda: (service.SetQuota(request, _ControlContext()), limited.set()))
+        setter.start()
+    finally:
+        service.policy.unreserve(asker)
+        worker.join(30)
+    setter.join(30)
+    assert created.is_set() and limited.is_set()
+
+
 def test_two_askers_of_one_victim_each_get_what_they_asked_for():
     """Two allocations ask one victim for 1 chunk each while its first debt
     is unpaid: the second asks below the first's target, for 1 more (both

@@ -1011,12 +1011,16 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if "host_tier_limit_bytes" in fields or request.reset:
                 self._apply_tier_limit(name, make=False)  # a name without an account gets it when it makes one
             for session in matching:
-                if session.limit_bytes != limits[session] and session.state == LIVE:
-                    # Over a lowered limit: ask for the excess, as for a
-                    # higher priority; nothing the client runs fails. A
-                    # lifted one forgives what the old one asked.
-                    self.policy.limit_changed(session, f"the operator limited client '{name}' to "
-                                                       f"{session.limit_bytes} bytes")
+                # Under the session's lock: a call of the client admitted
+                # under the old limit may be under way (waiting at the gate,
+                # say), and what it maps counts once it has run.
+                with session.lock:
+                    if session.limit_bytes != limits[session] and session.state == LIVE:
+                        # Over a lowered limit: ask for the excess, as for a
+                        # higher priority; nothing the client runs fails. A
+                        # lifted one forgives what the old one asked.
+                        self.policy.limit_changed(session, f"the operator limited client '{name}' to "
+                                                           f"{session.limit_bytes} bytes")
             clients = [c for c in self.clients() if c["name"] == name]
             return vtm_pb2.StatsReply(json=json.dumps({"quota": quota._asdict(), "clients": clients}))
         return self._run(context, body, session_required=False)
