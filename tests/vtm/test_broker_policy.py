@@ -1053,3 +1053,22 @@ def test_an_equal_is_held_to_its_share_only_while_its_asker_lives(broker):
     finally:
         second.close()
         first.close()
+
+
+def test_an_equal_held_to_its_share_cannot_match_its_way_past_it(in_process_service):
+    """The bystander gave back for an equal and is held to a share of 1 page
+    meanwhile. A match of its 2-page prefix maps both recorded pages: it was
+    admitted as the 1 page a match may copy, and only the limit was checked
+    against what it maps, so it took back past its share the pages it had
+    just given up (the tree keeps them; the equal's retry needed them)."""
+    service, bystander, space_id, asker = in_process_service
+    tokens = [1, 2, 3, 4]  # 2 pages
+    vt_id = service.run_op(bystander, lambda: (service.create(bystander, space_id, 4), service.collect(bystander))[0])
+    service.prefix_record(bystander, space_id, vt_id, tokens)
+    service.run_op(bystander, lambda: (service.release(bystander, vt_id), service.collect(bystander)))
+    bystander.share_cap = (CHUNK, time.monotonic() + 60, asker)
+    with pytest.raises(vtm.OutOfMemory, match="fair share"):
+        service.run_op(bystander, lambda: (service.prefix_match(bystander, space_id, tokens + [5]),
+                                           service.collect(bystander)))
+    assert bystander.mapped_bytes(CHUNK) == 0 and not bystander.vtensors
+    service.manager.check()

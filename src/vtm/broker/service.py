@@ -909,14 +909,16 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                    tokens, max_restore_bytes=restore).result(), slot_space=space)
         if match.vtensor is None:
             return match
+        # The recorded pages it maps count too, against the limit and a
+        # fair share the client is held to (its re-admissions would lock
+        # again the chunks it gave back for an equal); a client that maps
+        # pages ahead gives them back and asks again.
         mapped = sum(c is not None for c in match.vtensor.page_chunks()) * self._chunk_bytes
-        if session.limit_bytes and session.mapped_bytes(self._chunk_bytes) + mapped > session.limit_bytes:
+        try:
+            self.policy.admit(session, mapped)
+        except vtm.OutOfMemory as exc:
             match.vtensor.release().result()  # its effects cancel out in the drain
-            # A refusal of the limit like admit()'s: a client that maps pages
-            # ahead gives them back and asks again.
-            raise self._own_pages_ahead_first(session, vtm.OutOfMemory(
-                f"client '{session.name}' is limited to {session.limit_bytes} bytes; the match would map "
-                f"{mapped} more"))
+            raise self._own_pages_ahead_first(session, exc) from None
         session.add_vtensor(match.vtensor)
         session.vt_state[match.vtensor.id].shared_pages = self._full_pages(session, space.id, match.num_tokens)
         return match
