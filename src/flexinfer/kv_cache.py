@@ -163,10 +163,14 @@ class KVCache:
         of recorded pages wait for what is queued there (None on the CPU)."""
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def match(self, token_ids: list[int]) -> tuple[list[vtm.VTensor] | None, int, int]:
+    def match(self, token_ids: list[int], release=None) -> tuple[list[vtm.VTensor] | None, int, int]:
         """The longest prefix every group serves, as one vTensor per group,
         its length, and how many of its tokens vtm copied back from the host
-        tier (the most any group's match did)."""
+        tier (the most any group's match did). `release` gives back the
+        vTensors the match made and does not return (default: `release`,
+        which raises a failed unmap and leaves that vTensor live): the
+        scheduler's keeps one whose unmap failed, to retry it."""
+        release = release or self.release
         stream = self._stream()
         # Every match submitted is awaited, even after one failed, so that
         # none of the vTensors the others made is lost.
@@ -182,7 +186,7 @@ class KVCache:
             except vtm.Error as exc:
                 error = error or exc
         if error is not None:
-            self.release([m.vtensor for m in found if m.vtensor is not None])
+            release([m.vtensor for m in found if m.vtensor is not None])
             raise error
         held = [m.vtensor for m in found]
         lengths = [m.num_tokens for m in found]
@@ -198,16 +202,16 @@ class KVCache:
                 for group, space in enumerate(self.spaces):
                     if lengths[group] == length:
                         continue
-                    held[group].release().result()
-                    held[group] = None
+                    given_back, held[group] = held[group], None
+                    release([given_back])
                     again = space.prefix_match(token_ids[: length + 1], stream=stream).result()
                     held[group], lengths[group] = again.vtensor, again.num_tokens
                     restored = max(restored, again.restored_tokens)
         except vtm.Error:
-            self.release(held)
+            release([vt for vt in held if vt is not None])
             raise
         if min(lengths) == 0:
-            self.release(held)
+            release([vt for vt in held if vt is not None])
             return None, 0, 0
         return held, lengths[0], min(restored, lengths[0])
 

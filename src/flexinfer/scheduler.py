@@ -714,9 +714,11 @@ class Scheduler:
 
     def _match(self, token_ids: list[int]):
         """kv.match, where a failure other than out of memory (a failed copy)
-        only costs the prefix its reuse: the prompt is computed instead."""
+        only costs the prefix its reuse: the prompt is computed instead. A
+        vTensor the match gives back and fails to unmap is retried as any
+        failed release (_release), not lost."""
         try:
-            return self.kv.match(token_ids)
+            return self.kv.match(token_ids, release=self._release)
         except (vtm.OutOfMemory, vtm.Unavailable):
             raise
         except vtm.Error as exc:

@@ -329,3 +329,39 @@ def test_two_reclaim_notices_before_a_step_are_answered_together(tiny_gpu_folder
     assert [len(seq.output_ids) for seq in seqs] == [8] * 4
     engine.close()
     manager.close()
+
+
+def test_a_failed_release_in_a_partial_match_of_layer_groups_is_retried(tiny_gpu_folder):
+    """Two layer groups, preemption by swap with prefix caching off: a
+    readmission's match where one group serves the swapped-out prefix and
+    the other serves none gives back the first group's vTensor. A failed
+    unmap there (vtm leaves the vTensor live) was raised out of the match
+    and the vTensor was never released again: its chunks stayed held, and
+    the requests that needed them failed for want of memory. Now it is
+    retried at the next step, as any failed release."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPT[:20], PROMPT[:45] + [7], PROMPT[5:38], PROMPT + [3], PROMPT[:12], PROMPT[10:60]]
+
+    def llm_on(manager):
+        return LLM(tiny_gpu_folder, manager=manager, max_model_len=256, max_num_seqs=8, max_batch_tokens=64,
+                   layer_groups=2, enable_prefix_caching=False, preemption="swap", memory_wait_s=0)
+
+    def pool(faults: bool) -> vtm.Manager:
+        return vtm.Manager(backend="host", capacity_bytes=40 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
+                           host_tier_bytes=256 * CHUNK, faults=faults)
+
+    with pool(faults=False) as manager, llm_on(manager) as llm:
+        expected = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats()["swap_in_tokens"] > 0  # the pool is small enough to preempt
+    for nth in range(1, 14):
+        with pool(faults=True) as manager, llm_on(manager) as llm:
+            manager.faults.fail_nth("unmap", nth)
+            outputs = [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+            manager.faults.clear()
+            assert [o.token_ids for o in outputs] == expected, (nth, [o.error for o in outputs])
+            manager.check()
+            assert all(space["vtensors"] == 0 for space in manager.stats()["spaces"].values()), nth
+            for space in llm.kv_cache.spaces:
+                space.clear_prefixes()
+            manager.trim()
+            assert manager.stats()["chunks_held"] == 0, nth
