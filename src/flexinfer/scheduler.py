@@ -631,7 +631,11 @@ class Scheduler:
                     return False
                 hit = hit_host = 0
                 if vtensors is not None:
-                    hit, hit_host = min(matched, len(seq.prompt_ids)), min(restored, len(seq.prompt_ids))
+                    # vtm spills the tree from its leaves up: what it copied
+                    # back is the match's last `restored` tokens, which may
+                    # be a readmission's output rather than its prompt.
+                    hit = min(matched, len(seq.prompt_ids))
+                    hit_host = max(0, hit - (matched - restored))
                     seq.vtensors = vtensors
                     seq.num_cached = matched
                     seq.extended = matched

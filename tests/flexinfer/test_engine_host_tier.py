@@ -162,3 +162,44 @@ def test_a_pool_of_one_conversation_restores_every_later_turn(wide_kv_folder, ma
         stats = manager.stats()
         assert stats["chunks_held"] == 0 and stats["tree_nodes"] == 0 and stats["chunks_in_tree"] == 0, stats
         assert stats["host_tier_used_bytes"] == 0 and stats["host_tier_nodes"] == 0, stats
+
+
+def test_prompt_hits_from_the_host_count_only_prompt_tokens_the_host_tier_held(tiny_gpu_folder):
+    """A preempted sequence's readmission matches its prompt and its output
+    so far. The tier spills the tree from its leaves up, so what a match
+    copies back is its last tokens: here the output (its own node), while
+    the prompt stayed on the device. prefix_hit_tokens_host counted
+    min(restored, prompt), 15 prompt tokens from the host that the device
+    had served; none of the prompt came from the host."""
+    from flexinfer.engine import Engine
+    from flexinfer.sequence import Sequence
+
+    chunk = 4096
+    manager = vtm.Manager(backend="host", capacity_bytes=64 * chunk, chunk_bytes=chunk, granularity=chunk,
+                          host_tier_bytes=64 * chunk)
+    engine = Engine(tiny_gpu_folder, manager=manager, max_model_len=256, max_num_seqs=4)
+    prompt = [1] + list(range(40, 79))
+    seq = Sequence(1, 0, 0, prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), 0, ())
+    engine.add(seq)
+    while len(seq.output_ids) < 16:
+        engine.step()
+    engine.scheduler.reclaim(1, timeout_s=0)  # the next step preempts it, recording prompt and output
+    engine.step()
+    assert engine.scheduler.num_preemptions == 1
+    space = engine.kv_cache.space
+    assert [(n["start"], n["end"]) for n in space.prefix_nodes()] == [(0, 40), (40, 55)]
+    # Memory wanted elsewhere spills the output's node, the leaf, and no more.
+    filler, rows = space.create(1).result(), 1
+    while not any(n["on_host"] for n in space.prefix_nodes()):
+        rows += 1
+        manager.step({filler: rows}).result()
+    filler.release().result()
+    assert [(n["start"], n["end"], n["on_host"]) for n in space.prefix_nodes()] == [(0, 40, False), (40, 55, True)]
+    while engine.has_work():
+        engine.step()
+    engine.drain()
+    stats = engine.stats()
+    assert len(seq.output_ids) == 30 and stats["vtm"]["restores_total"] == 1
+    assert stats["prefix_hit_tokens"] == len(prompt) and stats["prefix_hit_tokens_host"] == 0, stats
+    engine.close()
+    manager.close()
