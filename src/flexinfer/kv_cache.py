@@ -26,6 +26,8 @@ windowed match), so `match` settles on the longest length all groups serve.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import vtm
@@ -163,14 +165,14 @@ class KVCache:
         of recorded pages wait for what is queued there (None on the CPU)."""
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def match(self, token_ids: list[int], release=None) -> tuple[list[vtm.VTensor] | None, int, int]:
+    def match(self, token_ids: list[int], release: Callable[[list[vtm.VTensor]], None]
+              ) -> tuple[list[vtm.VTensor] | None, int, int]:
         """The longest prefix every group serves, as one vTensor per group,
         its length, and how many of its tokens vtm copied back from the host
         tier (the most any group's match did). `release` gives back the
-        vTensors the match made and does not return (default: `release`,
-        which raises a failed unmap and leaves that vTensor live): the
-        scheduler's keeps one whose unmap failed, to retry it."""
-        release = release or self.release
+        vTensors the match made and does not return: the scheduler's keeps
+        one whose unmap failed, to retry it (self.release would raise and
+        leave it live, held by nobody)."""
         stream = self._stream()
         # Every match submitted is awaited, even after one failed, so that
         # none of the vTensors the others made is lost.
