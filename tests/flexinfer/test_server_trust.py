@@ -465,6 +465,36 @@ def test_metrics_keep_the_last_figures_when_stats_fail():
         m.close()
 
 
+def test_a_broker_that_does_not_answer_a_scrape_counts_as_a_timeout_not_an_error():
+    """The finding: the read's deadline is the scrape's wait, so a stalled broker's Unavailable ("did not
+    answer stats: Deadline Exceeded") could end the read before the wait ended, and counted as an error.
+    A read that fails after the scrape's timeout is a timeout; one that fails at once is an error."""
+    from flexinfer.server.metrics import ServerMetrics
+
+    timeout_s = 0.2
+    stalled = [True] * 6 + [False]
+
+    def stats(deadline_s=timeout_s):  # the broker client, which gives up at the deadline it was given
+        if stalled.pop(0):
+            time.sleep(deadline_s)
+            raise vtm.Unavailable("the vtm broker did not answer stats: Deadline Exceeded")
+        raise vtm.Unavailable("the vtm broker is gone: connection refused")
+
+    m = ServerMetrics(stats, timeout_s=timeout_s)
+
+    async def scrapes():
+        while stalled:  # a scrape joins the read in flight, or starts the next one
+            await m.refresh()
+
+    try:
+        asyncio.run(scrapes())
+        failures = {s.labels["reason"]: s.value for f in text_string_to_metric_families(m.render().decode())
+                    for s in f.samples if s.name == "flexinfer_metrics_stats_failures_total"}
+        assert failures["error"] == 1 and failures["timeout"] >= 6
+    finally:
+        m.close()
+
+
 # -- requests that can never fit (finding 13) --------------------------------------
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import numbers
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -110,12 +111,14 @@ class EngineStats:
         self.snapshot: dict | None = None
         self.stale = False  # the last read failed or is late: `snapshot` is older than the last scrape
         self._reading: asyncio.Future | None = None
+        self._read_since = 0.0  # time.monotonic() when `_reading` started
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="flexinfer-metrics")
 
     async def refresh(self) -> str | None:
         """Read the figures again (on the event loop); the failure's kind, or None."""
         try:
             if self._reading is None or self._reading.done():
+                self._read_since = time.monotonic()
                 self._reading = asyncio.get_running_loop().run_in_executor(self._thread, self._stats)
                 self._reading.add_done_callback(self._keep)
             await asyncio.wait_for(asyncio.shield(self._reading), self.timeout_s)
@@ -125,7 +128,10 @@ class EngineStats:
         except Exception as exc:  # a broker gone away (vtm.Unavailable): still expose the rest
             log.warning("engine metrics not read (%s: %s): this scrape shows the previous figures",
                         type(exc).__name__, exc)
-            failure = "error"
+            # A read given up after the timeout is a stall however it ended: the broker
+            # client's own deadline (the same timeout) can end it before the wait does.
+            late = time.monotonic() - self._read_since >= self.timeout_s
+            failure = "timeout" if late else "error"
         else:
             return None
         self.stale = True
