@@ -23,10 +23,12 @@ here and saved as a Hugging Face folder; nothing is downloaded.
    (the weights' bytes over a device copy's bandwidth measured in the run);
    the engine as it is (Triton layer ops, overlap), then as baselines in the
    same run without overlap (the host reads each step's tokens before it
-   plans the next) and with the layer ops as torch ops.
+   plans the next) and with the layer ops as torch ops; sampled rows with
+   the Triton draw, and with the draw as torch ops.
 5. The kernels of a decode step by time (eager steps under torch.profiler).
 
 Usage: python scripts/bench_gpu.py [--quick] [--json PATH] [--attention NAME] [--hf-attn sdpa|eager]
+                                   [--parts 0,1,2,3,4,5]
        python scripts/bench_gpu.py --dry-run   (CPU: build the model folder, load it in both engines,
                                                 check their float32 greedy tokens agree)
 """
@@ -416,6 +418,16 @@ class StepClock:
         self.engine.step, self.engine.graphs.run = self._step, self._run
 
 
+def _torch_draw(make_sampler):
+    """The engine's sampler factory, its samplers drawing with torch ops
+    (a sort of the vocabulary for top-p) instead of the Triton draw."""
+    def make(facts):
+        sampler = make_sampler(facts)
+        sampler._draw_kernel = None
+        return sampler
+    return make
+
+
 def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int, bound_us: float) -> list[dict]:
     """Per batch size: the median decode step, the GPU's busy part of it (the
     graph replay) and the host's (the rest: the GPU waits for the host), and
@@ -425,8 +437,9 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
     residual add, rotary embedding and K/V write, SiLU*up: the CUDA path
     before triton_layer_ops.py). Then, at the smallest and largest batch,
     sampled requests (temperature 0.8, top_p 0.95): chosen on the device
-    (unseeded, and each with a seed of its own), and on the host as before
-    BatchSampler (each step read at once)."""
+    (unseeded, and each with a seed of its own), on the device with the
+    draw as torch ops (before kernels/triton_sampling.py), and on the host
+    as before BatchSampler (each step read at once)."""
     rows = []
     print(f"  weight-streaming bound {bound_us:.1f} µs a step")
     print("  engine          batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
@@ -435,6 +448,7 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
     variants = (("now", "triton", None, 0.0, batches, None), ("no overlap", "triton", False, 0.0, batches, None),
                 ("torch ops", "torch", None, 0.0, batches, None), ("sampled", "triton", None, 0.8, ends, None),
                 ("sampled, seeded", "triton", None, 0.8, ends, 1),
+                ("sampled, torch draw", "triton", None, 0.8, ends, None),
                 ("sampled on host", "triton", None, 0.8, ends, None))
     for name, ops, overlap, temperature, sizes, seed in variants:
         llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches), overlap=overlap)
@@ -447,6 +461,8 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
             llm.model.layer_ops, llm.model.norm_adds_residual = None, False
         if name == "sampled on host":
             llm.engine.sampling_device = None
+        if name == "sampled, torch draw":
+            llm.engine._batch_sampler = _torch_draw(llm.engine._batch_sampler)
         clock = StepClock(llm.engine)
         try:
             for batch in sizes:
@@ -470,6 +486,7 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
             clock.close()
             _close(llm)
     baselines = {"no overlap": ("now", "speedup_of_overlap"), "torch ops": ("now", "speedup_over_torch_ops"),
+                 "sampled, torch draw": ("sampled", "speedup_of_the_draw_kernel"),
                  "sampled on host": ("sampled", "speedup_of_device_sampling")}
     by_name = {(r["engine"], r["batch"]): r for r in rows}
     for r in rows:
@@ -537,7 +554,15 @@ def main() -> None:
     parser.add_argument("--attention", default="kernel", help="FlexInfer's attention backend (default: kernel, the batched Triton kernels)")
     parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers' attention")
     parser.add_argument("--dry-run", action="store_true", help="CPU only: build the model and check it loads")
+    parser.add_argument("--parts", default="0,1,2,3,4,5",
+                        help="the parts to run, comma-separated (default: all; e.g. 4 for the step split alone)")
     args = parser.parse_args()
+    try:
+        parts = {int(p) for p in args.parts.split(",")}
+    except ValueError:
+        parser.error(f"--parts takes part numbers 0 to 5, comma-separated, got {args.parts!r}")
+    if not parts or not parts <= set(range(6)):
+        parser.error(f"--parts takes part numbers 0 to 5, comma-separated, got {args.parts!r}")
     started = time.perf_counter()
     result = dict(torch=torch.__version__, quick=args.quick, shape=SMOLLM2_SHAPE)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-model-") as tmp:
@@ -555,28 +580,34 @@ def main() -> None:
             batches = [1, 8] if args.quick else [1, 8, 32, 128]
             new_tokens = 32 if args.quick else 128
             repeats = 1 if args.quick else 2
-            print("\n0. Correctness: float32 greedy tokens")
-            result["correctness"] = correctness(folder, args.attention, 4, 16 if args.quick else 32)
-            print(f"\n1. Throughput, bfloat16, greedy, {PROMPT_TOKENS}-token prompts, {new_tokens} new tokens "
-                  f"(median of {repeats}; transformers attention {args.hf_attn})")
-            result["throughput"], result["attention"] = throughput(folder, args.attention, args.hf_attn, batches,
-                                                                   new_tokens, repeats)
-            print("\n2. Decode attention, one layer, bfloat16, vtm CUDA space")
-            cases = [(8, 160), (32, 160)] if args.quick else [(8, 160), (32, 160), (128, 160), (8, 1024),
-                                                               (32, 1024), (128, 1024), (1, 4096)]
-            result["decode_attention"] = decode_attention_bench(folder, cases, 20 if args.quick else 50)
-            print("\n3. Decode with and without CUDA graphs")
-            result["cuda_graphs"] = graphs_vs_eager(folder, args.attention, [8] if args.quick else [8, 32],
-                                                    new_tokens, repeats)
-            print("\n4. Where a decode step's time goes (bfloat16, CUDA graphs)")
-            bound_us, weight_bytes, gb_s = weight_stream_bound_us(folder)
-            print(f"  weights {weight_bytes / 1e6:.0f} MB, device copy bandwidth {gb_s:.0f} GB/s")
-            result["weight_stream"] = dict(bound_us=bound_us, weight_bytes=weight_bytes, copy_gb_s=gb_s)
-            result["step_split"] = step_split(folder, args.attention, [1, 8, 32, 128] if not args.quick
-                                              else [1, 32], new_tokens, bound_us)
-            print("\n5. The kernels of a decode step (eager, torch.profiler)")
-            result["kernels"] = {b: kernel_profile(folder, args.attention, b, 16 if args.quick else 32)
-                                 for b in ([1] if args.quick else [1, 128])}
+            if 0 in parts:
+                print("\n0. Correctness: float32 greedy tokens")
+                result["correctness"] = correctness(folder, args.attention, 4, 16 if args.quick else 32)
+            if 1 in parts:
+                print(f"\n1. Throughput, bfloat16, greedy, {PROMPT_TOKENS}-token prompts, {new_tokens} new tokens "
+                      f"(median of {repeats}; transformers attention {args.hf_attn})")
+                result["throughput"], result["attention"] = throughput(folder, args.attention, args.hf_attn,
+                                                                       batches, new_tokens, repeats)
+            if 2 in parts:
+                print("\n2. Decode attention, one layer, bfloat16, vtm CUDA space")
+                cases = [(8, 160), (32, 160)] if args.quick else [(8, 160), (32, 160), (128, 160), (8, 1024),
+                                                                   (32, 1024), (128, 1024), (1, 4096)]
+                result["decode_attention"] = decode_attention_bench(folder, cases, 20 if args.quick else 50)
+            if 3 in parts:
+                print("\n3. Decode with and without CUDA graphs")
+                result["cuda_graphs"] = graphs_vs_eager(folder, args.attention, [8] if args.quick else [8, 32],
+                                                        new_tokens, repeats)
+            if 4 in parts:
+                print("\n4. Where a decode step's time goes (bfloat16, CUDA graphs)")
+                bound_us, weight_bytes, gb_s = weight_stream_bound_us(folder)
+                print(f"  weights {weight_bytes / 1e6:.0f} MB, device copy bandwidth {gb_s:.0f} GB/s")
+                result["weight_stream"] = dict(bound_us=bound_us, weight_bytes=weight_bytes, copy_gb_s=gb_s)
+                result["step_split"] = step_split(folder, args.attention, [1, 8, 32, 128] if not args.quick
+                                                  else [1, 32], new_tokens, bound_us)
+            if 5 in parts:
+                print("\n5. The kernels of a decode step (eager, torch.profiler)")
+                result["kernels"] = {b: kernel_profile(folder, args.attention, b, 16 if args.quick else 32)
+                                     for b in ([1] if args.quick else [1, 128])}
     result["total_s"] = time.perf_counter() - started
     print(f"\ntotal {result['total_s']:.1f} s")
     if args.json:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import triton_available
 
 # sample() gives this for a row whose logits are not all finite (NaN or inf):
 # no token can be chosen from it, and the engine fails that request alone.
@@ -211,8 +212,17 @@ class BatchSampler:
     versions before this sampler (which raced exponentials)."""
 
     def __init__(self, params: list[SamplingParams], seeds: list[int | None], shared: torch.Generator,
-                 device: torch.device, drawn: list[int] | None = None):
+                 device: torch.device, drawn: list[int] | None = None, kernel: bool | None = None):
         self.device = device
+        # The draw as one Triton kernel (kernels/triton_sampling.py) or as
+        # torch ops, its reference; None: the kernel on CUDA where triton is.
+        if kernel is None:
+            kernel = device.type == "cuda" and triton_available()
+        self._draw_kernel = None
+        if kernel:
+            from flexinfer.kernels import triton_sampling
+
+            self._draw_kernel = triton_sampling.draw
         self.shared = shared
         self.rows = len(params)
         seeded = [i for i, s in enumerate(seeds) if s is not None]
@@ -265,12 +275,17 @@ class BatchSampler:
             after = torch.isfinite(row.max(dim=-1).values)
             finite = after & (finite | self.greedy_mask) if self.greedy else after & finite
         greedy = row.index_select(0, self.greedy_rows).argmax(dim=-1) if self.greedy else None
-        if self.filters:
-            row = self._filtered(row, vocab)
-        probs = torch.softmax(row, dim=-1)
-        if self.cumulative is None or self.cumulative.shape != probs.shape:
-            self.cumulative = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
-        chosen = _inverse_cdf(probs, self._uniforms(step, row.device), self.cumulative)
+        uniforms = self._uniforms(step, row.device)
+        if self._draw_kernel is not None:
+            chosen = self._draw_kernel(row, self.top_k if self.filters else None,
+                                       self.top_p if self.filters else None, uniforms)
+        else:
+            if self.filters:
+                row = self._filtered(row, vocab)
+            probs = torch.softmax(row, dim=-1)
+            if self.cumulative is None or self.cumulative.shape != probs.shape:
+                self.cumulative = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+            chosen = _inverse_cdf(probs, uniforms, self.cumulative)
         if greedy is not None:
             chosen.index_copy_(0, self.greedy_rows, greedy)
         return torch.where(finite, chosen, NON_FINITE), torch.where(finite, chosen, 0)

@@ -16,6 +16,15 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLOAT32_BFLOAT16_CODES = {dtype: DTYPE_CODES[dtype] for dtype in (torch.float32, torch.bfloat16)}
 
 
+def triton_available() -> bool:
+    """Whether the Triton kernels can be imported (CUDA's layer ops and sampler)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def check_variant(scale, window, softcap) -> tuple[float | None, int, float]:
     """A layer's attention variant, as (scale, window, softcap): scale None (the
     kernel's head_dim ** -0.5) or positive, window an int >= 0 (0: none),

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import triton_available
 from flexinfer.model.config import FULL, SLIDING, ModelConfig
 from flexinfer.model.linear import Linear, measure_kinds, resolve_linear_kind
 
@@ -138,14 +139,6 @@ class ForwardBatch:
         return self.new_lens.count(1) == len(self.new_lens)  # every sequence computes one token
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def rope_inv_freq(config: ModelConfig, layer_type: str = FULL) -> torch.Tensor:
     """Inverse frequencies of `layer_type`'s layers: the config's base with
     its rope scaling (default, linear, llama3), or Gemma 3's local base."""
@@ -206,7 +199,7 @@ class LlamaModel:
             from flexinfer.kernels import cpu_layer_ops
 
             self.layer_ops = cpu_layer_ops
-        elif self.device.type == "cuda" and not c.gemma_norms and _triton_available():
+        elif self.device.type == "cuda" and not c.gemma_norms and triton_available():
             from flexinfer.kernels import triton_layer_ops
 
             self.layer_ops = triton_layer_ops
