@@ -31,6 +31,14 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 # top_k beyond any vocabulary keeps every token; the bound keeps it in the
 # device sampler's int64 tensor (BatchSampler), which cannot hold 10**30.
 TOP_K_MAX = (1 << 31) - 1
+# BatchSampler draws with the Triton kernel from this many rows, with torch
+# ops below it. A kernel program reads its row 36-68 times in turn, so its
+# time hardly grows with the batch, while the torch ops' (a sort of the
+# vocabulary) does: on an H200 at SmolLM2's vocabulary, a sampled step
+# spent 620 / 648 µs outside the decode graph at batch 1 / 128 with the
+# kernel and 366 / 1,464 µs with torch ops (bench_gpu.py part 4,
+# 2026-11-30); the lines through those points cross near 31 rows.
+DRAW_KERNEL_FROM_ROWS = 32
 # Top-p first sorts only the tokens at least this fraction as likely as the most likely one (_nucleus).
 NUCLEUS_CANDIDATES = 1e-4
 
@@ -215,9 +223,10 @@ class BatchSampler:
                  device: torch.device, drawn: list[int] | None = None, kernel: bool | None = None):
         self.device = device
         # The draw as one Triton kernel (kernels/triton_sampling.py) or as
-        # torch ops, its reference; None: the kernel on CUDA where triton is.
+        # torch ops, its reference; None: the kernel on CUDA where triton is
+        # and the batch has DRAW_KERNEL_FROM_ROWS rows.
         if kernel is None:
-            kernel = device.type == "cuda" and triton_available()
+            kernel = device.type == "cuda" and len(params) >= DRAW_KERNEL_FROM_ROWS and triton_available()
         self._draw_kernel = None
         if kernel:
             from flexinfer.kernels import triton_sampling

@@ -80,9 +80,9 @@ def run_checks(device: str, vocab: int = 1100, repeat: int = 1, steps: int = 2) 
     tied[1] = float("nan")
     tied[2] = float("-inf")
     results["ties_bans_non_finite"] = _compare((top_k_only, seeds), tied.to(device), banned, steps)
-    # Top-p's bar among ties: [2, 1, 1, 1, 0, ...] at top_p just past the first two tokens' mass keeps all
-    # three tied tokens, and every u draws one of the four.
-    row = torch.zeros(vocab)
+    # Top-p's bar among ties: [2, 1, 1, 1] (the rest -inf) at top_p just past the first two tokens' mass
+    # keeps all three tied tokens, and every u draws one of the four.
+    row = torch.full((vocab,), float("-inf"))
     row[:4] = torch.tensor([2.0, 1.0, 1.0, 1.0])
     probs = torch.softmax(row.double(), -1)
     nucleus = SamplingParams(temperature=1.0, top_p=float(probs[:2].sum()) + 1e-3)
