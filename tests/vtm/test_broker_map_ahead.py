@@ -503,3 +503,26 @@ def test_a_match_past_the_limit_only_with_the_pages_ahead_gives_them_back_first(
         match.vtensor.release().result()
         own.release().result()
         tight.check()
+
+
+def test_a_client_that_closed_the_space_of_its_pages_ahead_is_not_recalled(broker):
+    """'owner' maps 12 of the 16 chunks, 8 of them ahead, then closes the
+    space: the pool and its count get every chunk back, and it maps no page
+    ahead any more, as after a release of its last vTensor. The broker kept
+    counting it as mapping pages ahead (CloseSpace did not say it gave them
+    back), so a client short of memory sent it a recall notice and waited
+    for the answer of a client that held nothing."""
+    with vtm.connect(broker.address, name="owner", map_ahead_pages=2) as owner, \
+            vtm.connect(broker.address, name="asker") as asker:
+        space = owner.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+        for _ in range(4):
+            space.create(10).result()
+        assert owner.stats()["chunks_held"] == 12
+        space.close()
+        assert owner.stats()["chunks_held"] == 0
+        assert {c["name"]: c["mapped_bytes"] for c in owner.stats()["clients"]} == {"owner": 0, "asker": 0}
+        owner.check()
+        theirs = asker.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        with pytest.raises(vtm.OutOfMemory, match="pool capacity exhausted"):
+            theirs.create(17 * int(ROWS_PER_PAGE)).result()  # 17 pages, 16 free: nothing to recall
+        assert owner.recall_notices == 0

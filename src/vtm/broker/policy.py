@@ -258,7 +258,8 @@ class Policy:
 
     def gave_back_ahead(self, session) -> None:
         """The client holds no page ahead any more (a Shrink with all_ahead,
-        or its last vTensor released): a recall of it is answered."""
+        or its last vTensor gone: released, or its space closed): a recall of
+        it is answered."""
         with self._mu:
             session.maps_ahead = False
             if session.recall_id is not None:

@@ -731,8 +731,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             del session.geometry[request.space_id]
             session.table_entries -= session.space_entries.pop(request.space_id)
             gone = [vt_id for vt_id, state in session.vt_state.items() if state.space_id == request.space_id]
-            for vt_id in gone:
-                session.drop_vtensor(vt_id)
+            self._drop_vtensors(session, gone)
             return self._reply(session, vtensors=gone, closed=(request.space_id,))
         return self._run(context, body)
 
@@ -821,12 +820,19 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         if all_ahead:
             self.policy.gave_back_ahead(session)
 
+    def _drop_vtensors(self, session: Session, vt_ids) -> None:
+        """Forgets vTensors the manager released (a release, a record that
+        releases, their space closed). With the last of them go the client's
+        pages ahead: a recall would ask a client that holds none."""
+        for vt_id in vt_ids:
+            session.drop_vtensor(vt_id)
+        if not session.vtensors:
+            self.policy.gave_back_ahead(session)
+
     def release(self, session: Session, vt_id: int) -> None:
         vt = self._vtensor(session, vt_id)
         vt.release().result()
-        session.drop_vtensor(vt.id)
-        if not session.vtensors:
-            self.policy.gave_back_ahead(session)
+        self._drop_vtensors(session, [vt.id])
 
     def prefix_record(self, session: Session, space_id: int, vt_id: int, tokens, release: bool = False) -> int:
         """Records the vTensor's rows under `tokens`; the tree's copy of a
@@ -839,9 +845,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         vt = self._vtensor(session, vt_id)
         if release:
             added = space.prefix_record(vt, tokens, release=True).result()
-            session.drop_vtensor(vt.id)
-            if not session.vtensors:
-                self.policy.gave_back_ahead(session)
+            self._drop_vtensors(session, [vt.id])
             return added
         try:
             with self.policy.gate(session, self._partial_page_bytes(session, space.id, len(tokens))):
