@@ -2,6 +2,6 @@
 
 import sys
 
-from vtm.broker.server import main
+from vtm.broker.vtmd import main
 
 sys.exit(main())

@@ -30,7 +30,6 @@ import os
 import pwd
 import resource
 import shlex
-import signal
 import socket
 import stat
 import sys
@@ -350,7 +349,8 @@ def _logging_to_stderr() -> Iterator[None]:
         logger.level, logger.propagate = saved
 
 
-def main(argv=None) -> int:
+def main(argv, stop: threading.Event) -> int:
+    """Serves until `stop` is set (vtmd.py sets it on SIGTERM or SIGINT); the exit status."""
     parser = Parser(prog="vtmd", description="The vtm memory broker (docs/broker.md). Sizes are a byte count "
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
     add_version(parser)
@@ -382,14 +382,11 @@ def main(argv=None) -> int:
                              "0, no guarantee and no limit for every client); see docs/broker.md")
     args = parser.parse_args(argv)
     with _logging_to_stderr():
-        return _serve(args)
+        return _serve(args, stop)
 
 
-def _serve(args) -> int:
-    """Starts the broker and serves until SIGTERM or SIGINT; the exit status."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+def _serve(args, stop: threading.Event) -> int:
+    """Starts the broker and serves until `stop` is set; the exit status."""
     try:
         broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
                         args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file,
