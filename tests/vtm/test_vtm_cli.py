@@ -551,8 +551,8 @@ def test_a_vtmd_stopped_while_it_starts_ends_as_a_running_one_does(tmp_path, com
     later SIGTERM ends it with status 0 (docs/broker.md). Sent here once
     grpc's extension is mapped in the process, in the middle of that load."""
     path = tmp_path / "vtmd" / "sock"
-    proc = subprocess.Popen([*VTMD_COMMANDS[command], "--listen", f"unix:{path}", "--backend", "host", "--capacity-bytes", "1MiB",
-                             "--chunk-bytes", "64KiB", "--granularity", "64KiB"],
+    proc = subprocess.Popen([*VTMD_COMMANDS[command], "--listen", f"unix:{path}", "--backend", "host",
+                             "--capacity-bytes", "1MiB", "--chunk-bytes", "64KiB", "--granularity", "64KiB"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 30
