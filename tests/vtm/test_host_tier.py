@@ -6,6 +6,7 @@ misplaced bytes fails the test; and by Manager.check() after every step."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -173,6 +174,77 @@ def test_a_node_on_the_host_splits_and_both_halves_come_back(backend, make_manag
         m = match(sp, tokens)
         io.verify(m.vtensor, tokens)
         m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+def wait_for(condition, seconds=10.0):
+    """Polls `condition` (the refill thread works in the background) until it holds or time runs out."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_eager_allocation_allocates_host_blocks_ahead_of_the_spills_that_take_them(backend, make_manager):
+    """With prealloc_chunks, the refill thread also keeps host blocks
+    allocated ahead of need: as many free as the pool has chunks (what
+    spilling a full pool takes), within the tier. On CUDA a block is ~1 ms
+    of page-locking, which a spill used to pay per chunk on the critical
+    path of the admission that made it. Here the tier is the pool's size:
+    every block is allocated before anything spills, and no spill allocates."""
+    chunk = chunk_for(backend)
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=CHUNKS, prealloc_chunks=2, faults=True)
+    assert wait_for(lambda: mgr.stats()["host_tier_allocated_bytes"] == CHUNKS * chunk)
+    st = mgr.stats()
+    assert st["host_tier_prealloc_blocks_total"] == CHUNKS == mgr.faults.calls("alloc_host")
+    assert st["host_tier_used_bytes"] == 0
+    A = [(7 * i + 3) % 101 for i in range(60)]
+    record(sp, io, A)
+    fill_pool(sp)
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] >= 1 and st["host_tier_used_bytes"] == st["spilled_bytes_total"] > 0
+    assert mgr.faults.calls("alloc_host") == CHUNKS and st["host_tier_allocated_bytes"] == CHUNKS * chunk
+    assert_matches_whole(sp, io, A)
+    assert_pool_consistent(mgr)
+
+
+def test_without_eager_allocation_the_tier_allocates_only_what_spills_take(backend, make_manager):
+    chunk = chunk_for(backend)
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=CHUNKS, faults=True)  # prealloc_chunks=0
+    A = [(7 * i + 3) % 101 for i in range(60)]
+    record(sp, io, A)
+    assert mgr.stats()["host_tier_allocated_bytes"] == 0 and mgr.faults.calls("alloc_host") == 0
+    fill_pool(sp)
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_allocated_bytes"] == st["host_tier_used_bytes"] == st["spilled_bytes_total"] > 0
+    assert st["host_tier_prealloc_blocks_total"] == 0
+    assert mgr.faults.calls("alloc_host") * chunk == st["host_tier_allocated_bytes"]
+
+
+@pytest.mark.parametrize("bad_alloc", [False, True])
+def test_a_failed_host_block_allocation_ahead_of_need_waits_for_the_next_commit(backend, make_manager, bad_alloc):
+    """The refill thread's allocation fails (the host out of page-locked
+    memory): nothing changes, spills go on with the free blocks (or allocate
+    their own), and the thread tries again once an operation commits."""
+    chunk = chunk_for(backend)
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=2 * CHUNKS, prealloc_chunks=2, faults=True)
+    assert wait_for(lambda: mgr.stats()["host_tier_allocated_bytes"] == CHUNKS * chunk)  # CHUNKS free
+    mgr.faults.fail_nth("alloc_host", 1, bad_alloc=bad_alloc)
+    A = [(7 * i + 3) % 101 for i in range(60)]
+    record(sp, io, A)
+    fill_pool(sp)  # spills A into free blocks; the refill's next allocation fails, a later commit's goes on
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] >= 1 and st["spill_failures_total"] == 0 and on_host(sp)
+    used = st["host_tier_used_bytes"] // chunk
+    assert 0 < used < CHUNKS
+    assert wait_for(lambda: mgr.faults.calls("alloc_host") > CHUNKS)  # the failed one, at least
+    record(sp, io, [5, 6, 7])  # an operation commits (from the free chunks fill_pool left): the refill goes on
+    # The free blocks topped up again (to CHUNKS), with one failed call on the way.
+    assert wait_for(lambda: mgr.stats()["host_tier_allocated_bytes"] == (CHUNKS + used) * chunk)
+    assert mgr.faults.calls("alloc_host") == CHUNKS + used + 1
+    assert_matches_whole(sp, io, A)
     assert_pool_consistent(mgr)
 
 

@@ -195,6 +195,8 @@ py::dict StatsDict(const Stats& st) {
   d["reservation_free_failures_total"] = st.reservation_free_failures_total;
   d["host_tier_capacity_bytes"] = st.host_tier_capacity_bytes;
   d["host_tier_used_bytes"] = st.host_tier_used_bytes;
+  d["host_tier_allocated_bytes"] = st.host_tier_allocated_bytes;
+  d["host_tier_prealloc_blocks_total"] = st.host_tier_prealloc_blocks_total;
   d["host_tier_nodes"] = st.host_tier_nodes;
   d["spills_total"] = st.spills_total;
   d["spilled_bytes_total"] = st.spilled_bytes_total;

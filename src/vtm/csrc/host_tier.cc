@@ -42,6 +42,15 @@ bool HostTier::Take(std::uint32_t account, BlockId* out) {
   return true;
 }
 
+bool HostTier::Adopt(void* ptr) {
+  if (blocks_.size() >= capacity_) return false;
+  free_.reserve(blocks_.size() + 1);  // as Take's: Unref never allocates
+  blocks_.reserve(blocks_.size() + 1);
+  blocks_.push_back(Block{ptr, 0, 0});
+  free_.push_back(static_cast<BlockId>(blocks_.size() - 1));
+  return true;
+}
+
 void HostTier::Ref(BlockId block) {
   if (block >= blocks_.size() || blocks_[block].refs <= 0)
     Throw(ErrorCode::kInternal, "host tier: a reference to block " + std::to_string(block) + ", which is free");

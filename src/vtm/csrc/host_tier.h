@@ -4,7 +4,10 @@
 //
 // Memory comes in blocks of one chunk's bytes, allocated through the backend
 // on first use (CUDA: page-locked, so the copy engine moves them at full
-// speed; host: anonymous memory) and kept for reuse until the tier dies.
+// speed; host: anonymous memory) and kept for reuse until the tier dies. With
+// eager allocation the manager's refill thread also allocates blocks ahead of
+// need (Adopt): on CUDA each costs about a millisecond (page-locking 2 MiB),
+// which a spill on an admission's critical path would otherwise pay.
 //
 // Each held block is charged to an account (the tier account of the nodes
 // holding it: docs/api.md, "The host tier"), so that a manager can cap what
@@ -45,6 +48,7 @@ class HostTier {
   std::size_t capacity() const { return capacity_; }
   std::size_t allocated() const { return blocks_.size(); }
   std::size_t used() const { return blocks_.size() - free_.size(); }
+  std::size_t free_count() const { return free_.size(); }
 
   // A block with one reference, charged to `account`: a free one, else a
   // new one while under capacity. False when the tier is full (every block
@@ -53,6 +57,11 @@ class HostTier {
   bool Take(std::uint32_t account, BlockId* out);
   void Ref(BlockId block);
   void Unref(BlockId block);
+  // Adds `ptr` (block_bytes() from the backend's alloc_host, allocated
+  // ahead of need) as a free block. False, with nothing changed, when the
+  // tier is at capacity (a Take allocated the last block meanwhile): the
+  // caller frees it. Throws std::bad_alloc with nothing changed.
+  bool Adopt(void* ptr);
   // Charges a held block to `account` instead of the one it was charged to.
   void Recharge(BlockId block, std::uint32_t account);
   int refs(BlockId block) const { return blocks_[block].refs; }

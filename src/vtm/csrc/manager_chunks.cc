@@ -732,22 +732,34 @@ bool Manager::RefillNeeded() const {
          pool_->free_count() + pool_->creating() < prealloc_chunks_ && pool_->headroom() > 0;
 }
 
+bool Manager::HostRefillNeeded() const {
+  return prealloc_chunks_ > 0 && tier_ != nullptr && !closed_ && !host_refill_blocked_ && !host_refilling_ &&
+         tier_->free_count() < std::min(capacity_chunks_, tier_->capacity()) &&
+         tier_->allocated() < tier_->capacity();
+}
+
 void Manager::AfterCommit() {
   if (tier_refit_) RefitTierAccounts();
   if (max_free_chunks_ && pool_->free_count() > *max_free_chunks_)
     pool_->ReleaseFree(pool_->free_count() - *max_free_chunks_);
   refill_blocked_ = false;  // memory may have come back: the refill may try again
-  if (RefillNeeded()) refill_wake_.notify_one();
+  host_refill_blocked_ = false;
+  if (RefillNeeded() || HostRefillNeeded()) refill_wake_.notify_one();
 }
 
 void Manager::RefillThread() {
   // Eager allocation on a thread of its own, so that creating chunks (the
   // slowest backend call) never occupies a worker that operations wait
-  // for; the lock is dropped around each device call.
+  // for; the lock is dropped around each device call. Device chunks first,
+  // then host-tier blocks (HostRefillNeeded).
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    refill_wake_.wait(lock, [this] { return refill_stop_ || RefillNeeded(); });
+    refill_wake_.wait(lock, [this] { return refill_stop_ || RefillNeeded() || HostRefillNeeded(); });
     if (refill_stop_) return;
+    if (!RefillNeeded()) {
+      RefillHostBlock(lock);
+      continue;
+    }
     pool_->BeginCreate();
     lock.unlock();
     ChunkHandle handle = 0;
@@ -770,6 +782,37 @@ void Manager::RefillThread() {
     }
     if (!ok) refill_blocked_ = true;  // until the next operation commits
     refill_cv_.notify_all();
+  }
+}
+
+void Manager::RefillHostBlock(std::unique_lock<std::mutex>& lock) {
+  // Without the lock, as a chunk's creation: a spill meanwhile takes blocks
+  // (and may allocate the tier's last one itself, and then this one goes
+  // back). The tier outlives this thread (Close joins it first).
+  host_refilling_ = true;
+  lock.unlock();
+  void* ptr = nullptr;
+  try {
+    ptr = backend_->alloc_host(chunk_bytes_);
+  } catch (...) {
+    ptr = nullptr;  // no host memory now: a spill allocates (or fails) on demand
+  }
+  lock.lock();
+  host_refilling_ = false;
+  bool adopted = false;
+  if (ptr != nullptr) {
+    try {
+      adopted = tier_->Adopt(ptr);
+      if (adopted) ++host_prealloc_total_;
+    } catch (...) {
+      adopted = false;  // out of host memory for the tier's lists
+    }
+  }
+  if (!adopted) host_refill_blocked_ = true;  // until the next operation commits
+  if (ptr != nullptr && !adopted) {
+    lock.unlock();
+    backend_->free_host(ptr, chunk_bytes_);
+    lock.lock();
   }
 }
 

@@ -128,10 +128,12 @@ Stats Manager::GetStats() const {
   if (tier_ != nullptr) {
     st.host_tier_capacity_bytes = tier_->capacity() * chunk_bytes_;
     st.host_tier_used_bytes = tier_->used() * chunk_bytes_;
+    st.host_tier_allocated_bytes = tier_->allocated() * chunk_bytes_;
     for (const auto& [account, blocks] : tier_->used_by_account())
       st.host_tier_accounts[account].first = blocks * chunk_bytes_;
     for (const auto& [account, blocks] : tier_limits_) st.host_tier_accounts[account].second = blocks * chunk_bytes_;
   }
+  st.host_tier_prealloc_blocks_total = host_prealloc_total_;
   st.spills_total = spills_total_;
   st.spilled_bytes_total = spilled_pages_total_ * chunk_bytes_;
   st.spill_failures_total = spill_failures_total_;
