@@ -158,8 +158,9 @@ struct Stats {
   // The host tier (all 0 without one).
   std::size_t host_tier_capacity_bytes = 0, host_tier_used_bytes = 0, host_tier_allocated_bytes = 0,
               host_tier_nodes = 0;
-  std::uint64_t host_tier_prealloc_blocks_total = 0, spills_total = 0, spilled_bytes_total = 0, spill_failures_total = 0, restores_total = 0,
-                restored_bytes_total = 0, host_tier_drops_total = 0, host_tier_limit_drops_total = 0;
+  std::uint64_t host_tier_prealloc_blocks_total = 0, spills_total = 0, spilled_bytes_total = 0,
+                spill_failures_total = 0, restores_total = 0, restored_bytes_total = 0, host_tier_drops_total = 0,
+                host_tier_limit_drops_total = 0;
   // Per tier account with blocks held or a limit set: (used bytes, limit
   // bytes; absent: none).
   std::map<std::uint32_t, std::pair<std::size_t, std::optional<std::size_t>>> host_tier_accounts;
