@@ -197,7 +197,10 @@ class BatchSampler:
     their first maximum, bans applied, as sample() does. NON_FINITE as
     sample()'s: a greedy row judged after its bans, a sampled one before
     them; a sampled row whose bans leave nothing, which sample() fails with
-    an error, is NON_FINITE here (the request fails either way).
+    an error, is NON_FINITE here (the request fails either way). On CUDA,
+    from DRAW_KERNEL_FROM_ROWS rows, top-k, top-p and the draw run as one
+    Triton kernel (kernels/triton_sampling.py), whose reference is the torch
+    path here (`kernel` chooses; top-p's ties are its one difference).
 
     Built once per batch of sequences: `params` per row, `seeds` per row
     (None: the row's uniform comes from `shared`, one generator on the
