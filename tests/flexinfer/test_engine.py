@@ -1265,6 +1265,37 @@ def test_prefixes_are_keyed_by_the_weights_not_the_path(tiny_llama, tiny_prompts
     manager.close()
 
 
+
+def test_models_differing_in_a_few_weights_do_not_share_prefixes(tiny_llama, tiny_prompts, tmp_path):
+    """The fingerprint hashed 512 elements of each tensor: a model whose
+    only change is a few embedding rows (a fine-tune of new tokens' rows)
+    got the same namespace as the model it came from, and an engine of
+    it on a shared manager mapped the other's KV for prompts holding
+    those tokens: its outputs were the other model's. Every byte counts."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    folder, oracle = tiny_llama
+    prompt = tiny_prompts[3]
+    edited = tmp_path / "edited"
+    shutil.copytree(folder, edited)
+    weights = safetensors_torch.load_file(edited / "model.safetensors")
+    # Row prompt[5] of the embeddings, all but column 0: the old sampling
+    # stepped over this [512, 64] table every 64 elements, one per row.
+    weights["model.embed_tokens.weight"][prompt[5], 1:] += 1.0
+    safetensors_torch.save_file(weights, edited / "model.safetensors", metadata={"format": "pt"})
+    edited_oracle = Oracle(transformers.LlamaForCausalLM.from_pretrained(edited).eval())
+    manager = small_manager(128)
+    a = LLM(folder, manager=manager)
+    b = LLM(str(edited), manager=manager)
+    assert_greedy_equal(oracle, [prompt], run(a, [prompt], greedy(8)), 8)
+    out = run(b, [prompt], greedy(8))
+    assert_greedy_equal(edited_oracle, [prompt], out, 8)
+    assert out[0].metrics.prefix_hit_tokens == 0
+    assert a.kv_cache.space.namespace != b.kv_cache.space.namespace
+    a.close()
+    assert_all_memory_returned(b)
+    b.close()
+    manager.close()
+
 # ============================================================================= 7. errors
 
 def test_prompt_too_long_fails_alone(tiny_llama, tiny_prompts):

@@ -15,8 +15,10 @@ import importlib.util
 import json
 import math
 import mmap
+import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator
@@ -39,27 +41,30 @@ class LoadedModel:
 
     def fingerprint(self) -> str:
         """What the model's KV bytes depend on, as a short hash: the config
-        the forward pass reads and the weights. Prefix caches are keyed by it
-        (never by the name or path the user gave, which may hold other weights
-        tomorrow), so two engines share KV only when their KV is the same."""
+        the forward pass reads and every byte of the weights. Prefix caches
+        are keyed by it (never by the name or path the user gave, which may
+        hold other weights tomorrow), so two engines share KV only when
+        their KV is the same. Hashing a sample of each tensor missed models
+        that differ in a few rows (a fine-tune of new tokens' embeddings),
+        which then mapped each other's KV; the tensors are hashed on a
+        thread each (hashlib lets go of the GIL), to spread the full read
+        over the cores."""
         digest = hashlib.blake2b(digest_size=12)
         forward_config = {k: v for k, v in asdict(self.config).items() if k not in ("bos_token_id", "eos_token_ids")}
         digest.update(json.dumps(forward_config, sort_keys=True, default=str).encode())
-        for name in sorted(self.weights):
-            tensor = self.weights[name]
-            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-            digest.update(_sampled_bytes(tensor))
+        names = sorted(self.weights)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            tensor_digests = pool.map(lambda name: _tensor_digest(self.weights[name]), names)
+            for name, tensor_digest in zip(names, tensor_digests):
+                tensor = self.weights[name]
+                digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+                digest.update(tensor_digest)
         return digest.hexdigest()
 
 
-def _sampled_bytes(tensor: torch.Tensor, count: int = 512) -> bytes:
-    """`count` elements spread evenly over the tensor, plus its first and last
-    ones: reading every byte of an 8B model would take seconds, while two
-    different trainings of one architecture differ in almost every element."""
-    flat = tensor.reshape(-1)
-    step = max(1, flat.numel() // count)
-    sample = torch.cat([flat[:64], flat[::step], flat[-64:]]).contiguous()
-    return sample.view(torch.uint8).numpy().tobytes()
+def _tensor_digest(tensor: torch.Tensor) -> bytes:
+    """A hash of every byte of `tensor` (contiguous and on the CPU, as loaded)."""
+    return hashlib.blake2b(tensor.reshape(-1).view(torch.uint8).numpy(), digest_size=16).digest()
 
 
 def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
