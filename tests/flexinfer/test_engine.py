@@ -1265,7 +1265,6 @@ def test_prefixes_are_keyed_by_the_weights_not_the_path(tiny_llama, tiny_prompts
     manager.close()
 
 
-
 def test_models_differing_in_a_few_weights_do_not_share_prefixes(tiny_llama, tiny_prompts, tmp_path):
     """The fingerprint hashed 512 elements of each tensor: a model whose
     only change is a few embedding rows (a fine-tune of new tokens' rows)
@@ -1295,6 +1294,7 @@ def test_models_differing_in_a_few_weights_do_not_share_prefixes(tiny_llama, tin
     assert_all_memory_returned(b)
     b.close()
     manager.close()
+
 
 # ============================================================================= 7. errors
 
