@@ -10,8 +10,8 @@ returns it as that request's error while the others run.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from flexinfer.errors import InvalidArgument
@@ -55,16 +55,23 @@ def check_prompts(prompts: Any) -> list[str | list[int]]:
 
 
 def check_params(params: Any, count: int) -> list[SamplingParams]:
-    """None, one SamplingParams for every prompt, or a list of one per prompt."""
+    """None, one SamplingParams for every prompt, or a list of one per prompt.
+
+    Returns copies, checked again: a SamplingParams is a plain dataclass,
+    checked only when built, and one changed since (`params.n = 0`) reached
+    the engine thread unchecked, where it failed deep inside (an IndexError,
+    a step failing its batch mates) or ran as no valid one could (a token
+    for max_tokens=0). A request keeps its copy, so changing the caller's
+    object afterwards changes no request already submitted."""
     if params is None:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
-        return [params] * count
+        return [dataclasses.replace(params)] * count
     if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
         if len(params) != count:
             raise InvalidArgument(f"one SamplingParams per prompt ({count}), or a single one for all; "
                                   f"got {len(params)}")
-        return list(params)
+        return [dataclasses.replace(p) for p in params]
     raise InvalidArgument(f"sampling_params must be a SamplingParams or a list of them, got {_describe(params)}")
 
 
@@ -94,7 +101,7 @@ def check_conversation(conversation: Any, index: int | None = None) -> list[dict
     return [dict(m) for m in conversation]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KVBudget:
     """The KV memory one request can ever have: the whole pool to itself.
 

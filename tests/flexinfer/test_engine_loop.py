@@ -88,6 +88,46 @@ def test_bad_input_raises_invalid_argument_and_changes_nothing(tiny, call):
         assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(6)), 6)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0), ("n", 0), ("n", 1.5), ("temperature", float("nan")), ("temperature", "0"), ("top_p", 2),
+    ("top_k", -1), ("seed", "1"), ("seed", 1 << 70), ("stop", [""]), ("stop", 5), ("stop_token_ids", None),
+    ("min_tokens", 99), ("ignore_eos", "no"),
+])
+def test_sampling_params_changed_after_they_were_built_are_checked_again(tiny, field, value):
+    """SamplingParams is a plain dataclass, checked when built. One changed
+    since is checked again by every call that submits it, whether given
+    alone or in a list: it used to reach the engine thread unchecked, and
+    fail there (n=0: an IndexError; seed="1": an EngineError for the whole
+    step) or run as no valid one could (max_tokens=0 gave a token)."""
+    folder, oracle = tiny
+    prompts = clean_prompts([9, 14], seed=1)
+    changed = greedy(6)
+    setattr(changed, field, value)
+    with LLM(folder) as llm:
+        for call in (lambda: llm.generate(prompts, changed), lambda: llm.generate(prompts, [greedy(6), changed]),
+                     lambda: llm.submit(prompts[0], changed),
+                     lambda: llm.chat([{"role": "user", "content": "hi"}], changed)):
+            with pytest.raises(InvalidArgument, match=field):
+                call()
+            assert_idle_and_released(llm)
+        assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(6)), 6)
+
+
+def test_a_submitted_request_keeps_the_sampling_params_it_was_submitted_with(tiny):
+    """Changing a SamplingParams after submitting it changes no request
+    already submitted (each keeps a checked copy), even one still queued:
+    the engine read max_tokens at every step, so a request checked against
+    max_model_len and the KV pool with one value ran to another."""
+    folder, oracle = tiny
+    prompt = clean_prompts([9], seed=2)[0]
+    params = greedy(6)
+    with LLM(folder) as llm:
+        with llm._loop.together():  # the engine thread cannot take the request before it is changed
+            handle = llm.submit(prompt, params)
+            params.max_tokens = 20
+        assert_greedy_equal(oracle, [prompt], [handle.result()], 6)
+
+
 @pytest.mark.parametrize("kwargs", [dict(max_tokens="8"), dict(max_tokens=True), dict(temperature=float("inf")),
                                     dict(top_p=float("nan")), dict(seed=1.5), dict(stop=[""]), dict(stop=5),
                                     dict(stop_token_ids=["2"]), dict(ignore_eos=1), dict(n=0),
@@ -198,6 +238,7 @@ def test_a_step_that_raises_fails_its_batch_and_the_engine_goes_on(tiny, monkeyp
             assert "injected kernel failure" in str(out.error)
             assert len(out.token_ids) == 1  # the token the prefill sampled
         assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(6)), 6)
+
 
 
 # ----------------------------------------------------------------------------- threads

@@ -210,7 +210,8 @@ def test_generate_refuses_what_can_never_fit_and_runs_what_just_fits(tiny_chat, 
 def test_a_rows_sampling_parameters_never_fail_its_batch_mates(tiny_chat):
     """On the device sampling path (a CUDA engine's, forced here on a CPU), a batch's parameters are
     gathered into tensors once per batch: a top_k torch cannot hold (set after SamplingParams checked
-    it) failed that step, so every request in it got an error. Both now complete."""
+    it) failed that step, so every request in it got an error. Both now complete. LLM's calls check
+    the parameters again since, so this one reaches the engine below them."""
     from flexinfer import LLM
 
     with LLM(tiny_chat, **ENGINE_OPTIONS) as llm:
@@ -218,7 +219,10 @@ def test_a_rows_sampling_parameters_never_fail_its_batch_mates(tiny_chat):
         wide = SamplingParams(max_tokens=6, temperature=1.0, top_k=5, ignore_eos=True, seed=1)
         wide.top_k = 10**30
         innocent = SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True, seed=2)
-        outs = llm.generate(["Hi", "The capital of France is"], [wide, innocent], use_tqdm=False)
+        with llm._loop.together():  # one batch, as generate submits it
+            handles = [llm._loop.submit(text, llm.tokenizer.encode(text), params)
+                       for text, params in (("Hi", wide), ("The capital of France is", innocent))]
+        outs = [handle.result() for handle in handles]
     assert [o.outputs[0].error for o in outs] == [None, None]
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 12]
 
