@@ -296,7 +296,8 @@ class EngineLoop:
                 inbox, self._inbox = self._inbox, deque()
                 closing = self._closing
             try:
-                for op, handle in inbox:
+                while inbox:
+                    op, handle = inbox.popleft()
                     if op == "add":
                         self._add(handle)
                     else:
@@ -324,6 +325,10 @@ class EngineLoop:
                 log.exception("the engine loop failed; failing %d live requests", len(self._live))
                 for handle in set(self._live.values()):
                     self._cancel(handle, EngineError(f"the engine loop failed: {type(exc).__name__}: {exc}"))
+                # What came after the op that raised was neither added nor
+                # failed: left out, its callers would wait forever.
+                with self._cv:
+                    self._inbox.extendleft(reversed(inbox))
         for handle in set(self._live.values()):
             self._cancel(handle, EngineClosed("the engine was closed before this request finished"))
         try:

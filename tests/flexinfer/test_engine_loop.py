@@ -240,6 +240,32 @@ def test_a_step_that_raises_fails_its_batch_and_the_engine_goes_on(tiny, monkeyp
         assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(6)), 6)
 
 
+def test_requests_queued_after_one_the_engine_fails_to_add_still_run(tiny, monkeypatch):
+    """Requests reach the engine thread in batches (LLM.generate's, or
+    whatever came while it stepped). One whose adding raises (a bug) fails
+    with the requests already live, as any failure of the loop does; those
+    after it in the batch used to be dropped, never added nor failed, and
+    their callers waited forever."""
+    folder, oracle = tiny
+    prompts = clean_prompts([5, 9, 14], seed=4)
+    with LLM(folder) as llm:
+        real_add = llm.engine.add
+
+        def add(seq):
+            if seq.prompt_ids == prompts[0]:
+                raise RuntimeError("injected failure to add")
+            real_add(seq)
+
+        monkeypatch.setattr(llm.engine, "add", add)
+        with llm._loop.together():  # one batch for the engine thread
+            handles = [llm.submit(p, greedy(6)) for p in prompts]
+        failed, *others = [handle.result(timeout=30) for handle in handles]
+        assert isinstance(failed.error, EngineError) and "injected failure to add" in str(failed.error)
+        assert_greedy_equal(oracle, prompts[1:], others, 6)
+        assert_idle_and_released(llm)
+        monkeypatch.undo()
+        assert_greedy_equal(oracle, prompts, run(llm, prompts, greedy(6)), 6)
+
 
 # ----------------------------------------------------------------------------- threads
 
