@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(fn=cmd_chat)
     b = sub.add_parser("bench", help="decode throughput of a batch")
     _add_engine_args(b)
-    b.add_argument("--batch", type=_positive_int, default=8, help="requests decoded together")
+    b.add_argument("--batch", type=_positive_int, default=8, help="requests decoded together (at most --max-num-seqs)")
     b.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS,
                    help="tokens decoded per request (end-of-sequence ignored)")
     b.set_defaults(fn=cmd_bench)
@@ -472,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.priority is not None and args.manager is None:
             # The sub-command's parser: its --help lists both flags.
             sub.choices[args.command].error("--priority is what a client asks of a vtm broker: give --manager too")
+        if args.command == "bench" and args.batch > args.max_num_seqs:
+            # Not decoded together; and bench builds the batch's prompts
+            # before anything else is checked: --batch 10**11 took all memory.
+            sub.choices["bench"].error(f"--batch {args.batch} is more than --max-num-seqs {args.max_num_seqs}: "
+                                       "a batch is decoded together, in one step (raise --max-num-seqs)")
     except SystemExit as exc:  # --help, --version or a bad argument (already printed)
         return exc.code
     args.broker = None

@@ -290,6 +290,9 @@ def test_overlap_flag_reaches_the_engine(capsys, monkeypatch, tiny, flag, overla
     (["generate", "--prompt", "hi", "--threads", "0"], "argument --threads"),
     (["generate", "--prompt", "hi", "--overlap", "maybe"], "argument --overlap: invalid choice: 'maybe'"),
     (["bench", "--batch", "0"], "argument --batch"),
+    # Its prompts were built first: --batch 10**11 took all the host's memory.
+    (["bench", "--model", "/nonexistent", "--batch", "33"],
+     "--batch 33 is more than --max-num-seqs 32: a batch is decoded together, in one step (raise --max-num-seqs)"),
     (["generate", "--prompt", "hello \udcff\udcfe"], "argument --prompt: not valid UTF-8 (byte 0xff at offset 6)"),
     (["chat", "--system", "\udcc3"], "argument --system: not valid UTF-8 (byte 0xc3 at offset 0)"),
     (["generate", "--prompt", "hi", "--priority", "3"], "--priority is what a client asks of a vtm broker: give "
