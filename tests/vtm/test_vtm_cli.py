@@ -142,6 +142,21 @@ def test_vtmctl_refuses_a_bad_number_in_one_line(capsys, argv, says):
     assert err.startswith("vtmctl: error: ") and says in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("argv, says", [
+    # argv bytes that are not UTF-8 (lone surrogates in Python): a UnicodeEncodeError traceback out of protobuf
+    # building the request, or out of gRPC making the channel.
+    (["--address", "unix:/nonexistent", "set-quota", "app\udcff", "1MiB"],
+     "argument name: not valid UTF-8: b'app\\xff'"),
+    (["--address", "unix:/tmp/\udcff", "stats"], "argument --address: not valid UTF-8: b'unix:/tmp/\\xff'"),
+], ids=["name", "address"])
+def test_vtmctl_refuses_text_that_is_not_utf8_in_one_line(capsys, argv, says):
+    with pytest.raises(SystemExit) as done:
+        ctl.main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vtmctl: error: ") and says in err and err.count("\n") == 1, err
+
+
 def test_the_quota_file_takes_human_sizes(tmp_path):
     from vtm.broker.quota import Quota, Quotas
 

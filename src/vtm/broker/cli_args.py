@@ -1,12 +1,13 @@
 """What vtmd's and vtmctl's command lines share: a parser whose --help shows
 every default and whose errors are one line, and the argparse types of what
-they take: a size (src/vtm/sizes.py), a priority (the protocol's int32), a
-count and a number of seconds, each checked where it is typed."""
+they take: UTF-8 text, a size (src/vtm/sizes.py), a priority (the protocol's
+int32), a count and a number of seconds, each checked where it is typed."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import vtm
 from vtm.sizes import parse_size
@@ -39,6 +40,17 @@ class Parser(argparse.ArgumentParser):
 def add_version(parser: argparse.ArgumentParser) -> None:
     """--version: the `vtm` distribution's (vtm.__version__)."""
     parser.add_argument("--version", action="version", version=f"{parser.prog} {vtm.__version__}")
+
+
+def utf8(text: str) -> str:
+    """argparse type: text the broker is sent (protobuf strings are UTF-8).
+    argv bytes that are not UTF-8 reach Python as lone surrogates, which
+    protobuf and gRPC raised on, a traceback; shown as the bytes given."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8: {os.fsencode(text)!r}") from None
+    return text
 
 
 def size(text: str) -> int:

@@ -34,7 +34,7 @@ import grpc
 
 from vtm import errors
 from vtm.broker import status
-from vtm.broker.cli_args import Parser, add_version, count, priority, seconds, size
+from vtm.broker.cli_args import Parser, add_version, count, priority, seconds, size, utf8
 from vtm.broker.control import TOKEN_KEY, read_token
 from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     parser = Parser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd). Sizes are a byte count "
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
     add_version(parser)
-    parser.add_argument("--address", required=True, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
+    parser.add_argument("--address", required=True, type=utf8, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
     parser.add_argument("--timeout", type=seconds, default=5.0, metavar="S",
                         help="seconds to wait for each answer of the broker")
     parser.add_argument("--token-file", default=None, metavar="FILE",
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     top.add_argument("--iterations", type=count, default=0, metavar="N",
                      help="refreshes before exiting; 0: until interrupted")
     quota = sub.add_parser("set-quota", help="the operator's limit (0: none), guarantee and priority for a client name")
-    quota.add_argument("name", help="the client name (vtm.connect(name=...), flexinfer --client-name)")
+    quota.add_argument("name", type=utf8, help="the client name (vtm.connect(name=...), flexinfer --client-name)")
     quota.add_argument("bytes", type=size, nargs="?", default=None, metavar="LIMIT", help="the limit (as --limit)")
     quota.add_argument("--limit", type=size, default=None, metavar="SIZE",
                        help="most bytes the clients of this name may map; 0: no limit (default: unchanged)")
