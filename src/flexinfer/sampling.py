@@ -60,14 +60,15 @@ class SamplingParams:
     min_tokens: int = 0  # no end-of-sequence or stop token before this many tokens
 
     def __post_init__(self):
+        # Kept as Python numbers: numpy's pass the checks, but failed in the
+        # engine (torch's manual_seed takes no numpy int; a uint8 max_tokens
+        # overflowed in the KV budget's sums).
         for name in ("max_tokens", "top_k", "n", "min_tokens"):
-            _require_int(name, getattr(self, name))
+            setattr(self, name, _require_int(name, getattr(self, name)))
         for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-                raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+            setattr(self, name, _require_finite(name, getattr(self, name)))
         if self.seed is not None:
-            _require_int("seed", self.seed)
+            self.seed = _require_int("seed", self.seed)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         given = self.stop  # quoted as given: stop="" was said to be ['']
@@ -90,9 +91,8 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidArgument(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
                                   f"got {len(self.stop_token_ids)}")
-        for token in self.stop_token_ids:
-            _require_int("a stop token id", token)
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # in order, each once
+        # In order, each once.
+        self.stop_token_ids = list(dict.fromkeys(_require_int("a stop token id", t) for t in self.stop_token_ids))
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -116,9 +116,22 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def _require_int(name: str, value) -> None:
+def _require_int(name: str, value) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise InvalidArgument(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _require_finite(name: str, value) -> float:
+    number = math.nan
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range: not finite (it raised from math.isfinite)
+            number = math.inf
+    if not math.isfinite(number):
+        raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+    return number
 
 
 def greedy_choice(rows: torch.Tensor) -> list[int]:

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,11 +132,34 @@ def test_a_submitted_request_keeps_the_sampling_params_it_was_submitted_with(tin
 @pytest.mark.parametrize("kwargs", [dict(max_tokens="8"), dict(max_tokens=True), dict(temperature=float("inf")),
                                     dict(top_p=float("nan")), dict(seed=1.5), dict(stop=[""]), dict(stop=5),
                                     dict(stop_token_ids=["2"]), dict(ignore_eos=1), dict(n=0),
-                                    dict(min_tokens=9, max_tokens=8)])
+                                    dict(min_tokens=9, max_tokens=8),
+                                    # Past float's range: an OverflowError out of math.isfinite.
+                                    dict(temperature=10**400), dict(top_p=-10**400)])
 def test_sampling_params_check_types_and_values(kwargs):
     with pytest.raises(InvalidArgument):
         SamplingParams(**kwargs)
 
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", np.uint64(2**64 - 2)), ("seed", np.int64(-5)), ("max_tokens", np.uint8(6)), ("n", np.int64(2)),
+    ("top_k", np.int32(5)), ("min_tokens", np.int16(2)), ("stop_token_ids", [np.int64(9)]),
+    ("temperature", np.float32(0.5)), ("top_p", np.float16(0.5)),
+], ids=lambda value: value if isinstance(value, str) else type(value).__name__)
+def test_numpy_numbers_in_sampling_params_sample_as_the_python_numbers_they_stand_for(tiny, field, value):
+    """numpy's numbers pass SamplingParams' checks (numbers.Integral, Real)
+    but failed inside the engine: torch's manual_seed takes no numpy int (a
+    seed from a numpy RNG failed its step with an EngineError), and a uint8
+    max_tokens overflowed in the KV budget's sums (an OverflowError)."""
+    folder, _ = tiny
+    prompt = clean_prompts([9], seed=5)[0]
+    base = dict(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    python_value = [int(v) for v in value] if isinstance(value, list) else value.item()
+    with LLM(folder) as llm:
+        got = llm.generate([prompt], SamplingParams(**{**base, field: value}))[0]
+        want = llm.generate([prompt], SamplingParams(**{**base, field: python_value}))[0]
+        assert_idle_and_released(llm)
+    assert got.error is None and [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_model_len=-1), "max_model_len must be a positive int"),
