@@ -170,7 +170,8 @@ def main(argv=None) -> int:
     parser = Parser(prog="vtmctl", description="Inspect and steer a vtm broker (vtmd). Sizes are a byte count "
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
     add_version(parser)
-    parser.add_argument("--address", required=True, type=utf8, help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
+    parser.add_argument("--address", required=True, type=utf8,
+                        help="unix:PATH of the broker, or tcp:HOST:PORT of its control")
     parser.add_argument("--timeout", type=seconds, default=5.0, metavar="S",
                         help="seconds to wait for each answer of the broker")
     parser.add_argument("--token-file", default=None, metavar="FILE",
