@@ -25,6 +25,10 @@ MAX_STOP_LENGTH = 256
 # Every step before min_tokens bans a sequence's stop token ids (and the
 # samplers walk them), so their number bounds the work of those steps too.
 MAX_STOP_TOKEN_IDS = 1024
+# Samples of one request: each is a sequence with its own state from
+# submission (~1 KB of host memory), so an unbounded n ran the host out of
+# memory (n=10**8: ~100 GB) instead of failing. The server takes OpenAI's 128.
+MAX_N = 4096
 # torch.Generator.manual_seed takes any int in this range; sample i of a
 # request is seeded with seed + i.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -103,6 +107,8 @@ class SamplingParams:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
             raise InvalidArgument(f"n must be >= 1, got {self.n}")
+        if self.n > MAX_N:
+            raise InvalidArgument(f"n takes at most {MAX_N} samples of one request, got {self.n}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidArgument(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):

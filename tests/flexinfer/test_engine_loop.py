@@ -131,14 +131,13 @@ def test_a_submitted_request_keeps_the_sampling_params_it_was_submitted_with(tin
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens="8"), dict(max_tokens=True), dict(temperature=float("inf")),
                                     dict(top_p=float("nan")), dict(seed=1.5), dict(stop=[""]), dict(stop=5),
-                                    dict(stop_token_ids=["2"]), dict(ignore_eos=1), dict(n=0),
+                                    dict(stop_token_ids=["2"]), dict(ignore_eos=1), dict(n=0), dict(n=4097),
                                     dict(min_tokens=9, max_tokens=8),
                                     # Past float's range: an OverflowError out of math.isfinite.
                                     dict(temperature=10**400), dict(top_p=-10**400)])
 def test_sampling_params_check_types_and_values(kwargs):
     with pytest.raises(InvalidArgument):
         SamplingParams(**kwargs)
-
 
 
 @pytest.mark.parametrize("field, value", [
