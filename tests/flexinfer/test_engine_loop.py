@@ -160,6 +160,7 @@ def test_numpy_numbers_in_sampling_params_sample_as_the_python_numbers_they_stan
         assert_idle_and_released(llm)
     assert got.error is None and [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
 
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_model_len=-1), "max_model_len must be a positive int"),
     (dict(max_model_len=0), "max_model_len must be a positive int"),
