@@ -50,6 +50,17 @@ def stops_from(tokenizer: Tokenizer, ids: list[int], min_tokens: int) -> int:
     return len(_complete_text(tokenizer, ids[:min_tokens - 1])) if min_tokens > 1 else 0
 
 
+def held_text(tokenizer: Tokenizer, ids: list[int], prefix_offset: int, read_offset: int) -> str:
+    """The whole characters of `ids[read_offset:]`, which decode_incremental
+    holds back while their last token ends inside a character: that token's
+    text before the split character (" " of " 😀"'s first bytes) is already
+    output text for final_text, and may complete a stop string."""
+    if read_offset == len(ids):
+        return ""
+    before = len(tokenizer.decode(ids[prefix_offset:read_offset], skip_special_tokens=True))
+    return _complete_text(tokenizer, ids[prefix_offset:])[before:]
+
+
 def _complete_text(tokenizer: Tokenizer, ids: list[int]) -> str:
     """The text of `ids`. One cut inside a multi-byte character (max_tokens,
     a cancel) ends before it, as the stream holds it back: the U+FFFD that

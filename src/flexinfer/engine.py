@@ -32,7 +32,7 @@ import torch
 
 import vtm
 from flexinfer.attention import KernelAttention, make_attention
-from flexinfer.detokenizer import stops_from
+from flexinfer.detokenizer import held_text, stops_from
 from flexinfer.errors import EngineError, InvalidArgument
 from flexinfer.host_memory import keep_freed_memory
 from flexinfer.inputs import KVBudget
@@ -834,13 +834,18 @@ class Engine:
             # Nothing is decoded before the first look, which (offsets at 0)
             # decodes the whole text so far: `window` starts at the output's
             # start then, so stops_from() counts in it as in final_text.
+            # The text of a token that ends inside a character, held back
+            # until a later token completes it, is looked in too (`held`,
+            # not kept): otherwise a stop string it completes went unseen
+            # (the request ran on, and ended "length" at max_tokens).
             new_text, seq.prefix_offset, seq.read_offset = self.tokenizer.decode_incremental(
                 seq.output_ids, seq.prefix_offset, seq.read_offset)
-            if new_text:
+            held = held_text(self.tokenizer, seq.output_ids, seq.prefix_offset, seq.read_offset)
+            if new_text or held:
                 if seq.stops_from is None:
                     seq.stops_from = stops_from(self.tokenizer, seq.output_ids, seq.params.min_tokens)
                 window = seq.text + new_text
-                if any(window.find(s, max(0, seq.stops_from - len(s) + 1)) >= 0 for s in seq.params.stop):
+                if any((window + held).find(s, max(0, seq.stops_from - len(s) + 1)) >= 0 for s in seq.params.stop):
                     return "stop"
                 keep = max(map(len, seq.params.stop)) - 1
                 seq.text = window[-keep:] if keep else ""

@@ -4,6 +4,8 @@ U+FFFD, whichever way it is read."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from flexinfer.detokenizer import IncrementalText, final_text
@@ -39,3 +41,24 @@ def test_a_replacement_character_inside_the_text_stays(byte_level):
     ids = byte_level.encode("日本")
     ids = ids[:1] + byte_level.encode(" ok")
     assert final_text(byte_level, ids, []) == "\ufffd ok"
+
+
+def test_a_stop_string_completed_by_a_token_that_ends_inside_a_character_stops_there(byte_level):
+    """SmolLM2 has " 😀" as " " plus the emoji's first bytes, then its last byte: the first token
+    completes the stop string "café " (its text " " is output text), so the engine stops at it,
+    with reason "stop" even at max_tokens, instead of waiting for the character to be whole."""
+    from flexinfer.engine import Engine
+    from flexinfer.sampling import SamplingParams
+    from flexinfer.sequence import Sequence
+
+    ids = byte_level.encode("café 😀")
+    assert byte_level.decode(ids[:-1]) == "café \ufffd"  # the last token completes the emoji
+    params = SamplingParams(max_tokens=len(ids) - 1, stop=["café "])
+    seq = Sequence(0, 0, 0, [0], params, 0, byte_level.eos_token_ids)
+    engine = types.SimpleNamespace(tokenizer=byte_level)
+    reasons = []
+    for token in ids[:-1]:
+        seq.output_ids.append(token)
+        reasons.append(Engine._stop_reason(engine, seq, token))
+    assert reasons == [None] * (len(ids) - 2) + ["stop"]
+    assert final_text(byte_level, ids[:-1], params.stop) == ""
