@@ -285,3 +285,24 @@ def test_closed_spaces_cost_nothing():
         mgr.check()
     finally:
         mgr.close()
+
+
+def test_future_timeouts_past_any_deadline_wait_and_nan_is_refused():
+    # timeout=inf overflowed the steady_clock deadline, so result() raised
+    # TimeoutError at once; nan did the same instead of naming the bad argument.
+    mgr = manager(4, faults=True, slot_cache_bytes=0)  # every create maps its page
+    s = mgr.create_space(row_bytes=C, max_tokens=4, max_slots=1)
+    mgr.faults.delay("map", 0.2)  # the create is still in flight when result() is called
+    for timeout in (float("inf"), 1e300):
+        vt = s.create(1).result(timeout=timeout)
+        vt.release().result(timeout=timeout)
+    fut = s.create(1)
+    for call in (fut.result, fut.exception):
+        with pytest.raises(vtm.InvalidArgument, match="nan"):
+            call(timeout=float("nan"))
+    with pytest.raises(TimeoutError):
+        fut.result(timeout=-1)  # a deadline already past: no wait, as concurrent.futures
+    assert fut.exception(timeout=None) is None
+    fut.result().release().result()
+    mgr.check()
+    mgr.close()

@@ -9,6 +9,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <unordered_map>
 
@@ -89,12 +91,23 @@ py::object ToPython(const std::shared_ptr<PyManager>& mgr, const FutureValue& va
   return py::none();
 }
 
+// A Python timeout as FutureState::Wait takes it: None waits forever, a
+// negative one does not wait (as concurrent.futures), and one past any real
+// deadline (inf, 1e300) is no deadline: as a steady_clock duration it would
+// overflow and time out at once.
+double TimeoutSeconds(std::optional<double> timeout) {
+  if (!timeout) return -1.0;
+  if (std::isnan(*timeout)) Throw(ErrorCode::kInvalidArgument, "timeout must be a number of seconds, got nan");
+  constexpr double kForeverSeconds = 1e9;
+  return *timeout >= kForeverSeconds ? -1.0 : std::max(*timeout, 0.0);
+}
+
 // Waits without the GIL; raises TimeoutError or the operation's error.
-py::object Result(const PyFuture& f, std::optional<double> timeout) {
+py::object ResultWithin(const PyFuture& f, double timeout_s) {
   bool done;
   {
     py::gil_scoped_release release;
-    done = f.state->Wait(timeout ? *timeout : -1.0);
+    done = f.state->Wait(timeout_s);
   }
   if (!done) {
     PyErr_SetString(PyExc_TimeoutError, "the vtm operation did not finish in time");
@@ -103,6 +116,8 @@ py::object Result(const PyFuture& f, std::optional<double> timeout) {
   if (f.state->error()) std::rethrow_exception(f.state->error());
   return ToPython(f.mgr, f.state->value());
 }
+
+py::object Result(const PyFuture& f, std::optional<double> timeout) { return ResultWithin(f, TimeoutSeconds(timeout)); }
 
 py::object Wait(const std::shared_ptr<PyManager>& mgr, std::shared_ptr<FutureState> state) {
   return Result(PyFuture{mgr, std::move(state)}, std::nullopt);
@@ -336,8 +351,9 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "exception",
           [](const PyFuture& f, std::optional<double> timeout) -> py::object {
+            const double timeout_s = TimeoutSeconds(timeout);  // a bad timeout raises, it is not the operation's error
             try {
-              Result(f, timeout);
+              ResultWithin(f, timeout_s);
             } catch (py::error_already_set& e) {
               if (e.matches(PyExc_TimeoutError)) throw;
               return e.value();
