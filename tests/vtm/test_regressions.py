@@ -4,6 +4,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import vtm
@@ -304,5 +305,32 @@ def test_future_timeouts_past_any_deadline_wait_and_nan_is_refused():
         fut.result(timeout=-1)  # a deadline already past: no wait, as concurrent.futures
     assert fut.exception(timeout=None) is None
     fut.result().release().result()
+    mgr.check()
+    mgr.close()
+
+
+def test_step_and_shrink_targets_of_the_wrong_type_raise_typeerror_and_change_nothing():
+    # pybind11's cast of a dict entry failed with a bare RuntimeError ("Unable to
+    # cast Python instance of type <class 'str'> to C++ type '?'").
+    mgr = manager(8)
+    s = mgr.create_space(row_bytes=C // 2, max_tokens=16, max_slots=2)
+    vt = s.create(3).result()
+    before = (vt.num_tokens, vt.page_chunks(), mgr.stats()["chunks_held"])
+    for call in (lambda: mgr.step({"vt": 4}), lambda: mgr.step({vt: "4"}), lambda: mgr.step({vt: 4.0}),
+                 lambda: mgr.step({vt: [4, 1]}), lambda: mgr.step({vt: ("4", 1)}), lambda: mgr.step({vt: (4, None)}),
+                 lambda: mgr.shrink({1: 2}), lambda: mgr.shrink({vt: None}), lambda: mgr.shrink({vt: (2, 1)})):
+        with pytest.raises(TypeError, match="must be an int|map VTensors"):
+            call()
+        assert (vt.num_tokens, vt.page_chunks(), mgr.stats()["chunks_held"]) == before
+    other = s.create(1).result()
+    with pytest.raises(TypeError):
+        mgr.step({other: 6, vt: "6"})  # a good entry before a bad one is not applied either
+    assert other.num_tokens == 1 and vt.num_tokens == 3
+    for call in (lambda: mgr.step({vt: 1 << 64}), lambda: mgr.step({vt: (4, 1 << 64)}),
+                 lambda: s.prefix_record(vt, [1], stream=1 << 70)):
+        with pytest.raises(vtm.InvalidArgument, match="64-bit range"):
+            call()
+    mgr.step({vt: np.int64(6)}).result()  # numpy ints are ints
+    assert vt.num_tokens == 6
     mgr.check()
     mgr.close()

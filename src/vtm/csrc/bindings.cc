@@ -138,6 +138,31 @@ SpaceInfo DescribeSpace(const PySpace& s) {
   return NoGil([&] { return Core(s.mgr).DescribeSpace(s.id); });
 }
 
+// A count from a dict entry or a stream handle, converted here rather than by
+// pybind11 (whose cast error is a bare RuntimeError): an int, or anything
+// with __index__ (numpy ints); another type is a TypeError naming `what`.
+std::int64_t IntValue(const py::handle& value, const std::string& what) {
+  if (!PyIndex_Check(value.ptr()))
+    throw py::type_error(what + " must be an int, got " + std::string(py::str(py::type::of(value).attr("__name__"))));
+  py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0)
+    Throw(ErrorCode::kInvalidArgument, what + " " + std::string(py::str(index)) + " is out of the 64-bit range");
+  return n;
+}
+
+// A dict key of step/shrink: a VTensor of this manager.
+const PyVTensor& TargetVTensor(const std::shared_ptr<PyManager>& mgr, const py::handle& key, const char* op) {
+  if (!py::isinstance<PyVTensor>(key))
+    throw py::type_error(std::string(op) + ": targets map VTensors to counts, got a key of type " +
+                         std::string(py::str(py::type::of(key).attr("__name__"))));
+  const auto& vt = key.cast<const PyVTensor&>();
+  if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, std::string(op) + ": vTensor of another manager");
+  return vt;
+}
+
 // The stream a fence is recorded on: None is the legacy default stream (0),
 // where torch queues its kernels unless told otherwise; an int is a CUstream
 // handle; anything with a `cuda_stream` attribute (torch.cuda.Stream) is that
@@ -147,7 +172,7 @@ std::uintptr_t StreamHandle(const py::object& stream) {
   py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
   if (!py::isinstance<py::int_>(handle))
     Throw(ErrorCode::kInvalidArgument, "stream must be None, a CUstream handle (int) or have a cuda_stream attribute");
-  const auto value = handle.cast<long long>();
+  const std::int64_t value = IntValue(handle, "stream handle");
   if (value < 0) Throw(ErrorCode::kInvalidArgument, "stream handle must be >= 0, got " + std::to_string(value));
   return static_cast<std::uintptr_t>(value);
 }
@@ -606,18 +631,17 @@ PYBIND11_MODULE(_core, m) {
           [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {
             std::vector<StepTarget> list;
             for (auto item : targets) {
-              const auto& vt = item.first.cast<const PyVTensor&>();
-              if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, "step: vTensor of another manager");
+              const PyVTensor& vt = TargetVTensor(mgr, item.first, "step");
               list.push_back(StepTarget{vt.id, 0, std::nullopt});
               // n_tokens, or (n_tokens, low) to raise the low mark too.
               if (py::isinstance<py::tuple>(item.second)) {
                 auto pair = item.second.cast<py::tuple>();
                 if (pair.size() != 2)
                   Throw(ErrorCode::kInvalidArgument, "step: a target is n_tokens or (n_tokens, low)");
-                list.back().num_tokens = Count(pair[0].cast<std::int64_t>(), "num_tokens");
-                list.back().low = Count(pair[1].cast<std::int64_t>(), "low");
+                list.back().num_tokens = Count(IntValue(pair[0], "step: num_tokens"), "num_tokens");
+                list.back().low = Count(IntValue(pair[1], "step: low"), "low");
               } else {
-                list.back().num_tokens = Count(item.second.cast<std::int64_t>(), "num_tokens");
+                list.back().num_tokens = Count(IntValue(item.second, "step: num_tokens"), "num_tokens");
               }
             }
             return PyFuture{mgr, NoGil([&] { return Core(mgr).Step(std::move(list)); })};
@@ -628,9 +652,8 @@ PYBIND11_MODULE(_core, m) {
           [](const std::shared_ptr<PyManager>& mgr, py::dict targets) {
             std::vector<ShrinkTarget> list;
             for (auto item : targets) {
-              const auto& vt = item.first.cast<const PyVTensor&>();
-              if (vt.mgr != mgr) Throw(ErrorCode::kFailedPrecondition, "shrink: vTensor of another manager");
-              list.push_back(ShrinkTarget{vt.id, Count(item.second.cast<std::int64_t>(), "num_tokens")});
+              const PyVTensor& vt = TargetVTensor(mgr, item.first, "shrink");
+              list.push_back(ShrinkTarget{vt.id, Count(IntValue(item.second, "shrink: num_tokens"), "num_tokens")});
             }
             return PyFuture{mgr, NoGil([&] { return Core(mgr).Shrink(std::move(list)); })};
           },
