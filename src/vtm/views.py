@@ -8,6 +8,7 @@ asked for.
 
 from __future__ import annotations
 
+import operator
 import sys
 
 from vtm.errors import InvalidArgument
@@ -30,11 +31,14 @@ class _Exporter:
         # resolves, so there is no pending work to order against `stream`.
         # DLPack 1.0 capsules say "writable"; legacy ones are for consumers
         # that do not ask for a version (numpy imports those read-only).
+        # Consumed only once a capsule exists: numpy retries without
+        # max_version when the first call raises, and must see that error again.
         if self._space is None:
             raise RuntimeError("this DLPack export was already consumed")
-        space, self._space = self._space, None
         versioned = max_version is not None and max_version[0] >= 1
-        return space._dlpack(*self._args, versioned)
+        capsule = self._space._dlpack(*self._args, versioned)
+        self._space = None
+        return capsule
 
     def __dlpack_device__(self):
         return self._device
@@ -80,14 +84,18 @@ def tensor(space, dtype, shape=None):
         import numpy as np
 
         np_dtype = np.dtype(dtype)
-        if np_dtype.kind not in _NUMPY_KINDS:
+        if np_dtype.kind not in _NUMPY_KINDS or np_dtype.itemsize not in (1, 2, 4, 8):
             raise InvalidArgument(f"space.tensor: unsupported numpy dtype {np_dtype}")
         code, bits = _NUMPY_KINDS[np_dtype.kind], np_dtype.itemsize * 8
         use_torch = False
     itemsize = bits // 8
     if shape is None:
         shape = (space.max_slots, space.slot_bytes // itemsize)
-    exporter = _Exporter(space, code, bits, [int(d) for d in shape])
+    # operator.index, not int: a float dimension is a mistake, not a size to truncate.
+    dims = [operator.index(d) for d in shape]
+    if any(d >= 1 << 63 for d in dims):
+        raise InvalidArgument(f"space.tensor: shape {dims} has a dimension past the 64-bit range")
+    exporter = _Exporter(space, code, bits, dims)
     if use_torch:
         import torch
 

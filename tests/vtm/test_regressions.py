@@ -334,3 +334,21 @@ def test_step_and_shrink_targets_of_the_wrong_type_raise_typeerror_and_change_no
     assert vt.num_tokens == 6
     mgr.check()
     mgr.close()
+
+
+def test_a_refused_numpy_view_raises_a_typed_error_naming_the_problem():
+    # float128 reached numpy as a 128-bit DLPack float ("RuntimeError: Unsupported
+    # dtype in DLTensor"); a shape past int64 failed, numpy retried the consumed
+    # export and said only "this DLPack export was already consumed"; a float
+    # dimension was silently truncated (2.5 rows became 2).
+    mgr = manager(8)
+    s = mgr.create_space(row_bytes=C // 2, max_tokens=16, max_slots=2)
+    with pytest.raises(vtm.InvalidArgument, match="unsupported numpy dtype"):
+        s.tensor(np.longdouble if np.dtype(np.longdouble).itemsize > 8 else np.complex64)
+    with pytest.raises(vtm.InvalidArgument, match="64-bit range"):
+        s.tensor("uint8", shape=(1 << 64,))
+    with pytest.raises(TypeError):
+        s.tensor("uint8", shape=(2.5,))
+    assert s.tensor("uint8", shape=(np.int64(3),)).shape == (3,)
+    mgr.check()
+    mgr.close()
