@@ -28,8 +28,7 @@ def cut_at_stop(text: str, stop: list[str], stops_from: int = 0) -> tuple[str, b
     return (text[:min(cuts)], True) if cuts else (text, False)
 
 
-# An incomplete UTF-8 sequence is at most 3 bytes; decoders show it as one
-# U+FFFD (byte-level BPE) or one per byte (byte fallback).
+# An incomplete UTF-8 sequence is at most 3 bytes; decoders show it as one U+FFFD.
 _MAX_INCOMPLETE = 3
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -29,6 +30,8 @@ _GGUF_TOKENS_MATCHED_WHOLE = (_GGUF_TOKEN_UNKNOWN, _GGUF_TOKEN_CONTROL, _GGUF_TO
 _GGUF_MERGEABLE_TYPES = (_GGUF_TOKEN_NORMAL, _GGUF_TOKEN_USER_DEFINED)
 # SentencePiece's stand-in for a space.
 _SPM_SPACE = "\u2581"
+# A SentencePiece byte-fallback token: one byte of a character outside the vocabulary.
+_SPM_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # GPT-2's split rule; the base of most byte-level BPE pre-tokenizers.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -269,10 +272,30 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], token_types: 
     # the prefix follows every special token too, as llama.cpp's does.
     backend.normalizer = normalizers.Sequence(
         ([normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []) + [normalizers.Replace(" ", _SPM_SPACE)])
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    backend.decoder = decoders.Decoder.custom(_SentencePieceDecoder(strip_leading_space=add_space_prefix))
     return backend
+
+
+class _SentencePieceDecoder:
+    """Tokens to text as llama.cpp's token_to_piece gives them: spaces for
+    U+2581, <0xNN> tokens as their byte, all joined into one byte string
+    whose invalid UTF-8 sequences become one U+FFFD each. The tokenizers
+    library's ByteFallback decoder instead turns a whole run of byte tokens
+    into one U+FFFD per byte when any of them is invalid: a newline (<0x0A>)
+    before a character cut short or ill-formed would vanish from the text,
+    which then disagrees with the text streamed before that character."""
+
+    def __init__(self, strip_leading_space: bool) -> None:
+        # The space llama.cpp prepends when encoding (add_space_prefix) is not the text's.
+        self._strip_leading_space = strip_leading_space
+
+    def decode_chain(self, tokens: list[str]) -> list[str]:
+        data = bytearray()
+        for token in tokens:
+            byte = _SPM_BYTE_TOKEN.fullmatch(token)
+            data += bytes([int(byte[1], 16)]) if byte else token.replace(_SPM_SPACE, " ").encode("utf-8")
+        text = data.decode("utf-8", "replace")
+        return [text[1:] if self._strip_leading_space and text.startswith(" ") else text]
 
 
 def _is_int(value: Any) -> bool:

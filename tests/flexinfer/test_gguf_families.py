@@ -30,6 +30,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noq
 
 from flexinfer import LLM, SamplingParams  # noqa: E402
 from flexinfer.attention import KernelAttention  # noqa: E402
+from flexinfer.detokenizer import IncrementalText, final_text  # noqa: E402
 from flexinfer.errors import ModelLoadError  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
 from flexinfer.model.config import FULL, SLIDING  # noqa: E402
@@ -566,6 +567,23 @@ def test_sentencepiece_tokens_spaces_and_bytes():
         assert plain.decode(plain.encode(text), skip_special_tokens=False) == text
         if "s>" not in text:
             assert prefixed.decode(prefixed.encode(text), skip_special_tokens=False) == text
+
+
+def test_sentencepiece_bytes_before_an_incomplete_character_keep_their_text():
+    """A byte token of a whole character (Llama's newline is <0x0A>) stays
+    text when the byte tokens after it do not form a character: cut short
+    by max_tokens, or ill-formed. Only those bytes become U+FFFD, as
+    llama.cpp's bytes decode, and the stream and the whole output agree."""
+    tokenizer = Tokenizer.from_gguf_metadata(_spm_metadata(VOCAB, None), "t.gguf")
+    ids = tokenizer.encode("Hi\n🦙")
+    assert [tokenizer.id_to_token(i) for i in ids[-5:]] == ["<0x0A>", "<0xF0>", "<0x9F>", "<0xA6>", "<0x99>"]
+    cut = ids[:-2]
+    stream = IncrementalText(tokenizer, [])
+    assert "".join(stream.push([i]) for i in cut) + stream.finish() == final_text(tokenizer, cut, []) == "Hi\n"
+    stray = tokenizer.encode("Hi\n") + [tokenizer.token_to_id("<0x9F>")] + tokenizer.encode("x")
+    assert tokenizer.decode(stray) == "Hi\n\ufffd x"
+    stream = IncrementalText(tokenizer, [])
+    assert "".join(stream.push([i]) for i in stray) + stream.finish() == "Hi\n\ufffd x"
 
 
 def test_sentencepiece_missing_scores_is_refused():
