@@ -23,8 +23,8 @@ here and saved as a Hugging Face folder; nothing is downloaded.
    (the weights' bytes over a device copy's bandwidth measured in the run);
    the engine as it is (Triton layer ops, overlap), then as baselines in the
    same run without overlap (the host reads each step's tokens before it
-   plans the next) and with the layer ops as torch ops; sampled rows with
-   the Triton draw, and with the draw as torch ops.
+   plans the next) and with the layer ops as torch ops; sampled rows, and
+   sampled rows with the Triton draw against the draw as torch ops.
 5. The kernels of a decode step by time (eager steps under torch.profiler).
 
 Usage: python scripts/bench_gpu.py [--quick] [--json PATH] [--attention NAME] [--hf-attn sdpa|eager]
@@ -418,12 +418,16 @@ class StepClock:
         self.engine.step, self.engine.graphs.run = self._step, self._run
 
 
-def _torch_draw(make_sampler):
-    """The engine's sampler factory, its samplers drawing with torch ops
-    (a sort of the vocabulary for top-p) instead of the Triton draw."""
+def _forced_draw(make_sampler, kernel: bool):
+    """The engine's sampler factory, its samplers drawing with the Triton
+    kernel (kernel) or with torch ops (a sort of the vocabulary for top-p)
+    whatever the batch: the engine picks by DRAW_KERNEL_FROM_ROWS, so as it
+    is the two would be the same draw at some batch sizes."""
+    from flexinfer.kernels import triton_sampling
+
     def make(facts):
         sampler = make_sampler(facts)
-        sampler._draw_kernel = None
+        sampler._draw_kernel = triton_sampling.draw if kernel else None
         return sampler
     return make
 
@@ -437,9 +441,11 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
     residual add, rotary embedding and K/V write, SiLU*up: the CUDA path
     before triton_layer_ops.py). Then, at the smallest and largest batch,
     sampled requests (temperature 0.8, top_p 0.95): chosen on the device
-    (unseeded, and each with a seed of its own), on the device with the
-    draw as torch ops (before kernels/triton_sampling.py), and on the host
-    as before BatchSampler (each step read at once)."""
+    (unseeded, and each with a seed of its own; the draw as the engine
+    picks it by batch size), with the Triton draw and with the draw as
+    torch ops at every size (kernels/triton_sampling.py against its
+    reference), and on the host as before BatchSampler (each step read at
+    once)."""
     rows = []
     print(f"  weight-streaming bound {bound_us:.1f} µs a step")
     print("  engine          batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
@@ -448,6 +454,7 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
     variants = (("now", "triton", None, 0.0, batches, None), ("no overlap", "triton", False, 0.0, batches, None),
                 ("torch ops", "torch", None, 0.0, batches, None), ("sampled", "triton", None, 0.8, ends, None),
                 ("sampled, seeded", "triton", None, 0.8, ends, 1),
+                ("sampled, Triton draw", "triton", None, 0.8, ends, None),
                 ("sampled, torch draw", "triton", None, 0.8, ends, None),
                 ("sampled on host", "triton", None, 0.8, ends, None))
     for name, ops, overlap, temperature, sizes, seed in variants:
@@ -461,8 +468,8 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
             llm.model.layer_ops, llm.model.norm_adds_residual = None, False
         if name == "sampled on host":
             llm.engine.sampling_device = None
-        if name == "sampled, torch draw":
-            llm.engine._batch_sampler = _torch_draw(llm.engine._batch_sampler)
+        if name in ("sampled, Triton draw", "sampled, torch draw"):
+            llm.engine._batch_sampler = _forced_draw(llm.engine._batch_sampler, kernel=name == "sampled, Triton draw")
         clock = StepClock(llm.engine)
         try:
             for batch in sizes:
@@ -486,7 +493,7 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
             clock.close()
             _close(llm)
     baselines = {"no overlap": ("now", "speedup_of_overlap"), "torch ops": ("now", "speedup_over_torch_ops"),
-                 "sampled, torch draw": ("sampled", "speedup_of_the_draw_kernel"),
+                 "sampled, torch draw": ("sampled, Triton draw", "speedup_of_the_draw_kernel"),
                  "sampled on host": ("sampled", "speedup_of_device_sampling")}
     by_name = {(r["engine"], r["batch"]): r for r in rows}
     for r in rows:

@@ -63,6 +63,18 @@ def _key(x):
 
 
 @triton.jit
+def _top_k_weight(x, m, kth):
+    """exp(x - m) for the logits within top-k (keys at or above kth), else 0."""
+    return tl.where(_key(x).to(tl.int64) >= kth, tl.exp(x - m), 0.0)
+
+
+@triton.jit
+def _at_or_above(w, bar):
+    """The weights whose bits are at or above top-p's bar, else 0."""
+    return tl.where(w.to(tl.int32, bitcast=True).to(tl.int64) >= bar, w, 0.0)
+
+
+@triton.jit
 def _draw_kernel(x_ptr, x_stride, top_k_ptr, top_p_ptr, u_ptr, out_ptr, vocab,
                  FILTER: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -102,8 +114,7 @@ def _draw_kernel(x_ptr, x_stride, top_k_ptr, top_p_ptr, u_ptr, out_ptr, vocab,
             z = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
             for start in range(0, vocab, BLOCK):
                 x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf"))
-                kept = _key(x).to(tl.int64) >= kth
-                z += tl.sum(tl.where(kept, tl.exp(x - m), 0.0), axis=0)
+                z += tl.sum(_top_k_weight(x, m, kth), axis=0)
             reach = top_p * z
             # Invariant: the mass of the weights above lo reaches top_p, that above hi does not
             # (the largest weight, exp(0) = 1, has nothing above it).
@@ -114,7 +125,7 @@ def _draw_kernel(x_ptr, x_stride, top_k_ptr, top_p_ptr, u_ptr, out_ptr, vocab,
                 above = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
                 for start in range(0, vocab, BLOCK):
                     x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf"))
-                    w = tl.where(_key(x).to(tl.int64) >= kth, tl.exp(x - m), 0.0)
+                    w = _top_k_weight(x, m, kth)
                     above += tl.sum(tl.where(w.to(tl.int32, bitcast=True).to(tl.int64) > mid, w, 0.0), axis=0)
                 short = above < reach
                 lo = tl.where(short, lo, mid)
@@ -124,8 +135,7 @@ def _draw_kernel(x_ptr, x_stride, top_k_ptr, top_p_ptr, u_ptr, out_ptr, vocab,
     total = tl.sum(tl.zeros([BLOCK], tl.float64), axis=0)
     for start in range(0, vocab, BLOCK):
         x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf"))
-        w = tl.where(_key(x).to(tl.int64) >= kth, tl.exp(x - m), 0.0)
-        w = tl.where(w.to(tl.int32, bitcast=True).to(tl.int64) >= bar, w, 0.0)
+        w = _at_or_above(_top_k_weight(x, m, kth), bar)
         total += tl.sum(w.to(tl.float64), axis=0)
     target = tl.load(u_ptr + row) * total
 
@@ -135,8 +145,7 @@ def _draw_kernel(x_ptr, x_stride, top_k_ptr, top_p_ptr, u_ptr, out_ptr, vocab,
     for start in range(0, vocab, BLOCK):
         index = start + cols
         x = tl.load(base + index, mask=index < vocab, other=float("-inf"))
-        w = tl.where(_key(x).to(tl.int64) >= kth, tl.exp(x - m), 0.0)
-        w = tl.where(w.to(tl.int32, bitcast=True).to(tl.int64) >= bar, w, 0.0)
+        w = _at_or_above(_top_k_weight(x, m, kth), bar)
         w64 = w.to(tl.float64)
         sums = running + tl.cumsum(w64, axis=0)
         # Weight > 0: a token of weight 0 has an empty interval, whatever the scan's rounding.
