@@ -282,75 +282,60 @@ class Reservation {
     bytes_ = 0;
   }
 
+  // Forgets the range without freeing it: for a copy scratch range whose
+  // mapping the driver would not unmap. Reused, every later cuMemMap there
+  // would fail, and a tier whose copies all fail is a tier lost for good;
+  // the next copy reserves a fresh range instead, leaking this one's address
+  // space (and the chunk the stale mapping keeps alive).
+  void Abandon() {
+    va_ = 0;
+    bytes_ = 0;
+  }
+
  private:
   const DriverTable& fn_;
   CUdeviceptr va_ = 0;
   std::size_t bytes_ = 0;
 };
 
-// One mapping of a whole chunk, unmapped on destruction unless Unmap() already
-// did so. Used only for the copy scratch range.
-class ScopedMapping {
- public:
-  ScopedMapping(const DriverTable& fn, CUdeviceptr va, std::size_t bytes,
-                CUmemGenericAllocationHandle chunk)
-      : fn_(fn), va_(va), bytes_(bytes) {
-    Check(fn_, "cuMemMap", fn_.cuMemMap(va_, bytes_, 0, chunk, 0));
-    mapped_ = true;
-  }
-  ~ScopedMapping() {
-    // The error path: the copy already failed and reports that error; an
-    // unmap failure on top of it has nothing useful to add.
-    if (mapped_) fn_.cuMemUnmap(va_, bytes_);
-  }
-  ScopedMapping(const ScopedMapping&) = delete;
-  ScopedMapping& operator=(const ScopedMapping&) = delete;
-
-  // The success path: an unmap failure is reported, since it would otherwise
-  // surface as a puzzling cuMemMap failure in the next copy.
-  void Unmap() {
-    mapped_ = false;
-    Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va_, bytes_));
-  }
-
- private:
-  const DriverTable& fn_;
-  CUdeviceptr va_;
-  std::size_t bytes_;
-  bool mapped_ = false;
-};
-
-// Chunks mapped one after another from `va` (the copy scratch range), all
-// unmapped on destruction unless Unmap() already did so: one call for the
-// run, as the manager unmaps a vTensor's adjacent pages.
+// Chunks mapped one after another from the start of the copy scratch range,
+// all unmapped on destruction unless Unmap() already did so: one call for the
+// run, as the manager unmaps a vTensor's adjacent pages. Whole chunks are
+// mapped because the driver maps a handle only from offset 0 to its end. A
+// run the driver will not unmap abandons the range (Reservation::Abandon).
 class ScopedRun {
  public:
-  ScopedRun(const DriverTable& fn, CUdeviceptr va) : fn_(fn), va_(va) {}
+  ScopedRun(const DriverTable& fn, Reservation& scratch) : fn_(fn), scratch_(scratch) {}
   ~ScopedRun() {
-    // The error path, as ScopedMapping's.
-    if (bytes_ > 0) fn_.cuMemUnmap(va_, bytes_);
+    // The error path: the copy already failed and reports that error; an
+    // unmap failure on top of it has nothing useful to add.
+    if (bytes_ > 0 && fn_.cuMemUnmap(scratch_.va(), bytes_) != CUDA_SUCCESS) scratch_.Abandon();
   }
   ScopedRun(const ScopedRun&) = delete;
   ScopedRun& operator=(const ScopedRun&) = delete;
 
   // Maps `chunk` (`bytes`) after the run's end; its address.
   CUdeviceptr Map(std::size_t bytes, CUmemGenericAllocationHandle chunk) {
-    const CUdeviceptr va = va_ + bytes_;
+    const CUdeviceptr va = scratch_.va() + bytes_;
     Check(fn_, "cuMemMap", fn_.cuMemMap(va, bytes, 0, chunk, 0));
     bytes_ += bytes;
     return va;
   }
 
-  // The success path: an unmap failure is reported (see ScopedMapping).
+  // The success path: an unmap failure is reported, since the copy's caller
+  // should hear that the device misbehaved.
   void Unmap() {
     const std::size_t bytes = bytes_;
     bytes_ = 0;
-    if (bytes > 0) Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va_, bytes));
+    if (bytes == 0) return;
+    const CUresult result = fn_.cuMemUnmap(scratch_.va(), bytes);
+    if (result != CUDA_SUCCESS) scratch_.Abandon();
+    Check(fn_, "cuMemUnmap", result);
   }
 
  private:
   const DriverTable& fn_;
-  CUdeviceptr va_;
+  Reservation& scratch_;
   std::size_t bytes_ = 0;
 };
 
@@ -604,17 +589,15 @@ class CudaBackend final : public Backend {
     if (dst == src) return;  // copying a chunk onto itself changes nothing
 
     // Copies are rare (one per prefix match ending inside a page), so one
-    // scratch range serialised by a mutex is enough. Whole chunks are mapped
-    // because the driver maps a handle only from offset 0 to its end.
+    // scratch range serialised by a mutex is enough.
     std::lock_guard<std::mutex> lock(copy_mu_);
     ScopedContext current(fn_, context_.get());
     const std::size_t needed = src_bytes + dst_bytes;
     if (scratch_.bytes() < needed) scratch_.Reset(needed, granularity_);
 
-    const CUdeviceptr src_va = scratch_.va();
-    const CUdeviceptr dst_va = scratch_.va() + src_bytes;  // aligned: sizes are
-    ScopedMapping src_map(fn_, src_va, src_bytes, src);    // granularity multiples
-    ScopedMapping dst_map(fn_, dst_va, dst_bytes, dst);
+    ScopedRun run(fn_, scratch_);
+    const CUdeviceptr src_va = run.Map(src_bytes, src);
+    const CUdeviceptr dst_va = run.Map(dst_bytes, dst);
     // One call for both: the two mappings are adjacent.
     Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(src_va, needed, &access_, 1));
     // On vtm's own stream, after the kernels that wrote `src` (the fence)
@@ -626,8 +609,7 @@ class CudaBackend final : public Backend {
       Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
     Check(fn_, "cuMemcpyDtoDAsync", fn_.cuMemcpyDtoDAsync(dst_va, src_va, bytes, copy_stream_));
     Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
-    dst_map.Unmap();
-    src_map.Unmap();
+    run.Unmap();
   }
 
   void* alloc_host(std::size_t bytes) override {
@@ -703,7 +685,7 @@ class CudaBackend final : public Backend {
     if (scratch_.bytes() < total) scratch_.Reset(total, granularity_);
     if (fence != nullptr)
       Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
-    ScopedRun run(fn_, scratch_.va());
+    ScopedRun run(fn_, scratch_);
     try {
       for (std::size_t i = 0; i < chunks.size(); ++i) {
         const CUdeviceptr va = run.Map(sizes[i], chunks[i]);
@@ -727,11 +709,12 @@ class CudaBackend final : public Backend {
     try {
       std::lock_guard<std::mutex> lock(copy_mu_);
       if (scratch_.bytes() < granularity_) scratch_.Reset(granularity_, granularity_);
-      ScopedMapping mapping(fn_, scratch_.va(), granularity_, handle);
-      Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(scratch_.va(), granularity_, &access_, 1));
-      Check(fn_, "cuMemsetD8Async", fn_.cuMemsetD8Async(scratch_.va(), 0, granularity_, copy_stream_));
+      ScopedRun run(fn_, scratch_);
+      const CUdeviceptr va = run.Map(granularity_, handle);
+      Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, granularity_, &access_, 1));
+      Check(fn_, "cuMemsetD8Async", fn_.cuMemsetD8Async(va, 0, granularity_, copy_stream_));
       Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
-      mapping.Unmap();
+      run.Unmap();
     } catch (...) {
       fn_.cuMemRelease(handle);
       throw;
