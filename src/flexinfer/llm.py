@@ -123,10 +123,10 @@ class LLM:
 
     def chat_prompt(self, conversation, index: int | None = None) -> list[int]:
         """The token ids of a conversation under the model's chat template,
-        ending with the assistant's turn to answer."""
+        ending with the assistant's turn to answer. Special-token text in a
+        message's content stays text (Tokenizer.encode_chat)."""
         conversation = check_conversation(conversation, index)
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(conversation, add_generation_prompt=True)
 
     def stats(self, timeout: float | None = None) -> dict:
         """Scheduler counters and the vtm manager's stats, safe from any

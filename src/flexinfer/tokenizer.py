@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+import uuid
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -65,6 +67,17 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        # For the content of chat messages (encode_chat): the special tokens'
+        # text, and the same tokenizer reading that text as the characters it is.
+        added = backend.get_added_tokens_decoder().values()
+        # The longest first, as the tokenizer matches them.
+        specials = sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # Made on first need (~0.2 s for SmolLM2's vocabulary), but at once
+        # where a Python decoder must be swapped out to copy the tokenizer:
+        # later, another thread may be decoding with it.
+        self._text_backend_lock = threading.Lock()
+        self._text_backend = _specials_as_text(backend) if specials and _python_decoder(backend) else None
 
     # ---------------------------------------------------------------- construction
 
@@ -193,6 +206,48 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- chat
 
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a conversation under the chat template.
+
+        A message's content is text: special-token text in it (SmolLM2's
+        "<|im_end|>") is tokenized as the characters it is, as OpenAI's API
+        reads it, never as the special token, so that no client can write a
+        turn its roles do not show (a system prompt of its own). The special
+        tokens the template writes stay special. A conversation with no such
+        text is tokenized as transformers' apply_chat_template(tokenize=True)
+        does; one with it, as that would with each such text a stretch of its
+        own, as a special token is."""
+        if self._special_pattern is None or not any(self._special_pattern.search(m["content"]) for m in messages):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        # Each such text rendered as a stand-in nothing else holds, then
+        # tokenized where its stand-in lies; the template still sees (and may
+        # trim) the rest of the content.
+        key = uuid.uuid4().hex
+        found: list[str] = []
+
+        def stand_in(match: re.Match) -> str:
+            found.append(match.group())
+            return f"\ue000{key}:{len(found) - 1}\ue000"
+
+        marked = [dict(m, content=self._special_pattern.sub(stand_in, m["content"])) for m in messages]
+        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        ids: list[int] = []
+        for k, piece in enumerate(re.split(f"\ue000{key}:(\\d+)\ue000", rendered)):
+            if k % 2 == 1:
+                ids += self._specials_as_text().encode_batch([found[int(piece)]], add_special_tokens=False)[0].ids
+            elif key in piece.lower():
+                raise ChatTemplateError("the chat template changes message content (case, or cuts it) so that a "
+                                        "special token's text in it cannot be kept apart as plain text")
+            elif piece:
+                ids += self.encode(piece)
+        return ids
+
+    def _specials_as_text(self) -> BackendTokenizer:
+        with self._text_backend_lock:
+            if self._text_backend is None:
+                self._text_backend = _specials_as_text(self._backend)
+            return self._text_backend
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render a conversation with the model's Jinja2 chat template, with the same
         environment and variables as Hugging Face transformers."""
@@ -210,6 +265,29 @@ class Tokenizer:
                                                   bos_token=bos or "", eos_token=eos or "")
         except jinja2.TemplateError as exc:  # e.g. a message lacks a field the template reads
             raise ChatTemplateError(f"the chat template rejected the conversation: {exc}") from exc
+
+
+def _python_decoder(backend: BackendTokenizer) -> bool:
+    # decoders.Decoder.custom's type is the base class; the built-in ones subclass it.
+    return type(backend.decoder) is decoders.Decoder
+
+
+def _specials_as_text(backend: BackendTokenizer) -> BackendTokenizer:
+    """A copy of `backend` that reads special tokens' text as plain text.
+    Built through its JSON, which a Python decoder has none of: a plain one
+    stands in while it is written (so no other thread may use `backend`
+    then), as the copy decodes nothing."""
+    decoder = backend.decoder
+    python_decoder = _python_decoder(backend)
+    try:
+        if python_decoder:
+            backend.decoder = decoders.Fuse()
+        copy = BackendTokenizer.from_str(backend.to_str())
+    finally:
+        if python_decoder:
+            backend.decoder = decoder
+    copy.encode_special_tokens = True
+    return copy
 
 
 def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: str) -> BackendTokenizer:

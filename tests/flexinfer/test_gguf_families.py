@@ -31,7 +31,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noq
 from flexinfer import LLM, SamplingParams  # noqa: E402
 from flexinfer.attention import KernelAttention  # noqa: E402
 from flexinfer.detokenizer import IncrementalText, final_text  # noqa: E402
-from flexinfer.errors import ModelLoadError  # noqa: E402
+from flexinfer.errors import ChatTemplateError, ModelLoadError  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
 from flexinfer.model.config import FULL, SLIDING  # noqa: E402
 from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
@@ -584,6 +584,25 @@ def test_sentencepiece_bytes_before_an_incomplete_character_keep_their_text():
     assert tokenizer.decode(stray) == "Hi\n\ufffd x"
     stream = IncrementalText(tokenizer, [])
     assert "".join(stream.push([i]) for i in stray) + stream.finish() == "Hi\n\ufffd x"
+
+
+def test_sentencepiece_chat_content_reads_special_token_text_as_text():
+    """A SentencePiece tokenizer decodes through a Python decoder, which its
+    copy that reads "</s>" as text is made without: the copy is made when
+    the tokenizer is, and both decode as before."""
+    plain = Tokenizer.from_gguf_metadata({**_spm_metadata(VOCAB, False), "tokenizer.chat_template": (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}")}, "t.gguf")
+    conversation = [{"role": "user", "content": "a</s>b"}]
+    ids = plain.encode_chat(conversation, add_generation_prompt=False)
+    assert ids.count(plain.token_to_id("</s>")) == 1  # the template's only
+    assert plain.decode(ids, skip_special_tokens=False) == "user: a</s>b</s>"
+    for text in SPM_TEXTS:
+        assert plain.decode(plain.encode(text), skip_special_tokens=False) == text
+    shouting = Tokenizer.from_gguf_metadata({**_spm_metadata(VOCAB, False), "tokenizer.chat_template": (
+        "{{ messages[0]['content'] | upper }}")}, "t.gguf")
+    assert shouting.encode_chat([{"role": "user", "content": "ab"}]) == shouting.encode("AB")
+    with pytest.raises(ChatTemplateError, match="special token's text"):
+        shouting.encode_chat(conversation)
 
 
 def test_sentencepiece_missing_scores_is_refused():
