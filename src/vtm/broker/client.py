@@ -814,6 +814,11 @@ class RemoteManager:
             return RemoteMatch(vt, reply.matched_tokens, reply.restored_tokens)
         return self._submit(run, data_plane=True)
 
+    def _prefix_forget(self, space: RemoteSpace, token_ids) -> RemoteFuture:
+        request = _message(vtm_pb2.PrefixMatchRequest, "prefix_forget", space_id=space.id,
+                           token_ids=_token_ids(token_ids))
+        return self._submit(lambda: self._rpc("prefix_forget", self._stub.PrefixForget, request).value)
+
     def _clear_prefixes(self, space: RemoteSpace) -> RemoteFuture:
         def run():
             reply = self._rpc("clear_prefixes", self._stub.ClearPrefixes, vtm_pb2.SpaceRequest(space_id=space.id))

@@ -187,6 +187,10 @@ class RemoteSpace:
         self._open()
         return self._mgr._prefix_match(self, token_ids, stream)
 
+    def prefix_forget(self, token_ids) -> RemoteFuture:
+        self._open()
+        return self._mgr._prefix_forget(self, token_ids)
+
     def clear_prefixes(self) -> int:
         self._open()
         return self._mgr._clear_prefixes(self).result()

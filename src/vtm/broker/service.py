@@ -942,6 +942,12 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             return vtm_pb2.OpReply(value=restore)
         return self._run(context, body)
 
+    def PrefixForget(self, request, context):
+        def body(session):
+            removed = self._space(session, request.space_id).prefix_forget(list(request.token_ids)).result()
+            return self._reply(session, value=removed)
+        return self._run(context, body)
+
     def ClearPrefixes(self, request, context):
         def body(session):
             dropped = self._space(session, request.space_id).clear_prefixes()

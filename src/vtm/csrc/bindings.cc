@@ -489,6 +489,14 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("token_ids"),
           "The host-tier bytes a prefix_match of token_ids would copy back if it ran now (0 without a tier).")
+      .def(
+          "prefix_forget",
+          [](const PySpace& s, std::vector<std::int32_t> tokens) {
+            return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).PrefixForget(s.id, std::move(tokens)); })};
+          },
+          py::arg("token_ids"),
+          "Future[int]: takes back one prefix_record of token_ids; the nodes no other record or live vTensor "
+          "needs leave the tree. The tokens removed; 0 when the tree holds no record of them.")
       .def("clear_prefixes",
            [](const PySpace& s) { return Wait(s.mgr, NoGil([&] { return Core(s.mgr).ClearPrefixes(s.id); })); })
       .def("close", [](const PySpace& s) { Wait(s.mgr, NoGil([&] { return Core(s.mgr).CloseSpace(s.id); })); })

@@ -274,6 +274,11 @@ std::uint64_t Manager::TreeKey(std::uint32_t space) const {
   return it != tree_key_of_space_.end() ? it->second : kTreeKeyBit;
 }
 
+std::shared_ptr<FutureState> Manager::PrefixForget(std::uint32_t space, std::vector<std::int32_t> tokens) {
+  return Submit("prefix_forget", {TreeKey(space)}, false,
+                [this, space, tokens = std::move(tokens)] { return DoForget(space, tokens); });
+}
+
 std::shared_ptr<FutureState> Manager::ClearPrefixes(std::uint32_t space) {
   return Submit("clear_prefixes", {}, true, [this, space] { return DoClearPrefixes(space); });
 }

@@ -263,6 +263,13 @@ class Manager {
   // The pages a match of `tokens` would restore from the host tier if it ran
   // now (0 without a tier); ops queued before this call are not waited for.
   std::size_t PrefixRestorePages(std::uint32_t space, const std::vector<std::int32_t>& tokens) const;
+  // Takes back one record of `tokens` in `space`'s tree (PrefixTree::Forget):
+  // the nodes only it needed leave the tree, with their chunk references and
+  // host-tier blocks. Returns the tokens removed; 0 (not an error) when the
+  // tree holds no record of that path any more. Ordered on the tree, as
+  // records and matches are; it drops references only, so it touches no
+  // backend and cannot fail halfway.
+  std::shared_ptr<FutureState> PrefixForget(std::uint32_t space, std::vector<std::int32_t> tokens);
   // Barriers: they run after everything submitted before them.
   std::shared_ptr<FutureState> ClearPrefixes(std::uint32_t space);
   std::shared_ptr<FutureState> Trim(std::optional<std::size_t> bytes);
@@ -336,6 +343,7 @@ class Manager {
                       const Fence* after, std::size_t max_restore_pages);
   // Where a match of `tokens` in `sp` ends, before any restore.
   TreePosition MatchPosition(const Space& sp, const std::vector<std::int32_t>& tokens) const;
+  FutureValue DoForget(std::uint32_t space, const std::vector<std::int32_t>& tokens);
   FutureValue DoClearPrefixes(std::uint32_t space);
   FutureValue DoTrim(std::optional<std::size_t> bytes);
   FutureValue DoCloseSpace(std::uint32_t space);

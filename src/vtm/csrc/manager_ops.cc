@@ -527,6 +527,14 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   return MatchResult{id, m, restored};
 }
 
+FutureValue Manager::DoForget(std::uint32_t space, const std::vector<std::int32_t>& tokens) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Space& sp = LiveSpace(space);
+  const std::size_t removed = sp.tree->Forget(tokens.data(), tokens.size());
+  AfterCommit();
+  return static_cast<std::int64_t>(removed);
+}
+
 FutureValue Manager::DoClearPrefixes(std::uint32_t space) {
   std::unique_lock<std::mutex> lock(mu_);
   Space& sp = LiveSpace(space);

@@ -171,7 +171,8 @@ PrefixNode* PrefixTree::SplitAtWindow(const TreePosition& pos) {
 PrefixNode* PrefixTree::Unsplit(PrefixNode* upper) {
   if (upper == &root_ || upper->children.size() != 1) return nullptr;
   PrefixNode* lower = upper->children.begin()->second.get();
-  if (lower->on_host != upper->on_host || lower->locks != upper->locks || lower->tier_account != upper->tier_account)
+  if (lower->on_host != upper->on_host || lower->locks != upper->locks ||
+      lower->tier_account != upper->tier_account || upper->records != 0)
     return nullptr;
   // The page holding byte lower->start*R, when both halves keep it.
   const bool shared = lower->first_page + 1 == upper->first_page + upper->pages.size();
@@ -290,6 +291,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   }
   if (leaf != nullptr) node = leaf;
   Touch(node, tick);
+  if (node != &root_) ++node->records;
   return {node, n - start};
 }
 
@@ -357,6 +359,21 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
   ChildLinked(parent, leaf, false);
   parent->children.erase(leaf->tokens.front());
   return freed;
+}
+
+std::size_t PrefixTree::Forget(const std::int32_t* tokens, std::size_t n) {
+  const TreePosition pos = Find(tokens, n);
+  PrefixNode* node = pos.node;
+  if (n == 0 || pos.length != n || node->end() != n || node->records == 0) return 0;
+  --node->records;
+  std::size_t removed = 0;
+  while (node != &root_ && node->children.empty() && node->locks == 0 && node->records == 0) {
+    PrefixNode* parent = node->parent;
+    removed += node->tokens.size();
+    EvictLeaf(node);
+    node = parent;
+  }
+  return removed;
 }
 
 bool PrefixTree::DropPage(PrefixNode* node, std::size_t i) {

@@ -46,6 +46,8 @@
 //  * locks = number of live vTensors whose locked node is this node or a
 //    descendant, so locks(parent) >= locks(child); only leaves with locks == 0
 //    are evicted;
+//  * records = records (Insert) of the path ending at this node's end that
+//    no Forget has taken back; 0 in a node a split made above another;
 //  * closed == on_host && open_children == 0, and open_children is the
 //    number of children with closed false (CheckIndex);
 //  * last_access(parent) >= last_access(child) (Touch marks whole paths), and
@@ -81,6 +83,11 @@ struct PrefixNode {
   std::size_t first_page = 0;
   std::vector<ChunkId> pages;  // pages first_page, first_page + 1, ...
   int locks = 0;
+  // Records of exactly the path to this node's end not forgotten yet: what
+  // Forget needs to tell a node another record still ends at from one only
+  // the forgotten record made (the tree alone cannot: a record may end
+  // where another's path goes on).
+  int records = 0;
   std::uint64_t last_access = 0;
   bool on_host = false;
   std::vector<BlockId> host_pages;  // on the host: the block of each page
@@ -203,6 +210,12 @@ class PrefixTree {
 
   // Removes a leaf with locks == 0; returns how many chunks became free.
   std::size_t EvictLeaf(PrefixNode* leaf);
+  // Takes back one record of tokens[0..n) (a no-op returning 0 when no
+  // record of exactly that path is left: never made, forgotten, or evicted),
+  // then removes its nodes from the deepest up while each is an unlocked
+  // leaf that no other record ends at, dropping their chunk and block
+  // references. Returns how many tokens those nodes held.
+  std::size_t Forget(const std::int32_t* tokens, std::size_t n);
   // Window trees: `node` (on the device, locked or not) gives up its i-th
   // page's chunk, which becomes a hole; returns whether the chunk became free.
   bool DropPage(PrefixNode* node, std::size_t i);

@@ -89,6 +89,11 @@ class BrokerStub:
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.SerializeToString,
                 response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
                 _registered_method=True)
+        self.PrefixForget = channel.unary_unary(
+                '/vtm.v1.Broker/PrefixForget',
+                request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.SerializeToString,
+                response_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+                _registered_method=True)
         self.ClearPrefixes = channel.unary_unary(
                 '/vtm.v1.Broker/ClearPrefixes',
                 request_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.SpaceRequest.SerializeToString,
@@ -191,6 +196,13 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefixForget(self, request, context):
+        """Takes back one record of token_ids; value: the tokens that left the tree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ClearPrefixes(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -288,6 +300,11 @@ def add_BrokerServicer_to_server(servicer, server):
             ),
             'PrefixRestoreBytes': grpc.unary_unary_rpc_method_handler(
                     servicer.PrefixRestoreBytes,
+                    request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.FromString,
+                    response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
+            ),
+            'PrefixForget': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefixForget,
                     request_deserializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.FromString,
                     response_serializer=vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.SerializeToString,
             ),
@@ -617,6 +634,33 @@ class Broker:
             request,
             target,
             '/vtm.v1.Broker/PrefixRestoreBytes',
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.SerializeToString,
+            vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefixForget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vtm.v1.Broker/PrefixForget',
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.PrefixMatchRequest.SerializeToString,
             vtm_dot_proto_dot_vtm_dot_v1_dot_vtm__pb2.OpReply.FromString,
             options,
