@@ -495,8 +495,8 @@ PYBIND11_MODULE(_core, m) {
             return PyFuture{s.mgr, NoGil([&] { return Core(s.mgr).PrefixForget(s.id, std::move(tokens)); })};
           },
           py::arg("token_ids"),
-          "Future[int]: takes back one prefix_record of token_ids; the nodes no other record or live vTensor "
-          "needs leave the tree. The tokens removed; 0 when the tree holds no record of them.")
+          "Future[int]: takes back one prefix_record of token_ids; the path's nodes that no other record "
+          "or live vTensor needs leave the tree. The tokens removed (0: nothing of the path to remove).")
       .def("clear_prefixes",
            [](const PySpace& s) { return Wait(s.mgr, NoGil([&] { return Core(s.mgr).ClearPrefixes(s.id); })); })
       .def("close", [](const PySpace& s) { Wait(s.mgr, NoGil([&] { return Core(s.mgr).CloseSpace(s.id); })); })

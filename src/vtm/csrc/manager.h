@@ -264,9 +264,9 @@ class Manager {
   // now (0 without a tier); ops queued before this call are not waited for.
   std::size_t PrefixRestorePages(std::uint32_t space, const std::vector<std::int32_t>& tokens) const;
   // Takes back one record of `tokens` in `space`'s tree (PrefixTree::Forget):
-  // the nodes only it needed leave the tree, with their chunk references and
-  // host-tier blocks. Returns the tokens removed; 0 (not an error) when the
-  // tree holds no record of that path any more. Ordered on the tree, as
+  // the nodes of the path no other record or lock needs leave the tree, with
+  // their chunk references and host-tier blocks. Returns the tokens removed;
+  // 0 (not an error) when the tree holds nothing of that path to remove. Ordered on the tree, as
   // records and matches are; it drops references only, so it touches no
   // backend and cannot fail halfway.
   std::shared_ptr<FutureState> PrefixForget(std::uint32_t space, std::vector<std::int32_t> tokens);

@@ -364,8 +364,9 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
 std::size_t PrefixTree::Forget(const std::int32_t* tokens, std::size_t n) {
   const TreePosition pos = Find(tokens, n);
   PrefixNode* node = pos.node;
-  if (n == 0 || pos.length != n || node->end() != n || node->records == 0) return 0;
-  --node->records;
+  // Held only up to inside a node: another record's path goes on there.
+  if (node == &root_ || pos.length != node->end()) return 0;
+  if (pos.length == n && node->records > 0) --node->records;
   std::size_t removed = 0;
   while (node != &root_ && node->children.empty() && node->locks == 0 && node->records == 0) {
     PrefixNode* parent = node->parent;

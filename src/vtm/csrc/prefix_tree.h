@@ -210,11 +210,13 @@ class PrefixTree {
 
   // Removes a leaf with locks == 0; returns how many chunks became free.
   std::size_t EvictLeaf(PrefixNode* leaf);
-  // Takes back one record of tokens[0..n) (a no-op returning 0 when no
-  // record of exactly that path is left: never made, forgotten, or evicted),
-  // then removes its nodes from the deepest up while each is an unlocked
-  // leaf that no other record ends at, dropping their chunk and block
-  // references. Returns how many tokens those nodes held.
+  // Takes back one record of tokens[0..n), if one is left, then removes the
+  // path's nodes from the deepest the tree holds up, while each is an
+  // unlocked leaf that no record ends at, dropping their chunk and block
+  // references: what a record left when a lock kept it, or when eviction
+  // took its tail, goes with a later Forget of it. Nothing when the tree
+  // holds the path only up to inside a node (another record goes on there).
+  // Returns how many tokens the removed nodes held.
   std::size_t Forget(const std::int32_t* tokens, std::size_t n);
   // Window trees: `node` (on the device, locked or not) gives up its i-th
   // page's chunk, which becomes a hole; returns whether the chunk became free.
