@@ -253,6 +253,13 @@ class KVCache:
         for fut in [vt.release() for vt in vtensors if vt is not None]:
             fut.result()
 
+    def forget(self, token_ids: list[int], groups: list[int]) -> int:
+        """Takes back the record of token_ids in each of `groups` (indices of
+        spaces; those whose record succeeded), awaited: vtm drops the nodes no
+        other record or live vTensor needs. Returns the tokens removed."""
+        futures = [self.spaces[g].prefix_forget(token_ids) for g in groups]
+        return sum(fut.result() for fut in futures)
+
     def clear_prefixes(self) -> int:
         return sum(space.clear_prefixes() for space in self.spaces)
 

@@ -17,7 +17,10 @@ with its output so far, mapping what the tree still holds of it, from the
 device or vtm's host tier, and computing the rest, so its output is
 unchanged). With prefix caching off it is recorded only under
 preemption="swap", which needs a host tier, and matched back no further
-than that record. A preempted sequence is recorded and released in one
+than that record; nothing else matches it, so vtm forgets it
+(prefix_forget) once the readmitted sequence's vTensors are released, or
+when the sequence ends while swapped out: kept, it would be spilled to the
+host tier and crowd out the records of sequences still swapped out. A preempted sequence is recorded and released in one
 vtm operation, which needs no free chunk (a preemption comes when none is
 left); a swapped-out one whose KV the host tier keeps waits for room to
 copy it back rather than compute it again. A sequence that cannot
@@ -136,7 +139,12 @@ class Scheduler:
         # (step, vTensors).
         self._launched = 0
         self._completed = 0
-        self._retiring: list[tuple[int, list]] = []
+        # (step, vTensors, the swap record to forget once they are released or None).
+        self._retiring: list[tuple[int, list, tuple | None]] = []
+        # Without prefix caching, the record each swapped-out sequence's
+        # preemption made (its tokens, and the groups whose record held): no
+        # other sequence matches it, so it is forgotten once dead (_forget).
+        self._swap_records: dict[Sequence, tuple[list[int], list[int]]] = {}
         # The engine's: waits until every launched step has completed (and
         # calls completed()). None: nothing is ever in flight.
         self.wait_for_device = None
@@ -228,8 +236,9 @@ class Scheduler:
         self._retiring = [r for r in self._retiring if r[0] > self._completed]
         if ready:
             self._await_pending()  # the pre-extend submitted last may still target them
-        for _, vtensors in ready:
+        for _, vtensors, dead in ready:
             self._release(vtensors)
+            self._forget(dead)
 
     def _in_use(self, seq: Sequence) -> bool:
         return seq.last_step > self._completed
@@ -395,7 +404,7 @@ class Scheduler:
         run, and counting it would count one per step while memory is short."""
         self._admission_counts.pop(seq, None)
         swapped = seq.swapped
-        self._drop_vtensors(seq, record=False)
+        self._drop_vtensors(seq, record=False, forget=False)
         seq.swapped = swapped
         self.running.remove(seq)
         seq.status = Status.WAITING
@@ -467,6 +476,7 @@ class Scheduler:
         self._background.clear()
         self._unreleased.clear()
         self._retiring.clear()
+        self._swap_records.clear()  # the old session's trees are gone
         return resumed
 
     def fail_waiting(self, exc: Exception) -> None:
@@ -506,6 +516,8 @@ class Scheduler:
                 log.exception("releasing the KV of a %s sequence failed",
                               "failed" if reason == "error" else "cancelled")
                 seq.reset_cache_state()
+        else:
+            self._forget(self._swap_records.pop(seq, None))  # swapped out: nothing locks its record
 
     def _unqueue(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -515,7 +527,7 @@ class Scheduler:
         if not self.waiting:
             self._end_wait()  # nobody waits for memory
 
-    def _drop_vtensors(self, seq: Sequence, record: bool, swap: bool = False) -> None:
+    def _drop_vtensors(self, seq: Sequence, record: bool, swap: bool = False, forget: bool = True) -> None:
         # Recording first keeps the computed prefix matchable (the tree holds
         # the chunks, evictable LRU when memory runs out): a preempted or
         # finished conversation is resumed by mapping instead of recomputing.
@@ -524,6 +536,12 @@ class Scheduler:
         # Recorded now, whatever is in flight: the record orders its copies
         # after the kernels queued so far (vtm's fence), and a caller told
         # its request is done may ask for the next turn at once.
+        # A readmitted sequence's swap record is dead once its vTensors are
+        # released (`forget`: unless its admission is only undone, _unadmit):
+        # forgotten then, not at readmission, since the match's vTensor locks
+        # the matched path until its release, and a forget before that would
+        # leave the nodes to eviction, which spills them to the host tier.
+        dead = self._swap_records.pop(seq, None) if forget else None
         record = record and seq.num_cached > 0
         seq.swapped = 0
         if self._in_use(seq):
@@ -531,17 +549,38 @@ class Scheduler:
             # copies the page it writes next, and the release waits for it.
             if record:
                 self._record(seq, seq.token_ids[: seq.num_cached])
-            self._retiring.append((seq.last_step, seq.vtensors))
+            self._retiring.append((seq.last_step, seq.vtensors, dead))
         elif record:
             # Nothing writes them again: recorded and released in one
             # operation, which copies no page. So a preemption, which comes
             # when no chunk is free, still keeps the KV it swaps out.
-            recorded = self._record_and_release(seq, seq.token_ids[: seq.num_cached])
-            seq.swapped = seq.num_cached if swap and recorded else 0
+            token_ids = seq.token_ids[: seq.num_cached]
+            groups = self._record_and_release(seq, token_ids)
+            seq.swapped = seq.num_cached if swap and len(groups) == len(self.kv.spaces) else 0
             self.swap_out_tokens += seq.swapped
+            if not self.prefix_caching:  # a swap record: matched by this sequence's readmission only
+                if seq.swapped:
+                    self._swap_records[seq] = (token_ids, groups)
+                else:
+                    self._forget((token_ids, groups))  # some group failed: nobody matches the others'
+            # After the new record, which goes on along the old one's path (its nodes stay).
+            self._forget(dead)
         else:
             self._release(seq.vtensors)
+            self._forget(dead)
         seq.reset_cache_state()
+
+    def _forget(self, record: tuple[list[int], list[int]] | None) -> None:
+        """Forgets a dead swap record (tokens, groups), so that vtm neither
+        spills its nodes to the host tier nor keeps its blocks there, where
+        they would push out the records of sequences still swapped out. A
+        failure only leaves the nodes to eviction (logged)."""
+        if record is None or not record[1]:
+            return
+        try:
+            self.kv.forget(*record)
+        except vtm.Error as exc:
+            log.warning("forgetting a swapped-out sequence's record failed (%s)", exc)
 
     def _record(self, seq: Sequence, token_ids: list[int]) -> None:
         try:
@@ -550,20 +589,20 @@ class Scheduler:
         except vtm.Error as exc:  # refused at submission: a fence the device would not record, a lost broker
             self._record_failed(exc)
 
-    def _record_and_release(self, seq: Sequence, token_ids: list[int]) -> bool:
-        """Whether every group recorded `token_ids`; seq's vTensors are
+    def _record_and_release(self, seq: Sequence, token_ids: list[int]) -> list[int]:
+        """The groups that recorded `token_ids`; seq's vTensors are
         released either way (those a failure left live, as _release does)."""
         try:
             self._count_to(seq, len(token_ids))
-            failures = [exc for exc in self.kv.record_and_release(seq.vtensors, token_ids) if exc is not None]
+            outcomes = self.kv.record_and_release(seq.vtensors, token_ids)
         except vtm.Error as exc:  # the count's step refused at submission: a lost broker
-            failures = [exc]
-        for exc in failures:
-            if not isinstance(exc, (vtm.OutOfMemory, vtm.Unavailable)):
+            outcomes = [exc] * len(seq.vtensors)
+        for exc in outcomes:
+            if exc is not None and not isinstance(exc, (vtm.OutOfMemory, vtm.Unavailable)):
                 self._record_failed(exc)
         self._releases += 1  # vtm released them (or _release below does)
         self._release([vt for vt in seq.vtensors if vt is not None and not vt.released])
-        return not failures
+        return [g for g, exc in enumerate(outcomes) if exc is None]
 
     def _release(self, vtensors: list) -> None:
         """Releases vTensors; one the device refuses to unmap (vtm leaves it
@@ -817,6 +856,8 @@ class Scheduler:
         self._unqueue(seq)
         if seq.vtensors:
             self._drop_vtensors(seq, record=self.prefix_caching)
+        else:
+            self._forget(self._swap_records.pop(seq, None))  # swapped out: nothing locks its record
 
     def drain(self) -> None:
         """Wait for every queued memory operation (end of generate)."""

@@ -203,3 +203,41 @@ def test_prompt_hits_from_the_host_count_only_prompt_tokens_the_host_tier_held(t
     assert stats["prefix_hit_tokens"] == len(prompt) and stats["prefix_hit_tokens_host"] == 0, stats
     engine.close()
     manager.close()
+
+
+def test_swap_records_are_forgotten_once_dead_with_prefix_caching_off(tiny_gpu_folder):
+    """With prefix caching off, preemption="swap" records a preempted
+    sequence only for its own readmission. Those records stayed in the tree
+    after the readmission and after the sequence ended: nobody matched them
+    again, yet eviction spilled them to the host tier on an admission's path,
+    and their host blocks pushed out the records of sequences still swapped
+    out. Now vtm forgets each once dead: after the requests end the tree and
+    the tier hold nothing, and the outputs are those of a run that preempts
+    nobody. Two prompts are equal (greedy: equal outputs), so one's record
+    may lie along the other's path, which a forget must leave to the other."""
+    chunk = 4096  # 2.7 of the tiny model's 1536-byte rows a page: rows straddle pages
+    shared = [1] + list(range(100, 124))
+    prompts = [shared + [(7 * i + j) % 400 + 50 for j in range(3 + 5 * i)] for i in range(6)]
+    prompts.append(list(prompts[2]))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(enable_prefix_caching=False, max_model_len=256, max_num_seqs=len(prompts))
+
+    def generate(manager, **extra):
+        with LLM(tiny_gpu_folder, manager=manager, **options, **extra) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert all(o.outputs[0].error is None for o in outputs)
+            manager.check()
+            return [o.outputs[0].token_ids for o in outputs], llm.stats()  # with the spaces open: their trees
+
+    with vtm.Manager(backend="host", capacity_bytes=512 * chunk, chunk_bytes=chunk, granularity=chunk) as roomy:
+        expected, stats = generate(roomy)
+    assert stats["preemptions"] == 0
+    with vtm.Manager(backend="host", capacity_bytes=40 * chunk, chunk_bytes=chunk, granularity=chunk,
+                     host_tier_bytes=256 * chunk) as small:
+        replies, stats = generate(small, preemption="swap")
+    after = stats["vtm"]
+    assert replies == expected
+    assert stats["preemptions"] > 0 and stats["swap_in_tokens"] > 0, stats
+    assert after["spills_total"] > 0 and after["restores_total"] > 0, after  # the tier held swapped-out KV
+    assert (after["tree_nodes"], after["chunks_in_tree"]) == (0, 0), after
+    assert (after["host_tier_used_bytes"], after["host_tier_nodes"]) == (0, 0), after
