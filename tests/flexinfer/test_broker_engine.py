@@ -559,3 +559,28 @@ def test_a_request_waits_for_memory_another_client_holds(tiny_folder, tmp_path, 
         hog.close()
         manager.close()
         b.kill()
+
+
+def test_an_engine_on_a_broker_forgets_its_dead_swap_records(tiny_folder, tmp_path):
+    """preemption="swap" with prefix caching off, through vtmd's host tier:
+    each preemption's record is forgotten in the broker's tree once the
+    sequence no longer needs it, so a finished run leaves the tree and the
+    tier empty, with the output of an engine that preempts nobody."""
+    prompts = random_prompts([30, 30, 30, 30, 30], seed=7)
+    with LLM(tiny_folder, backend="host", enable_prefix_caching=False) as local:
+        want = [o.token_ids for o in local.generate(prompts, greedy(40), use_tqdm=False)]
+    # 5 x 70 rows of 512 bytes = 45 pages of 4 KiB; the pool has 24.
+    b = BrokerProcess(tmp_path, capacity_chunks=24, chunk_bytes=PAGE, extra_args=["--host-tier-bytes", str(256 * PAGE)])
+    try:
+        with vtm.connect(b.address, name="engine") as mgr:
+            with LLM(tiny_folder, manager=mgr, enable_prefix_caching=False, preemption="swap") as engine:
+                outs = engine.generate(prompts, greedy(40), use_tqdm=False)
+                assert [o.token_ids for o in outs] == want
+                stats = engine.stats()
+                assert stats["preemptions"] > 0 and stats["swap_in_tokens"] > 0, stats
+                assert engine.kv_cache.space.prefix_nodes() == []
+                tier = mgr.stats()
+                assert (tier["tree_nodes"], tier["host_tier_used_bytes"], tier["host_tier_nodes"]) == (0, 0, 0), tier
+                mgr.check()
+    finally:
+        b.kill()
