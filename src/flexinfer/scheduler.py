@@ -20,10 +20,11 @@ preemption="swap", which needs a host tier, and matched back no further
 than that record; nothing else matches it, so vtm forgets it
 (prefix_forget) once the readmitted sequence's vTensors are released, or
 when the sequence ends while swapped out: kept, it would be spilled to the
-host tier and crowd out the records of sequences still swapped out. A preempted sequence is recorded and released in one
-vtm operation, which needs no free chunk (a preemption comes when none is
-left); a swapped-out one whose KV the host tier keeps waits for room to
-copy it back rather than compute it again. A sequence that cannot
+host tier and crowd out the records of sequences still swapped out. A
+preempted sequence is recorded and released in one vtm operation, which
+needs no free chunk (a preemption comes when none is left); a swapped-out
+one whose KV the host tier keeps waits for room to copy it back rather
+than compute it again. A sequence that cannot
 fit even alone fails with an error while the others go on, unless the
 pool is shared (memory_wait_s: a manager given to the engine, in-process
 or vtm.connect): there memory others hold comes back, so a sequence alone
@@ -596,7 +597,7 @@ class Scheduler:
             self._count_to(seq, len(token_ids))
             outcomes = self.kv.record_and_release(seq.vtensors, token_ids)
         except vtm.Error as exc:  # the count's step refused at submission: a lost broker
-            outcomes = [exc] * len(seq.vtensors)
+            outcomes = [exc]  # no group recorded
         for exc in outcomes:
             if exc is not None and not isinstance(exc, (vtm.OutOfMemory, vtm.Unavailable)):
                 self._record_failed(exc)
