@@ -129,6 +129,24 @@ def test_packed_float32_matches_float64_reference(n, k, rows):
     torch.testing.assert_close(got.double(), _reference(x, weight, bias, residual), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", PACKED_SHAPES)
+def test_packed_rounds_a_row_the_same_whatever_the_rows_beside_it(n, k, dtype):
+    """docs/flexinfer-api.md (`linear`) promises it: a request's logits, and so
+    its sampled tokens, must not change with its batch, a preemption or a
+    prompt chunk's size. F.linear (MKL's sgemm) rounds by row count: on the
+    dev machine a tiny Mistral's seeded sample changed its 7th token when its
+    siblings shared its batch, under linear="auto" (torch at one row, packed
+    at eight)."""
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    weight, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(70, k, generator=gen).to(dtype)
+    layer = PackedWeight(weight)
+    alone = torch.cat([layer(x[i:i + 1], bias) for i in range(len(x))])
+    for rows in (2, 3, 8, 9, 33, 70):
+        assert torch.equal(layer(x[:rows], bias), alone[:rows]), rows
+
+
 def _bf16_reference(x, weight, bias=None, residual=None):
     """float32 sums of the bfloat16 products, bias and residual added in
     float32, rounded once: what the kernel claims."""
