@@ -148,6 +148,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier-gib", type=_number(0, MAX_BYTES >> 30), default=0.0,
                    help="host memory, in GiB, that keeps the KV of prefixes evicted from the pool, so that a later "
                         "request (the next turn of a chat) copies it back instead of recomputing it; 0: none")
+    p.add_argument("--spill-ahead-gib", type=_number(0, MAX_BYTES >> 30), default=0.0,
+                   help="keep this much of the pool free by spilling the least recently used prefixes to the host "
+                        "tier in the background, so that an admission does not copy on its critical path "
+                        "(needs --host-tier-gib; 0: off)")
     p.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],
                    help="a request preempted for memory: recompute its KV when it is readmitted (what prefix caching "
                         "still holds is mapped), or swap: keep its KV through vtm's host tier and copy it back "
@@ -223,6 +227,9 @@ def _check_engine_flags(args) -> None:
                               "tier is the broker's (vtmd --host-tier-bytes)")
     if args.preemption == "swap" and args.manager is None and args.host_tier_gib == 0:
         raise InvalidArgument(f"{_SWAP_NEEDS_TIER}: give --host-tier-gib too")
+    if args.spill_ahead_gib > 0 and (args.manager is not None or args.host_tier_gib == 0):
+        raise InvalidArgument("--spill-ahead-gib spills to the host tier of an in-process pool: give --host-tier-gib "
+                              "too (with --manager, vtmd --spill-ahead-bytes is the broker's)")
 
 
 def _engine(args) -> LLM:
@@ -242,12 +249,13 @@ def _engine(args) -> LLM:
     gib = DEFAULT_KV_CAPACITY_GIB if args.kv_capacity_gib is None else args.kv_capacity_gib
     capacity = max(1, math.ceil(gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
     host_tier = math.ceil(args.host_tier_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
+    spill_ahead = math.ceil(args.spill_ahead_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
                attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
                broker_wait_s=args.broker_wait, memory_wait_s=args.memory_wait, host_tier_bytes=host_tier,
-               preemption=args.preemption, overlap=None if args.overlap == "auto" else args.overlap == "on")
+               preemption=args.preemption, spill_ahead_bytes=spill_ahead, overlap=None if args.overlap == "auto" else args.overlap == "on")
 
 
 def _load(args) -> LLM:

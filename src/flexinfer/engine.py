@@ -70,6 +70,7 @@ class Engine:
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,
                  broker_wait_s: float = BROKER_WAIT_S, host_tier_bytes: int = 0, preemption: str = "recompute",
+                 spill_ahead_bytes: int = 0,
                  overlap: bool | None = None, memory_wait_s: float = MEMORY_WAIT_S):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
         if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
@@ -102,14 +103,18 @@ class Engine:
         for name, value in (("broker_wait_s", broker_wait_s), ("memory_wait_s", memory_wait_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise InvalidArgument(f"{name} must be a number >= 0, got {value!r}")
-        if (isinstance(host_tier_bytes, bool) or not isinstance(host_tier_bytes, int)
-                or not 0 <= host_tier_bytes <= MAX_BYTES):
-            raise InvalidArgument(f"host_tier_bytes must be an int from 0 to 2**62 (4 EiB), got {host_tier_bytes!r}")
+        for name, value in (("host_tier_bytes", host_tier_bytes), ("spill_ahead_bytes", spill_ahead_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES:
+                raise InvalidArgument(f"{name} must be an int from 0 to 2**62 (4 EiB), got {value!r}")
         if preemption not in ("recompute", "swap"):
             raise InvalidArgument(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
         if host_tier_bytes and manager is not None:
             raise InvalidArgument("host_tier_bytes sizes the host tier of the engine's own vtm manager; a manager "
                                   "passed in (or a vtm broker) has its own (or none)")
+        if spill_ahead_bytes and not host_tier_bytes:
+            raise InvalidArgument("spill_ahead_bytes spills prefixes to the host tier of the engine's own vtm manager: "
+                                  "give host_tier_bytes too (a vtm broker spills ahead as vtmd --spill-ahead-bytes "
+                                  "says)")
         self.broker_wait_s = float(broker_wait_s)
         max_threads = _MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
         if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int)
@@ -122,14 +127,16 @@ class Engine:
             # On the GPU this engine computes on: vtm's own default is device 0.
             # The host tier in whole chunks: evicted prefixes wait there for their next turn.
             tier = -(-host_tier_bytes // chunk_bytes) * chunk_bytes
+            ahead = -(-spill_ahead_bytes // chunk_bytes) * chunk_bytes
             try:
                 manager = vtm.Manager(backend=backend, capacity_bytes=kv_capacity_bytes, chunk_bytes=chunk_bytes,
                                       workers=workers, prealloc_chunks=4, device=_cuda_index(device, backend),
-                                      host_tier_bytes=tier)
+                                      host_tier_bytes=tier, spill_ahead_bytes=ahead)
             except vtm.InvalidArgument as exc:  # vtm names its own parameters: say which options they are
                 raise InvalidArgument(f"the KV pool of kv_capacity_bytes={kv_capacity_bytes}, "
                                       f"chunk_bytes={chunk_bytes}, workers={workers}, "
-                                      f"host_tier_bytes={host_tier_bytes}: {exc}") from None
+                                      f"host_tier_bytes={host_tier_bytes}, spill_ahead_bytes={spill_ahead_bytes}: "
+                                      f"{exc}") from None
         self.manager = manager
         self.device = None
         self.kv_cache = None

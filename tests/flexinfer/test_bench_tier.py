@@ -1,6 +1,6 @@
 """scripts/bench_tier.py runs end to end on a sliding-window model: the
 conversations' window group comes back from the host tier too, and the
-greedy replies are the same with and without it."""
+greedy replies are the same with and without it, and spilling ahead."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_bench_tier_restores_a_gemma3_models_window_group_from_the_host(tmp_path
     out = tmp_path / "tier.json"
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_tier.py"), "--family", "gemma3", "--window", "64",
                            "--users", "3", "--turns", "2", "--history", "160", "--new", "8", "--reply", "4",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--spill-ahead", "1", "--think-ms", "20", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "CPU:" in proc.stdout and "2 groups" in proc.stdout
     result = json.loads(out.read_text())
@@ -36,3 +36,7 @@ def test_bench_tier_restores_a_gemma3_models_window_group_from_the_host(tmp_path
     assert result["with_tier"]["spills"] > 0
     # A restore's time split: its copies, within it, and the spills' copies.
     assert 0 < result["ratios"]["restore_copy_share"] <= 1 and result["with_tier"]["spill_copy_s"] > 0
+    # The third engine spilled one conversation's chunks ahead of need, with the same replies (same_replies).
+    assert result["spill_ahead_chunks"] == result["conversation_chunks"]
+    assert result["spill_ahead"]["spills_ahead"] > 0 and result["spill_ahead"]["restores"] == 2 * 3
+    assert "ahead" in proc.stdout and result["ratios"]["ahead_ttft_later_p50"] > 0

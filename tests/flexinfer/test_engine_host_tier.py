@@ -56,6 +56,26 @@ def test_evicted_chat_history_comes_back_from_the_host_tier(wide_kv_folder):
     assert without["prefix_hit_tokens_host"] == 0 and stats["prefix_hit_tokens_host"] >= 8 * 300
 
 
+def test_spilling_ahead_gives_the_same_replies_and_spills_before_admissions_need_room(wide_kv_folder):
+    """spill_ahead_bytes: vtm keeps that much of the pool free by spilling
+    the least recently used histories in the background, so admissions find
+    room without spilling on their critical path."""
+    options = dict(dtype="float32", backend="host", kv_capacity_bytes=8 * CHUNK, max_model_len=512, max_num_seqs=2)
+    with LLM(wide_kv_folder, **options) as plain:
+        expected = chat_round_robin(plain, users=4, turns=3)
+    with LLM(wide_kv_folder, host_tier_bytes=16 * CHUNK, spill_ahead_bytes=3 * CHUNK, **options) as ahead:
+        assert chat_round_robin(ahead, users=4, turns=3) == expected
+        stats = ahead.stats()["vtm"]
+        ahead.manager.check()
+    assert stats["spills_ahead_total"] > 0 and stats["restores_total"] >= 8
+    assert stats["spill_failures_total"] == 0
+    with pytest.raises(InvalidArgument, match="host_tier_bytes too"):
+        LLM(wide_kv_folder, spill_ahead_bytes=CHUNK, **options)
+    for bad in (-1, 1.5, True, 2**64):
+        with pytest.raises(InvalidArgument, match="spill_ahead_bytes"):
+            LLM(wide_kv_folder, host_tier_bytes=CHUNK, spill_ahead_bytes=bad, **options)
+
+
 def test_a_host_tier_needs_the_engines_own_manager(tiny_gpu_folder):
     with vtm.Manager(backend="host", capacity_bytes=4 * CHUNK, chunk_bytes=CHUNK) as manager:
         with pytest.raises(InvalidArgument, match="host_tier_bytes"):
@@ -75,6 +95,13 @@ def test_every_command_takes_host_tier_gib(command):
     out = subprocess.run([sys.executable, "-m", "flexinfer", command, "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "--host-tier-gib" in out.stdout, out.stderr
+
+
+def test_spill_ahead_gib_without_a_tier_is_refused_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "flexinfer", "generate", "--prompt", "hi", "--spill-ahead-gib", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "--spill-ahead-gib" in out.stderr and "--host-tier-gib" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_host_tier_gib_with_a_broker_is_refused_in_one_line(tmp_path):

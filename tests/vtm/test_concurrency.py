@@ -239,3 +239,49 @@ def test_result_timeout_on_pending_future():
             pytest.skip("the operations always finished before result() was called")
     finally:
         mgr.close()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_threads_under_pressure_while_the_host_tier_spills_ahead(workers):
+    """Threads record, match, release and fill a small pool whose host tier
+    spills ahead of need on the refill thread, copies slowed so that the
+    operations overlap them (mu_ dropped around the copy): every match reads
+    its own tokens' bytes, and the invariants hold at the end."""
+    from test_host_tier import random_step
+
+    from vtm_testing import chunk_for
+
+    chunk = chunk_for(None)
+    mgr = new_manager(chunks=12, workers=workers, host_tier_bytes=8 * chunk, spill_ahead_bytes=4 * chunk,
+                      faults=True)
+    try:
+        mgr.faults.delay("copy_to_host", 0.001)
+        space = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=24)
+        io = RowIO(space)
+        errors = []
+
+        def run(tid):
+            rng = np.random.default_rng(2000 + tid)
+            stems = [[1000 * k + i for i in range(25)] for k in range(4)]
+            live = []
+            try:
+                for step in range(60):
+                    random_step(rng, space, io, stems, live, step)
+                for vt in live:
+                    vt.release().result()
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append((tid, e))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a worker thread hung"
+        if errors:
+            raise errors[0][1]
+        mgr.check()
+        st = assert_pool_consistent(mgr)
+        assert st["spills_ahead_total"] > 0, st
+    finally:
+        mgr.close()

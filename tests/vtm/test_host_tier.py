@@ -248,6 +248,160 @@ def test_a_failed_host_block_allocation_ahead_of_need_waits_for_the_next_commit(
     assert_pool_consistent(mgr)
 
 
+# -- spilling ahead of need (spill_ahead_bytes) --------------------------------------
+
+
+def spill_ahead_setup(make_manager, backend, ahead_chunks, **kw):
+    chunk = chunk_for(backend)
+    return setup(make_manager, backend, tier_chunks=16, spill_ahead_bytes=ahead_chunks * chunk, **kw)
+
+
+def fill_with_prefixes(sp, io, count=2, length=40):
+    """`count` prefixes recorded and released, each its own stem: the tree holds most of the pool, and
+    without spilling ahead nothing spills."""
+    prefixes = [[1000 * k + i for i in range(length)] for k in range(count)]
+    for tokens in prefixes:
+        record(sp, io, tokens)
+    return prefixes
+
+
+def room(st):
+    """Chunks an allocation takes without a copy: free, not created yet, or cached by a released slot."""
+    return st["chunks_free"] + CHUNKS - st["chunks_created"] + st["chunks_cached"]
+
+
+def test_spilling_ahead_keeps_room_free_and_every_prefix_comes_back_byte_for_byte(backend, make_manager):
+    """With spill_ahead_bytes, the least recently used prefixes go to the
+    host tier in the background until that much of the pool is free: an
+    allocation then finds its chunks without copying on its critical path."""
+    chunk = chunk_for(backend)
+    mgr, sp, io = spill_ahead_setup(make_manager, backend, ahead_chunks=4)
+    prefixes = fill_with_prefixes(sp, io)
+    assert wait_for(lambda: room(mgr.stats()) >= 4)
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] == st["spills_ahead_total"] >= 1 and st["spill_failures_total"] == 0
+    assert st["host_tier_used_bytes"] == st["spilled_bytes_total"] > 0
+    spilled = {n["tokens"][0] for n in on_host(sp)}
+    assert spilled and prefixes[-1][0] not in spilled  # the least recently used went, the latest stays
+    vt = sp.create(4 * chunk // sp.row_bytes).result()  # four chunks' rows: the room is there
+    assert mgr.stats()["spills_total"] == mgr.stats()["spills_ahead_total"]  # none spilled on demand
+    vt.release().result()
+    for tokens in prefixes:
+        assert_matches_whole(sp, io, tokens)
+    assert_pool_consistent(mgr)
+
+
+def test_without_spilling_ahead_the_same_prefixes_stay_on_the_device(backend, make_manager):
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, prealloc_chunks=1)
+    fill_with_prefixes(sp, io)
+    time.sleep(0.05)
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] == 0 and not on_host(sp)
+
+
+def held_spill_ahead(make_manager, backend, seconds=0.5):
+    """A pool full of prefixes, whose spill ahead (of the oldest) copies for `seconds`."""
+    mgr, sp, io = spill_ahead_setup(make_manager, backend, ahead_chunks=4, faults=True)
+    mgr.faults.delay("copy_to_host", seconds)
+    prefixes = fill_with_prefixes(sp, io)
+    assert wait_for(lambda: mgr.faults.calls("copy_to_host") >= 1)
+    return mgr, sp, io, prefixes
+
+
+def test_a_match_of_the_prefix_a_spill_ahead_copies_reads_it_from_the_device(backend, make_manager):
+    """The node stays matchable while its bytes are copied: the match maps
+    its chunks at once, and the spill ahead, finding it locked, gives up."""
+    mgr, sp, io, prefixes = held_spill_ahead(make_manager, backend)
+    started = time.monotonic()
+    m = match(sp, prefixes[0])
+    assert time.monotonic() - started < 0.4  # it did not wait for the copy
+    assert m.num_tokens == len(prefixes[0]) and m.restored_tokens == 0
+    io.verify(m.vtensor, prefixes[0])
+    assert wait_for(lambda: mgr.stats()["spills_ahead_abandoned_total"] >= 1)
+    mgr.faults.delay("copy_to_host", 0)
+    io.verify(m.vtensor, prefixes[0])
+    m.vtensor.release().result()
+    st = assert_pool_consistent(mgr)
+    assert st["spill_failures_total"] == 0
+    for tokens in prefixes:
+        assert_matches_whole(sp, io, tokens)
+    assert_pool_consistent(mgr)
+
+
+def test_an_allocation_during_a_spill_ahead_waits_for_it_and_never_fails_for_want_of_its_chunks(
+        backend, make_manager):
+    """The node in flight is locked, so its chunks are not counted as
+    evictable until the copy ends: an allocation that needs them waits for
+    the spill ahead rather than failing, or spilling it a second time."""
+    chunk = chunk_for(backend)
+    mgr, sp, io, prefixes = held_spill_ahead(make_manager, backend)
+    st = mgr.stats()
+    everything = CHUNKS * chunk // sp.row_bytes - 1
+    vt = sp.create(everything).result()  # the whole pool: every prefix goes, the one in flight included
+    mgr.faults.delay("copy_to_host", 0)
+    st = assert_pool_consistent(mgr)
+    assert st["spill_failures_total"] == 0 and st["spills_ahead_total"] >= 1
+    vt.release().result()
+    for tokens in prefixes:
+        assert_matches_whole(sp, io, tokens)
+    assert_pool_consistent(mgr)
+
+
+def test_a_space_closed_during_a_spill_ahead_waits_for_it(backend, make_manager):
+    mgr, sp, io, prefixes = held_spill_ahead(make_manager, backend, seconds=0.3)
+    sp.close()
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_used_bytes"] == 0 and st["chunks_in_tree"] == 0 and st["tree_nodes"] == 0
+
+
+@pytest.mark.parametrize("bad_alloc", [False, True])
+def test_a_failed_spill_ahead_loses_nothing(backend, make_manager, bad_alloc):
+    """A copy ahead of need that fails leaves the prefix on the device and
+    gives its blocks back; the thread tries again once an operation commits
+    (here the release that follows the record)."""
+    mgr, sp, io = spill_ahead_setup(make_manager, backend, ahead_chunks=4, faults=True)
+    mgr.faults.fail_nth("copy_to_host", 1, bad_alloc=bad_alloc)
+    prefixes = fill_with_prefixes(sp, io)
+    assert wait_for(lambda: mgr.stats()["spill_failures_total"] == 1)
+    assert_pool_consistent(mgr)  # waits for a spill ahead in flight (the thread may have gone on already)
+    assert_matches_whole(sp, io, prefixes[-1])  # an operation commits: the thread goes on
+    assert wait_for(lambda: room(mgr.stats()) >= 4)
+    st = assert_pool_consistent(mgr)
+    assert st["spills_total"] == st["spills_ahead_total"] >= 1
+    assert st["host_tier_used_bytes"] == st["spilled_bytes_total"]
+    for tokens in prefixes:
+        assert_matches_whole(sp, io, tokens)
+    assert_pool_consistent(mgr)
+
+
+def test_bad_spill_ahead_sizes_are_refused(backend):
+    chunk = chunk_for(backend)
+    with pytest.raises(vtm.InvalidArgument, match="host_tier_bytes too"):
+        vtm.Manager(backend=backend, capacity_bytes=CHUNKS * chunk, chunk_bytes=chunk, spill_ahead_bytes=chunk)
+    with pytest.raises(vtm.InvalidArgument, match="spill_ahead_bytes .* not a multiple"):
+        vtm.Manager(backend=backend, capacity_bytes=CHUNKS * chunk, chunk_bytes=chunk, host_tier_bytes=chunk,
+                    spill_ahead_bytes=chunk + 1)
+    with pytest.raises(vtm.InvalidArgument, match="spill_ahead_bytes must be >= 0"):
+        vtm.Manager(backend=backend, capacity_bytes=CHUNKS * chunk, chunk_bytes=chunk, host_tier_bytes=chunk,
+                    spill_ahead_bytes=-chunk)
+
+
+def test_random_work_with_spills_ahead_never_returns_stale_bytes(backend, make_manager):
+    """test_random_records_matches_and_pressure_never_return_stale_bytes
+    with the background spilling too, copies slowed so that operations
+    overlap them."""
+    rng = np.random.default_rng(11)
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=6, spill_ahead_bytes=3 * chunk_for(backend), faults=True)
+    mgr.faults.delay("copy_to_host", 0.002)
+    stems = [[1000 * k + i for i in range(25)] for k in range(4)]
+    live = []
+    for step in range(120):
+        random_step(rng, sp, io, stems, live, step)
+        mgr.check()
+    st = assert_pool_consistent(mgr)
+    assert st["spills_ahead_total"] > 0 and st["restores_total"] > 0, st
+
+
 @WINDOWS
 @pytest.mark.parametrize("op, nth, bad_alloc", [("copy_to_host", 1, False), ("copy_to_host", 2, False),
                                                 ("alloc_host", 1, False), ("copy_to_host", 2, True),
@@ -1183,6 +1337,39 @@ def test_through_vtmd_one_client_restores_what_another_recorded_and_the_broker_s
         assert "host tier:" in capsys.readouterr().out  # vtmctl stats and top show the tier
     finally:
         b.kill()
+
+
+def test_vtmd_spills_ahead_and_a_client_restores_the_bytes(tmp_path, backend):
+    """vtmd --spill-ahead-bytes: the broker spills a client's recorded prefix
+    in the background once its pool has less than that much free; the
+    client's match restores it byte for byte. Without a tier, vtmd refuses
+    the flag in one line."""
+    from broker_testing import CHUNK as BROKER_CHUNK
+    from broker_testing import ROW, BrokerProcess, RowView, pattern
+
+    chunk, row = (BROKER_CHUNK, ROW) if backend == "host" else (2 << 20, 20000)
+    b = BrokerProcess(tmp_path, capacity_chunks=8, chunk_bytes=chunk, backend=backend,
+                      extra_args=["--host-tier-bytes", str(16 * chunk), "--spill-ahead-bytes", str(4 * chunk)])
+    try:
+        with vtm.connect(b.address, name="client") as mgr:
+            space = mgr.create_space(row_bytes=row, max_tokens=4096, max_slots=4)
+            tokens = list(range(100, 100 + 5 * chunk // row))  # five pages of eight: less than four free
+            vt = space.create(len(tokens)).result()
+            RowView(space, backend).write(vt.slot, 0, pattern(tokens, row))
+            space.prefix_record(vt, tokens).result()
+            vt.release().result()
+            assert wait_for(lambda: mgr.stats()["spills_ahead_total"] >= 1)
+            assert mgr.stats()["spills_total"] == mgr.stats()["spills_ahead_total"]
+            match = space.prefix_match(tokens + [7]).result()
+            assert match.num_tokens == match.restored_tokens == len(tokens)
+            got = RowView(space, backend).read(match.vtensor.slot, 0, len(tokens) * row)
+            assert (got == pattern(tokens, row)).all()
+            match.vtensor.release().result()
+    finally:
+        b.kill()
+    with pytest.raises(RuntimeError, match="spill_ahead_bytes spills prefixes to the host tier"):
+        BrokerProcess(tmp_path / "no-tier", capacity_chunks=8, chunk_bytes=chunk, backend=backend,
+                      extra_args=["--spill-ahead-bytes", str(4 * chunk)])
 
 
 def _broker_prefix(backend, pages_of_tokens):

@@ -1,8 +1,8 @@
 """vtmd: the vtm broker daemon.
 
     vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
-         [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--host-tier-bytes SIZE] [--max-sessions N]
-         [--quota-file PATH]
+         [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--host-tier-bytes SIZE [--spill-ahead-bytes SIZE]]
+         [--max-sessions N] [--quota-file PATH]
 
 SIZE: a byte count or a number with a binary suffix, e.g. 64GiB (src/vtm/sizes.py).
 
@@ -222,7 +222,7 @@ class Broker:
     def __init__(self, listen: str, backend: str = "auto", capacity_bytes: int = 1 << 30,
                  chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2,
                  control: str | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS, quota_file: str | None = None,
-                 control_token_file: str | None = None, host_tier_bytes: int = 0):
+                 control_token_file: str | None = None, host_tier_bytes: int = 0, spill_ahead_bytes: int = 0):
         self.path = unix_path(listen)
         control_target = tcp_target(control) if control else None
         if max_sessions < 1:
@@ -242,7 +242,8 @@ class Broker:
             # mappings (the effects of a call are on the caller's spaces only).
             self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
                                        workers=workers, granularity=granularity, slot_cache_bytes=0,
-                                       record_mappings=True, export_chunks=True, host_tier_bytes=host_tier_bytes)
+                                       record_mappings=True, export_chunks=True, host_tier_bytes=host_tier_bytes,
+                                       spill_ahead_bytes=spill_ahead_bytes)
         except BaseException:
             _remove_folders(created)  # a broker that never started leaves nothing behind
             raise
@@ -371,6 +372,10 @@ def main(argv, stop: threading.Event) -> int:
     parser.add_argument("--host-tier-bytes", type=size, default="0", metavar="SIZE",
                         help="host memory that keeps the prefixes the pool evicts, for any client's later match to "
                              "copy back (a multiple of --chunk-bytes; 0: none); see docs/api.md, the host tier")
+    parser.add_argument("--spill-ahead-bytes", type=size, default="0", metavar="SIZE",
+                        help="keep this much of the pool free by spilling the least recently used prefixes to the "
+                             "host tier in the background, so that a client's allocation does not copy on its "
+                             "critical path (a multiple of --chunk-bytes; 0: off; needs --host-tier-bytes)")
     parser.add_argument("--granularity", type=size, default=None, metavar="SIZE",
                         help="the host backend's mapping granularity (default: 2MiB; cuda: the driver's)")
     parser.add_argument("--workers", type=int, default=2, help="the manager's worker threads")
@@ -390,7 +395,7 @@ def _serve(args, stop: threading.Event) -> int:
     try:
         broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
                         args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file,
-                        args.host_tier_bytes)
+                        args.host_tier_bytes, args.spill_ahead_bytes)
     except (vtm.Error, OSError, ValueError) as exc:
         print(f"vtmd: error: {exc}", file=sys.stderr)
         return 2

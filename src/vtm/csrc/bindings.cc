@@ -241,6 +241,8 @@ py::dict StatsDict(const Stats& st) {
   d["spills_total"] = st.spills_total;
   d["spilled_bytes_total"] = st.spilled_bytes_total;
   d["spill_failures_total"] = st.spill_failures_total;
+  d["spills_ahead_total"] = st.spills_ahead_total;
+  d["spills_ahead_abandoned_total"] = st.spills_ahead_abandoned_total;
   d["restores_total"] = st.restores_total;
   d["restored_bytes_total"] = st.restored_bytes_total;
   d["host_tier_drops_total"] = st.host_tier_drops_total;
@@ -289,7 +291,8 @@ std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::int64_t 
                                        std::optional<std::int64_t> max_free_chunks,
                                        std::optional<std::int64_t> slot_cache_bytes,
                                        std::optional<std::int64_t> granularity, bool faults, bool record_mappings,
-                                       bool export_chunks, std::int64_t host_tier_bytes) {
+                                       bool export_chunks, std::int64_t host_tier_bytes,
+                                       std::int64_t spill_ahead_bytes) {
   ManagerOptions o;
   o.backend = backend;
   o.capacity_bytes = Count(capacity_bytes, "capacity_bytes");
@@ -304,6 +307,7 @@ std::shared_ptr<PyManager> OpenManager(const std::string& backend, std::int64_t 
   o.record_mappings = record_mappings;
   o.export_chunks = export_chunks;
   o.host_tier_bytes = Count(host_tier_bytes, "host_tier_bytes");
+  o.spill_ahead_bytes = Count(spill_ahead_bytes, "spill_ahead_bytes");
   auto mgr = std::make_shared<PyManager>();
   py::gil_scoped_release release;
   mgr->core = std::make_unique<Manager>(o);
@@ -576,7 +580,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("chunk_bytes") = std::size_t{2} << 20, py::kw_only(), py::arg("device") = 0, py::arg("workers") = 1,
            py::arg("prealloc_chunks") = 0, py::arg("max_free_chunks") = py::none(),
            py::arg("slot_cache_bytes") = py::none(), py::arg("granularity") = py::none(), py::arg("faults") = false,
-           py::arg("record_mappings") = false, py::arg("export_chunks") = false, py::arg("host_tier_bytes") = 0)
+           py::arg("record_mappings") = false, py::arg("export_chunks") = false, py::arg("host_tier_bytes") = 0,
+           py::arg("spill_ahead_bytes") = 0)
       .def(
           "_drain_effects",
           [](const std::shared_ptr<PyManager>& mgr, std::uint32_t space) {

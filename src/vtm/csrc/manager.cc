@@ -32,6 +32,11 @@ Manager::Manager(const ManagerOptions& o) {
   if (o.host_tier_bytes % o.chunk_bytes != 0)
     Throw(ErrorCode::kInvalidArgument, "host_tier_bytes " + std::to_string(o.host_tier_bytes) +
                                            " is not a multiple of chunk_bytes " + std::to_string(o.chunk_bytes));
+  if (o.spill_ahead_bytes % o.chunk_bytes != 0)
+    Throw(ErrorCode::kInvalidArgument, "spill_ahead_bytes " + std::to_string(o.spill_ahead_bytes) +
+                                           " is not a multiple of chunk_bytes " + std::to_string(o.chunk_bytes));
+  if (o.spill_ahead_bytes > 0 && o.host_tier_bytes == 0)
+    Throw(ErrorCode::kInvalidArgument, "spill_ahead_bytes spills prefixes to the host tier: give host_tier_bytes too");
   std::shared_ptr<Backend> device = OpenBackend(o);
   if (o.chunk_bytes % device->granularity() != 0)
     Throw(ErrorCode::kInvalidArgument, "chunk_bytes " + std::to_string(o.chunk_bytes) +
@@ -61,8 +66,9 @@ Manager::Manager(const ManagerOptions& o) {
   pool_ = std::make_unique<Pool>(backend_, capacity_chunks_);
   if (o.host_tier_bytes > 0)
     tier_ = std::make_unique<HostTier>(backend_, chunk_bytes_, o.host_tier_bytes / chunk_bytes_);
+  spill_ahead_chunks_ = std::min(o.spill_ahead_bytes / chunk_bytes_, capacity_chunks_);
   executor_ = std::make_unique<Executor>(o.workers);
-  if (prealloc_chunks_ > 0) refill_thread_ = std::thread([this] { RefillThread(); });
+  if (prealloc_chunks_ > 0 || spill_ahead_chunks_ > 0) refill_thread_ = std::thread([this] { RefillThread(); });
 }
 
 Manager::~Manager() { Close(); }

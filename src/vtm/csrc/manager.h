@@ -93,6 +93,12 @@ struct ManagerOptions {
   // their bytes in up to this much host memory (a multiple of chunk_bytes;
   // 0: none), and a match copies them back (docs/api.md, "The host tier").
   std::size_t host_tier_bytes = 0;
+  // Spilling ahead: while fewer than this many bytes of the pool are free
+  // (created or not; cached slots' pages count as free), a background thread
+  // spills the least recently used prefixes to the host tier, so that an
+  // allocation finds room without copying on its critical path (a multiple
+  // of chunk_bytes; 0: off; needs a host tier).
+  std::size_t spill_ahead_bytes = 0;
 };
 
 struct VTensorInfo {
@@ -161,6 +167,10 @@ struct Stats {
   std::uint64_t host_tier_prealloc_blocks_total = 0, spills_total = 0, spilled_bytes_total = 0,
                 spill_failures_total = 0, restores_total = 0, restored_bytes_total = 0, host_tier_drops_total = 0,
                 host_tier_limit_drops_total = 0;
+  // Spills made ahead of need (counted in spills_total too), and those
+  // given up because an operation changed the node while its bytes were
+  // copied (nothing lost: it stays on the device).
+  std::uint64_t spills_ahead_total = 0, spills_ahead_abandoned_total = 0;
   // Per tier account with blocks held or a limit set: (used bytes, limit
   // bytes; absent: none).
   std::map<std::uint32_t, std::pair<std::size_t, std::optional<std::size_t>>> host_tier_accounts;
@@ -435,6 +445,35 @@ class Manager {
   // tier is full of locked nodes, or a copy fails), evicts the node's subtree
   // as a tree without a tier would. Returns the chunks freed.
   std::size_t SpillNode(PrefixTree& tree, PrefixNode* node);
+  // SpillNode in three parts, so that a spill ahead copies without the
+  // lock. PlanSpill picks the account (making room in it and in the tier)
+  // and takes the node's blocks; false, with no block taken, where the
+  // node cannot go to the tier (evicted instead, on demand). GiveBack
+  // returns a plan's blocks; FinishSpill moves the node to the host, its
+  // bytes copied, and returns the chunks freed.
+  struct SpillPlan {
+    std::uint32_t account = 0;
+    std::vector<BlockId> blocks;  // one per page; kNoBlock for a hole
+    std::vector<void*> destinations;
+    std::vector<ChunkHandle> sources;
+  };
+  bool PlanSpill(PrefixTree& tree, PrefixNode* node, SpillPlan* plan);
+  void GiveBack(const SpillPlan& plan);
+  std::size_t FinishSpill(PrefixTree& tree, PrefixNode* node, const SpillPlan& plan, double copy_seconds);
+  // Whether the refill thread should spill a prefix ahead of need (see
+  // ManagerOptions::spill_ahead_bytes).
+  bool SpillAheadNeeded() const;
+  // Spills the least recently used spillable node ahead of need (the refill
+  // thread, `lock` on mu_): planned with the lock, copied without it (the
+  // node locked, so nothing takes or spills it, and its chunks referenced),
+  // then moved to the host if nothing changed it meanwhile.
+  void SpillAhead(std::unique_lock<std::mutex>& lock);
+  // Waits, the lock dropped, until no spill ahead is copying: an operation
+  // that counts what evictions can free must not miss the node in flight
+  // (locked), and one that removes a tree must not take its node away.
+  void WaitForSpillAhead(std::unique_lock<std::mutex>& lock) const {
+    refill_cv_.wait(lock, [this] { return !spilling_ahead_; });
+  }
   // A block charged to `account` that holds, for a child of `node` on the
   // host, the page straddling node's end (the child's first), or kNoBlock.
   // A spill of `node` shares it instead of taking a block of its own: the
@@ -518,6 +557,7 @@ class Manager {
   std::size_t chunk_bytes_ = 0;
   std::size_t capacity_chunks_ = 0;
   std::size_t prealloc_chunks_ = 0;
+  std::size_t spill_ahead_chunks_ = 0;
   std::optional<std::size_t> max_free_chunks_;
   std::size_t cache_budget_pages_ = 0;
   bool export_chunks_ = false;
@@ -526,7 +566,8 @@ class Manager {
 
   std::mutex close_mu_;  // serialises Close()
   mutable std::mutex mu_;
-  std::condition_variable refill_cv_;    // a chunk creation without the lock finished
+  // A chunk creation or a spill ahead's copy without the lock finished.
+  mutable std::condition_variable refill_cv_;
   std::condition_variable refill_wake_;  // the refill thread may have work
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<HostTier> tier_;  // null: no host tier
@@ -544,13 +585,15 @@ class Manager {
   bool refill_blocked_ = false;  // the last refill found the device full
   bool host_refill_blocked_ = false;  // the last host block allocation ahead of need failed
   bool host_refilling_ = false;       // the refill thread is allocating a host block without the lock
+  bool spilling_ahead_ = false;       // the refill thread is copying a node's bytes without the lock
+  bool spill_ahead_blocked_ = false;  // the last spill ahead found nothing to spill, or failed
   bool closed_ = false;
   std::uint64_t evictions_total_ = 0, cow_copies_total_ = 0, slot_reuses_total_ = 0, prealloc_total_ = 0,
                 rollback_failures_total_ = 0, prefix_unpins_total_ = 0, index_drops_total_ = 0,
                 window_page_drops_total_ = 0;
   std::uint64_t spills_total_ = 0, spilled_pages_total_ = 0, spill_failures_total_ = 0, restores_total_ = 0,
                 restored_pages_total_ = 0, tier_drops_total_ = 0, tier_limit_drops_total_ = 0,
-                host_prealloc_total_ = 0;
+                host_prealloc_total_ = 0, spills_ahead_total_ = 0, spills_ahead_abandoned_total_ = 0;
   double restore_seconds_total_ = 0, restore_copy_seconds_total_ = 0, spill_copy_seconds_total_ = 0;
   std::map<std::string, OpStat> op_stats_;
   // Shared with every Reservation, which may outlive the manager in a view.
@@ -567,7 +610,7 @@ class Manager {
   std::uint64_t next_tree_key_ = 1;
 
   std::unique_ptr<Executor> executor_;  // its workers stop (in Close) before the state above dies
-  std::thread refill_thread_;          // eager allocation; runs only when prealloc_chunks > 0
+  std::thread refill_thread_;  // eager allocation and spills ahead; runs when either is asked for
 };
 
 }  // namespace vtm

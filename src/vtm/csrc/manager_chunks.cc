@@ -164,6 +164,8 @@ std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_
                                       bool may_unpin) {
   std::vector<ChunkId> out;
   if (n == 0) return out;
+  // The node a spill ahead copies is locked: what it frees counts once it is done.
+  if (ReachableChunks() < n) WaitForSpillAhead(lock);
   // Fail before touching any cache when even emptying them all could not
   // satisfy the request.
   if (ReachableChunks() < n && !TreeCanFree(n - ReachableChunks(), may_unpin))
@@ -199,6 +201,10 @@ std::vector<ChunkId> Manager::Acquire(std::size_t n, UndoLog& undo, std::unique_
       continue;
     }
     if (ReclaimCachedPages(n - out.size()) > 0) continue;
+    if (spilling_ahead_) {  // started during a wait above: what it frees is on its way
+      refill_cv_.wait(lock);
+      continue;
+    }
     if (EvictTreeLeaves(n - out.size()) > 0) continue;
     // Unpinning gives up more than a cache: only when evicting what it
     // unpins is sure to satisfy the rest, which then takes no wait (the
@@ -374,17 +380,42 @@ void Manager::TrimIndex(std::uint64_t tick) {
 }
 
 std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
-  std::vector<BlockId> blocks(node->pages.size(), kNoBlock);
-  const auto give_back = [&] {
-    for (BlockId b : blocks)
-      if (b != kNoBlock) tier_->Unref(b);
-  };
-  std::size_t pages = 0;
-  for (ChunkId c : node->pages) pages += c != kNoChunk ? 1 : 0;
-  if (pages > tier_->capacity()) {  // it would never fit: keep what the tier holds
+  SpillPlan plan;
+  bool planned = false;
+  try {
+    planned = PlanSpill(tree, node, &plan);
+  } catch (...) {
+    // No host memory (a vtm Error, or std::bad_alloc from the tier's free
+    // list or the plan's lists): the node goes as it would without a tier.
+    // Never only Errors: the blocks taken would leak, charged to the
+    // account, with no node to give them back (PlanSpill gave them back).
+    planned = false;
+  }
+  if (!planned) {
     ++spill_failures_total_;
     return tree.EvictSubtree(node);
   }
+  // After the kernels that wrote the pages: a record shared them without a
+  // copy only after ordering the backend's copies after its stream.
+  const auto copies_started = std::chrono::steady_clock::now();
+  try {
+    backend_->copy_to_host_many(plan.destinations, plan.sources, chunk_bytes_, nullptr);
+  } catch (...) {
+    // A failed copy (or std::bad_alloc from the backend's batch).
+    GiveBack(plan);
+    ++spill_failures_total_;
+    return tree.EvictSubtree(node);
+  }
+  return FinishSpill(tree, node, plan,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - copies_started).count());
+}
+
+bool Manager::PlanSpill(PrefixTree& tree, PrefixNode* node, SpillPlan* plan) {
+  std::vector<BlockId>& blocks = plan->blocks;
+  blocks.assign(node->pages.size(), kNoBlock);
+  std::size_t pages = 0;
+  for (ChunkId c : node->pages) pages += c != kNoChunk ? 1 : 0;
+  if (pages > tier_->capacity()) return false;  // it would never fit: keep what the tier holds
   // The account charged makes room in its own share first: one tenant's
   // spills never push out another's nodes while it is at its limit. When
   // the node's own account has no room, it goes to an account whose nodes
@@ -424,14 +455,13 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
   // Then the tier.
   const bool room =
       account && DropHostNodes(std::nullopt, [&] { return tier_->used() + need(*account) <= tier_->capacity(); });
-  const BlockId lent = account ? lent_to(*account) : kNoBlock;
-  // The blocks first, then every copy in one call (the backend overlaps them).
-  std::vector<void*> destinations;
-  std::vector<ChunkHandle> sources;
-  destinations.reserve(pages);
-  sources.reserve(pages);
-  std::chrono::steady_clock::time_point copies_started;
+  if (!room) return false;
+  plan->account = *account;
+  const BlockId lent = lent_to(*account);
+  // The blocks first; the caller makes every copy in one call (the backend overlaps them).
   try {
+    plan->destinations.reserve(pages);
+    plan->sources.reserve(pages);
     for (std::size_t i = 0; i < node->pages.size(); ++i) {
       if (node->pages[i] == kNoChunk) continue;
       if (lent != kNoBlock && i + 1 == node->pages.size()) {
@@ -439,34 +469,97 @@ std::size_t Manager::SpillNode(PrefixTree& tree, PrefixNode* node) {
         blocks[i] = lent;
         continue;
       }
-      if (!room || !tier_->Take(*account, &blocks[i])) {
+      if (!tier_->Take(*account, &blocks[i])) {
         // Every block (of the tier, or of the account's share) is held by a locked node.
-        give_back();
-        ++spill_failures_total_;
-        return tree.EvictSubtree(node);
+        GiveBack(*plan);
+        return false;
       }
-      destinations.push_back(tier_->data(blocks[i]));
-      sources.push_back(pool_->handle(node->pages[i]));
+      plan->destinations.push_back(tier_->data(blocks[i]));
+      plan->sources.push_back(pool_->handle(node->pages[i]));
     }
-    // After the kernels that wrote the pages: a record shared them without a
-    // copy only after ordering the backend's copies after its stream.
-    copies_started = std::chrono::steady_clock::now();
-    backend_->copy_to_host_many(destinations, sources, chunk_bytes_, nullptr);
   } catch (...) {
-    // No host memory (a vtm Error, or std::bad_alloc from the tier's free
-    // list or the backend's batch), or a failed copy: the node goes as it
-    // would without a tier. Never only Errors: the blocks taken so far would
-    // leak, charged to the account, with no node to give them back.
-    give_back();
-    ++spill_failures_total_;
-    return tree.EvictSubtree(node);
+    GiveBack(*plan);
+    throw;
   }
+  return true;
+}
+
+void Manager::GiveBack(const SpillPlan& plan) {
+  for (BlockId b : plan.blocks)
+    if (b != kNoBlock) tier_->Unref(b);
+}
+
+std::size_t Manager::FinishSpill(PrefixTree& tree, PrefixNode* node, const SpillPlan& plan, double copy_seconds) {
   ++spills_total_;
-  spilled_pages_total_ += sources.size();
-  spill_copy_seconds_total_ +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - copies_started).count();
-  tree.SetTierAccount(node, *account);  // whoever pays for it keeps it from now on
-  return tree.Spill(node, blocks);
+  spilled_pages_total_ += plan.sources.size();
+  spill_copy_seconds_total_ += copy_seconds;
+  tree.SetTierAccount(node, plan.account);  // whoever pays for it keeps it from now on
+  return tree.Spill(node, plan.blocks);
+}
+
+bool Manager::SpillAheadNeeded() const {
+  return spill_ahead_chunks_ > 0 && !closed_ && !spill_ahead_blocked_ && !spilling_ahead_ &&
+         ReachableChunks() < spill_ahead_chunks_;
+}
+
+void Manager::SpillAhead(std::unique_lock<std::mutex>& lock) {
+  // The least recently used candidate, as an eviction would take it next.
+  OldestFirst walk(trees_, /*on_host=*/false,
+                   [](PrefixTree& tree, PrefixNode* n) { return tree.tier() != nullptr && tree.Spillable(n); });
+  auto [tree, node] = walk.Next();
+  SpillPlan plan;
+  std::vector<ChunkId> pages;
+  bool planned = false;
+  if (node != nullptr) {
+    try {
+      planned = PlanSpill(*tree, node, &plan);
+      if (planned) pages = node->pages;  // what the copy reads, to tell whether the node changed meanwhile
+    } catch (...) {
+      if (planned) GiveBack(plan);
+      planned = false;  // no host memory now: a spill on demand evicts instead, or finds some
+    }
+  }
+  if (!planned) {
+    spill_ahead_blocked_ = true;  // until an operation commits
+    return;
+  }
+  // Locked, the node stays matchable (its chunks untouched) while no
+  // eviction, drop or spill takes it; its chunks referenced, none goes back
+  // to the device while the copy reads it, whatever happens to the node.
+  for (ChunkId c : pages)
+    if (c != kNoChunk) pool_->Ref(c);
+  tree->Lock(node);
+  spilling_ahead_ = true;
+  lock.unlock();
+  bool copied = true;
+  const auto copies_started = std::chrono::steady_clock::now();
+  try {
+    backend_->copy_to_host_many(plan.destinations, plan.sources, chunk_bytes_, nullptr);
+  } catch (...) {
+    copied = false;
+  }
+  const double copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copies_started).count();
+  lock.lock();
+  spilling_ahead_ = false;
+  UnlockPath(*tree, node);
+  // A record may have added a child on the device or split the node (a
+  // match ending inside it), or a match may lock it now: then it stays on
+  // the device, and the copy goes unused.
+  if (copied && node->pages == pages && tree->Spillable(node)) {
+    FinishSpill(*tree, node, plan, copy_seconds);
+    ++spills_ahead_total_;
+  } else {
+    GiveBack(plan);
+    if (copied) {
+      ++spills_ahead_abandoned_total_;
+    } else {
+      ++spill_failures_total_;
+      spill_ahead_blocked_ = true;  // the device may be failing: until an operation commits
+    }
+  }
+  for (ChunkId c : pages)  // after FinishSpill let go of the node's: now they are free
+    if (c != kNoChunk) pool_->Unref(c);
+  refill_cv_.notify_all();  // for WaitForSpillAhead, and for Acquire's waits
 }
 
 BlockId Manager::SharedEndBlock(const PrefixTree& tree, const PrefixNode* node, std::uint32_t account) const {
@@ -744,20 +837,27 @@ void Manager::AfterCommit() {
     pool_->ReleaseFree(pool_->free_count() - *max_free_chunks_);
   refill_blocked_ = false;  // memory may have come back: the refill may try again
   host_refill_blocked_ = false;
-  if (RefillNeeded() || HostRefillNeeded()) refill_wake_.notify_one();
+  spill_ahead_blocked_ = false;
+  if (RefillNeeded() || HostRefillNeeded() || SpillAheadNeeded()) refill_wake_.notify_one();
 }
 
 void Manager::RefillThread() {
   // Eager allocation on a thread of its own, so that creating chunks (the
   // slowest backend call) never occupies a worker that operations wait
   // for; the lock is dropped around each device call. Device chunks first,
-  // then host-tier blocks (HostRefillNeeded).
+  // then spills ahead of need (SpillAheadNeeded), then host-tier blocks
+  // (HostRefillNeeded).
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    refill_wake_.wait(lock, [this] { return refill_stop_ || RefillNeeded() || HostRefillNeeded(); });
+    refill_wake_.wait(lock,
+                      [this] { return refill_stop_ || RefillNeeded() || SpillAheadNeeded() || HostRefillNeeded(); });
     if (refill_stop_) return;
     if (!RefillNeeded()) {
-      RefillHostBlock(lock);
+      if (SpillAheadNeeded()) {
+        SpillAhead(lock);
+      } else {
+        RefillHostBlock(lock);
+      }
       continue;
     }
     pool_->BeginCreate();

@@ -137,6 +137,8 @@ Stats Manager::GetStats() const {
   st.spills_total = spills_total_;
   st.spilled_bytes_total = spilled_pages_total_ * chunk_bytes_;
   st.spill_failures_total = spill_failures_total_;
+  st.spills_ahead_total = spills_ahead_total_;
+  st.spills_ahead_abandoned_total = spills_ahead_abandoned_total_;
   st.restores_total = restores_total_;
   st.restored_bytes_total = restored_pages_total_ * chunk_bytes_;
   st.host_tier_drops_total = tier_drops_total_;
@@ -172,7 +174,8 @@ Stats Manager::GetStats() const {
 }
 
 void Manager::Check() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  WaitForSpillAhead(lock);  // its node's lock and its references are nobody's invariant
   auto fail = [](const std::string& what) { Throw(ErrorCode::kInternal, "invariant broken: " + what); };
   std::vector<int> expected(pool_->id_limit(), 0);
   auto count = [&](ChunkId c, const std::string& where) {

@@ -445,6 +445,7 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
       std::size_t on_device = 0;  // where the path's first node on the host starts
       for (const PrefixNode* p = found.node; p != sp.tree->root(); p = p->parent)
         if (p->on_host) on_device = p->start;
+      WaitForSpillAhead(lock);  // the node it copies is locked: counted only once it is done
       const std::size_t room = ReachableChunks() + EvictableTreeChunks(/*pinned=*/false, /*window_pages=*/false);
       const std::size_t shorter = LongestRestorable(sp, found, on_device, room, max_restore_pages);
       if (shorter > 0 && restore(sp.tree->Find(tokens.data(), shorter))) fall_back = false;
@@ -583,6 +584,7 @@ FutureValue Manager::DoTrim(std::optional<std::size_t> bytes) {
 
 FutureValue Manager::DoCloseSpace(std::uint32_t space) {
   std::unique_lock<std::mutex> lock(mu_);
+  WaitForSpillAhead(lock);  // the space's tree may go, and a spill ahead's node with it
   Space& sp = LiveSpace(space);
   std::vector<std::uint64_t> ids;
   for (auto& [id, vt] : vtensors_)
