@@ -671,6 +671,34 @@ def test_a_client_that_never_answered_its_recall_holds_up_only_the_first_asker()
     assert time.monotonic() - started >= 1.0
 
 
+def test_an_asker_whose_session_ends_while_it_waits_asks_nobody_for_memory():
+    """The asker's process exits while its recall waits for an answer (the
+    service forgets the session, then ends it): the reclaim that follows
+    asks no client to give memory back for it. Before, it looked the
+    asker's fair share up among the open sessions, where it no longer was:
+    a KeyError, which vtmd answered as UNKNOWN with a traceback in its log."""
+    from vtm.broker.policy import Policy
+
+    asker, ahead, victim = _asker_one_ahead_one_below()
+    sessions = [asker, ahead, victim]
+    policy = Policy(lambda: list(sessions), 1, free_bytes=lambda: 0, wait_s=0.5, capacity_bytes=8)
+
+    def exits():
+        time.sleep(0.1)
+        sessions.remove(asker)
+        policy.session_ended(asker)
+
+    thread = threading.Thread(target=exits)
+    thread.start()
+    try:
+        assert policy.reclaim(asker, 4, reserve_bytes=4)  # its recall was sent
+    finally:
+        thread.join()
+    assert [n["notice"] for n in ahead.channel.sent] == ["recall"]
+    assert victim.channel.sent == [] and victim.owed_target is None and ahead.owed_target is None
+    assert policy._reserved_for_others(victim) == 0
+
+
 @pytest.fixture
 def in_process_service(tmp_path):
     """A broker service in this process over a pool of 4 chunks, with a

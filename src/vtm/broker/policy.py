@@ -401,21 +401,28 @@ class Policy:
         equal engines on one pool settle at a share each, and neither
         preempts the other's requests to run more than its share (they
         would take turns recomputing)."""
-        live = [s for s in self._sessions() if s is not requester and s.state == LIVE]
+        sessions = self._sessions()
+        if requester not in sessions:
+            # Its session ended while it waited for its recall (its process
+            # exited): its retry fails, and no client gives memory back for it.
+            return []
+        live = [s for s in sessions if s is not requester and s.state == LIVE]
         victims = [(s, s.guaranteed_bytes) for s in sorted(live, key=lambda s: s.priority)
                    if s.priority < requester.priority and s.mapped_bytes(self.chunk_bytes) > s.guaranteed_bytes]
         with self._mu:
             owing = requester.owed_target is not None
         if not owing and self.capacity_bytes:
-            shares = self._fair_shares(requester, need_bytes)
+            shares = self._fair_shares(requester, need_bytes, sessions)
             if shares is not None:
                 victims += [(s, share) for s, share in shares]
         return victims
 
-    def _fair_shares(self, requester, need_bytes: int):
+    def _fair_shares(self, requester, need_bytes: int, sessions: list):
         """The requester's equals that map more than their fair share, with
         that share, largest first; None when the requester's own demand
-        (what it maps and asks) passes its share.
+        (what it maps and asks) passes its share. `sessions`: the open
+        sessions, the requester among them (read once by the caller: a
+        second read may find it gone).
 
         The shares split what the equals contend for (the pool less what
         higher priorities map, what lower ones keep by their guarantee, and
@@ -425,7 +432,7 @@ class Policy:
         others. An equal's demand is what it maps; its limit bounds it."""
         contended = self.capacity_bytes
         demands = {}  # session -> (demand, guarantee)
-        for s in self._sessions():
+        for s in sessions:
             mapped = s.mapped_bytes(self.chunk_bytes)
             if s is requester:
                 demands[s] = (mapped + need_bytes, s.guaranteed_bytes)
