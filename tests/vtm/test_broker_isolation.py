@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import vtm
-from broker_testing import (ROW, BrokerProcess, child_allocate_release_hold, child_quarantined, end_liveness_stream,
-                            held, memfd_inodes, pattern)
+from broker_testing import (ROW, BrokerProcess, child_allocate, child_allocate_release_hold, child_quarantined,
+                            end_liveness_stream, held, memfd_inodes, pattern)
 from broker_testing import broker  # noqa: F401 (a fixture)
 from broker_testing import spawn  # noqa: F401 (a fixture)
 from vtm.broker import step_channel
@@ -96,6 +96,37 @@ def test_a_quarantined_clients_chunks_return_when_its_process_exits(broker, spaw
         child.join(10)
         wait_until(lambda: held(mgr) == 0 and client_state(mgr, "cut-off") is None, 5, "the exit freed the chunks")
         mgr.check()
+
+
+def test_only_a_client_that_lives_on_is_reported_quarantined(tmp_path, spawn):
+    """A killed process's sockets close a moment before its pidfd reports
+    its exit, so its channel ends while it seems to live. vtmd warned for
+    about half the clients killed that their memory was quarantined until
+    they exit; it warns only of a client still quarantined a second later."""
+    b = BrokerProcess(tmp_path, capacity_chunks=64)
+    try:
+        q, hold = CTX.Queue(), CTX.Event()
+        children = [spawn(child_allocate, b.address, 2 * ROWS_PER_CHUNK, q, hold) for _ in range(8)]
+        assert [q.get(timeout=120)[0] for _ in children] == ["ok"] * len(children)
+        with vtm.connect(b.address, name="observer") as mgr:
+            for child in children:
+                os.kill(child.pid, signal.SIGKILL)
+            wait_until(lambda: client_state(mgr, "child") is None and held(mgr) == 0, 10, "the kills freed the chunks")
+            cut_off = vtm.connect(b.address, name="cut-off")
+            try:
+                end_liveness_stream(cut_off)
+                wait_until(lambda: client_state(mgr, "cut-off") == "quarantined", 10, "the broker saw the channel end")
+                time.sleep(2.5)  # past the second, and the reaper's next round
+            finally:
+                cut_off.close()
+    finally:
+        b.proc.send_signal(signal.SIGTERM)
+        try:
+            log = b.proc.communicate(timeout=15)[0]  # vtmd's log, its stderr
+        finally:
+            b.kill()
+    warnings = [line for line in log.splitlines() if "quarantined" in line]
+    assert len(warnings) == 1 and "'cut-off'" in warnings[0], log
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])

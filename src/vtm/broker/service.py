@@ -65,6 +65,10 @@ _MAX_COUNT = 1 << 62  # sizes above this are malformed (the manager takes int64)
 MAX_NAME = 256  # characters of a client's or a space's name
 MAX_NAMESPACE = 1024  # of a namespace (FlexInfer's hold a model fingerprint, a dtype, a salt, layers)
 _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
+# A process being killed closes its sockets (its channel ends) a moment
+# before its pidfd reports the exit: only a session still quarantined this
+# long after is one whose process lives on, which the operator is told of.
+_QUARANTINE_WARN_S = 1.0
 MAX_SPACES = 64  # per session
 
 
@@ -225,9 +229,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                 return
             if not _process_exited(session.pidfd):
                 session.state, session.channel = QUARANTINED, None
-                log.warning("client '%s' (pid %d) lost its channel while it lives: its %d bytes are quarantined "
-                            "until it exits or says goodbye", session.name, session.pid,
-                            session.mapped_bytes(self._chunk_bytes))
+                session.quarantined_at = time.monotonic()  # the reaper warns of it if it lasts
                 return
         self.end_session(session)
 
@@ -308,6 +310,14 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             now = time.monotonic()
             with self._mu:
                 stale = [s for s in self._sessions.values() if s.state == PENDING and now - s.created_at > _ATTACH_S]
+                cut_off = [s for s in self._sessions.values() if s.state == QUARANTINED
+                           and s.quarantined_at is not None and now - s.quarantined_at >= _QUARANTINE_WARN_S]
+                for session in cut_off:
+                    session.quarantined_at = None  # warned once
+            for session in cut_off:
+                log.warning("client '%s' (pid %d) lost its channel while it lives: its %d bytes are quarantined "
+                            "until it exits or says goodbye", session.name, session.pid,
+                            session.mapped_bytes(self._chunk_bytes))
             for session in stale:
                 with session.lock:
                     if session.state != PENDING:

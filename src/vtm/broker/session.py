@@ -91,6 +91,7 @@ class Session:
         self.serial_refs = collections.Counter()
         self.chunk_of = {}  # serial -> chunk id, for mapped serials
         self.created_at = time.monotonic()
+        self.quarantined_at = None  # time.monotonic() when quarantined, until the broker warned of it
         self.next_space = 1
         # Set by the policy's reclaim notices (src/vtm/broker/policy.py).
         self.owed_target = None  # mapped bytes the client was asked to come down to
