@@ -9,10 +9,13 @@ import multiprocessing
 import os
 import time
 
+import grpc
 import pytest
 
 import vtm
 from broker_testing import CHUNK, ROW, BrokerProcess, child_idle_sessions, median_seconds, rss_bytes
+from vtm.broker.service import MAX_LISTED_INDEX_BYTES
+from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 from broker_testing import spawn  # noqa: F401 (a fixture)
 
 CTX = multiprocessing.get_context("spawn")
@@ -175,6 +178,39 @@ def test_records_of_new_tokens_cannot_grow_the_broker(tmp_path):
             # AddressSanitizer freed memory waits in its quarantine first.)
             if "libasan" not in os.environ.get("LD_PRELOAD", ""):
                 assert rss[1] - rss[0] < budget // 2, f"vtmd grew from {rss[0] / MiB:.0f} to {rss[1] / MiB:.0f} MiB"
+            mgr.check()
+        honest_work(b.address)
+    finally:
+        b.kill()
+
+
+def test_a_tree_too_large_for_a_reply_is_refused_before_it_is_listed(tmp_path):
+    """PrefixNodes built the whole tree in vtmd for each call, however large
+    the index budget let it grow (an eighth of the pool and the host tier),
+    and a client could not even receive it (gRPC's 4 MiB): a few calls at
+    once on a tree of a large pool took more memory than the host has. A
+    tree past MAX_LISTED_INDEX_BYTES is refused before anything is built, to
+    a client that takes replies of any size too; a small one is listed."""
+    b = BrokerProcess(tmp_path, capacity_chunks=32)
+    try:
+        with vtm.connect(b.address, name="recorder") as mgr:
+            n = 1 << 19  # 2 MiB of index a record
+            space = mgr.create_space(row_bytes=1, max_tokens=n, max_slots=1, namespace="large")
+            vt = space.create(n).result()
+            for i in range(MAX_LISTED_INDEX_BYTES // (4 * n) + 1):
+                space.prefix_record(vt, list(range(i * n, (i + 1) * n))).result()
+            assert mgr.stats()["index_bytes"] > MAX_LISTED_INDEX_BYTES
+            with pytest.raises(vtm.FailedPrecondition, match="bytes of index"):
+                space.prefix_nodes()
+            options = [("grpc.max_receive_message_length", 1 << 30)]
+            with grpc.insecure_channel(b.address, options=options) as channel:
+                with pytest.raises(grpc.RpcError) as refused:
+                    vtm_pb2_grpc.BrokerStub(channel).PrefixNodes(vtm_pb2.SpaceRequest(space_id=space.id), timeout=60,
+                                                                metadata=mgr._metadata)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            small = mgr.create_space(row_bytes=ROW, max_tokens=100, max_slots=1, namespace="small")
+            small.prefix_record(small.create(10).result(), list(range(10))).result()
+            assert [(node["start"], node["end"]) for node in small.prefix_nodes()] == [(0, 10)]
             mgr.check()
         honest_work(b.address)
     finally:

@@ -70,6 +70,12 @@ _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
 # long after is one whose process lives on, which the operator is told of.
 _QUARANTINE_WARN_S = 1.0
 MAX_SPACES = 64  # per session
+# A prefix tree listed in one reply (PrefixNodes), in bytes of its index:
+# at 4 bytes a token there and at least 1 in a reply, a larger tree's reply
+# passes the 4 MiB a gRPC client receives by default. Listing it anyway built
+# ~13 bytes a token in vtmd for every call, whatever the client could take,
+# and the index budget grows with the pool (an eighth of it and the tier).
+MAX_LISTED_INDEX_BYTES = 16 << 20
 
 
 def _count(value: int, what: str) -> int:
@@ -966,7 +972,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     def PrefixNodes(self, request, context):
         def body(session):
-            nodes = self._space(session, request.space_id).prefix_nodes()
+            nodes = self._space(session, request.space_id).prefix_nodes(max_index_bytes=MAX_LISTED_INDEX_BYTES)
             return vtm_pb2.PrefixNodesReply(nodes=[
                 vtm_pb2.PrefixNode(start=n["start"], end=n["end"], tokens=n["tokens"], locks=n["locks"],
                                    pages=[status.HOLE_PAGE if c is None else c for c in n["pages"]],

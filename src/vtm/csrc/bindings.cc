@@ -505,9 +505,10 @@ PYBIND11_MODULE(_core, m) {
            [](const PySpace& s) { return Wait(s.mgr, NoGil([&] { return Core(s.mgr).ClearPrefixes(s.id); })); })
       .def("close", [](const PySpace& s) { Wait(s.mgr, NoGil([&] { return Core(s.mgr).CloseSpace(s.id); })); })
       .def("prefix_nodes",
-           [](const PySpace& s) {
+           [](const PySpace& s, std::optional<std::int64_t> max_index_bytes) {
              py::list out;
-             for (const NodeInfo& n : NoGil([&] { return Core(s.mgr).PrefixNodes(s.id); })) {
+             const std::size_t most = max_index_bytes ? Count(*max_index_bytes, "max_index_bytes") : SIZE_MAX;
+             for (const NodeInfo& n : NoGil([&] { return Core(s.mgr).PrefixNodes(s.id, most); })) {
                py::dict d;
                d["start"] = n.start;
                d["end"] = n.end;
@@ -519,7 +520,8 @@ PYBIND11_MODULE(_core, m) {
                out.append(d);
              }
              return out;
-           })
+           },
+           py::kw_only(), py::arg("max_index_bytes") = py::none())
       .def(
           "_dlpack",
           [](const PySpace& s, int code, int bits, std::vector<std::int64_t> shape, bool versioned) {

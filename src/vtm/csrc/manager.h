@@ -291,7 +291,9 @@ class Manager {
   void Check() const;
   VTensorInfo DescribeVTensor(std::uint64_t vt) const;
   SpaceInfo DescribeSpace(std::uint32_t space) const;
-  std::vector<NodeInfo> PrefixNodes(std::uint32_t space) const;
+  // FailedPrecondition, listing nothing, when the space's tree takes more than
+  // max_index_bytes of index (a listing's own memory grows with it).
+  std::vector<NodeInfo> PrefixNodes(std::uint32_t space, std::size_t max_index_bytes = SIZE_MAX) const;
   std::shared_ptr<Reservation> SpaceReservation(std::uint32_t space) const;
 
   // Broker mode (record_mappings): the page states of `space` changed since

@@ -62,11 +62,15 @@ SpaceInfo Manager::DescribeSpace(std::uint32_t space) const {
   return info;
 }
 
-std::vector<NodeInfo> Manager::PrefixNodes(std::uint32_t space) const {
+std::vector<NodeInfo> Manager::PrefixNodes(std::uint32_t space, std::size_t max_index_bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<NodeInfo> nodes;
   if (WasClosed(space)) return nodes;
   const Space& sp = LiveSpace(space);
+  if (sp.tree->index_bytes() > max_index_bytes)
+    Throw(ErrorCode::kFailedPrecondition, "prefix_nodes: the prefix tree of space '" + sp.name + "' takes " +
+                                              std::to_string(sp.tree->index_bytes()) + " bytes of index, more than " +
+                                              std::to_string(max_index_bytes) + " a listing may");
   sp.tree->ForEach([&](const PrefixNode& n) {
     NodeInfo info{n.start, n.end(), n.tokens, n.locks, n.pages, n.on_host, {}};
     for (BlockId b : n.host_pages) info.host_pages.push_back(b != kNoBlock);
