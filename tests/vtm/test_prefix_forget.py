@@ -11,7 +11,8 @@ import pytest
 
 import vtm
 from broker_testing import broker  # noqa: F401 (a fixture)
-from vtm_testing import SENTINEL, RowIO, assert_pool_consistent, assert_same_state, chunk_for, snapshot
+from vtm_testing import (SENTINEL, RowIO, assert_pool_consistent, assert_same_state, chunk_for, fill_pool,
+                         snapshot)
 
 CHUNKS = 8
 
@@ -43,20 +44,6 @@ def matches(sp, io, tokens):
         io.verify(m.vtensor, tokens, m.vtensor.low, m.num_tokens, what="match:")
         m.vtensor.release().result()
     return m.num_tokens
-
-
-def fill_pool(sp):
-    """vTensors holding every chunk of the pool (evicting or spilling the tree), then released."""
-    held, per = [], sp.max_tokens
-    while True:
-        try:
-            held.append(sp.create(per).result())
-        except vtm.OutOfMemory:
-            if per == 1:
-                break
-            per = max(1, per // 2)
-    for vt in held:
-        vt.release().result()
 
 
 def test_forget_gives_every_chunk_of_the_record_back(backend, make_manager):

@@ -304,6 +304,20 @@ def assert_same_state(before, after, allow_reclaim=True):
             assert as_["cached_bytes"] <= bs["cached_bytes"]
 
 
+def fill_pool(sp):
+    """vTensors holding every chunk of the pool (evicting or spilling the tree), then released."""
+    held, per = [], sp.max_tokens
+    while True:
+        try:
+            held.append(sp.create(per).result())
+        except vtm.OutOfMemory:
+            if per == 1:
+                break
+            per = max(1, per // 2)
+    for vt in held:
+        vt.release().result()
+
+
 def assert_pool_consistent(mgr):
     st = mgr.stats()
     assert st["chunks_held"] == st["chunks_created"] - st["chunks_free"], st
