@@ -255,7 +255,8 @@ def _engine(args) -> LLM:
                enable_prefix_caching=not args.no_prefix_caching, linear=args.linear,
                attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
                broker_wait_s=args.broker_wait, memory_wait_s=args.memory_wait, host_tier_bytes=host_tier,
-               preemption=args.preemption, spill_ahead_bytes=spill_ahead, overlap=None if args.overlap == "auto" else args.overlap == "on")
+               preemption=args.preemption, spill_ahead_bytes=spill_ahead,
+               overlap=None if args.overlap == "auto" else args.overlap == "on")
 
 
 def _load(args) -> LLM:

@@ -20,7 +20,8 @@ def test_bench_tier_restores_a_gemma3_models_window_group_from_the_host(tmp_path
     out = tmp_path / "tier.json"
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_tier.py"), "--family", "gemma3", "--window", "64",
                            "--users", "3", "--turns", "2", "--history", "160", "--new", "8", "--reply", "4",
-                           "--spill-ahead", "1", "--think-ms", "20", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--spill-ahead", "1", "--think-ms", "20", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "CPU:" in proc.stdout and "2 groups" in proc.stdout
     result = json.loads(out.read_text())
