@@ -172,10 +172,10 @@ def test_numpy_numbers_in_sampling_params_sample_as_the_python_numbers_they_stan
     (dict(chunk_bytes="4096"), "chunk_bytes must be a positive int, got '4096'"),
     (dict(workers=0), "workers must be a positive int, got 0"),
     # What vtm refuses is InvalidArgument too (not vtm's), naming the engine's options.
-    (dict(workers=100000), "kv_capacity_bytes=2147483648, chunk_bytes=2097152, workers=100000, host_tier_bytes=0: "
-                           "workers must be in [1, 256], got 100000"),
-    (dict(chunk_bytes=12289), "chunk_bytes=12289, workers=1, host_tier_bytes=0: capacity_bytes 2147483648 is not a "
-                              "positive multiple of chunk_bytes 12289"),
+    (dict(workers=100000), "kv_capacity_bytes=2147483648, chunk_bytes=2097152, workers=100000, host_tier_bytes=0, "
+                           "spill_ahead_bytes=0: workers must be in [1, 256], got 100000"),
+    (dict(chunk_bytes=12289), "chunk_bytes=12289, workers=1, host_tier_bytes=0, spill_ahead_bytes=0: capacity_bytes "
+                              "2147483648 is not a positive multiple of chunk_bytes 12289"),
     (dict(device="bogus"), "device must be a torch device"),
     (dict(backend="bogus"), "backend must be 'auto', 'host' or 'cuda'"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),
