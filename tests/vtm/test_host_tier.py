@@ -270,7 +270,8 @@ def test_spilling_ahead_keeps_room_free_and_every_prefix_comes_back_byte_for_byt
     spilled = {n["tokens"][0] for n in on_host(sp)}
     assert spilled and prefixes[-1][0] not in spilled  # the least recently used went, the latest stays
     vt = sp.create(4 * chunk // sp.row_bytes).result()  # four chunks' rows: the room is there
-    assert mgr.stats()["spills_total"] == mgr.stats()["spills_ahead_total"]  # none spilled on demand
+    st = mgr.stats()  # one reading: a spill ahead may land between two
+    assert st["spills_total"] == st["spills_ahead_total"]  # none spilled on demand
     vt.release().result()
     for tokens in prefixes:
         assert_matches_whole(sp, io, tokens)
@@ -297,10 +298,11 @@ def held_spill_ahead(make_manager, backend, seconds=0.5):
 def test_a_match_of_the_prefix_a_spill_ahead_copies_reads_it_from_the_device(backend, make_manager):
     """The node stays matchable while its bytes are copied: the match maps
     its chunks at once, and the spill ahead, finding it locked, gives up."""
-    mgr, sp, io, prefixes = held_spill_ahead(make_manager, backend)
-    started = time.monotonic()
+    mgr, sp, io, prefixes = held_spill_ahead(make_manager, backend, seconds=1.0)
+    [node] = [n for n in sp.prefix_nodes() if n["tokens"][0] == prefixes[0][0]]
     m = match(sp, prefixes[0])
-    assert time.monotonic() - started < 0.4  # it did not wait for the copy
+    # The copy (a second a page) was still going when the match returned: it did not wait for it.
+    assert mgr.faults.calls("copy_to_host") < len(node["pages"])
     assert m.num_tokens == len(prefixes[0]) and m.restored_tokens == 0
     io.verify(m.vtensor, prefixes[0])
     assert wait_for(lambda: mgr.stats()["spills_ahead_abandoned_total"] >= 1)
@@ -1336,7 +1338,8 @@ def test_vtmd_spills_ahead_and_a_client_restores_the_bytes(tmp_path, backend):
             space.prefix_record(vt, tokens).result()
             vt.release().result()
             assert wait_for(lambda: mgr.stats()["spills_ahead_total"] >= 1)
-            assert mgr.stats()["spills_total"] == mgr.stats()["spills_ahead_total"]
+            stats = mgr.stats()  # one reading: a spill ahead may land between two
+            assert stats["spills_total"] == stats["spills_ahead_total"]
             match = space.prefix_match(tokens + [7]).result()
             assert match.num_tokens == match.restored_tokens == len(tokens)
             got = RowView(space, backend).read(match.vtensor.slot, 0, len(tokens) * row)
