@@ -252,92 +252,47 @@ class ScopedContext {
   bool switched_ = false;
 };
 
-// An address range reservation, freed on destruction. Empty when va() == 0.
-// Invariant: a non-empty reservation holds no mappings when it is destroyed
-// (its owner unmaps them first), so cuMemAddressFree can succeed.
-class Reservation {
- public:
-  explicit Reservation(const DriverTable& fn) : fn_(fn) {}
-  ~Reservation() { Free(); }
-  Reservation(const Reservation&) = delete;
-  Reservation& operator=(const Reservation&) = delete;
-
-  // Replaces the range with a fresh one of `bytes` aligned to `alignment`.
-  void Reset(std::size_t bytes, std::size_t alignment) {
-    Free();
-    CUdeviceptr va = 0;
-    Check(fn_, "cuMemAddressReserve", fn_.cuMemAddressReserve(&va, bytes, alignment, 0, 0));
-    va_ = va;
-    bytes_ = bytes;
-  }
-
-  CUdeviceptr va() const { return va_; }
-  std::size_t bytes() const { return bytes_; }
-
-  void Free() {
-    // Errors are ignored: this runs from destructors, and a range the driver
-    // refuses to free is at worst leaked address space.
-    if (va_ != 0) fn_.cuMemAddressFree(va_, bytes_);
-    va_ = 0;
-    bytes_ = 0;
-  }
-
-  // Forgets the range without freeing it: for a copy scratch range whose
-  // mapping the driver would not unmap. Reused, every later cuMemMap there
-  // would fail, and a tier whose copies all fail is a tier lost for good;
-  // the next copy reserves a fresh range instead, leaking this one's address
-  // space (and the chunk the stale mapping keeps alive).
-  void Abandon() {
-    va_ = 0;
-    bytes_ = 0;
-  }
-
- private:
-  const DriverTable& fn_;
-  CUdeviceptr va_ = 0;
-  std::size_t bytes_ = 0;
+// A chunk's copy view: the chunk mapped read-write at an address range of its
+// own, where vtm's copies (prefix copies, host-tier spills and restores) read
+// and write it. Why keep one per chunk: pool chunks are reused over and over,
+// and mapping a chunk costs ~20 us in cuMemSetAccess alone (2 MiB, H200), the
+// same per chunk however many adjacent chunks one call covers. A copy that
+// mapped its chunks into a scratch range each time paid that, and the unmap,
+// beside a ~40 us transfer. A view is made on a chunk's first copy and kept
+// until the chunk is released, so later copies map nothing. It costs address
+// space only: the physical memory is the chunk's.
+struct CopyView {
+  CUdeviceptr va = 0;  // 0: none made yet
+  std::size_t bytes = 0;
 };
 
-// Chunks mapped one after another from the start of the copy scratch range,
-// all unmapped on destruction unless Unmap() already did so: one call for the
-// run, as the manager unmaps a vTensor's adjacent pages. Whole chunks are
-// mapped because the driver maps a handle only from offset 0 to its end. A
-// run the driver will not unmap abandons the range (Reservation::Abandon).
-class ScopedRun {
- public:
-  ScopedRun(const DriverTable& fn, Reservation& scratch) : fn_(fn), scratch_(scratch) {}
-  ~ScopedRun() {
-    // The error path: the copy already failed and reports that error; an
-    // unmap failure on top of it has nothing useful to add.
-    if (bytes_ > 0 && fn_.cuMemUnmap(scratch_.va(), bytes_) != CUDA_SUCCESS) scratch_.Abandon();
+// Reserves a range for `chunk` (`bytes`), maps it there and opens it for
+// reading and writing; with the context current. Throws with nothing left
+// behind (but a range whose unmap the driver refuses, which stays leaked).
+CopyView MakeCopyView(const DriverTable& fn, CUmemGenericAllocationHandle chunk, std::size_t bytes,
+                      std::size_t alignment, const CUmemAccessDesc& access) {
+  CUdeviceptr va = 0;
+  Check(fn, "cuMemAddressReserve", fn.cuMemAddressReserve(&va, bytes, alignment, 0, 0));
+  const char* failed = "cuMemMap";
+  CUresult result = fn.cuMemMap(va, bytes, 0, chunk, 0);
+  if (result == CUDA_SUCCESS) {
+    failed = "cuMemSetAccess";
+    result = fn.cuMemSetAccess(va, bytes, &access, 1);
+    if (result == CUDA_SUCCESS) return CopyView{va, bytes};
+    if (fn.cuMemUnmap(va, bytes) != CUDA_SUCCESS) ThrowDriverError(fn, failed, result);
   }
-  ScopedRun(const ScopedRun&) = delete;
-  ScopedRun& operator=(const ScopedRun&) = delete;
+  fn.cuMemAddressFree(va, bytes);
+  ThrowDriverError(fn, failed, result);
+}
 
-  // Maps `chunk` (`bytes`) after the run's end; its address.
-  CUdeviceptr Map(std::size_t bytes, CUmemGenericAllocationHandle chunk) {
-    const CUdeviceptr va = scratch_.va() + bytes_;
-    Check(fn_, "cuMemMap", fn_.cuMemMap(va, bytes, 0, chunk, 0));
-    bytes_ += bytes;
-    return va;
-  }
-
-  // The success path: an unmap failure is reported, since the copy's caller
-  // should hear that the device misbehaved.
-  void Unmap() {
-    const std::size_t bytes = bytes_;
-    bytes_ = 0;
-    if (bytes == 0) return;
-    const CUresult result = fn_.cuMemUnmap(scratch_.va(), bytes);
-    if (result != CUDA_SUCCESS) scratch_.Abandon();
-    Check(fn_, "cuMemUnmap", result);
-  }
-
- private:
-  const DriverTable& fn_;
-  Reservation& scratch_;
-  std::size_t bytes_ = 0;
-};
+// Unmaps `view` and frees its range; with the context current. Errors are
+// ignored: this runs on release paths that must not throw, and a view the
+// driver will not unmap is at worst leaked address space (and keeps its
+// chunk's memory alive).
+void DropCopyView(const DriverTable& fn, const CopyView& view) noexcept {
+  if (view.va == 0) return;
+  if (fn.cuMemUnmap(view.va, view.bytes) == CUDA_SUCCESS) fn.cuMemAddressFree(view.va, view.bytes);
+}
 
 // A fence: an event recorded on a compute stream of the primary context. The
 // event is destroyed with the fence (the driver defers that until the event
@@ -385,9 +340,9 @@ class CudaFence final : public Fence {
 //  * chunks_ has an entry for every handle returned by create_chunk() or
 //    import_fd() and not yet released, with its size and the number of
 //    releases it is owed (an import may return a handle this process already
-//    holds, and the driver wants one cuMemRelease per import).
-//  * scratch_ (guarded by copy_mu_) holds no mapping outside copy(),
-//    CopiesThroughScratch() and CreateZeroChunk();
+//    holds, and the driver wants one cuMemRelease per import), and its copy
+//    view once a copy has made one (made only under copy_mu_, dropped when
+//    the last release is owed no more, before that cuMemRelease);
 //  * sealed_ (guarded by seal_mu_) holds the sealed reservations; each maps
 //    zero_chunk_ (one zeroed granule, created on the first seal) read-only
 //    at every granule, until free_reservation unmaps it;
@@ -398,7 +353,7 @@ class CudaFence final : public Fence {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const DriverTable& fn, int device, CUdevice cu_device)
-      : fn_(fn), device_(device), context_(fn, cu_device), scratch_(fn) {
+      : fn_(fn), device_(device), context_(fn, cu_device) {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -421,17 +376,17 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
-    // The scratch range is freed here, with the context current, rather than
-    // by scratch_'s destructor, which runs after this body without it. No copy
-    // can be running: destroying a backend that is still in use is a bug.
+    // No copy can be running: destroying a backend that is still in use is a
+    // bug. Chunks still held here were never released by their owner; their
+    // views go at least, so the address space does.
     try {
       ScopedContext current(fn_, context_.get());
-      scratch_.Free();
+      for (const auto& [chunk, info] : chunks_) DropCopyView(fn_, info.view);
       if (zero_chunk_ != 0) fn_.cuMemRelease(zero_chunk_);
       fn_.cuStreamDestroy(copy_stream_);
     } catch (...) {
-      // The context could not be made current: scratch_'s destructor still
-      // tries to free the range, and at teardown there is no one to tell.
+      // The context could not be made current: at teardown there is no one
+      // to tell.
     }
   }
 
@@ -496,15 +451,21 @@ class CudaBackend final : public Backend {
 
   void release_chunk(ChunkHandle chunk) noexcept override {
     try {
+      CopyView view;
       {
         std::lock_guard<std::mutex> lock(chunks_mu_);
         auto it = chunks_.find(chunk);
         // An unknown handle is not ours (or was released already): calling the
         // driver could release a handle value it has since reused.
         if (it == chunks_.end()) return;
-        if (--it->second.references == 0) chunks_.erase(it);
+        if (--it->second.references == 0) {
+          view = it->second.view;
+          chunks_.erase(it);
+        }
       }
       ScopedContext current(fn_, context_.get());
+      // The view first: a mapping left behind would keep the memory alive.
+      DropCopyView(fn_, view);
       fn_.cuMemRelease(chunk);  // the contract says never throw: errors ignored
     } catch (...) {
       // Only ScopedContext can throw here; the chunk then stays allocated.
@@ -581,25 +542,20 @@ class CudaBackend final : public Backend {
   }
 
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) override {
-    const std::size_t dst_bytes = ChunkBytes("copy", dst);
-    const std::size_t src_bytes = ChunkBytes("copy", src);
+    CheckLive("copy", dst);
+    CheckLive("copy", src);
     const auto* fence = dynamic_cast<const CudaFence*>(after);
     if (after != nullptr && fence == nullptr)
       Throw(ErrorCode::kInvalidArgument, "copy: the fence was not recorded by a cuda backend");
     if (dst == src) return;  // copying a chunk onto itself changes nothing
 
-    // Copies are rare (one per prefix match ending inside a page), so one
-    // scratch range serialised by a mutex is enough.
+    // One copy at a time, on one stream: copies are few (one per prefix
+    // match ending inside a page, and the host tier's), and serialising them
+    // keeps the views' making simple.
     std::lock_guard<std::mutex> lock(copy_mu_);
     ScopedContext current(fn_, context_.get());
-    const std::size_t needed = src_bytes + dst_bytes;
-    if (scratch_.bytes() < needed) scratch_.Reset(needed, granularity_);
-
-    ScopedRun run(fn_, scratch_);
-    const CUdeviceptr src_va = run.Map(src_bytes, src);
-    const CUdeviceptr dst_va = run.Map(dst_bytes, dst);
-    // One call for both: the two mappings are adjacent.
-    Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(src_va, needed, &access_, 1));
+    const CUdeviceptr src_va = ViewOf("copy", src);
+    const CUdeviceptr dst_va = ViewOf("copy", dst);
     // On vtm's own stream, after the kernels that wrote `src` (the fence)
     // and nothing else: the copy runs on a worker with the manager's mutex
     // held, and must not wait for kernels queued after the fence (the next
@@ -609,7 +565,6 @@ class CudaBackend final : public Backend {
       Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
     Check(fn_, "cuMemcpyDtoDAsync", fn_.cuMemcpyDtoDAsync(dst_va, src_va, bytes, copy_stream_));
     Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
-    run.Unmap();
   }
 
   void* alloc_host(std::size_t bytes) override {
@@ -640,24 +595,23 @@ class CudaBackend final : public Backend {
     copy_from_host_many({dst}, {src}, bytes);
   }
 
-  // Through the copy scratch range, like copy(), on vtm's own stream. Each
-  // chunk is mapped (cuMemMap + cuMemSetAccess: ~30 us a 2 MiB chunk on an
-  // H200, the driver charging by the chunk) while the copy before it runs
-  // (~40 us at a pinned copy's ~50 GB/s), and the stream is waited for once:
-  // one chunk at a time, mapping, copy, wait and unmap added up to ~100 us.
+  // Through the chunks' copy views, like copy(), on vtm's own stream: every
+  // copy is queued before the stream is waited for once (one chunk at a
+  // time, the copy, the wait and the mapping added up to ~100 us a chunk on
+  // an H200).
   void copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs, std::size_t bytes,
                          const Fence* after) override {
     const auto* fence = dynamic_cast<const CudaFence*>(after);
     if (after != nullptr && fence == nullptr)
       Throw(ErrorCode::kInvalidArgument, "copy_to_host: the fence was not recorded by a cuda backend");
-    CopiesThroughScratch("copy_to_host", srcs, fence, [&](std::size_t i, CUdeviceptr va) {
+    CopiesThroughViews("copy_to_host", srcs, fence, [&](std::size_t i, CUdeviceptr va) {
       Check(fn_, "cuMemcpyDtoHAsync", fn_.cuMemcpyDtoHAsync(dsts[i], va, bytes, copy_stream_));
     });
   }
 
   void copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
                            std::size_t bytes) override {
-    CopiesThroughScratch("copy_from_host", dsts, nullptr, [&](std::size_t i, CUdeviceptr va) {
+    CopiesThroughViews("copy_from_host", dsts, nullptr, [&](std::size_t i, CUdeviceptr va) {
       Check(fn_, "cuMemcpyHtoDAsync", fn_.cuMemcpyHtoDAsync(va, srcs[i], bytes, copy_stream_));
     });
   }
@@ -666,70 +620,87 @@ class CudaBackend final : public Backend {
   struct ChunkInfo {
     std::size_t bytes;
     std::size_t references;  // cuMemRelease calls this handle is owed
+    CopyView view;           // none until the chunk's first copy
   };
 
-  // Maps `chunks` one after another into the copy scratch range, queues
-  // copy(i, address of chunks[i]) on copy_stream_ after each (after `fence`,
-  // if any), waits for the stream once, and unmaps them. On a failure the
-  // copies queued finish before their mappings go.
+  // Queues copy(i, view of chunks[i]) for every chunk on copy_stream_ (after
+  // `fence`, if any) and waits for the stream once. A view missing is made
+  // just before its chunk's copy is queued, while the copies before it run.
+  // On a failure the copies queued finish before it is reported.
   template <typename Copy>
-  void CopiesThroughScratch(const char* method, const std::vector<ChunkHandle>& chunks, const CudaFence* fence,
-                            Copy copy) {
-    std::vector<std::size_t> sizes;
-    sizes.reserve(chunks.size());
-    std::size_t total = 0;
-    for (ChunkHandle chunk : chunks) total += sizes.emplace_back(ChunkBytes(method, chunk));
+  void CopiesThroughViews(const char* method, const std::vector<ChunkHandle>& chunks, const CudaFence* fence,
+                          Copy copy) {
+    for (ChunkHandle chunk : chunks) CheckLive(method, chunk);
     if (chunks.empty()) return;
     std::lock_guard<std::mutex> lock(copy_mu_);
     ScopedContext current(fn_, context_.get());
-    if (scratch_.bytes() < total) scratch_.Reset(total, granularity_);
     if (fence != nullptr)
       Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
-    ScopedRun run(fn_, scratch_);
     try {
-      for (std::size_t i = 0; i < chunks.size(); ++i) {
-        const CUdeviceptr va = run.Map(sizes[i], chunks[i]);
-        Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, sizes[i], &access_, 1));
-        copy(i, va);
-      }
+      for (std::size_t i = 0; i < chunks.size(); ++i) copy(i, ViewOf(method, chunks[i]));
       Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
     } catch (...) {
       fn_.cuStreamSynchronize(copy_stream_);
       throw;
     }
-    run.Unmap();
+  }
+
+  // The address of `chunk`'s copy view, made now if it has none. With
+  // copy_mu_ held (the only place views are made) and the context current.
+  CUdeviceptr ViewOf(const char* method, ChunkHandle chunk) {
+    std::size_t bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(chunks_mu_);
+      auto it = chunks_.find(chunk);
+      if (it == chunks_.end()) ThrowNotLive(method, chunk);
+      if (it->second.view.va != 0) return it->second.view.va;
+      bytes = it->second.bytes;
+    }
+    // Made without chunks_mu_, which release_chunk and import_fd take.
+    const CopyView view = MakeCopyView(fn_, chunk, bytes, granularity_, access_);
+    std::lock_guard<std::mutex> lock(chunks_mu_);
+    auto it = chunks_.find(chunk);
+    if (it == chunks_.end()) {
+      // Released while its copy was being set up: the caller broke the
+      // contract (a chunk is live for the whole copy), and the view must not
+      // outlive the chunk.
+      DropCopyView(fn_, view);
+      ThrowNotLive(method, chunk);
+    }
+    it->second.view = view;
+    return view.va;
   }
 
   // A new chunk of one granule, filled with zeros (cuMemCreate does not
-  // clear memory), zeroed through the copy scratch range on copy_stream_.
+  // clear memory), zeroed on copy_stream_ through a view made for it alone.
   // With the context current.
   CUmemGenericAllocationHandle CreateZeroChunk() {
     CUmemGenericAllocationHandle handle = 0;
     Check(fn_, "cuMemCreate", fn_.cuMemCreate(&handle, granularity_, &prop_, 0));
+    CopyView view;
     try {
       std::lock_guard<std::mutex> lock(copy_mu_);
-      if (scratch_.bytes() < granularity_) scratch_.Reset(granularity_, granularity_);
-      ScopedRun run(fn_, scratch_);
-      const CUdeviceptr va = run.Map(granularity_, handle);
-      Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, granularity_, &access_, 1));
-      Check(fn_, "cuMemsetD8Async", fn_.cuMemsetD8Async(va, 0, granularity_, copy_stream_));
+      view = MakeCopyView(fn_, handle, granularity_, granularity_, access_);
+      Check(fn_, "cuMemsetD8Async", fn_.cuMemsetD8Async(view.va, 0, granularity_, copy_stream_));
       Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
-      run.Unmap();
     } catch (...) {
+      fn_.cuStreamSynchronize(copy_stream_);
+      DropCopyView(fn_, view);
       fn_.cuMemRelease(handle);
       throw;
     }
+    DropCopyView(fn_, view);
     return handle;
   }
 
-  std::size_t ChunkBytes(const char* method, ChunkHandle chunk) const {
+  void CheckLive(const char* method, ChunkHandle chunk) const {
     std::lock_guard<std::mutex> lock(chunks_mu_);
-    auto it = chunks_.find(chunk);
-    if (it == chunks_.end()) {
-      Throw(ErrorCode::kInvalidArgument,
-            std::string(method) + ": chunk " + Hex(chunk) + " is not a live chunk of this backend");
-    }
-    return it->second.bytes;
+    if (chunks_.find(chunk) == chunks_.end()) ThrowNotLive(method, chunk);
+  }
+
+  [[noreturn]] static void ThrowNotLive(const char* method, ChunkHandle chunk) {
+    Throw(ErrorCode::kInvalidArgument,
+          std::string(method) + ": chunk " + Hex(chunk) + " is not a live chunk of this backend");
   }
 
   // Records a handle the driver just gave us (one release owed). If that
@@ -738,7 +709,7 @@ class CudaBackend final : public Backend {
     std::size_t held_bytes = 0;
     try {
       std::lock_guard<std::mutex> lock(chunks_mu_);
-      auto inserted = chunks_.emplace(handle, ChunkInfo{bytes, 1});
+      auto inserted = chunks_.emplace(handle, ChunkInfo{bytes, 1, CopyView{}});
       if (inserted.second) return;
       // The driver may return a handle this process already holds when the
       // same allocation is imported again; it is owed one more release.
@@ -770,7 +741,6 @@ class CudaBackend final : public Backend {
   std::unordered_map<ChunkHandle, ChunkInfo> chunks_;
 
   std::mutex copy_mu_;
-  Reservation scratch_;
   CUstream copy_stream_ = nullptr;
 
   std::mutex seal_mu_;  // before copy_mu_ when both are held
