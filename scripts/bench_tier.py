@@ -26,6 +26,11 @@ reply (a user reading it), which gives the background that time. Reported
 besides: the spills each engine made on demand (on an admission's critical
 path) and ahead of need.
 
+Each engine's backend time is also printed by operation (vtm's
+Manager.backend_costs(): the copies, the host blocks' allocation, the
+mappings), the six that took the most over the whole run, so that a slow
+restore can be taken apart.
+
 On the host backend a restore is a memory copy and a recompute is a prefill;
 the issue's target is TTFT of turns >= 2 at least 3x better with the tier.
 On CUDA the run also times a pinned host-to-device copy of 64 MiB in the same
@@ -176,6 +181,7 @@ def run(args, path: str, pool: int, tier_size: int, vocab: int, tier: bool, ahea
                     thinking += args.think_ms / 1e3
         elapsed = time.perf_counter() - start - thinking
         vtm_stats = llm.stats()["vtm"]
+        costs = llm.kv_cache.manager.backend_costs()
     finally:
         llm.close()
     later = [t for turn in range(1, args.turns) for t in ttft[turn]]
@@ -191,7 +197,8 @@ def run(args, path: str, pool: int, tier_size: int, vocab: int, tier: bool, ahea
                 spill_copy_s=vtm_stats["spill_copy_seconds_total"],
                 spills_ahead=vtm_stats["spills_ahead_total"],
                 spills_on_demand=vtm_stats["spills_total"] - vtm_stats["spills_ahead_total"],
-                evictions=vtm_stats["evictions_total"])
+                evictions=vtm_stats["evictions_total"],
+                backend_costs={op: c for op, c in costs.items() if c["calls"]})
 
 
 def pinned_copy_gb_s(mib: int = 64, repeats: int = 10) -> float:
@@ -267,6 +274,12 @@ def main() -> None:
         print(f"{name:<18} {r['ttft_first_p50_ms']:>13.1f} ms {r['ttft_later_p50_ms']:>10.1f} ms "
               f"{r['ttft_later_p99_ms']:>10.1f} ms {r['tokens_per_s']:>8.0f} {r['restores']:>9} {restore:>11} "
               f"{r['spills_on_demand']:>17} {r['spills_ahead']:>6}")
+    # Where the backend's time went, whole runs (steps, spills and restores):
+    # the operations that took the most.
+    for name, r in runs:
+        top = sorted(r["backend_costs"].items(), key=lambda item: -item[1]["seconds"])[:6]
+        print(f"{name:<18} backend time: " + ", ".join(
+            f"{op} {c['seconds'] * 1e3:.1f} ms/{c['calls']}" for op, c in top))
     ratios = dict(ttft_later_p50=without["ttft_later_p50_ms"] / with_tier["ttft_later_p50_ms"],
                   ttft_later_p99=without["ttft_later_p99_ms"] / with_tier["ttft_later_p99_ms"],
                   tokens_per_s=with_tier["tokens_per_s"] / without["tokens_per_s"])

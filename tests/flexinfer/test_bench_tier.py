@@ -37,6 +37,13 @@ def test_bench_tier_restores_a_gemma3_models_window_group_from_the_host(tmp_path
     assert result["with_tier"]["spills"] > 0
     # A restore's time split: its copies, within it, and the spills' copies.
     assert 0 < result["ratios"]["restore_copy_share"] <= 1 and result["with_tier"]["spill_copy_s"] > 0
+    # The backend's time by operation: the tier's copies are there, with their calls, and a restore's
+    # copies took at least as long in the backend as the manager timed them around it.
+    costs = result["with_tier"]["backend_costs"]
+    assert costs["copy_to_host"]["calls"] == result["with_tier"]["spills"]
+    assert costs["copy_from_host"]["calls"] == result["with_tier"]["restores"]
+    assert 0 < costs["copy_from_host"]["seconds"] <= result["with_tier"]["restore_copy_s"]
+    assert "copy_from_host" not in result["without"]["backend_costs"] and "with the tier      backend time: " in proc.stdout
     # The third engine spilled one conversation's chunks ahead of need, with the same replies (same_replies).
     assert result["spill_ahead_chunks"] == result["conversation_chunks"]
     assert result["spill_ahead"]["spills_ahead"] > 0 and result["spill_ahead"]["restores"] == 2 * 3

@@ -127,6 +127,25 @@ def test_no_double_map_and_whole_unmaps(raw, lay):
     raw.set_access(va, g)
 
 
+def test_costs_count_the_calls_that_reach_the_backend_and_their_time(raw, lay):
+    """RawBackend.costs() (and Manager.backend_costs()): calls and seconds per
+    operation, charged around the wrapped backend's call. A call the contract
+    refuses never reaches the device, so it costs nothing; one the device
+    fails still cost what it took."""
+    g = raw.granularity
+    before = raw.costs()
+    assert before["map"] == {"calls": 0, "seconds": 0.0} and before["create_chunk"]["calls"] == 2
+    lay.map(0, 0)
+    raw.set_access(lay.va, g)
+    with pytest.raises(vtm.InvalidArgument):
+        raw.map(lay.va, g, lay.chunks[1])  # a double map: refused by the checks
+    after = raw.costs()
+    assert set(after) == set(before)
+    assert after["map"]["calls"] == 1 and after["set_access"]["calls"] == 1
+    assert after["map"]["seconds"] > 0 and after["set_access"]["seconds"] > 0
+    assert after["unmap"] == before["unmap"] and after["reserve"]["calls"] == 1
+
+
 def test_unmap_covers_whole_mappings_only(raw):
     g = raw.granularity
     lay = Layout(raw, pages=4, n=1)

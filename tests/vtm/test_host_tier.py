@@ -104,6 +104,28 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_byte_for_byte(backend, 
     assert_pool_consistent(mgr)
 
 
+def test_backend_costs_take_a_spill_and_a_restore_apart_by_operation(backend, make_manager):
+    """mgr.backend_costs() charges every backend call to its operation: a
+    slow restore is taken apart into its copies, its allocations and its
+    mappings. A batched copy is one call, however many chunks it moves."""
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, faults=True)
+    A = [(7 * i + 3) % 101 for i in range(60)]
+    record(sp, io, A)
+    fill_pool(sp)
+    spilled = mgr.backend_costs()
+    st = mgr.stats()
+    assert st["spills_total"] >= 1 and spilled["copy_to_host"]["calls"] == st["spills_total"]
+    assert spilled["alloc_host"]["calls"] == mgr.faults.calls("alloc_host") > 0
+    assert spilled["copy_from_host"] == {"calls": 0, "seconds": 0.0}
+    mgr.faults.delay("copy_from_host", 0.02)  # charged once per chunk copied
+    assert_matches_whole(sp, io, A)
+    restored = mgr.backend_costs()
+    st = mgr.stats()
+    assert restored["copy_from_host"]["calls"] == st["restores_total"] == 1
+    assert 0.02 <= restored["copy_from_host"]["seconds"] <= st["restore_copy_seconds_total"]
+    assert restored["map"]["calls"] > spilled["map"]["calls"]  # the restored pages mapped into the match
+
+
 def test_without_a_tier_the_same_eviction_loses_the_prefix(backend, make_manager):
     """The control: the test above would pass without a tier only if eviction kept the prefix."""
     mgr, sp, io = setup(make_manager, backend, tier_chunks=0)

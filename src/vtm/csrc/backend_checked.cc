@@ -1,5 +1,6 @@
 #include "backend_checked.h"
 
+#include <chrono>
 #include <cstdio>
 #include <iterator>
 
@@ -26,6 +27,36 @@ std::string Span(std::uintptr_t va, std::size_t bytes) {
 
 CheckedBackend::CheckedBackend(std::shared_ptr<Backend> inner)
     : inner_(std::move(inner)), granularity_(inner_->granularity()) {}
+
+template <typename Call>
+auto CheckedBackend::Timed(Op op, Call&& call) -> decltype(call()) {
+  // Charged on every way out, a throw included: a failing call costs too.
+  struct Charge {
+    std::atomic<std::uint64_t>& calls;
+    std::atomic<std::uint64_t>& nanoseconds;
+    std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+    ~Charge() {
+      const auto spent = std::chrono::steady_clock::now() - started;
+      calls.fetch_add(1, std::memory_order_relaxed);
+      nanoseconds.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count(),
+                            std::memory_order_relaxed);
+    }
+  } charge{calls_[op], nanoseconds_[op]};
+  return call();
+}
+
+std::vector<CheckedBackend::OpCost> CheckedBackend::Costs() const {
+  static constexpr const char* kNames[kOpCount] = {
+      "reserve", "free_reservation", "seal", "create_chunk", "release_chunk", "map", "set_access", "unmap",
+      "export_fd", "import_fd", "record_fence", "order_copies_after", "copy", "alloc_host", "free_host",
+      "copy_to_host", "copy_from_host"};
+  std::vector<OpCost> costs;
+  costs.reserve(kOpCount);
+  for (std::size_t op = 0; op < kOpCount; ++op)
+    costs.push_back(OpCost{kNames[op], calls_[op].load(std::memory_order_relaxed),
+                           nanoseconds_[op].load(std::memory_order_relaxed) * 1e-9});
+  return costs;
+}
 
 void CheckedBackend::CheckSize(const char* op, std::size_t bytes) const {
   if (bytes == 0 || bytes % granularity_ != 0)
@@ -67,7 +98,7 @@ std::size_t CheckedBackend::ChunkBytesLocked(const char* op, ChunkHandle chunk) 
 
 std::uintptr_t CheckedBackend::reserve(std::size_t bytes) {
   CheckSize("reserve", bytes);
-  const std::uintptr_t va = inner_->reserve(bytes);
+  const std::uintptr_t va = Timed(kReserve, [&] { return inner_->reserve(bytes); });
   std::lock_guard<std::mutex> lock(mu_);
   reservations_.emplace(va, Range{bytes, false});
   return va;
@@ -76,7 +107,7 @@ std::uintptr_t CheckedBackend::reserve(std::size_t bytes) {
 void CheckedBackend::free_reservation(std::uintptr_t va, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   auto r = WholeEmptyReservationLocked("free_reservation", va, bytes);
-  inner_->free_reservation(va, bytes);
+  Timed(kFreeReservation, [&] { inner_->free_reservation(va, bytes); });
   reservations_.erase(r);
 }
 
@@ -84,7 +115,7 @@ void CheckedBackend::seal(std::uintptr_t va, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   auto r = WholeEmptyReservationLocked("seal", va, bytes);
   if (r->second.sealed) Invalid("seal", "the reservation " + Span(va, bytes) + " is sealed already");
-  inner_->seal(va, bytes);
+  Timed(kSeal, [&] { inner_->seal(va, bytes); });
   r->second.sealed = true;
 }
 
@@ -100,7 +131,7 @@ std::map<std::uintptr_t, CheckedBackend::Range>::iterator CheckedBackend::WholeE
 
 ChunkHandle CheckedBackend::create_chunk(std::size_t bytes) {
   CheckSize("create_chunk", bytes);
-  const ChunkHandle chunk = inner_->create_chunk(bytes);
+  const ChunkHandle chunk = Timed(kCreateChunk, [&] { return inner_->create_chunk(bytes); });
   RememberChunk("create_chunk", chunk, bytes);
   return chunk;
 }
@@ -134,7 +165,7 @@ void CheckedBackend::release_chunk(ChunkHandle chunk) noexcept {
     if (it == chunks_.end()) return;
     if (--it->second.references == 0) chunks_.erase(it);
   }
-  inner_->release_chunk(chunk);
+  Timed(kReleaseChunk, [&] { inner_->release_chunk(chunk); });
 }
 
 void CheckedBackend::map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) {
@@ -152,7 +183,7 @@ void CheckedBackend::map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk
   }
   if (next != mappings_.end() && next->first < va + bytes)
     Invalid("map", "range " + Span(va, bytes) + " overlaps the mapping at " + Hex(next->first));
-  inner_->map(va, bytes, chunk);
+  Timed(kMap, [&] { inner_->map(va, bytes, chunk); });
   mappings_.emplace_hint(next, va, Mapping{bytes, chunk});
 }
 
@@ -160,14 +191,14 @@ void CheckedBackend::set_access(std::uintptr_t va, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   CheckRangeLocked("set_access", va, bytes);
   CheckWholeMappingsLocked("set_access", va, bytes);
-  inner_->set_access(va, bytes);
+  Timed(kSetAccess, [&] { inner_->set_access(va, bytes); });
 }
 
 void CheckedBackend::unmap(std::uintptr_t va, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   CheckRangeLocked("unmap", va, bytes);
   CheckWholeMappingsLocked("unmap", va, bytes);
-  inner_->unmap(va, bytes);
+  Timed(kUnmap, [&] { inner_->unmap(va, bytes); });
   mappings_.erase(mappings_.lower_bound(va), mappings_.lower_bound(va + bytes));
 }
 
@@ -176,13 +207,13 @@ int CheckedBackend::export_fd(ChunkHandle chunk) {
     std::lock_guard<std::mutex> lock(mu_);
     ChunkBytesLocked("export_fd", chunk);
   }
-  return inner_->export_fd(chunk);
+  return Timed(kExportFd, [&] { return inner_->export_fd(chunk); });
 }
 
 ChunkHandle CheckedBackend::import_fd(int fd, std::size_t bytes) {
   if (fd < 0) Invalid("import_fd", "fd " + std::to_string(fd) + " is not a file descriptor");
   CheckSize("import_fd", bytes);
-  const ChunkHandle chunk = inner_->import_fd(fd, bytes);
+  const ChunkHandle chunk = Timed(kImportFd, [&] { return inner_->import_fd(fd, bytes); });
   RememberChunk("import_fd", chunk, bytes);
   return chunk;
 }
@@ -197,12 +228,24 @@ void CheckedBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, c
       Invalid("copy", std::to_string(bytes) + " bytes exceed a chunk (dst " + std::to_string(dst_bytes) +
                           " bytes, src " + std::to_string(src_bytes) + " bytes)");
   }
-  inner_->copy(dst, src, bytes, after);
+  Timed(kCopy, [&] { inner_->copy(dst, src, bytes, after); });
+}
+
+std::shared_ptr<Fence> CheckedBackend::record_fence(std::uintptr_t stream) {
+  return Timed(kRecordFence, [&] { return inner_->record_fence(stream); });
+}
+
+void CheckedBackend::order_copies_after(const Fence& fence) {
+  Timed(kOrderCopiesAfter, [&] { inner_->order_copies_after(fence); });
+}
+
+void CheckedBackend::free_host(void* ptr, std::size_t bytes) noexcept {
+  Timed(kFreeHost, [&] { inner_->free_host(ptr, bytes); });
 }
 
 void* CheckedBackend::alloc_host(std::size_t bytes) {
   CheckSize("alloc_host", bytes);
-  return inner_->alloc_host(bytes);
+  return Timed(kAllocHost, [&] { return inner_->alloc_host(bytes); });
 }
 
 void CheckedBackend::CheckHostCopy(const char* op, ChunkHandle chunk, const void* host, std::size_t bytes) const {
@@ -216,12 +259,12 @@ void CheckedBackend::CheckHostCopy(const char* op, ChunkHandle chunk, const void
 
 void CheckedBackend::copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) {
   CheckHostCopy("copy_to_host", src, dst, bytes);
-  inner_->copy_to_host(dst, src, bytes, after);
+  Timed(kCopyToHost, [&] { inner_->copy_to_host(dst, src, bytes, after); });
 }
 
 void CheckedBackend::copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) {
   CheckHostCopy("copy_from_host", dst, src, bytes);
-  inner_->copy_from_host(dst, src, bytes);
+  Timed(kCopyFromHost, [&] { inner_->copy_from_host(dst, src, bytes); });
 }
 
 // Checked as the one-chunk copies, all before any is made.
@@ -231,7 +274,7 @@ void CheckedBackend::copy_to_host_many(const std::vector<void*>& dsts, const std
     Invalid("copy_to_host_many", std::to_string(dsts.size()) + " destinations for " +
                                      std::to_string(srcs.size()) + " chunks");
   for (std::size_t i = 0; i < srcs.size(); ++i) CheckHostCopy("copy_to_host_many", srcs[i], dsts[i], bytes);
-  inner_->copy_to_host_many(dsts, srcs, bytes, after);
+  Timed(kCopyToHost, [&] { inner_->copy_to_host_many(dsts, srcs, bytes, after); });
 }
 
 void CheckedBackend::copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
@@ -240,7 +283,7 @@ void CheckedBackend::copy_from_host_many(const std::vector<ChunkHandle>& dsts, c
     Invalid("copy_from_host_many", std::to_string(dsts.size()) + " chunks for " + std::to_string(srcs.size()) +
                                        " sources");
   for (std::size_t i = 0; i < dsts.size(); ++i) CheckHostCopy("copy_from_host_many", dsts[i], srcs[i], bytes);
-  inner_->copy_from_host_many(dsts, srcs, bytes);
+  Timed(kCopyFromHost, [&] { inner_->copy_from_host_many(dsts, srcs, bytes); });
 }
 
 std::shared_ptr<Backend> MakeCheckedBackend(std::shared_ptr<Backend> inner) {

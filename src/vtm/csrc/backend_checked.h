@@ -25,14 +25,22 @@
 //
 // Cost: every check is an O(log n) std::map lookup (plus a walk over the
 // mappings a set_access or unmap covers), under one mutex.
+//
+// It also keeps what each operation has cost (Costs()): the calls made and
+// the time spent in the wrapped backend. Every call passes here, so this is
+// where a slow spill or restore is taken apart by operation (alloc_host, map,
+// set_access, the copies) on any backend, at two clock reads a call.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "backend.h"
 
@@ -43,6 +51,17 @@ class CheckedBackend final : public Backend {
   explicit CheckedBackend(std::shared_ptr<Backend> inner);
 
   const std::shared_ptr<Backend>& inner() const { return inner_; }
+
+  // One operation's cost so far: calls (failed ones too) and the seconds
+  // spent in the wrapped backend.
+  struct OpCost {
+    const char* op;
+    std::uint64_t calls;
+    double seconds;
+  };
+  // Every operation's, in a fixed order; the *_many copies count with the
+  // one-chunk ones (copy_to_host, copy_from_host), a call each.
+  std::vector<OpCost> Costs() const;
 
   std::string name() const override { return inner_->name(); }
   DeviceType device_type() const override { return inner_->device_type(); }
@@ -59,11 +78,11 @@ class CheckedBackend final : public Backend {
   void unmap(std::uintptr_t va, std::size_t bytes) override;
   int export_fd(ChunkHandle chunk) override;
   ChunkHandle import_fd(int fd, std::size_t bytes) override;
-  std::shared_ptr<Fence> record_fence(std::uintptr_t stream) override { return inner_->record_fence(stream); }
-  void order_copies_after(const Fence& fence) override { inner_->order_copies_after(fence); }
+  std::shared_ptr<Fence> record_fence(std::uintptr_t stream) override;
+  void order_copies_after(const Fence& fence) override;
   void copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, const Fence* after) override;
   void* alloc_host(std::size_t bytes) override;
-  void free_host(void* ptr, std::size_t bytes) noexcept override { inner_->free_host(ptr, bytes); }
+  void free_host(void* ptr, std::size_t bytes) noexcept override;
   void copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) override;
   void copy_from_host(ChunkHandle dst, const void* src, std::size_t bytes) override;
   void copy_to_host_many(const std::vector<void*>& dsts, const std::vector<ChunkHandle>& srcs, std::size_t bytes,
@@ -72,6 +91,15 @@ class CheckedBackend final : public Backend {
                            std::size_t bytes) override;
 
  private:
+  enum Op : std::size_t {
+    kReserve, kFreeReservation, kSeal, kCreateChunk, kReleaseChunk, kMap, kSetAccess, kUnmap, kExportFd,
+    kImportFd, kRecordFence, kOrderCopiesAfter, kCopy, kAllocHost, kFreeHost, kCopyToHost, kCopyFromHost,
+    kOpCount
+  };
+  // Calls `call` (a call of the wrapped backend) and charges it to `op`.
+  template <typename Call>
+  auto Timed(Op op, Call&& call) -> decltype(call());
+
   struct Range {
     std::size_t bytes;
     bool sealed;
@@ -104,6 +132,8 @@ class CheckedBackend final : public Backend {
   std::map<std::uintptr_t, Range> reservations_;
   std::map<std::uintptr_t, Mapping> mappings_;
   std::unordered_map<ChunkHandle, Chunk> chunks_;
+  std::array<std::atomic<std::uint64_t>, kOpCount> calls_{};
+  std::array<std::atomic<std::uint64_t>, kOpCount> nanoseconds_{};
 };
 
 // `inner` wrapped in a CheckedBackend.

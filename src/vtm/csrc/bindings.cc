@@ -208,6 +208,18 @@ py::dict SpaceDict(const SpaceInfo& s) {
   return d;
 }
 
+// {operation: {"calls": n, "seconds": s}} for every backend operation.
+py::dict CostsDict(const std::vector<CheckedBackend::OpCost>& costs) {
+  py::dict d;
+  for (const auto& cost : costs) {
+    py::dict entry;
+    entry["calls"] = cost.calls;
+    entry["seconds"] = cost.seconds;
+    d[cost.op] = entry;
+  }
+  return d;
+}
+
 py::dict StatsDict(const Stats& st) {
   py::dict d;
   d["backend"] = st.backend;
@@ -694,6 +706,8 @@ PYBIND11_MODULE(_core, m) {
             return StatsDict(st);
           },
           py::arg("timeout") = py::none())
+      .def("backend_costs",
+           [](const std::shared_ptr<PyManager>& mgr) { return CostsDict(Core(mgr).BackendCosts()); })
       .def("check", [](const std::shared_ptr<PyManager>& mgr) { Core(mgr).Check(); },
            py::call_guard<py::gil_scoped_release>())
       // The API a broker client shares (vtm.connect): an in-process manager
@@ -819,6 +833,11 @@ PYBIND11_MODULE(_core, m) {
           py::arg("kind"), py::arg("granularity") = 0, py::arg("device") = 0)
       .def_property_readonly("name", &Backend::name)
       .def_property_readonly("granularity", &Backend::granularity)
+      .def("costs",
+           [](const Backend& b) {
+             // open() wraps every RawBackend in a CheckedBackend.
+             return CostsDict(static_cast<const CheckedBackend&>(b).Costs());
+           })
       .def("reserve", &Backend::reserve, py::call_guard<py::gil_scoped_release>())
       .def("free_reservation", &Backend::free_reservation, py::call_guard<py::gil_scoped_release>())
       .def("create_chunk", &Backend::create_chunk, py::call_guard<py::gil_scoped_release>())

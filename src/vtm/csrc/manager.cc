@@ -49,7 +49,9 @@ Manager::Manager(const ManagerOptions& o) {
   }
   // Outermost, so that no call the contract forbids reaches the device, and
   // an injected fault is a device failing a well-formed call.
-  backend_ = MakeCheckedBackend(std::move(device));
+  auto checked = std::make_shared<CheckedBackend>(std::move(device));
+  checked_ = checked.get();
+  backend_ = std::move(checked);
   chunk_bytes_ = o.chunk_bytes;
   export_chunks_ = o.export_chunks;
   if (o.record_mappings) {

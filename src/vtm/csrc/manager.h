@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "backend_checked.h"
 #include "backend_faulty.h"
 #include "executor.h"
 #include "future.h"
@@ -288,6 +289,9 @@ class Manager {
   // False once Close() ran: every operation then fails.
   bool open() const;
   Stats GetStats() const;
+  // What each backend operation has cost since the manager opened (every
+  // call of every thread: steps, matches, spills, restores, preallocation).
+  std::vector<CheckedBackend::OpCost> BackendCosts() const { return checked_->Costs(); }
   void Check() const;
   VTensorInfo DescribeVTensor(std::uint64_t vt) const;
   SpaceInfo DescribeSpace(std::uint32_t space) const;
@@ -555,6 +559,7 @@ class Manager {
   ChunkHandle CreateChunk(int* fd);
 
   std::shared_ptr<Backend> backend_;         // a CheckedBackend over the device (and the fault injector)
+  CheckedBackend* checked_ = nullptr;        // backend_, as what it is
   FaultInjectingBackend* faults_ = nullptr;  // inside backend_ when faults are on
   std::size_t chunk_bytes_ = 0;
   std::size_t capacity_chunks_ = 0;
