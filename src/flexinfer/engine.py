@@ -40,7 +40,8 @@ from flexinfer.kv_cache import KVCache, plan_spaces
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel, long_tensor
 from flexinfer.model.loader import load_config, load_model
-from flexinfer.sampling import NON_FINITE, BatchSampler, SamplingParams, greedy_tokens, sample
+from flexinfer.sampling import (DRAW_KERNEL_FROM_ROWS, NON_FINITE, BatchSampler, SamplingParams, greedy_tokens,
+                                sample, warm_draw_kernel)
 from flexinfer.scheduler import MEMORY_RETRY_S, Scheduler
 from flexinfer.sequence import Sequence, Status
 from flexinfer.threads import NeighbourLoad, ThreadTuner
@@ -141,6 +142,7 @@ class Engine:
         self.device = None
         self.kv_cache = None
         self.graphs = None
+        self.draw_kernel_warm = False  # the sampler's draw kernel compiled at load (sampling.warm_draw_kernel)
         self.thread_tuner = None
         self._sink = []
         self._unhealthy_since = None  # when the manager was first seen unhealthy (a broker away)
@@ -235,6 +237,8 @@ class Engine:
             self.overlap = self.device.type == "cuda" if overlap is None else overlap
             # Where sampled rows are chosen: the device's own (CUDA), else the host (None).
             self.sampling_device = self.device if self.device.type == "cuda" else None
+            if self.sampling_device is not None and max_num_seqs >= DRAW_KERNEL_FROM_ROWS:
+                self.draw_kernel_warm = warm_draw_kernel(self.sampling_device, self.config.vocab_size)
             self.scheduler.wait_for_device = _weak_call(self._wait_for_device)
             self.scheduler.never_fits = _weak_call(self._never_fits)
             self._budget = (self.manager.limit_bytes, self._kv_budget())

@@ -204,6 +204,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return tokens
 
 
+def warm_draw_kernel(device: torch.device, vocab: int) -> bool:
+    """Compiles the draw kernel (both variants: with and without top-k and
+    top-p) for rows of `vocab` logits on `device` now, by drawing from one
+    row of each: Triton compiles a kernel on its first launch, which took
+    seconds, and an engine would otherwise pay that in the first step that
+    samples DRAW_KERNEL_FROM_ROWS rows, a busy moment of a server. Whether
+    it compiled (a CUDA device with triton)."""
+    if device.type != "cuda" or not triton_available():
+        return False
+    from flexinfer.kernels import triton_sampling
+
+    row = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+    uniforms = torch.zeros(1, dtype=torch.float64, device=device)
+    triton_sampling.draw(row, None, None, uniforms)
+    triton_sampling.draw(row, torch.zeros(1, dtype=torch.long, device=device),
+                         torch.ones(1, dtype=torch.float32, device=device), uniforms)
+    return True
+
+
 class BatchSampler:
     """sample() for a whole batch where its logits are, queued without
     waiting for them: the device path of a GPU engine, whose steps would

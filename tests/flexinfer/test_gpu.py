@@ -163,3 +163,20 @@ def test_cuda_models_run_the_triton_layer_ops(tiny_gpu_folder):
 
     with LLM(tiny_gpu_folder, dtype="bfloat16", backend="cuda", max_model_len=128, max_num_seqs=2) as gpu:
         assert gpu.model.layer_ops is triton_layer_ops and gpu.model.norm_adds_residual
+
+
+def test_the_draw_kernel_is_compiled_at_load_where_the_batch_can_use_it(tiny_gpu_folder):
+    """Triton compiles a kernel on its first launch: the engine compiles the
+    sampler's draw kernel at load, so no step of a busy server waits for it."""
+    from flexinfer.sampling import DRAW_KERNEL_FROM_ROWS
+
+    with LLM(tiny_gpu_folder, dtype="bfloat16", backend="cuda", max_model_len=128,
+             max_num_seqs=DRAW_KERNEL_FROM_ROWS) as gpu:
+        assert gpu.engine.draw_kernel_warm
+        prompts = [[1, 5 + i, 6] for i in range(DRAW_KERNEL_FROM_ROWS)]
+        outs = gpu.generate(prompts, SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, seed=7),
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    with LLM(tiny_gpu_folder, dtype="bfloat16", backend="cuda", max_model_len=128,
+             max_num_seqs=DRAW_KERNEL_FROM_ROWS - 1) as small:
+        assert not small.engine.draw_kernel_warm  # its batches never reach the kernel

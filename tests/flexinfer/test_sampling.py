@@ -389,3 +389,11 @@ def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
     assert sample(logits.clone(), params, [torch.Generator().manual_seed(i) for i in range(3)]) == argmax
     tokens, _ = _batch_sampler(params)(logits)
     assert tokens.tolist() == argmax
+
+
+def test_the_draw_kernel_is_warmed_only_where_it_runs():
+    """warm_draw_kernel compiles the Triton draw on CUDA only: elsewhere the
+    sampler draws with torch ops, and there is nothing to compile."""
+    from flexinfer.sampling import warm_draw_kernel
+
+    assert warm_draw_kernel(torch.device("cpu"), 128) is False
