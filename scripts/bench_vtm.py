@@ -15,6 +15,9 @@ Three parts, run on the host backend and, where a CUDA driver exists, on CUDA:
    floors it costs. Also, per chunk, 8 and 32 adjacent chunks' access set by
    one set_access over the run against one call per chunk (the manager makes
    one call per run of adjacent pages: in create, step and prefix_match).
+   And the host tier's batched copies of 32 chunks (a restore, a spill), into
+   chunks never copied before and into the same chunks again (on CUDA a
+   chunk's first copy makes its copy view, a mapping of its own).
 3. A simulated decode loop (B requests, N steps, one token per request per
    step, a fixed GIL-releasing CPU workload as "compute"): synchronous
    mgr.step(...).result() before compute, against FlexInfer's asynchronous
@@ -272,7 +275,56 @@ def bench_floor(backend: str, s: Settings) -> dict:
         raw.free_reservation(va, n * CHUNK)
     for run in RUN_LENGTHS:
         res.update(bench_access_runs(raw, run, s))
+    res.update(bench_host_copies(raw, s))
     return res
+
+
+# Chunks a batched host-tier copy moves in the benchmark (a restore of a
+# 1,400-token SmolLM2 prefix in float32; 64 MiB).
+HOST_COPY_CHUNKS = 32
+
+
+def bench_host_copies(raw, s: Settings) -> dict:
+    """Per chunk, µs: the host tier's batched copies of HOST_COPY_CHUNKS chunks
+    (copy_from_host_many: a restore; copy_to_host_many: a spill) through host
+    memory from alloc_host (CUDA: page-locked). "cold": chunks never copied
+    before (on CUDA each gets its copy view, a mapping of its own, on its first
+    copy); "warm": the same chunks again, which map nothing. Cold and warm
+    alternate, so drift hits both."""
+    n = HOST_COPY_CHUNKS
+    blocks = [raw.alloc_host(CHUNK) for _ in range(n)]
+    out = {"host_copy_in_cold": [], "host_copy_in_warm": [], "host_copy_out_warm": []}
+    reps = max(4, s.floor_reps // 16)
+    try:
+        warm = [raw.create_chunk(CHUNK) for _ in range(n)]
+        try:
+            gc.disable()
+            for i in range(reps + s.warmup):
+                fresh = [raw.create_chunk(CHUNK) for _ in range(n)]
+                try:
+                    t0 = now_ns()
+                    raw.copy_from_host_many(fresh, blocks, CHUNK)
+                    t1 = now_ns()
+                finally:
+                    for c in fresh:
+                        raw.release_chunk(c)
+                t2 = now_ns()
+                raw.copy_from_host_many(warm, blocks, CHUNK)
+                t3 = now_ns()
+                raw.copy_to_host_many(blocks, warm, CHUNK)
+                t4 = now_ns()
+                if i >= s.warmup:
+                    out["host_copy_in_cold"].append((t1 - t0) / 1e3 / n)
+                    out["host_copy_in_warm"].append((t3 - t2) / 1e3 / n)
+                    out["host_copy_out_warm"].append((t4 - t3) / 1e3 / n)
+        finally:
+            gc.enable()
+            for c in warm:
+                raw.release_chunk(c)
+    finally:
+        for b in blocks:
+            raw.free_host(b, CHUNK)
+    return out
 
 
 # Runs of adjacent chunks whose access is set in one call or one call per chunk.
@@ -805,7 +857,11 @@ FLOOR_ROWS = (
     (f"map_each{run}", f"map, {run} adjacent chunks, per chunk"),
     (f"set_access_each{run}", "  set_access per chunk, per chunk"),
     (f"set_access_run{run}", f"  set_access over the {run}, per chunk"),
-))
+)) + (
+    ("host_copy_in_cold", f"restore copy, {HOST_COPY_CHUNKS} new chunks, per chunk"),
+    ("host_copy_in_warm", "  the same chunks again, per chunk"),
+    ("host_copy_out_warm", f"spill copy, {HOST_COPY_CHUNKS} chunks, per chunk"),
+)
 
 
 def cpu_snapshot():
@@ -846,6 +902,11 @@ def print_report(res: dict, out=sys.stdout) -> None:
         each, one = res["floor"][f"set_access_each{run}"], res["floor"][f"set_access_run{run}"]
         p(f"   set_access over {run} adjacent chunks in one call: {one['median_us'] / each['median_us']:.2f}x "
           "the cost of one call per chunk")
+    cold, warm = res["floor"]["host_copy_in_cold"], res["floor"]["host_copy_in_warm"]
+    spill = res["floor"]["host_copy_out_warm"]
+    p(f"   host-tier copies: a restore's moves {CHUNK / warm['median_us'] / 1e3:.2f} GB/s once its chunks were "
+      f"copied before, {CHUNK / cold['median_us'] / 1e3:.2f} GB/s into new chunks "
+      f"({cold['median_us'] / warm['median_us']:.2f}x the time); a spill's {CHUNK / spill['median_us'] / 1e3:.2f} GB/s")
     p(f"\n== {be}: manager operations (caller: submit + result(); worker: stats()['ops'] mean over the same reps)")
     p(f"{'op':<52} {'median us':>10} {'p99 us':>10} {'ratio':>7} {'x floor':>8} {'worker us':>10}  notes")
     for r in res["rows"]:

@@ -146,6 +146,39 @@ def test_costs_count_the_calls_that_reach_the_backend_and_their_time(raw, lay):
     assert after["unmap"] == before["unmap"] and after["reserve"]["calls"] == 1
 
 
+def test_host_copies_move_bytes_only_within_live_host_allocations(raw, lay):
+    """copy_to_host_many / copy_from_host_many (the host tier's copies) round
+    trip a chunk's bytes through memory alloc_host gave. A host range outside
+    every live allocation (a stray pointer, one freed, one running past its
+    allocation's end) is refused before anything is copied."""
+    g = raw.granularity
+    a, b = raw.alloc_host(g), raw.alloc_host(g)
+    try:
+        pattern = bytes((i * 7 + 3) % 251 for i in range(g))
+        ctypes.memmove(a, pattern, g)
+        ctypes.memset(b, 0, g)
+        raw.copy_from_host_many([lay.chunks[0]], [a], g)
+        raw.copy_to_host_many([b], [lay.chunks[0]], g)
+        assert ctypes.string_at(b, g) == pattern
+        stray = ctypes.create_string_buffer(g)
+        rejects(raw, "host copy to stray memory", lambda: raw.copy_to_host_many([ctypes.addressof(stray)],
+                                                                                 [lay.chunks[0]], g),
+                r"^copy_to_host_many: host memory .* is not inside one live allocation of alloc_host")
+        assert stray.raw == bytes(g)
+        rejects(raw, "host copy past its allocation", lambda: raw.copy_from_host_many([lay.chunks[1]],
+                                                                                       [b + 4096], g),
+                r"^copy_from_host_many: host memory .* is not inside one live allocation")
+        raw.free_host(b, g)
+        rejects(raw, "host copy from freed memory", lambda: raw.copy_from_host_many([lay.chunks[1]], [b], g),
+                r"^copy_from_host_many: host memory .* is not inside one live allocation")
+        raw.free_host(b, g)  # freed already: ignored, as a released chunk's second release is
+        raw.free_host(ctypes.addressof(stray), g)  # never alloc_host's: ignored, not freed
+        assert raw.costs()["free_host"]["calls"] == 1
+    finally:
+        raw.free_host(a, g)
+        raw.free_host(b, g)
+
+
 def test_unmap_covers_whole_mappings_only(raw):
     g = raw.granularity
     lay = Layout(raw, pages=4, n=1)

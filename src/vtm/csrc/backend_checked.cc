@@ -240,12 +240,28 @@ void CheckedBackend::order_copies_after(const Fence& fence) {
 }
 
 void CheckedBackend::free_host(void* ptr, std::size_t bytes) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = host_.find(reinterpret_cast<std::uintptr_t>(ptr));
+    // Not memory alloc_host gave (or freed already): freeing it would free
+    // whatever the allocator has put there since.
+    if (it == host_.end() || it->second != bytes) return;
+    host_.erase(it);
+  }
   Timed(kFreeHost, [&] { inner_->free_host(ptr, bytes); });
 }
 
 void* CheckedBackend::alloc_host(std::size_t bytes) {
   CheckSize("alloc_host", bytes);
-  return Timed(kAllocHost, [&] { return inner_->alloc_host(bytes); });
+  void* ptr = Timed(kAllocHost, [&] { return inner_->alloc_host(bytes); });
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    host_.emplace(reinterpret_cast<std::uintptr_t>(ptr), bytes);
+  } catch (...) {
+    inner_->free_host(ptr, bytes);  // no memory for the table: the call fails as a whole
+    throw;
+  }
+  return ptr;
 }
 
 void CheckedBackend::CheckHostCopy(const char* op, ChunkHandle chunk, const void* host, std::size_t bytes) const {
@@ -255,6 +271,17 @@ void CheckedBackend::CheckHostCopy(const char* op, ChunkHandle chunk, const void
   if (bytes == 0 || bytes > chunk_bytes)
     Invalid(op, std::to_string(bytes) + " bytes: must be positive and at most the chunk's " +
                     std::to_string(chunk_bytes));
+  // Inside one live allocation of alloc_host's: the allocation starting at
+  // or below `host` must reach host + bytes (written without overflowing).
+  const auto at = reinterpret_cast<std::uintptr_t>(host);
+  auto h = host_.upper_bound(at);
+  bool inside = h != host_.begin();
+  if (inside) {
+    --h;
+    const std::size_t offset = at - h->first;
+    inside = offset < h->second && bytes <= h->second - offset;
+  }
+  if (!inside) Invalid(op, "host memory " + Span(at, bytes) + " is not inside one live allocation of alloc_host");
 }
 
 void CheckedBackend::copy_to_host(void* dst, ChunkHandle src, std::size_t bytes, const Fence* after) {

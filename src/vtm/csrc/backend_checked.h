@@ -20,7 +20,10 @@
 //  * chunks_ has one entry per live chunk handle created or imported through
 //    this wrapper, with its size and the releases it is owed (an import may
 //    return a handle already held);
-//  * a call that throws leaves all three tables as they were: entries are
+//  * host_ holds the live host allocations made through this wrapper
+//    (alloc_host, not yet free_host'd), disjoint: a host copy must lie
+//    inside one of them, so a stale or stray pointer is refused, not written;
+//  * a call that throws leaves all four tables as they were: entries are
 //    added only after the inner call succeeded, removed only after it did.
 //
 // Cost: every check is an O(log n) std::map lookup (plus a walk over the
@@ -132,6 +135,7 @@ class CheckedBackend final : public Backend {
   std::map<std::uintptr_t, Range> reservations_;
   std::map<std::uintptr_t, Mapping> mappings_;
   std::unordered_map<ChunkHandle, Chunk> chunks_;
+  std::map<std::uintptr_t, std::size_t> host_;  // address -> bytes
   std::array<std::atomic<std::uint64_t>, kOpCount> calls_{};
   std::array<std::atomic<std::uint64_t>, kOpCount> nanoseconds_{};
 };

@@ -862,5 +862,41 @@ PYBIND11_MODULE(_core, m) {
             b.copy(dst, src, bytes, after.get());
           },
           py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("after") = py::none())
-      .def("seal", &Backend::seal, py::call_guard<py::gil_scoped_release>());
+      .def("seal", &Backend::seal, py::call_guard<py::gil_scoped_release>())
+      // Host memory as an address (an int): the host tier's blocks, for
+      // measuring its copies. A copy must lie inside a live allocation.
+      .def(
+          "alloc_host",
+          [](Backend& b, std::size_t bytes) {
+            py::gil_scoped_release release;
+            return reinterpret_cast<std::uintptr_t>(b.alloc_host(bytes));
+          },
+          py::arg("bytes"))
+      .def(
+          "free_host",
+          [](Backend& b, std::uintptr_t address, std::size_t bytes) {
+            py::gil_scoped_release release;
+            b.free_host(reinterpret_cast<void*>(address), bytes);
+          },
+          py::arg("address"), py::arg("bytes"))
+      .def(
+          "copy_to_host_many",
+          [](Backend& b, const std::vector<std::uintptr_t>& dsts, const std::vector<ChunkHandle>& srcs,
+             std::size_t bytes) {
+            std::vector<void*> to(dsts.size());
+            for (std::size_t i = 0; i < dsts.size(); ++i) to[i] = reinterpret_cast<void*>(dsts[i]);
+            py::gil_scoped_release release;
+            b.copy_to_host_many(to, srcs, bytes, nullptr);
+          },
+          py::arg("dsts"), py::arg("srcs"), py::arg("bytes"))
+      .def(
+          "copy_from_host_many",
+          [](Backend& b, const std::vector<ChunkHandle>& dsts, const std::vector<std::uintptr_t>& srcs,
+             std::size_t bytes) {
+            std::vector<const void*> from(srcs.size());
+            for (std::size_t i = 0; i < srcs.size(); ++i) from[i] = reinterpret_cast<const void*>(srcs[i]);
+            py::gil_scoped_release release;
+            b.copy_from_host_many(dsts, from, bytes);
+          },
+          py::arg("dsts"), py::arg("srcs"), py::arg("bytes"));
 }
