@@ -13,16 +13,18 @@ greedy decoding kept it 97 %.
 Measured on the H200 (bench_gpu.py part 4, 2026-11-30, temperature 0.8,
 top_p 0.95): at batch 128 the step takes 1,707 µs with the kernel against
 2,527 with torch ops (1.48x; the GPU busy 62 % of it, from 42 %), at batch
-1 it takes 1,515 against 1,436 (0.95x). A program reads its row 36 times
-in turn for top-p (68 with top-k too), ~620 µs whatever the batch: sampling.DRAW_KERNEL_FROM_ROWS keeps
-small batches on the torch ops. Fewer passes (several bars tried per
-pass) and a row split over several programs are what would make it fast
-at batch 1; neither is built.
+1 it takes 1,515 against 1,436 (0.95x). A program then read its row 36
+times in turn for top-p (68 with top-k too), ~620 µs whatever the batch:
+the passes, one after another, not the bytes, set the time. So each search
+pass now tries _BARS bars at once and narrows the range to a 17th, not a
+half: 8 passes where there were 32 (12 reads of the row for top-p, 20 with
+top-k too). Not yet measured on a GPU; sampling.DRAW_KERNEL_FROM_ROWS still
+keeps small batches on the torch ops, as that run measured.
 
 How, without a sort: a row's k-th largest logit is the largest value whose
-count of values at or above it is at least k, found by bisecting the values'
-32-bit keys (a float's bits, reordered so that integer order is the floats'
-order), one pass over the row per halving; top-p's bar likewise, over the
+count of values at or above it is at least k, found by searching the
+values' 32-bit keys (a float's bits, reordered so that integer order is the
+floats' order), _BARS keys tried a pass; top-p's bar likewise, over the
 bits of the probabilities (non-negative floats, whose bits are ordered):
 the smallest bar whose mass strictly above it is below top_p.
 
@@ -51,8 +53,12 @@ import triton.language as tl
 
 # Columns a program reads at a time.
 _BLOCK = 1024
-# Halvings that narrow a 32-bit key range to one key.
-_KEY_BITS = 32
+# Bars a search pass tries at once: the pass narrows the range between two
+# to a 17th of it (a [_BARS, _BLOCK] comparison a block, one reduction).
+_BARS = 16
+# Passes that narrow a 32-bit key range (at most 2^32 + 1 wide) to one key,
+# each keeping the widest of the 17 parts, rounded: 8.
+_SEARCH_PASSES = 8
 
 
 @triton.jit
@@ -60,6 +66,14 @@ def _key(x):
     """float32 -> int32 whose signed order is the floats' order."""
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _bars(lo, hi, BARS: tl.constexpr):
+    """BARS bars in [lo, hi) (int64), non-decreasing, that split it into
+    BARS + 1 parts of near-equal widths."""
+    j = tl.arange(0, BARS).to(tl.int64) + 1
+    return lo + (hi - lo) * j // (BARS + 1)
 
 
 @triton.jit
@@ -76,7 +90,7 @@ def _at_or_above(w, bar):
 
 @triton.jit
 def _draw_kernel(x_ptr, x_stride, top_k_ptr, top_p_ptr, u_ptr, out_ptr, vocab,
-                 FILTER: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+                 FILTER: tl.constexpr, BARS: tl.constexpr, SEARCH_PASSES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * x_stride
     cols = tl.arange(0, BLOCK)
@@ -94,20 +108,21 @@ def _draw_kernel(x_ptr, x_stride, top_k_ptr, top_p_ptr, u_ptr, out_ptr, vocab,
     if FILTER:
         k = tl.load(top_k_ptr + row)
         if (k > 0) & (k < vocab):
-            # Invariant: at least k keys >= lo, fewer than k keys >= hi.
+            # Invariant: at least k keys >= lo, fewer than k keys >= hi. Both lie
+            # in int32's range, and the bars between them too.
             lo = kth
             hi = _key(tl.zeros([BLOCK], tl.float32) + m).to(tl.int64)
             hi = tl.max(hi, axis=0) + 1
-            for _ in range(KEY_BITS):
-                mid = (lo + hi) >> 1
-                count = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+            for _ in range(SEARCH_PASSES):
+                bars = _bars(lo, hi, BARS)
+                counts = tl.zeros([BARS], tl.int64)
                 for start in range(0, vocab, BLOCK):
                     x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf"))
-                    inside = (_key(x).to(tl.int64) >= mid) & (start + cols < vocab)
-                    count += tl.sum(inside.to(tl.int64), axis=0)
-                at_least_k = count >= k
-                lo = tl.where(at_least_k, mid, lo)
-                hi = tl.where(at_least_k, hi, mid)
+                    inside = (_key(x)[None, :] >= bars.to(tl.int32)[:, None]) & (start + cols < vocab)[None, :]
+                    counts += tl.sum(inside.to(tl.int32), axis=1).to(tl.int64)
+                at_least_k = counts >= k
+                lo = tl.max(tl.where(at_least_k, bars, lo), axis=0)
+                hi = tl.min(tl.where(at_least_k, hi, bars), axis=0)
             kth = lo
         top_p = tl.load(top_p_ptr + row)
         if top_p < 1.0:
@@ -117,19 +132,20 @@ def _draw_kernel(x_ptr, x_stride, top_k_ptr, top_p_ptr, u_ptr, out_ptr, vocab,
                 z += tl.sum(_top_k_weight(x, m, kth), axis=0)
             reach = top_p * z
             # Invariant: the mass of the weights above lo reaches top_p, that above hi does not
-            # (the largest weight, exp(0) = 1, has nothing above it).
+            # (the largest weight, exp(0) = 1, has nothing above it). Both in int32's range.
             lo = bar - 1
             hi = tl.max(tl.full([BLOCK], 1.0, tl.float32).to(tl.int32, bitcast=True).to(tl.int64), axis=0)
-            for _ in range(KEY_BITS):
-                mid = (lo + hi) >> 1
-                above = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+            for _ in range(SEARCH_PASSES):
+                bars = _bars(lo, hi, BARS)
+                above = tl.zeros([BARS], tl.float32)
                 for start in range(0, vocab, BLOCK):
                     x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf"))
                     w = _top_k_weight(x, m, kth)
-                    above += tl.sum(tl.where(w.to(tl.int32, bitcast=True).to(tl.int64) > mid, w, 0.0), axis=0)
+                    over = w.to(tl.int32, bitcast=True)[None, :] > bars.to(tl.int32)[:, None]
+                    above += tl.sum(tl.where(over, w[None, :], 0.0), axis=1)
                 short = above < reach
-                lo = tl.where(short, lo, mid)
-                hi = tl.where(short, mid, hi)
+                lo = tl.max(tl.where(short, lo, bars), axis=0)
+                hi = tl.min(tl.where(short, bars, hi), axis=0)
             bar = hi
 
     total = tl.sum(tl.zeros([BLOCK], tl.float64), axis=0)
@@ -176,5 +192,6 @@ def draw(rows: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | N
         return out
     filtered = top_k is not None
     _draw_kernel[(batch,)](rows, rows.stride(0), top_k if filtered else out, top_p if filtered else rows,
-                           uniforms, out, vocab, FILTER=filtered, KEY_BITS=_KEY_BITS, BLOCK=_BLOCK)
+                           uniforms, out, vocab, FILTER=filtered, BARS=_BARS, SEARCH_PASSES=_SEARCH_PASSES,
+                           BLOCK=_BLOCK)
     return out
