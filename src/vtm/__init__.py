@@ -27,17 +27,26 @@ from vtm.errors import (
     OutOfMemory,
     Unavailable,
 )
-from importlib import metadata as _metadata
-
 from vtm import limits
 from vtm.views import tensor as _tensor
 
 Space.tensor = _tensor
 
-try:  # the `vtm` distribution: vtm, vtmd, vtmctl and flexinfer ship in it
-    __version__ = _metadata.version("vtm")
-except _metadata.PackageNotFoundError:  # an uninstalled source tree
-    __version__ = "0+unknown"
+
+def __getattr__(name):
+    """vtm.__version__, looked up on first use (PEP 562): importlib.metadata
+    takes ~30 ms to import, which every `import vtm` paid (vtmd's start,
+    before its signal handlers, among them: python -m vtm.broker)."""
+    if name != "__version__":
+        raise AttributeError(f"module 'vtm' has no attribute {name!r}")
+    from importlib import metadata
+
+    try:  # the `vtm` distribution: vtm, vtmd, vtmctl and flexinfer ship in it
+        version = metadata.version("vtm")
+    except metadata.PackageNotFoundError:  # an uninstalled source tree
+        version = "0+unknown"
+    globals()["__version__"] = version
+    return version
 
 
 def connect(address, name=None, priority=None, guaranteed_bytes=None, limit_bytes=None, timeout=10, fast_path=True,
