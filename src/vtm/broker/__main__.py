@@ -1,7 +1,6 @@
-"""python -m vtm.broker: the same as the vtmd command."""
+"""python -m vtm.broker: the same as the vtmd command (src/_vtmd.py)."""
 
+import _vtmd  # first: it catches SIGTERM and SIGINT
 import sys
 
-from vtm.broker.vtmd import main
-
-sys.exit(main())
+sys.exit(_vtmd.main())

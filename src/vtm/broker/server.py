@@ -351,7 +351,7 @@ def _logging_to_stderr() -> Iterator[None]:
 
 
 def main(argv, stop: threading.Event) -> int:
-    """Serves until `stop` is set (vtmd.py sets it on SIGTERM or SIGINT); the exit status."""
+    """Serves until `stop` is set (src/_vtmd.py sets it on SIGTERM or SIGINT); the exit status."""
     parser = Parser(prog="vtmd", description="The vtm memory broker (docs/broker.md). Sizes are a byte count "
                     "(4096) or a number with a binary suffix KiB, MiB, GiB or TiB (512MiB, 0.5GiB).")
     add_version(parser)
