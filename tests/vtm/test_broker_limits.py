@@ -68,6 +68,53 @@ def test_sessions_beyond_the_cap_are_refused_and_the_others_unaffected(tmp_path)
         b.kill()
 
 
+def test_a_client_cannot_hold_the_brokers_threads_with_calls_in_flight(tmp_path):
+    """Review: a client could keep any number of gRPC calls in flight at once.
+    Each one that waits (for memory, up to ~2 s; or, as here, for its
+    session's lock, which the session's calls take one at a time) holds one
+    of vtmd's 32 gRPC threads, and 40 of them held all: another client's
+    calls waited for them. A session has at most
+    --max-calls-in-flight-per-client calls in flight (3 here): the calls past
+    it are refused at once (RESOURCE_EXHAUSTED, vtm.OutOfMemory, naming the
+    flag) and change nothing, and the other client is served while the
+    first one's 3 calls still wait."""
+    from vtm.broker import status
+    from vtm.broker.server import GRPC_THREADS, Broker
+
+    path = str(tmp_path / "vtmd" / "sock")
+    broker = Broker("unix:" + path, backend="host", capacity_bytes=64 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
+                    max_calls_in_flight_per_client=3)
+    try:
+        with vtm.connect("unix:" + path, name="greedy") as greedy, \
+                vtm.connect("unix:" + path, name="other", fast_path=False) as other:  # every call over gRPC
+            space = greedy.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+            session = broker.service.lookup(greedy._lease)
+            request = vtm_pb2.CreateRequest(space_id=space.id, num_tokens=100)
+            with grpc.insecure_channel("unix:" + path) as channel:
+                create = vtm_pb2_grpc.BrokerStub(channel).Create
+                with session.lock:  # the greedy client's calls wait behind it
+                    calls = [create.future(request, timeout=60, metadata=((status.LEASE_KEY, greedy._lease),))
+                             for _ in range(GRPC_THREADS + 8)]
+                    other_space = other.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+                    assert other_space.create(100).result().mapped_bytes == 2 * CHUNK
+                    deadline = time.monotonic() + 30
+                    while sum(call.done() for call in calls) < len(calls) - 3 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    waiting = [call for call in calls if not call.done()]
+                    assert len(waiting) == 3, f"{len(waiting)} calls of one client in flight"
+                    for call in calls:
+                        if call not in waiting:
+                            assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.details()
+                            assert "has 3 calls in flight already" in call.details(), call.details()
+                            assert "--max-calls-in-flight-per-client" in call.details(), call.details()
+                            assert isinstance(status.from_rpc_error(call, "create"), vtm.OutOfMemory)
+                assert all(call.result().vtensor_id for call in waiting)  # served once the lock is free
+            assert len(session.vtensors) == 3  # the refused calls made nothing
+            assert session.calls_in_flight == 0
+    finally:
+        broker.stop()
+
+
 def test_one_process_holds_at_most_its_share_of_the_sessions(tmp_path, spawn):
     """Review: one process could take every place of --max-sessions (one that
     leaks a session per request, say), and then no other client connected.

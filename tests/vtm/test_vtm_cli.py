@@ -99,6 +99,13 @@ def test_vtmd_takes_human_sizes(tmp_path, capsys):
         b.kill()
 
 
+def test_vtmd_refuses_a_limit_of_no_call_in_flight_in_one_line(tmp_path):
+    done = vtmd("--listen", f"unix:{tmp_path}/v/sock", "--max-calls-in-flight-per-client", "0")
+    says = "vtmd: error: --max-calls-in-flight-per-client must be at least 1, got 0\n"
+    assert done.returncode == 2 and done.stderr == says, done.stderr
+    assert not (tmp_path / "v").exists()
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--capacity-bytes", "1.5GB"], "argument --capacity-bytes: expected a byte count"),
     (["--chunk-bytes", "2M"], "M is ambiguous: write 2MiB"),
@@ -207,7 +214,8 @@ def test_vtmd_help_shows_every_default(capsys):
     text = _help(vtmd_main, [], capsys)
     _check_every_flag_has_help(text)
     flat = " ".join(text.split())
-    for shown in ("(default: auto)", "(default: 1GiB)", "(default: 2MiB)", "(default: 2)", "(default: 256)"):
+    for shown in ("(default: auto)", "(default: 1GiB)", "(default: 2MiB)", "(default: 2)", "(default: 256)",
+                  "(default: 4)"):
         assert shown in flat, flat
     assert "(default: None)" not in flat
 

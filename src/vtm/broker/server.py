@@ -2,7 +2,7 @@
 
     vtmd --listen unix:PATH [--control tcp:HOST:PORT [--control-token-file F]] [--backend host|cuda|auto]
          [--capacity-bytes SIZE] [--chunk-bytes SIZE] [--host-tier-bytes SIZE [--spill-ahead-bytes SIZE]]
-         [--max-sessions N] [--quota-file PATH]
+         [--max-sessions N] [--max-calls-in-flight-per-client N] [--quota-file PATH]
 
 SIZE: a byte count or a number with a binary suffix, e.g. 64GiB (src/vtm/sizes.py).
 
@@ -18,6 +18,7 @@ SetQuota) and health over TCP, and nothing else (src/vtm/broker/control.py).
 Threads are fixed whatever the number of sessions: GRPC_THREADS serve gRPC
 calls (all unary), one reactor thread waits on every side-socket connection
 and client pidfd, and IO_THREADS answer them (src/vtm/broker/reactor.py).
+A session holds at most --max-calls-in-flight-per-client of the gRPC threads.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from vtm.broker.control import ControlService, is_loopback, read_token
 from vtm.broker.fd_channel import FdServer
 from vtm.broker.quota import Quotas
 from vtm.broker.reactor import Reactor
-from vtm.broker.service import BrokerService
+from vtm.broker.service import MAX_CALLS_IN_FLIGHT, BrokerService
 from vtm.broker.step_channel import StepServer
 from vtm.log_lines import OneLineFormatter
 from vtm.proto.vtm.v1 import vtm_pb2_grpc
@@ -222,11 +223,15 @@ class Broker:
     def __init__(self, listen: str, backend: str = "auto", capacity_bytes: int = 1 << 30,
                  chunk_bytes: int = 2 << 20, granularity: int | None = None, workers: int = 2,
                  control: str | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS, quota_file: str | None = None,
-                 control_token_file: str | None = None, host_tier_bytes: int = 0, spill_ahead_bytes: int = 0):
+                 control_token_file: str | None = None, host_tier_bytes: int = 0, spill_ahead_bytes: int = 0,
+                 max_calls_in_flight_per_client: int = MAX_CALLS_IN_FLIGHT):
         self.path = unix_path(listen)
         control_target = tcp_target(control) if control else None
         if max_sessions < 1:
             raise ValueError(f"--max-sessions must be at least 1, got {max_sessions}")
+        if max_calls_in_flight_per_client < 1:
+            raise ValueError("--max-calls-in-flight-per-client must be at least 1, "
+                             f"got {max_calls_in_flight_per_client}")
         token = read_token(control_token_file) if control_token_file else None
         if control_target is not None and token is None and not is_loopback(control_target.rpartition(":")[0]):
             raise ValueError(f"--control {control} is not on loopback: anyone who reaches it could steer the "
@@ -258,7 +263,7 @@ class Broker:
                       else Quotas(self.manager.capacity_bytes, chunk_bytes=chunk))
             self.reactor = Reactor(IO_THREADS)
             self.service = BrokerService(self.manager, self.manager.backend, 0, self.path + ".fds", self.reactor,
-                                         quotas, max_sessions)
+                                         quotas, max_sessions, max_calls_in_flight_per_client)
             # A session holds its channel and a fetch connection on the fd
             # socket, one on the step socket; a few more for vtmctl and tests.
             self.fds = FdServer(self.path + ".fds", self.service, self.manager._chunk_fd, self.reactor,
@@ -382,6 +387,10 @@ def main(argv, stop: threading.Event) -> int:
     parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                         help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED; one process "
                              "holds at most a quarter of them, at least 16")
+    parser.add_argument("--max-calls-in-flight-per-client", type=int, default=MAX_CALLS_IN_FLIGHT, metavar="N",
+                        help="gRPC calls one client session may have in flight at once (waiting for memory "
+                             "included); those beyond get RESOURCE_EXHAUSTED at once, so that one client cannot "
+                             f"hold all {GRPC_THREADS} of vtmd's gRPC threads (vtm.connect sends one at a time)")
     parser.add_argument("--quota-file", default=None, metavar="FILE",
                         help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (default: priority "
                              "0, no guarantee and no limit for every client); see docs/broker.md")
@@ -395,7 +404,7 @@ def _serve(args, stop: threading.Event) -> int:
     try:
         broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
                         args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file,
-                        args.host_tier_bytes, args.spill_ahead_bytes)
+                        args.host_tier_bytes, args.spill_ahead_bytes, args.max_calls_in_flight_per_client)
     except (vtm.Error, OSError, ValueError) as exc:
         print(f"vtmd: error: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,12 @@ held per session.
 What a client can make the broker hold is bounded: at most max_sessions
 sessions (Hello beyond is RESOURCE_EXHAUSTED), of which one process holds at
 most max_sessions_per_process (its attach beyond is refused: a client that
-leaks sessions leaves room to the others), at most MAX_SPACES spaces a
+leaks sessions leaves room to the others), at most max_calls_per_session
+gRPC calls in flight a session (one past it is refused at once: a call that
+waits, for memory or for its session's lock, holds one of the server's
+fixed gRPC threads, and one client must not hold them all; the step socket
+serves a session one op at a time on each of its 2 connections, on the
+reactor's workers), at most MAX_SPACES spaces a
 session, and page tables (slots x pages a slot) of at most the budget one
 space of the manager may have (vtm.limits.page_table_budget) a session;
 a closed space leaves nothing behind (the manager erases it). The host
@@ -34,7 +39,10 @@ Invariants:
     or the broker stopping;
   * a call only ever names spaces and vTensors of its own LIVE session;
   * the granted guarantees of all sessions sum to at most the capacity;
-  * while stopping, no session is admitted and no operation starts.
+  * while stopping, no session is admitted and no operation starts;
+  * a session's calls_in_flight counts its gRPC calls between their lease's
+    check and their end, at most max_calls_per_session (lease-free calls,
+    which take no session's lock, are not counted).
 """
 
 from __future__ import annotations
@@ -70,6 +78,12 @@ _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
 # long after is one whose process lives on, which the operator is told of.
 _QUARANTINE_WARN_S = 1.0
 MAX_SPACES = 64  # per session
+# gRPC calls one session may have in flight (vtmd --max-calls-in-flight-per-client):
+# vtm.connect sends them one at a time from its worker thread (stats(timeout=...),
+# from any thread, is lease-free and not counted), so 4 leaves room for a call
+# the client gave up on (its deadline passed) that still runs here, while a
+# session holds at most an eighth of the 32 gRPC threads.
+MAX_CALLS_IN_FLIGHT = 4
 # A prefix tree listed in one reply (PrefixNodes), in bytes of its index:
 # at 4 bytes a token there and at least 1 in a reply, a larger tree's reply
 # passes the 4 MiB a gRPC client receives by default. Listing it anyway built
@@ -110,7 +124,8 @@ def _process_exited(pidfd: int) -> bool:
 
 
 class BrokerService(vtm_pb2_grpc.BrokerServicer):
-    def __init__(self, manager, backend: str, device: int, fd_socket: str, reactor, quotas, max_sessions: int):
+    def __init__(self, manager, backend: str, device: int, fd_socket: str, reactor, quotas, max_sessions: int,
+                 max_calls_per_session: int = MAX_CALLS_IN_FLIGHT):
         self.manager = manager
         self._chunk_bytes = manager.chunk_bytes
         self._backend = backend
@@ -123,6 +138,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self.quotas = quotas  # guarded by _mu
         self.max_sessions = max_sessions
         self.max_sessions_per_process = sessions_per_process(max_sessions)
+        self.max_calls_per_session = max_calls_per_session
         # A session's spaces together: what one space of the manager may have.
         self._table_budget = page_table_budget(manager.capacity_bytes, self._chunk_bytes)
         self._mu = threading.Lock()
@@ -383,7 +399,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             if not session_required:
                 return body(None)
             session = self._session(context)
-            with session.lock:
+            with self._in_flight(session), session.lock:
                 if session.state == PENDING:
                     raise vtm.FailedPrecondition("attach the session's channel (the fd socket) first")
                 if session.state != LIVE:
@@ -396,6 +412,32 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             # Malformed input the manager's binding rejected before running.
             context.set_trailing_metadata(((status.ERROR_KEY, "InvalidArgument"),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    @contextlib.contextmanager
+    def _in_flight(self, session: Session):
+        """Counts a gRPC call of `session` while it runs; refuses it at once,
+        changing nothing, when the session has max_calls_per_session in flight
+        already. (The step socket needs no count: each of a session's
+        connections there is served one datagram at a time, reactor.py.)"""
+        most = self.max_calls_per_session
+        with self._mu:
+            refused = session.calls_in_flight >= most
+            first_refusal = refused and not session.calls_refused
+            if refused:
+                session.calls_refused = True
+            else:
+                session.calls_in_flight += 1
+        if refused:
+            if first_refusal:  # once a session: a client that keeps trying must not flood the log
+                log.warning("client %d ('%s', pid %s) keeps more than %d calls in flight: vtmd refuses the excess "
+                            "(--max-calls-in-flight-per-client)", session.client_id, session.name, session.pid, most)
+            raise vtm.OutOfMemory(f"client '{session.name}' has {most} calls in flight already, as many as vtmd serves "
+                                  f"a client at once (--max-calls-in-flight-per-client {most}): wait for one to end")
+        try:
+            yield
+        finally:
+            with self._mu:
+                session.calls_in_flight -= 1
 
     def run_op(self, session: Session, body):
         """Runs body() under the session lock for the step socket
