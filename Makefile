@@ -78,6 +78,7 @@ $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so &: $(VENV)/.deps $(SOUR
 	rm -rf $(SAN_DIR)/vtm $(SAN_DIR)/flexinfer && mkdir -p $(SAN_DIR)/vtm $(SAN_DIR)/flexinfer
 	cp src/vtm/*.py $(SAN_DIR)/vtm/
 	cp -r src/vtm/broker src/vtm/proto $(SAN_DIR)/vtm/
+	cp src/_vtmd.py $(SAN_DIR)/
 	cp $(SAN_DIR)/cmake/_core*.so $(SAN_DIR)/vtm/_core.so
 	cp $(SAN_DIR)/cmake/_kernels*.so $(SAN_DIR)/flexinfer/_kernels.so
 
@@ -107,6 +108,7 @@ $(TSAN_DIR)/vtm/_core.so: $(VENV)/.deps $(SOURCES)
 	rm -rf $(TSAN_DIR)/vtm && mkdir -p $(TSAN_DIR)/vtm
 	cp src/vtm/*.py $(TSAN_DIR)/vtm/
 	cp -r src/vtm/broker src/vtm/proto $(TSAN_DIR)/vtm/
+	cp src/_vtmd.py $(TSAN_DIR)/
 	cp $(TSAN_DIR)/cmake/_core*.so $(TSAN_DIR)/vtm/_core.so
 
 tsan: $(TSAN_DIR)/vtm/_core.so

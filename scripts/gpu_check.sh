@@ -131,9 +131,11 @@ build() {
   cmake -S "$REPO" -B "$BUILD/cmake" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DPython_EXECUTABLE="$PY" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" || return
   cmake --build "$BUILD/cmake" --parallel || return
-  # The package as it would be installed: the Python files and the module.
+  # The package as it would be installed: the Python files and the module,
+  # and vtmd's entry module beside them (python -m vtm.broker imports it).
   rm -rf "$SITE" && mkdir -p "$SITE/vtm" || return
   cp -r "$REPO"/src/vtm/. "$SITE/vtm/" && cp "$BUILD"/cmake/_core*.so "$SITE/vtm/" || return
+  cp "$REPO/src/_vtmd.py" "$SITE/" || return
   cp -r "$REPO/src/flexinfer" "$SITE/" && cp "$BUILD"/cmake/_kernels*.so "$SITE/flexinfer/"
 }
 
