@@ -146,6 +146,10 @@ class Scheduler:
         # preemption made (its tokens, and the groups whose record held): no
         # other sequence matches it, so it is forgotten once dead (_forget).
         self._swap_records: dict[Sequence, tuple[list[int], list[int]]] = {}
+        # Dead swap records whose path vTensors still lock (their release
+        # failed and is retried): (those vTensors, the record), forgotten
+        # once the retry released them all (_forget_once_released).
+        self._forget_after_release: list[tuple[list, tuple[list[int], list[int]]]] = []
         # The engine's: waits until every launched step has completed (and
         # calls completed()). None: nothing is ever in flight.
         self.wait_for_device = None
@@ -239,7 +243,7 @@ class Scheduler:
             self._await_pending()  # the pre-extend submitted last may still target them
         for _, vtensors, dead in ready:
             self._release(vtensors)
-            self._forget(dead)
+            self._forget_once_released(vtensors, dead)
 
     def _in_use(self, seq: Sequence) -> bool:
         return seq.last_step > self._completed
@@ -478,6 +482,7 @@ class Scheduler:
         self._unreleased.clear()
         self._retiring.clear()
         self._swap_records.clear()  # the old session's trees are gone
+        self._forget_after_release.clear()
         return resumed
 
     def fail_waiting(self, exc: Exception) -> None:
@@ -565,10 +570,10 @@ class Scheduler:
                 else:
                     self._forget((token_ids, groups))  # some group failed: nobody matches the others'
             # After the new record, which goes on along the old one's path (its nodes stay).
-            self._forget(dead)
+            self._forget_once_released(seq.vtensors, dead)
         else:
             self._release(seq.vtensors)
-            self._forget(dead)
+            self._forget_once_released(seq.vtensors, dead)
         seq.reset_cache_state()
 
     def _forget(self, record: tuple[list[int], list[int]] | None) -> None:
@@ -582,6 +587,21 @@ class Scheduler:
             self.kv.forget(*record)
         except vtm.Error as exc:
             log.warning("forgetting a swapped-out sequence's record failed (%s)", exc)
+
+    def _forget_once_released(self, vtensors: list, record: tuple[list[int], list[int]] | None) -> None:
+        """Forgets a dead swap record once `vtensors` (a readmission's, whose
+        match locks the record's path) are all released: now, or when the
+        retry of a release that failed succeeds (_retry_releases). A forget
+        while they lock the path takes the record back but leaves its nodes,
+        which the retried release then unlocks as ordinary cache that no
+        forget would ever take."""
+        if record is None:
+            return
+        live = [vt for vt in vtensors if vt is not None and not vt.released]
+        if live:
+            self._forget_after_release.append((live, record))
+        else:
+            self._forget(record)
 
     def _record(self, seq: Sequence, token_ids: list[int]) -> None:
         try:
@@ -626,6 +646,9 @@ class Scheduler:
         # on this side already: the broker frees it with the session.
         retry, self._unreleased = [vt for vt in self._unreleased if not vt.released], []
         self._release(retry)
+        waiting, self._forget_after_release = self._forget_after_release, []
+        for vtensors, record in waiting:
+            self._forget_once_released(vtensors, record)
 
     # -- admission ------------------------------------------------------
 

@@ -268,3 +268,67 @@ def test_swap_records_are_forgotten_once_dead_with_prefix_caching_off(tiny_gpu_f
     assert after["spills_total"] > 0 and after["restores_total"] > 0, after  # the tier held swapped-out KV
     assert (after["tree_nodes"], after["chunks_in_tree"]) == (0, 0), after
     assert (after["host_tier_used_bytes"], after["host_tier_nodes"]) == (0, 0), after
+
+
+@pytest.mark.parametrize("where", ["finish", "second_preemption"])
+def test_a_swap_record_is_forgotten_after_a_failed_release_too(tiny_gpu_folder, where):
+    """Prefix caching off, preemption="swap": a readmitted sequence's match
+    locks its swap record's path, so the record is forgotten once the
+    match's vTensor is released. When that release failed (the device
+    refusing an unmap; the scheduler retries it at the next step), the
+    forget went ahead while the vTensor still locked the path: the record
+    was taken back, but its nodes stayed, and once the retried release
+    unlocked them they were ordinary cache that nothing would forget.
+    `where` the failed release comes: at the sequence's end, or at a second
+    preemption, whose record and release fail together (nothing recorded),
+    and so does the plain release the scheduler tries next."""
+    from flexinfer.engine import Engine
+    from flexinfer.sequence import Sequence
+
+    chunk = 4096
+    manager = vtm.Manager(backend="host", capacity_bytes=64 * chunk, chunk_bytes=chunk, granularity=chunk,
+                          host_tier_bytes=64 * chunk, faults=True)
+    engine = Engine(tiny_gpu_folder, manager=manager, max_model_len=256, max_num_seqs=4,
+                    enable_prefix_caching=False, preemption="swap")
+    space = engine.kv_cache.space
+    prompt = [1] + list(range(40, 79))
+    seq = Sequence(1, 0, 0, prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), 0, ())
+    engine.add(seq)
+    while len(seq.output_ids) < 16:
+        engine.step()
+    engine.scheduler.reclaim(1, timeout_s=0)  # the next step preempts it: its swap record
+    engine.step()
+    while len(seq.output_ids) < (20 if where == "second_preemption" else 29):
+        engine.step()
+    assert engine.scheduler.num_preemptions == 1 and seq.vtensors  # readmitted: its match locks the record
+    assert [n["locks"] for n in space.prefix_nodes()] == [1]
+    unmaps = manager.faults.calls("unmap")
+    manager.faults.fail_nth("unmap", 1)
+    if where == "second_preemption":
+        record_and_release = engine.kv_cache.record_and_release
+
+        def failing_twice(*args):
+            outcomes = record_and_release(*args)
+            manager.faults.fail_nth("unmap", 1)  # and the release the scheduler tries next
+            return outcomes
+
+        engine.kv_cache.record_and_release = failing_twice
+        engine.scheduler.reclaim(1, timeout_s=0)
+        engine.step()
+        del engine.kv_cache.record_and_release
+        assert engine.scheduler.num_preemptions == 2 and engine.scheduler.num_prefix_failures == 1
+    while engine.has_work():
+        engine.step()
+    engine.drain()  # the failed release is retried here at the latest
+    manager.faults.clear()
+    assert manager.faults.calls("unmap") > unmaps and engine.scheduler.num_memory_faults == 1
+    assert len(seq.output_ids) == 30 and seq.error is None
+    manager.check()
+    stats = manager.stats()
+    assert all(space["vtensors"] == 0 for space in stats["spaces"].values()), stats
+    assert space.prefix_nodes() == [] and stats["tree_nodes"] == 0 and stats["host_tier_nodes"] == 0, stats
+    manager.trim()
+    stats = manager.stats()
+    assert stats["chunks_held"] == 0 and stats["host_tier_used_bytes"] == 0, stats  # nothing leaked
+    engine.close()
+    manager.close()
