@@ -9,27 +9,11 @@ error to handle, never a broken tree or a lost chunk:
 tests/vtm/tree_out_of_memory.cc fails each allocation in turn and checks
 the tree after each, built here from the sources."""
 
-import os
-import pathlib
-import shutil
-import subprocess
-
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-SOURCES = ["prefix_tree.cc", "pool.cc", "host_tier.cc", "error.cc", "backend_host.cc"]
+from vtm_testing import run_tree_harness
 
 
 def test_the_tree_is_whole_after_every_failed_allocation(tmp_path):
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None:
-        pytest.skip("no C++ compiler")
-    csrc = ROOT / "src" / "vtm" / "csrc"
-    binary = tmp_path / "tree_out_of_memory"
-    subprocess.run([compiler, "-std=c++17", "-O1", "-g", f"-I{csrc}", str(ROOT / "tests" / "vtm" / "tree_out_of_memory.cc"),
-                    *(str(csrc / s) for s in SOURCES), "-o", str(binary), "-lpthread"], check=True, timeout=300)
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # not under the sanitizers' runtime
-    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120, env=env)
+    run = run_tree_harness("tree_out_of_memory", tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "whole after every failure" in run.stdout
     for scenario in ("a new path", "a path that splits a node", "a leaf below a node", "merging halves",

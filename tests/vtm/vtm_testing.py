@@ -23,6 +23,10 @@ whole test process on purpose).
 
 import functools
 import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
 import time
 
 import numpy as np
@@ -335,3 +339,24 @@ def poll(pred, timeout=10.0, interval=0.005):
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
+
+
+# --------------------------------------------------------------------------
+# C++ harnesses over the prefix tree, built from the sources (no module hook)
+
+TREE_SOURCES = ["prefix_tree.cc", "pool.cc", "host_tier.cc", "error.cc", "backend_host.cc"]
+
+
+def run_tree_harness(name, tmp_path):
+    """Builds tests/vtm/<name>.cc with the tree's sources and runs it (skips
+    without a C++ compiler); returns the finished process, its output in stdout."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    csrc = root / "src" / "vtm" / "csrc"
+    binary = tmp_path / name
+    subprocess.run([compiler, "-std=c++17", "-O1", "-g", f"-I{csrc}", str(root / "tests" / "vtm" / f"{name}.cc"),
+                    *(str(csrc / s) for s in TREE_SOURCES), "-o", str(binary), "-lpthread"], check=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # not under the sanitizers' runtime
+    return subprocess.run([str(binary)], capture_output=True, text=True, timeout=120, env=env)

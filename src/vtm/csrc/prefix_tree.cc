@@ -112,6 +112,7 @@ PrefixNode* PrefixTree::Split(PrefixNode* node, std::size_t at) {
   upper->last_access = node->last_access;
   upper->tier_account = node->tier_account;
   upper->parent = node->parent;
+  upper->path_key = PathKey(node->parent->path_key, upper->tokens.data(), upper->tokens.size(), upper->start);
   upper->closed = node->closed;  // its one child is node: the parent's count is unchanged
   upper->open_children = node->closed ? 0 : 1;
   // What may fail (allocate) comes before the tree changes: the upper
@@ -235,6 +236,7 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
     made->start = start;
     made->first_page = FirstPage(start);
     made->tier_account = tier_account;
+    made->path_key = PathKey(node->path_key, tokens + start, n - start, start);
     for (std::size_t p = made->first_page; p < end_page; ++p)
       made->pages.push_back(p < pages.size() ? pages[p] : kNoChunk);
     made->parent = node;
@@ -291,7 +293,11 @@ std::pair<PrefixNode*, std::size_t> PrefixTree::Insert(const std::int32_t* token
   }
   if (leaf != nullptr) node = leaf;
   Touch(node, tick);
-  if (node != &root_) ++node->records;
+  if (node != &root_) {
+    ++node->records;
+    ++records_;
+    records_key_ += node->path_key;
+  }
   return {node, n - start};
 }
 
@@ -352,6 +358,7 @@ std::size_t PrefixTree::EvictLeaf(PrefixNode* leaf) {
   if (leaf == &root_ || !leaf->children.empty() || leaf->locks != 0)
     Throw(ErrorCode::kInternal, "evicting a prefix node that is not an unlocked leaf");
   const std::size_t freed = DropReferences(leaf);
+  DropRecords(*leaf);
   Unindex(leaf);
   CountAccount(leaf->tier_account, false);
   CountNode(*leaf, false);
@@ -366,7 +373,11 @@ std::size_t PrefixTree::Forget(const std::int32_t* tokens, std::size_t n) {
   PrefixNode* node = pos.node;
   // Held only up to inside a node: another record's path goes on there.
   if (node == &root_ || pos.length != node->end()) return 0;
-  if (pos.length == n && node->records > 0) --node->records;
+  if (pos.length == n && node->records > 0) {
+    --node->records;
+    --records_;
+    records_key_ -= node->path_key;
+  }
   std::size_t removed = 0;
   while (node != &root_ && node->children.empty() && node->locks == 0 && node->records == 0) {
     PrefixNode* parent = node->parent;
@@ -407,11 +418,32 @@ std::size_t PrefixTree::DropSubtree(std::unique_ptr<PrefixNode> node, std::size_
     Unindex(n.get());
     CountAccount(n->tier_account, false);
     CountNode(*n, false);
+    DropRecords(*n);
     const std::size_t chunks = DropReferences(n.get());
     if (freed != nullptr) *freed += chunks;
     ++dropped;
   }
   return dropped;
+}
+
+void PrefixTree::DropRecords(const PrefixNode& node) {
+  records_ -= static_cast<std::size_t>(node.records);
+  records_key_ -= static_cast<std::uint64_t>(node.records) * node.path_key;
+}
+
+std::uint64_t PrefixTree::KeyOf(std::size_t position, std::int32_t token) {
+  // splitmix64's finaliser over (position, token).
+  std::uint64_t x = (static_cast<std::uint64_t>(position) << 32) ^ static_cast<std::uint32_t>(token);
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+std::uint64_t PrefixTree::PathKey(std::uint64_t parent, const std::int32_t* tokens, std::size_t n,
+                                  std::size_t start) {
+  for (std::size_t i = 0; i < n; ++i) parent += KeyOf(start + i, tokens[i]);
+  return parent;
 }
 
 bool PrefixTree::Spillable(const PrefixNode* node) const {
@@ -590,10 +622,20 @@ void PrefixTree::CheckIndex() const {
            " children not wholly on the host, " + std::to_string(open) + " are");
   };
   check_closed(root_);
+  if (root_.records != 0 || root_.path_key != 0) fail("the prefix tree's root holds a record");
   std::unordered_map<std::uint32_t, std::size_t> by_account;
-  std::size_t tokens = 0, pages = 0, nodes = 0;
+  std::size_t tokens = 0, pages = 0, nodes = 0, records = 0;
+  std::uint64_t records_key = 0;
   ForEach([&](const PrefixNode& n) {
     check_closed(n);
+    // The parent's key was checked before (ForEach goes depth first): by
+    // induction every key is its path's.
+    if (n.path_key != PathKey(n.parent->path_key, n.tokens.data(), n.tokens.size(), n.start))
+      fail("prefix node at token " + std::to_string(n.start) + " has another path's key");
+    if (n.records < 0)
+      fail("prefix node at token " + std::to_string(n.start) + " counts " + std::to_string(n.records) + " records");
+    records += static_cast<std::size_t>(n.records);
+    records_key += static_cast<std::uint64_t>(n.records) * n.path_key;
     ++by_account[n.tier_account];
     tokens += n.tokens.size();
     pages += n.pages.size();
@@ -610,6 +652,10 @@ void PrefixTree::CheckIndex() const {
     fail("the index counts " + std::to_string(nodes_) + " nodes, " + std::to_string(tokens_) + " tokens and " +
          std::to_string(pages_) + " pages, the tree " + std::to_string(nodes) + ", " + std::to_string(tokens) +
          " and " + std::to_string(pages));
+  if (records != records_ || records_key != records_key_)
+    fail("the tree's nodes count " + std::to_string(records) + " records, " +
+         (records == records_ ? "at other paths than the records made and not forgotten"
+                              : std::to_string(records_) + " were made and not forgotten"));
   if (device != device_lru_.size() || host != host_lru_.size())
     fail("the LRU lists hold " + std::to_string(device_lru_.size()) + " + " + std::to_string(host_lru_.size()) +
          " nodes, the tree " + std::to_string(device) + " + " + std::to_string(host));

@@ -47,7 +47,20 @@
 //    descendant, so locks(parent) >= locks(child); only leaves with locks == 0
 //    are evicted;
 //  * records = records (Insert) of the path ending at this node's end that
-//    no Forget has taken back; 0 in a node a split made above another;
+//    no Forget has taken back; 0 in a node a split made above another (the
+//    count stays with the lower half, which ends where the records do), and
+//    in the root. Nothing else in the tree says which paths were recorded:
+//    a leaf may hold no record and no lock (what an eviction, a tier drop
+//    or clear_prefixes left above the nodes it removed, or a record
+//    forgotten while a lock kept its nodes), so the counts are checked
+//    against their sums instead: records_ is the sum of records over the
+//    tree and records_key_ the sum of records * path_key, both changed only
+//    where records are made (Insert), taken back (Forget) or leave with
+//    their node, never by a split or a merge (CheckIndex). A count a split
+//    or a merge doubled, lost or left on the wrong half shows there;
+//  * path_key = the sum of KeyOf(position, token) over the path from the
+//    root to the node's end (0 at the root): fixed by the path, so a split
+//    computes the upper half's and the lower half keeps its own;
 //  * closed == on_host && open_children == 0, and open_children is the
 //    number of children with closed false (CheckIndex);
 //  * last_access(parent) >= last_access(child) (Touch marks whole paths), and
@@ -88,6 +101,7 @@ struct PrefixNode {
   // the forgotten record made (the tree alone cannot: a record may end
   // where another's path goes on).
   int records = 0;
+  std::uint64_t path_key = 0;  // identifies the path to end() (see the invariants)
   std::uint64_t last_access = 0;
   bool on_host = false;
   std::vector<BlockId> host_pages;  // on the host: the block of each page
@@ -285,9 +299,15 @@ class PrefixTree {
     return tokens_ * sizeof(std::int32_t) + pages_ * kPageEntryBytes + nodes_ * kNodeBytes;
   }
 
-  // Verifies the LRU index, the closed counts and the index's size against
-  // the tree; throws kInternal.
+  // Verifies the LRU index, the closed counts, the index's size and the
+  // record counts against the tree; throws kInternal.
   void CheckIndex() const;
+
+  // A token's share of path_key: a 64-bit mix of the token and its position
+  // in the sequence (so paths with the same tokens in another order differ).
+  static std::uint64_t KeyOf(std::size_t position, std::int32_t token);
+  // path_key of `parent`'s path followed by tokens[0..n), which start at `start`.
+  static std::uint64_t PathKey(std::uint64_t parent, const std::int32_t* tokens, std::size_t n, std::size_t start);
 
   std::size_t FirstPage(std::size_t token) const { return token * row_bytes_ / page_bytes_; }
   // One past the last page that holds a byte of tokens [0, end).
@@ -332,6 +352,8 @@ class PrefixTree {
   std::size_t DropSubtree(std::unique_ptr<PrefixNode> node, std::size_t* freed = nullptr);
   // Drops a node's references (chunks and blocks); returns the chunks freed.
   std::size_t DropReferences(PrefixNode* node);
+  // `node`, leaving the tree, takes its records with it out of records_ and records_key_.
+  void DropRecords(const PrefixNode& node);
 
   const std::size_t row_bytes_;
   const std::size_t page_bytes_;
@@ -345,6 +367,10 @@ class PrefixTree {
   std::unordered_map<std::uint32_t, std::size_t> nodes_by_account_;
   // Over every node but the root: what index_bytes() counts.
   std::size_t tokens_ = 0, pages_ = 0, nodes_ = 0;
+  // The records of every node: their count, and their path_keys summed
+  // (modulo 2^64) once per record. See the invariants.
+  std::size_t records_ = 0;
+  std::uint64_t records_key_ = 0;
 };
 
 }  // namespace vtm
