@@ -7,6 +7,8 @@ match must return exactly the bytes written for the query's prefix, and no
 vTensor may ever see its rows change (nobody writes into a shared page).
 """
 
+from collections import Counter
+
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -37,14 +39,80 @@ def fill_and_release(space, tokens_each):
         vt.release().result()
 
 
+class TreeModel:
+    """The shape of one namespace's prefix tree, exactly: the path from the
+    root to every node's end (`nodes`) and the records of each path that no
+    forget took back (`records`). A record adds its path and splits the
+    node it leaves the tree inside (where it diverges, or ends); a match
+    splits the node its length ends inside; nothing merges nodes. Which
+    nodes live vTensors lock is the machine's: `locked(path)` says whether
+    any lock lies on or below a node."""
+
+    def __init__(self):
+        self.nodes = set()
+        self.records = Counter()
+
+    def reach(self, tokens):
+        """How far the tree holds `tokens` (its longest common prefix with a path)."""
+        return best_lcp(tokens, self.nodes)
+
+    def split(self, path):
+        if path:
+            self.nodes.add(tuple(path))
+
+    def record(self, seq):
+        """Returns the tokens the record adds."""
+        held = self.reach(seq)
+        self.split(seq[:held])
+        self.nodes.add(seq)
+        self.records[seq] += 1
+        return len(seq) - held
+
+    def parent(self, path):
+        return max((p for p in self.nodes if len(p) < len(path) and path[:len(p)] == p), key=len, default=())
+
+    def is_leaf(self, path):
+        return not any(len(p) > len(path) and p[:len(path)] == path for p in self.nodes)
+
+    def forget(self, seq, locked):
+        """PrefixTree::Forget: one record of `seq` taken back (if the tree
+        holds one), then the path's nodes from the deepest the tree holds up,
+        while each is an unlocked leaf no record ends at. Nothing when the
+        tree holds the path only up to inside a node. Returns the tokens
+        removed."""
+        node = tuple(seq[:self.reach(seq)])
+        if not node or node not in self.nodes:
+            return 0
+        if node == seq and self.records[node] > 0:
+            self.records[node] -= 1
+        removed = 0
+        while node and self.is_leaf(node) and not locked(node) and self.records[node] == 0:
+            parent = self.parent(node)
+            removed += len(node) - len(parent)
+            self.nodes.discard(node)
+            del self.records[node]
+            node = parent
+        return removed
+
+    def keep_locked(self, locked):
+        """clear_prefixes: every node no lock lies on or below goes, with its records."""
+        self.nodes = {p for p in self.nodes if locked(p)}
+        self.records = Counter({p: n for p, n in self.records.items() if p in self.nodes and n > 0})
+
+
 class VtmMachine(RuleBasedStateMachine):
     """Spaces 0 and 1 share namespace "shared" (row 3000 B, 3 pages per slot);
-    space 2 has a private namespace (row 46080 B: 1.4 rows per page, 9 pages)."""
+    space 2 has a private namespace (row 46080 B: 1.4 rows per page, 9 pages).
+    The pool (160 chunks) holds every live vTensor and a match's restore,
+    not always the trees: they spill to a host tier that drops nothing when
+    the pool runs short, or under `pressure`. A tree keeps its shape on the
+    host, so the model (a TreeModel per namespace, and the path to the node
+    each live vTensor locks) predicts every node, lock, record, match and
+    forget alike on the device and on the host."""
 
     def __init__(self):
         super().__init__()
-        # capacity far above anything a run can hold: nothing is ever evicted
-        self.mgr = new_manager(chunks=2048)
+        self.mgr = new_manager(chunks=160, host_tier_bytes=2048 * CHUNK)
         self.spaces = [
             self.mgr.create_space(row_bytes=3000 * SCALE, max_tokens=48, max_slots=6, namespace="shared"),
             self.mgr.create_space(row_bytes=3000 * SCALE, max_tokens=48, max_slots=6, namespace="shared"),
@@ -53,12 +121,10 @@ class VtmMachine(RuleBasedStateMachine):
         self.ns_of = [0, 0, 1]
         self.ios = [RowIO(s) for s in self.spaces]
         self.live = {}          # vt -> [space index, token list]
-        self.recorded = [set(), set()]  # per namespace: recorded sequences (tuples)
-        self.recorded_by = {}   # vt -> sequences it recorded (a recorder may lock them)
-        self.matched = {}       # vt -> the path its match locked (what a shrink left of it)
-        self.matched_all = {}   # vt -> that path before any shrink: its lock lies on it
+        self.trees = [TreeModel(), TreeModel()]  # per namespace
+        self.forgotten = [set(), set()]  # per namespace: paths forgotten, for queries to probe
+        self.lock = {}          # vt -> the path to the node it locks (absent: none)
         self.low = {}           # vt -> its low mark (absent: 0)
-        self.steps = 0
 
     # ---------------------------------------------------------------- helpers
     def count(self, si):
@@ -71,11 +137,16 @@ class VtmMachine(RuleBasedStateMachine):
             return None
         return data.draw(st.sampled_from(cands))
 
+    def locked(self, ns):
+        """Whether a live vTensor's lock lies on or below the node ending at `path`."""
+        paths = [p for vt, p in self.lock.items() if self.ns_of[self.live[vt][0]] == ns]
+        return lambda path: any(p[:len(path)] == path for p in paths)
+
     def draw_prefixy(self, data, ns, max_len):
-        """Tokens that often share a long prefix with something recorded."""
-        rec = sorted(self.recorded[ns])
-        if rec and data.draw(st.booleans()):
-            base = data.draw(st.sampled_from(rec))
+        """Tokens that often share a long prefix with a path of the tree, or a forgotten one."""
+        paths = sorted(self.trees[ns].nodes | self.forgotten[ns])
+        if paths and data.draw(st.booleans()):
+            base = data.draw(st.sampled_from(paths))
             cut = data.draw(st.integers(0, len(base)))
             tail = data.draw(st.lists(TOK, max_size=6))
             q = list(base[:cut]) + tail
@@ -123,18 +194,14 @@ class VtmMachine(RuleBasedStateMachine):
                     continue
                 vt = sp.create(len(tokens)).result()
                 self.live[vt] = [si, list(tokens)]
-                self.recorded_by[vt] = []
                 self.write_new_rows(vt, 0)
                 seq = tuple(tokens)
-                expect = len(seq) - best_lcp(seq, self.recorded[self.ns_of[si]])
-                assert sp.prefix_record(vt, list(seq)).result() == expect
-                self.recorded[self.ns_of[si]].add(seq)
+                assert sp.prefix_record(vt, list(seq)).result() == self.trees[self.ns_of[si]].record(seq)
                 if data.draw(st.booleans()):
                     vt.release().result()
                     del self.live[vt]
-                    del self.recorded_by[vt]
                 else:
-                    self.recorded_by[vt].append(seq)
+                    self.lock[vt] = seq
 
     @rule(data=st.data(), si=st.integers(0, 2))
     def create(self, data, si):
@@ -150,7 +217,6 @@ class VtmMachine(RuleBasedStateMachine):
         assert vt.num_tokens == len(tokens)
         assert not vt.released
         self.live[vt] = [si, list(tokens)]
-        self.recorded_by[vt] = []
         self.write_new_rows(vt, 0)
 
     @rule(data=st.data())
@@ -239,9 +305,15 @@ class VtmMachine(RuleBasedStateMachine):
             assert vt.num_tokens == n
             kept = -(-n * self.spaces[si].row_bytes // chunk)
             assert all(c is None for c in vt.page_chunks()[kept:]), vt.page_chunks()
-            if vt in self.matched:
-                # Its lock moves up to the node holding its last row: at least these rows stay locked.
-                self.matched[vt] = self.matched[vt][:n]
+            path = self.lock.get(vt)
+            if path is not None and n < len(path):
+                # The lock moves up to the node holding row n - 1 (none for n = 0).
+                nodes = self.trees[self.ns_of[si]].nodes
+                above = [p for p in nodes if len(p) >= n and path[:len(p)] == p]
+                if n == 0:
+                    del self.lock[vt]
+                else:
+                    self.lock[vt] = min(above, key=len)
         event("shrink")
 
     @rule(data=st.data())
@@ -250,19 +322,23 @@ class VtmMachine(RuleBasedStateMachine):
         if vt is None:
             return
         si, tokens = self.live[vt]
-        k = data.draw(st.integers(1, len(tokens)))
-        seq = tuple(tokens[:k])
         ns = self.ns_of[si]
+        # Often a path recorded already (its records add up), when the vTensor holds one.
+        again = sorted(len(p) for p, n in self.trees[ns].records.items() if n and p == tuple(tokens[:len(p)]))
+        k = data.draw(st.sampled_from(again) if again and data.draw(st.booleans()) else st.integers(1, len(tokens)))
+        seq = tuple(tokens[:k])
         if self.low_page(vt) > 0:
             # These spaces record whole prefixes; the rows below the mark are gone.
             with pytest.raises(vtm.FailedPrecondition):
                 self.spaces[si].prefix_record(vt, list(seq)).result()
             return
-        expect = k - best_lcp(seq, self.recorded[ns])
+        twice = self.trees[ns].records[seq] > 0
+        expect = self.trees[ns].record(seq)
         got = self.spaces[si].prefix_record(vt, list(seq)).result()
         assert got == expect, f"prefix_record({list(seq)}) added {got}, model says {expect}"
-        self.recorded[ns].add(seq)
-        self.recorded_by[vt].append(seq)
+        self.lock[vt] = seq  # the recorder locks what it recorded, and nothing else
+        if twice:
+            event("record: a path recorded again")
 
     @rule(data=st.data(), si=st.integers(0, 2))
     def prefix_match(self, data, si):
@@ -273,20 +349,59 @@ class VtmMachine(RuleBasedStateMachine):
         q = self.draw_prefixy(data, ns, 60)
         if not q:
             q = [data.draw(TOK)]
-        expect = min(best_lcp(q, self.recorded[ns]), len(q) - 1)
+        expect = min(self.trees[ns].reach(q), len(q) - 1)
+        on_host = any(nd["on_host"] and nd["start"] < expect and path[:expect] == tuple(q[:min(len(path), expect)])
+                      for path, nd in node_paths(sp.prefix_nodes()))  # a node of the path the match restores
         m = sp.prefix_match(q).result()
         assert m.num_tokens == expect, f"match({q}) = {m.num_tokens}, model says {expect}"
         event(f"match length {'0' if expect == 0 else '>0'}")
         if expect == 0:
             assert m.vtensor is None
             return
+        if on_host:
+            event("match: restored from the host tier")
+            assert m.restored_tokens > 0
         vt = m.vtensor
         assert vt.num_tokens == expect and not vt.released
         assert vt.space.name == sp.name
         self.ios[si].verify(vt, q, 0, expect, what=f"match({q}):")
+        self.trees[ns].split(q[:expect])
         self.live[vt] = [si, list(q[:expect])]
-        self.recorded_by[vt] = []
-        self.matched[vt] = self.matched_all[vt] = tuple(q[:expect])
+        self.lock[vt] = tuple(q[:expect])
+
+    @rule(data=st.data(), si=st.integers(0, 2))
+    def prefix_forget(self, data, si):
+        """One record taken back: a path recorded (once, or more), a strict
+        prefix of one (recorded itself or not), a path the tree holds only
+        as a split, one it never held, or one forgotten before; locked or
+        not, on the device or the host. The model says what leaves the tree;
+        the invariant checks every node after it."""
+        sp = self.spaces[si]
+        ns = self.ns_of[si]
+        tree = self.trees[ns]
+        kind = data.draw(st.sampled_from(["recorded", "recorded again", "prefix", "node", "forgotten", "fresh"]))
+        candidates = {"recorded": [p for p, n in tree.records.items() if n > 0],
+                      "recorded again": [p for p, n in tree.records.items() if n > 1],
+                      "prefix": list(tree.records), "node": tree.nodes, "forgotten": self.forgotten[ns]}.get(kind)
+        if not candidates:
+            seq = tuple(data.draw(st.lists(TOK, min_size=1, max_size=sp.max_tokens)))
+        else:
+            seq = data.draw(st.sampled_from(sorted(candidates)))
+            if kind == "prefix":
+                seq = seq[:data.draw(st.integers(1, len(seq)))]
+        before = tree.records[seq]
+        on_host = {path for path, nd in node_paths(sp.prefix_nodes()) if nd["on_host"]}
+        nodes = set(tree.nodes)
+        expect = tree.forget(seq, self.locked(ns))
+        got = sp.prefix_forget(list(seq)).result()
+        assert got == expect, f"prefix_forget({list(seq)}) removed {got} tokens, model says {expect}"
+        self.forgotten[ns].add(seq)
+        event(f"forget ({kind}): " + ("a path recorded more than once" if before > 1 else
+                                      "a recorded path" if before else "a path not recorded"))
+        if nodes - tree.nodes:
+            event("forget: nodes removed" + (", some on the host" if (nodes - tree.nodes) & on_host else ""))
+        elif before:
+            event("forget: the record taken back, its nodes kept")
 
     @rule(data=st.data())
     def release(self, data):
@@ -296,10 +411,18 @@ class VtmMachine(RuleBasedStateMachine):
         vt.release().result()
         assert vt.released
         del self.live[vt]
-        self.recorded_by.pop(vt, None)
-        self.matched.pop(vt, None)
-        self.matched_all.pop(vt, None)
+        self.lock.pop(vt, None)
         self.low.pop(vt, None)
+
+    @rule(data=st.data())
+    def pressure(self, data):
+        """Memory wanted (trim with a target): unlocked nodes spill to the
+        host, least recently used first, from the leaves up; locked paths
+        stay. A trim unpins no lock, as an allocation out of memory may
+        (prefix_unpins_total), which the model does not follow."""
+        self.mgr.trim(bytes=data.draw(st.integers(1, 160)) * self.mgr.chunk_bytes)
+        st_ = self.mgr.stats()
+        event("tier: nodes on the host" if st_["host_tier_nodes"] else "tier: nothing on the host")
 
     @rule()
     def trim(self):
@@ -317,30 +440,15 @@ class VtmMachine(RuleBasedStateMachine):
         ns = self.ns_of[si]
         n_before = len(sp.prefix_nodes())
         dropped = sp.clear_prefixes()
-        nodes = sp.prefix_nodes()
-        assert dropped == n_before - len(nodes)
-        kept = leaf_paths(nodes)
-        live_ns = [vt for vt, (s, _) in self.live.items() if self.ns_of[s] == ns]
-        # a path a live matched vTensor locks is kept (as long as it recorded
-        # nothing since: a later record may move its lock to the recorded path)
-        for vt in live_ns:
-            p = self.matched.get(vt)
-            if p and not self.recorded_by.get(vt):
-                assert any(r[:len(p)] == p for r in kept), f"locked path {p} was dropped"
-        # nothing is kept unless some live vTensor may lock it (its match or its records)
-        sources = [self.matched_all[vt] for vt in live_ns if vt in self.matched_all]
-        sources += [s for vt in live_ns for s in self.recorded_by.get(vt, [])]
-        for r in kept:
-            assert any(s[:len(r)] == r for s in sources), f"unlocked path {r} survived clear_prefixes"
-        for path, nd in node_paths(nodes):
-            assert nd["locks"] > 0, f"node {nd} (path {path}) survived clear_prefixes unlocked"
-        self.recorded[ns] = set(kept)
+        self.trees[ns].keep_locked(self.locked(ns))
+        assert dropped == n_before - len(sp.prefix_nodes()) == n_before - len(self.trees[ns].nodes)
 
     # ---------------------------------------------------------------- invariants
     @invariant()
     def consistent(self):
         st_ = assert_pool_consistent(self.mgr)
-        assert st_["evictions_total"] == 0, "capacity is ample: nothing may be evicted"
+        assert st_["host_tier_drops_total"] == 0 and st_["spill_failures_total"] == 0, st_
+        assert st_["prefix_unpins_total"] == 0, "the pool holds what live vTensors lock: no lock was given up"
         assert st_["chunks_in_tree"] <= st_["chunks_held"]
         assert st_["chunks_mapped"] <= st_["chunks_held"]
         for si, sp in enumerate(self.spaces):
@@ -368,7 +476,11 @@ class VtmMachine(RuleBasedStateMachine):
         for ns, sp in ((0, self.spaces[0]), (1, self.spaces[2])):
             nodes = sp.prefix_nodes()
             in_tree |= {c for nd in nodes for c in nd["pages"] if c is not None}
-            assert leaf_paths(nodes) == maximal(self.recorded[ns])
+            paths = node_paths(nodes)
+            assert {path for path, _ in paths} == self.trees[ns].nodes
+            locked = [p for vt, p in self.lock.items() if self.ns_of[self.live[vt][0]] == ns]
+            for path, nd in paths:
+                assert nd["locks"] == sum(p[:len(path)] == path for p in locked), (path, nd)
             n_nodes += len(nodes)
             n_tokens += sum(nd["end"] - nd["start"] for nd in nodes)
         assert self.spaces[1].prefix_nodes() == self.spaces[0].prefix_nodes()
@@ -390,7 +502,7 @@ class VtmMachine(RuleBasedStateMachine):
             st_ = self.mgr.stats()
             assert st_["chunks_held"] == 0, st_
             assert st_["chunks_created"] == 0, st_
-            assert st_["tree_nodes"] == 0, st_
+            assert st_["tree_nodes"] == 0 and st_["host_tier_used_bytes"] == 0, st_
             self.mgr.check()
         finally:
             self.mgr.close()
