@@ -18,3 +18,5 @@ def pytest_configure(config):
     # `--strict-markers` happy if the ini section moves.
     config.addinivalue_line("markers", "gpu: needs a CUDA driver and device")
     config.addinivalue_line("markers", "host_only: runs only with --vtm-backend host")
+    config.addinivalue_line("markers", "torch_cuda: views device memory as torch CUDA tensors (skipped under the "
+                            "fake CUDA driver)")

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import pytest
 
+import fake_cuda_testing
+
 KiB = 1024
 CHUNK = 64 * KiB
 ROW = 1000  # rows straddle pages: 65.5 rows a page
@@ -92,10 +94,16 @@ def wait_serving(address: str, timeout: float) -> None:
 
 class RowView:
     """Bytes of a space through its tensor view: numpy on the host backend,
-    a torch CUDA tensor on cuda (read back to numpy for comparisons)."""
+    a torch CUDA tensor on cuda (read back to numpy for comparisons), or
+    under the fake driver (fake_cuda_testing.py) the space's memory by address."""
 
     def __init__(self, space, backend: str):
-        if backend == "cuda":
+        self._base = None
+        self._slot_bytes = space.slot_bytes
+        if backend == "cuda" and fake_cuda_testing.active():
+            self._torch = None
+            self._base = space.base_address
+        elif backend == "cuda":
             import torch
 
             self._torch = torch
@@ -105,13 +113,17 @@ class RowView:
             self._view = space.tensor(np.uint8)
 
     def write(self, slot: int, start: int, data: np.ndarray) -> None:
-        if self._torch is not None:
+        if self._base is not None:
+            fake_cuda_testing.write_device(self._base + slot * self._slot_bytes + start, data)
+        elif self._torch is not None:
             self._view[slot, start:start + len(data)] = self._torch.from_numpy(data).to(self._view.device)
             self._torch.cuda.synchronize()
         else:
             self._view[slot, start:start + len(data)] = data
 
     def read(self, slot: int, start: int, stop: int) -> np.ndarray:
+        if self._base is not None:
+            return fake_cuda_testing.read_device(self._base + slot * self._slot_bytes + start, stop - start)
         if self._torch is not None:
             return self._view[slot, start:stop].cpu().numpy()
         return np.array(self._view[slot, start:stop])

@@ -178,6 +178,7 @@ def test_prefix_sharing_bytes(backend, make_manager):
 # torch views
 
 
+@pytest.mark.torch_cuda
 def test_torch_view_shape_and_zero_copy(make_manager):
     torch = pytest.importorskip("torch")
     mgr = make_manager(chunks=16)
@@ -555,6 +556,7 @@ def test_slot_cache_default_is_quarter_capacity(make_manager):
 # lifetime
 
 
+@pytest.mark.torch_cuda
 def test_view_outlives_manager():
     """A view that outlives its memory reads zeros (docs/api.md, Views after close):
     a Jupyter user printing a tensor after a clean close must not lose the kernel."""
@@ -587,6 +589,7 @@ def test_view_outlives_manager():
     gc.collect()
 
 
+@pytest.mark.torch_cuda
 def test_view_outlives_its_closed_space(make_manager):
     torch = pytest.importorskip("torch")
     mgr = make_manager(chunks=16)

@@ -14,6 +14,8 @@ CHUNK // 64 KiB multiplies the row sizes the tests were written with, so every
 test keeps its page structure (rows straddling pages, pages per slot). Byte
 checks go through torch views on the backend's device. Without a driver,
 ``--vtm-backend cuda`` skips every vtm test (tests/flexinfer is not affected).
+Under the fake driver (fake_cuda_testing.py), where device pointers are host
+addresses and torch has no CUDA, they read and write the rows by address.
 
 Safety rule for every helper here: only rows ``< vt.num_tokens`` of a live
 vTensor are ever touched through a view, and before touching them we check
@@ -32,6 +34,7 @@ import time
 import numpy as np
 import pytest
 
+import fake_cuda_testing
 import vtm
 
 KiB = 1024
@@ -125,8 +128,8 @@ def random_tokens(rng, n, vocab):
 class RowIO:
     """Reads and writes token rows of one space through a zero-copy view.
 
-    host: a numpy uint8 view; cuda: a torch.uint8 CUDA view (copies go through the CPU).
-    The backend is the space's own unless named."""
+    host: a numpy uint8 view; cuda: a torch.uint8 CUDA view (copies go through the CPU),
+    or under the fake driver the space's memory by address. The backend is the space's own unless named."""
 
     def __init__(self, space, backend=None):
         self.space = space
@@ -136,9 +139,13 @@ class RowIO:
         self.rb = space.row_bytes
         self.slot_bytes = space.slot_bytes
         self.page = space.slot_bytes // space.pages_per_slot
+        self.base = None  # the space's address, when rows are read by address (the fake driver)
+        self.torch = None
         if backend == "host":
             self.view = space.tensor(np.uint8)
-            self.torch = None
+        elif fake_cuda_testing.active():
+            self.view = None
+            self.base = space.base_address
         else:
             import torch
             self.torch = torch
@@ -164,7 +171,9 @@ class RowIO:
         self.require_mapped(vt, start, end)
         data = rows_pattern(tokens, start, end, self.rb)
         a, b = start * self.rb, end * self.rb
-        if self.torch is None:
+        if self.base is not None:
+            fake_cuda_testing.write_device(self.base + vt.slot * self.slot_bytes + a, data)
+        elif self.torch is None:
             self.view[vt.slot, a:b] = data
         else:
             self.view[vt.slot, a:b].copy_(self.torch.from_numpy(data.copy()).to(self.view.device))
@@ -173,6 +182,8 @@ class RowIO:
     def read(self, vt, start, end):
         self.require_mapped(vt, start, end)
         a, b = start * self.rb, end * self.rb
+        if self.base is not None:
+            return fake_cuda_testing.read_device(self.base + vt.slot * self.slot_bytes + a, b - a)
         if self.torch is None:
             return np.array(self.view[vt.slot, a:b], copy=True)
         self.torch.cuda.synchronize()
