@@ -130,6 +130,17 @@ class FakeDriver:
     def live(self):
         return {what: self._lib.fake_cuda_live(what.encode()) for what in LIVE}
 
+    def mark(self):
+        """Notes what is alive now, for grown()."""
+        self._mark = self.live()
+
+    def grown(self, what=None):
+        """How much `what` grew since mark(), or every count that changed, by how much."""
+        live, mark = self.live(), getattr(self, "_mark", None) or dict.fromkeys(LIVE, 0)
+        if what is not None:
+            return live[what] - mark[what]
+        return {k: live[k] - mark[k] for k in LIVE if live[k] != mark[k]}
+
     def ranges(self, what):
         """[(va, size)] of the driver's "mappings" or "reservations", by address."""
         out, va, size = [], ctypes.c_ulonglong(), ctypes.c_size_t()

@@ -1,0 +1,616 @@
+"""vtm's CUDA backend (src/vtm/csrc/backend_cuda.cc) on a CPU, against the
+fake CUDA driver of tests/vtm/fake_cuda/ (what it models and enforces: the
+header of fake_libcuda.c; building and controlling it: fake_cuda_testing.py).
+
+vtm loads libcuda.so.1 once per process, so the ordinary run builds the fake
+once a session and starts child pytests with it on LD_LIBRARY_PATH:
+  * SUITE, the vtm tests that run on any backend, with `--vtm-backend cuda`:
+    every byte they check went through backend_cuda.cc's maps, copies and
+    host tier, every driver call was checked against the driver's rules (a
+    test that broke one fails: tests/vtm/conftest.py), and what the run
+    leaves alive is reported at its end;
+  * this file, whose other tests run only there: backend_cuda.cc's own logic
+    (the copy scratch range, import reference counts, the host tier's copies,
+    seal's zero chunk) seen through the fake's counters, fault injection and
+    leak accounting, and the fake's own rules.
+"""
+
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fake_cuda_testing
+import vtm
+import vtm_testing
+from vtm_testing import SENTINEL, RowIO, assert_pool_consistent, assert_same_state, fill_pool, snapshot
+
+VTM_TESTS = Path(__file__).resolve().parent
+REPO = VTM_TESTS.parent.parent
+G = 2 << 20  # the fake's granularity, and so the CUDA backend's chunk
+
+# The vtm tests run on the fake's cuda backend. Their byte checks read device
+# memory by address (RowIO); tests that view it as torch CUDA tensors are
+# skipped there (marker torch_cuda), as are host_only ones.
+SUITE = ["test_api.py", "test_backend.py", "test_host_tier.py", "test_faults.py", "test_prefix_forget.py",
+         "test_window.py", "test_property.py"]
+# Under `make test-sanitize` every call runs a few times slower: the files
+# whose code paths reach the driver most (the host tier's copies, the backend
+# contract, every fault) and not the property tests, which repeat them.
+SANITIZER_SUITE = ["test_backend.py", "test_host_tier.py", "test_faults.py"]
+# Left alive by nothing at the end of a run: a manager gives all of it back at
+# close. (Reservations, streams and context references live as long as a
+# backend, which a Python VTensor of a closed manager keeps; and a fault test
+# leaks a reservation on purpose.)
+FREED_AT_CLOSE = ("handles", "allocations", "mappings", "host_allocations", "memfds", "events")
+
+under_fake = pytest.mark.skipif(not fake_cuda_testing.active(),
+                                reason="runs under the fake CUDA driver, in the child test_fake_cuda.py starts")
+
+
+# ---------------------------------------------------------------------------
+# the ordinary run: build the fake and start the children
+
+
+@pytest.fixture(scope="session")
+def fake_lib(tmp_path_factory):
+    """The folder of the fake libcuda.so.1, compiled once a session."""
+    if fake_cuda_testing.active():
+        pytest.skip("this process already runs under the fake driver")
+    if vtm_testing.BACKEND != "host":
+        pytest.skip("a --vtm-backend cuda run tests the real driver; the host run tests the fake")
+    if not vtm.cuda_available():
+        try:
+            vtm.RawBackend.open("cuda")
+        except vtm.Unavailable as e:
+            if "without cuda.h" in str(e):
+                pytest.skip("vtm was built without cuda.h: it has no CUDA backend to test")
+    return fake_cuda_testing.build(tmp_path_factory.mktemp("fake_cuda"))
+
+
+def run_child(lib_dir, tmp_path, files, timeout=600):
+    """pytest --vtm-backend cuda over `files` against the fake; its output and end-of-run report."""
+    report = tmp_path / "fake_cuda_report.json"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--vtm-backend", "cuda",
+           *[str(VTM_TESTS / f) if f.endswith(".py") else f for f in files]]
+    done = subprocess.run(cmd, cwd=REPO, env=fake_cuda_testing.child_env(lib_dir, VTM_FAKE_CUDA_REPORT=report),
+                          capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(cmd)} failed under the fake driver:\n{output[-12000:]}"
+    return output, json.loads(report.read_text())
+
+
+def test_the_vtm_suite_passes_on_the_cuda_backend_against_the_fake_driver(fake_lib, tmp_path):
+    files = SANITIZER_SUITE if "libasan" in os.environ.get("LD_PRELOAD", "") else SUITE
+    output, report = run_child(fake_lib, tmp_path, files)
+    assert " passed" in output and report["calls"]["cuMemMap"] > 0, output[-3000:]
+    # The host tier's batched copies, both ways, ran through the driver.
+    assert report["calls"]["cuMemcpyDtoHAsync"] > 0 and report["calls"]["cuMemcpyHtoDAsync"] > 0, report
+    assert report["violations"] == 0, report
+    left = {k: report["live"][k] for k in FREED_AT_CLOSE}
+    assert left == dict.fromkeys(FREED_AT_CLOSE, 0), report
+
+
+def test_the_cuda_backends_own_logic_against_the_fake_driver(fake_lib, tmp_path):
+    output, report = run_child(fake_lib, tmp_path, [Path(__file__).name, "-k", "not against_the_fake_driver"])
+    assert " skipped" not in output, output[-3000:]  # every test of this file ran there
+    assert report["violations"] == 0, report
+
+
+# ---------------------------------------------------------------------------
+# under the fake: helpers
+
+
+@pytest.fixture
+def fake():
+    """The fake driver; faults set by the test are cleared after it, and it
+    must leave nothing more alive in the driver than it found."""
+    driver = fake_cuda_testing.driver()
+    gc.collect()
+    driver.mark()
+    yield driver
+    driver.clear_faults()
+    gc.collect()
+    # Growth only: what an earlier failed test left may be freed during this one.
+    assert {k: n for k, n in driver.grown().items() if n > 0} == {}, "left alive in the driver"
+
+
+CALLS = ("cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate",
+         "cuMemRelease", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync", "cuMemsetD8Async",
+         "cuMemHostAlloc", "cuMemFreeHost", "cuMemImportFromShareableHandle")
+
+
+def calls(fake):
+    return {name: fake.calls(name) for name in CALLS}
+
+
+def made(fake, before):
+    """The calls made since `before` (a calls() reading), those not made left out."""
+    now = calls(fake)
+    return {name: now[name] - before[name] for name in CALLS if now[name] > before[name]}
+
+
+class Managers:
+    """cuda managers closed at teardown, or when the test asks (close_all), so
+    that it can look at what closing them left in the driver."""
+
+    def __init__(self):
+        self._made = []
+
+    def __call__(self, chunks, **kw):
+        mgr = vtm.Manager(backend="cuda", capacity_bytes=chunks * G, chunk_bytes=G, **kw)
+        self._made.append(mgr)
+        return mgr
+
+    def close_all(self):
+        """Closes them and forgets them: with the test's own references gone,
+        their backends go too."""
+        for mgr in self._made:
+            mgr.close()
+        self._made.clear()
+        gc.collect()
+
+
+@pytest.fixture
+def managers(fake):
+    made = Managers()
+    yield made
+    made.close_all()
+
+
+def tier_manager(managers, chunks=8, tier_chunks=16, **kw):
+    """A cuda manager of `chunks` device chunks with a host tier, and one space
+    whose rows straddle pages (the shape of test_host_tier.py)."""
+    mgr = managers(chunks, host_tier_bytes=tier_chunks * G, **kw)
+    sp = mgr.create_space(row_bytes=G // 20 + 7, max_tokens=200, max_slots=8)
+    return mgr, sp, RowIO(sp)
+
+
+def record(sp, io, tokens):
+    vt = sp.create(len(tokens)).result()
+    io.write(vt, tokens, 0, len(tokens))
+    sp.prefix_record(vt, tokens).result()
+    vt.release().result()
+
+
+def match(sp, tokens):
+    return sp.prefix_match(list(tokens) + [SENTINEL]).result()
+
+
+def spilled(sp, io, tokens):
+    """`tokens` recorded, then spilled to the host tier by a pool filled past it."""
+    record(sp, io, tokens)
+    fill_pool(sp)
+    nodes = sp.prefix_nodes()
+    assert nodes and all(n["on_host"] for n in nodes), nodes
+
+
+A = [(7 * i + 3) % 101 for i in range(60)]  # 60 rows of G/20+7 bytes: 4 chunks
+
+
+# ---------------------------------------------------------------------------
+# under the fake: backend_cuda.cc
+
+
+@under_fake
+def test_vtm_runs_its_cuda_backend_on_the_fake(fake):
+    assert vtm.cuda_available()
+    assert fake.calls("cuInit") == 1  # one driver per process, loaded once
+    raw = vtm.RawBackend.open("cuda")
+    assert (raw.name, raw.granularity) == ("cuda", G)
+    assert fake.grown("context_refs") == 1 and fake.grown("streams") == 1  # its copy stream
+    del raw
+
+
+@under_fake
+def test_a_failed_unmap_abandons_the_copy_scratch_range_and_the_next_tier_copy_succeeds(fake, managers):
+    """backend_cuda.cc: a copy whose scratch mappings the driver will not unmap
+    abandons the range (ScopedRun, Reservation::Abandon). Reused, every later
+    cuMemMap there would fail, and the host tier would never restore again."""
+    ranges = {what: fake.ranges(what) for what in ("mappings", "reservations")}
+    mgr, sp, io = tier_manager(managers)
+    spilled(sp, io, A)
+    before = calls(fake)
+    # The restore's first unmap is its copy run's, in the scratch range.
+    fake.fail("cuMemUnmap", 1)
+    with pytest.raises(vtm.BackendError, match="cuMemUnmap"):
+        match(sp, A)
+    assert fake.injected("cuMemUnmap") == 1
+    assert made(fake, before)["cuMemcpyHtoDAsync"] == 4  # the copies were made; their unmap failed
+    assert all(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["restores_total"] == 0
+    assert_pool_consistent(mgr)
+
+    before = calls(fake)
+    m = match(sp, A)
+    assert (m.num_tokens, m.restored_tokens) == (len(A), len(A))
+    io.verify(m.vtensor, A)
+    # A fresh range: the abandoned one still maps the four chunks.
+    assert made(fake, before)["cuMemAddressReserve"] == 1
+    m.vtensor.release().result()
+    del m, sp, io, mgr
+    managers.close_all()
+    # What abandoning costs, and no more: the range's address space, and the
+    # memory its stale mappings keep alive (the manager released the chunks).
+    leaked = fake.grown()
+    assert {k: leaked.get(k, 0) for k in ("reservations", "mappings", "allocations", "handles")} == \
+        {"reservations": 1, "mappings": 4, "allocations": 4, "handles": 0}, leaked
+    # Tidy the process for the next tests (the fixture wants nothing alive):
+    # unmap and free the abandoned range through the driver itself.
+    _free_abandoned_ranges(fake, ranges)
+    assert fake.grown("allocations") == 0, leaked
+
+
+@under_fake
+def test_an_allocation_imported_twice_is_released_twice_and_freed_once(fake):
+    """The driver may hand back the handle this process already holds for an
+    allocation it imports again; it wants one cuMemRelease per import.
+    backend_cuda.cc counts them (Remember): the handle is freed at the last
+    release, exactly once, and a release past that never reaches the driver."""
+    raw = vtm.RawBackend.open("cuda")
+    created = raw.create_chunk(G)
+    fd = raw.export_fd(created)
+    raw.release_chunk(created)  # as if another process had made it: only the fd holds it now
+    assert fake.grown("handles") == 0
+    try:
+        before = calls(fake)
+        first = raw.import_fd(fd, G)
+        second = raw.import_fd(fd, G)
+        assert first == second, "the fake hands back the handle this process holds"
+        assert fake.grown("handles") == 1 and made(fake, before) == {"cuMemImportFromShareableHandle": 2}
+        # Importing it as another size is refused, and the import it took is given back.
+        with pytest.raises(vtm.InvalidArgument, match="already held"):
+            raw.import_fd(fd, 2 * G)
+        assert fake.calls("cuMemRelease") - before["cuMemRelease"] == 1
+        raw.release_chunk(first)
+        assert fake.grown("handles") == 1, "the second import's reference keeps the handle"
+        va = raw.reserve(G)
+        raw.map(va, G, second)  # still a live chunk
+        raw.set_access(va, G)
+        raw.unmap(va, G)
+        raw.free_reservation(va, G)
+        raw.release_chunk(second)
+        assert fake.grown("handles") == 0 and fake.grown("allocations") == 0
+        raw.release_chunk(second)  # no longer ours: not sent to the driver
+        assert fake.calls("cuMemRelease") - before["cuMemRelease"] == 3
+    finally:
+        os.close(fd)
+    del raw
+
+
+@under_fake
+def test_imports_that_the_driver_names_apart_are_released_apart(fake):
+    """The other behaviour the driver's reference allows: a new handle per import."""
+    fake.set_option("import_same_handle", 0)
+    try:
+        raw = vtm.RawBackend.open("cuda")
+        created = raw.create_chunk(G)
+        fd = raw.export_fd(created)
+        first, second = raw.import_fd(fd, G), raw.import_fd(fd, G)
+        assert len({created, first, second}) == 3 and fake.grown("handles") == 3
+        assert fake.grown("allocations") == 1, "three handles of one allocation"
+        for chunk in (first, created, second):
+            raw.release_chunk(chunk)
+        assert fake.grown("handles") == fake.grown("allocations") == 0
+        os.close(fd)
+        del raw
+    finally:
+        fake.set_option("import_same_handle", 1)
+
+
+@under_fake
+def test_a_spill_and_a_restore_leave_nothing_alive_after_close(fake, managers):
+    before = calls(fake)
+    mgr, sp, io = tier_manager(managers)
+    spilled(sp, io, A)
+    m = match(sp, A)
+    assert m.restored_tokens == len(A)
+    io.verify(m.vtensor, A)
+    m.vtensor.release().result()
+    used = made(fake, before)
+    assert used["cuMemHostAlloc"] >= 4 and used["cuMemcpyDtoHAsync"] == used["cuMemcpyHtoDAsync"] == 4, used
+    assert fake.grown("host_allocations") > 0
+    del m, sp, io, mgr
+    managers.close_all()
+    assert fake.grown() == {}  # also no context or stream left
+    used = made(fake, before)
+    assert used["cuMemFreeHost"] == used["cuMemHostAlloc"], used
+    assert used["cuMemAddressFree"] == used["cuMemAddressReserve"], used
+    assert used["cuMemRelease"] == used["cuMemCreate"], used
+
+
+@under_fake
+def test_a_restore_copies_each_chunk_back_byte_for_byte(fake, managers):
+    """The host tier through backend_cuda.cc: a spill copies each chunk out
+    (cuMemcpyDtoHAsync), a restore into new chunks (cuMemcpyHtoDAsync), whose
+    first and last pages the fake poisons: a short or misplaced copy shows."""
+    mgr, sp, io = tier_manager(managers)
+    B = [(5 * i + 1) % 97 for i in range(60)]
+    before = calls(fake)
+    record(sp, io, A)
+    record(sp, io, B)
+    fill_pool(sp)
+    spill = made(fake, before)
+    assert spill["cuMemcpyDtoHAsync"] >= 8, spill
+    for tokens in (B, A):
+        before = calls(fake)
+        m = match(sp, tokens)
+        assert (m.num_tokens, m.restored_tokens) == (len(tokens), len(tokens))
+        io.verify(m.vtensor, tokens)
+        restore = made(fake, before)
+        assert restore["cuMemcpyHtoDAsync"] == 4, restore  # one per chunk the match maps
+        assert restore["cuMemMap"] >= 4 and restore.get("cuMemCreate", 0) <= 4, restore
+        m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+@under_fake
+def test_a_failed_host_to_device_copy_during_a_restore_changes_nothing(fake, managers):
+    mgr, sp, io = tier_manager(managers)
+    keep = [(3 * i + 5) % 89 for i in range(20)]
+    held = sp.create(len(keep)).result()
+    io.write(held, keep, 0, len(keep))
+    spilled(sp, io, A)
+    live = {held: keep}
+    before = snapshot(mgr, [sp], live, ios={sp.name: io})
+    fake.fail("cuMemcpyHtoDAsync", 2)
+    with pytest.raises(vtm.BackendError, match="cuMemcpyHtoDAsync"):
+        match(sp, A)
+    assert fake.injected("cuMemcpyHtoDAsync") == 1
+    assert_same_state(before, snapshot(mgr, [sp], live, ios={sp.name: io}))
+    mgr.check()
+    assert all(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["restores_total"] == 0
+    m = match(sp, A)
+    assert m.restored_tokens == len(A)
+    io.verify(m.vtensor, A)
+    io.verify(held, keep)
+    m.vtensor.release().result()
+    held.release().result()
+    assert_pool_consistent(mgr)
+
+
+@under_fake
+def test_a_failed_host_allocation_evicts_the_prefix_instead_of_spilling_it(fake, managers):
+    """cuMemHostAlloc out of memory (alloc_host's OutOfMemory): the tier takes nothing."""
+    mgr, sp, io = tier_manager(managers)
+    record(sp, io, A)
+    fake.fail("cuMemHostAlloc", 1, -1, "CUDA_ERROR_OUT_OF_MEMORY")
+    fill_pool(sp)
+    assert fake.injected("cuMemHostAlloc") >= 1
+    assert not any(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["spills_total"] == 0
+    fake.clear_faults()
+    assert match(sp, A).num_tokens == 0
+    assert_pool_consistent(mgr)
+
+
+@under_fake
+def test_a_closed_spaces_range_a_view_holds_reads_the_zero_chunk(fake, managers):
+    """seal(): a closed space's range that a view still holds maps one zeroed
+    granule, read-only, at every granule (the fake poisons new memory, so an
+    unzeroed chunk shows), until the view lets the range go."""
+    mgr = managers(8)
+    sp = mgr.create_space(row_bytes=G // 4, max_tokens=12, max_slots=2)
+    base, size = sp.base_address, 2 * sp.slot_bytes
+    capsule = sp._dlpack(1, 8, [2, sp.slot_bytes], False)  # what a tensor view holds
+    vt = sp.create(12).result()
+    fake_cuda_testing.write_device(base + vt.slot * sp.slot_bytes, bytes(range(256)) * 16)
+    before = calls(fake)
+    sp.close()
+    got = fake_cuda_testing.read_device(base, size)
+    assert not got.any(), f"a sealed range reads zeros, not {sorted(set(got.tolist()))}"
+    sealed = made(fake, before)
+    assert sealed["cuMemsetD8Async"] == 1 and sealed["cuMemCreate"] == 1, sealed
+    assert sealed["cuMemMap"] >= size // G, sealed
+    before = calls(fake)
+    del capsule
+    gc.collect()
+    assert made(fake, before) == {"cuMemUnmap": 1, "cuMemAddressFree": 1}
+
+
+@under_fake
+def test_a_copy_on_write_of_a_page_goes_through_the_driver(fake, managers):
+    """A match ending inside a page copies it (Backend::copy: cuMemcpyDtoDAsync
+    between two chunks mapped side by side in the scratch range)."""
+    mgr = managers(16)
+    sp = mgr.create_space(row_bytes=G // 8, max_tokens=40, max_slots=4)
+    io = RowIO(sp)
+    tokens = list(range(40))
+    record(sp, io, tokens)
+    before = calls(fake)
+    m = sp.prefix_match(tokens[:21] + [SENTINEL]).result()
+    assert m.num_tokens == 21
+    assert made(fake, before)["cuMemcpyDtoDAsync"] == 1
+    io.verify(m.vtensor, tokens[:21])
+    m.vtensor.release().result()
+
+
+# ---------------------------------------------------------------------------
+# under the fake: the fake's own rules, through its entry points
+
+
+class Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class Prop(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", AllocFlags)]
+
+
+class AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+
+PINNED = POSIX_FD = DEVICE = READ = 1
+READWRITE = 3
+SUCCESS, INVALID_VALUE, INVALID_CONTEXT, ILLEGAL_ADDRESS = 0, 1, 201, 700
+
+
+class Driver:
+    """The fake's entry points through ctypes, with the primary context
+    current on this thread while it is open."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        u64, size = ctypes.c_ulonglong, ctypes.c_size_t
+        lib.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), size, size, u64, u64]
+        lib.cuMemAddressFree.argtypes = [u64, size]
+        lib.cuMemCreate.argtypes = [ctypes.POINTER(u64), size, ctypes.POINTER(Prop), u64]
+        lib.cuMemRelease.argtypes = [u64]
+        lib.cuMemMap.argtypes = [u64, size, size, u64, u64]
+        lib.cuMemUnmap.argtypes = [u64, size]
+        lib.cuMemSetAccess.argtypes = [u64, size, ctypes.POINTER(AccessDesc), size]
+        lib.cuMemExportToShareableHandle.argtypes = [ctypes.c_void_p, u64, ctypes.c_int, u64]
+        lib.cuMemImportFromShareableHandle.argtypes = [ctypes.POINTER(u64), ctypes.c_void_p, ctypes.c_int]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, u64, size, ctypes.c_void_p]
+        lib.cuMemsetD8Async.argtypes = [u64, ctypes.c_ubyte, size, ctypes.c_void_p]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        self.prop = Prop(PINNED, POSIX_FD, Location(DEVICE, 0))
+
+    def __enter__(self):
+        context = ctypes.c_void_p()
+        assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), 0) == SUCCESS
+        assert self.lib.cuCtxSetCurrent(context) == SUCCESS
+        return self
+
+    def __exit__(self, *exc):
+        self.lib.cuCtxSetCurrent(None)
+        self.lib.cuDevicePrimaryCtxRelease_v2(0)
+
+    def reserve(self, size):
+        va = ctypes.c_ulonglong()
+        assert self.lib.cuMemAddressReserve(ctypes.byref(va), size, 0, 0, 0) == SUCCESS
+        return va.value
+
+    def create(self, size=G):
+        handle = ctypes.c_ulonglong()
+        result = self.lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self.prop), 0)
+        return result, handle.value
+
+    def set_access(self, va, size, flags=READWRITE):
+        desc = AccessDesc(Location(DEVICE, 0), flags)
+        return self.lib.cuMemSetAccess(va, size, ctypes.byref(desc), 1)
+
+    def read(self, va, size):
+        out = ctypes.create_string_buffer(size)
+        return self.lib.cuMemcpyDtoHAsync_v2(out, va, size, None), out.raw
+
+
+def _free_abandoned_ranges(fake, before):
+    """Unmaps what abandoned scratch ranges still map and frees the ranges,
+    through the driver: only the test that made them leaves them behind.
+    `before`: fake.ranges() of both kinds when the test began; every other
+    range is abandoned (with no manager or backend alive)."""
+    with Driver(fake.lib) as driver:
+        for va, size in set(fake.ranges("mappings")) - set(before["mappings"]):
+            assert driver.lib.cuMemUnmap(va, size) == SUCCESS
+        for va, size in set(fake.ranges("reservations")) - set(before["reservations"]):
+            assert driver.lib.cuMemAddressFree(va, size) == SUCCESS
+
+
+@under_fake
+def test_the_fake_refuses_what_the_driver_refuses(fake):
+    """The rules vtm is held to, each broken once: the call fails with the
+    driver's code, does nothing, and is counted as a violation."""
+    with Driver(fake.lib) as d:
+        lib = d.lib
+        va = d.reserve(4 * G)
+        result, handle = d.create()
+        assert result == SUCCESS
+        with fake.violations_expected() as seen:
+            assert d.create(G + 4096)[0] == INVALID_VALUE
+        assert "multiple" in seen[0]
+        with fake.violations_expected() as seen:
+            assert lib.cuMemMap(va + 4096, G, 0, handle, 0) == INVALID_VALUE  # not aligned
+            assert lib.cuMemMap(va + 4 * G, G, 0, handle, 0) == INVALID_VALUE  # past the reservation
+            assert lib.cuMemMap(va + 3 * G, 2 * G, 0, handle, 0) == INVALID_VALUE  # not the allocation's size
+        assert "the allocation is" in seen[0]
+        assert lib.cuMemMap(va, G, 0, handle, 0) == SUCCESS
+        assert lib.cuMemMap(va + G, G, 0, handle, 0) == SUCCESS  # a handle maps anywhere, many times
+        with fake.violations_expected() as seen:
+            assert lib.cuMemMap(va, G, 0, handle, 0) == INVALID_VALUE  # over a mapping
+            # Mapped without access, as the driver maps: a copy from it is an illegal address.
+            assert d.read(va, 64)[0] == ILLEGAL_ADDRESS
+            assert d.set_access(va, 3 * G) == INVALID_VALUE  # over a hole
+            assert lib.cuMemUnmap(va, G // 2) == INVALID_VALUE  # part of a mapping
+            assert lib.cuMemAddressFree(va, 2 * G) == INVALID_VALUE  # not a whole reservation
+            assert lib.cuMemAddressFree(va, 4 * G) == INVALID_VALUE  # still maps
+        assert "still maps" in seen[0]
+        assert d.set_access(va, 2 * G, READ) == SUCCESS
+        with fake.violations_expected() as seen:
+            assert lib.cuMemsetD8Async(va, 7, 64, None) == ILLEGAL_ADDRESS  # read-only
+        assert "read-write" in seen[0]
+        assert d.set_access(va, 2 * G) == SUCCESS
+        assert lib.cuMemsetD8Async(va, 7, 64, None) == SUCCESS
+        result, data = d.read(va + G, 64)  # the same memory, at its second mapping
+        assert result == SUCCESS and data == b"\x07" * 64
+        # Released while mapped: the handle is gone, its memory lives on.
+        assert lib.cuMemRelease(handle) == SUCCESS
+        assert (fake.grown("handles"), fake.grown("allocations")) == (0, 1)
+        assert d.read(va, 64) == (SUCCESS, b"\x07" * 64)
+        with fake.violations_expected():
+            assert lib.cuMemRelease(handle) == INVALID_VALUE
+            assert lib.cuMemMap(va + 2 * G, G, 0, handle, 0) == INVALID_VALUE
+        assert lib.cuMemUnmap(va, 2 * G) == SUCCESS  # two whole mappings at once
+        assert fake.grown("allocations") == 0
+        with fake.violations_expected():
+            assert d.read(va, 64)[0] == ILLEGAL_ADDRESS
+        assert lib.cuMemAddressFree(va, 4 * G) == SUCCESS
+    # With no context current, even a valid call is refused.
+    with fake.violations_expected() as seen:
+        assert d.create()[0] == INVALID_CONTEXT
+    assert "no current context" in seen[0]
+
+
+@under_fake
+def test_the_fake_shares_allocations_by_fd_and_refuses_other_fds(fake):
+    with Driver(fake.lib) as d:
+        lib = d.lib
+        _, handle = d.create()
+        fd = ctypes.c_int(-1)
+        assert lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, POSIX_FD, 0) == SUCCESS
+        assert fake.grown("memfds") == 2  # the driver's and the caller's
+        same = ctypes.c_ulonglong()
+        assert lib.cuMemImportFromShareableHandle(ctypes.byref(same), fd.value, POSIX_FD) == SUCCESS
+        assert same.value == handle
+        for _ in range(2):
+            assert lib.cuMemRelease(handle) == SUCCESS
+        # Only the caller's fd holds the memory now; an import makes a new handle of it.
+        assert fake.grown("allocations") == 0
+        again = ctypes.c_ulonglong()
+        assert lib.cuMemImportFromShareableHandle(ctypes.byref(again), fd.value, POSIX_FD) == SUCCESS
+        assert again.value not in (0, handle) and fake.grown("allocations") == 1
+        assert lib.cuMemRelease(again.value) == SUCCESS
+        os.close(fd.value)
+        other = os.memfd_create("not_the_driver")
+        os.ftruncate(other, G)
+        with fake.violations_expected() as seen:
+            assert lib.cuMemImportFromShareableHandle(ctypes.byref(again), other, POSIX_FD) == INVALID_VALUE
+        os.close(other)
+        assert "not an exported allocation" in seen[0]
+
+
+@under_fake
+def test_the_fakes_injected_faults_count_calls_from_now(fake):
+    violations = fake.violations()
+    with Driver(fake.lib) as d:
+        va = d.reserve(G)
+        before = fake.calls("cuMemCreate")
+        fake.fail("cuMemCreate", 2, 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        results = [d.create() for _ in range(4)]
+        assert [r for r, _ in results] == [SUCCESS, 2, 2, SUCCESS]
+        assert fake.calls("cuMemCreate") - before == 4 and fake.injected("cuMemCreate") == 2
+        for result, handle in results:
+            if result == SUCCESS:
+                assert d.lib.cuMemRelease(handle) == SUCCESS
+        assert d.lib.cuMemAddressFree(va, G) == SUCCESS
+    assert fake.violations() == violations, "an injected failure is not a broken rule"
