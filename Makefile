@@ -83,7 +83,9 @@ $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so &: $(VENV)/.deps $(SOUR
 	cp $(SAN_DIR)/cmake/_kernels*.so $(SAN_DIR)/flexinfer/_kernels.so
 
 # The kernel tests run at both vector widths; the 16-lane code runs on any
-# CPU in this build, so the two widths are compared here too.
+# CPU in this build, so the two widths are compared here too. The children of
+# tests/vtm/test_fake_cuda.py inherit the environment: the CUDA backend runs
+# under the sanitizers too, against the fake driver (built without them).
 test-sanitize: $(SAN_DIR)/vtm/_core.so $(SAN_DIR)/flexinfer/_kernels.so
 	$(SAN_ENV) PYTHONPATH=$(SAN_DIR) $(VENV)/bin/pytest -q -p no:cacheprovider tests/vtm
 	for lanes in 16 8; do \
