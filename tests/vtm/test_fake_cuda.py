@@ -428,6 +428,32 @@ def test_a_copy_on_write_of_a_page_goes_through_the_driver(fake, managers):
     m.vtensor.release().result()
 
 
+@under_fake
+@pytest.mark.xfail(strict=True, reason="backend_cuda.cc: a CudaFence holds no reference on the primary context "
+                   "its event lives in; its backend's end resets the context (and the event with it), and the "
+                   "fence's destructor then destroys that event in whatever primary context is current by then")
+def test_a_fence_that_outlives_its_backend_never_destroys_an_event_of_a_later_context():
+    """A Fence is a Python object (RawBackend.record_fence, a broker client's
+    mapper) and may outlive its backend. The driver resets a primary context
+    at its last release, destroying its events; a new retain gives a new
+    context, whose event handles may reuse the old values. (Not the `fake`
+    fixture: the context's reset is this test's subject, not a leak.)"""
+    fake = fake_cuda_testing.driver()
+    raw = vtm.RawBackend.open("cuda")
+    fence = raw.record_fence()
+    del raw
+    gc.collect()  # the backend, and the context's last reference
+    later = vtm.RawBackend.open("cuda")
+    later_fence = later.record_fence()
+    with fake.violations_expected() as seen:
+        del fence
+        gc.collect()
+        later_fence.wait()
+    del later_fence, later
+    gc.collect()
+    assert not seen, seen[0]
+
+
 # ---------------------------------------------------------------------------
 # under the fake: the fake's own rules, through its entry points
 
