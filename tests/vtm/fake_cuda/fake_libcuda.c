@@ -46,9 +46,10 @@
  *    all allocations"), device 0, flags NONE, READ or READWRITE;
  *  - export: only allocations created exportable as POSIX fds; each export
  *    is a new fd the caller owns. Import of an fd whose allocation this
- *    process holds by a live handle returns that same handle, owed one more
- *    cuMemRelease (the driver may do so; fake_cuda_set_option
- *    ("import_same_handle", 0) gives a new handle instead), else a new handle;
+ *    process holds returns the handle it holds, owed one more cuMemRelease
+ *    (what the driver does, by backend_cuda.cc's account; the reference
+ *    promises neither that nor a new handle, and fake_cuda_set_option
+ *    ("import_same_handle", 0) gives a new one instead), else a new handle;
  *    an fd that is not one of this fake's allocations is refused;
  *  - copies and memsets: every device byte read must be mapped with access
  *    granted, every byte written mapped read-write (else ILLEGAL_ADDRESS);
@@ -61,8 +62,9 @@
  *
  * Not modelled: asynchrony (every copy has finished when its call returns,
  * so missing waits go unnoticed), more than one device, other contexts than
- * the primary one, sticky errors, peer access, and the driver's entry points
- * vtm does not use.
+ * the primary one, sticky errors, peer access, memory that only an exported
+ * fd keeps alive counted against the device's size, and the driver's entry
+ * points vtm does not use.
  *
  * Test controls (exported, for ctypes; entry points are named without the
  * _v2 suffix, e.g. "cuMemcpyHtoDAsync"):
@@ -71,7 +73,8 @@
  *    fail with `error` and do nothing. FAKE_CUDA_FAIL="entry:nth:count:error,..."
  *    (error by number or name, default CUDA_ERROR_UNKNOWN) does the same at
  *    load time;
- *  - fake_cuda_calls(entry), fake_cuda_injected(entry), fake_cuda_reset_counters();
+ *  - fake_cuda_clear_faults(); fake_cuda_calls(entry), fake_cuda_injected(entry),
+ *    fake_cuda_reset_counters();
  *  - fake_cuda_live(what): "handles", "allocations", "device_bytes",
  *    "mappings", "reservations", "host_allocations", "memfds" (open fds of
  *    this fake's memfds, exported ones included), "streams", "events",
@@ -80,10 +83,10 @@
  *  - fake_cuda_violations(), fake_cuda_last_violation(buf, len);
  *  - fake_cuda_set_option(name, value): "device_bytes", "host_bytes",
  *    "import_same_handle", "poison" (0: none, 1: the first and last page, the
- *    default, 2: every byte), "verbose" (1: print violations to stderr, 2: and every
- *    change to the address space);
- *    FAKE_CUDA_DEVICE_BYTES, FAKE_CUDA_HOST_BYTES, FAKE_CUDA_POISON and
- *    FAKE_CUDA_VERBOSE set the same at load time.
+ *    default, 2: every byte), "verbose" (1: print violations to stderr, 2:
+ *    and every change to the address space); FAKE_CUDA_DEVICE_BYTES,
+ *    FAKE_CUDA_HOST_BYTES, FAKE_CUDA_POISON and FAKE_CUDA_VERBOSE set the
+ *    same at load time.
  *
  * Threading: one mutex serialises every call, so the tables need no other
  * locking; the current context is per thread, as in the driver.
@@ -92,7 +95,6 @@
 #include <cuda.h>
 
 #include <dirent.h>
-#include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
