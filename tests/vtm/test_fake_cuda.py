@@ -217,10 +217,11 @@ def test_a_failed_unmap_abandons_the_copy_scratch_range_and_the_next_tier_copy_s
     spilled(sp, io, A)
     before = calls(fake)
     # The restore's first unmap is its copy run's, in the scratch range.
+    injected = fake.injected("cuMemUnmap")
     fake.fail("cuMemUnmap", 1)
     with pytest.raises(vtm.BackendError, match="cuMemUnmap"):
         match(sp, A)
-    assert fake.injected("cuMemUnmap") == 1
+    assert fake.injected("cuMemUnmap") - injected == 1
     assert made(fake, before)["cuMemcpyHtoDAsync"] == 4  # the copies were made; their unmap failed
     assert all(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["restores_total"] == 0
     assert_pool_consistent(mgr)
@@ -357,10 +358,11 @@ def test_a_failed_host_to_device_copy_during_a_restore_changes_nothing(fake, man
     spilled(sp, io, A)
     live = {held: keep}
     before = snapshot(mgr, [sp], live, ios={sp.name: io})
+    injected = fake.injected("cuMemcpyHtoDAsync")
     fake.fail("cuMemcpyHtoDAsync", 2)
     with pytest.raises(vtm.BackendError, match="cuMemcpyHtoDAsync"):
         match(sp, A)
-    assert fake.injected("cuMemcpyHtoDAsync") == 1
+    assert fake.injected("cuMemcpyHtoDAsync") - injected == 1
     assert_same_state(before, snapshot(mgr, [sp], live, ios={sp.name: io}))
     mgr.check()
     assert all(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["restores_total"] == 0
@@ -378,9 +380,10 @@ def test_a_failed_host_allocation_evicts_the_prefix_instead_of_spilling_it(fake,
     """cuMemHostAlloc out of memory (alloc_host's OutOfMemory): the tier takes nothing."""
     mgr, sp, io = tier_manager(managers)
     record(sp, io, A)
+    injected = fake.injected("cuMemHostAlloc")
     fake.fail("cuMemHostAlloc", 1, -1, "CUDA_ERROR_OUT_OF_MEMORY")
     fill_pool(sp)
-    assert fake.injected("cuMemHostAlloc") >= 1
+    assert fake.injected("cuMemHostAlloc") > injected
     assert not any(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["spills_total"] == 0
     fake.clear_faults()
     assert match(sp, A).num_tokens == 0
@@ -426,6 +429,84 @@ def test_a_copy_on_write_of_a_page_goes_through_the_driver(fake, managers):
     assert made(fake, before)["cuMemcpyDtoDAsync"] == 1
     io.verify(m.vtensor, tokens[:21])
     m.vtensor.release().result()
+
+
+# Driver calls a spill and restore cycle makes (cycle() below), each failed
+# in turn at its first calls. Not swept: the calls of destructors, whose
+# failure vtm can only ignore (cuMemRelease, cuMemAddressFree, cuMemFreeHost,
+# cuStreamDestroy, cuEventDestroy), and the context switches every method
+# makes, which lose a chunk when a release makes them (documented).
+SWEPT = ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemAddressReserve", "cuMemcpyDtoHAsync",
+         "cuMemcpyHtoDAsync", "cuMemcpyDtoDAsync", "cuMemHostAlloc", "cuStreamSynchronize", "cuStreamWaitEvent",
+         "cuEventCreate", "cuEventRecord")
+B = [(5 * i + 1) % 97 for i in range(60)]
+
+
+def cycle(errors):
+    """Records A and B, spills them, matches both and a part of A that ends
+    inside a page (a copy-on-write): each operation may fail (its error is
+    appended to `errors`). The manager and its space."""
+    def attempt(operation):
+        try:
+            return operation()
+        except vtm.Error as e:
+            errors.append(f"{type(e).__name__}: {e}")
+            return None
+
+    mgr = vtm.Manager(backend="cuda", capacity_bytes=8 * G, chunk_bytes=G, host_tier_bytes=16 * G)
+    sp = attempt(lambda: mgr.create_space(row_bytes=G // 20 + 7, max_tokens=200, max_slots=8))
+    if sp is None:  # its reservation failed: the rest of the cycle runs without the fault
+        fake_cuda_testing.driver().clear_faults()
+        sp = mgr.create_space(row_bytes=G // 20 + 7, max_tokens=200, max_slots=8)
+    io = RowIO(sp)
+    for tokens in (A, B):
+        vt = attempt(lambda: sp.create(len(tokens)).result())
+        if vt is not None:
+            io.write(vt, tokens, 0, len(tokens))
+            attempt(lambda: sp.prefix_record(vt, tokens).result())
+            attempt(lambda: vt.release().result())
+    attempt(lambda: fill_pool(sp))
+    for tokens in (A, B, A[:30] + [1]):
+        m = attempt(lambda: match(sp, tokens))
+        if m is not None and m.vtensor is not None:
+            io.verify(m.vtensor, tokens, 0, m.num_tokens)
+            attempt(lambda: m.vtensor.release().result())
+    return mgr, sp, io
+
+
+@under_fake
+@pytest.mark.parametrize("entry", SWEPT)
+def test_a_driver_failure_in_a_spill_and_restore_cycle_fails_at_most_its_operation(fake, entry):
+    """Whichever of its first calls fails, an operation either succeeds or
+    raises vtm's error; the manager stays consistent, every prefix it still
+    holds matches byte for byte, no driver rule is broken, and closing gives
+    everything back but what an abandoned copy range keeps (cuMemUnmap)."""
+    for nth in range(1, 7):
+        ranges = {what: fake.ranges(what) for what in ("mappings", "reservations")}
+        fake.mark()
+        violations = fake.violations()
+        fake.fail(entry, nth)
+        errors = []
+        mgr, sp, io = cycle(errors)
+        fake.clear_faults()
+        where = f"{entry} failing at its call {nth} (errors: {errors})"
+        mgr.check()
+        for tokens in (A, B):
+            m = match(sp, tokens)
+            if m.vtensor is not None:
+                io.verify(m.vtensor, tokens, 0, m.num_tokens, what=where)
+                m.vtensor.release().result()
+        mgr.check()
+        mgr.close()
+        del mgr, sp, io, m  # a Match keeps its manager's backend
+        gc.collect()
+        assert fake.violations() == violations, f"{where}: {fake.last_violation()}"
+        left = {k: n for k, n in fake.grown().items() if n > 0}
+        if entry == "cuMemUnmap":
+            abandoned = ("reservations", "mappings", "allocations", "memfds", "device_bytes")
+            left = {k: n for k, n in left.items() if k not in abandoned}
+            _free_abandoned_ranges(fake, ranges)
+        assert left == {}, where
 
 
 @under_fake
@@ -630,11 +711,11 @@ def test_the_fakes_injected_faults_count_calls_from_now(fake):
     violations = fake.violations()
     with Driver(fake.lib) as d:
         va = d.reserve(G)
-        before = fake.calls("cuMemCreate")
+        before, injected = fake.calls("cuMemCreate"), fake.injected("cuMemCreate")
         fake.fail("cuMemCreate", 2, 2, "CUDA_ERROR_OUT_OF_MEMORY")
         results = [d.create() for _ in range(4)]
         assert [r for r, _ in results] == [SUCCESS, 2, 2, SUCCESS]
-        assert fake.calls("cuMemCreate") - before == 4 and fake.injected("cuMemCreate") == 2
+        assert (fake.calls("cuMemCreate") - before, fake.injected("cuMemCreate") - injected) == (4, 2)
         for result, handle in results:
             if result == SUCCESS:
                 assert d.lib.cuMemRelease(handle) == SUCCESS
