@@ -10,7 +10,7 @@ once a session and starts child pytests with it on LD_LIBRARY_PATH:
     test that broke one fails: tests/vtm/conftest.py), and what the run
     leaves alive is reported at its end;
   * this file, whose other tests run only there: backend_cuda.cc's own logic
-    (the copy scratch range, import reference counts, the host tier's copies,
+    (the chunks' copy views, import reference counts, the host tier's copies,
     seal's zero chunk) seen through the fake's counters, fault injection and
     leak accounting, and the fake's own rules.
 """
@@ -207,43 +207,68 @@ def test_vtm_runs_its_cuda_backend_on_the_fake(fake):
     del raw
 
 
+def restore_and_spill(sp, io, tokens):
+    """`tokens`, on the host, restored by a match whose bytes are checked, then spilled again."""
+    m = match(sp, tokens)
+    assert (m.num_tokens, m.restored_tokens) == (len(tokens), len(tokens))
+    io.verify(m.vtensor, tokens)
+    m.vtensor.release().result()
+    fill_pool(sp)
+
+
 @under_fake
-def test_a_failed_unmap_abandons_the_copy_scratch_range_and_the_next_tier_copy_succeeds(fake, managers):
-    """backend_cuda.cc: a copy whose scratch mappings the driver will not unmap
-    abandons the range (ScopedRun, Reservation::Abandon). Reused, every later
-    cuMemMap there would fail, and the host tier would never restore again."""
-    ranges = {what: fake.ranges(what) for what in ("mappings", "reservations")}
+def test_a_chunks_copies_map_it_once_and_its_copy_view_goes_with_it(fake, managers):
+    """backend_cuda.cc: a chunk's copies go through its copy view, a mapping of
+    its own made on its first copy (CopyView). Once every chunk of the pool has
+    been copied, a spill and a restore reserve and map nothing for their copies
+    (the restore's cuMemMap calls are the match's pages only), and a chunk
+    released takes its view with it: nothing keeps its memory alive."""
     mgr, sp, io = tier_manager(managers)
     spilled(sp, io, A)
+    for _ in range(3):  # every chunk of the pool of 8 copied by now
+        restore_and_spill(sp, io, A)
     before = calls(fake)
-    # The restore's first unmap is its copy run's, in the scratch range.
-    injected = fake.injected("cuMemUnmap")
-    fake.fail("cuMemUnmap", 1)
-    with pytest.raises(vtm.BackendError, match="cuMemUnmap"):
-        match(sp, A)
-    assert fake.injected("cuMemUnmap") - injected == 1
-    assert made(fake, before)["cuMemcpyHtoDAsync"] == 4  # the copies were made; their unmap failed
-    assert all(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["restores_total"] == 0
-    assert_pool_consistent(mgr)
-
+    restore_and_spill(sp, io, A)
+    copied = made(fake, before)
+    assert copied["cuMemcpyHtoDAsync"] == 4 and copied["cuMemcpyDtoHAsync"] >= 4
+    assert "cuMemAddressReserve" not in copied and "cuMemAddressFree" not in copied, copied
+    views = mgr.stats()["chunks_held"]
+    assert views > 0
     before = calls(fake)
-    m = match(sp, A)
-    assert (m.num_tokens, m.restored_tokens) == (len(A), len(A))
-    io.verify(m.vtensor, A)
-    # A fresh range: the abandoned one still maps the four chunks.
-    assert made(fake, before)["cuMemAddressReserve"] == 1
-    m.vtensor.release().result()
-    del m, sp, io, mgr
+    assert mgr.trim() > 0  # the free chunks go back to the device, and their views first
+    released = made(fake, before)
+    # Each chunk's view unmapped and its range freed (more unmaps: the pages released slots kept mapped).
+    assert released["cuMemRelease"] == released["cuMemAddressFree"] <= released["cuMemUnmap"], released
+    del sp, io, mgr
     managers.close_all()
-    # What abandoning costs, and no more: the range's address space, and the
-    # memory its stale mappings keep alive (the manager released the chunks).
-    leaked = fake.grown()
-    assert {k: leaked.get(k, 0) for k in ("reservations", "mappings", "allocations", "handles")} == \
-        {"reservations": 1, "mappings": 4, "allocations": 4, "handles": 0}, leaked
-    # Tidy the process for the next tests (the fixture wants nothing alive):
-    # unmap and free the abandoned range through the driver itself.
-    _free_abandoned_ranges(fake, ranges)
-    assert fake.grown("allocations") == 0, leaked
+    assert {k: fake.grown(k) for k in ("mappings", "allocations", "handles")} == \
+        {"mappings": 0, "allocations": 0, "handles": 0}
+
+
+@under_fake
+@pytest.mark.parametrize("entry", ["cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"])
+def test_a_copy_view_that_cannot_be_made_fails_the_copy_and_leaves_nothing_behind(fake, managers, entry):
+    """MakeCopyView: a driver call that fails while a chunk's first copy makes
+    its view fails that copy (the spill evicts the prefix, as without a tier),
+    and what the view had taken is given back: after close, no reservation or
+    mapping is left. The next spill makes the views again and works."""
+    fake.mark()
+    mgr, sp, io = tier_manager(managers)
+    record(sp, io, A)  # 4 chunks, never copied: trim's spill makes their views first
+    fake.fail(entry, 1)
+    assert mgr.trim(4 * G) > 0
+    assert fake.injected(entry) == 1
+    assert sp.prefix_nodes() == [] and mgr.stats()["spills_total"] == 0
+    assert_pool_consistent(mgr)
+    record(sp, io, A)
+    assert mgr.trim(4 * G) > 0
+    assert mgr.stats()["spills_total"] == 1 and all(n["on_host"] for n in sp.prefix_nodes())
+    restore_and_spill(sp, io, A)
+    assert_pool_consistent(mgr)
+    del sp, io, mgr
+    managers.close_all()
+    assert {k: fake.grown(k) for k in ("reservations", "mappings", "allocations", "handles")} == \
+        {"reservations": 0, "mappings": 0, "allocations": 0, "handles": 0}
 
 
 @under_fake
@@ -417,7 +442,7 @@ def test_a_closed_spaces_range_a_view_holds_reads_the_zero_chunk(fake, managers)
 @under_fake
 def test_a_copy_on_write_of_a_page_goes_through_the_driver(fake, managers):
     """A match ending inside a page copies it (Backend::copy: cuMemcpyDtoDAsync
-    between two chunks mapped side by side in the scratch range)."""
+    between the two chunks' copy views)."""
     mgr = managers(16)
     sp = mgr.create_space(row_bytes=G // 8, max_tokens=40, max_slots=4)
     io = RowIO(sp)
@@ -480,7 +505,8 @@ def test_a_driver_failure_in_a_spill_and_restore_cycle_fails_at_most_its_operati
     """Whichever of its first calls fails, an operation either succeeds or
     raises vtm's error; the manager stays consistent, every prefix it still
     holds matches byte for byte, no driver rule is broken, and closing gives
-    everything back but what an abandoned copy range keeps (cuMemUnmap)."""
+    everything back but what a mapping the driver would not unmap keeps
+    (cuMemUnmap: a copy view's, dropped at its chunk's release)."""
     for nth in range(1, 7):
         ranges = {what: fake.ranges(what) for what in ("mappings", "reservations")}
         fake.mark()
@@ -613,7 +639,7 @@ class Driver:
 
 
 def _free_abandoned_ranges(fake, before):
-    """Unmaps what abandoned scratch ranges still map and frees the ranges,
+    """Unmaps what abandoned ranges (copy views) still map and frees the ranges,
     through the driver: only the test that made them leaves them behind.
     `before`: fake.ranges() of both kinds when the test began; every other
     range is abandoned (with no manager or backend alive)."""
