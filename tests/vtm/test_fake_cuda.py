@@ -536,9 +536,6 @@ def test_a_driver_failure_in_a_spill_and_restore_cycle_fails_at_most_its_operati
 
 
 @under_fake
-@pytest.mark.xfail(strict=True, reason="backend_cuda.cc: a CudaFence holds no reference on the primary context "
-                   "its event lives in; its backend's end resets the context (and the event with it), and the "
-                   "fence's destructor then destroys that event in whatever primary context is current by then")
 def test_a_fence_that_outlives_its_backend_never_destroys_an_event_of_a_later_context():
     """A Fence is a Python object (RawBackend.record_fence, a broker client's
     mapper) and may outlive its backend. The driver resets a primary context

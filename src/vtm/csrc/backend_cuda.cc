@@ -296,13 +296,18 @@ void DropCopyView(const DriverTable& fn, const CopyView& view) noexcept {
 
 // A fence: an event recorded on a compute stream of the primary context. The
 // event is destroyed with the fence (the driver defers that until the event
-// has completed, so dropping a fence nobody waited on is safe).
+// has completed, so dropping a fence nobody waited on is safe). The fence
+// holds its own reference on the primary context: a fence is a Python object
+// that may outlive its backend, and were the backend's reference the last,
+// its end would reset the context, destroying the event with it, and this
+// destructor would destroy whatever event of a later context has its handle.
 class CudaFence final : public Fence {
  public:
-  CudaFence(const DriverTable& fn, CUcontext context, CUevent event) : fn_(fn), context_(context), event_(event) {}
+  CudaFence(const DriverTable& fn, std::shared_ptr<const PrimaryContext> context, CUevent event)
+      : fn_(fn), context_(std::move(context)), event_(event) {}
   ~CudaFence() override {
     try {
-      ScopedContext current(fn_, context_);
+      ScopedContext current(fn_, context_->get());
       fn_.cuEventDestroy(event_);
     } catch (...) {
       // The context could not be made current: the event leaks, nothing else.
@@ -312,7 +317,7 @@ class CudaFence final : public Fence {
   CudaFence& operator=(const CudaFence&) = delete;
 
   void Wait() override {
-    ScopedContext current(fn_, context_);
+    ScopedContext current(fn_, context_->get());
     Check(fn_, "cuEventSynchronize", fn_.cuEventSynchronize(event_));
   }
 
@@ -320,7 +325,7 @@ class CudaFence final : public Fence {
 
  private:
   const DriverTable& fn_;
-  CUcontext context_;
+  const std::shared_ptr<const PrimaryContext> context_;
   CUevent event_;
 };
 
@@ -333,7 +338,9 @@ class CudaFence final : public Fence {
 //
 // Invariants:
 //  * context_ holds a reference on device_'s primary context for the backend's
-//    whole life; every driver call runs with it current (ScopedContext).
+//    whole life, shared with every fence it recorded, so the context lives
+//    as long as the last of them; every driver call runs with it current
+//    (ScopedContext).
 //  * prop_ describes every chunk this backend creates: pinned device memory on
 //    device_, exportable as a POSIX fd. granularity_ is the minimum granularity
 //    for prop_, never 0.
@@ -353,7 +360,7 @@ class CudaFence final : public Fence {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const DriverTable& fn, int device, CUdevice cu_device)
-      : fn_(fn), device_(device), context_(fn, cu_device) {
+      : fn_(fn), device_(device), context_(std::make_shared<const PrimaryContext>(fn, cu_device)) {
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -362,7 +369,7 @@ class CudaBackend final : public Backend {
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
 
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     std::size_t granularity = 0;
     Check(fn_, "cuMemGetAllocationGranularity",
           fn_.cuMemGetAllocationGranularity(&granularity, &prop_,
@@ -380,7 +387,7 @@ class CudaBackend final : public Backend {
     // bug. Chunks still held here were never released by their owner; their
     // views go at least, so the address space does.
     try {
-      ScopedContext current(fn_, context_.get());
+      ScopedContext current(fn_, context_->get());
       for (const auto& [chunk, info] : chunks_) DropCopyView(fn_, info.view);
       if (zero_chunk_ != 0) fn_.cuMemRelease(zero_chunk_);
       fn_.cuStreamDestroy(copy_stream_);
@@ -396,14 +403,14 @@ class CudaBackend final : public Backend {
   std::size_t granularity() const override { return granularity_; }
 
   std::uintptr_t reserve(std::size_t bytes) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     CUdeviceptr va = 0;
     Check(fn_, "cuMemAddressReserve", fn_.cuMemAddressReserve(&va, bytes, granularity_, 0, 0));
     return static_cast<std::uintptr_t>(va);
   }
 
   void free_reservation(std::uintptr_t va, std::size_t bytes) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     {
       std::lock_guard<std::mutex> lock(seal_mu_);
       auto sealed = sealed_.find(va);
@@ -419,7 +426,7 @@ class CudaBackend final : public Backend {
 
   void seal(std::uintptr_t va, std::size_t bytes) override {
     std::lock_guard<std::mutex> lock(seal_mu_);
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     if (zero_chunk_ == 0) zero_chunk_ = CreateZeroChunk();
     // One physical granule of zeros mapped at every granule of the range,
     // read-only: reads return zeros, a write is an illegal address. Costs
@@ -440,7 +447,7 @@ class CudaBackend final : public Backend {
   }
 
   ChunkHandle create_chunk(std::size_t bytes) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     CUmemGenericAllocationHandle handle = 0;
     // cuMemCreate commits the physical memory now (it does not fault it in
     // later), which is what create_chunk's contract requires.
@@ -463,7 +470,7 @@ class CudaBackend final : public Backend {
           chunks_.erase(it);
         }
       }
-      ScopedContext current(fn_, context_.get());
+      ScopedContext current(fn_, context_->get());
       // The view first: a mapping left behind would keep the memory alive.
       DropCopyView(fn_, view);
       fn_.cuMemRelease(chunk);  // the contract says never throw: errors ignored
@@ -473,22 +480,22 @@ class CudaBackend final : public Backend {
   }
 
   void map(std::uintptr_t va, std::size_t bytes, ChunkHandle chunk) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     Check(fn_, "cuMemMap", fn_.cuMemMap(va, bytes, 0, chunk, 0));
   }
 
   void set_access(std::uintptr_t va, std::size_t bytes) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     Check(fn_, "cuMemSetAccess", fn_.cuMemSetAccess(va, bytes, &access_, 1));
   }
 
   void unmap(std::uintptr_t va, std::size_t bytes) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     Check(fn_, "cuMemUnmap", fn_.cuMemUnmap(va, bytes));
   }
 
   int export_fd(ChunkHandle chunk) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     int fd = -1;
     // For CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the shareable handle is an
     // int; each export yields a new fd that the caller owns and must close.
@@ -499,7 +506,7 @@ class CudaBackend final : public Backend {
   }
 
   ChunkHandle import_fd(int fd, std::size_t bytes) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     CUmemGenericAllocationHandle handle = 0;
     // The driver does not take ownership of a POSIX fd: it only reads it
     // during the call (NVIDIA's IPC samples close theirs right after import),
@@ -516,13 +523,13 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<Fence> record_fence(std::uintptr_t stream) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     CUevent event = nullptr;
     // No timing: such an event is the cheapest kind to record and wait on.
     Check(fn_, "cuEventCreate", fn_.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING));
     std::shared_ptr<CudaFence> fence;
     try {
-      fence = std::make_shared<CudaFence>(fn_, context_.get(), event);
+      fence = std::make_shared<CudaFence>(fn_, context_, event);
     } catch (...) {
       fn_.cuEventDestroy(event);
       throw;
@@ -537,7 +544,7 @@ class CudaBackend final : public Backend {
       Throw(ErrorCode::kInvalidArgument, "order_copies_after: the fence was not recorded by a cuda backend");
     // Queued on the copy stream: every later copy on it waits too.
     std::lock_guard<std::mutex> lock(copy_mu_);
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
   }
 
@@ -553,7 +560,7 @@ class CudaBackend final : public Backend {
     // match ending inside a page, and the host tier's), and serialising them
     // keeps the views' making simple.
     std::lock_guard<std::mutex> lock(copy_mu_);
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     const CUdeviceptr src_va = ViewOf("copy", src);
     const CUdeviceptr dst_va = ViewOf("copy", dst);
     // On vtm's own stream, after the kernels that wrote `src` (the fence)
@@ -568,7 +575,7 @@ class CudaBackend final : public Backend {
   }
 
   void* alloc_host(std::size_t bytes) override {
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     void* ptr = nullptr;
     // Page-locked and portable: the copy engine reads and writes it directly.
     const CUresult result = fn_.cuMemHostAlloc(&ptr, bytes, CU_MEMHOSTALLOC_PORTABLE);
@@ -580,7 +587,7 @@ class CudaBackend final : public Backend {
 
   void free_host(void* ptr, std::size_t) noexcept override {
     try {
-      ScopedContext current(fn_, context_.get());
+      ScopedContext current(fn_, context_->get());
       fn_.cuMemFreeHost(ptr);
     } catch (...) {
       // No context to free it in: at teardown there is no one to tell.
@@ -633,7 +640,7 @@ class CudaBackend final : public Backend {
     for (ChunkHandle chunk : chunks) CheckLive(method, chunk);
     if (chunks.empty()) return;
     std::lock_guard<std::mutex> lock(copy_mu_);
-    ScopedContext current(fn_, context_.get());
+    ScopedContext current(fn_, context_->get());
     if (fence != nullptr)
       Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
     try {
@@ -732,7 +739,7 @@ class CudaBackend final : public Backend {
 
   const DriverTable& fn_;
   const int device_;
-  PrimaryContext context_;
+  const std::shared_ptr<const PrimaryContext> context_;  // fences share it
   CUmemAllocationProp prop_{};
   CUmemAccessDesc access_{};
   std::size_t granularity_ = 0;
