@@ -435,6 +435,23 @@ def test_vtmctl_into_head_ends_quietly(broker):
     assert done.stdout.count("\n") == 1
 
 
+def test_top_stops_on_sigint_even_when_started_with_it_ignored(broker):
+    """A non-interactive shell starts a background job with SIGINT ignored
+    (`vtmctl ... top & ...; kill -INT $!`): top went on refreshing, as
+    flexinfer's commands no longer do."""
+    proc = subprocess.Popen([sys.executable, "-m", "vtm.broker.ctl", "--address", broker.address, "top",
+                             "--interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline().startswith("vtm broker at ")  # it runs: the first frame is out
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0 and err == "", err
+
+
 def test_trim_help_says_what_bytes_does(capsys):
     """It said 'at most this much'; a trim of --bytes frees at least that
     much, evicting cached prefixes when free chunks are not enough."""

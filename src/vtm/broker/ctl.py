@@ -17,17 +17,20 @@ one maps asks it for the excess back (a reclaim notice), a guarantee that
 would sum past the capacity is refused.
 
 Exit status 0 on success (also when the reader of its output stops early:
-`vtmctl ... stats | head -1`), 2 when the broker cannot be reached or
-refuses (one line on stderr).
+`vtmctl ... stats | head -1`, and when Ctrl-C ends `top`, also one started
+with SIGINT ignored, as a script's background job is), 2 when the broker
+cannot be reached or refuses (one line on stderr).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import sys
+import threading
 import time
 
 import grpc
@@ -203,6 +206,10 @@ def main(argv=None) -> int:
                       help="at least this much where it can: free chunks first, then cached prefixes no client "
                            "uses, least recently used first (default: every free chunk, no prefix evicted)")
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # the command (a caller's thread may not)
+        # Ctrl-C (or kill -INT) ends `top` even where it was started with
+        # SIGINT ignored, as a non-interactive shell starts its background jobs.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.address.startswith("tcp:"):
             try:
