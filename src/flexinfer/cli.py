@@ -271,6 +271,14 @@ def _load(args) -> LLM:
 
 
 def _params(args) -> SamplingParams:
+    if args.temperature == 0:
+        # Greedy decoding ignores them: a user who gave them meant to sample.
+        idle = [flag for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                         ("--seed", args.seed is not None)) if given]
+        if idle:
+            named = " and ".join([", ".join(idle[:-1]), idle[-1]] if len(idle) > 1 else idle)
+            log.warning("%s change%s nothing at temperature 0: the command line samples greedily unless "
+                        "--temperature is given", named, "" if len(idle) > 1 else "s")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed)
 

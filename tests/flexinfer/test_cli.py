@@ -141,6 +141,22 @@ def test_generate_streams_one_prompt_and_says_what_loads(capsys, monkeypatch, ti
     assert lines[2].startswith("[24 tokens, TTFT ") and len(lines) == 3
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_sampling_flags_without_a_temperature_are_warned_of(capsys, monkeypatch, tiny, command):
+    """`--top-k 5 --seed 3` alone changed nothing, without a word: the
+    command line samples greedily unless --temperature is given."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # chat: no message, it ends at once
+    prompt = ["--prompt", "Once upon a time"] if command == "generate" else []
+    assert main([command, *tiny_args(tiny), *prompt, "--max-tokens", "2", "--top-k", "5", "--seed", "3"]) == 0
+    warning = ("flexinfer: warning: --top-k and --seed change nothing at temperature 0: the command line samples "
+               "greedily unless --temperature is given\n")
+    err = capsys.readouterr().err
+    assert err.startswith(warning), err  # before the model loads
+    assert main([command, *tiny_args(tiny), *prompt, "--max-tokens", "2", "--top-p", "0.5",
+                 "--temperature", "0.8"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_generate_echo_streams_after_the_prompt(capsys, monkeypatch, tiny):
     stdout = Writes()
     monkeypatch.setattr("sys.stdout", stdout)
