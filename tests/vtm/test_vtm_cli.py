@@ -107,6 +107,27 @@ def test_vtmd_refuses_a_limit_of_no_call_in_flight_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("argv, says", [
+    (["--capacity-bytes", "3MiB"], "--capacity-bytes 3145728 is not a positive multiple of --chunk-bytes 2097152"),
+    (["--capacity-bytes", "0"], "--capacity-bytes 0 is not a positive multiple of --chunk-bytes 2097152"),
+    (["--host-tier-bytes", "3MiB"], "--host-tier-bytes 3145728 is not a multiple of --chunk-bytes 2097152"),
+    (["--spill-ahead-bytes", "4MiB"], "--spill-ahead-bytes spills prefixes to the host tier: give --host-tier-bytes "
+                                      "too"),
+    (["--workers", "0"], "--workers must be in [1, 256], got 0"),
+])
+def test_vtmd_names_its_own_flags_when_the_pool_cannot_be_made(tmp_path, argv, says):
+    """It named vtm.Manager's arguments ("capacity_bytes 3145728 is not a
+    positive multiple of chunk_bytes ..."), which no vtmd user typed."""
+    done = vtmd("--listen", f"unix:{tmp_path}/v/sock", "--backend", "host", *argv)
+    assert done.returncode == 2 and done.stderr == f"vtmd: error: {says}\n", done.stderr
+    assert not (tmp_path / "v").exists()
+
+
+def test_vtmd_names_listen_when_its_address_is_not_a_unix_socket(tmp_path):
+    done = vtmd("--listen", f"{tmp_path}/sock")
+    assert done.returncode == 2 and done.stderr == f"vtmd: error: --listen must be unix:PATH, got '{tmp_path}/sock'\n"
+
+
+@pytest.mark.parametrize("argv, says", [
     (["--capacity-bytes", "1.5GB"], "argument --capacity-bytes: expected a byte count"),
     (["--chunk-bytes", "2M"], "M is ambiguous: write 2MiB"),
 ])

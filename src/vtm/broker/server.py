@@ -29,6 +29,7 @@ import grp
 import logging
 import os
 import pwd
+import re
 import resource
 import shlex
 import socket
@@ -58,11 +59,14 @@ GRPC_THREADS = 32
 IO_THREADS = 32  # a call may wait up to ~2 s for reclaim; policy.MAX_WAITS of them at once, at most
 _CONTROL_THREADS = 4
 DEFAULT_MAX_SESSIONS = 256
+# vtm.Manager's arguments in its errors, which vtmd shows as the flags that set them.
+_MANAGER_ARGUMENTS = re.compile(r"\b(capacity_bytes|chunk_bytes|host_tier_bytes|spill_ahead_bytes)\b|"
+                                r"^(workers|granularity)\b")
 
 
 def unix_path(address: str) -> str:
     if not address.startswith("unix:") or len(address) <= len("unix:"):
-        raise ValueError(f"address must be unix:PATH, got {address!r}")
+        raise ValueError(f"--listen must be unix:PATH, got {address!r}")
     return os.path.abspath(address[len("unix:"):])
 
 
@@ -245,10 +249,14 @@ class Broker:
             # No slot cache: a released slot's pages go back to the pool at once,
             # so no operation of one client ever changes another client's
             # mappings (the effects of a call are on the caller's spaces only).
-            self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
-                                       workers=workers, granularity=granularity, slot_cache_bytes=0,
-                                       record_mappings=True, export_chunks=True, host_tier_bytes=host_tier_bytes,
-                                       spill_ahead_bytes=spill_ahead_bytes)
+            try:
+                self.manager = vtm.Manager(backend=backend, capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes,
+                                           workers=workers, granularity=granularity, slot_cache_bytes=0,
+                                           record_mappings=True, export_chunks=True,
+                                           host_tier_bytes=host_tier_bytes, spill_ahead_bytes=spill_ahead_bytes)
+            except vtm.InvalidArgument as exc:  # its arguments are vtmd's flags: say them so
+                raise vtm.InvalidArgument(_MANAGER_ARGUMENTS.sub(
+                    lambda m: "--" + m.group(0).replace("_", "-"), str(exc))) from None
         except BaseException:
             _remove_folders(created)  # a broker that never started leaves nothing behind
             raise
