@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 
@@ -39,7 +40,7 @@ from flexinfer.inputs import KVBudget
 from flexinfer.kv_cache import KVCache, plan_spaces
 from flexinfer.model.linear import resolve_linear_kind
 from flexinfer.model.llama import ForwardBatch, LlamaModel, long_tensor
-from flexinfer.model.loader import load_config, load_model
+from flexinfer.model.loader import check_stop, load_config, load_model
 from flexinfer.sampling import (DRAW_KERNEL_FROM_ROWS, NON_FINITE, BatchSampler, SamplingParams, greedy_tokens,
                                 sample, warm_draw_kernel)
 from flexinfer.scheduler import MEMORY_RETRY_S, Scheduler
@@ -72,7 +73,8 @@ class Engine:
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,
                  broker_wait_s: float = BROKER_WAIT_S, host_tier_bytes: int = 0, preemption: str = "recompute",
                  spill_ahead_bytes: int = 0,
-                 overlap: bool | None = None, memory_wait_s: float = MEMORY_WAIT_S):
+                 overlap: bool | None = None, memory_wait_s: float = MEMORY_WAIT_S,
+                 _stop_loading: threading.Event | None = None):
         # A torch dtype names the same thing as its string: the name is what the namespace records.
         if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
             dtype = _DTYPE_NAMES[dtype]
@@ -192,13 +194,17 @@ class Engine:
             # With the sink's slot on CUDA (see below), whether or not it is kept.
             plan_spaces(config, self.dtype, self.max_model_len, max_num_seqs + (self.device.type == "cuda"),
                         manager, layer_groups)
-            loaded = load_model(model, self.dtype)
+            # _stop_loading (EngineLoop.close while this runs: a Ctrl-C) ends the
+            # load between tensors and between these steps, each of seconds on a large model.
+            loaded = load_model(model, self.dtype, _stop_loading)
             fingerprint = loaded.fingerprint()
+            check_stop(_stop_loading, model)
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
             self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, linear=linear,
                                     consume_weights=True, max_positions=self.max_model_len)
             del loaded
+            check_stop(_stop_loading, model)
             # The Triton kernels on CUDA get one more slot: the sink, a one-token
             # vTensor held for the engine's life. It is the first vTensor of a
             # new space, so it takes slot 0 and keeps mapped the first page,

@@ -153,12 +153,14 @@ class RequestStream:
 
 
 class EngineLoop:
-    """Builds its Engine on its own thread (`make_engine()`; an exception
+    """Builds its Engine on its own thread (`make_engine(stop)`; an exception
     there is raised by the constructor) so that the loading, the kernel
     timings and every step run on one thread: one OpenMP pool for the
-    engine's whole life (see threads.release_openmp_pool)."""
+    engine's whole life (see threads.release_openmp_pool). `stop` is set
+    when the loop closes: a build still loading the model ends early (Ctrl-C
+    while loading waits for the tensor being read, not for every tensor)."""
 
-    def __init__(self, make_engine: Callable[[], Engine]):
+    def __init__(self, make_engine: Callable[[threading.Event], Engine]):
         self.engine: Engine | None = None
         self._cv = threading.Condition()
         self._inbox: deque[tuple[str, RequestStream]] = deque()
@@ -171,6 +173,7 @@ class EngineLoop:
         # torch's current CUDA device is per thread: the engine thread starts on the creator's.
         self._cuda_index = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._ready = threading.Event()
+        self._stop_loading = threading.Event()
         self._build_error: BaseException | None = None
         # Before the thread starts, so that it shares malloc's main arena (host_memory.py).
         keep_freed_memory()
@@ -233,6 +236,7 @@ class EngineLoop:
         with self._cv:
             self._closing = True
             self._cv.notify()
+        self._stop_loading.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -258,7 +262,7 @@ class EngineLoop:
         try:
             if self._cuda_index is not None:
                 torch.cuda.set_device(self._cuda_index)
-            self.engine = make_engine()
+            self.engine = make_engine(self._stop_loading)
             if self.engine.device.type == "cuda" and self.engine.device.index is not None:
                 torch.cuda.set_device(self.engine.device)
         except BaseException as exc:  # handed to the constructor

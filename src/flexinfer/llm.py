@@ -20,8 +20,9 @@ from flexinfer.inputs import check_conversation, check_params, check_priorities,
 from flexinfer.outputs import RequestOutput
 from flexinfer.sampling import SamplingParams
 
-# What LLM(model, **options) takes: Engine's keyword parameters.
-OPTIONS = tuple(name for name in inspect.signature(Engine.__init__).parameters if name not in ("self", "model"))
+# What LLM(model, **options) takes: Engine's keyword parameters (not the private ones, `_stop_loading`).
+OPTIONS = tuple(name for name in inspect.signature(Engine.__init__).parameters
+                if name not in ("self", "model") and not name.startswith("_"))
 _POLL_S = 0.1
 # How long a cancelled generate waits for its requests to let go of their memory.
 _CANCEL_WAIT_S = 30.0
@@ -34,7 +35,7 @@ class LLM:
 
     def __init__(self, model: str, **options):
         _check_option_names(options)
-        self._loop = EngineLoop(lambda: Engine(model, **options))
+        self._loop = EngineLoop(lambda stop: Engine(model, _stop_loading=stop, **options))
         self.engine = self._loop.engine
         # Stop the thread and release the memory even if close() is never called.
         self._finalizer = weakref.finalize(self, self._loop.close)

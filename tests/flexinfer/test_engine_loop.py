@@ -344,6 +344,32 @@ def test_ctrl_c_cancels_the_interrupted_generate(tiny, monkeypatch, python_sigin
         assert_greedy_equal(oracle, prompts[:2], run(llm, prompts[:2], greedy(5)), 5)
 
 
+def test_ctrl_c_while_the_model_loads_stops_the_load(tiny, monkeypatch):
+    """Ctrl-C during LLM(...) waited for the whole load: the engine thread
+    read every tensor before it closed what it had built (`flexinfer
+    generate` said nothing for 10-19 s after Ctrl-C on a busy 2-core VM with
+    SmolLM2; a large model's minute). The load now stops at its next tensor."""
+    from flexinfer.model import loader
+
+    folder, _ = tiny
+    main, real, read = threading.main_thread().ident, loader._safetensors_tensors, []
+
+    def slowly(path):
+        for item in real(path):
+            read.append(item[0])
+            if len(read) == 1:  # the Ctrl-C comes while the weights are being read
+                signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.2)
+            yield item
+
+    monkeypatch.setattr(loader, "_safetensors_tensors", slowly)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(folder, linear="torch")
+    tensors = sum(1 for _ in real(Path(folder)))
+    assert len(read) <= 3 < tensors, (len(read), tensors)
+    assert not any(t.name == "flexinfer-engine" for t in threading.enumerate())  # closed, not left loading
+
+
 # ----------------------------------------------------------------------------- streaming and cancel
 
 def test_streamed_events_add_up_to_the_result(tiny):

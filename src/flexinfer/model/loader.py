@@ -18,6 +18,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from flexinfer.errors import ModelLoadError
+from flexinfer.errors import EngineClosed, ModelLoadError
 from flexinfer.model.config import FULL, MAX_POSITIONS, SLIDING, ModelConfig, absent_or_float, token_id_tuple
 from flexinfer.tokenizer import Tokenizer
 
@@ -67,13 +68,21 @@ def _tensor_digest(tensor: torch.Tensor) -> bytes:
     return hashlib.blake2b(tensor.reshape(-1).view(torch.uint8).numpy(), digest_size=16).digest()
 
 
-def load_model(name_or_path: str, dtype: torch.dtype) -> LoadedModel:
+def load_model(name_or_path: str, dtype: torch.dtype, stop: threading.Event | None = None) -> LoadedModel:
     """Load from an alias (see ALIASES), a .gguf file, or a Hugging Face folder
-    (config.json + *.safetensors + tokenizer.json)."""
+    (config.json + *.safetensors + tokenizer.json). `stop`, once set, ends
+    the load before its next tensor with EngineClosed (an LLM closed, or
+    interrupted by Ctrl-C, while it loads need not wait for every tensor)."""
     path = model_path(name_or_path)
     if path.is_dir():
-        return _load_hf_folder(path, dtype)
-    return _load_gguf(path, dtype)
+        return _load_hf_folder(path, dtype, stop)
+    return _load_gguf(path, dtype, stop)
+
+
+def check_stop(stop: threading.Event | None, source: Path | str) -> None:
+    """Raises EngineClosed once `stop` is set (see load_model)."""
+    if stop is not None and stop.is_set():
+        raise EngineClosed(f"{source}: the engine was closed while the model loaded")
 
 
 def load_config(name_or_path: str) -> ModelConfig:
@@ -281,7 +290,7 @@ _GGUF_KNOWN_KEYS = frozenset({
 _GGUF_DENSE_DEFAULTS = {"expert_count": 0, "expert_used_count": 0}
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, stop: threading.Event | None = None) -> LoadedModel:
     # Imported here: only GGUF loading needs the package.
     import gguf
     from gguf.quants import dequantize
@@ -307,6 +316,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         expected = _expected_shapes(config)
         weights: dict[str, torch.Tensor] = {}
         for gguf_name, tensor in tensors.items():
+            check_stop(stop, path)
             name = _hf_name_from_gguf(path, arch, gguf_name, config, expected)
             # GGUF lists dimensions fastest-first (ggml's ne order): reversed, they are torch's.
             shape = tuple(int(n) for n in reversed(tensor.shape))
@@ -724,12 +734,13 @@ def _hf_config(folder: Path) -> ModelConfig:
     return config
 
 
-def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_folder(folder: Path, dtype: torch.dtype, stop: threading.Event | None = None) -> LoadedModel:
     config = _hf_config(folder)
     expected = set(_expected_weight_names(config))
     weights: dict[str, torch.Tensor] = {}
     with progress("reading weights", "tensor") as bar:
         for stored_name, stored in _safetensors_tensors(folder):
+            check_stop(stop, folder)
             for name, tensor in _split_fused(folder, stored_name, stored, config):
                 if name in expected:
                     weights[name] = tensor.to(dtype).contiguous()
