@@ -203,9 +203,9 @@ def smollm2_loaded():
     loaded = load_model("smollm2", torch.float32)
     real_load = engine_module.load_model
 
-    def cached_load(name, dtype):
+    def cached_load(name, dtype, stop=None):
         if (name, dtype) != ("smollm2", torch.float32):
-            return real_load(name, dtype)
+            return real_load(name, dtype, stop)
         # A dict of its own: the engine consumes (pops) the weights it is given.
         return dataclasses.replace(loaded, weights=dict(loaded.weights))
 

@@ -1369,7 +1369,7 @@ def test_vtmd_spills_ahead_and_a_client_restores_the_bytes(tmp_path, backend):
             match.vtensor.release().result()
     finally:
         b.kill()
-    with pytest.raises(RuntimeError, match="spill_ahead_bytes spills prefixes to the host tier"):
+    with pytest.raises(RuntimeError, match="--spill-ahead-bytes spills prefixes to the host tier: give --host-tier"):
         BrokerProcess(tmp_path / "no-tier", capacity_chunks=8, chunk_bytes=chunk, backend=backend,
                       extra_args=["--spill-ahead-bytes", str(4 * chunk)])
 
