@@ -37,11 +37,16 @@ def record_any(sp, io, tokens):
 
 
 def record(sp, io, tokens):
-    """A vTensor holding `tokens` (their patterns written), recorded whole, released."""
+    """A vTensor holding `tokens` (their patterns written), recorded whole,
+    released, also when the record fails (one that must copy a page into a
+    node on the host may run out of memory: the vTensor must not keep its
+    chunks for the rest of the test)."""
     vt = sp.create(len(tokens)).result()
-    io.write(vt, tokens, 0, len(tokens))
-    sp.prefix_record(vt, tokens).result()
-    vt.release().result()
+    try:
+        io.write(vt, tokens, 0, len(tokens))
+        sp.prefix_record(vt, tokens).result()
+    finally:
+        vt.release().result()
 
 
 def window_setup(make_manager, backend, tier_chunks=16, window=30, tier_account=0):
