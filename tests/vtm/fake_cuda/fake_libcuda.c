@@ -504,6 +504,18 @@ FAKE_ENTRY(cuCtxSetCurrent, NEEDS_INIT, (CUcontext ctx), (ctx)) {
 /* ------------------------------------------------------------------------
  * Streams and events. */
 
+/* A zeroed object of `size` bytes entered in `table` under its own address
+ * (a stream's or an event's handle); NULL, with nothing entered, when out of memory. */
+static void* NewObject(Table* table, size_t size) {
+  void* obj = calloc(1, size);
+  if (obj == NULL) return NULL;
+  if (Insert(table, (Entry){(uintptr_t)obj, 0, obj, 0}) != 0) {
+    free(obj);
+    return NULL;
+  }
+  return obj;
+}
+
 static int ValidStream(CUstream s) {
   return s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD || Find(&g.streams, (uintptr_t)s);
 }
@@ -512,13 +524,9 @@ FAKE_ENTRY(cuStreamCreate, NEEDS_CONTEXT, (CUstream * phStream, unsigned int Fla
   if (phStream == NULL) return Violation(CUDA_ERROR_INVALID_VALUE, "cuStreamCreate: phStream is NULL");
   if (Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
     return Violation(CUDA_ERROR_INVALID_VALUE, "cuStreamCreate: flags %#x", Flags);
-  struct CUstream_st* s = calloc(1, sizeof(*s));
+  struct CUstream_st* s = NewObject(&g.streams, sizeof(*s));
   if (s == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
   s->flags = Flags;
-  if (Insert(&g.streams, (Entry){(uintptr_t)s, 0, s, 0}) != 0) {
-    free(s);
-    return CUDA_ERROR_OUT_OF_MEMORY;
-  }
   *phStream = s;
   return CUDA_SUCCESS;
 }
@@ -554,13 +562,9 @@ FAKE_ENTRY(cuEventCreate, NEEDS_CONTEXT, (CUevent * phEvent, unsigned int Flags)
   if (phEvent == NULL) return Violation(CUDA_ERROR_INVALID_VALUE, "cuEventCreate: phEvent is NULL");
   if ((Flags & ~known) || ((Flags & CU_EVENT_INTERPROCESS) && !(Flags & CU_EVENT_DISABLE_TIMING)))
     return Violation(CUDA_ERROR_INVALID_VALUE, "cuEventCreate: flags %#x", Flags);
-  struct CUevent_st* ev = calloc(1, sizeof(*ev));
+  struct CUevent_st* ev = NewObject(&g.events, sizeof(*ev));
   if (ev == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
   ev->flags = Flags;
-  if (Insert(&g.events, (Entry){(uintptr_t)ev, 0, ev, 0}) != 0) {
-    free(ev);
-    return CUDA_ERROR_OUT_OF_MEMORY;
-  }
   *phEvent = ev;
   return CUDA_SUCCESS;
 }
