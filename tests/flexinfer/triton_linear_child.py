@@ -1,0 +1,222 @@
+"""The fused Triton decode kernels (src/flexinfer/kernels/triton_linear.py)
+against the torch code they replace, rounded as transformers rounds it, and
+a tiny model's forward through them against the same model on the separate
+Triton layer ops and cuBLAS/F.linear; for each dtype.
+
+Run as a script (by test_triton_linear.py), it runs them in Triton's
+interpreter on CPU tensors, in a process of its own (TRITON_INTERPRET must be
+set before triton is imported). Imported (test_gpu.py), `run_checks("cuda")`
+runs them on the GPU. The result is {dtype: {check: {"max_err", "scale",
+"bitwise", "differing"}}}, as triton_layer_ops_child.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import vtm  # noqa: E402
+from flexinfer.attention import SdpaAttention  # noqa: E402
+from flexinfer.errors import InvalidArgument  # noqa: E402
+from flexinfer.kernels import triton_layer_ops, triton_linear as ops  # noqa: E402
+from flexinfer.kv_cache import KVCache  # noqa: E402
+from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
+from triton_layer_ops_child import DTYPES, EPS, bits, compare, hf_rms_norm, rows, tiny_config  # noqa: E402
+
+
+def reference_linear(x, weight, bias=None, residual=None):
+    """x @ weight.T (+ bias) accumulated in float32 and rounded once, then + residual rounded."""
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    y = y.to(x.dtype)
+    return y if residual is None else (residual.float() + y.float()).to(x.dtype)
+
+
+def check_linear(dtype, out, device):
+    gen = torch.Generator().manual_seed(11)
+    for n_rows in (1, 3, ops.MAX_ROWS):
+        # 700 inputs: the K loop runs several blocks with a tail; 70 outputs: five programs with a tail.
+        x = rows(n_rows, 700, dtype, n_rows, device)
+        weight = (torch.randn(70, 700, generator=gen) * 0.05).to(device=device, dtype=dtype)
+        bias = torch.randn(70, generator=gen).to(device=device, dtype=dtype)
+        residual = rows(n_rows, 70, dtype, 100 + n_rows, device)
+        out[f"linear_{n_rows}_rows"] = compare(ops.linear(x, weight), reference_linear(x, weight))
+        out[f"linear_bias_residual_{n_rows}_rows"] = compare(ops.linear(x, weight, bias, residual),
+                                                             reference_linear(x, weight, bias, residual))
+
+
+def check_gate_up(dtype, out, device):
+    gen = torch.Generator().manual_seed(12)
+    for n_rows in (1, 5):
+        x = rows(n_rows, 300, dtype, 20 + n_rows, device)
+        norm = (torch.rand(300, generator=gen) + 0.5).to(device=device, dtype=dtype)
+        weight = (torch.randn(2 * 90, 300, generator=gen) * 0.1).to(device=device, dtype=dtype)
+        gate, up = reference_linear(hf_rms_norm(x, norm), weight).chunk(2, dim=-1)
+        out[f"norm_gate_up_silu_{n_rows}_rows"] = compare(ops.norm_gate_up_silu(x, norm, EPS, weight),
+                                                          F.silu(gate) * up)
+
+
+def check_qkv(dtype, out, manager, device, head_dim=24):
+    config = tiny_config(layers=2, kv_heads=2, head_dim=head_dim)
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    n_rows, max_slots, max_tokens, hidden = 7, 3, 16, 40
+    kv = KVCache(manager, config, dtype, max_tokens=max_tokens, max_slots=max_slots)
+    vts = [vt for _ in range(max_slots) for vt in kv.create(max_tokens)]
+    try:
+        gen = torch.Generator().manual_seed(13)
+        flat = torch.randperm(max_slots * max_tokens, generator=gen)[:n_rows]
+        slots, positions = (flat // max_tokens).to(device), (flat % max_tokens).to(device)
+        inv_freq = 1.0 / (1e4 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
+        freqs = positions.cpu().float()[:, None] * inv_freq[None, :]
+        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)
+        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+        x = rows(n_rows, hidden, dtype, 14, device)
+        norm = (torch.rand(hidden, generator=gen) + 0.5).to(device=device, dtype=dtype)
+        weight = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=gen) * 0.2).to(device=device,
+                                                                                             dtype=dtype)
+        bias = torch.randn((heads + 2 * kv_heads) * dim, generator=gen).to(device=device, dtype=dtype)
+        layer = kv.kv[1]
+        layer.copy_(torch.randn(layer.shape, generator=gen).to(dtype))
+        before = layer.clone()
+
+        for name, b in (("", None), ("_bias", bias)):
+            want_qkv = reference_linear(hf_rms_norm(x, norm), weight, b).view(n_rows, heads + 2 * kv_heads, dim)
+            LlamaModel._rotate_(want_qkv[:, :heads + kv_heads], cos[:, None], sin[:, None])
+            want_kv = before.clone()
+            want_kv.index_put_((slots, positions), want_qkv[:, heads:].view(n_rows, 2, kv_heads, dim))
+            layer.copy_(before)
+            got_qkv = ops.norm_qkv_rotary_kv_write(x, norm, EPS, weight, b, heads, cos, sin, layer, slots, positions)
+            out[f"norm_qkv_rotary{name}"] = compare(got_qkv, want_qkv)
+            out[f"norm_qkv_kv_write{name}"] = compare(layer, want_kv)
+
+        # A (slot, position) outside the view is skipped; the others are written.
+        layer.copy_(before)
+        bad_slots, bad_positions = slots.clone(), positions.clone()
+        bad_slots[0], bad_positions[1], bad_slots[2] = max_slots, max_tokens, -1
+        ops.norm_qkv_rotary_kv_write(x, norm, EPS, weight, None, heads, cos, sin, layer, bad_slots, bad_positions)
+        want_qkv = reference_linear(hf_rms_norm(x, norm), weight).view(n_rows, heads + 2 * kv_heads, dim)
+        LlamaModel._rotate_(want_qkv[:, :heads + kv_heads], cos[:, None], sin[:, None])
+        skipped = before.clone()
+        skipped.index_put_((slots[3:], positions[3:]), want_qkv[3:, heads:].view(n_rows - 3, 2, kv_heads, dim))
+        out["norm_qkv_outside_is_skipped"] = compare(layer, skipped)
+
+        # Bad arguments are refused before anything runs.
+        refused = 0
+        many = rows(ops.MAX_ROWS + 1, hidden, dtype, 15, device)
+        for call in (lambda: ops.norm_qkv_rotary_kv_write(x, norm, EPS, weight, None, heads + 1, cos, sin, layer,
+                                                          slots, positions),
+                     lambda: ops.norm_qkv_rotary_kv_write(x, norm, EPS, weight, None, heads, cos, sin, layer,
+                                                          slots.int(), positions),
+                     lambda: ops.norm_qkv_rotary_kv_write(x, norm, EPS, weight, None, heads, cos[:1], sin, layer,
+                                                          slots, positions),
+                     lambda: ops.linear(many, weight),
+                     lambda: ops.linear(x, weight.T.contiguous().T),
+                     lambda: ops.linear(x, weight, residual=x[:, :3]),
+                     lambda: ops.norm_gate_up_silu(x, norm, EPS, weight[:-1]),
+                     lambda: ops.norm_gate_up_silu(x, norm[:-1], EPS, weight)):
+            layer.copy_(before)
+            try:
+                call()
+            except InvalidArgument:
+                refused += 1 if torch.equal(bits(layer), bits(before)) else 0
+        out["bad_arguments_refused"] = {"max_err": 0.0, "bitwise": refused == 8}
+    finally:
+        kv.release(vts)
+        kv.close()
+
+
+def check_forward(dtype, out, manager, device):
+    """A 2-layer model (with a QKV bias) on the fused kernels against the same
+    weights on the separate Triton layer ops and F.linear: a ragged prefill
+    (which the fused kernels do not run), then decode steps of 1 and 3 rows."""
+    config = dataclasses.replace(tiny_config(layers=2, kv_heads=2, head_dim=16, hidden=48), attention_bias=True)
+    gen = torch.Generator().manual_seed(0)
+    h, inter, q, k = config.hidden_size, config.intermediate_size, 4 * 16, 2 * 16
+    shapes = {"model.embed_tokens.weight": (40, h), "model.norm.weight": (h,)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (k, h),
+                       p + "self_attn.v_proj.weight": (k, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (k,),
+                       p + "self_attn.v_proj.bias": (k,),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+    weights = {n: torch.randn(s, generator=gen) * 0.3 + (1.0 if n.endswith("norm.weight") else 0.0)
+               for n, s in shapes.items()}
+    model = LlamaModel(config, weights, dtype, device, linear="torch")
+    model.layer_ops, model.norm_adds_residual, model.decoder = triton_layer_ops, True, None
+    model.triton_linear = ops
+    results = []
+    for fused in (True, False):
+        model.fused_kinds = {1: "triton", 8: "triton"} if fused else {}
+        kv = KVCache(manager, config, dtype, max_tokens=32, max_slots=3)
+        vts = [vt for _ in range(3) for vt in kv.create(20)]
+        try:
+            ids = torch.randint(0, 40, (24,), generator=torch.Generator().manual_seed(1)).to(device)
+            slots = [vt.slot for vt in vts]
+            logits = [model.forward(ids, ForwardBatch.build(slots, [0, 0, 0], [7, 12, 5], torch.device(device)), kv,
+                                    SdpaAttention())]
+            logits.append(model.forward(ids[:3], ForwardBatch.build(slots, [7, 12, 5], [1, 1, 1],
+                                                                    torch.device(device)), kv, SdpaAttention()))
+            logits.append(model.forward(ids[3:4], ForwardBatch.build(slots[:1], [8], [1], torch.device(device)), kv,
+                                        SdpaAttention()))
+            cached = [v[vt.slot, :n].clone() for v in kv.kv for vt, n in zip(vts, [9, 13, 6])]
+        finally:
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+            kv.release(vts)
+            kv.close()
+        results.append((logits, cached))
+    (fused_logits, fused_kv), (separate_logits, separate_kv) = results
+    out["forward_prefill_logits"] = compare(fused_logits[0], separate_logits[0])
+    out["forward_decode_3_rows_logits"] = compare(fused_logits[1], separate_logits[1])
+    out["forward_decode_1_row_logits"] = compare(fused_logits[2], separate_logits[2])
+    out["forward_kv"] = compare(torch.cat([t.flatten() for t in fused_kv]),
+                                torch.cat([t.flatten() for t in separate_kv]))
+
+
+def run_checks(device: str) -> dict:
+    results = {}
+    pool = dict(backend="host", capacity_bytes=1 << 24, chunk_bytes=4096, granularity=4096) if device == "cpu" \
+        else dict(backend="cuda", capacity_bytes=64 << 20)
+    with vtm.Manager(**pool) as manager:
+        for name, dtype in DTYPES.items():
+            out = results[name] = {}
+            check_linear(dtype, out, device)
+            check_gate_up(dtype, out, device)
+            check_qkv(dtype, out, manager, device)
+            check_forward(dtype, out, manager, device)
+        # The kernels split their columns finely for these small shapes (4
+        # a program): once more, with the device asking for few programs, at
+        # 16 a program (a head_dim whose half 16 divides).
+        target = ops._target_programs
+        ops._target_programs = lambda device: 1
+        try:
+            for name, dtype in DTYPES.items():
+                wide = {}
+                check_linear(dtype, wide, device)
+                check_gate_up(dtype, wide, device)
+                check_qkv(dtype, wide, manager, device, head_dim=32)
+                results[name].update({f"{check}_wide": r for check, r in wide.items()})
+        finally:
+            ops._target_programs = target
+        manager.check()
+    return results
+
+
+def main() -> None:
+    print(json.dumps(run_checks("cpu")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
