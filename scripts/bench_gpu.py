@@ -23,7 +23,9 @@ here and saved as a Hugging Face folder; nothing is downloaded.
    (the weights' bytes over a device copy's bandwidth measured in the run);
    the engine as it is (Triton layer ops, overlap), then as baselines in the
    same run without overlap (the host reads each step's tokens before it
-   plans the next) and with the layer ops as torch ops; sampled rows, and
+   plans the next) and with the layer ops as torch ops; at batches up to 8,
+   the fused decode layers (linear="triton") against cuBLAS's GEMMs and the
+   separate layer ops (linear="torch"); sampled rows, and
    sampled rows with the Triton draw against the draw as torch ops.
 5. The kernels of a decode step by time (eager steps under torch.profiler).
 
@@ -137,9 +139,9 @@ def run_flexinfer(llm, prompts, new_tokens, temperature: float = 0.0,
 
 
 def make_llm(folder: Path, dtype: str, backend: str, attention: str, max_batch: int, cuda_graphs: bool | None = None,
-             overlap: bool | None = None):
-    """An LLM, or None when `cuda_graphs` or `overlap` is asked for and the engine has no such option.
-    An attention backend the engine does not know falls back to sdpa, and says so."""
+             overlap: bool | None = None, linear: str | None = None):
+    """An LLM, or None when `cuda_graphs`, `overlap` or `linear` is asked for and the engine has no such option
+    (value). An attention backend the engine does not know falls back to sdpa, and says so."""
     from flexinfer import LLM, InvalidArgument
 
     kwargs = dict(dtype=dtype, backend=backend, attention=attention, kv_capacity_bytes=8 << 30, max_model_len=1024,
@@ -148,6 +150,8 @@ def make_llm(folder: Path, dtype: str, backend: str, attention: str, max_batch: 
         kwargs["cuda_graphs"] = cuda_graphs
     if overlap is not None:
         kwargs["overlap"] = overlap
+    if linear is not None:
+        kwargs["linear"] = linear
     try:
         return LLM(str(folder), **kwargs)
     except TypeError:
@@ -155,6 +159,8 @@ def make_llm(folder: Path, dtype: str, backend: str, attention: str, max_batch: 
             raise
         return None
     except InvalidArgument as exc:
+        if linear is not None and "linear" in str(exc):
+            return None
         if "attention" not in str(exc) or attention == "sdpa":
             raise
         print(f"  note: attention={attention!r} refused ({exc}); using sdpa")
@@ -451,19 +457,30 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
     print("  engine          batch   step µs   GPU µs   host µs   GPU busy   tok/s      step/bound")
     # "now" is the engine's default (overlap on CUDA): an engine without the option still runs it.
     ends = sorted({min(batches), max(batches)})
-    variants = (("now", "triton", None, 0.0, batches, None), ("no overlap", "triton", False, 0.0, batches, None),
-                ("torch ops", "torch", None, 0.0, batches, None), ("sampled", "triton", None, 0.8, ends, None),
-                ("sampled, seeded", "triton", None, 0.8, ends, 1),
-                ("sampled, Triton draw", "triton", None, 0.8, ends, None),
-                ("sampled, torch draw", "triton", None, 0.8, ends, None),
-                ("sampled on host", "triton", None, 0.8, ends, None))
-    for name, ops, overlap, temperature, sizes, seed in variants:
-        llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches), overlap=overlap)
+    # The fused decode layers run up to 8 rows: `linear="auto"` ("now") timed
+    # them at load; these force each way at the batches they can change.
+    few = [b for b in batches if b <= 8]
+    variants = (("now", "triton", None, 0.0, batches, None, None),
+                ("fused layers", "triton", None, 0.0, few, None, "triton"),
+                ("cuBLAS layers", "triton", None, 0.0, few, None, "torch"),
+                ("no overlap", "triton", False, 0.0, batches, None, None),
+                ("torch ops", "torch", None, 0.0, batches, None, "torch"),
+                ("sampled", "triton", None, 0.8, ends, None, None),
+                ("sampled, seeded", "triton", None, 0.8, ends, 1, None),
+                ("sampled, Triton draw", "triton", None, 0.8, ends, None, None),
+                ("sampled, torch draw", "triton", None, 0.8, ends, None, None),
+                ("sampled on host", "triton", None, 0.8, ends, None, None))
+    for name, ops, overlap, temperature, sizes, seed, linear in variants:
+        llm = make_llm(folder, "bfloat16", "cuda", attention, max(batches), overlap=overlap, linear=linear) \
+            if sizes else None
         if llm is None or llm.engine.graphs is None or (name == "sampled on host"
                                                          and not hasattr(llm.engine, "sampling_device")):
             _close(llm)
             print(f"  {name}: skipped, the engine has no such option or does not decode with CUDA graphs here")
             continue
+        if name == "now":
+            print(f"  linear='auto' chose the fused decode layers at row buckets: "
+                  f"{getattr(llm.model, 'fused_kinds', None)}")
         if ops == "torch":  # before any graph is captured
             llm.model.layer_ops, llm.model.norm_adds_residual = None, False
         if name == "sampled on host":
@@ -482,7 +499,7 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
                 samples = samples[2:-2] or samples
                 step = statistics.median(w for w, _ in samples)
                 gpu = statistics.median(g for _, g in samples)
-                row = dict(engine=name, layer_ops=ops, overlap=overlap, temperature=temperature,
+                row = dict(engine=name, layer_ops=ops, linear=linear, overlap=overlap, temperature=temperature,
                            seeded=seed is not None, batch=batch, steps=len(samples), step_us=step,
                            gpu_us=gpu, host_us=max(0.0, step - gpu), gpu_busy=min(1.0, gpu / step),
                            tok_s=batch / step * 1e6, step_over_bound=step / bound_us)
@@ -493,6 +510,7 @@ def step_split(folder: Path, attention: str, batches: list[int], new_tokens: int
             clock.close()
             _close(llm)
     baselines = {"no overlap": ("now", "speedup_of_overlap"), "torch ops": ("now", "speedup_over_torch_ops"),
+                 "cuBLAS layers": ("fused layers", "speedup_of_the_fused_layers"),
                  "sampled, torch draw": ("sampled, Triton draw", "speedup_of_the_draw_kernel"),
                  "sampled on host": ("sampled", "speedup_of_device_sampling")}
     by_name = {(r["engine"], r["batch"]): r for r in rows}

@@ -175,7 +175,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="recompute every prompt instead of mapping the KV of earlier requests")
     p.add_argument("--linear", default="auto", choices=LINEAR_KINDS,
                    help="projection kernels: auto (timed at load per batch size), onednn (prepacked weights), "
-                        "packed (FlexInfer's kernel for few rows) or torch (F.linear)")
+                        "packed (FlexInfer's kernel for few rows), torch (F.linear) or triton (CUDA: decode steps "
+                        "of up to 8 rows run each layer as four fused Triton kernels)")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention: kernel (one batched call per layer; what auto picks), sdpa (per request, the "
                         "reference) or flash_attn (CUDA, where flash-attn is installed)")

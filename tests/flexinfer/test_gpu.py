@@ -157,6 +157,43 @@ def test_triton_layer_ops_equal_the_torch_code_on_cuda():
     check_layer_op_results(run_checks("cuda"), bfloat16_rounds=True)
 
 
+def test_triton_linear_equals_the_torch_code_on_cuda():
+    """triton_linear.py's checks (test_triton_linear.py runs them in the
+    interpreter) on the GPU, where a conversion to bfloat16 rounds to nearest."""
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
+    try:
+        from test_triton_linear import check_triton_linear_results
+        from triton_linear_child import run_checks
+    finally:
+        sys.path.remove(here)
+    check_triton_linear_results(run_checks("cuda"), bfloat16_rounds=True)
+
+
+def test_the_fused_decode_layers_decode_the_tokens_of_the_separate_ones(tiny_gpu_folder):
+    """float32 greedy tokens with linear="triton" (decode steps of up to 8
+    rows on the fused kernels), in CUDA graphs and eager, equal linear="torch"'s;
+    linear="auto" timed them and chose per row bucket."""
+    tokens = {}
+    for name, kwargs in {"fused": dict(linear="triton"), "fused eager": dict(linear="triton", cuda_graphs=False),
+                         "separate": dict(linear="torch"), "auto": dict(linear="auto")}.items():
+        with LLM(tiny_gpu_folder, dtype="float32", backend="cuda", max_model_len=256, max_num_seqs=4,
+                 **kwargs) as llm:
+            if name.startswith("fused"):
+                assert llm.model.fused_kinds == {1: "triton", 8: "triton"}
+            elif name == "separate":
+                assert llm.model.fused_kinds == {}
+            else:
+                assert set(llm.model.fused_kinds) == {1, 8}
+                assert set(llm.model.fused_kinds.values()) <= {"triton", "torch"}
+            tokens[name] = _greedy(llm, PROMPTS)
+            llm.manager.check()
+    assert tokens["fused"] == tokens["fused eager"] == tokens["separate"] == tokens["auto"]
+
+
 def test_cuda_models_run_the_triton_layer_ops(tiny_gpu_folder):
     """The CUDA engine's decoder uses the fused ops (and adds the residual in the norms)."""
     from flexinfer.kernels import triton_layer_ops

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import triton_available
 from flexinfer.kernels.cpu_linear import PackedWeight, has_amx_bf16, has_bf16_dot_product
 from flexinfer.model import linear as linear_module
 from flexinfer.model.linear import (ROW_BUCKETS, Linear, available_kinds, bucket_of, measure_kinds, onednn_available,
@@ -52,7 +53,13 @@ def test_onednn_bfloat16_matches_torch():
 
 def test_kind_resolution():
     assert resolve_linear_kind("torch", CPU, torch.float32) == "torch"
-    assert resolve_linear_kind("auto", torch.device("cuda"), torch.float16) == "torch"
+    # On CUDA "auto" times the fused decode layers at load where Triton is installed; "triton" is CUDA's only.
+    cuda = torch.device("cuda")
+    assert resolve_linear_kind("auto", cuda, torch.float16) == ("auto" if triton_available() else "torch")
+    if triton_available():
+        assert resolve_linear_kind("triton", cuda, torch.bfloat16) == "triton"
+    with pytest.raises(ValueError, match="triton linear kernels run .* on CUDA"):
+        resolve_linear_kind("triton", CPU, torch.float32)
     if onednn_available(CPU, torch.float32):
         assert resolve_linear_kind("auto", CPU, torch.float32) == "auto"  # measured at load
     with pytest.raises(ValueError, match="linear must be one of"):

@@ -24,7 +24,12 @@ each format (up to three times the projection memory); force one with
 `kind="torch"`, `"onednn"` or `"packed"` to avoid that. The engine's load
 frees each original weight as it goes.
 
-On CUDA only `torch` exists (cuBLAS needs no help).
+On CUDA the projections run F.linear (cuBLAS). `triton` there is a choice
+for decode steps of up to 8 rows: each layer runs as four Triton kernels,
+the projections fused with the norm, rotary embedding and K/V write, SiLU
+and residual adds around them (kernels/triton_linear.py); `auto` times that
+against cuBLAS and the separate ops on the model's first layer at load
+(model/fused_layer_timing.py).
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from flexinfer.errors import InvalidArgument
+from flexinfer.kernels import triton_available
 
-LINEAR_KINDS = ("auto", "onednn", "packed", "torch")
+LINEAR_KINDS = ("auto", "onednn", "packed", "torch", "triton")
 
 # The row count oneDNN tunes its blocked layout for; decode batches are this small.
 _ROWS_HINT = 8
@@ -70,8 +76,12 @@ def available_kinds(device: torch.device, dtype: torch.dtype) -> list[str]:
 def resolve_linear_kind(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     if kind not in LINEAR_KINDS:
         raise InvalidArgument(f"linear must be one of {LINEAR_KINDS}, got {kind!r}")
+    fused = device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16) and triton_available()
     if kind == "auto":
-        return "auto" if len(available_kinds(device, dtype)) > 1 else "torch"
+        return "auto" if len(available_kinds(device, dtype)) > 1 or fused else "torch"
+    if kind == "triton" and not fused:
+        raise InvalidArgument(f"the triton linear kernels run float32, bfloat16 or float16 on CUDA with Triton "
+                              f"installed, not {device.type}/{dtype}")
     if kind == "packed" and not packed_available(device, dtype):
         raise InvalidArgument(f"the packed linear kernel runs float32 or bfloat16 on the CPU, not {device.type}/{dtype}")
     if kind == "onednn" and not onednn_available(device, dtype):

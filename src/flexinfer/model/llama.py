@@ -13,7 +13,10 @@ the norms, SiLU(gate)*up and the rotary embedding with the K/V write run as
 fused C++ loops (kernels/cpu_layer_ops.py), rounded as transformers rounds them;
 on CUDA as Triton kernels of the same rounding (kernels/triton_layer_ops.py),
 where each residual add is made by the norm that follows it: a small model's
-GPU step is bound by its number of kernels. Elsewhere they are torch ops. On
+GPU step is bound by its number of kernels. Decode steps of up to 8 rows can
+run each layer as four kernels, the projections fused with those ops
+(kernels/triton_linear.py; `linear="triton"`, or "auto" where it times
+faster at load). Elsewhere they are torch ops. On
 the CPU, when a pass's projections run the `packed` kernel and attention is
 the batched kernel, all its layers run as one C++ call
 (kernels/cpu_decoder.py) that makes the loop's kernel calls in the loop's
@@ -41,7 +44,8 @@ import torch.nn.functional as F
 from flexinfer.errors import InvalidArgument
 from flexinfer.kernels import triton_available
 from flexinfer.model.config import FULL, SLIDING, ModelConfig
-from flexinfer.model.linear import Linear, measure_kinds, resolve_linear_kind
+from flexinfer.model.fused_layer_timing import measure_fused_layer
+from flexinfer.model.linear import ROW_BUCKETS, Linear, bucket_of, measure_kinds, resolve_linear_kind
 
 
 def long_tensor(values: list[int]) -> torch.Tensor:
@@ -207,6 +211,16 @@ class LlamaModel:
         # (triton_layer_ops.add_rms_norm, one kernel for both); on CPU by the
         # projection that produces it (oneDNN adds it as the matmul writes).
         self.norm_adds_residual = self.layer_ops is not None and hasattr(self.layer_ops, "add_rms_norm")
+        # On CUDA, decode steps of few rows may run each layer as four Triton
+        # kernels around attention (kernels/triton_linear.py): per row bucket
+        # up to its MAX_ROWS, "triton" where they do. `linear="triton"` picks
+        # them, "auto" times them against cuBLAS and the separate ops; the
+        # projections' own kernel stays F.linear.
+        self.triton_linear = None
+        self.fused_kinds: dict[int, str] = {}
+        if self.device.type == "cuda":
+            self.fused_kinds = self._choose_fused_kinds(linear, weights)
+            linear = "torch"
         # "auto" on CPU: time the kernels on this model's first layer (see
         # linear.py); `packed` wins ties where it lets the layers run in one
         # C++ call.
@@ -276,6 +290,30 @@ class LlamaModel:
             from flexinfer.kernels.cpu_decoder import CpuDecoder
 
             self.decoder = CpuDecoder(self)
+
+    @property
+    def _fusable(self) -> bool:
+        """Whether the layers are what the fused decode kernels compute: a
+        Llama block on the Triton layer ops (a QKV bias allowed)."""
+        c = self.config
+        return self.norm_adds_residual and not c.qk_norm and not c.gemma_norms and c.hidden_act == "silu"
+
+    def _choose_fused_kinds(self, linear: str, weights: dict[str, torch.Tensor]) -> dict[int, str]:
+        """The row buckets whose decode steps run the fused kernels (see __init__)."""
+        if linear not in ("auto", "triton"):
+            return {}
+        if not self._fusable:
+            if linear == "triton":
+                raise InvalidArgument("linear='triton' runs Llama-shaped layers on the Triton layer ops (no q/k "
+                                      "norms, no Gemma norms, SiLU); this model's are not")
+            return {}
+        from flexinfer.kernels import triton_linear
+
+        self.triton_linear = triton_linear
+        buckets = [b for b in ROW_BUCKETS if b <= triton_linear.MAX_ROWS]
+        if linear == "triton":
+            return {b: "triton" for b in buckets}
+        return measure_fused_layer(self, weights, buckets)
 
     @property
     def _plain_llama(self) -> bool:
@@ -381,6 +419,8 @@ class LlamaModel:
             self.decoder.run(hidden, *rope[FULL], batch, kv_cache)
             return self._logits(hidden, batch)
         attention.prepare(batch, kv_cache)
+        if self.fused_kinds.get(bucket_of(t)) == "triton":  # its buckets hold up to MAX_ROWS rows
+            return self._logits(self._fused_layers(hidden, rope, batch, kv_cache, attention), batch)
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         delta = None  # the MLP's output, still to be added to hidden (norm_adds_residual)
         for i, layer in enumerate(self.layers):
@@ -409,6 +449,23 @@ class LlamaModel:
             x = self._rms_norm(hidden, layer["post_norm"])
             hidden = layer["down"](self._gated_mlp_activation(layer["gate_up"](x)), residual=hidden)
         return self._logits(hidden, batch, delta)
+
+    def _fused_layers(self, hidden: torch.Tensor, rope, batch: ForwardBatch, kv_cache, attention) -> torch.Tensor:
+        """Every layer as four Triton kernels around attention
+        (kernels/triton_linear.py), the residual added by the o and down
+        projections: the hidden rows after the last layer."""
+        c, ops = self.config, self.triton_linear
+        t, heads, eps = hidden.shape[0], c.num_attention_heads, c.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            proj = layer["qkv"]
+            qkv = ops.norm_qkv_rotary_kv_write(hidden, layer["input_norm"], eps, proj.weights["torch"], proj.bias,
+                                               heads, *rope[self.layer_types[i]], kv_cache.kv[i],
+                                               kv_cache.slot_index(i, batch), batch.positions)
+            attn = attention.forward(i, qkv[:, :heads], batch, kv_cache, **self.attention_args[i])
+            hidden = ops.linear(attn.reshape(t, self.q_size), layer["o"].weights["torch"], residual=hidden)
+            act = ops.norm_gate_up_silu(hidden, layer["post_norm"], eps, layer["gate_up"].weights["torch"])
+            hidden = ops.linear(act, layer["down"].weights["torch"], residual=hidden)
+        return hidden
 
     def _runs_decoder(self, tokens: int, attention) -> bool:
         """Whether this pass runs as one C++ call: the projections' kernel for
