@@ -31,7 +31,7 @@ ENTRY_POINTS = ("cuGetErrorName", "cuGetErrorString", "cuInit", "cuDeviceGetCoun
                 "cuMemImportFromShareableHandle", "cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
                 "cuMemHostAlloc", "cuMemFreeHost", "cuMemsetD8Async")
 LIVE = ("handles", "allocations", "device_bytes", "mappings", "reservations", "host_allocations", "memfds",
-        "streams", "events", "context_refs", "context_reclaimed")
+        "streams", "events", "context_refs", "context_reclaimed", "queued")
 
 
 def active():

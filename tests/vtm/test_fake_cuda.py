@@ -15,6 +15,7 @@ once a session and starts child pytests with it on LD_LIBRARY_PATH:
     leak accounting, and the fake's own rules.
 """
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -47,7 +48,7 @@ SANITIZER_SUITE = [f for f in SUITE if f != "test_property.py"]
 # close. (Reservations, streams and context references live as long as a
 # backend, which a Python VTensor of a closed manager keeps; and a fault test
 # leaks a reservation on purpose.)
-FREED_AT_CLOSE = ("handles", "allocations", "mappings", "host_allocations", "memfds", "events")
+FREED_AT_CLOSE = ("handles", "allocations", "mappings", "host_allocations", "memfds", "events", "queued")
 
 under_fake = pytest.mark.skipif(not fake_cuda_testing.active(),
                                 reason="runs under the fake CUDA driver, in the child test_fake_cuda.py starts")
@@ -582,7 +583,8 @@ class AccessDesc(ctypes.Structure):  # CUmemAccessDesc
 
 PINNED = POSIX_FD = DEVICE = READ = 1
 READWRITE = 3
-SUCCESS, INVALID_VALUE, INVALID_CONTEXT, ILLEGAL_ADDRESS = 0, 1, 201, 700
+SUCCESS, INVALID_VALUE, INVALID_CONTEXT, ILLEGAL_ADDRESS, NOT_PERMITTED = 0, 1, 201, 700, 800
+NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
 
 
 class Driver:
@@ -602,8 +604,17 @@ class Driver:
         lib.cuMemExportToShareableHandle.argtypes = [ctypes.c_void_p, u64, ctypes.c_int, u64]
         lib.cuMemImportFromShareableHandle.argtypes = [ctypes.POINTER(u64), ctypes.c_void_p, ctypes.c_int]
         lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, u64, size, ctypes.c_void_p]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [u64, ctypes.c_void_p, size, ctypes.c_void_p]
+        lib.cuMemcpyDtoDAsync_v2.argtypes = [u64, u64, size, ctypes.c_void_p]
         lib.cuMemsetD8Async.argtypes = [u64, ctypes.c_ubyte, size, ctypes.c_void_p]
+        lib.cuMemFreeHost.argtypes = [ctypes.c_void_p]
         lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+        lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
         self.prop = Prop(PINNED, POSIX_FD, Location(DEVICE, 0))
 
     def __enter__(self):
@@ -631,8 +642,42 @@ class Driver:
         return self.lib.cuMemSetAccess(va, size, ctypes.byref(desc), 1)
 
     def read(self, va, size):
+        """Copies device memory out on the legacy stream and waits for it: (the copy's result, the bytes)."""
         out = ctypes.create_string_buffer(size)
-        return self.lib.cuMemcpyDtoHAsync_v2(out, va, size, None), out.raw
+        result = self.lib.cuMemcpyDtoHAsync_v2(out, va, size, None)
+        assert self.lib.cuStreamSynchronize(None) == SUCCESS
+        return result, out.raw
+
+    def stream(self, flags=NON_BLOCKING):
+        stream = ctypes.c_void_p()
+        assert self.lib.cuStreamCreate(ctypes.byref(stream), flags) == SUCCESS
+        return stream
+
+    def event(self):
+        event = ctypes.c_void_p()
+        assert self.lib.cuEventCreate(ctypes.byref(event), 0) == SUCCESS
+        return event
+
+    def host(self, size):
+        p = ctypes.c_void_p()
+        assert self.lib.cuMemHostAlloc(ctypes.byref(p), size, 0) == SUCCESS
+        return p
+
+    @contextlib.contextmanager
+    def mapped(self, chunks):
+        """`chunks` allocations of G mapped read-write one after the other: the base address."""
+        va = self.reserve(chunks * G)
+        handles = [self.create()[1] for _ in range(chunks)]
+        for i, handle in enumerate(handles):
+            assert self.lib.cuMemMap(va + i * G, G, 0, handle, 0) == SUCCESS
+        assert self.set_access(va, chunks * G) == SUCCESS
+        try:
+            yield va
+        finally:
+            assert self.lib.cuMemUnmap(va, chunks * G) == SUCCESS
+            assert self.lib.cuMemAddressFree(va, chunks * G) == SUCCESS
+            for handle in handles:
+                assert self.lib.cuMemRelease(handle) == SUCCESS
 
 
 def _free_abandoned_ranges(fake, before):
@@ -744,3 +789,127 @@ def test_the_fakes_injected_faults_count_calls_from_now(fake):
                 assert d.lib.cuMemRelease(handle) == SUCCESS
         assert d.lib.cuMemAddressFree(va, G) == SUCCESS
     assert fake.violations() == violations, "an injected failure is not a broken rule"
+
+
+# ---------------------------------------------------------------------------
+# under the fake: the fake's queues (streams run their work only when forced)
+
+
+@under_fake
+def test_a_copy_is_not_seen_before_its_stream_is_synchronized(fake):
+    """Queued work runs when a synchronization forces it, and reads its
+    source then: a host buffer reused before that is what the copy takes."""
+    with Driver(fake.lib) as d, d.mapped(1) as va:
+        lib, s = d.lib, d.stream()
+        fake_cuda_testing.write_device(va, b"\x01" * 64)
+        src = ctypes.create_string_buffer(b"\x05" * 64, 64)
+        assert lib.cuMemcpyHtoDAsync_v2(va, src, 64, s) == SUCCESS
+        out = ctypes.create_string_buffer(64)
+        assert lib.cuMemcpyDtoHAsync_v2(out, va, 64, s) == SUCCESS
+        assert fake.grown("queued") == 2
+        assert bytes(fake_cuda_testing.read_device(va, 64)) == b"\x01" * 64 and out.raw == bytes(64)
+        ctypes.memset(src, 9, 64)  # reused while the copy from it is queued
+        assert lib.cuStreamSynchronize(s) == SUCCESS
+        assert fake.grown("queued") == 0
+        assert bytes(fake_cuda_testing.read_device(va, 64)) == b"\x09" * 64 and out.raw == b"\x09" * 64
+        assert lib.cuStreamDestroy_v2(s) == SUCCESS
+
+
+@under_fake
+def test_an_event_orders_one_streams_work_after_anothers(fake):
+    """cuStreamWaitEvent: the waiting stream's later work runs after the
+    work the event captured, which synchronizing the waiting stream forces;
+    a stream that waits for nothing is ordered after nothing."""
+    with Driver(fake.lib) as d, d.mapped(2) as va:
+        lib = d.lib
+        writer, reader, other = d.stream(), d.stream(), d.stream()
+        written = d.event()
+        fake_cuda_testing.write_device(va, b"\x01" * 64)
+        assert lib.cuMemsetD8Async(va, 7, 64, writer) == SUCCESS
+        assert lib.cuEventRecord(written, writer) == SUCCESS
+        assert lib.cuMemsetD8Async(va, 8, 64, writer) == SUCCESS  # after the record: not waited for
+        assert lib.cuMemcpyDtoDAsync_v2(va + G + 64, va, 64, other) == SUCCESS
+        assert lib.cuStreamSynchronize(other) == SUCCESS
+        assert bytes(fake_cuda_testing.read_device(va + G + 64, 64)) == b"\x01" * 64, "not ordered"
+        assert lib.cuStreamWaitEvent(reader, written, 0) == SUCCESS
+        assert lib.cuMemcpyDtoDAsync_v2(va + G, va, 64, reader) == SUCCESS
+        assert lib.cuEventDestroy_v2(written) == SUCCESS  # the wait keeps what the event captured
+        assert lib.cuStreamSynchronize(reader) == SUCCESS
+        assert bytes(fake_cuda_testing.read_device(va + G, 64)) == b"\x07" * 64
+        assert fake.grown("queued") == 1  # the writer's second memset
+        assert lib.cuStreamSynchronize(writer) == SUCCESS
+        assert bytes(fake_cuda_testing.read_device(va, 64)) == b"\x08" * 64
+        for s in (writer, reader, other):
+            assert lib.cuStreamDestroy_v2(s) == SUCCESS
+
+
+@under_fake
+def test_the_legacy_stream_waits_for_blocking_streams_only(fake):
+    """The driver's legacy default stream (NULL) first waits for every
+    blocking stream; a CU_STREAM_NON_BLOCKING stream does not take part."""
+    with Driver(fake.lib) as d, d.mapped(1) as va:
+        lib = d.lib
+        blocking, non_blocking = d.stream(0), d.stream(NON_BLOCKING)
+        fake_cuda_testing.write_device(va, b"\x01" * 128)
+        assert lib.cuMemsetD8Async(va, 3, 64, blocking) == SUCCESS
+        assert lib.cuMemsetD8Async(va + 64, 4, 64, non_blocking) == SUCCESS
+        result, data = d.read(va, 128)  # on the legacy stream
+        assert result == SUCCESS and data == b"\x03" * 64 + b"\x01" * 64
+        assert lib.cuStreamSynchronize(non_blocking) == SUCCESS
+        for s in (blocking, non_blocking):
+            assert lib.cuStreamDestroy_v2(s) == SUCCESS
+
+
+@under_fake
+def test_the_fake_refuses_to_release_memory_that_queued_work_uses(fake):
+    """Unmapping device memory, lowering its access, or freeing page-locked
+    host memory under a copy that has not run is a use after free on a GPU:
+    refused, and counted, until the stream is synchronized."""
+    with Driver(fake.lib) as d, d.mapped(1) as va:
+        lib, s = d.lib, d.stream()
+        host = d.host(4096)
+        assert lib.cuMemcpyDtoHAsync_v2(host, va, 64, s) == SUCCESS
+        with fake.violations_expected() as seen:
+            assert lib.cuMemFreeHost(host) == NOT_PERMITTED
+            assert lib.cuMemUnmap(va, G) == NOT_PERMITTED
+            assert d.set_access(va, G, 0) == NOT_PERMITTED
+        assert "used by a cuMemcpyDtoHAsync queued on stream" in seen[0]
+        assert d.set_access(va, G, READ) == SUCCESS  # the copy only reads it
+        assert lib.cuStreamSynchronize(s) == SUCCESS
+        assert lib.cuMemFreeHost(host) == SUCCESS
+        assert d.set_access(va, G) == SUCCESS
+        assert lib.cuStreamDestroy_v2(s) == SUCCESS
+
+
+@under_fake
+def test_a_destroyed_streams_work_still_runs_when_forced(fake):
+    """cuStreamDestroy returns at once; the stream's work is still to run,
+    and holds its memory, until an event recorded on it forces it."""
+    with Driver(fake.lib) as d, d.mapped(1) as va:
+        lib, s, done = d.lib, d.stream(), d.event()
+        fake_cuda_testing.write_device(va, b"\x01" * 64)
+        assert lib.cuMemsetD8Async(va, 6, 64, s) == SUCCESS
+        assert lib.cuEventRecord(done, s) == SUCCESS
+        assert lib.cuStreamDestroy_v2(s) == SUCCESS
+        assert fake.grown("streams") == 0 and fake.grown("queued") == 1
+        with fake.violations_expected() as seen:
+            assert lib.cuMemUnmap(va, G) == NOT_PERMITTED
+            assert lib.cuStreamSynchronize(s) == 400  # CUDA_ERROR_INVALID_HANDLE: the handle is gone
+        assert "is not a live stream" in seen[0]
+        assert bytes(fake_cuda_testing.read_device(va, 64)) == b"\x01" * 64
+        assert lib.cuEventSynchronize(done) == SUCCESS
+        assert bytes(fake_cuda_testing.read_device(va, 64)) == b"\x06" * 64 and fake.grown("queued") == 0
+        assert lib.cuEventDestroy_v2(done) == SUCCESS
+
+
+@under_fake
+def test_the_fakes_eager_option_runs_work_as_it_is_queued(fake):
+    fake.set_option("eager", 1)
+    try:
+        with Driver(fake.lib) as d, d.mapped(1) as va:
+            s = d.stream()
+            assert d.lib.cuMemsetD8Async(va, 2, 64, s) == SUCCESS
+            assert bytes(fake_cuda_testing.read_device(va, 64)) == b"\x02" * 64 and fake.grown("queued") == 0
+            assert d.lib.cuStreamDestroy_v2(s) == SUCCESS
+    finally:
+        fake.set_option("eager", 0)

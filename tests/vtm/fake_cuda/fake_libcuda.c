@@ -19,8 +19,10 @@
  * mmaps a PROT_NONE range; cuMemMap maps the memfd there MAP_SHARED|MAP_FIXED,
  * still PROT_NONE, and cuMemSetAccess mprotects it, so a CPU touching a page
  * before access is granted (or after it is unmapped) faults, as a kernel
- * would. Copies and memsets are memcpy/memset done at once; streams and
- * events are real objects that are checked but order nothing.
+ * would. A stream is a queue: copies and memsets are checked at their call,
+ * queued on their stream, and run (a memmove, a memset) only when a
+ * synchronization forces them, in the order the driver promises and no
+ * other ("Queued work" below); an event captures a point of a queue.
  *
  * Rules enforced (a call that breaks one fails with the driver's error code,
  * has no effect, and is counted as a violation with a message, so a test can
@@ -54,17 +56,24 @@
  *  - copies and memsets: every device byte read must be mapped with access
  *    granted, every byte written mapped read-write (else ILLEGAL_ADDRESS);
  *    streams and events must be live (or the NULL/legacy/per-thread streams);
+ *  - queued work: unmapping device memory, or lowering its access, or freeing
+ *    page-locked host memory, that a queued copy or memset not yet run still
+ *    uses (on a GPU: a use after free) fails with CUDA_ERROR_NOT_PERMITTED;
+ *    a destroyed stream's work stays queued, and its memory in use, until
+ *    something forces it;
  *  - cuMemHostAlloc: page-aligned memory, known flags, bounded by
  *    FAKE_CUDA_HOST_BYTES when set; cuMemFreeHost only of what it returned;
  *  - the primary context is reference counted; when the last reference is
- *    released its streams and events are destroyed with it (counted as
+ *    released its streams and events are destroyed with it, and the copies
+ *    and memsets still queued are dropped unrun (each counted as
  *    "context_reclaimed", which a clean user keeps at 0).
  *
- * Not modelled: asynchrony (every copy has finished when its call returns,
- * so missing waits go unnoticed), more than one device, other contexts than
- * the primary one, sticky errors, peer access, memory that only an exported
- * fd keeps alive counted against the device's size, and the driver's entry
- * points vtm does not use.
+ * Not modelled: the use of host memory that is not page-locked by queued
+ * copies (freed or reused before they run, only the bytes copied show it),
+ * more than one device, other contexts than the primary one, sticky errors,
+ * peer access, memory that only an exported fd keeps alive counted against
+ * the device's size, and the driver's entry points vtm does not use (the
+ * synchronous copies, cuCtxSynchronize and cuEventQuery among them).
  *
  * Test controls (exported, for ctypes; entry points are named without the
  * _v2 suffix, e.g. "cuMemcpyHtoDAsync"):
@@ -78,15 +87,17 @@
  *  - fake_cuda_live(what): "handles", "allocations", "device_bytes",
  *    "mappings", "reservations", "host_allocations", "memfds" (open fds of
  *    this fake's memfds, exported ones included), "streams", "events",
- *    "context_refs", "context_reclaimed";
+ *    "context_refs", "context_reclaimed", "queued" (copies and memsets
+ *    queued and not yet run);
  *  - fake_cuda_range(what, i, &va, &size): the i-th "mappings" or "reservations";
  *  - fake_cuda_violations(), fake_cuda_last_violation(buf, len);
  *  - fake_cuda_set_option(name, value): "device_bytes", "host_bytes",
  *    "import_same_handle", "poison" (0: none, 1: the first and last page, the
  *    default, 2: every byte), "verbose" (1: print violations to stderr, 2:
- *    and every change to the address space); FAKE_CUDA_DEVICE_BYTES,
- *    FAKE_CUDA_HOST_BYTES, FAKE_CUDA_POISON and FAKE_CUDA_VERBOSE set the
- *    same at load time.
+ *    and every change to the address space), "eager" (1: run each copy and
+ *    memset as it is queued, as a stream that is never behind would);
+ *    FAKE_CUDA_DEVICE_BYTES, FAKE_CUDA_HOST_BYTES, FAKE_CUDA_POISON,
+ *    FAKE_CUDA_VERBOSE and FAKE_CUDA_EAGER set the same at load time.
  *
  * Threading: one mutex serialises every call, so the tables need no other
  * locking; the current context is per thread, as in the driver.
@@ -278,17 +289,64 @@ struct CUctx_st {
   long refs; /* primary context retains not yet released */
 };
 
+/* Access levels stored in a mapping's Entry.flags. */
+enum { ACCESS_NONE = 0, ACCESS_READ = 1, ACCESS_READWRITE = 3 };
+
+/* Work queued on streams (see "Queued work" below). */
+
+/* A point in a queue: "queue `queue` has run its operations numbered up to
+ * `seq`". queue 0: none (an event never recorded). */
+typedef struct {
+  uint64_t queue;
+  unsigned long long seq;
+} Capture;
+
+/* Device memory an operation reads (ACCESS_READ) or writes (ACCESS_READWRITE). */
+typedef struct {
+  uint64_t va;
+  size_t bytes; /* 0: none */
+  int access;
+} DeviceUse;
+
+typedef enum { OP_COPY, OP_MEMSET, OP_MARKER } OpKind;
+
+/* One operation of a queue: a copy, a memset, or a marker (an event's
+ * record, or a wait for another queue's capture), which touches nothing. */
+typedef struct Op {
+  struct Op* next;
+  unsigned long long seq; /* numbered in the order queued, over all queues */
+  OpKind kind;
+  int fn; /* the entry point that queued it */
+  void* dst;
+  const void* src;
+  size_t bytes;
+  unsigned char value;     /* OP_MEMSET's byte */
+  DeviceUse device[2];     /* what it touches on the device */
+  const void* host;        /* host memory it reads or writes, host_bytes of it; NULL: none */
+  size_t host_bytes;
+  Capture* after;          /* it runs after these, n_after of them (each numbered below it) */
+  size_t n_after;
+} Op;
+
+/* A stream's operations, oldest first. */
+typedef struct {
+  uint64_t id;        /* never reused */
+  const void* handle; /* the stream's handle, for messages */
+  int blocking;       /* ordered with the legacy stream */
+  int destroyed;      /* the handle is gone, its work is not */
+  Op* head;
+  Op* tail;
+} Queue;
+
 struct CUstream_st {
   unsigned flags;
+  Queue* queue; /* in g.queues */
 };
 
 struct CUevent_st {
   unsigned flags;
-  int recorded;
+  Capture captured; /* by its last cuEventRecord */
 };
-
-/* Access levels stored in a mapping's Entry.flags. */
-enum { ACCESS_NONE = 0, ACCESS_READ = 1, ACCESS_READWRITE = 3 };
 
 typedef struct {
   long long calls;
@@ -312,6 +370,12 @@ static struct {
   Table host;         /* key: pointer, bytes */
   Table streams;      /* key: CUstream */
   Table events;       /* key: CUevent */
+  Table queues;       /* key: queue id, obj: the Queue of a live stream, or of a destroyed one with work left */
+  Queue legacy;       /* the legacy default stream's (NULL, CU_STREAM_LEGACY) */
+  Queue per_thread;   /* CU_STREAM_PER_THREAD's, one for all threads */
+  uint64_t next_queue;
+  unsigned long long next_seq;
+  long long queued; /* copies and memsets not yet run */
   CUmemGenericAllocationHandle next_handle;
   size_t device_used;
   size_t host_used;
@@ -323,12 +387,16 @@ static struct {
   int import_same_handle;
   int poison;
   int verbose;
+  int eager; /* run each operation when it is queued */
 
   long long violations;
   char last_violation[512];
 } g = {
     .mu = PTHREAD_MUTEX_INITIALIZER,
     .next_handle = 0x7f0000001000ull,
+    .legacy = {.id = 1, .handle = CU_STREAM_LEGACY},
+    .per_thread = {.id = 2, .handle = CU_STREAM_PER_THREAD, .blocking = 1},
+    .next_queue = 3,
     .device_bytes = (size_t)16 << 30,
     .import_same_handle = 1,
     .poison = 1,
@@ -359,6 +427,216 @@ __attribute__((format(printf, 1, 2))) static void Trace(const char* format, ...)
 }
 
 static int PowerOfTwo(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+/* ------------------------------------------------------------------------
+ * Queued work.
+ *
+ * A stream is a queue. An async call checks its arguments at once (a bad one
+ * fails the call, as before) and queues its operation; the operation runs
+ * only when something forces it, never earlier, so a test sees no more order
+ * than the driver promises, and the same order every run (the option "eager",
+ * FAKE_CUDA_EAGER=1, runs each operation as it is queued instead). What
+ * forces work, by the driver API's reference:
+ *  - cuStreamSynchronize "waits until the device has completed all operations
+ *    in the stream": all of the stream's;
+ *  - cuEventRecord "captures in hEvent the contents of hStream at the time of
+ *    this call", and cuEventSynchronize "waits until the completion of all
+ *    work currently captured in hEvent": the stream's work up to the record;
+ *  - cuStreamWaitEvent "makes all future work submitted to hStream wait for
+ *    all work captured in hEvent": the waiting stream's later operations run
+ *    after the captured ones, which run first when the later ones are forced;
+ *  - "Stream synchronization behavior": "When an action is taken in the legacy
+ *    stream such as a kernel launch or cudaStreamWaitEvent(), the legacy
+ *    stream first waits on all blocking streams, the action is queued in the
+ *    legacy stream, and then all blocking streams wait on the legacy stream";
+ *    streams created CU_STREAM_NON_BLOCKING "do not synchronize with the
+ *    legacy stream". The per-thread stream "is not a non-blocking stream and
+ *    will synchronize with the legacy default stream"; this fake keeps one
+ *    per-thread queue for all threads (more order than the driver's, never
+ *    less).
+ * Every operation runs after those its queue holds before it and after the
+ * captures it waits for; sequence numbers grow over all queues, and a
+ * capture always names a point before the operation that waits for it, so
+ * running them cannot loop. */
+
+static Queue* FindQueue(uint64_t id) {
+  if (id == g.legacy.id) return &g.legacy;
+  if (id == g.per_thread.id) return &g.per_thread;
+  Entry* e = Find(&g.queues, id);
+  return e ? e->obj : NULL;
+}
+
+/* Every queue, by index in [0, QueueCount()): the two default streams', then
+ * the table's. */
+static size_t QueueCount(void) { return g.queues.n + 2; }
+
+static Queue* QueueAt(size_t i) {
+  if (i == 0) return &g.legacy;
+  if (i == 1) return &g.per_thread;
+  return g.queues.v[i - 2].obj;
+}
+
+/* Whether the work up to `c` has run (a queue gone has run all of it). */
+static int CaptureRan(Capture c) {
+  const Queue* q = c.queue != 0 ? FindQueue(c.queue) : NULL;
+  return q == NULL || q->head == NULL || q->head->seq > c.seq;
+}
+
+static int CapturesRan(const Op* op) {
+  for (size_t i = 0; i < op->n_after; ++i)
+    if (!CaptureRan(op->after[i])) return 0;
+  return 1;
+}
+
+/* A new operation, numbered now; NULL when out of memory. */
+static Op* NewOp(OpKind kind, int fn) {
+  Op* op = calloc(1, sizeof(*op));
+  if (op == NULL) return NULL;
+  op->kind = kind;
+  op->fn = fn;
+  op->seq = ++g.next_seq;
+  return op;
+}
+
+static void FreeOp(Op* op) {
+  free(op->after);
+  free(op);
+}
+
+/* Makes `op` run after the work up to `c`; -1 when out of memory. */
+static int AddCapture(Op* op, Capture c) {
+  if (c.queue == 0 || CaptureRan(c)) return 0;
+  Capture* after = realloc(op->after, (op->n_after + 1) * sizeof(Capture));
+  if (after == NULL) return -1;
+  after[op->n_after++] = c;
+  op->after = after;
+  return 0;
+}
+
+/* The order the legacy stream's rule (above) adds to `op`, queued on `q`. */
+static int AddLegacyOrder(const Queue* q, Op* op) {
+  if (q == &g.legacy) {
+    for (size_t i = 0; i < QueueCount(); ++i) {
+      const Queue* b = QueueAt(i);
+      if (b->blocking && b->tail != NULL && AddCapture(op, (Capture){b->id, b->tail->seq}) != 0) return -1;
+    }
+    return 0;
+  }
+  if (q->blocking && g.legacy.tail != NULL) return AddCapture(op, (Capture){g.legacy.id, g.legacy.tail->seq});
+  return 0;
+}
+
+/* Takes q's oldest operation off it (it has run, or is dropped). */
+static Op* PopHead(Queue* q) {
+  Op* op = q->head;
+  q->head = op->next;
+  if (q->head == NULL) q->tail = NULL;
+  if (op->kind != OP_MARKER) --g.queued;
+  return op;
+}
+
+/* A destroyed stream's queue goes when its work has run. */
+static void ForgetIfDone(Queue* q) {
+  if (!q->destroyed || q->head != NULL) return;
+  Erase(&g.queues, Find(&g.queues, q->id));
+  free(q);
+}
+
+/* The operation's effect: device memory is host memory, so a copy or a
+ * memset is a memmove or a memset; a marker does nothing. */
+static void Execute(const Op* op) {
+  if (op->kind == OP_COPY) memmove(op->dst, op->src, op->bytes);
+  if (op->kind == OP_MEMSET) memset(op->dst, op->value, op->bytes);
+}
+
+/* Runs the work up to `c`: the queue's operations through c.seq, oldest
+ * first, each after the captures it waits for. */
+static void RunThrough(Capture c) {
+  Queue* q = c.queue != 0 ? FindQueue(c.queue) : NULL;
+  if (q == NULL) return;
+  while (q->head != NULL && q->head->seq <= c.seq) {
+    Op* op = q->head;
+    /* Numbered below op, so none of them is in q: op stays its head. */
+    for (size_t i = 0; i < op->n_after; ++i) RunThrough(op->after[i]);
+    PopHead(q);
+    Execute(op);
+    FreeOp(op);
+  }
+  ForgetIfDone(q);
+}
+
+static void RunQueue(Queue* q) {
+  if (q->tail != NULL) RunThrough((Capture){q->id, q->tail->seq});
+}
+
+/* Retires the markers at the head of `q` whose captures have run: a marker
+ * touches nothing, so when it runs cannot be seen, and a queue nobody
+ * synchronises (the stream of a fence nobody waits for) does not grow. */
+static void RetireMarkers(Queue* q) {
+  while (q->head != NULL && q->head->kind == OP_MARKER && CapturesRan(q->head)) FreeOp(PopHead(q));
+  ForgetIfDone(q);
+}
+
+/* Queues `op` on `q` (taking it, freed on failure); with "eager", runs it. */
+static CUresult Enqueue(Queue* q, Op* op) {
+  if (AddLegacyOrder(q, op) != 0) {
+    FreeOp(op);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  if (q->tail != NULL)
+    q->tail->next = op;
+  else
+    q->head = op;
+  q->tail = op;
+  if (op->kind != OP_MARKER) ++g.queued;
+  if (g.eager)
+    RunThrough((Capture){q->id, op->seq});
+  else
+    RetireMarkers(q);
+  return CUDA_SUCCESS;
+}
+
+/* Whether `use` touches [start, start+size) and needs more than `access`. */
+static int UseConflicts(const DeviceUse* use, uint64_t start, size_t size, int access) {
+  return use->bytes != 0 && use->va < start + size && start < use->va + use->bytes &&
+         (use->access & access) != use->access;
+}
+
+/* The first operation not yet run that uses device memory in [start,
+ * start+size) in a way `access` would not allow (ACCESS_NONE: any use), and
+ * its queue in *where; NULL if none. */
+static const Op* QueuedDeviceUse(uint64_t start, size_t size, int access, const Queue** where) {
+  for (size_t i = 0; i < QueueCount(); ++i)
+    for (const Op* op = QueueAt(i)->head; op != NULL; op = op->next)
+      if (UseConflicts(&op->device[0], start, size, access) || UseConflicts(&op->device[1], start, size, access)) {
+        *where = QueueAt(i);
+        return op;
+      }
+  return NULL;
+}
+
+/* The first operation not yet run that reads or writes host memory in
+ * [p, p+size), and its queue in *where; NULL if none. */
+static const Op* QueuedHostUse(const void* p, size_t size, const Queue** where) {
+  const uintptr_t start = (uintptr_t)p;
+  for (size_t i = 0; i < QueueCount(); ++i)
+    for (const Op* op = QueueAt(i)->head; op != NULL; op = op->next)
+      if (op->host != NULL && (uintptr_t)op->host < start + size && start < (uintptr_t)op->host + op->host_bytes) {
+        *where = QueueAt(i);
+        return op;
+      }
+  return NULL;
+}
+
+/* Memory released under queued work: on a GPU the work would read or write
+ * memory that is gone, or reused. The reference documents no check of it;
+ * this fake refuses the call, which does nothing, and counts a violation. */
+static CUresult InUse(const char* fn, const char* what, const Op* op, const Queue* q) {
+  return Violation(CUDA_ERROR_NOT_PERMITTED,
+                   "%s: %s is used by a %s queued on %s %p that has not run (synchronize the stream first)", fn,
+                   what, kEntryNames[op->fn],
+                   q == &g.legacy ? "the legacy stream" : q->destroyed ? "destroyed stream" : "stream", q->handle);
+}
 
 /* ------------------------------------------------------------------------
  * Entry: counting, injected faults and the preconditions every call shares. */
@@ -461,11 +739,28 @@ FAKE_ENTRY(cuDeviceGetAttribute, NEEDS_INIT, (int* pi, CUdevice_attribute attrib
 /* ------------------------------------------------------------------------
  * The primary context. */
 
-/* The context's end: its streams and events go with it. */
+/* Drops every operation of `q` without running it; how many copies and
+ * memsets that was. */
+static long long DropQueued(Queue* q) {
+  long long dropped = 0;
+  while (q->head != NULL) {
+    Op* op = PopHead(q);
+    dropped += op->kind != OP_MARKER;
+    FreeOp(op);
+  }
+  return dropped;
+}
+
+/* The context's end: its streams and events go with it, and so does the work
+ * still queued on them, never run (the context that would run it is gone;
+ * each copy or memset dropped counts as reclaimed). */
 static void ResetPrimary(void) {
+  for (size_t i = 0; i < QueueCount(); ++i) g.context_reclaimed += DropQueued(QueueAt(i));
+  for (size_t i = 0; i < g.queues.n; ++i) free(g.queues.v[i].obj);
   for (size_t i = 0; i < g.streams.n; ++i) free(g.streams.v[i].obj);
   for (size_t i = 0; i < g.events.n; ++i) free(g.events.v[i].obj);
   g.context_reclaimed += (long long)(g.streams.n + g.events.n);
+  g.queues.n = 0;
   g.streams.n = 0;
   g.events.n = 0;
 }
@@ -516,45 +811,93 @@ static void* NewObject(Table* table, size_t size) {
   return obj;
 }
 
-static int ValidStream(CUstream s) {
-  return s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD || Find(&g.streams, (uintptr_t)s);
+/* The queue of stream `s`, or NULL if it is not a live stream. NULL is the
+ * legacy stream: vtm calls the driver's entry points without the per-thread
+ * (_ptsz) suffix. */
+static Queue* StreamQueue(CUstream s) {
+  if (s == NULL || s == CU_STREAM_LEGACY) return &g.legacy;
+  if (s == CU_STREAM_PER_THREAD) return &g.per_thread;
+  Entry* e = Find(&g.streams, (uintptr_t)s);
+  return e ? ((struct CUstream_st*)e->obj)->queue : NULL;
+}
+
+static struct CUevent_st* LiveEvent(CUevent ev) {
+  Entry* e = Find(&g.events, (uintptr_t)ev);
+  return e ? e->obj : NULL;
 }
 
 FAKE_ENTRY(cuStreamCreate, NEEDS_CONTEXT, (CUstream * phStream, unsigned int Flags), (phStream, Flags)) {
   if (phStream == NULL) return Violation(CUDA_ERROR_INVALID_VALUE, "cuStreamCreate: phStream is NULL");
   if (Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
     return Violation(CUDA_ERROR_INVALID_VALUE, "cuStreamCreate: flags %#x", Flags);
+  Queue* q = calloc(1, sizeof(*q));
+  if (q == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  q->id = g.next_queue++;
+  q->blocking = !(Flags & CU_STREAM_NON_BLOCKING);
   struct CUstream_st* s = NewObject(&g.streams, sizeof(*s));
-  if (s == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (s == NULL || Insert(&g.queues, (Entry){q->id, 0, q, 0}) != 0) {
+    if (s != NULL) Erase(&g.streams, Find(&g.streams, (uintptr_t)s));
+    free(s);
+    free(q);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  q->handle = s;
   s->flags = Flags;
+  s->queue = q;
   *phStream = s;
   return CUDA_SUCCESS;
 }
 
+/* "In case the device is still doing work in the stream hStream when
+ * cuStreamDestroy() is called, the function will return immediately and the
+ * resources associated with hStream will be released automatically once the
+ * device has completed all work in hStream." The handle goes; the queue stays
+ * until its work has run (forced through an event recorded on it, or by work
+ * that waits for one), and the memory that work uses stays in use. */
 FAKE_ENTRY(cuStreamDestroy, NEEDS_CONTEXT, (CUstream hStream), (hStream)) {
   Entry* e = Find(&g.streams, (uintptr_t)hStream);
   if (e == NULL)
     return Violation(CUDA_ERROR_INVALID_HANDLE, "cuStreamDestroy: %p is not a live stream", (void*)hStream);
-  free(e->obj);
+  struct CUstream_st* s = e->obj;
+  Queue* q = s->queue;
+  free(s);
   Erase(&g.streams, e);
+  q->destroyed = 1;
+  ForgetIfDone(q);
   return CUDA_SUCCESS;
 }
 
+/* The stream's own work (and what it waits for). The reference promises no
+ * more: work queued on other streams, the legacy one included, may still be
+ * pending. */
 FAKE_ENTRY(cuStreamSynchronize, NEEDS_CONTEXT, (CUstream hStream), (hStream)) {
-  if (!ValidStream(hStream))
+  Queue* q = StreamQueue(hStream);
+  if (q == NULL)
     return Violation(CUDA_ERROR_INVALID_HANDLE, "cuStreamSynchronize: %p is not a live stream", (void*)hStream);
+  RunQueue(q);
   return CUDA_SUCCESS;
 }
 
+/* A marker on the stream that waits for the event's capture ("the most
+ * recently captured state at the time of the API call", not affected by
+ * later records). An event never recorded "represents an empty set of work":
+ * nothing to wait for. */
 FAKE_ENTRY(cuStreamWaitEvent, NEEDS_CONTEXT, (CUstream hStream, CUevent hEvent, unsigned int Flags),
            (hStream, hEvent, Flags)) {
-  if (!ValidStream(hStream))
+  Queue* q = StreamQueue(hStream);
+  if (q == NULL)
     return Violation(CUDA_ERROR_INVALID_HANDLE, "cuStreamWaitEvent: %p is not a live stream", (void*)hStream);
-  if (Find(&g.events, (uintptr_t)hEvent) == NULL)
+  const struct CUevent_st* ev = LiveEvent(hEvent);
+  if (ev == NULL)
     return Violation(CUDA_ERROR_INVALID_HANDLE, "cuStreamWaitEvent: %p is not a live event", (void*)hEvent);
   if (Flags & ~(unsigned)CU_EVENT_WAIT_EXTERNAL)
     return Violation(CUDA_ERROR_INVALID_VALUE, "cuStreamWaitEvent: flags %#x", Flags);
-  return CUDA_SUCCESS;
+  Op* op = NewOp(OP_MARKER, FN_cuStreamWaitEvent);
+  if (op == NULL || AddCapture(op, ev->captured) != 0) {
+    if (op != NULL) FreeOp(op);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  return Enqueue(q, op);
 }
 
 FAKE_ENTRY(cuEventCreate, NEEDS_CONTEXT, (CUevent * phEvent, unsigned int Flags), (phEvent, Flags)) {
@@ -569,21 +912,32 @@ FAKE_ENTRY(cuEventCreate, NEEDS_CONTEXT, (CUevent * phEvent, unsigned int Flags)
   return CUDA_SUCCESS;
 }
 
+/* A marker on the stream; the event captures the stream up to it (on the
+ * legacy stream, the marker waits for every blocking stream first). */
 FAKE_ENTRY(cuEventRecord, NEEDS_CONTEXT, (CUevent hEvent, CUstream hStream), (hEvent, hStream)) {
-  Entry* e = Find(&g.events, (uintptr_t)hEvent);
-  if (e == NULL) return Violation(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord: %p is not a live event", (void*)hEvent);
-  if (!ValidStream(hStream))
-    return Violation(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord: %p is not a live stream", (void*)hStream);
-  ((struct CUevent_st*)e->obj)->recorded = 1;
-  return CUDA_SUCCESS;
+  struct CUevent_st* ev = LiveEvent(hEvent);
+  if (ev == NULL) return Violation(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord: %p is not a live event", (void*)hEvent);
+  Queue* q = StreamQueue(hStream);
+  if (q == NULL) return Violation(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord: %p is not a live stream", (void*)hStream);
+  Op* op = NewOp(OP_MARKER, FN_cuEventRecord);
+  if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  const Capture captured = {q->id, op->seq};
+  const CUresult r = Enqueue(q, op);
+  if (r == CUDA_SUCCESS) ev->captured = captured;
+  return r;
 }
 
 FAKE_ENTRY(cuEventSynchronize, NEEDS_CONTEXT, (CUevent hEvent), (hEvent)) {
-  if (Find(&g.events, (uintptr_t)hEvent) == NULL)
+  const struct CUevent_st* ev = LiveEvent(hEvent);
+  if (ev == NULL)
     return Violation(CUDA_ERROR_INVALID_HANDLE, "cuEventSynchronize: %p is not a live event", (void*)hEvent);
+  RunThrough(ev->captured);
   return CUDA_SUCCESS;
 }
 
+/* "An event may be destroyed before it is complete ... any associated
+ * resources will automatically be released asynchronously at completion":
+ * the handle goes at once; waits already queued keep their capture. */
 FAKE_ENTRY(cuEventDestroy, NEEDS_CONTEXT, (CUevent hEvent), (hEvent)) {
   Entry* e = Find(&g.events, (uintptr_t)hEvent);
   if (e == NULL) return Violation(CUDA_ERROR_INVALID_HANDLE, "cuEventDestroy: %p is not a live event", (void*)hEvent);
@@ -914,6 +1268,9 @@ FAKE_ENTRY(cuMemUnmap, NEEDS_CONTEXT, (CUdeviceptr ptr, size_t size), (ptr, size
   size_t first = 0, end = 0;
   if (size == 0 || !WholeMappings(ptr, size, &first, &end))
     return Violation(CUDA_ERROR_INVALID_VALUE, "cuMemUnmap: [%#llx, +%zu) is not a run of whole mappings", ptr, size);
+  const Queue* q = NULL;
+  const Op* op = QueuedDeviceUse(ptr, size, ACCESS_NONE, &q);
+  if (op != NULL) return InUse("cuMemUnmap", "the range", op, q);
   /* Back to a PROT_NONE reservation, with no file behind it. */
   void* p = mmap((void*)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
                  -1, 0);
@@ -947,6 +1304,9 @@ FAKE_ENTRY(cuMemSetAccess, NEEDS_CONTEXT, (CUdeviceptr ptr, size_t size, const C
   if (size == 0 || !WholeMappings(ptr, size, &first, &end))
     return Violation(CUDA_ERROR_INVALID_VALUE, "cuMemSetAccess: [%#llx, +%zu) is not a run of whole mappings", ptr,
                      size);
+  const Queue* q = NULL;
+  const Op* op = QueuedDeviceUse(ptr, size, access, &q);
+  if (op != NULL) return InUse("cuMemSetAccess", "the range, whose access it lowers,", op, q);
   const int prot = access == ACCESS_READWRITE ? PROT_READ | PROT_WRITE : access == ACCESS_READ ? PROT_READ : PROT_NONE;
   if (mprotect((void*)(uintptr_t)ptr, size, prot) != 0) return CUDA_ERROR_UNKNOWN;
   for (size_t i = first; i < end; ++i) g.mappings.v[i].flags = access;
@@ -954,7 +1314,8 @@ FAKE_ENTRY(cuMemSetAccess, NEEDS_CONTEXT, (CUdeviceptr ptr, size_t size, const C
 }
 
 /* ------------------------------------------------------------------------
- * Copies and memsets: done at once, after checking every device byte. */
+ * Copies and memsets: every device byte checked at the call, the operation
+ * queued on its stream (run later: "Queued work" above). */
 
 static CUresult CheckDevice(const char* fn, const char* role, CUdeviceptr va, size_t bytes, int access) {
   if (Accessible(va, bytes, access)) return CUDA_SUCCESS;
@@ -962,29 +1323,52 @@ static CUresult CheckDevice(const char* fn, const char* role, CUdeviceptr va, si
                    access == ACCESS_READWRITE ? "read-write" : "readable");
 }
 
-static CUresult CheckStream(const char* fn, CUstream s) {
-  if (ValidStream(s)) return CUDA_SUCCESS;
+static CUresult CheckStream(const char* fn, const Queue* q, CUstream s) {
+  if (q != NULL) return CUDA_SUCCESS;
   return Violation(CUDA_ERROR_INVALID_HANDLE, "%s: %p is not a live stream", fn, (void*)s);
+}
+
+/* Queues a copy of `bytes` from src to dst on q: it reads device memory
+ * `read`, writes `write` (either empty for a host copy) and uses `host`
+ * (NULL: none). */
+static CUresult QueueCopy(int fn, Queue* q, void* dst, const void* src, size_t bytes, DeviceUse read,
+                          DeviceUse write, const void* host) {
+  if (bytes == 0) return CUDA_SUCCESS;
+  Op* op = NewOp(OP_COPY, fn);
+  if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  op->dst = dst;
+  op->src = src;
+  op->bytes = bytes;
+  op->device[0] = read;
+  op->device[1] = write;
+  op->host = host;
+  op->host_bytes = host != NULL ? bytes : 0;
+  return Enqueue(q, op);
 }
 
 FAKE_ENTRY(cuMemcpyDtoDAsync, NEEDS_CONTEXT,
            (CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream),
            (dstDevice, srcDevice, ByteCount, hStream)) {
-  CUresult r = CheckStream("cuMemcpyDtoDAsync", hStream);
+  Queue* q = StreamQueue(hStream);
+  CUresult r = CheckStream("cuMemcpyDtoDAsync", q, hStream);
   if (r == CUDA_SUCCESS) r = CheckDevice("cuMemcpyDtoDAsync", "source", srcDevice, ByteCount, ACCESS_READ);
   if (r == CUDA_SUCCESS) r = CheckDevice("cuMemcpyDtoDAsync", "destination", dstDevice, ByteCount, ACCESS_READWRITE);
-  if (r == CUDA_SUCCESS && ByteCount > 0) memmove((void*)(uintptr_t)dstDevice, (void*)(uintptr_t)srcDevice, ByteCount);
-  return r;
+  if (r != CUDA_SUCCESS) return r;
+  return QueueCopy(FN_cuMemcpyDtoDAsync, q, (void*)(uintptr_t)dstDevice, (const void*)(uintptr_t)srcDevice,
+                   ByteCount, (DeviceUse){srcDevice, ByteCount, ACCESS_READ},
+                   (DeviceUse){dstDevice, ByteCount, ACCESS_READWRITE}, NULL);
 }
 
 FAKE_ENTRY(cuMemcpyDtoHAsync, NEEDS_CONTEXT, (void* dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream),
            (dstHost, srcDevice, ByteCount, hStream)) {
   if (dstHost == NULL && ByteCount > 0)
     return Violation(CUDA_ERROR_INVALID_VALUE, "cuMemcpyDtoHAsync: dstHost is NULL");
-  CUresult r = CheckStream("cuMemcpyDtoHAsync", hStream);
+  Queue* q = StreamQueue(hStream);
+  CUresult r = CheckStream("cuMemcpyDtoHAsync", q, hStream);
   if (r == CUDA_SUCCESS) r = CheckDevice("cuMemcpyDtoHAsync", "source", srcDevice, ByteCount, ACCESS_READ);
-  if (r == CUDA_SUCCESS && ByteCount > 0) memcpy(dstHost, (void*)(uintptr_t)srcDevice, ByteCount);
-  return r;
+  if (r != CUDA_SUCCESS) return r;
+  return QueueCopy(FN_cuMemcpyDtoHAsync, q, dstHost, (const void*)(uintptr_t)srcDevice, ByteCount,
+                   (DeviceUse){srcDevice, ByteCount, ACCESS_READ}, (DeviceUse){0, 0, 0}, dstHost);
 }
 
 FAKE_ENTRY(cuMemcpyHtoDAsync, NEEDS_CONTEXT,
@@ -992,18 +1376,27 @@ FAKE_ENTRY(cuMemcpyHtoDAsync, NEEDS_CONTEXT,
            (dstDevice, srcHost, ByteCount, hStream)) {
   if (srcHost == NULL && ByteCount > 0)
     return Violation(CUDA_ERROR_INVALID_VALUE, "cuMemcpyHtoDAsync: srcHost is NULL");
-  CUresult r = CheckStream("cuMemcpyHtoDAsync", hStream);
+  Queue* q = StreamQueue(hStream);
+  CUresult r = CheckStream("cuMemcpyHtoDAsync", q, hStream);
   if (r == CUDA_SUCCESS) r = CheckDevice("cuMemcpyHtoDAsync", "destination", dstDevice, ByteCount, ACCESS_READWRITE);
-  if (r == CUDA_SUCCESS && ByteCount > 0) memcpy((void*)(uintptr_t)dstDevice, srcHost, ByteCount);
-  return r;
+  if (r != CUDA_SUCCESS) return r;
+  return QueueCopy(FN_cuMemcpyHtoDAsync, q, (void*)(uintptr_t)dstDevice, srcHost, ByteCount, (DeviceUse){0, 0, 0},
+                   (DeviceUse){dstDevice, ByteCount, ACCESS_READWRITE}, srcHost);
 }
 
 FAKE_ENTRY(cuMemsetD8Async, NEEDS_CONTEXT, (CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream),
            (dstDevice, uc, N, hStream)) {
-  CUresult r = CheckStream("cuMemsetD8Async", hStream);
+  Queue* q = StreamQueue(hStream);
+  CUresult r = CheckStream("cuMemsetD8Async", q, hStream);
   if (r == CUDA_SUCCESS) r = CheckDevice("cuMemsetD8Async", "destination", dstDevice, N, ACCESS_READWRITE);
-  if (r == CUDA_SUCCESS && N > 0) memset((void*)(uintptr_t)dstDevice, uc, N);
-  return r;
+  if (r != CUDA_SUCCESS || N == 0) return r;
+  Op* op = NewOp(OP_MEMSET, FN_cuMemsetD8Async);
+  if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  op->dst = (void*)(uintptr_t)dstDevice;
+  op->bytes = N;
+  op->value = uc;
+  op->device[0] = (DeviceUse){dstDevice, N, ACCESS_READWRITE};
+  return Enqueue(q, op);
 }
 
 /* ------------------------------------------------------------------------
@@ -1029,6 +1422,9 @@ FAKE_ENTRY(cuMemHostAlloc, NEEDS_CONTEXT, (void** pp, size_t bytesize, unsigned 
 FAKE_ENTRY(cuMemFreeHost, NEEDS_CONTEXT, (void* p), (p)) {
   Entry* e = Find(&g.host, (uintptr_t)p);
   if (e == NULL) return Violation(CUDA_ERROR_INVALID_VALUE, "cuMemFreeHost: %p was not returned by cuMemHostAlloc", p);
+  const Queue* q = NULL;
+  const Op* op = QueuedHostUse(p, e->bytes, &q);
+  if (op != NULL) return InUse("cuMemFreeHost", "the memory", op, q);
   munmap(p, e->bytes);
   g.host_used -= e->bytes;
   Erase(&g.host, e);
@@ -1136,6 +1532,7 @@ FAKE_API long long fake_cuda_live(const char* what) {
   else if (strcmp(what, "events") == 0) n = (long long)g.events.n;
   else if (strcmp(what, "context_refs") == 0) n = g.primary.refs;
   else if (strcmp(what, "context_reclaimed") == 0) n = g.context_reclaimed;
+  else if (strcmp(what, "queued") == 0) n = g.queued;
   pthread_mutex_unlock(&g.mu);
   return n;
 }
@@ -1179,6 +1576,7 @@ FAKE_API int fake_cuda_set_option(const char* name, long long value) {
   else if (strcmp(name, "import_same_handle") == 0) g.import_same_handle = value != 0;
   else if (strcmp(name, "poison") == 0) g.poison = (int)value;
   else if (strcmp(name, "verbose") == 0) g.verbose = (int)value;
+  else if (strcmp(name, "eager") == 0) g.eager = value != 0;
   else known = 0;
   pthread_mutex_unlock(&g.mu);
   return known ? 0 : -1;
@@ -1236,5 +1634,7 @@ __attribute__((constructor)) static void Load(void) {
   if (poison != NULL) g.poison = atoi(poison);
   const char* verbose = getenv("FAKE_CUDA_VERBOSE");
   if (verbose != NULL) g.verbose = atoi(verbose);
+  const char* eager = getenv("FAKE_CUDA_EAGER");
+  if (eager != NULL) g.eager = atoi(eager) != 0;
   pthread_atfork(BeforeFork, AfterForkParent, AfterForkChild);
 }
