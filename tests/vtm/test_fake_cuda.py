@@ -457,6 +457,30 @@ def test_a_copy_on_write_of_a_page_goes_through_the_driver(fake, managers):
     m.vtensor.release().result()
 
 
+@under_fake
+def test_a_copy_on_write_whose_wait_fails_still_finishes_before_its_chunk_can_go(fake, managers):
+    """Backend::copy: when cuStreamSynchronize fails, the copy may still be
+    queued, reading and writing the two chunks' copy views; it must finish
+    before the failure is reported, or the chunk freed on that failure
+    unmaps its view under the copy (a use after free on a GPU)."""
+    mgr = managers(16)
+    sp = mgr.create_space(row_bytes=G // 8, max_tokens=40, max_slots=4)
+    io = RowIO(sp)
+    tokens = list(range(40))
+    record(sp, io, tokens)
+    fake.fail("cuStreamSynchronize", 1)
+    with pytest.raises(vtm.BackendError, match="cuStreamSynchronize"):
+        sp.prefix_match(tokens[:21] + [SENTINEL]).result()
+    assert fake.injected("cuStreamSynchronize") == 1
+    assert fake.grown("queued") == 0, "the copy is still queued after its failure was reported"
+    mgr.trim()  # the chunk the copy wrote goes back to the device, and its view with it
+    mgr.check()
+    m = sp.prefix_match(tokens[:21] + [SENTINEL]).result()
+    assert m.num_tokens == 21
+    io.verify(m.vtensor, tokens[:21])
+    m.vtensor.release().result()
+
+
 # Driver calls a spill and restore cycle makes (cycle() below), each failed
 # in turn at its first calls. Not swept: the calls of destructors, whose
 # failure vtm can only ignore (cuMemRelease, cuMemAddressFree, cuMemFreeHost,

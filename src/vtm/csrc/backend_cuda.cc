@@ -567,11 +567,18 @@ class CudaBackend final : public Backend {
     // and nothing else: the copy runs on a worker with the manager's mutex
     // held, and must not wait for kernels queued after the fence (the next
     // step's), as cuCtxSynchronize would. It completes before the mappings
-    // go away.
-    if (fence != nullptr)
-      Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
-    Check(fn_, "cuMemcpyDtoDAsync", fn_.cuMemcpyDtoDAsync(dst_va, src_va, bytes, copy_stream_));
-    Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
+    // go away, a failed one too: on a failure the stream is waited for once
+    // more before it is reported (as in CopiesThroughViews), since the
+    // caller then frees `dst`, and its view with it.
+    try {
+      if (fence != nullptr)
+        Check(fn_, "cuStreamWaitEvent", fn_.cuStreamWaitEvent(copy_stream_, fence->event(), 0));
+      Check(fn_, "cuMemcpyDtoDAsync", fn_.cuMemcpyDtoDAsync(dst_va, src_va, bytes, copy_stream_));
+      Check(fn_, "cuStreamSynchronize", fn_.cuStreamSynchronize(copy_stream_));
+    } catch (...) {
+      fn_.cuStreamSynchronize(copy_stream_);
+      throw;
+    }
   }
 
   void* alloc_host(std::size_t bytes) override {
