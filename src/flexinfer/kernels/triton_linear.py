@@ -39,6 +39,8 @@ K/V write skips (slot, position) pairs outside the cache view.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -283,6 +285,7 @@ def norm_qkv_rotary_kv_write(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _target_programs(device: torch.device) -> int:
     """Programs a call should have to keep the device's memory busy: two per
     SM on CUDA; on the CPU (the interpreter) a small GPU's count."""
