@@ -5,8 +5,10 @@ pool's capacity and counted per client, and closed spaces cost nothing
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import threading
 import time
 
 import grpc
@@ -68,49 +70,171 @@ def test_sessions_beyond_the_cap_are_refused_and_the_others_unaffected(tmp_path)
         b.kill()
 
 
-def test_a_client_cannot_hold_the_brokers_threads_with_calls_in_flight(tmp_path):
+def _in_process_broker(tmp_path, max_calls: int, **kwargs):
+    """A vtmd in this process, so that a test can hold a session's lock
+    (the calls of the session then wait for it, each holding a gRPC thread)."""
+    from vtm.broker.server import Broker
+
+    return Broker("unix:" + str(tmp_path / "vtmd" / "sock"), backend="host", capacity_bytes=64 * CHUNK,
+                  chunk_bytes=CHUNK, granularity=CHUNK, max_calls_in_flight_per_client=max_calls, **kwargs)
+
+
+def _creates(mgr, stub, n: int) -> list:
+    """n Create calls of `mgr`'s session, sent at once over `stub`."""
+    from vtm.broker import status
+
+    space = next(iter(mgr._spaces.values()))
+    request = vtm_pb2.CreateRequest(space_id=space.id, num_tokens=100)
+    return [stub.Create.future(request, timeout=60, metadata=((status.LEASE_KEY, mgr._lease),)) for _ in range(n)]
+
+
+def _counted(broker, expected: dict) -> None:
+    """Waits until vtmd counts `expected` calls in flight (pid or None -> calls)."""
+    deadline = time.monotonic() + 30
+    while broker.service.calls_in_flight() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert broker.service.calls_in_flight() == expected
+
+
+def _settle(calls: list, waiting: int) -> list:
+    """The calls still waiting once all but `waiting` of them were answered."""
+    deadline = time.monotonic() + 30
+    while sum(call.done() for call in calls) < len(calls) - waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [call for call in calls if not call.done()]
+
+
+def _assert_refused(call, says: str) -> None:
+    from vtm.broker import status
+
+    assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.details()
+    assert says in call.details() and "--max-calls-in-flight-per-client" in call.details(), call.details()
+    assert isinstance(status.from_rpc_error(call, "call"), vtm.OutOfMemory)
+
+
+def test_a_client_cannot_hold_the_brokers_threads_with_calls_in_flight(tmp_path, spawn):
     """Review: a client could keep any number of gRPC calls in flight at once.
     Each one that waits (for memory, up to ~2 s; or, as here, for its
     session's lock, which the session's calls take one at a time) holds one
     of vtmd's 32 gRPC threads, and 40 of them held all: another client's
-    calls waited for them. A session has at most
+    calls waited for them. A client has at most
     --max-calls-in-flight-per-client calls in flight (3 here): the calls past
     it are refused at once (RESOURCE_EXHAUSTED, vtm.OutOfMemory, naming the
-    flag) and change nothing, and the other client is served while the
+    flag) and change nothing, and another process is served while the
     first one's 3 calls still wait."""
-    from vtm.broker import status
-    from vtm.broker.server import GRPC_THREADS, Broker
+    from vtm.broker.server import GRPC_THREADS
 
-    path = str(tmp_path / "vtmd" / "sock")
-    broker = Broker("unix:" + path, backend="host", capacity_bytes=64 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
-                    max_calls_in_flight_per_client=3)
+    broker = _in_process_broker(tmp_path, max_calls=3)
+    address = "unix:" + broker.path
     try:
-        with vtm.connect("unix:" + path, name="greedy") as greedy, \
-                vtm.connect("unix:" + path, name="other", fast_path=False) as other:  # every call over gRPC
-            space = greedy.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+        with vtm.connect(address, name="greedy") as greedy:
+            greedy.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
             session = broker.service.lookup(greedy._lease)
-            request = vtm_pb2.CreateRequest(space_id=space.id, num_tokens=100)
-            with grpc.insecure_channel("unix:" + path) as channel:
-                create = vtm_pb2_grpc.BrokerStub(channel).Create
+            with grpc.insecure_channel(address) as channel:
                 with session.lock:  # the greedy client's calls wait behind it
-                    calls = [create.future(request, timeout=60, metadata=((status.LEASE_KEY, greedy._lease),))
-                             for _ in range(GRPC_THREADS + 8)]
-                    other_space = other.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
-                    assert other_space.create(100).result().mapped_bytes == 2 * CHUNK
-                    deadline = time.monotonic() + 30
-                    while sum(call.done() for call in calls) < len(calls) - 3 and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                    waiting = [call for call in calls if not call.done()]
+                    calls = _creates(greedy, vtm_pb2_grpc.BrokerStub(channel), GRPC_THREADS + 8)
+                    q = CTX.Queue()
+                    spawn(_honest_child, address, q)
+                    assert q.get(timeout=60) == "served"
+                    waiting = _settle(calls, 3)
                     assert len(waiting) == 3, f"{len(waiting)} calls of one client in flight"
                     for call in calls:
                         if call not in waiting:
-                            assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.details()
-                            assert "has 3 calls in flight already" in call.details(), call.details()
-                            assert "--max-calls-in-flight-per-client" in call.details(), call.details()
-                            assert isinstance(status.from_rpc_error(call, "create"), vtm.OutOfMemory)
+                            _assert_refused(call, "has 3 calls in flight already")
                 assert all(call.result().vtensor_id for call in waiting)  # served once the lock is free
             assert len(session.vtensors) == 3  # the refused calls made nothing
-            assert session.calls_in_flight == 0
+            assert broker.service.calls_in_flight() == {}
+    finally:
+        broker.stop()
+
+
+def test_the_calls_in_flight_of_a_process_count_together_over_its_sessions(tmp_path, spawn):
+    """Review: the cap counted a session's calls, so a process with several
+    sessions had --max-calls-in-flight-per-client in each (8 sessions of 4
+    held all 32 threads). It counts a process's (the kernel's pid, from each
+    session's attach), whatever names its sessions connect under; and the
+    lease-free calls a session's lease comes with (vtm.connect's stats) count
+    too. Another process is served meanwhile, and the refused calls change
+    nothing."""
+    broker = _in_process_broker(tmp_path, max_calls=3)
+    address = "unix:" + broker.path
+    try:
+        with vtm.connect(address, name="first") as first, vtm.connect(address, name="second") as second:
+            for mgr in (first, second):
+                mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+            sessions = [broker.service.lookup(mgr._lease) for mgr in (first, second)]
+            assert sessions[0].pid == sessions[1].pid == os.getpid()
+            with grpc.insecure_channel(address) as channel:
+                stub = vtm_pb2_grpc.BrokerStub(channel)
+                with sessions[0].lock, sessions[1].lock:
+                    calls = _creates(first, stub, 2)
+                    _counted(broker, {os.getpid(): 2})
+                    calls += _creates(second, stub, 2)  # 2 + 2 of one process: one too many
+                    waiting = _settle(calls, 3)
+                    assert len(waiting) == 3, f"{len(waiting)} calls of one process in flight"
+                    refused = [call for call in calls if call not in waiting]
+                    _assert_refused(refused[0], f"process {os.getpid()} (client 'second') has 3 calls in flight "
+                                                "already over its sessions together")
+                    assert broker.service.calls_in_flight() == {os.getpid(): 3}
+                    with pytest.raises(vtm.OutOfMemory, match="has 3 calls in flight already"):
+                        first.stats(timeout=10)  # lease-free, but it names the session: counted too
+                    q = CTX.Queue()
+                    spawn(_honest_child, address, q)
+                    assert q.get(timeout=60) == "served"
+                assert all(call.result().vtensor_id for call in waiting)
+            assert [len(s.vtensors) for s in sessions] == [2, 1]  # the refused call made nothing
+            assert broker.service.calls_in_flight() == {}
+            assert first.stats(timeout=10)["clients"]
+    finally:
+        broker.stop()
+
+
+def test_calls_without_an_attached_session_count_together(tmp_path):
+    """Review: lease-free calls (Hello, Stats, Trim, Check, SetQuota) were
+    not counted at all, and those that wait (a SetQuota for the sessions it
+    changes, a Stats or a Check behind the manager) could hold every gRPC
+    thread. gRPC names no process for a Unix socket's peer, so the calls
+    that carry no attached session's lease (Hello, vtmctl's) count
+    together, as one client: past --max-calls-in-flight-per-client (2 here)
+    they are refused at once, changing nothing, while the sessions of an
+    attached process are served; a vtm.connect whose Hello is refused so
+    asks again, and connects once one of them ends. The TCP control
+    listener's calls, on threads of their own, are not counted."""
+    from vtm.broker.server import tcp_target
+
+    broker = _in_process_broker(tmp_path, max_calls=2, control="tcp:127.0.0.1:0")
+    address = "unix:" + broker.path
+    try:
+        with vtm.connect(address, name="slow") as slow, vtm.connect(address, name="busy") as busy:
+            space = busy.create_space(row_bytes=ROW, max_tokens=1000, max_slots=4)
+            session = broker.service.lookup(slow._lease)
+            with grpc.insecure_channel(address) as channel, \
+                    grpc.insecure_channel(tcp_target(broker.control_address)) as control:
+                stub = vtm_pb2_grpc.BrokerStub(channel)
+                connected = []
+                with session.lock:  # a set-quota for 'slow' waits for it, holding a thread
+                    quotas = [stub.SetQuota.future(vtm_pb2.SetQuotaRequest(name="slow", priority=0), timeout=60)
+                              for _ in range(2)]
+                    _counted(broker, {None: 2})
+                    for call in (stub.Stats.future(vtm_pb2.StatsRequest(), timeout=10),
+                                 stub.Check.future(vtm_pb2.StatsRequest(), timeout=10),
+                                 stub.Trim.future(vtm_pb2.TrimRequest(all=True), timeout=10),
+                                 stub.Hello.future(vtm_pb2.HelloRequest(name="late"), timeout=10)):
+                        _assert_refused(call, "callers without an attached session (Hello, vtmctl) have 2 calls "
+                                              "in flight already")
+                    assert [c["name"] for c in busy.stats()["clients"]] == ["slow", "busy"]  # no session made
+                    assert space.create(100).result().mapped_bytes == 2 * CHUNK  # an attached process is served
+                    stats = vtm_pb2_grpc.BrokerStub(control).Stats(vtm_pb2.StatsRequest(), timeout=10)
+                    assert len(json.loads(stats.json)["clients"]) == 2
+                    connecting = threading.Thread(target=lambda: connected.append(vtm.connect(address, timeout=30)))
+                    connecting.start()
+                    time.sleep(0.3)
+                    assert not connected  # its Hello is refused, and asked again
+                connecting.join(30)
+                assert all(call.result() for call in quotas)
+                assert len(connected) == 1 and connected[0].stats()["client_id"] == connected[0].client_id
+                connected[0].close()
+            assert broker.service.calls_in_flight() == {}
     finally:
         broker.stop()
 

@@ -853,6 +853,9 @@ def test_a_late_payer_shrinks_without_waiting_at_the_gate(in_process_service):
 class _ControlContext:
     """What a control call (no lease) needs of a gRPC context here."""
 
+    def invocation_metadata(self):
+        return ()  # no lease: counted with the callers without a session
+
     def set_trailing_metadata(self, metadata):
         pass
 

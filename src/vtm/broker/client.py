@@ -188,7 +188,16 @@ class RemoteManager:
             raise errors.Unavailable(f"no vtm broker answers at {self._address} (waited {wait})") from None
         self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
         while True:
-            hello = self._rpc("hello", self._stub.Hello, self._hello, lease=False)
+            try:
+                hello = self._rpc("hello", self._stub.Hello, self._hello, lease=False)
+            except errors.OutOfMemory as exc:
+                # Refused for the calls in flight of the callers vtmd cannot
+                # tell apart, Hellos among them (service.py, _in_flight): one
+                # ends in a moment, so it is asked again within the deadline.
+                if status.CALLS_IN_FLIGHT_FLAG not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+                continue
             self._metadata = ((status.LEASE_KEY, hello.lease),)
             self._lease = hello.lease
             self._fd_socket = hello.fd_socket

@@ -11,6 +11,10 @@ metadata key "vtm-control-token", else UNAUTHENTICATED (health needs none:
 it tells nothing). On loopback without a token, anyone on the host may call
 (the Unix socket's folder, 0700, is what guards the rest).
 
+Its calls run on threads of its own (vtmd's _CONTROL_THREADS), none of the
+Unix socket's: they do not count against --max-calls-in-flight-per-client,
+which bounds what one client holds of those (service.py, _in_flight).
+
 Invariant: a call here never opens a session nor reaches one.
 """
 
@@ -68,12 +72,12 @@ class ControlService(vtm_pb2_grpc.BrokerServicer):
 
     def Stats(self, request, context):
         self._authorized(context)
-        return self._service.Stats(request, context)
+        return self._service.Stats(request, context, counted=False)
 
     def Trim(self, request, context):
         self._authorized(context)
-        return self._service.Trim(request, context)
+        return self._service.Trim(request, context, counted=False)
 
     def SetQuota(self, request, context):
         self._authorized(context)
-        return self._service.SetQuota(request, context)
+        return self._service.SetQuota(request, context, counted=False)

@@ -18,7 +18,9 @@ SetQuota) and health over TCP, and nothing else (src/vtm/broker/control.py).
 Threads are fixed whatever the number of sessions: GRPC_THREADS serve gRPC
 calls (all unary), one reactor thread waits on every side-socket connection
 and client pidfd, and IO_THREADS answer them (src/vtm/broker/reactor.py).
-A session holds at most --max-calls-in-flight-per-client of the gRPC threads.
+A client process holds at most --max-calls-in-flight-per-client of the gRPC
+threads over all its sessions, and the callers that name no attached session
+(Hello, vtmctl) as many together (service.py, _in_flight).
 """
 
 from __future__ import annotations
@@ -396,9 +398,13 @@ def main(argv, stop: threading.Event) -> int:
                         help="client sessions served at once; Hello beyond gets RESOURCE_EXHAUSTED; one process "
                              "holds at most a quarter of them, at least 16")
     parser.add_argument("--max-calls-in-flight-per-client", type=int, default=MAX_CALLS_IN_FLIGHT, metavar="N",
-                        help="gRPC calls one client session may have in flight at once (waiting for memory "
-                             "included); those beyond get RESOURCE_EXHAUSTED at once, so that one client cannot "
-                             f"hold all {GRPC_THREADS} of vtmd's gRPC threads (vtm.connect sends one at a time)")
+                        help="gRPC calls one client process may have in flight at once over all its sessions "
+                             "(any call carrying the lease of a session it attached, waiting for memory included); "
+                             "the calls that carry no attached session's lease (Hello, vtmctl) count together as "
+                             "one more client; calls beyond get RESOURCE_EXHAUSTED at once, so that one process "
+                             f"cannot hold all {GRPC_THREADS} of vtmd's gRPC threads (vtm.connect sends one at a time "
+                             "a session; the TCP --control listener's calls are not counted: they have threads of "
+                             "their own)")
     parser.add_argument("--quota-file", default=None, metavar="FILE",
                         help="TOML: each client name's priority, guaranteed_bytes and limit_bytes (default: priority "
                              "0, no guarantee and no limit for every client); see docs/broker.md")

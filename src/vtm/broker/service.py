@@ -19,12 +19,13 @@ held per session.
 What a client can make the broker hold is bounded: at most max_sessions
 sessions (Hello beyond is RESOURCE_EXHAUSTED), of which one process holds at
 most max_sessions_per_process (its attach beyond is refused: a client that
-leaks sessions leaves room to the others), at most max_calls_per_session
-gRPC calls in flight a session (one past it is refused at once: a call that
-waits, for memory or for its session's lock, holds one of the server's
-fixed gRPC threads, and one client must not hold them all; the step socket
-serves a session one op at a time on each of its 2 connections, on the
-reactor's workers), at most MAX_SPACES spaces a
+leaks sessions leaves room to the others), at most max_calls_per_client
+gRPC calls in flight a client (one past it is refused at once: a call that
+waits, for memory, a session's lock or the manager, holds one of the
+server's fixed gRPC threads, and one client must not hold them all; see
+_in_flight for what a client is; the step socket serves a session one op at
+a time on each of its 2 connections, on the reactor's workers), at most
+MAX_SPACES spaces a
 session, and page tables (slots x pages a slot) of at most the budget one
 space of the manager may have (vtm.limits.page_table_budget) a session;
 a closed space leaves nothing behind (the manager erases it). The host
@@ -40,9 +41,9 @@ Invariants:
   * a call only ever names spaces and vTensors of its own LIVE session;
   * the granted guarantees of all sessions sum to at most the capacity;
   * while stopping, no session is admitted and no operation starts;
-  * a session's calls_in_flight counts its gRPC calls between their lease's
-    check and their end, at most max_calls_per_session (lease-free calls,
-    which take no session's lock, are not counted).
+  * _calls_in_flight[caller] counts the caller's gRPC calls on the Unix
+    socket between their start (after the lease's check) and their end, at
+    most max_calls_per_client, and holds no caller with none (_in_flight).
 """
 
 from __future__ import annotations
@@ -78,12 +79,16 @@ _ATTACH_S = 10.0  # a session whose channel never attaches is dropped after this
 # long after is one whose process lives on, which the operator is told of.
 _QUARANTINE_WARN_S = 1.0
 MAX_SPACES = 64  # per session
-# gRPC calls one session may have in flight (vtmd --max-calls-in-flight-per-client):
-# vtm.connect sends them one at a time from its worker thread (stats(timeout=...),
-# from any thread, is lease-free and not counted), so 4 leaves room for a call
-# the client gave up on (its deadline passed) that still runs here, while a
-# session holds at most an eighth of the 32 gRPC threads.
+# gRPC calls one client (a process: _in_flight) may have in flight (vtmd
+# --max-calls-in-flight-per-client): vtm.connect sends a session's calls one at
+# a time from its worker thread, plus stats(timeout=...) from a metrics thread,
+# so 4 leaves an engine's session room for a call it gave up on (its deadline
+# passed) that still runs here, while a process holds at most an eighth of the
+# 32 gRPC threads.
 MAX_CALLS_IN_FLIGHT = 4
+# The caller _in_flight counts a call against when it cannot name the process:
+# the call carries no lease of an attached session.
+UNIDENTIFIED = None
 # A prefix tree listed in one reply (PrefixNodes), in bytes of its index:
 # at 4 bytes a token there and at least 1 in a reply, a larger tree's reply
 # passes the 4 MiB a gRPC client receives by default. Listing it anyway built
@@ -125,7 +130,7 @@ def _process_exited(pidfd: int) -> bool:
 
 class BrokerService(vtm_pb2_grpc.BrokerServicer):
     def __init__(self, manager, backend: str, device: int, fd_socket: str, reactor, quotas, max_sessions: int,
-                 max_calls_per_session: int = MAX_CALLS_IN_FLIGHT):
+                 max_calls_per_client: int = MAX_CALLS_IN_FLIGHT):
         self.manager = manager
         self._chunk_bytes = manager.chunk_bytes
         self._backend = backend
@@ -138,7 +143,10 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
         self.quotas = quotas  # guarded by _mu
         self.max_sessions = max_sessions
         self.max_sessions_per_process = sessions_per_process(max_sessions)
-        self.max_calls_per_session = max_calls_per_session
+        self.max_calls_per_client = max_calls_per_client
+        # pid (or UNIDENTIFIED) -> its gRPC calls in flight (_in_flight), under _mu.
+        self._calls_in_flight: dict[int | None, int] = {}
+        self._unidentified_refused = False  # logged once (_in_flight)
         # A session's spaces together: what one space of the manager may have.
         self._table_budget = page_table_budget(manager.capacity_bytes, self._chunk_bytes)
         self._mu = threading.Lock()
@@ -391,13 +399,18 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
 
     # -- plumbing ------------------------------------------------------------
 
-    def _run(self, context, body, session_required=True):
-        """Runs body(session) under the session lock, mapping vtm errors to codes."""
+    def _run(self, context, body, session_required=True, counted=True):
+        """Runs body(session) under the session lock, mapping vtm errors to
+        codes; a lease-free call runs body(None) (no lease needed, none taken).
+        `counted`: the call holds one of the Unix socket's gRPC threads, so it
+        counts against its caller's calls in flight (_in_flight); the TCP
+        control listener's calls run on threads of its own (control.py)."""
         try:
             if self._stopping:
                 raise vtm.Unavailable("the broker is stopping")
             if not session_required:
-                return body(None)
+                with self._in_flight(self._caller(context)) if counted else contextlib.nullcontext():
+                    return body(None)
             session = self._session(context)
             with self._in_flight(session), session.lock:
                 if session.state == PENDING:
@@ -413,31 +426,76 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             context.set_trailing_metadata(((status.ERROR_KEY, "InvalidArgument"),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    def _caller(self, context) -> Session | None:
+        """The session whose lease a lease-free call carries (vtm.connect
+        sends it with stats, trim and check), or None: a lease-free call
+        needs none, so one it lacks, or one no longer valid, is no error."""
+        lease = dict(context.invocation_metadata()).get(status.LEASE_KEY)
+        return self.lookup(lease) if lease else None
+
     @contextlib.contextmanager
-    def _in_flight(self, session: Session):
-        """Counts a gRPC call of `session` while it runs; refuses it at once,
-        changing nothing, when the session has max_calls_per_session in flight
-        already. (The step socket needs no count: each of a session's
-        connections there is served one datagram at a time, reactor.py.)"""
-        most = self.max_calls_per_session
+    def _in_flight(self, session: Session | None):
+        """Counts a gRPC call while it runs against its client; refuses it at
+        once, changing nothing, when that client has max_calls_per_client in
+        flight already.
+
+        A client is a process, named by the pid the kernel gave at the attach
+        of the session whose lease the call carries: every session of one
+        process shares one count, whatever names they connect under (a name is
+        a label a client picks: counted by name, a process would get round the
+        cap by picking new ones, and replicas sharing a name would refuse each
+        other). Calls that name no attached session (Hello, which comes before
+        any; calls of a session not attached yet; vtmctl's, which carry no
+        lease) share one count of their own, UNIDENTIFIED: gRPC tells the
+        server nothing of a Unix socket's peer (no pid), and a caller vtmd
+        cannot tell apart from another must not get a count per call, or a
+        flood of them (of Hellos, say) would hold every thread. So a process
+        holds at most max_calls_per_client threads with its sessions, and all
+        callers without one together as many; vtm.connect tries a Hello
+        refused for this again until its deadline (client.py).
+        The step socket needs no count: each of a session's connections
+        there is served one datagram at a time (reactor.py)."""
+        most = self.max_calls_per_client
         with self._mu:
-            refused = session.calls_in_flight >= most
-            first_refusal = refused and not session.calls_refused
-            if refused:
-                session.calls_refused = True
+            caller = UNIDENTIFIED if session is None else session.pid  # None until the attach
+            held = self._calls_in_flight.get(caller, 0)
+            refused = held >= most
+            if not refused:
+                self._calls_in_flight[caller] = held + 1
+            elif caller is UNIDENTIFIED:
+                first_refusal, self._unidentified_refused = not self._unidentified_refused, True
             else:
-                session.calls_in_flight += 1
+                first_refusal, session.calls_refused = not session.calls_refused, True
         if refused:
-            if first_refusal:  # once a session: a client that keeps trying must not flood the log
-                log.warning("client %d ('%s', pid %s) keeps more than %d calls in flight: vtmd refuses the excess "
-                            "(--max-calls-in-flight-per-client)", session.client_id, session.name, session.pid, most)
-            raise vtm.OutOfMemory(f"client '{session.name}' has {most} calls in flight already, as many as vtmd serves "
-                                  f"a client at once (--max-calls-in-flight-per-client {most}): wait for one to end")
+            # Once a session, and once for the unidentified callers: a client
+            # that keeps trying must not flood the log.
+            if caller is UNIDENTIFIED:
+                if first_refusal:
+                    log.warning("callers without an attached session (Hello, vtmctl) keep more than %d calls in "
+                                "flight: vtmd refuses the excess (--max-calls-in-flight-per-client)", most)
+                raise vtm.OutOfMemory(f"callers without an attached session (Hello, vtmctl) have {most} calls in "
+                                      f"flight already, as many as vtmd serves a client at once "
+                                      f"({status.CALLS_IN_FLIGHT_FLAG} {most}): wait for one to end")
+            if first_refusal:
+                log.warning("process %d (client %d, '%s') keeps more than %d calls in flight over its sessions: vtmd "
+                            "refuses the excess (--max-calls-in-flight-per-client)", caller, session.client_id,
+                            session.name, most)
+            raise vtm.OutOfMemory(f"process {caller} (client '{session.name}') has {most} calls in flight already "
+                                  f"over its sessions together, as many as vtmd serves a client at once "
+                                  f"({status.CALLS_IN_FLIGHT_FLAG} {most}): wait for one to end")
         try:
             yield
         finally:
             with self._mu:
-                session.calls_in_flight -= 1
+                self._calls_in_flight[caller] -= 1
+                if not self._calls_in_flight[caller]:
+                    del self._calls_in_flight[caller]
+
+    def calls_in_flight(self) -> dict[int | None, int]:
+        """pid (UNIDENTIFIED: callers without an attached session) -> its
+        gRPC calls in flight (the tests read it)."""
+        with self._mu:
+            return dict(self._calls_in_flight)
 
     def run_op(self, session: Session, body):
         """Runs body() under the session lock for the step socket
@@ -1021,16 +1079,18 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                    on_host=n["on_host"], host_pages=n["host_pages"]) for n in nodes])
         return self._run(context, body)
 
-    # Control calls: no lease needed (see the proto).
+    # Control calls: no lease needed (see the proto). `counted`: False for the
+    # TCP control listener's (control.py), which hold none of the Unix socket's
+    # gRPC threads (_run).
 
-    def Trim(self, request, context):
+    def Trim(self, request, context, counted=True):
         def body(_):
             # No page effects: the broker keeps no slot cache, so trimming
             # unmaps nothing any client maps.
             return vtm_pb2.OpReply(value=self.manager.trim(None if request.all else _count(request.bytes, "bytes")))
-        return self._run(context, body, session_required=False)
+        return self._run(context, body, session_required=False, counted=counted)
 
-    def Stats(self, request, context):
+    def Stats(self, request, context, counted=True):
         def body(_):
             stats = self.manager.stats()
             tier = stats.pop("host_tier_accounts")
@@ -1039,7 +1099,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             with self._mu:
                 stats["tier_accounts"] = len(self._tier_accounts)
             return vtm_pb2.StatsReply(json=json.dumps(stats))
-        return self._run(context, body, session_required=False)
+        return self._run(context, body, session_required=False, counted=counted)
 
     def Check(self, request, context):
         def body(_):
@@ -1047,7 +1107,7 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             return vtm_pb2.OpReply()
         return self._run(context, body, session_required=False)
 
-    def SetQuota(self, request, context):
+    def SetQuota(self, request, context, counted=True):
         def body(_):
             fields = {f: getattr(request, f) for f in ("priority", "guaranteed_bytes", "limit_bytes",
                                                        "host_tier_limit_bytes") if request.HasField(f)}
@@ -1093,5 +1153,5 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
                                                            f"{session.limit_bytes} bytes")
             clients = [c for c in self.clients() if c["name"] == name]
             return vtm_pb2.StatsReply(json=json.dumps({"quota": quota._asdict(), "clients": clients}))
-        return self._run(context, body, session_required=False)
+        return self._run(context, body, session_required=False, counted=counted)
 

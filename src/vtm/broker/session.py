@@ -16,7 +16,7 @@ A session's life (docs/broker.md, "Trust model"):
                the pool.
 
 Invariants (guarded by `lock`, which also serialises the client's calls;
-calls_in_flight and calls_refused by the service's _mu):
+calls_refused by the service's _mu):
   * spaces / vtensors hold exactly the live spaces and vTensors this client
     created (or matched); nothing of another client is reachable through them;
   * pages[(space, slot, page)] is the (chunk, serial) mapped there as the
@@ -74,9 +74,8 @@ class Session:
         self.host_tier_limit_bytes = granted.host_tier_limit_bytes  # charged per name (quota.py)
         self.lease = secrets.token_hex(16)
         self.lock = threading.Lock()
-        # Its gRPC calls being served, waiting for `lock` included, and
-        # whether one was refused for their number (the service's _mu guards both).
-        self.calls_in_flight = 0
+        # Whether a gRPC call of it was refused for its process's calls in
+        # flight (service.py, _in_flight, which counts them per process).
         self.calls_refused = False
         self.state = PENDING
         self.pid = None  # the kernel's word, at attach

@@ -20,6 +20,9 @@ HOLE_PAGE = (1 << 32) - 1
 # gives them back (a Shrink with all_ahead) and asks once more, before the
 # broker asks any other client for memory (docs/broker.md, "Mapping ahead").
 OWN_PAGES_AHEAD = "this client maps pages ahead: it gives them back first"
+# What an OutOfMemory for too many calls in flight names (service.py,
+# _in_flight): vtm.connect tries a Hello refused for it again (client.py).
+CALLS_IN_FLIGHT_FLAG = "--max-calls-in-flight-per-client"
 
 _CODES = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
