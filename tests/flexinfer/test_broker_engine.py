@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 
 pytest.importorskip("transformers")
@@ -584,3 +585,78 @@ def test_an_engine_on_a_broker_forgets_its_dead_swap_records(tiny_folder, tmp_pa
                 mgr.check()
     finally:
         b.kill()
+
+
+def test_a_swap_record_waits_for_the_release_the_broker_refused(tiny_folder, tmp_path):
+    """Prefix caching off, preemption="swap": a readmitted sequence's match
+    locks its swap record's path, and the record is forgotten once the
+    match's vTensor is released. A broker client unmapped the vTensor before
+    asking vtmd to release it and called it released whatever vtmd answered;
+    when vtmd refused the release (here: the process had its calls in flight
+    already, --max-calls-in-flight-per-client), the forget went ahead while
+    vtmd still held the vTensor and its lock on the path (so the record was
+    taken back and its nodes stayed), and nobody asked vtmd again: the
+    vTensor, its slot and the nodes stayed held until the session ended.
+    Now the vTensor is released once vtmd released it: the scheduler asks
+    again at its next step, and forgets the record after that."""
+    from flexinfer import SamplingParams
+    from vtm.broker import status
+    from vtm.broker.server import Broker
+    from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
+
+    broker = Broker("unix:" + str(tmp_path / "vtmd" / "sock"), backend="host", capacity_bytes=64 * PAGE,
+                    chunk_bytes=PAGE, granularity=PAGE, host_tier_bytes=64 * PAGE, max_calls_in_flight_per_client=1)
+    address = "unix:" + broker.path
+    try:
+        # fast_path off: every call over gRPC, where vtmd counts them.
+        with vtm.connect(address, name="engine", fast_path=False) as mgr, vtm.connect(address, name="other") as other:
+            engine = Engine(tiny_folder, manager=mgr, max_model_len=256, max_num_seqs=4, enable_prefix_caching=False,
+                            preemption="swap")
+            space = engine.kv_cache.space
+            seq = Sequence(1, 0, 0, [1] + list(range(40, 79)),
+                           SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), 0, ())
+            engine.add(seq)
+            while len(seq.output_ids) < 16:
+                engine.step()
+            engine.scheduler.reclaim(1, timeout_s=0)  # the next step preempts it: its swap record
+            engine.step()
+            while len(seq.output_ids) < 29:
+                engine.step()
+            assert engine.scheduler.num_preemptions == 1 and seq.vtensors  # readmitted: its match locks the record
+            assert [n["locks"] for n in space.prefix_nodes()] == [1]
+            other_space = other.create_space(row_bytes=512, max_tokens=64, max_slots=1)
+            other_session = broker.service.lookup(other._lease)
+            release = mgr._transport.release
+            refused = []
+
+            def refused_once(vt_id):
+                """The sequence's release, sent while another session of this
+                process has a call in flight (waiting for its lock): refused."""
+                mgr._transport.release = release
+                with grpc.insecure_channel(address) as channel:
+                    with other_session.lock:
+                        waiting = vtm_pb2_grpc.BrokerStub(channel).Create.future(
+                            vtm_pb2.CreateRequest(space_id=other_space.id, num_tokens=8), timeout=60,
+                            metadata=((status.LEASE_KEY, other._lease),))
+                        deadline = time.monotonic() + 30
+                        while broker.service.calls_in_flight() != {os.getpid(): 1} and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                        with pytest.raises(vtm.OutOfMemory, match="--max-calls-in-flight-per-client") as refusal:
+                            release(vt_id)
+                    waiting.result()  # served once the lock is free
+                refused.append(refusal.value)
+                raise refusal.value
+
+            mgr._transport.release = refused_once
+            while engine.has_work():
+                engine.step()
+            engine.drain()  # the refused release is asked again here at the latest
+            assert len(refused) == 1 and "--max-calls-in-flight-per-client" in str(refused[0])
+            assert engine.scheduler.num_memory_faults == 1 and len(seq.output_ids) == 30 and seq.error is None
+            stats = mgr.stats()
+            assert stats["spaces"][space.name]["vtensors"] == 0, stats
+            assert space.prefix_nodes() == [] and stats["tree_nodes"] == 0, stats  # the record forgotten
+            mgr.check()
+            engine.close()
+    finally:
+        broker.stop()

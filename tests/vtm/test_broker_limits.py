@@ -239,6 +239,43 @@ def test_calls_without_an_attached_session_count_together(tmp_path):
         broker.stop()
 
 
+def test_a_release_vtmd_refuses_leaves_the_vtensor_unreleased_until_one_it_answers(tmp_path):
+    """A broker client unmaps a vTensor before it asks vtmd to release it,
+    and called it released whatever vtmd answered: a refused release (here:
+    the process has its call in flight already) left vtmd holding the
+    vTensor, its slot and its pages until the session ended, while the
+    client counted the slot free and refused a second release(). Now it is
+    released once vtmd released it: a second release() asks again."""
+    broker = _in_process_broker(tmp_path, max_calls=1)
+    address = "unix:" + broker.path
+    try:
+        with vtm.connect(address, name="client", fast_path=False) as mgr, vtm.connect(address, name="other") as other:
+            space = mgr.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+            vt = space.create(100).result()
+            other.create_space(row_bytes=ROW, max_tokens=1000, max_slots=1)
+            other_session = broker.service.lookup(other._lease)
+            with grpc.insecure_channel(address) as channel:
+                with other_session.lock:
+                    [waiting] = _creates(other, vtm_pb2_grpc.BrokerStub(channel), 1)
+                    _counted(broker, {os.getpid(): 1})
+                    with pytest.raises(vtm.OutOfMemory, match="--max-calls-in-flight-per-client"):
+                        vt.release().result()
+                assert waiting.result().vtensor_id
+            assert not vt.released and space.free_slots == 0  # vtmd holds it and its slot
+            with pytest.raises(vtm.FailedPrecondition, match=r"release\(\) it again"):
+                vt.num_tokens  # unmapped here: unusable
+            assert mgr.stats()["spaces"][space.name]["vtensors"] == 1
+            vt.release().result()
+            assert vt.released and space.free_slots == 1
+            assert mgr.stats()["spaces"][space.name]["vtensors"] == 0
+            with pytest.raises(vtm.FailedPrecondition, match="already released"):
+                vt.release().result()
+            assert space.create(100).result().mapped_bytes == 2 * CHUNK  # the slot is free again
+            mgr.check()
+    finally:
+        broker.stop()
+
+
 def test_one_process_holds_at_most_its_share_of_the_sessions(tmp_path, spawn):
     """Review: one process could take every place of --max-sessions (one that
     leaks a session per request, say), and then no other client connected.

@@ -131,6 +131,8 @@ class RemoteManager:
         self._spaces: dict[int, RemoteSpace] = {}
         self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, RemoteVTensor] = {}
+        # Unmapped here, not released at the broker (RemoteVTensor._broker_holds).
+        self._held_at_broker: dict[int, RemoteVTensor] = {}
         self._mapper = None
         self._channel = None
         self._fds = None
@@ -451,6 +453,7 @@ class RemoteManager:
             for vt in list(self._live.values()):
                 vt._released = True
             self._live.clear()
+            self._released_at_broker(list(self._held_at_broker.values()))  # the old session took them
             self._forget_closed_spaces()
             self._rename_spaces(replies)
             self._epoch += 1
@@ -526,6 +529,7 @@ class RemoteManager:
             if state.released:
                 vt._released = True
                 self._live.pop(vt.id, None)
+                self._released_at_broker([vt])
             else:
                 # The broker's num_tokens is the vTensor's own, or more where it maps ahead.
                 vt._slot, vt._low = state.slot, state.low
@@ -565,13 +569,24 @@ class RemoteManager:
         return vt
 
     def _release_vtensors_of(self, space: RemoteSpace) -> None:
-        """Marks the space's live vTensors released (its close takes them)."""
+        """Marks the space's live vTensors released (its close takes them),
+        and those whose release failed at the broker."""
         for vt in [vt for vt in self._live.values() if vt._space is space]:
             vt._released = True
             self._live.pop(vt.id, None)
+        self._released_at_broker([vt for vt in list(self._held_at_broker.values()) if vt._space is space])
+
+    def _released_at_broker(self, vtensors) -> None:
+        """The broker released these vTensors, unmapped here already."""
+        for vt in vtensors:
+            vt._broker_holds = False
+            self._held_at_broker.pop(vt.id, None)
 
     def _live_in(self, space: RemoteSpace) -> int:
-        return sum(1 for vt in list(self._live.values()) if vt._space is space)
+        """The space's slots the broker holds for this client: its vTensors
+        whose release it has not answered hold theirs."""
+        return sum(1 for held in (self._live, self._held_at_broker) for vt in list(held.values())
+                   if vt._space is space)
 
     # -- operations (run on the worker) ------------------------------------------
 
@@ -744,17 +759,27 @@ class RemoteManager:
     def _unmap_first(self, vt: RemoteVTensor) -> None:
         """Unmaps a vTensor's pages here before the broker is asked to free
         them: the broker hands a freed chunk to the next client at once.
-        From here the vTensor is unusable, whatever the broker answers."""
+        From here the vTensor is unusable, whatever the broker answers; it
+        is released once the broker released it (_released_at_broker). One
+        whose unmap failed is never asked of the broker (its pages may still
+        be mapped here): the broker frees it with the session."""
         if vt._released:
             raise errors.FailedPrecondition(f"vTensor {vt.id} is not live (already released)")
         vt._released = True
         self._live.pop(vt.id, None)
         self._mapper.unmap_slot(vt._space.id, vt._slot)
+        vt._broker_holds = True
+        self._held_at_broker[vt.id] = vt
 
     def _release(self, vt: RemoteVTensor) -> RemoteFuture:
         def run():
-            self._unmap_first(vt)
+            # A release the broker failed (refused it: too many calls in
+            # flight, say) left the vTensor unmapped here and held there:
+            # this one asks the broker again.
+            if not vt._broker_holds:
+                self._unmap_first(vt)
             self._transport.release(vt.id)
+            self._released_at_broker([vt])
         return self._submit(run, data_plane=True)
 
     def _prefix_record(self, space: RemoteSpace, vt, token_ids, stream=None, release=False) -> RemoteFuture:
@@ -780,11 +805,12 @@ class RemoteManager:
                     lambda _: self._rpc("prefix_record", self._stub.PrefixRecord, request))
                 self._apply(reply)
                 return reply.value
-            # As a release: unmapped here first, so the vTensor is released
+            # As a release: unmapped here first, so the vTensor is unusable
             # whatever the broker answers; if its record (or release) failed,
-            # the vTensor is released there alone (a session that is gone
-            # freed it already). Bad input is refused here first, as in
-            # process, so that it changes nothing.
+            # the vTensor is released there alone (a release that fails too
+            # leaves it unreleased, for release() to ask again; a session
+            # that is gone freed it already). Bad input is refused here
+            # first, as in process, so that it changes nothing.
             if vt._space is not space:
                 raise errors.FailedPrecondition(f"prefix_record: vTensor {vt.id} belongs to space "
                                                 f"'{vt._space.name}', not '{space.name}'")
@@ -804,11 +830,13 @@ class RemoteManager:
 
     def _release_at_broker(self, vt: RemoteVTensor) -> None:
         """Releases at the broker a vTensor unmapped here already (best
-        effort: a session that is gone freed it)."""
+        effort: one the broker does not release stays unreleased, for the
+        caller's release() to ask again; a session that is gone frees it)."""
         try:
             self._transport.release(vt.id)
         except errors.Error:
-            pass
+            return
+        self._released_at_broker([vt])
 
     def _prefix_match(self, space: RemoteSpace, token_ids, stream=None) -> RemoteFuture:
         # `stream` orders nothing here: a match copies only pages of the
@@ -959,6 +987,7 @@ class RemoteManager:
             space.closed = True
         for vt in self._live.values():
             vt._released = True
+        self._released_at_broker(list(self._held_at_broker.values()))  # the goodbye released them
         self._spaces.clear()
         self._live.clear()
 

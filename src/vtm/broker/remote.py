@@ -63,7 +63,12 @@ class RemoteVTensor:
         self._slot = slot
         self._num_tokens = num_tokens
         self._low = low
-        self._released = False
+        self._released = False  # unmapped here: unusable, whatever the broker answered
+        # Unmapped here, and the broker has not released it (its release
+        # failed there): it still holds the slot, its pages and the locks of
+        # the prefix path it matched, so it is not `released` until a
+        # release() the broker answers (client.py, _release).
+        self._broker_holds = False
         # The broker's num_tokens: >= _num_tokens, larger when the client
         # maps ahead (client.py); rows up to it need no new page. Past
         # _refill_at rows the pages ahead run short (client.py sets both).
@@ -71,13 +76,19 @@ class RemoteVTensor:
         self._refill_at = num_tokens
 
     def _live(self):
+        if self._broker_holds:
+            raise errors.FailedPrecondition(f"vTensor {self.id} is unmapped, and its release failed at the broker: "
+                                            f"release() it again")
         if self._released:
             raise errors.FailedPrecondition(f"vTensor {self.id} was released")
         return self
 
     @property
     def released(self) -> bool:
-        return self._released
+        """Whether the broker released it: as in process, a release that
+        failed leaves it unreleased (and a caller that waits for the
+        release, to forget the prefix path it locks, say, waits on)."""
+        return self._released and not self._broker_holds
 
     @property
     def space(self):
