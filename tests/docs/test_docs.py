@@ -252,8 +252,10 @@ class DocSession:
             if not entry.isdigit() or int(entry) in leaders:
                 continue
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                # Any process's: its name and arguments need not be UTF-8.
+                stat = Path(f"/proc/{entry}/stat").read_bytes().decode(errors="replace")
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = cmdline.strip()
             except OSError:
                 continue
             fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
@@ -299,3 +301,20 @@ def test_doc(sessions, rel, index):
     session.run_through(index)
     if block.skip:
         pytest.skip(block.skip)
+
+
+def test_a_process_whose_command_line_is_not_utf8_is_named_not_a_crash():
+    """_strays reads every process's command line on the machine: one that
+    is not UTF-8 (another user's, or a block's) is shown with replacement
+    characters, where decoding it failed the file's end check before."""
+    session = DocSession("test", [])
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", b"\xff\xfe-not-utf8"],
+                             start_new_session=True)
+    try:
+        session._groups.add(stray.pid)
+        found = session._strays()
+        assert any(line.startswith(f"pid {stray.pid}: ") and "\ufffd" in line for line in found), found
+    finally:
+        stray.kill()
+        stray.wait()
+        session.close()
