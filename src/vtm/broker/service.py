@@ -467,20 +467,21 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             else:
                 first_refusal, session.calls_refused = not session.calls_refused, True
         if refused:
+            calls = f"{most} call" if most == 1 else f"{most} calls"
             # Once a session, and once for the unidentified callers: a client
             # that keeps trying must not flood the log.
             if caller is UNIDENTIFIED:
                 if first_refusal:
                     log.warning("callers without an attached session (Hello, vtmctl) keep more than %d calls in "
                                 "flight: vtmd refuses the excess (--max-calls-in-flight-per-client)", most)
-                raise vtm.OutOfMemory(f"callers without an attached session (Hello, vtmctl) have {most} calls in "
+                raise vtm.OutOfMemory(f"callers without an attached session (Hello, vtmctl) have {calls} in "
                                       f"flight already, as many as vtmd serves a client at once "
                                       f"({status.CALLS_IN_FLIGHT_FLAG} {most}): wait for one to end")
             if first_refusal:
                 log.warning("process %d (client %d, '%s') keeps more than %d calls in flight over its sessions: vtmd "
                             "refuses the excess (--max-calls-in-flight-per-client)", caller, session.client_id,
                             session.name, most)
-            raise vtm.OutOfMemory(f"process {caller} (client '{session.name}') has {most} calls in flight already "
+            raise vtm.OutOfMemory(f"process {caller} (client '{session.name}') has {calls} in flight already "
                                   f"over its sessions together, as many as vtmd serves a client at once "
                                   f"({status.CALLS_IN_FLIGHT_FLAG} {most}): wait for one to end")
         try:
