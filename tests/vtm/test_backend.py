@@ -179,6 +179,56 @@ def test_host_copies_move_bytes_only_within_live_host_allocations(raw, lay):
         raw.free_host(b, g)
 
 
+def test_started_copies_keep_their_chunks_and_host_memory_until_waited_for(raw, lay):
+    """start_copy_from_host_many (a restore's copies, which run while its
+    match maps the pages): until wait(), nothing copies into or out of their
+    chunks (refused: the match's copy of its last page waits for the restore
+    first), and a release of such a chunk, or a free of the host memory they
+    read, waits for them before it goes ahead (under the fake driver, one that
+    did not would unmap or free memory that queued copies use). After wait()
+    the bytes are there; the wait is charged to wait_copies."""
+    g = raw.granularity
+    a, b = raw.alloc_host(g), raw.alloc_host(g)
+    try:
+        pattern = bytes((i * 11 + 5) % 253 for i in range(g))
+        ctypes.memmove(a, pattern, g)
+        started = raw.start_copy_from_host_many([lay.chunks[0]], [a], g)
+        rejects(raw, "copy out of a chunk being copied into", lambda: raw.copy(lay.chunks[1], lay.chunks[0], g),
+                r"^copy: chunk .* is being copied into by copies not yet waited for$")
+        rejects(raw, "copy into a chunk being copied into", lambda: raw.copy(lay.chunks[0], lay.chunks[1], g),
+                r"^copy: chunk .* is being copied into by copies not yet waited for$")
+        rejects(raw, "host copy of a chunk being copied into",
+                lambda: raw.copy_to_host_many([b], [lay.chunks[0]], g),
+                r"^copy_to_host_many: chunk .* is being copied into by copies not yet waited for$")
+        rejects(raw, "second start into a chunk being copied into",
+                lambda: raw.start_copy_from_host_many([lay.chunks[0]], [b], g),
+                r"^start_copy_from_host_many: chunk .* is being copied into by copies not yet waited for$")
+        rejects(raw, "start into one chunk twice",
+                lambda: raw.start_copy_from_host_many([lay.chunks[1], lay.chunks[1]], [a, b], g),
+                r"^start_copy_from_host_many: chunk .* is copied into twice$")
+        assert raw.costs()["wait_copies"]["calls"] == 0
+        started.wait()
+        assert raw.costs()["wait_copies"]["calls"] == 1
+        raw.copy_to_host_many([b], [lay.chunks[0]], g)
+        assert ctypes.string_at(b, g) == pattern
+
+        chunk = raw.create_chunk(g)
+        started = raw.start_copy_from_host_many([chunk], [a], g)
+        raw.release_chunk(chunk)  # waits for the copy first
+        assert raw.costs()["wait_copies"]["calls"] == 2
+        started.wait()  # done already: returns at once
+        chunk = raw.create_chunk(g)
+        started = raw.start_copy_from_host_many([chunk], [a], g)
+        raw.free_host(a, g)  # waits for the copy reading it first
+        assert raw.costs()["wait_copies"]["calls"] == 3
+        raw.release_chunk(chunk)
+        started.wait()
+        assert raw.costs()["wait_copies"]["calls"] == 3
+    finally:
+        raw.free_host(a, g)
+        raw.free_host(b, g)
+
+
 def test_unmap_covers_whole_mappings_only(raw):
     g = raw.granularity
     lay = Layout(raw, pages=4, n=1)

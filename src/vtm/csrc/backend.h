@@ -55,6 +55,28 @@ class Fence {
   virtual void Wait() = 0;
 };
 
+// Copies a backend started and has not yet been asked to finish
+// (Backend::start_copy_from_host_many): they run while the caller does
+// other work, and their bytes are known to be in place only once Wait()
+// returns.
+class PendingCopies {
+ public:
+  // An object never waited for waits here (errors ignored): no copy may
+  // outlive the object that answers for the memory it uses.
+  virtual ~PendingCopies() = default;
+  // Blocks until every copy has finished; throws (kBackend) when one
+  // failed, and then also only once none is still running. Called at most
+  // once. The object must not outlive its backend.
+  virtual void Wait() = 0;
+};
+
+// Copies that were made before the object was: for backends whose copies
+// complete before they return.
+class CompletedCopies final : public PendingCopies {
+ public:
+  void Wait() override {}
+};
+
 // DLPack device types (DLPack's DLDeviceType values).
 enum class DeviceType : std::int32_t { kCpu = 1, kCuda = 2 };
 
@@ -136,6 +158,21 @@ class Backend {
   virtual void copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
                                    std::size_t bytes) {
     for (std::size_t i = 0; i < dsts.size(); ++i) copy_from_host(dsts[i], srcs[i], bytes);
+  }
+  // copy_from_host_many, started: the copies run while the caller goes on
+  // (a match maps the restored pages into its slot meanwhile), and are done
+  // once the result's Wait() returns. Until then the chunks in `dsts` are
+  // not read, written, copied or released, nor the host memory in `srcs`
+  // freed (CheckedBackend refuses such copies, and makes a release or a
+  // free wait for them first); mapping them is fine. A throw leaves no copy
+  // running (those queued before the failure have finished), some possibly
+  // made. This default makes them before it returns; CUDA queues them on
+  // its copy stream and answers with an event.
+  virtual std::unique_ptr<PendingCopies> start_copy_from_host_many(const std::vector<ChunkHandle>& dsts,
+                                                                   const std::vector<const void*>& srcs,
+                                                                   std::size_t bytes) {
+    copy_from_host_many(dsts, srcs, bytes);
+    return std::make_unique<CompletedCopies>();
   }
 };
 

@@ -49,7 +49,7 @@ std::vector<CheckedBackend::OpCost> CheckedBackend::Costs() const {
   static constexpr const char* kNames[kOpCount] = {
       "reserve", "free_reservation", "seal", "create_chunk", "release_chunk", "map", "set_access", "unmap",
       "export_fd", "import_fd", "record_fence", "order_copies_after", "copy", "alloc_host", "free_host",
-      "copy_to_host", "copy_from_host"};
+      "copy_to_host", "copy_from_host", "wait_copies"};
   std::vector<OpCost> costs;
   costs.reserve(kOpCount);
   for (std::size_t op = 0; op < kOpCount; ++op)
@@ -157,6 +157,21 @@ void CheckedBackend::RememberChunk(const char* op, ChunkHandle chunk, std::size_
 }
 
 void CheckedBackend::release_chunk(ChunkHandle chunk) noexcept {
+  std::shared_ptr<InFlight> copies;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = in_flight_chunks_.find(chunk);
+    if (it != in_flight_chunks_.end()) copies = it->second;
+  }
+  if (copies != nullptr) {
+    // Copies still write it: released under them, the memory would be
+    // reused (on CUDA, its copy view unmapped) while they run. Their
+    // failure is for whoever waits for them to report.
+    try {
+      WaitInFlight(copies);
+    } catch (...) {
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = chunks_.find(chunk);
@@ -223,6 +238,8 @@ void CheckedBackend::copy(ChunkHandle dst, ChunkHandle src, std::size_t bytes, c
     std::lock_guard<std::mutex> lock(mu_);
     const std::size_t dst_bytes = ChunkBytesLocked("copy", dst);
     const std::size_t src_bytes = ChunkBytesLocked("copy", src);
+    CheckNotInFlightLocked("copy", dst);
+    CheckNotInFlightLocked("copy", src);
     if (bytes == 0) Invalid("copy", "0 bytes (must be positive)");
     if (bytes > dst_bytes || bytes > src_bytes)
       Invalid("copy", std::to_string(bytes) + " bytes exceed a chunk (dst " + std::to_string(dst_bytes) +
@@ -240,6 +257,21 @@ void CheckedBackend::order_copies_after(const Fence& fence) {
 }
 
 void CheckedBackend::free_host(void* ptr, std::size_t bytes) noexcept {
+  const auto at = reinterpret_cast<std::uintptr_t>(ptr);
+  for (;;) {
+    // Copies still reading it first (see release_chunk), one batch at a time.
+    std::shared_ptr<InFlight> copies;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = in_flight_hosts_.lower_bound(at);
+      if (it != in_flight_hosts_.end() && it->first - at < bytes) copies = it->second;
+    }
+    if (copies == nullptr) break;
+    try {
+      WaitInFlight(copies);
+    } catch (...) {
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = host_.find(reinterpret_cast<std::uintptr_t>(ptr));
@@ -264,9 +296,15 @@ void* CheckedBackend::alloc_host(std::size_t bytes) {
   return ptr;
 }
 
+void CheckedBackend::CheckNotInFlightLocked(const char* op, ChunkHandle chunk) const {
+  if (in_flight_chunks_.count(chunk) != 0)
+    Invalid(op, "chunk " + Hex(chunk) + " is being copied into by copies not yet waited for");
+}
+
 void CheckedBackend::CheckHostCopy(const char* op, ChunkHandle chunk, const void* host, std::size_t bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
   const std::size_t chunk_bytes = ChunkBytesLocked(op, chunk);
+  CheckNotInFlightLocked(op, chunk);
   if (host == nullptr) Invalid(op, "no host memory");
   if (bytes == 0 || bytes > chunk_bytes)
     Invalid(op, std::to_string(bytes) + " bytes: must be positive and at most the chunk's " +
@@ -311,6 +349,85 @@ void CheckedBackend::copy_from_host_many(const std::vector<ChunkHandle>& dsts, c
                                        " sources");
   for (std::size_t i = 0; i < dsts.size(); ++i) CheckHostCopy("copy_from_host_many", dsts[i], srcs[i], bytes);
   Timed(kCopyFromHost, [&] { inner_->copy_from_host_many(dsts, srcs, bytes); });
+}
+
+// What start_copy_from_host_many hands out: waits through the backend,
+// which keeps the copies' entries until then.
+class CheckedBackend::CheckedPendingCopies final : public PendingCopies {
+ public:
+  CheckedPendingCopies(CheckedBackend* backend, std::shared_ptr<InFlight> copies)
+      : backend_(backend), copies_(std::move(copies)) {}
+  ~CheckedPendingCopies() override {
+    try {
+      backend_->WaitInFlight(copies_);
+    } catch (...) {
+      // Nobody asked: the copies are done, which is what matters here.
+    }
+  }
+  CheckedPendingCopies(const CheckedPendingCopies&) = delete;
+  CheckedPendingCopies& operator=(const CheckedPendingCopies&) = delete;
+
+  void Wait() override { backend_->WaitInFlight(copies_); }
+
+ private:
+  CheckedBackend* const backend_;
+  const std::shared_ptr<InFlight> copies_;
+};
+
+std::unique_ptr<PendingCopies> CheckedBackend::start_copy_from_host_many(const std::vector<ChunkHandle>& dsts,
+                                                                         const std::vector<const void*>& srcs,
+                                                                         std::size_t bytes) {
+  const char* const op = "start_copy_from_host_many";
+  if (dsts.size() != srcs.size())
+    Invalid(op, std::to_string(dsts.size()) + " chunks for " + std::to_string(srcs.size()) + " sources");
+  for (std::size_t i = 0; i < dsts.size(); ++i) {
+    CheckHostCopy(op, dsts[i], srcs[i], bytes);
+    for (std::size_t j = 0; j < i; ++j)
+      if (dsts[j] == dsts[i]) Invalid(op, "chunk " + Hex(dsts[i]) + " is copied into twice");
+  }
+  auto copies = std::make_shared<InFlight>();
+  copies->chunks = dsts;
+  copies->hosts.reserve(srcs.size());
+  for (const void* src : srcs) copies->hosts.push_back(reinterpret_cast<std::uintptr_t>(src));
+  copies->inner = Timed(kCopyFromHost, [&] { return inner_->start_copy_from_host_many(dsts, srcs, bytes); });
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Another thread's batch into one of these chunks, started since the checks above, is a race of the
+    // caller's; refused before anything is recorded.
+    for (ChunkHandle chunk : dsts) CheckNotInFlightLocked(op, chunk);
+    for (ChunkHandle chunk : dsts) in_flight_chunks_.emplace(chunk, copies);
+    for (std::uintptr_t host : copies->hosts) in_flight_hosts_.emplace(host, copies);
+    return std::make_unique<CheckedPendingCopies>(this, copies);
+  } catch (...) {
+    // Not recorded (or not handed out): the copies finish before the failure is reported.
+    WaitInFlight(copies);
+    throw;
+  }
+}
+
+void CheckedBackend::WaitInFlight(const std::shared_ptr<InFlight>& copies) {
+  std::lock_guard<std::mutex> waiting(copies->mu);
+  if (copies->inner != nullptr) {
+    try {
+      Timed(kWaitCopies, [&] { copies->inner->Wait(); });
+    } catch (...) {
+      copies->failure = std::current_exception();
+    }
+    copies->inner.reset();  // waits again, and ignores it, if the wait threw without waiting
+    std::lock_guard<std::mutex> lock(mu_);
+    for (ChunkHandle chunk : copies->chunks) {
+      auto it = in_flight_chunks_.find(chunk);
+      if (it != in_flight_chunks_.end() && it->second == copies) in_flight_chunks_.erase(it);
+    }
+    for (std::uintptr_t host : copies->hosts) {
+      for (auto [it, end] = in_flight_hosts_.equal_range(host); it != end; ++it) {
+        if (it->second != copies) continue;
+        in_flight_hosts_.erase(it);
+        break;
+      }
+    }
+  }
+  if (copies->failure) std::rethrow_exception(copies->failure);
 }
 
 std::shared_ptr<Backend> MakeCheckedBackend(std::shared_ptr<Backend> inner) {

@@ -23,7 +23,13 @@
 //  * host_ holds the live host allocations made through this wrapper
 //    (alloc_host, not yet free_host'd), disjoint: a host copy must lie
 //    inside one of them, so a stale or stray pointer is refused, not written;
-//  * a call that throws leaves all four tables as they were: entries are
+//  * in_flight_chunks_ and in_flight_hosts_ hold, for every chunk and every
+//    host address a started copy (start_copy_from_host_many) uses, the
+//    copies it belongs to, until
+//    they have been waited for: nothing copies into or out of such a chunk
+//    (kInvalidArgument), and a release of it, or a free of host memory
+//    holding such an address, waits for them first;
+//  * a call that throws leaves all the tables as they were: entries are
 //    added only after the inner call succeeded, removed only after it did.
 //
 // Cost: every check is an O(log n) std::map lookup (plus a walk over the
@@ -38,6 +44,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -63,7 +70,8 @@ class CheckedBackend final : public Backend {
     double seconds;
   };
   // Every operation's, in a fixed order; the *_many copies count with the
-  // one-chunk ones (copy_to_host, copy_from_host), a call each.
+  // one-chunk ones (copy_to_host, copy_from_host), a call each, a started
+  // one too; the wait for a started one is wait_copies.
   std::vector<OpCost> Costs() const;
 
   std::string name() const override { return inner_->name(); }
@@ -92,13 +100,33 @@ class CheckedBackend final : public Backend {
                          const Fence* after) override;
   void copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
                            std::size_t bytes) override;
+  std::unique_ptr<PendingCopies> start_copy_from_host_many(const std::vector<ChunkHandle>& dsts,
+                                                           const std::vector<const void*>& srcs,
+                                                           std::size_t bytes) override;
 
  private:
   enum Op : std::size_t {
     kReserve, kFreeReservation, kSeal, kCreateChunk, kReleaseChunk, kMap, kSetAccess, kUnmap, kExportFd,
     kImportFd, kRecordFence, kOrderCopiesAfter, kCopy, kAllocHost, kFreeHost, kCopyToHost, kCopyFromHost,
-    kOpCount
+    kWaitCopies, kOpCount
   };
+  // Started copies, shared by the PendingCopies handed out and the entries
+  // of in_flight_chunks_ and in_flight_hosts_ that name them. `inner` is
+  // waited for once, under `mu`.
+  struct InFlight {
+    std::mutex mu;
+    std::unique_ptr<PendingCopies> inner;  // null once waited for
+    std::exception_ptr failure;            // what that wait threw
+    std::vector<ChunkHandle> chunks;
+    std::vector<std::uintptr_t> hosts;
+  };
+  class CheckedPendingCopies;
+  // Waits for `copies` (once: later calls return at once), takes their
+  // entries out of the in_flight tables, and throws what the wait threw.
+  // Not with mu_.
+  void WaitInFlight(const std::shared_ptr<InFlight>& copies);
+  // Refuses a copy into or out of `chunk` while started copies use it. With mu_.
+  void CheckNotInFlightLocked(const char* op, ChunkHandle chunk) const;
   // Calls `call` (a call of the wrapped backend) and charges it to `op`.
   template <typename Call>
   auto Timed(Op op, Call&& call) -> decltype(call());
@@ -136,6 +164,8 @@ class CheckedBackend final : public Backend {
   std::map<std::uintptr_t, Mapping> mappings_;
   std::unordered_map<ChunkHandle, Chunk> chunks_;
   std::map<std::uintptr_t, std::size_t> host_;  // address -> bytes
+  std::unordered_map<ChunkHandle, std::shared_ptr<InFlight>> in_flight_chunks_;
+  std::multimap<std::uintptr_t, std::shared_ptr<InFlight>> in_flight_hosts_;  // a started copy's source
   std::array<std::atomic<std::uint64_t>, kOpCount> calls_{};
   std::array<std::atomic<std::uint64_t>, kOpCount> nanoseconds_{};
 };

@@ -329,6 +329,47 @@ class CudaFence final : public Fence {
   CUevent event_;
 };
 
+// Copies queued on vtm's copy stream and an event recorded after them
+// (start_copy_from_host_many). Wait() synchronizes the event; when that
+// fails the copies may still be queued, so the stream is waited for once
+// more before the failure is reported (the caller then frees their chunks,
+// and the chunks' copy views with them). One never waited for waits in its
+// destructor. It lives no longer than its backend (the contract), whose
+// context and copy stream it uses.
+class CudaPendingCopies final : public PendingCopies {
+ public:
+  CudaPendingCopies(const DriverTable& fn, std::shared_ptr<const PrimaryContext> context, CUstream stream,
+                    CUevent event)
+      : fn_(fn), context_(std::move(context)), stream_(stream), event_(event) {}
+  ~CudaPendingCopies() override {
+    try {
+      ScopedContext current(fn_, context_->get());
+      if (!waited_ && fn_.cuEventSynchronize(event_) != CUDA_SUCCESS) fn_.cuStreamSynchronize(stream_);
+      fn_.cuEventDestroy(event_);
+    } catch (...) {
+      // The context could not be made current: nothing can be waited for.
+    }
+  }
+  CudaPendingCopies(const CudaPendingCopies&) = delete;
+  CudaPendingCopies& operator=(const CudaPendingCopies&) = delete;
+
+  void Wait() override {
+    ScopedContext current(fn_, context_->get());
+    waited_ = true;
+    const CUresult result = fn_.cuEventSynchronize(event_);
+    if (result == CUDA_SUCCESS) return;
+    fn_.cuStreamSynchronize(stream_);
+    ThrowDriverError(fn_, "cuEventSynchronize", result);
+  }
+
+ private:
+  const DriverTable& fn_;
+  const std::shared_ptr<const PrimaryContext> context_;
+  const CUstream stream_;
+  const CUevent event_;
+  bool waited_ = false;
+};
+
 // ---------------------------------------------------------------------------
 // CudaBackend.
 //
@@ -625,9 +666,33 @@ class CudaBackend final : public Backend {
 
   void copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
                            std::size_t bytes) override {
-    CopiesThroughViews("copy_from_host", dsts, nullptr, [&](std::size_t i, CUdeviceptr va) {
-      Check(fn_, "cuMemcpyHtoDAsync", fn_.cuMemcpyHtoDAsync(va, srcs[i], bytes, copy_stream_));
-    });
+    start_copy_from_host_many(dsts, srcs, bytes)->Wait();
+  }
+
+  // Queued as CopiesThroughViews queues, with an event recorded after the
+  // last copy instead of a wait: the caller maps the chunks (~20 us each on
+  // an H200) while they are copied (~40 us each), and waits once.
+  std::unique_ptr<PendingCopies> start_copy_from_host_many(const std::vector<ChunkHandle>& dsts,
+                                                           const std::vector<const void*>& srcs,
+                                                           std::size_t bytes) override {
+    for (ChunkHandle chunk : dsts) CheckLive("copy_from_host", chunk);
+    if (dsts.empty()) return std::make_unique<CompletedCopies>();
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    ScopedContext current(fn_, context_->get());
+    CUevent event = nullptr;
+    Check(fn_, "cuEventCreate", fn_.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING));
+    try {
+      for (std::size_t i = 0; i < dsts.size(); ++i) {
+        const CUdeviceptr va = ViewOf("copy_from_host", dsts[i]);
+        Check(fn_, "cuMemcpyHtoDAsync", fn_.cuMemcpyHtoDAsync(va, srcs[i], bytes, copy_stream_));
+      }
+      Check(fn_, "cuEventRecord", fn_.cuEventRecord(event, copy_stream_));
+      return std::make_unique<CudaPendingCopies>(fn_, context_, copy_stream_, event);
+    } catch (...) {
+      fn_.cuStreamSynchronize(copy_stream_);
+      fn_.cuEventDestroy(event);
+      throw;
+    }
   }
 
  private:

@@ -13,7 +13,7 @@ const char* FaultInjectingBackend::OpName(Op op) {
   static const char* const kNames[kNumOps] = {
       "reserve", "free_reservation", "create_chunk", "release_chunk", "map",
       "set_access", "unmap", "export_fd", "import_fd", "copy", "seal", "record_fence", "alloc_host",
-      "copy_to_host", "copy_from_host",
+      "copy_to_host", "copy_from_host", "wait_copies",
   };
   return kNames[op];
 }
@@ -209,6 +209,37 @@ void FaultInjectingBackend::copy_from_host_many(const std::vector<ChunkHandle>& 
   CopyMany(kCopyFromHost, dsts, srcs, [&](const std::vector<ChunkHandle>& d, const std::vector<const void*>& s) {
     inner_->copy_from_host_many(d, s, bytes);
   });
+}
+
+class FaultInjectingBackend::FaultyPendingCopies final : public PendingCopies {
+ public:
+  FaultyPendingCopies(FaultInjectingBackend* backend, std::unique_ptr<PendingCopies> inner)
+      : backend_(backend), inner_(std::move(inner)) {}
+
+  // The inner copies first, then the fault: an injected failure, like a
+  // driver's, is reported only once no copy is running.
+  void Wait() override {
+    inner_->Wait();
+    backend_->Enter(kWaitCopies);
+  }
+
+ private:
+  FaultInjectingBackend* const backend_;
+  const std::unique_ptr<PendingCopies> inner_;
+};
+
+std::unique_ptr<PendingCopies> FaultInjectingBackend::start_copy_from_host_many(
+    const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs, std::size_t bytes) {
+  std::unique_ptr<PendingCopies> started;
+  CopyMany(kCopyFromHost, dsts, srcs, [&](const std::vector<ChunkHandle>& d, const std::vector<const void*>& s) {
+    // A batch cut short by a fault is made whole before the fault is reported.
+    if (d.size() < dsts.size()) {
+      inner_->copy_from_host_many(d, s, bytes);
+      return;
+    }
+    started = inner_->start_copy_from_host_many(d, s, bytes);
+  });
+  return std::make_unique<FaultyPendingCopies>(this, std::move(started));
 }
 
 }  // namespace vtm

@@ -25,7 +25,8 @@ class FaultInjectingBackend final : public Backend {
  public:
   enum Op {
     kReserve, kFreeReservation, kCreateChunk, kReleaseChunk, kMap, kSetAccess,
-    kUnmap, kExportFd, kImportFd, kCopy, kSeal, kRecordFence, kAllocHost, kCopyToHost, kCopyFromHost, kNumOps,
+    kUnmap, kExportFd, kImportFd, kCopy, kSeal, kRecordFence, kAllocHost, kCopyToHost, kCopyFromHost,
+    kWaitCopies, kNumOps,
   };
   static const char* OpName(Op op);
   // Throws kInvalidArgument for an unknown name.
@@ -73,8 +74,15 @@ class FaultInjectingBackend final : public Backend {
                          const Fence* after) override;
   void copy_from_host_many(const std::vector<ChunkHandle>& dsts, const std::vector<const void*>& srcs,
                            std::size_t bytes) override;
+  // Started as copy_from_host_many is made (a call of copy_from_host per
+  // chunk, each of which may fail); its Wait() is a call of wait_copies,
+  // which may fail too, once the inner copies are done.
+  std::unique_ptr<PendingCopies> start_copy_from_host_many(const std::vector<ChunkHandle>& dsts,
+                                                           const std::vector<const void*>& srcs,
+                                                           std::size_t bytes) override;
 
  private:
+  class FaultyPendingCopies;
   struct Pending {
     long countdown = 0;  // 0: nothing armed
     bool oom = false;

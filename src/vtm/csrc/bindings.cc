@@ -411,6 +411,11 @@ PYBIND11_MODULE(_core, m) {
       .def("wait", &Fence::Wait, py::call_guard<py::gil_scoped_release>(),
            "Block until that work has finished.");
 
+  py::class_<PendingCopies>(m, "PendingCopies",
+                            "Copies a backend started (RawBackend.start_copy_from_host_many), not yet waited for.")
+      .def("wait", &PendingCopies::Wait, py::call_guard<py::gil_scoped_release>(),
+           "Block until every copy has finished; raises if one failed. Call once.");
+
   py::class_<PyMatch>(m, "Match", "A prefix match: the new vTensor (or None) and the matched token count.")
       .def_readonly("vtensor", &PyMatch::vtensor)
       .def_readonly("num_tokens", &PyMatch::num_tokens)
@@ -898,5 +903,16 @@ PYBIND11_MODULE(_core, m) {
             py::gil_scoped_release release;
             b.copy_from_host_many(dsts, from, bytes);
           },
-          py::arg("dsts"), py::arg("srcs"), py::arg("bytes"));
+          py::arg("dsts"), py::arg("srcs"), py::arg("bytes"))
+      .def(
+          "start_copy_from_host_many",
+          [](Backend& b, const std::vector<ChunkHandle>& dsts, const std::vector<std::uintptr_t>& srcs,
+             std::size_t bytes) {
+            std::vector<const void*> from(srcs.size());
+            for (std::size_t i = 0; i < srcs.size(); ++i) from[i] = reinterpret_cast<const void*>(srcs[i]);
+            py::gil_scoped_release release;
+            return b.start_copy_from_host_many(dsts, from, bytes);
+          },
+          // The copies must not outlive their backend.
+          py::keep_alive<0, 1>(), py::arg("dsts"), py::arg("srcs"), py::arg("bytes"));
 }
