@@ -93,6 +93,8 @@ class FakeDriver:
         lib.fake_cuda_calls.restype = ctypes.c_longlong
         lib.fake_cuda_injected.argtypes = [ctypes.c_char_p]
         lib.fake_cuda_injected.restype = ctypes.c_longlong
+        lib.fake_cuda_calls_behind.argtypes = [ctypes.c_char_p]
+        lib.fake_cuda_calls_behind.restype = ctypes.c_longlong
         lib.fake_cuda_live.argtypes = [ctypes.c_char_p]
         lib.fake_cuda_live.restype = ctypes.c_longlong
         lib.fake_cuda_violations.restype = ctypes.c_longlong
@@ -111,6 +113,13 @@ class FakeDriver:
 
     def calls(self, entry):
         n = self._lib.fake_cuda_calls(entry.encode())
+        if n < 0:
+            raise KeyError(entry)
+        return n
+
+    def calls_behind(self, entry):
+        """The calls of `entry` made while copies or memsets were queued and had not run."""
+        n = self._lib.fake_cuda_calls_behind(entry.encode())
         if n < 0:
             raise KeyError(entry)
         return n

@@ -83,7 +83,8 @@
  *    (error by number or name, default CUDA_ERROR_UNKNOWN) does the same at
  *    load time;
  *  - fake_cuda_clear_faults(); fake_cuda_calls(entry), fake_cuda_injected(entry),
- *    fake_cuda_reset_counters();
+ *    fake_cuda_calls_behind(entry) (its calls made while copies or memsets
+ *    were queued and not yet run), fake_cuda_reset_counters();
  *  - fake_cuda_live(what): "handles", "allocations", "device_bytes",
  *    "mappings", "reservations", "host_allocations", "memfds" (open fds of
  *    this fake's memfds, exported ones included), "streams", "events",
@@ -351,6 +352,7 @@ struct CUevent_st {
 typedef struct {
   long long calls;
   long long injected;
+  long long behind; /* calls made while copies or memsets were queued and not yet run */
   long long fail_from; /* calls numbered [fail_from, fail_until) fail */
   long long fail_until;
   CUresult fail_error;
@@ -646,6 +648,7 @@ enum Needs { NEEDS_NOTHING, NEEDS_INIT, NEEDS_CONTEXT };
 static CUresult Enter(int fn, enum Needs needs) {
   EntryState* e = &g.entries[fn];
   const long long call = ++e->calls;
+  if (g.queued > 0) ++e->behind;
   if (call >= e->fail_from && call < e->fail_until) {
     ++e->injected;
     return e->fail_error;
@@ -1474,6 +1477,18 @@ FAKE_API long long fake_cuda_calls(const char* entry) {
   return n;
 }
 
+/* The calls of `entry` made while work was queued and not yet run: what
+ * a caller did while its copies were in flight (e.g. cuMemMap, mapping a
+ * match's pages under its restore's copies). */
+FAKE_API long long fake_cuda_calls_behind(const char* entry) {
+  const int fn = EntryIndex(entry);
+  if (fn < 0) return -1;
+  pthread_mutex_lock(&g.mu);
+  const long long n = g.entries[fn].behind;
+  pthread_mutex_unlock(&g.mu);
+  return n;
+}
+
 FAKE_API long long fake_cuda_injected(const char* entry) {
   const int fn = EntryIndex(entry);
   if (fn < 0) return -1;
@@ -1497,6 +1512,7 @@ FAKE_API void fake_cuda_reset_counters(void) {
     }
     e->calls = 0;
     e->injected = 0;
+    e->behind = 0;
   }
   g.violations = 0;
   g.last_violation[0] = '\0';
