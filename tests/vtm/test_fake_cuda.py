@@ -402,6 +402,105 @@ def test_a_failed_host_to_device_copy_during_a_restore_changes_nothing(fake, man
 
 
 @under_fake
+def test_a_restores_copies_are_still_queued_while_its_match_maps_its_pages(fake, managers):
+    """Manager::DoMatch: a restore's copies are started (cuMemcpyHtoDAsync on
+    the copy stream, an event after them), the match maps its pages into its
+    slot while they are queued, and waits once, before it completes: every
+    cuMemMap and cuMemSetAccess of the match finds the copies not yet run. They
+    were made one after the other (a synchronize, then the mappings)."""
+    mgr, sp, io = tier_manager(managers)
+    spilled(sp, io, A)
+    for _ in range(3):  # every chunk has its copy view: the restore's cuMemMap calls are the match's pages only
+        restore_and_spill(sp, io, A)
+    before = calls(fake)
+    behind = {entry: fake.calls_behind(entry) for entry in ("cuMemMap", "cuMemSetAccess")}
+    m = match(sp, A)
+    assert (m.num_tokens, m.restored_tokens) == (len(A), len(A))
+    assert fake.grown("queued") == 0, "the match completed before its copies ran"
+    restore = made(fake, before)
+    assert restore["cuMemcpyHtoDAsync"] == 4 and restore["cuMemMap"] == 4, restore  # 3 shared pages, 1 copied
+    assert {entry: fake.calls_behind(entry) - n for entry, n in behind.items()} == \
+        {"cuMemMap": 4, "cuMemSetAccess": restore["cuMemSetAccess"]}
+    io.verify(m.vtensor, A)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+# The driver calls of a restore's copies: their start (an event, the copies,
+# its record) and their wait (cuEventSynchronize). The first event of a
+# match is its fence's, recorded when it is submitted.
+RESTORE_CALLS = [("cuEventCreate", 2), ("cuMemcpyHtoDAsync", 1), ("cuMemcpyHtoDAsync", 4), ("cuEventRecord", 2),
+                 ("cuEventSynchronize", 1)]
+
+
+@under_fake
+@pytest.mark.parametrize("entry, nth", RESTORE_CALLS)
+def test_a_restore_whose_copies_fail_to_start_or_to_finish_changes_nothing(fake, managers, entry, nth):
+    """A failure of any driver call of a restore's copies, at their start or
+    at their wait, fails the match with the driver's error, once no copy is
+    queued any more, and leaves the manager as it was: the prefix on the host,
+    its chunks and the slot's mappings given back. The prefix is restorable
+    afterwards, byte for byte."""
+    mgr, sp, io = tier_manager(managers)
+    keep = [(3 * i + 5) % 89 for i in range(20)]
+    held = sp.create(len(keep)).result()
+    io.write(held, keep, 0, len(keep))
+    spilled(sp, io, A)
+    live = {held: keep}
+    before = snapshot(mgr, [sp], live, ios={sp.name: io})
+    injected = fake.injected(entry)
+    fake.fail(entry, nth)
+    with pytest.raises(vtm.BackendError, match=entry):
+        match(sp, A)
+    assert fake.injected(entry) - injected == 1
+    assert fake.grown("queued") == 0, "a copy was still queued when its failure was reported"
+    assert_same_state(before, snapshot(mgr, [sp], live, ios={sp.name: io}))
+    mgr.check()
+    assert all(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["restores_total"] == 0
+    m = match(sp, A)
+    assert m.restored_tokens == len(A)
+    io.verify(m.vtensor, A)
+    io.verify(held, keep)
+    m.vtensor.release().result()
+    held.release().result()
+    assert_pool_consistent(mgr)
+
+
+@under_fake
+@pytest.mark.parametrize("wait_fails", [False, True], ids=["copies_done", "wait_fails"])
+def test_a_match_that_fails_while_its_restores_copies_run_waits_for_them(fake, managers, wait_fails):
+    """The match's mapping fails (cuMemMap) with the restore's copies queued:
+    they are waited for before the failure is reported. Done, the restore
+    stands (a step of its own, as when no slot is free); their wait failing
+    too, nothing changes and the prefix stays on the host. Either way the
+    prefix matches afterwards, byte for byte."""
+    mgr, sp, io = tier_manager(managers)
+    spilled(sp, io, A)
+    for _ in range(3):  # copy views made: the first cuMemMap of the next restore is the match's
+        restore_and_spill(sp, io, A)
+    before = snapshot(mgr, [sp], {}, ios={sp.name: io})
+    restores = mgr.stats()["restores_total"]
+    fake.fail("cuMemMap", 1)
+    if wait_fails:
+        fake.fail("cuEventSynchronize", 1)
+    with pytest.raises(vtm.BackendError, match="cuMemMap"):
+        match(sp, A)
+    assert fake.grown("queued") == 0, "a copy was still queued when the failure was reported"
+    mgr.check()
+    if wait_fails:
+        assert_same_state(before, snapshot(mgr, [sp], {}, ios={sp.name: io}))
+        assert all(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["restores_total"] == restores
+    else:
+        assert not any(n["on_host"] for n in sp.prefix_nodes()) and mgr.stats()["restores_total"] == restores + 1
+    fake.clear_faults()
+    m = match(sp, A)
+    assert m.num_tokens == len(A) and m.restored_tokens == (len(A) if wait_fails else 0)
+    io.verify(m.vtensor, A)
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+@under_fake
 def test_a_failed_host_allocation_evicts_the_prefix_instead_of_spilling_it(fake, managers):
     """cuMemHostAlloc out of memory (alloc_host's OutOfMemory): the tier takes nothing."""
     mgr, sp, io = tier_manager(managers)
@@ -488,7 +587,7 @@ def test_a_copy_on_write_whose_wait_fails_still_finishes_before_its_chunk_can_go
 # makes, which lose a chunk when a release makes them (documented).
 SWEPT = ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemAddressReserve", "cuMemcpyDtoHAsync",
          "cuMemcpyHtoDAsync", "cuMemcpyDtoDAsync", "cuMemHostAlloc", "cuStreamSynchronize", "cuStreamWaitEvent",
-         "cuEventCreate", "cuEventRecord")
+         "cuEventCreate", "cuEventRecord", "cuEventSynchronize")
 B = [(5 * i + 1) % 97 for i in range(60)]
 
 

@@ -128,6 +128,7 @@ def test_backend_costs_take_a_spill_and_a_restore_apart_by_operation(backend, ma
     st = mgr.stats()
     assert restored["copy_from_host"]["calls"] == st["restores_total"] == 1
     assert 0.02 <= restored["copy_from_host"]["seconds"] <= st["restore_copy_seconds_total"]
+    assert restored["wait_copies"]["calls"] == 1  # its copies are started, then waited for once
     assert restored["map"]["calls"] > spilled["map"]["calls"]  # the restored pages mapped into the match
 
 
@@ -459,6 +460,67 @@ def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backe
     m = match(sp, A)
     assert m.num_tokens == len(A) and m.restored_tokens == len(A)
     io.verify(m.vtensor, A, m.vtensor.low, len(A))
+
+
+@WINDOWS
+@pytest.mark.parametrize("end", [60, 55], ids=["at_its_end", "inside_it"])
+def test_a_restore_whose_copies_fail_at_their_wait_changes_nothing(backend, make_manager, window, end):
+    """A restore's copies are started, the match maps its pages meanwhile,
+    and then waits for them: a wait that fails (the backend's wait_copies)
+    fails the match and leaves the manager as if it had not restored: the
+    node still on the host and unsplit, its chunks and the slot's mappings
+    given back, the counts unchanged. Until the wait, no node is marked
+    device-resident."""
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window, faults=True)
+    A = [(11 * i + 2) % 83 for i in range(60)]
+    record_any(sp, io, A)
+    fill_pool(sp)
+    before = snapshot(mgr, [sp], {})
+    mgr.faults.fail_nth("wait_copies", 1)
+    with pytest.raises(vtm.BackendError, match="injected fault in wait_copies"):
+        match(sp, A[:end])
+    assert_same_state(before, snapshot(mgr, [sp], {}))
+    assert [(n["start"], n["end"]) for n in on_host(sp)] == [(0, 60)] and mgr.stats()["restores_total"] == 0
+    assert_pool_consistent(mgr)
+    m = match(sp, A)
+    assert m.num_tokens == len(A) and m.restored_tokens == len(A)
+    io.verify(m.vtensor, A, m.vtensor.low, len(A))
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
+
+
+@WINDOWS
+@pytest.mark.parametrize("wait_fails", [False, True], ids=["copies_done", "wait_fails"])
+def test_a_match_that_fails_while_its_restores_copies_run_waits_for_them(backend, make_manager, window, wait_fails):
+    """The match's mapping of its pages (which runs under the restore's
+    copies) fails: the copies are waited for first. Done, the restore stands,
+    a step of its own as when no slot is free; their wait failing too, the
+    match leaves everything as it was, the node on the host and unsplit."""
+    mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window, faults=True)
+    A = [(11 * i + 2) % 83 for i in range(60)]
+    record_any(sp, io, A)
+    fill_pool(sp)
+    before = snapshot(mgr, [sp], {})
+    mgr.faults.fail_nth("map", 1)
+    if wait_fails:
+        mgr.faults.fail_nth("wait_copies", 1)
+    with pytest.raises(vtm.BackendError, match="injected fault in map"):
+        match(sp, A[:55])
+    assert mgr.faults.calls("wait_copies") == 1
+    assert_pool_consistent(mgr)
+    if wait_fails:
+        assert_same_state(before, snapshot(mgr, [sp], {}))
+        assert [(n["start"], n["end"]) for n in on_host(sp)] == [(0, 60)] and mgr.stats()["restores_total"] == 0
+    else:
+        assert mgr.stats()["restores_total"] == 1
+        assert any(n["end"] == 55 and not n["on_host"] for n in sp.prefix_nodes()) and (55, 60) in \
+            [(n["start"], n["end"]) for n in on_host(sp)]
+    mgr.faults.clear()
+    m = match(sp, A)
+    assert m.num_tokens == len(A)
+    io.verify(m.vtensor, A, m.vtensor.low, len(A))
+    m.vtensor.release().result()
+    assert_pool_consistent(mgr)
 
 
 def test_a_match_restores_only_the_pages_it_maps(backend, make_manager):

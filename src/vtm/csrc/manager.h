@@ -45,6 +45,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -519,18 +520,44 @@ class Manager {
   void RefitTierAccounts();
   // The account's limit in blocks; none when it has none.
   std::optional<std::size_t> HostTierLimit(std::uint32_t account) const;
-  // Copies the host-tier nodes that a match of `length` tokens ending at
-  // `node` (locked by the caller) needs (PrefixTree::HostNodesToRestore)
-  // back into new chunks: all or none, a step of its own. Returns how many
-  // of the path's first `length` tokens they hold. With something to
-  // restore, it takes `extra` more chunks with it (an allocation that may
-  // unpin, as the match's own may), handed to the caller in *reserved (one
-  // reference each, the caller's to give back): the match's copy of its last
-  // page, so that a restore that stands never leaves the match without room
-  // for that copy. A failed copy is kBackend, whatever the backend said: only
-  // the allocation's kOutOfMemory means "no room".
-  std::size_t RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length, std::unique_lock<std::mutex>& lock,
-                          std::size_t extra = 0, std::vector<ChunkId>* reserved = nullptr);
+  // A restore whose copies are running (StartRestore): its chunks are
+  // taken, its nodes still on the host, until FinishRestore. Its chunks go
+  // back when it is destroyed unless it stood; destroyed only after the
+  // mappings and references its match made of them are undone. Its nodes
+  // are never marked device-resident before their bytes are known to be there.
+  struct RestoreInFlight {
+    explicit RestoreInFlight(std::uint64_t* rollback_failures) : undo(rollback_failures) {}
+    enum class State { kCopying, kStood, kFailed };
+    State state = State::kCopying;
+    PrefixTree* tree = nullptr;
+    PrefixNode* node = nullptr;                // where the restored path ends
+    std::vector<PrefixNode*> nodes;            // on the host until it stands
+    std::vector<std::vector<ChunkId>> pages;   // each node's new chunks, one per page (kNoChunk: a hole)
+    std::size_t copied_pages = 0, tokens = 0;  // what it brings back
+    std::chrono::steady_clock::time_point started, copies_started;
+    UndoLog undo;  // gives its chunks back
+    // Declared after `undo`, so destroyed before it: a copy never outlives its chunks.
+    std::unique_ptr<PendingCopies> copies;
+  };
+  // Starts copying the host-tier nodes that a match of `length` tokens
+  // ending at `node` (locked by the caller) needs
+  // (PrefixTree::HostNodesToRestore) back into new chunks; null when there
+  // are none. With something to restore, it takes `extra` more chunks with
+  // it (an allocation that may unpin, as the match's own may), handed to
+  // the caller in *reserved at once (one reference each, the caller's to
+  // give back): the match's copy of its last page, so that a restore that
+  // stands never leaves the match without room for that copy. Throws with
+  // nothing taken; a failed copy is kBackend, whatever the backend said:
+  // only the allocation's kOutOfMemory means "no room".
+  std::unique_ptr<RestoreInFlight> StartRestore(PrefixTree& tree, PrefixNode* node, std::size_t length,
+                                                std::unique_lock<std::mutex>& lock, std::size_t extra,
+                                                std::vector<ChunkId>* reserved);
+  // Waits for the restore's copies (kCopying). Then it stands, a step of
+  // its own that a later failure of its match leaves standing: its nodes
+  // hold the chunks, on the device. Returns how many of the path's tokens
+  // they hold. Or the wait fails (kBackend, state kFailed): the nodes stay on
+  // the host, and the chunks go back with the RestoreInFlight.
+  std::size_t FinishRestore(RestoreInFlight& restore);
   // Whole-prefix trees: the longest length in (above, pos.length) whose
   // restore (the pages HostPagesOnPath counts, plus the copy of a partial
   // last page) takes at most `room` chunks, of which at most `max_pages`

@@ -721,37 +721,38 @@ bool Manager::DropHostNodes(std::optional<std::uint32_t> account, const std::fun
   return false;
 }
 
-std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t length,
-                                 std::unique_lock<std::mutex>& lock, std::size_t extra,
-                                 std::vector<ChunkId>* reserved) {
-  const std::vector<PrefixNode*> cold = tree.HostNodesToRestore(TreePosition{node, length});
-  std::size_t n = 0, tokens = 0;
+std::unique_ptr<Manager::RestoreInFlight> Manager::StartRestore(PrefixTree& tree, PrefixNode* node,
+                                                                 std::size_t length,
+                                                                 std::unique_lock<std::mutex>& lock,
+                                                                 std::size_t extra, std::vector<ChunkId>* reserved) {
+  std::vector<PrefixNode*> cold = tree.HostNodesToRestore(TreePosition{node, length});
+  if (cold.empty()) return nullptr;
+  auto restore = std::make_unique<RestoreInFlight>(&rollback_failures_total_);
+  restore->started = std::chrono::steady_clock::now();
+  restore->tree = &tree;
+  restore->node = node;
+  std::size_t n = 0;
   for (PrefixNode* p : cold) {
     for (BlockId b : p->host_pages) n += b != kNoBlock ? 1 : 0;
-    tokens += std::min(p->end(), length) - std::min(p->start, length);
+    restore->tokens += std::min(p->end(), length) - std::min(p->start, length);
   }
-  if (cold.empty()) return 0;
-  const auto started = std::chrono::steady_clock::now();
+  restore->copied_pages = n;
   // The path is locked: the evictions Acquire makes room with never pick it.
-  UndoLog undo(&rollback_failures_total_);
   // Not the chunks live vTensors' locks keep: the restore is optional (a
   // match falls back to what the device holds), and those paths are others'.
   if (reserved != nullptr) reserved->reserve(extra);  // before the allocation: nothing fails after it
-  std::vector<ChunkId> chunks = Acquire(n, undo, lock, /*may_unpin=*/false);
+  std::vector<ChunkId> chunks = Acquire(n, restore->undo, lock, /*may_unpin=*/false);
   // The match's own chunks (its last page's copy) may unpin as any match's
   // copy may: the two allocations stand or fail together.
-  if (extra > 0) {
-    const std::vector<ChunkId> more = Acquire(extra, undo, lock);
-    chunks.insert(chunks.end(), more.begin(), more.end());
-  }
-  std::vector<std::vector<ChunkId>> pages;
+  UndoLog extra_undo(&rollback_failures_total_);
+  const std::vector<ChunkId> more = Acquire(extra, extra_undo, lock);
   std::vector<ChunkHandle> destinations;
   std::vector<const void*> sources;
   destinations.reserve(n);
   sources.reserve(n);
   std::size_t next = 0;
   for (PrefixNode* p : cold) {
-    std::vector<ChunkId>& own = pages.emplace_back(p->host_pages.size(), kNoChunk);
+    std::vector<ChunkId>& own = restore->pages.emplace_back(p->host_pages.size(), kNoChunk);
     for (std::size_t i = 0; i < own.size(); ++i) {
       if (p->host_pages[i] == kNoBlock) continue;
       own[i] = chunks[next++];
@@ -759,27 +760,48 @@ std::size_t Manager::RestorePath(PrefixTree& tree, PrefixNode* node, std::size_t
       sources.push_back(tier_->data(p->host_pages[i]));
     }
   }
-  // Every copy in one call: the backend overlaps them.
-  const auto copies_started = std::chrono::steady_clock::now();
+  restore->nodes = std::move(cold);
+  // Every copy in one call, not waited for: the match maps its pages
+  // while they run (on CUDA the backend overlaps them with one another too).
+  restore->copies_started = std::chrono::steady_clock::now();
   try {
-    backend_->copy_from_host_many(destinations, sources, chunk_bytes_);
+    restore->copies = backend_->start_copy_from_host_many(destinations, sources, chunk_bytes_);
   } catch (const Error& e) {
-    // A copy that fails for want of memory (CUDA: mapping the scratch
-    // range) is a failed copy, not a restore without room: the caller
+    // A copy that fails for want of memory (CUDA: making a chunk's copy
+    // view) is a failed copy, not a restore without room: the caller
     // fails the match for it, and does not try a shorter restore.
     if (e.code() != ErrorCode::kOutOfMemory) throw;
     Throw(ErrorCode::kBackend, std::string("copying a prefix back from the host tier: ") + e.what());
   }
+  extra_undo.Commit();
+  if (reserved != nullptr) reserved->assign(more.begin(), more.end());
+  return restore;
+}
+
+std::size_t Manager::FinishRestore(RestoreInFlight& restore) {
+  if (restore.state != RestoreInFlight::State::kCopying)
+    Throw(ErrorCode::kInternal, "finishing a restore that is not copying");
+  try {
+    restore.copies->Wait();
+    restore.copies.reset();
+  } catch (const Error& e) {
+    restore.state = RestoreInFlight::State::kFailed;
+    if (e.code() != ErrorCode::kOutOfMemory) throw;  // as a failed start (StartRestore)
+    Throw(ErrorCode::kBackend, std::string("copying a prefix back from the host tier: ") + e.what());
+  } catch (...) {
+    restore.state = RestoreInFlight::State::kFailed;
+    throw;
+  }
   const auto copies_done = std::chrono::steady_clock::now();
-  undo.Commit();
-  if (reserved != nullptr) reserved->assign(chunks.begin() + n, chunks.end());
-  for (std::size_t k = 0; k < cold.size(); ++k) tree.Restore(cold[k], pages[k]);
-  tree.Touch(node, ++tick_);  // just copied back: the last to spill again, whatever follows
+  restore.undo.Commit();
+  restore.state = RestoreInFlight::State::kStood;
+  for (std::size_t k = 0; k < restore.nodes.size(); ++k) restore.tree->Restore(restore.nodes[k], restore.pages[k]);
+  restore.tree->Touch(restore.node, ++tick_);  // just copied back: the last to spill again, whatever follows
   ++restores_total_;
-  restored_pages_total_ += n;
-  restore_seconds_total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  restore_copy_seconds_total_ += std::chrono::duration<double>(copies_done - copies_started).count();
-  return tokens;
+  restored_pages_total_ += restore.copied_pages;
+  restore_seconds_total_ += std::chrono::duration<double>(copies_done - restore.started).count();
+  restore_copy_seconds_total_ += std::chrono::duration<double>(copies_done - restore.copies_started).count();
+  return restore.tokens;
 }
 
 std::size_t Manager::LongestRestorable(const Space& sp, const TreePosition& pos, std::size_t above,

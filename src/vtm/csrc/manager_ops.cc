@@ -379,12 +379,19 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   if (m == 0) return MatchResult{0, 0};
 
   // The match's copy of its partial last page, taken with the restore
-  // (RestorePath): a restore stands even when a later step fails, so one
+  // (StartRestore): a restore stands even when a later step fails, so one
   // that took the last chunks would leave a match that fails for its copy,
   // and the caller would compute the prompt it just copied back. Declared
   // before the undo log, whose first step gives back what it still holds
   // when a later step fails (no free slot, say).
   std::vector<ChunkId> reserved;
+  // The restore of the path's nodes on the host: its copies run while the
+  // match maps its pages, and are waited for once, before the match
+  // completes. Declared before the undo log too: a restore that fails gives
+  // its chunks back only after the log has undone the match's mappings and
+  // references of them.
+  std::unique_ptr<RestoreInFlight> restoring;
+  std::vector<PrefixNode*> restore_splits;  // the splits made for it: undone if it fails
   UndoLog undo(&rollback_failures_total_);
   undo.Add([this, &reserved] {
     for (ChunkId c : reserved) pool_->Unref(c);
@@ -401,15 +408,15 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
     // Nodes of the path in the host tier come back to the device first, and
     // only as far as the match reaches: a node on the host that it ends
     // inside is split there (the lock counts go to both halves). The restore
-    // is a step of its own and stands even if a later one fails: the prefix
-    // is as matchable as before, from the device.
-    // Restores the path up to `pos`; false when the pool has no room for it.
-    // The splits are undone when the restore fails: a failed match leaves
-    // the tree as it was, and one that falls back restores nothing. Matches
-    // and records of this tree wait for this one, and during a refill wait
-    // in RestorePath only a shrink can tell the halves apart (by moving a
-    // vTensor's lock onto an upper half): then that split stays, as any
-    // match could have left it.
+    // is a step of its own and stands, once its copies are done, even if a
+    // later one fails: the prefix is as matchable as before, from the device.
+    // Starts restoring the path up to `pos`; false when the pool has no room
+    // for it. The splits are undone when the restore fails: a failed match
+    // leaves the tree as it was, and one that falls back restores nothing.
+    // Matches and records of this tree wait for this one, and during a
+    // refill wait in StartRestore only a shrink can tell the halves apart (by
+    // moving a vTensor's lock onto an upper half): then that split stays, as
+    // any match could have left it.
     const auto restore = [&](const TreePosition pos) {
       std::vector<PrefixNode*> uppers;
       uppers.reserve(2);  // allocated before the first split, so pushing cannot fail after it
@@ -419,12 +426,13 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
       if (above != nullptr) uppers.push_back(above);
       try {
         const std::size_t copy = pos.length * sp.row_bytes % chunk_bytes_ != 0 ? 1 : 0;
-        restored = RestorePath(*sp.tree, end, pos.length, lock, copy, &reserved);
+        restoring = StartRestore(*sp.tree, end, pos.length, lock, copy, &reserved);
         // The half above the window counts as restored: the match serves
         // its tokens (which need no KV) thanks to the tier all the same.
-        if (above != nullptr) restored += above->end() - above->start;
+        restored = above != nullptr ? above->end() - above->start : 0;
         found = TreePosition{end, pos.length};
         m = pos.length;
+        restore_splits = std::move(uppers);
         return true;
       } catch (const Error& e) {
         for (auto it = uppers.rbegin(); it != uppers.rend(); ++it) sp.tree->Unsplit(*it);
@@ -472,42 +480,71 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
   const bool partial = shared_end < need;
   const std::size_t low = first == need ? m : (first * chunk_bytes_ + sp.row_bytes - 1) / sp.row_bytes;
   std::vector<ChunkId> source(need, kNoChunk);
-  sp.tree->CollectPages(found, &source);
-  for (std::size_t p = first; p < need; ++p) {
-    if (source[p] == kNoChunk) Throw(ErrorCode::kInternal, "prefix tree lacks page " + std::to_string(p));
-    pool_->Ref(source[p]);
-    undo.Add([this, c = source[p]] { pool_->Unref(c); });
-  }
-  const int slot = ClaimSlot(sp, need, /*for_match=*/true, undo);
-  Slot& s = sp.slots[slot];
-  std::vector<std::size_t> conflicting;
-  for (std::size_t p = 0; p < need; ++p)
-    if (s.pages[p] != kNoChunk) conflicting.push_back(p);
-  std::vector<ChunkId> displaced = UnmapPages(sp, slot, conflicting, &undo);
+  int slot = -1;
+  std::vector<ChunkId> displaced;
+  try {
+    if (restoring != nullptr) {
+      sp.tree->CollectPages(found, restoring->nodes, restoring->pages, &source);
+    } else {
+      sp.tree->CollectPages(found, &source);
+    }
+    for (std::size_t p = first; p < need; ++p) {
+      if (source[p] == kNoChunk) Throw(ErrorCode::kInternal, "prefix tree lacks page " + std::to_string(p));
+      pool_->Ref(source[p]);
+      undo.Add([this, c = source[p]] { pool_->Unref(c); });
+    }
+    slot = ClaimSlot(sp, need, /*for_match=*/true, undo);
+    Slot& s = sp.slots[slot];
+    std::vector<std::size_t> conflicting;
+    for (std::size_t p = 0; p < need; ++p)
+      if (s.pages[p] != kNoChunk) conflicting.push_back(p);
+    displaced = UnmapPages(sp, slot, conflicting, &undo);
 
-  std::vector<std::size_t> pages;
-  std::vector<ChunkId> chunks;
-  for (std::size_t p = first; p < shared_end; ++p) {
-    pages.push_back(p);
-    chunks.push_back(source[p]);
-  }
-  if (partial) {
+    std::vector<std::size_t> pages;
+    std::vector<ChunkId> chunks;
+    for (std::size_t p = first; p < shared_end; ++p) {
+      pages.push_back(p);
+      chunks.push_back(source[p]);
+    }
     // Copy-on-write of the page holding the match's end: this request will
     // write its next rows there.
     ChunkId copy = kNoChunk;
-    if (reserved.empty()) {
-      copy = Acquire(1, undo, lock).front();
-    } else {
-      copy = reserved.front();
-      undo.Add([this, copy] { pool_->Unref(copy); });
-      reserved.clear();  // after: were the step not added, the first one gives the chunk back
+    if (partial) {
+      if (reserved.empty()) {
+        copy = Acquire(1, undo, lock).front();
+      } else {
+        copy = reserved.front();
+        undo.Add([this, copy] { pool_->Unref(copy); });
+        reserved.clear();  // after: were the step not added, the first one gives the chunk back
+      }
+      pages.push_back(shared_end);
+      chunks.push_back(copy);
     }
-    backend_->copy(pool_->handle(copy), pool_->handle(source[shared_end]),
-                   m * sp.row_bytes - shared_end * chunk_bytes_, after);
-    pages.push_back(shared_end);
-    chunks.push_back(copy);
+    // Mapped while the restore's copies run (~20 us a chunk on an H200,
+    // beside ~40 us of copy): the match costs about the larger of the two,
+    // not their sum. The page the copy below fills is mapped with the rest;
+    // nothing reads it before the match completes.
+    MapPages(sp, slot, pages, chunks, undo);
+    if (restoring != nullptr) restored += FinishRestore(*restoring);
+    // After the restore's wait: the page copied may be one it has just filled.
+    if (partial)
+      backend_->copy(pool_->handle(copy), pool_->handle(source[shared_end]),
+                     m * sp.row_bytes - shared_end * chunk_bytes_, after);
+  } catch (...) {
+    // The match fails. Its restore's copies finish before that is reported:
+    // then the restore stands, or, where they failed, it goes with its
+    // splits (and its chunks, once the undo log has let go of them).
+    if (restoring != nullptr && restoring->state == RestoreInFlight::State::kCopying) {
+      try {
+        FinishRestore(*restoring);
+      } catch (...) {
+        // Reported as the match's own failure, which came first.
+      }
+    }
+    if (restoring != nullptr && restoring->state == RestoreInFlight::State::kFailed)
+      for (auto it = restore_splits.rbegin(); it != restore_splits.rend(); ++it) sp.tree->Unsplit(*it);
+    throw;
   }
-  MapPages(sp, slot, pages, chunks, undo);
   undo.Commit();
 
   // The mapping references of the shared pages are the ones taken above;

@@ -42,6 +42,14 @@ void PrefixTree::CollectPages(const TreePosition& pos, std::vector<ChunkId>* out
   });
 }
 
+void PrefixTree::CollectPages(const TreePosition& pos, const std::vector<PrefixNode*>& restoring,
+                              const std::vector<std::vector<ChunkId>>& chunks, std::vector<ChunkId>* out) const {
+  ForEachPathPage(pos, out->size(), [&](std::size_t page, const PrefixNode* n, std::size_t i) {
+    const auto k = std::find(restoring.begin(), restoring.end(), n);
+    (*out)[page] = k == restoring.end() ? n->pages[i] : chunks[k - restoring.begin()][i];
+  });
+}
+
 std::size_t PrefixTree::FirstNeededPage(std::size_t length) const {
   if (window_tokens_ == 0 || length < window_tokens_) return 0;
   return FirstPage(length - window_tokens_ + 1);

@@ -164,6 +164,11 @@ class PrefixTree {
   // For each page p < out->size(), the chunk the deepest node on the path to
   // `pos` that covers p keeps for p (kNoChunk where none does, or its a hole).
   void CollectPages(const TreePosition& pos, std::vector<ChunkId>* out) const;
+  // The same, as if each node of `restoring` (on the host) held
+  // `chunks[k]` already: the chunks a restore in flight is copying its
+  // bytes into (Restore would make them its pages).
+  void CollectPages(const TreePosition& pos, const std::vector<PrefixNode*>& restoring,
+                    const std::vector<std::vector<ChunkId>>& chunks, std::vector<ChunkId>* out) const;
   // For each page p < out->size(), whether the deepest node on the path to
   // `pos` that covers p holds its bytes: a chunk, or (`with_host`) a block
   // on the host.
