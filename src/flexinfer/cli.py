@@ -3,7 +3,8 @@
 Exit status: 0 on success; 1 when a request failed in the engine (say, NaN
 logits); 2 for bad input (a bad flag value; an empty, too long or non-UTF-8
 prompt; a model that cannot be loaded) or no memory; 130 when interrupted
-(Ctrl-C; serve takes Ctrl-C and SIGTERM as a graceful shutdown, and exits 0).
+(Ctrl-C; serve takes Ctrl-C and SIGTERM as a graceful shutdown first, and
+exits 0 after SIGTERM).
 With several prompts, every prompt's output or error is printed and the status
 is the worst of them. Errors are one line, `flexinfer: error: ...` on stderr,
 and so is every log line (cli_log.py). Anything else is a bug and keeps its

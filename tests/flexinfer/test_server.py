@@ -569,6 +569,19 @@ def test_sigterm_lets_a_stream_finish_or_aborts_it_then_exits_0(tiny_chat, tmp_p
         process.stop()
 
 
+def test_ctrl_c_stops_the_server_gracefully_with_status_130(tiny_chat, tmp_path):
+    """Ctrl-C shuts down as SIGTERM does, and the status says it was
+    interrupted, as every flexinfer and vtm command's (it was 0)."""
+    process = ServerProcess(tiny_chat, tmp_path / "server.log", *SERVER_FLAGS)
+    try:
+        process.wait_ready()
+        process.process.send_signal(signal.SIGINT)
+        assert process.process.wait(30) == 130, process.log()
+        assert "Traceback" not in process.log()
+    finally:
+        process.stop()
+
+
 def test_bench_serving_load_against_the_server(server, monkeypatch):
     """scripts/bench_serving.py's multi-turn load, small, against this server: every turn answered with
     exactly max_tokens tokens, and turns >= 2 served mostly from the prefix cache."""

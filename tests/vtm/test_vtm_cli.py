@@ -332,18 +332,21 @@ def test_stats_shows_a_small_chunk_in_its_own_unit(tmp_path, capsys):
 # ----------------------------------------------------------------------------- what a new user meets
 
 
-def test_vtmd_says_it_listens_on_stderr(tmp_path):
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_vtmd_says_it_listens_on_stderr(tmp_path, sig, status):
     """The daemon's lines go with its log lines, on stderr: `vtmd ... 2> vtmd.log`
-    (docs/getting-started.md) left the log empty and the terminal noisy."""
+    (docs/getting-started.md) left the log empty and the terminal noisy. It
+    stops the same way on both signals; Ctrl-C is status 130, as for every vtm
+    and flexinfer command (it was 0)."""
     address = f"unix:{tmp_path}/run/sock"
     proc = subprocess.Popen([sys.executable, "-m", "vtm.broker", "--listen", address, "--backend", "host",
                              "--capacity-bytes", "4MiB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_serving(address, 30)
     finally:
-        proc.terminate()
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and out == "", (out, err)
+    assert proc.returncode == status and out == "", (out, err)
     assert err.startswith(f"vtmd: listening on {address} (host, ") and err.endswith("\nvtmd: stopped\n"), err
 
 
@@ -459,7 +462,9 @@ def test_vtmctl_into_head_ends_quietly(broker):
 def test_top_stops_on_sigint_even_when_started_with_it_ignored(broker):
     """A non-interactive shell starts a background job with SIGINT ignored
     (`vtmctl ... top & ...; kill -INT $!`): top went on refreshing, as
-    flexinfer's commands no longer do."""
+    flexinfer's commands no longer do. It ends with 130, as every vtm and
+    flexinfer command interrupted by Ctrl-C (it exited 0: a script could
+    not tell an interrupted vtmctl from one that had done its work)."""
     proc = subprocess.Popen([sys.executable, "-m", "vtm.broker.ctl", "--address", broker.address, "top",
                              "--interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
@@ -470,7 +475,34 @@ def test_top_stops_on_sigint_even_when_started_with_it_ignored(broker):
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 0 and err == "", err
+    assert proc.returncode == 130 and err == "", err
+
+
+@pytest.mark.parametrize("command", [["stats"], ["stats", "--json"], ["top"], ["set-quota", "someone", "1MiB"],
+                                     ["trim"]])
+def test_every_vtmctl_command_interrupted_exits_130(tmp_path, command):
+    """Ctrl-C while vtmctl waits for a broker that does not answer (a listener
+    that never speaks): 130, as flexinfer's commands, quietly. It was 0."""
+    path = tmp_path / "silent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind(str(path))
+        silent.listen(8)
+        proc = subprocess.Popen([sys.executable, "-m", "vtm.broker.ctl", "--address", f"unix:{path}", "--timeout", "60",
+                                 *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            deadline = time.monotonic() + 30
+            # Started with SIGINT ignored: caught once vtmctl's main has taken it, so the command runs.
+            while not _catches(proc.pid, signal.SIGINT):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+                time.sleep(0.01)
+            time.sleep(0.3)  # waiting for the broker's answer
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=20)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert (proc.returncode, out, err) == (130, "", "")
 
 
 def test_trim_help_says_what_bytes_does(capsys):
@@ -641,8 +673,8 @@ _COVERED = {"vtmd": {"handler installed", "vtm's extension mapped", "grpc's exte
 def test_a_vtmd_stopped_while_it_starts_ends_as_a_running_one_does(tmp_path, command, moment, sig):
     """SIGTERM before vtmd's handler is installed meets the default action:
     vtmd dies with status -15 (143 in a shell), where a later SIGTERM ends it
-    with status 0 after "vtmd: stopped" (docs/broker.md); SIGINT printed a
-    traceback. The handler used to come after `import vtm` (~45 ms with
+    with status 0 after "vtmd: stopped" (docs/broker.md; SIGINT: 130); SIGINT
+    printed a traceback. The handler used to come after `import vtm` (~45 ms with
     importlib.metadata): a SIGTERM once vtm's extension was mapped killed
     vtmd. Now a signal is clean from the entry module's first statement on.
     What comes before it, the interpreter's start (10-20 ms), no Python code
@@ -669,10 +701,11 @@ def test_a_vtmd_stopped_while_it_starts_ends_as_a_running_one_does(tmp_path, com
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+    stopped = 130 if sig == signal.SIGINT else 0  # Ctrl-C ends vtmd as every vtm and flexinfer command
     if caught or moment in _COVERED[command]:
-        assert proc.returncode == 0 and log.endswith("vtmd: stopped\n"), (proc.returncode, log)
+        assert proc.returncode == stopped and log.endswith("vtmd: stopped\n"), (proc.returncode, log)
         assert caught, f"{command} had no handler yet when {moment}"
     else:  # sent during the interpreter's start: killed before it printed or created anything
-        assert proc.returncode in (0, -sig), log
-        assert proc.returncode == 0 and log.endswith("vtmd: stopped\n") or log == "", log
+        assert proc.returncode in (stopped, -sig), log
+        assert proc.returncode == stopped and log.endswith("vtmd: stopped\n") or log == "", log
     assert not path.exists()

@@ -9,8 +9,9 @@ wait: what still runs is aborted at once, and answered so, as when the wait
 is over. Only a third quits without answering (uvicorn's force_exit, which
 would otherwise come with the second: every handler then cut, a stream
 without its end, a plain-text 500 for the rest). Unlike uvicorn's default,
-the signal is not raised again afterwards, which would end the process with
-the signal's status instead of 0.
+the signal is not raised again afterwards, which would end the process
+before its own cleanup and message: `first_signal` tells the caller which
+one stopped it (serve's exit status: 0 for SIGTERM, 130 for Ctrl-C).
 
 When the timeout has passed, the app is told to abort what still runs
 (`on_grace_over`) and its handlers get ABORT_ANSWER_S more to answer so
@@ -49,6 +50,7 @@ class GracefulServer(uvicorn.Server):
         self._on_signal = on_signal
         self._on_grace_over = on_grace_over
         self._signals = 0
+        self.first_signal: int | None = None  # the signal that began the shutdown
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -68,6 +70,8 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_signal()
         self._signals += 1
+        if self.first_signal is None:
+            self.first_signal = sig
         if self._signals == 2 and self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_grace_over)
         elif self._signals > 2:

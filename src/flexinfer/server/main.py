@@ -5,7 +5,8 @@ Signals: SIGTERM or Ctrl-C starts a graceful shutdown (graceful.py): new
 requests get 503 and the listening socket closes, in-flight requests may
 finish for --shutdown-timeout seconds and are then aborted (they answer
 with finish_reason "abort"), the LLM is closed, and the process exits with
-status 0.
+status 0 after SIGTERM, 130 after Ctrl-C (SIGINT), as every flexinfer
+command does: the first signal decides.
 
 This module imports FastAPI and uvicorn only inside `serve`, so the other
 `flexinfer` commands do not pay for them.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import signal
 import socket
 import sys
 from typing import Callable
@@ -26,6 +28,8 @@ from flexinfer.llm import LLM
 from flexinfer.server.config import ServerLimits
 
 _LIMITS = ServerLimits()
+# The exit statuses serve returns besides 0 (cli.py's, for the same causes).
+_EXIT_BAD_INPUT, _EXIT_INTERRUPTED = 2, 130
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -53,8 +57,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
     """Serve until SIGTERM / Ctrl-C. `load()` builds the LLM (in a thread,
-    while the server already answers 503). Returns the exit status: 0, or 2
-    when the model failed to load."""
+    while the server already answers 503). Returns the exit status: 0, 130
+    when Ctrl-C stopped it, or 2 when the model failed to load."""
     try:
         import uvicorn
 
@@ -104,8 +108,8 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
     error = app.state.server.load_error
     if error is not None:
         print(f"flexinfer: error: the model failed to load: {error}", file=sys.stderr)
-        return 2
-    return 0
+        return _EXIT_BAD_INPUT
+    return _EXIT_INTERRUPTED if server.first_signal == signal.SIGINT else 0
 
 
 def ready_lines(llm: LLM, name: str, url: str) -> list[str]:

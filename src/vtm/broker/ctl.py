@@ -17,9 +17,10 @@ one maps asks it for the excess back (a reclaim notice), a guarantee that
 would sum past the capacity is refused.
 
 Exit status 0 on success (also when the reader of its output stops early:
-`vtmctl ... stats | head -1`, and when Ctrl-C ends `top`, also one started
-with SIGINT ignored, as a script's background job is), 2 when the broker
-cannot be reached or refuses (one line on stderr).
+`vtmctl ... stats | head -1`), 2 when the broker cannot be reached or
+refuses (one line on stderr), 130 when interrupted (Ctrl-C, as every vtm and
+flexinfer command: also the Ctrl-C that ends `top`, and one sent to a vtmctl
+started with SIGINT ignored, as a script's background job is).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from vtm.broker.server import tcp_target
 from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 from vtm.sizes import format_size
 
+# 128 + SIGINT, the status a shell gives a command that Ctrl-C ended.
+EXIT_INTERRUPTED = 130
 # How long the connect that tells why a broker did not answer may take (a tcp: host that drops packets).
 _PROBE_TIMEOUT_S = 2.0
 
@@ -252,8 +255,8 @@ def main(argv=None) -> int:
     except errors.Error as exc:
         print(f"vtmctl: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # quiet: the Ctrl-C that ends `top` is its usual end, but a script must see it
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`| head`): what is left to write has no one
         # to read it, and Python's flush of stdout at exit must not raise again.

@@ -12,7 +12,7 @@ lives at PATH, the fd side socket (chunk fds and the sessions' channels) at
 PATH.fds, the step socket (the fast path of the hot calls) at PATH.step;
 their folder must be private (0700, created so when missing). SIGTERM or
 SIGINT: stop admitting, let the calls in flight finish, release everything,
-remove the sockets. --control also serves the control calls (Stats, Trim,
+remove the sockets; exit 0 (SIGINT: 130, src/_vtmd.py). --control also serves the control calls (Stats, Trim,
 SetQuota) and health over TCP, and nothing else (src/vtm/broker/control.py).
 
 Threads are fixed whatever the number of sessions: GRPC_THREADS serve gRPC
