@@ -22,6 +22,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 
 import vtm
@@ -234,7 +235,9 @@ def _check_engine_flags(args) -> None:
                               "too (with --manager, vtmd --spill-ahead-bytes is the broker's)")
 
 
-def _engine(args) -> LLM:
+def _engine(args, stop_loading: threading.Event | None = None) -> LLM:
+    """The LLM the flags ask for; once `stop_loading` is set, its load ends
+    early with EngineClosed (serve, stopped while it loads)."""
     manager = None
     _check_engine_flags(args)
     if args.manager is not None:
@@ -258,7 +261,7 @@ def _engine(args) -> LLM:
                attention=args.attention, threads=args.threads, max_num_seqs=args.max_num_seqs,
                broker_wait_s=args.broker_wait, memory_wait_s=args.memory_wait, host_tier_bytes=host_tier,
                preemption=args.preemption, spill_ahead_bytes=spill_ahead,
-               overlap=None if args.overlap == "auto" else args.overlap == "on")
+               overlap=None if args.overlap == "auto" else args.overlap == "on", _stop_loading=stop_loading)
 
 
 def _load(args) -> LLM:
@@ -438,7 +441,7 @@ def cmd_serve(args) -> int:
     # missing model was reported twice, after uvicorn had started.
     _check_engine_flags(args)
     model_path(args.model)
-    return serve(args, lambda: _engine(args))
+    return serve(args, functools.partial(_engine, args))
 
 
 def _did_you_mean(unrecognized: list[str], command: argparse.ArgumentParser) -> str:

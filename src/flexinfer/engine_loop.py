@@ -158,9 +158,12 @@ class EngineLoop:
     timings and every step run on one thread: one OpenMP pool for the
     engine's whole life (see threads.release_openmp_pool). `stop` is set
     when the loop closes: a build still loading the model ends early (Ctrl-C
-    while loading waits for the tensor being read, not for every tensor)."""
+    while loading waits for the tensor being read, not for every tensor).
+    `stop_loading`: the caller's own such event, set by the caller (a server
+    told to stop while it loads) or by close()."""
 
-    def __init__(self, make_engine: Callable[[threading.Event], Engine]):
+    def __init__(self, make_engine: Callable[[threading.Event], Engine],
+                 stop_loading: threading.Event | None = None):
         self.engine: Engine | None = None
         self._cv = threading.Condition()
         self._inbox: deque[tuple[str, RequestStream]] = deque()
@@ -173,7 +176,7 @@ class EngineLoop:
         # torch's current CUDA device is per thread: the engine thread starts on the creator's.
         self._cuda_index = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._ready = threading.Event()
-        self._stop_loading = threading.Event()
+        self._stop_loading = stop_loading if stop_loading is not None else threading.Event()
         self._build_error: BaseException | None = None
         # Before the thread starts, so that it shares malloc's main arena (host_memory.py).
         keep_freed_memory()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import sys
+import threading
 import weakref
 
 from tqdm import tqdm
@@ -31,11 +32,13 @@ _CANCEL_WAIT_S = 30.0
 class LLM:
     """An LLM on a vtm KV cache. `LLM(model, **options)`: the options are
     Engine's (dtype, kv_capacity_bytes, manager, max_num_seqs, max_model_len,
-    enable_prefix_caching, attention, linear, threads, cuda_graphs, ...)."""
+    enable_prefix_caching, attention, linear, threads, cuda_graphs, ...).
+    `_stop_loading` (private, for `flexinfer serve`): an event that, once set,
+    ends the load early with EngineClosed, as close() or a Ctrl-C does."""
 
-    def __init__(self, model: str, **options):
+    def __init__(self, model: str, *, _stop_loading: threading.Event | None = None, **options):
         _check_option_names(options)
-        self._loop = EngineLoop(lambda stop: Engine(model, _stop_loading=stop, **options))
+        self._loop = EngineLoop(lambda stop: Engine(model, _stop_loading=stop, **options), _stop_loading)
         self.engine = self._loop.engine
         # Stop the thread and release the memory even if close() is never called.
         self._finalizer = weakref.finalize(self, self._loop.close)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -26,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from server_testing import (BROKER_SERVER_FLAGS, ENGINE_OPTIONS, MAX_MODEL_LEN, SERVER_FLAGS,  # noqa: E402
-                            ServerProcess, greedy, start_in_thread)
+                            ServerProcess, free_port, greedy, start_in_thread)
 from server_testing import reference, tiny_chat  # noqa: E402,F401 (fixtures)
 
 from flexinfer import LLM, ModelLoadError  # noqa: E402
@@ -580,6 +581,48 @@ def test_ctrl_c_stops_the_server_gracefully_with_status_130(tiny_chat, tmp_path)
         assert "Traceback" not in process.log()
     finally:
         process.stop()
+
+
+# `flexinfer serve` whose load takes a second a tensor (a tiny model then loads for ~20 s):
+# long enough that a stop which waits for the whole load cannot pass for one that stops it.
+_SLOW_LOAD = ("import sys, time\n"
+              "from flexinfer.model import loader\n"
+              "check_stop = loader.check_stop\n"
+              "loader.check_stop = lambda stop, source: (time.sleep(1.0), check_stop(stop, source))\n"
+              "from flexinfer.cli import run\n"
+              "sys.exit(run())\n")
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_a_signal_while_the_model_loads_stops_the_load(tiny_chat, tmp_path, sig, status):
+    """SIGTERM or Ctrl-C while serve loads the model: it waited for the whole
+    load before it stopped (~4 s for SmolLM2; here ~20 s). Now the load ends
+    at its next tensor, and serve exits with its usual status for the
+    signal, not as a model that failed to load."""
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen([sys.executable, "-c", _SLOW_LOAD, "serve", "--model", tiny_chat, "--port", str(port),
+                                  "--log-level", "warning", *SERVER_FLAGS], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # up and loading: /health says 503
+            assert time.monotonic() < deadline and child.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 503:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        child.send_signal(sig)
+        assert child.wait(60) == status, log_path.read_text()
+        assert time.monotonic() - signalled < 8, log_path.read_text()
+    finally:
+        child.kill()
+        child.wait()
+    text = log_path.read_text()
+    assert "Traceback" not in text and "failed to load" not in text, text
 
 
 def test_bench_serving_load_against_the_server(server, monkeypatch):

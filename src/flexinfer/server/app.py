@@ -3,7 +3,8 @@
 Lifetime: the app starts answering at once while the model loads in a
 thread (requests and /health get 503 until it is ready, so a client or a
 load balancer can tell "loading" from "down"); SIGTERM (see main.py) marks
-it shutting down (503 again, for anything that still arrives) while uvicorn
+it shutting down (503 again, for anything that still arrives), stops a load
+still in progress at its next tensor (`stop_loading`), while uvicorn
 lets in-flight requests finish for the shutdown timeout, then aborts them
 (abort_in_flight: each still answers, with finish_reason "abort"); at the
 end the LLM is closed, which cancels whatever still runs.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -28,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flexinfer.errors import EngineClosed
 from flexinfer.llm import LLM
 from flexinfer.server.config import ServerLimits
 from flexinfer.server.errors import install_error_handlers, model_not_found, unavailable
@@ -44,12 +47,16 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class ServerState:
     """Phases: "loading" -> "ready" -> "shutting_down" (or "loading" ->
     "failed" when the model cannot be loaded). Invariant: `serving` is set
-    exactly when the LLM loaded, and stays set until the LLM is closed."""
+    exactly when the LLM loaded, and stays set until the LLM is closed.
+    `stop_loading`, when given, is the event `load()` ends early on: set at
+    the shutdown's start, so that a server stopped while it loads need not
+    wait for the whole model (a load it stopped is no failure)."""
 
     def __init__(self, load: Callable[[], LLM], model_name: str,
                  on_load_error: Callable[[BaseException], None] | None, limits: ServerLimits,
-                 on_ready: Callable[[LLM], None] | None):
+                 on_ready: Callable[[LLM], None] | None, stop_loading: threading.Event | None = None):
         self.load = load
+        self.stop_loading = stop_loading
         self.model_name = model_name
         self.on_load_error = on_load_error
         self.on_ready = on_ready
@@ -63,6 +70,8 @@ class ServerState:
                                      timeout)
 
     def begin_shutdown(self) -> None:
+        if self.stop_loading is not None:
+            self.stop_loading.set()
         if self.phase in ("loading", "ready"):
             self.phase = "shutting_down"
         if self.serving is not None:
@@ -88,6 +97,9 @@ class ServerState:
         try:
             llm = await asyncio.to_thread(self.load)
         except BaseException as exc:  # reported, and the server told to stop
+            if isinstance(exc, EngineClosed) and self.stop_loading is not None and self.stop_loading.is_set():
+                log.info("the shutdown stopped the model's load")  # asked for: no failure
+                return
             self.phase, self.load_error = "failed", exc
             log.error("the model failed to load: %s: %s", type(exc).__name__, exc)
             if self.on_load_error is not None:
@@ -102,7 +114,8 @@ class ServerState:
 
     async def close(self, loading: asyncio.Task) -> None:
         self.begin_shutdown()
-        # A load in progress cannot be interrupted: wait for it, then close what it made.
+        # A load in progress ends at its next tensor (stop_loading, set above) or,
+        # without the event, when it is done: then what it made is closed.
         await loading
         self.metrics.close()
         if self.serving is not None:
@@ -111,12 +124,14 @@ class ServerState:
 
 def create_app(load: Callable[[], LLM], model_name: str,
                on_load_error: Callable[[BaseException], None] | None = None,
-               limits: ServerLimits | None = None, on_ready: Callable[[LLM], None] | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, on_ready: Callable[[LLM], None] | None = None,
+               stop_loading: threading.Event | None = None) -> FastAPI:
     """An app serving the LLM that `load()` returns (called once, in a thread,
     at startup). `on_load_error(exc)` is told when it fails, `on_ready(llm)`
-    (on the event loop) when it is loaded and served."""
+    (on the event loop) when it is loaded and served; `stop_loading`, the
+    event load() stops early on, is set when the shutdown begins."""
     limits = limits or ServerLimits()
-    state = ServerState(load, model_name, on_load_error, limits, on_ready)
+    state = ServerState(load, model_name, on_load_error, limits, on_ready, stop_loading)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

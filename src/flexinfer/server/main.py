@@ -20,6 +20,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from typing import Callable
 
 from flexinfer.cli_log import debug_requested
@@ -55,10 +56,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "a body that would pass it gets a 503 with Retry-After; at least --max-body-bytes")
 
 
-def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
-    """Serve until SIGTERM / Ctrl-C. `load()` builds the LLM (in a thread,
-    while the server already answers 503). Returns the exit status: 0, 130
-    when Ctrl-C stopped it, or 2 when the model failed to load."""
+def serve(args: argparse.Namespace, load: Callable[[threading.Event], LLM]) -> int:
+    """Serve until SIGTERM / Ctrl-C. `load(stop)` builds the LLM (in a thread,
+    while the server already answers 503), ending early once `stop` is set:
+    a signal while it loads stops it at its next tensor. Returns the exit
+    status: 0, 130 when Ctrl-C stopped it, or 2 when the model failed to load."""
     try:
         import uvicorn
 
@@ -95,7 +97,8 @@ def serve(args: argparse.Namespace, load: Callable[[], LLM]) -> int:
         for line in ready_lines(llm, name, url):
             print(line, file=sys.stderr, flush=True)
 
-    app = create_app(load, name, on_load_error, limits, on_ready)
+    stop_loading = threading.Event()
+    app = create_app(lambda: load(stop_loading), name, on_load_error, limits, on_ready, stop_loading)
     config = uvicorn.Config(app, log_level=log_level, access_log=args.access_log, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = GracefulServer(config, app.state.server.begin_shutdown, app.state.server.abort_in_flight)
