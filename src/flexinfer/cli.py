@@ -21,6 +21,8 @@ import math
 import os
 import queue
 import signal
+import socket
+import stat
 import sys
 import threading
 import time
@@ -62,6 +64,9 @@ _CANCEL_WAIT_S = 30.0
 CHUNK_BYTES = 2 << 20
 # An in-process pool's size without --kv-capacity-gib.
 DEFAULT_KV_CAPACITY_GIB = 2.0
+# How long a command waits at start for a vtm broker whose socket is not there
+# yet, or refuses connections: one starting (`vtmd ... & flexinfer ...`) or restarting.
+BROKER_START_WAIT_S = 10.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -162,7 +167,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where the KV cache and the model live: auto is cuda when a driver exists, else host")
     p.add_argument("--manager", type=_broker_address, default=None, metavar="unix:PATH",
                    help="use the vtm broker (vtmd) at this address instead of an in-process manager; "
-                        "--backend and the pool (--kv-capacity-gib) are then the broker's")
+                        "--backend and the pool (--kv-capacity-gib) are then the broker's. A broker that is "
+                        f"starting is waited for, up to {BROKER_START_WAIT_S:g} s, and that wait is said on stderr; "
+                        "a PATH where none can ever listen (a file that is not a socket, a path under a file, "
+                        "one this user may not reach) fails at once")
     p.add_argument("--client-name", default=None, metavar="NAME",
                    help="the name this process connects to --manager under, which the operator's quotas "
                         "(priority, guarantee, limit) are keyed by (default: flexinfer-COMMAND)")
@@ -220,8 +228,14 @@ _SWAP_NEEDS_TIER = "--preemption swap keeps preempted requests' KV in vtm's host
 
 
 def _check_engine_flags(args) -> None:
-    """The flags that do not go together, refused before anything loads
-    (the engine would refuse them too, naming its Python arguments)."""
+    """The flags that do not go together, and a --manager where no broker can
+    ever listen, refused before anything loads (the engine would refuse the
+    flags too, naming its Python arguments)."""
+    if args.manager is not None:
+        problem = _broker_socket_problem(args.manager[len("unix:"):])
+        if problem is not None:
+            raise InvalidArgument(f"--manager {args.manager}: {problem}, so no vtm broker can listen there "
+                                  "(vtmd --listen gives the address)")
     if args.manager is not None and args.kv_capacity_gib is not None:
         raise InvalidArgument("--kv-capacity-gib sizes an in-process pool; with --manager the pool is the "
                               "broker's (vtmd --capacity-bytes; vtmctl set-quota limits this client)")
@@ -235,6 +249,36 @@ def _check_engine_flags(args) -> None:
                               "too (with --manager, vtmd --spill-ahead-bytes is the broker's)")
 
 
+def _broker_socket_problem(path: str) -> str | None:
+    """Why no vtm broker can ever listen at `path`, or None where one may
+    (it does, or its socket may still appear: vtmd creates missing folders)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # a part of the path is a file (ENOTDIR), a folder this user may not enter (EACCES)
+        return exc.strerror.lower()
+    return None if stat.S_ISSOCK(mode) else "not a socket"
+
+
+def _announce_broker_wait(address: str) -> None:
+    """Says on stderr, before vtm.connect waits for a broker that is not
+    there yet, that it waits, for what and for how long: a wait of seconds
+    without a word looked like a hang."""
+    path = address[len("unix:"):]
+    if not os.path.exists(path):
+        why = "no socket there yet"
+    else:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+                return  # a broker listens: no wait
+            except OSError as exc:  # refused: the socket of a vtmd that died, until a new one replaces it
+                why = f"its socket: {exc.strerror.lower()}"
+    print(f"flexinfer: waiting up to {BROKER_START_WAIT_S:g} s for the vtm broker at {address} ({why})",
+          file=sys.stderr, flush=True)
+
+
 def _engine(args, stop_loading: threading.Event | None = None) -> LLM:
     """The LLM the flags ask for; once `stop_loading` is set, its load ends
     early with EngineClosed (serve, stopped while it loads)."""
@@ -244,7 +288,9 @@ def _engine(args, stop_loading: threading.Event | None = None) -> LLM:
         name = args.client_name or f"flexinfer-{args.command}"
         # Closed by main() after the command: an LLM never closes a manager it was given.
         # One page mapped ahead of each sequence: most decode steps need no round trip to vtmd.
-        manager = args.broker = vtm.connect(args.manager, name=name, priority=args.priority, map_ahead_pages=1)
+        _announce_broker_wait(args.manager)
+        manager = args.broker = vtm.connect(args.manager, name=name, priority=args.priority, map_ahead_pages=1,
+                                            timeout=BROKER_START_WAIT_S)
         if args.priority is not None and manager.priority < args.priority:
             log.warning("asked for priority %d; the operator's quota for '%s' grants %d", args.priority, name,
                         manager.priority)

@@ -353,6 +353,41 @@ def test_flags_that_do_not_go_together_are_refused_before_loading_starts(capsys,
     assert err.startswith(f"flexinfer: error: {message}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("where, problem", [("file", "not a socket"), ("file/sock", "not a directory")])
+def test_a_manager_where_no_broker_can_listen_fails_at_once(capsys, tmp_path, where, problem):
+    """A file that is not a socket, or a path under a file: no vtmd can ever
+    listen there. It was waited on for 10 s, silently, and then refused as a
+    broker that does not answer."""
+    (tmp_path / "file").write_text("")
+    address = f"unix:{tmp_path / where}"
+    start = time.monotonic()
+    assert main(["generate", "--prompt", "hi", "--manager", address]) == 2
+    assert time.monotonic() - start < 5
+    one_line_error(capsys.readouterr().err, f"--manager {address}: {problem}, so no vtm broker can listen there")
+
+
+def test_waiting_for_a_broker_that_is_not_there_yet_is_said_at_once(tmp_path, tiny):
+    """--manager at a socket that does not exist yet: vtm.connect waits for
+    a broker that is starting (10 s), which looked like a hang: nothing was
+    said until it gave up. Now the wait is said when it begins; Ctrl-C ends it."""
+    address = f"unix:{tmp_path / 'run' / 'sock'}"
+    child = flexinfer_process(["generate", *tiny_broker_args(tiny), "--manager", address, "--prompt", "hi"],
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    err = Reader(child.stderr)
+    try:
+        loading = err.wait_for(r"flexinfer: loading ")
+        start = time.monotonic()
+        err.wait_for(rf"flexinfer: waiting up to 10 s for the vtm broker at {re.escape(address)} "
+                     r"\(no socket there yet\)\n", timeout=8, start=loading.end())
+        assert time.monotonic() - start < 5
+        child.send_signal(signal.SIGINT)
+        assert child.wait(30) == 130
+    finally:
+        child.kill()
+        child.wait()
+    assert err.close().endswith("flexinfer: interrupted\n")
+
+
 def test_kv_capacity_keeps_its_default_without_a_broker(capsys, monkeypatch, tiny):
     """--kv-capacity-gib defaults to nothing in argparse (so that one given with --manager is told apart)."""
     recorder = Recorder()
