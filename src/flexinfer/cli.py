@@ -27,22 +27,26 @@ import sys
 import threading
 import time
 
+import torch
+
 import vtm
 from flexinfer import __version__
 from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
 from flexinfer.cli_log import ENV, command_logging
 from flexinfer.detokenizer import IncrementalText
-from flexinfer.engine import BROKER_WAIT_S, MAX_BYTES, MEMORY_WAIT_S
+from flexinfer.engine import BROKER_WAIT_S, MAX_BATCH_TOKENS, MAX_BYTES, MEMORY_WAIT_S
 from flexinfer.errors import (ChatTemplateError, EngineClosed, EngineError, FlexInferError, InvalidArgument,
                               ModelLoadError)
-from flexinfer.inputs import request_problem
+from flexinfer.inputs import KVBudget, request_problem
+from flexinfer.kv_cache import planned_kv_budget
 from flexinfer.llm import LLM
+from flexinfer.model.config import ModelConfig
 from flexinfer.model.linear import LINEAR_KINDS
-from flexinfer.model.loader import load_tokenizer, model_path
+from flexinfer.model.loader import load_config, load_tokenizer
 from flexinfer.outputs import RequestOutput
 from flexinfer.sampling import SamplingParams
-from flexinfer.server.main import add_serve_args, serve
+from flexinfer.server.main import add_serve_args, capacity_warning, serve
 
 # Errors caused by the user's input or the machine's limits, not by a bug
 # (an EngineError or EngineClosed among them means status 1, the others 2: a
@@ -297,8 +301,7 @@ def _engine(args, stop_loading: threading.Event | None = None) -> LLM:
         if args.preemption == "swap" and not manager.stats().get("host_tier_capacity_bytes"):
             raise InvalidArgument(f"{_SWAP_NEEDS_TIER}, and the vtm broker at --manager has none "
                                   "(vtmd --host-tier-bytes)")
-    gib = DEFAULT_KV_CAPACITY_GIB if args.kv_capacity_gib is None else args.kv_capacity_gib
-    capacity = max(1, math.ceil(gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
+    capacity = _pool_bytes(args)
     host_tier = math.ceil(args.host_tier_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
     spill_ahead = math.ceil(args.spill_ahead_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
@@ -308,6 +311,24 @@ def _engine(args, stop_loading: threading.Event | None = None) -> LLM:
                broker_wait_s=args.broker_wait, memory_wait_s=args.memory_wait, host_tier_bytes=host_tier,
                preemption=args.preemption, spill_ahead_bytes=spill_ahead,
                overlap=None if args.overlap == "auto" else args.overlap == "on", _stop_loading=stop_loading)
+
+
+def _pool_bytes(args) -> int:
+    """An in-process pool's size: --kv-capacity-gib in whole chunks."""
+    gib = DEFAULT_KV_CAPACITY_GIB if args.kv_capacity_gib is None else args.kv_capacity_gib
+    return max(1, math.ceil(gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
+
+
+def _kv_before_load(args, config: ModelConfig) -> tuple[int, KVBudget | None]:
+    """(max_model_len as the engine caps it, the KV budget of the pool where
+    its sizes alone tell it: an in-process pool; None with --manager, whose
+    limit for this client is the broker's to say). What the engine refuses
+    once loaded, refused before the weights load, in the same words."""
+    max_model_len = min(args.max_model_len, config.max_position_embeddings)
+    if args.manager is not None:
+        return max_model_len, None
+    return max_model_len, planned_kv_budget(config, getattr(torch, args.dtype), max_model_len, _pool_bytes(args),
+                                            CHUNK_BYTES, not args.no_prefix_caching, MAX_BATCH_TOKENS)
 
 
 def _load(args) -> LLM:
@@ -430,15 +451,16 @@ def _report(out: RequestOutput, index: int | None) -> int:
 
 def _checked_prompts(args, prompts: list[str], params: SamplingParams) -> list[list[int] | str]:
     """Each prompt's token ids, or why it cannot run (empty, too long for the
-    model). Only the tokenizer and the config are read (load_tokenizer), so
-    that such a prompt is refused in a tenth of a second, not after the
-    seconds the weights take to load."""
+    model, its KV more than an in-process pool can ever hold). Only the
+    tokenizer and the config are read (load_tokenizer), so that such a
+    prompt is refused in a tenth of a second, not after the seconds the
+    weights take to load."""
     config, tokenizer = load_tokenizer(args.model)
-    max_model_len = min(args.max_model_len, config.max_position_embeddings)  # as the engine caps it
+    max_model_len, kv = _kv_before_load(args, config)
     checked = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
-        problem = request_problem(ids, params, max_model_len, config.vocab_size, config.eos_token_ids)
+        problem = request_problem(ids, params, max_model_len, config.vocab_size, config.eos_token_ids, kv)
         checked.append(problem.message if problem else ids)
     return checked
 
@@ -486,8 +508,9 @@ def cmd_serve(args) -> int:
     # Before the port is bound: the model loads after it, in a thread, and a
     # missing model was reported twice, after uvicorn had started.
     _check_engine_flags(args)
-    model_path(args.model)
-    return serve(args, functools.partial(_engine, args))
+    max_model_len, kv = _kv_before_load(args, load_config(args.model))  # the config alone: a tenth of a second
+    early_warning = None if kv is None else capacity_warning(kv.max_tokens, max_model_len)
+    return serve(args, functools.partial(_engine, args), early_warning)
 
 
 def _did_you_mean(unrecognized: list[str], command: argparse.ArgumentParser) -> str:

@@ -59,6 +59,8 @@ RECONNECT_TRY_S = 0.25
 BROKER_WAIT_S = 30.0
 # How long a request waits for memory the other users of a shared pool hold (memory_wait_s).
 MEMORY_WAIT_S = 30.0
+# The most tokens one step computes (prompt chunks and decodes together).
+MAX_BATCH_TOKENS = 1024
 # The largest byte size an option takes (4 EiB): vtm's sizes are int64, and
 # one rounded up to whole chunks must still be one.
 MAX_BYTES = 1 << 62
@@ -67,7 +69,7 @@ MAX_BYTES = 1 << 62
 class Engine:
     def __init__(self, model: str, dtype: str | torch.dtype = "float32", kv_capacity_bytes: int = 2 << 30,
                  manager: vtm.Manager | None = None, backend: str = "auto", device: str | None = None,
-                 max_num_seqs: int = 32, max_model_len: int | None = None, max_batch_tokens: int = 1024,
+                 max_num_seqs: int = 32, max_model_len: int | None = None, max_batch_tokens: int = MAX_BATCH_TOKENS,
                  enable_prefix_caching: bool = True, attention: str = "auto", chunk_bytes: int = 2 << 20,
                  workers: int = 1, namespace: str | None = None, layer_groups: int = 1,
                  linear: str = "auto", threads: int | str = "auto", cuda_graphs: bool | None = None,

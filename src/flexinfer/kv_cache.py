@@ -32,6 +32,7 @@ import torch
 
 import vtm
 from flexinfer.errors import InvalidArgument
+from flexinfer.inputs import KVBudget
 from flexinfer.model.config import ModelConfig
 
 NO_LIMIT = 1 << 62  # a token count no sequence reaches
@@ -306,6 +307,18 @@ def plan_spaces(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_sl
                                   f"entries, more than the {budget} a pool of {manager.capacity_bytes} bytes "
                                   "allows: run fewer sequences at once (max_num_seqs) or shorten max_model_len")
     return groups
+
+
+def planned_kv_budget(config: ModelConfig, dtype: torch.dtype, max_tokens: int, pool_bytes: int, chunk_bytes: int,
+                      prefix_caching: bool, step_tokens: int, layer_groups: int = 1) -> KVBudget:
+    """The KVBudget of an engine with these options on an in-process pool of
+    `pool_bytes`, from the config alone: what a command checks its prompts
+    against before the weights load (Engine.kv_budget is the same, less the
+    chunks a CUDA engine holds for its life: this bound is never stricter)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    groups = _layer_groups(config, layer_groups, max_tokens)
+    return KVBudget(tuple(config.kv_row_bytes(itemsize, layers=len(layers)) for layers, _, _ in groups), chunk_bytes,
+                    pool_bytes // chunk_bytes, prefix_caching, tuple(window for _, window, _ in groups), step_tokens)
 
 
 def _layer_groups(config: ModelConfig, layer_groups: int, max_tokens: int) -> list[tuple[list[int], int, str]]:

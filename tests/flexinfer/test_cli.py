@@ -213,18 +213,19 @@ def test_bench_reports_requests_that_cannot_run_or_fail(capsys, monkeypatch, tin
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded for prompts that cannot run")
 
-    with monkeypatch.context() as patched:  # too long for the context: refused before the model loads
+    with monkeypatch.context() as patched:  # refused before the model loads
         patched.setattr(cli, "LLM", no_loading)
+        # Too long for the context.
         assert main(["bench", *tiny_args(tiny, "--max-model-len", "64"), "--batch", "2", "--max-tokens", "100"]) == 2
         out, err = capsys.readouterr()
         assert out == ""
         one_line_error(err, "+ max_tokens (100) exceeds max_model_len 64")
-    # Can never fit in a two-chunk pool: refused by the engine; the warm-up (4 tokens) fits.
-    assert main(["bench", *tiny_args(tiny), "--kv-capacity-gib", "0.004", "--batch", "2", "--max-tokens", "3000"]) == 2
-    out, err = capsys.readouterr()
-    errors = [line for line in err.splitlines() if line.startswith("flexinfer: error: ")]
-    assert out == "" and len(errors) == 2 and "Traceback" not in err
-    assert errors[0].startswith("flexinfer: error: prompt 0: ") and "can never fit in the KV pool" in errors[0]
+        # Can never fit in a two-chunk pool: the engine refused it, once the model had loaded.
+        assert main(["bench", *tiny_args(tiny), "--kv-capacity-gib", "0.004", "--batch", "2",
+                     "--max-tokens", "3000"]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        one_line_error(err, "prompt (10 tokens) + max_tokens (3000) can never fit in the KV pool")
     # NaN logits: the warm-up fails in the engine, status 1.
     assert main(["bench", *tiny_args(tiny_nan), "--batch", "2", "--max-tokens", "4"]) == 1
     out, err = capsys.readouterr()
@@ -265,6 +266,52 @@ def test_no_memory_is_status_2(capsys, tiny):
     argv = ["generate", *tiny_args(tiny), "--kv-capacity-gib", "0.001", "--prompt", "word " * 1500]
     assert main(argv) == 2
     one_line_error(capsys.readouterr().err, "can never fit in the KV pool")
+
+
+@pytest.mark.parametrize("flags, chunks", [([], 3), (["--no-prefix-caching"], 3), (["--dtype", "bfloat16"], 2)])
+def test_a_prompt_the_pool_can_never_hold_is_refused_before_the_model_loads(capsys, monkeypatch, tiny, flags, chunks):
+    """Its sizes (the config, the pool, the dtype, prefix caching) decide it:
+    it was refused by the engine, once the model had loaded (seconds for
+    SmolLM2). Now at once, in the engine's own words; one that just fits
+    still runs."""
+    pool = ["--kv-capacity-gib", {3: "0.004", 2: "0.0039"}[chunks]]  # rounded up to 3 or 2 chunks of 2 MiB
+    prompt = "word " * 1500
+    with LLM(tiny, kv_capacity_bytes=chunks << 21, linear="torch", enable_prefix_caching="--no-prefix-caching"
+             not in flags, dtype="bfloat16" if "bfloat16" in flags else "float32") as llm:
+        engine_says = str(llm.generate([prompt], SamplingParams(max_tokens=2500), use_tqdm=False)[0].error)
+        prompt_tokens = len(llm.tokenizer.encode(prompt))
+        fits = llm.kv_budget.max_new_tokens(prompt_tokens)
+    assert "can never fit in the KV pool" in engine_says and fits > 1, engine_says
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded for a prompt that cannot run")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(cli, "LLM", no_loading)
+        assert main(["generate", *tiny_args(tiny), *pool, *flags, "--prompt", prompt, "--max-tokens", "2500"]) == 2
+        assert capsys.readouterr().err == f"flexinfer: error: {engine_says}\n"
+    recorder = Recorder()
+    monkeypatch.setattr(cli, "LLM", recorder)
+    argv = ["generate", *tiny_args(tiny), *pool, *flags, "--prompt", prompt, "--max-tokens", str(fits)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert recorder.llms[0].kv_budget.max_new_tokens(prompt_tokens) == fits
+
+
+def test_serve_says_a_pool_smaller_than_one_request_before_the_model_loads(tiny):
+    """One 2 MiB chunk holds 1024 tiny rows, less than max_model_len (4096):
+    serve said so once the model had loaded. The sizes alone tell it: now it
+    says so before the load, in the same words, and not again when ready."""
+    child = flexinfer_process(["serve", *tiny_args(tiny), "--kv-capacity-gib", "0.001", "--port", "0"])
+    err = Reader(child.stderr)
+    try:
+        err.wait_for(r"flexinfer: ready: ")
+    finally:
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(60) == 0
+    text = err.close()
+    warning = ("flexinfer: warning: the KV pool holds 1024 tokens, less than one request of max_model_len 4096: "
+               "requests needing more are refused\n")
+    assert text.count(warning) == 1 and text.index(warning) < text.index("flexinfer: ready: "), text
 
 
 def test_kv_capacity_is_rounded_up_to_whole_chunks(capsys, monkeypatch, tiny):

@@ -743,12 +743,24 @@ def test_serve_on_a_port_in_use_is_one_line_and_status_2(tiny_chat, capsys):
 
 
 def test_serve_a_model_that_fails_to_load_is_status_2(tmp_path, capsys):
+    """A file whose header cannot be read is refused before the port is
+    bound, in one line (its config is read first, for the KV pool's
+    checks); one whose weights fail to load stops the server."""
+    import numpy as np
+    from gguf_testing import write_tiny_llama
+
     from flexinfer.cli import main
 
     (tmp_path / "broken.gguf").write_bytes(b"not a GGUF file")
     assert main(["serve", "--model", str(tmp_path / "broken.gguf"), "--port", "0", "--log-level", "critical"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flexinfer: error: {tmp_path}/broken.gguf: not a readable GGUF file") and err.count("\n") == 1
+    weight = np.ones((16, 16), np.float32)
+    weight[3, 5] = np.nan
+    path = write_tiny_llama(tmp_path / "nan.gguf", tensors={"blk.1.attn_output.weight": weight})
+    assert main(["serve", "--model", str(path), "--port", "0", "--log-level", "critical"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("flexinfer: error: the model failed to load: ") and "broken.gguf" in err[-1]
+    assert err[-1].startswith("flexinfer: error: the model failed to load: ") and "nan.gguf" in err[-1]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -56,11 +56,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "a body that would pass it gets a 503 with Retry-After; at least --max-body-bytes")
 
 
-def serve(args: argparse.Namespace, load: Callable[[threading.Event], LLM]) -> int:
+def serve(args: argparse.Namespace, load: Callable[[threading.Event], LLM], early_warning: str | None = None) -> int:
     """Serve until SIGTERM / Ctrl-C. `load(stop)` builds the LLM (in a thread,
     while the server already answers 503), ending early once `stop` is set:
     a signal while it loads stops it at its next tensor. Returns the exit
-    status: 0, 130 when Ctrl-C stopped it, or 2 when the model failed to load."""
+    status: 0, 130 when Ctrl-C stopped it, or 2 when the model failed to load.
+    `early_warning`: the capacity_warning, where the sizes alone tell it
+    before the load (an in-process pool): said then, not again once the
+    model is loaded."""
     try:
         import uvicorn
 
@@ -94,7 +97,7 @@ def serve(args: argparse.Namespace, load: Callable[[threading.Event], LLM]) -> i
         server.should_exit = True
 
     def on_ready(llm: LLM) -> None:
-        for line in ready_lines(llm, name, url):
+        for line in ready_lines(llm, name, url, warn=early_warning is None):
             print(line, file=sys.stderr, flush=True)
 
     stop_loading = threading.Event()
@@ -104,6 +107,8 @@ def serve(args: argparse.Namespace, load: Callable[[threading.Event], LLM]) -> i
     server = GracefulServer(config, app.state.server.begin_shutdown, app.state.server.abort_in_flight)
     print(f"flexinfer: serving {name} on {url} (model loading; /health answers 200 once ready)",
           file=sys.stderr, flush=True)
+    if early_warning is not None:
+        print(early_warning, file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:
@@ -115,19 +120,26 @@ def serve(args: argparse.Namespace, load: Callable[[threading.Event], LLM]) -> i
     return _EXIT_INTERRUPTED if server.first_signal == signal.SIGINT else 0
 
 
-def ready_lines(llm: LLM, name: str, url: str) -> list[str]:
+def ready_lines(llm: LLM, name: str, url: str, warn: bool = True) -> list[str]:
     """What `serve` says on stderr once the model is loaded: where it serves,
-    the context length and the KV capacity in tokens; and a warning when the
-    pool cannot hold one request of the full context length (longer requests
-    are refused with a 400, never admitted to fail later)."""
+    the context length and the KV capacity in tokens; and, with `warn`, the
+    capacity_warning (unless it was said before the load)."""
     kv = llm.kv_budget
     capacity = kv.max_tokens
     lines = [f"flexinfer: ready: serving {name} on {url}, context length {llm.max_model_len} tokens, "
              f"KV capacity {capacity} tokens ({kv.chunks * kv.chunk_bytes / (1 << 20):g} MiB)"]
-    if capacity < llm.max_model_len:
-        lines.append(f"flexinfer: warning: the KV pool holds {capacity} tokens, less than one request of "
-                     f"max_model_len {llm.max_model_len}: requests needing more are refused")
-    return lines
+    warning = capacity_warning(capacity, llm.max_model_len) if warn else None
+    return lines + ([warning] if warning else [])
+
+
+def capacity_warning(capacity_tokens: int, max_model_len: int) -> str | None:
+    """The warning for a pool that cannot hold one request of the full
+    context length (longer requests are refused with a 400, never admitted
+    to fail later), or None."""
+    if capacity_tokens >= max_model_len:
+        return None
+    return (f"flexinfer: warning: the KV pool holds {capacity_tokens} tokens, less than one request of "
+            f"max_model_len {max_model_len}: requests needing more are refused")
 
 
 def _listen(host: str, port: int) -> socket.socket:
