@@ -30,6 +30,7 @@ import time
 import torch
 
 import vtm
+import vtm.machine
 from flexinfer import __version__
 from flexinfer.attention import ATTENTION_BACKENDS
 from flexinfer.cli_chat import ChatSession, utf8_problem
@@ -251,6 +252,23 @@ def _check_engine_flags(args) -> None:
     if args.spill_ahead_gib > 0 and (args.manager is not None or args.host_tier_gib == 0):
         raise InvalidArgument("--spill-ahead-gib spills to the host tier of an in-process pool: give --host-tier-gib "
                               "too (with --manager, vtmd --spill-ahead-bytes is the broker's)")
+    if args.manager is None:
+        _check_sizes_fit(args)
+
+
+def _check_sizes_fit(args) -> None:
+    """The in-process pool and host tier fit in this machine's memory (the
+    pool in the device's, where it is on CUDA and the driver tells its size):
+    made as they fill, larger ones were accepted and ran out later."""
+    pool, tier = _pool_bytes(args), _host_tier_bytes(args)
+    pool_limit, pool_memory = vtm.machine.pool_memory(args.backend)
+    ram, host = vtm.machine.host_memory_bytes(), vtm.machine.HOST_MEMORY
+    problem = (vtm.machine.too_large("--kv-capacity-gib", pool, pool_limit, pool_memory)
+               or vtm.machine.too_large("--host-tier-gib", tier, ram, host))
+    if problem is None and pool_memory == host:  # both in host memory
+        problem = vtm.machine.too_large("--kv-capacity-gib and --host-tier-gib together", pool + tier, ram, host)
+    if problem is not None:
+        raise InvalidArgument(problem)
 
 
 def _broker_socket_problem(path: str) -> str | None:
@@ -302,7 +320,7 @@ def _engine(args, stop_loading: threading.Event | None = None) -> LLM:
             raise InvalidArgument(f"{_SWAP_NEEDS_TIER}, and the vtm broker at --manager has none "
                                   "(vtmd --host-tier-bytes)")
     capacity = _pool_bytes(args)
-    host_tier = math.ceil(args.host_tier_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
+    host_tier = _host_tier_bytes(args)
     spill_ahead = math.ceil(args.spill_ahead_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
     return LLM(args.model, dtype=args.dtype, kv_capacity_bytes=capacity, chunk_bytes=CHUNK_BYTES,
                backend=args.backend, max_model_len=args.max_model_len, manager=manager,
@@ -317,6 +335,11 @@ def _pool_bytes(args) -> int:
     """An in-process pool's size: --kv-capacity-gib in whole chunks."""
     gib = DEFAULT_KV_CAPACITY_GIB if args.kv_capacity_gib is None else args.kv_capacity_gib
     return max(1, math.ceil(gib * (1 << 30) / CHUNK_BYTES)) * CHUNK_BYTES
+
+
+def _host_tier_bytes(args) -> int:
+    """An in-process pool's host tier: --host-tier-gib in whole chunks."""
+    return math.ceil(args.host_tier_gib * (1 << 30) / CHUNK_BYTES) * CHUNK_BYTES
 
 
 def _kv_before_load(args, config: ModelConfig) -> tuple[int, KVBudget | None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import logging
+import math
 import os
 import re
 import signal
@@ -29,6 +30,8 @@ transformers = pytest.importorskip("transformers")
 
 import flexinfer  # noqa: E402
 import vtm  # noqa: E402
+import vtm.machine  # noqa: E402
+import vtm.sizes  # noqa: E402
 from flexinfer import LLM, SamplingParams, cli  # noqa: E402
 from flexinfer.cli import main  # noqa: E402
 from gguf_testing import write_tiny_llama  # noqa: E402
@@ -433,6 +436,58 @@ def test_waiting_for_a_broker_that_is_not_there_yet_is_said_at_once(tmp_path, ti
         child.kill()
         child.wait()
     assert err.close().endswith("flexinfer: interrupted\n")
+
+
+_RAM = vtm.machine.host_memory_bytes()
+_RAM_GIB = _RAM / (1 << 30)
+
+
+def _chunks_of(gib: str) -> int:
+    """The bytes a --kv-capacity-gib or --host-tier-gib value stands for: whole 2 MiB chunks."""
+    return math.ceil(float(gib) * (1 << 30) / (2 << 20)) * (2 << 20)
+
+
+@pytest.mark.parametrize("pool, tier, what", [
+    (f"{_RAM_GIB + 1:.3f}", None, "--kv-capacity-gib"),
+    (None, f"{_RAM_GIB + 1:.3f}", "--host-tier-gib"),
+    (None, "1e9", "--host-tier-gib"),
+    (f"{_RAM_GIB / 2 + 1:.3f}", f"{_RAM_GIB / 2:.3f}", "--kv-capacity-gib and --host-tier-gib together"),
+])
+def test_sizes_past_the_machines_memory_are_refused_before_loading(capsys, monkeypatch, pool, tier, what):
+    """--host-tier-gib 1e9 was taken (the tier fills as prefixes are
+    evicted) and failed later, if ever, far from the flag. Now refused
+    before anything loads, naming the flag and the memory."""
+    monkeypatch.setattr(cli, "LLM", None)  # nothing is built
+    argv = ["generate", "--prompt", "hi", "--backend", "host"]
+    argv += ["--kv-capacity-gib", pool] if pool else []
+    argv += ["--host-tier-gib", tier] if tier else []
+    assert main(argv) == 2
+    nbytes = (_chunks_of(pool) if pool else 0) + (_chunks_of(tier) if tier else 0)
+    one_line_error(capsys.readouterr().err, f"{what} ({vtm.sizes.format_size(nbytes)}) is more than this machine's "
+                                            f"memory ({vtm.sizes.format_size(_RAM)})")
+
+
+def test_a_pool_past_the_devices_memory_is_refused_before_loading(capsys, monkeypatch):
+    """On CUDA the pool is the device's memory: checked against it where the driver tells its size."""
+    monkeypatch.setattr(vtm.machine, "cuda_available", lambda: True)
+    monkeypatch.setattr(vtm.machine, "cuda_memory_bytes", lambda device=0: 8 << 30)
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def llm(model, **options):  # past every check: the engine would be built now
+        built.append(options["kv_capacity_bytes"])
+        raise Built
+
+    monkeypatch.setattr(cli, "LLM", llm)
+    assert main(["generate", "--prompt", "hi", "--kv-capacity-gib", "9"]) == 2
+    one_line_error(capsys.readouterr().err, "--kv-capacity-gib (9GiB) is more than the memory of CUDA device 0 (8GiB)")
+    assert built == []
+    monkeypatch.setattr(vtm.machine, "cuda_memory_bytes", lambda device=0: None)  # unknown: not checked
+    with pytest.raises(Built):
+        main(["generate", "--prompt", "hi", "--kv-capacity-gib", "9", "--max-tokens", "1"])
+    assert built == [9 << 30]
 
 
 def test_kv_capacity_keeps_its_default_without_a_broker(capsys, monkeypatch, tiny):

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,8 +21,10 @@ import time
 import pytest
 
 import vtm
+import vtm.machine
 from broker_testing import BrokerProcess, wait_serving
 from vtm.broker import ctl, server
+from vtm.sizes import format_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -120,6 +123,55 @@ def test_vtmd_names_its_own_flags_when_the_pool_cannot_be_made(tmp_path, argv, s
     done = vtmd("--listen", f"unix:{tmp_path}/v/sock", "--backend", "host", *argv)
     assert done.returncode == 2 and done.stderr == f"vtmd: error: {says}\n", done.stderr
     assert not (tmp_path / "v").exists()
+
+
+# Whole 2 MiB chunks just past half the machine's RAM, and just past all of it.
+_RAM = vtm.machine.host_memory_bytes()
+_PAST_HALF, _PAST_ALL = (_RAM // 2 // (2 << 20) + 1) * (2 << 20), (_RAM // (2 << 20) + 1) * (2 << 20)
+
+
+@pytest.mark.parametrize("argv, what, nbytes", [
+    (["--capacity-bytes", str(_PAST_ALL)], "--capacity-bytes", _PAST_ALL),
+    (["--host-tier-bytes", str(_PAST_ALL)], "--host-tier-bytes", _PAST_ALL),
+    (["--capacity-bytes", str(_PAST_HALF), "--host-tier-bytes", str(_PAST_HALF)],
+     "--capacity-bytes and --host-tier-bytes together", 2 * _PAST_HALF),
+])
+def test_vtmd_refuses_sizes_past_the_machines_memory(tmp_path, argv, what, nbytes):
+    """A pool or a host tier larger than the machine's RAM started (chunks
+    are made as they fill) and ran out of memory later, far from the flag
+    that asked for it. Now refused at start, naming the flag."""
+    done = vtmd("--listen", f"unix:{tmp_path}/v/sock", "--backend", "host", *argv)
+    says = f"{what} ({format_size(nbytes)}) is more than this machine's memory ({format_size(_RAM)})"
+    assert done.returncode == 2 and done.stderr == f"vtmd: error: {says}\n", done.stderr
+    assert not (tmp_path / "v").exists()
+
+
+# A CUDA driver that has one device of 80 GiB and answers nothing but how much memory it has.
+_DRIVER_OF_80_GIB = r"""
+#include <stddef.h>
+int cuInit(unsigned flags) { return flags != 0; }
+int cuDeviceGet(int *device, int ordinal) { if (ordinal != 0) return 101; *device = 7; return 0; }
+int cuDeviceTotalMem_v2(size_t *bytes, int device) { if (device != 7) return 101; *bytes = (size_t)80 << 30; return 0; }
+"""
+
+
+def test_vtmd_refuses_a_pool_past_the_devices_memory(tmp_path):
+    """The device's memory is the driver's word (vtm.machine asks it through
+    ctypes): a --capacity-bytes past it is refused at start, as one past the
+    RAM is on the host backend."""
+    compiler = shutil.which("cc") or pytest.skip("no C compiler to build the stand-in driver")
+    (tmp_path / "driver.c").write_text(_DRIVER_OF_80_GIB)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "driver.c")],
+                   check=True)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))
+    asked = subprocess.run([sys.executable, "-c", "import vtm.machine as m; print(m.cuda_memory_bytes(0), "
+                            "m.cuda_memory_bytes(1))"], env=env, capture_output=True, text=True, timeout=60)
+    assert asked.stdout == f"{80 << 30} None\n", asked.stderr
+    done = subprocess.run([sys.executable, "-m", "vtm.broker", "--listen", f"unix:{tmp_path}/v/sock",
+                           "--backend", "cuda", "--capacity-bytes", "81GiB"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    says = "vtmd: error: --capacity-bytes (81GiB) is more than the memory of CUDA device 0 (80GiB)\n"
+    assert done.returncode == 2 and done.stderr == says, done.stderr
 
 
 def test_vtmd_names_listen_when_its_address_is_not_a_unix_socket(tmp_path):
@@ -498,7 +550,7 @@ def test_every_vtmctl_command_interrupted_exits_130(tmp_path, command):
                 time.sleep(0.01)
             time.sleep(0.3)  # waiting for the broker's answer
             proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=20)
+            out, err = proc.communicate(timeout=60)
         finally:
             proc.kill()
             proc.wait()

@@ -45,6 +45,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import vtm
+from vtm import machine
 from vtm.broker.cli_args import Parser, add_version, size
 from vtm.broker.control import ControlService, is_loopback, read_token
 from vtm.broker.fd_channel import FdServer
@@ -413,9 +414,25 @@ def main(argv, stop: threading.Event) -> int:
         return _serve(args, stop)
 
 
+def _check_sizes_fit(args) -> None:
+    """ValueError where the pool or the host tier cannot fit in this machine's
+    memory (the pool in the device's, where it is on CUDA and the driver tells its
+    size): made as they fill, larger ones were accepted and ran out later."""
+    pool_limit, pool_memory = machine.pool_memory(args.backend)
+    ram, host = machine.host_memory_bytes(), machine.HOST_MEMORY
+    problem = (machine.too_large("--capacity-bytes", args.capacity_bytes, pool_limit, pool_memory)
+               or machine.too_large("--host-tier-bytes", args.host_tier_bytes, ram, host))
+    if problem is None and pool_memory == host:  # both in host memory
+        problem = machine.too_large("--capacity-bytes and --host-tier-bytes together",
+                                    args.capacity_bytes + args.host_tier_bytes, ram, host)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def _serve(args, stop: threading.Event) -> int:
     """Starts the broker and serves until `stop` is set; the exit status."""
     try:
+        _check_sizes_fit(args)
         broker = Broker(args.listen, args.backend, args.capacity_bytes, args.chunk_bytes, args.granularity,
                         args.workers, args.control, args.max_sessions, args.quota_file, args.control_token_file,
                         args.host_tier_bytes, args.spill_ahead_bytes, args.max_calls_in_flight_per_client)
