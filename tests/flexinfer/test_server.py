@@ -399,6 +399,36 @@ def test_bad_requests_get_openai_error_bodies(server, path, body, status, param,
     assert error["code"] == code
 
 
+_PROMPT_TYPES = "prompt: expected a string, a list of strings, a list of integers or a list of lists of integers"
+_TEXT_PARTS = 'a list of text parts ({"type": "text", "text": ...})'
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("completions", {"prompt": 5}, "prompt", _PROMPT_TYPES),
+    ("completions", {"prompt": [1.5]}, "prompt", _PROMPT_TYPES),
+    # Where one alternative goes further than the others, its own complaint follows.
+    ("completions", {"prompt": [[1, "a"]]}, "prompt", f"{_PROMPT_TYPES}; prompt.0.1: Input should be a valid integer"),
+    ("completions", {"prompt": "Hi", "stop": 5}, "stop", "stop: expected a string or a list of strings"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages",
+     f"messages.0.content: expected a string or {_TEXT_PARTS}"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
+     f"messages.0.content: expected a string or {_TEXT_PARTS}; messages.0.content.0.type: Input should be 'text', "
+     "messages.0.content.0.text: Field required"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": 5}, "tool_choice",
+     "tool_choice: expected a string or an object"),
+    ("completions", {"prompt": "Hi", "stream_options": 5}, "stream_options", "stream_options: expected an object"),
+])
+def test_a_field_of_several_types_is_named_with_what_it_accepts(server, path, body, param, message):
+    """pydantic reports a union field once per alternative, by its internal
+    names: "prompt.list[list[int]].0.1: ...; prompt.str: ...",
+    "content.list[TextPart].0.type", "instance of StreamOptions". The 400
+    now names the field and what it accepts, as the API documents it."""
+    response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error == {"message": message, "type": "invalid_request_error", "param": param, "code": None}, error
+
+
 @pytest.mark.parametrize("path, body", [
     ("completions", {"prompt": "Hi"}),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),

@@ -32,12 +32,12 @@ import json
 import threading
 from typing import Any, Callable, TypeVar
 
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flexinfer.server.errors import APIError, bad_request
+from flexinfer.server.validation import validation_message
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -140,7 +140,7 @@ class BodyReader:
         self._parsing = asyncio.Semaphore(1)
 
     async def parse(self, request, model: type[Body], check: Callable[[Any], None] | None = None) -> Body:
-        """The request's JSON body as `model`; a 400 (RequestValidationError)
+        """The request's JSON body as `model`; a 400 (validation.py says why)
         for what is not. `check(data)` sees the decoded JSON before it is
         validated (on the worker thread of a large body) and may refuse it
         (raise an APIError)."""
@@ -192,6 +192,5 @@ def _parse(raw: bytes, model: type[Body], check: Callable[[Any], None] | None) -
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        # As FastAPI reports a body it validated: locations start with "body".
-        raise RequestValidationError([dict(e, loc=("body", *e["loc"])) for e in exc.errors()]) from None
+        raise bad_request(*validation_message(model, exc.errors())) from None
 

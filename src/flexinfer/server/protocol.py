@@ -13,7 +13,7 @@ accepted in the body (`extra_body` in the openai client).
 from __future__ import annotations
 
 import typing
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -112,6 +112,9 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    # What a 400 calls it (validation.py): one, several.
+    API_NAMES: ClassVar[tuple[str, str]] = ('a text part ({"type": "text", "text": ...})',
+                                            'text parts ({"type": "text", "text": ...})')
 
     type: Literal["text"]
     text: str
