@@ -98,3 +98,13 @@ def set_tensor_offset(path, name: str, offset: int) -> None:
     tensor = next(t for t in reader.tensors if t.name == name)
     tensor.field.parts[-1][0] = offset  # the parts are views of the mapped file
     reader.data.flush()
+
+
+def set_tensor_type(path, name: str, ggml_type: int) -> None:
+    """Declare tensor `name`'s data to be of `ggml_type` (gguf.GGMLQuantizationType), in place."""
+    import gguf
+
+    reader = gguf.GGUFReader(path, "r+")
+    tensor = next(t for t in reader.tensors if t.name == name)
+    tensor.field.parts[-2][0] = ggml_type  # name length, name, dimension count, dimensions, type, offset
+    reader.data.flush()
