@@ -16,8 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import fake_cuda_testing
 import vtm
-from vtm_testing import (CHUNK, SCALE, RowIO, assert_pool_consistent, best_lcp, lcp, leaf_paths, maximal,
-                      new_manager, node_paths)
+from vtm_testing import CHUNK, SCALE, RowIO, assert_pool_consistent, best_lcp, leaf_paths, new_manager, node_paths
 
 VOCAB = 4
 TOK = st.integers(0, VOCAB - 1)
@@ -27,15 +26,17 @@ def toks(n):
     return st.lists(TOK, min_size=n, max_size=n)
 
 
-def fill_and_release(space, tokens_each):
+def fill_and_release(space, *tokens_each):
     """vTensors of `space` until the pool has no chunk left, then released:
-    the trees of other namespaces spill (or are evicted) to make room."""
+    the trees of other namespaces spill (or are evicted) to make room. With
+    several sizes, vTensors of each in turn until one no longer fits."""
     held = []
-    try:
-        while True:
-            held.append(space.create(tokens_each).result())
-    except vtm.OutOfMemory:
-        pass
+    for tokens in tokens_each:
+        try:
+            while True:
+                held.append(space.create(tokens).result())
+        except vtm.OutOfMemory:
+            pass
     for vt in held:
         vt.release().result()
 
@@ -675,74 +676,255 @@ def test_eviction_matches_never_longer_bytes_exact(data, n_ops):
 # window spaces: records with holes, windowed matches
 
 
-class WindowMachine(RuleBasedStateMachine):
-    """Two spaces sharing a window namespace (W = 30 rows; rows of 3000 B
-    straddle 64 KiB pages, 21.8 rows a page; 6 pages a slot). Requests grow
-    and then slide their low mark, as a sliding-window model computes every
-    row before it leaves the window. The model keeps, per recorded sequence,
-    the first page its recorder held: a match is never longer than a common
-    prefix, never shorter than any one record that holds its window alone,
-    and its rows [low, n) are exactly the recorded bytes. Under pressure
-    (WindowTierMachine) the pages locked paths keep but no vTensor maps may
-    go (window_page_drops_total): the records made before hold no pages the
-    model can count on then."""
+class WindowTreeModel(TreeModel):
+    """A window tree (prefix_tree.h; docs/api.md, "Window spaces"): the
+    shape and records of TreeModel, and which pages each node holds.
+    `held[path]` maps every page that intersects the node's rows (those
+    beginning inside it, and its own version of the page straddling its
+    start) to whether the tree keeps that page's bytes, on the device or on
+    the host: False is a hole. `on_host` holds the nodes on the host as the
+    manager last listed them (which nodes spill is the pool's LRU's choice,
+    not modelled); a record and a match read it, as the tree does."""
 
-    W = 30
+    def __init__(self, row_bytes, page_bytes, window):
+        super().__init__()
+        self.row_bytes, self.page_bytes, self.window = row_bytes, page_bytes, window
+        self.held = {}
+        self.on_host = set()
+
+    def first_page(self, row):
+        return row * self.row_bytes // self.page_bytes
+
+    def page_end(self, rows):
+        """One past the last page holding a byte of rows [0, rows)."""
+        return -(-rows * self.row_bytes // self.page_bytes)
+
+    def first_needed(self, length):
+        """The page of a match's first window row, length - W + 1."""
+        return 0 if length < self.window else self.first_page(length - self.window + 1)
+
+    def split(self, path):
+        """The node `path` ends inside becomes two; the page straddling the
+        split belongs to both halves, held or a hole in both, and the upper
+        half is where the lower one is (device or host)."""
+        path = tuple(path)
+        if not path or path in self.nodes:
+            return
+        lower = min((p for p in self.nodes if p[:len(path)] == path), key=len)
+        pages = self.held[lower]
+        self.held[path] = {p: h for p, h in pages.items() if p < self.page_end(len(path))}
+        self.held[lower] = {p: h for p, h in pages.items() if p >= self.first_page(len(path))}
+        if lower in self.on_host:
+            self.on_host.add(path)
+        self.nodes.add(path)
+
+    def chain(self, tokens, length):
+        """(start, path) of the nodes of the path to `length` tokens (at most
+        as far as the tree holds them), root first: the last one may go on
+        past `length`."""
+        out, cur = [], ()
+        while len(cur) < length:
+            head = tuple(tokens[:len(cur) + 1])
+            children = [p for p in self.nodes if len(p) > len(cur) and p[:len(cur) + 1] == head]
+            if not children:
+                break
+            out.append((len(cur), min(children, key=len)))
+            cur = out[-1][1]
+        return out
+
+    def record(self, seq, pages, release=False):
+        """PrefixTree::Insert of a recorder holding `pages` (a set): the new
+        leaf keeps its pages and holes; the path's nodes on the device fill
+        their holes from it (the union); a node on the host whose every
+        block the recorder holds is adopted, taking the recorder's pages;
+        one that holds a page the recorder slid past stays on the host as
+        it was (docs/design.md, "The host tier"). So does the node holding
+        the page the recorder writes next, unless the tree takes a copy of
+        that page (it does wherever a node on the host holds it): a
+        recorder that slid past that page has none to copy. With `release`
+        it writes nothing again. Returns the tokens the record adds."""
+        reach = self.reach(seq)
+        self.split(seq[:reach])
+        boundary = len(seq) * self.row_bytes
+        uncopied = boundary // self.page_bytes  # the page written next, when no copy of it can be taken
+        if release or boundary % self.page_bytes == 0 or uncopied in pages:
+            uncopied = None
+        for node in [p for p in self.nodes if seq[:len(p)] == p]:
+            if node not in self.on_host:
+                self.held[node] = {p: h or p in pages for p, h in self.held[node].items()}
+            elif uncopied not in self.held[node] and all(p in pages for p, h in self.held[node].items() if h):
+                self.held[node] = {p: p in pages for p in self.held[node]}
+                self.on_host.discard(node)
+        if reach < len(seq):
+            self.held[seq] = {p: p in pages for p in range(self.first_page(reach), self.page_end(len(seq)))}
+        self.nodes.add(seq)
+        self.records[seq] += 1
+        return len(seq) - reach
+
+    def windowed(self, tokens, length, with_host):
+        """PrefixTree::Windowed: the longest L <= length for which the
+        deepest node of the path to L covering each page under rows
+        [L - W + 1, L) holds it (with_host: on the host too)."""
+        chain = self.chain(tokens, length)
+        for n in range(length, 0, -1):
+            version = {}
+            for start, node in chain:
+                if start >= n:
+                    break
+                for p, h in self.held[node].items():
+                    version[p] = h and (with_host or node not in self.on_host)
+            if all(version[p] for p in range(self.first_needed(n), self.page_end(n))):
+                return n
+        return 0
+
+    def to_restore(self, tokens, length):
+        """PrefixTree::HostNodesToRestore: the nodes on the host that keep
+        the version of a page under the window of a match of `length`."""
+        out, deeper = [], self.page_end(length)
+        for start, node in reversed(self.chain(tokens, length)):
+            if node in self.on_host and max(self.first_page(start), self.first_needed(length)) < deeper:
+                out.append(node)
+            deeper = min(deeper, self.first_page(start))
+        return out
+
+    def restore(self, tokens, length):
+        """A match of `length` restores its path: the node it ends inside is
+        split there and the one its window's first row falls inside, if on
+        the host and restored, at that row (PrefixTree::SplitAtWindow); the
+        nodes to restore come back to the device."""
+        self.split(tokens[:length])
+        if length >= self.window:
+            first_row, deeper = length - self.window + 1, self.page_end(length)
+            for start, node in reversed(self.chain(tokens, length)):
+                if start < first_row:
+                    if (node in self.on_host and first_row < len(node)
+                            and max(self.first_page(start), self.first_page(first_row)) < deeper):
+                        self.split(node[:first_row])
+                    break
+                deeper = min(deeper, self.first_page(start))
+        self.on_host -= set(self.to_restore(tokens, length))
+
+    def keep(self, nodes):
+        """Only `nodes` stay (the others were evicted), and the records that end at them."""
+        self.nodes = set(nodes)
+        self.records = Counter({p: n for p, n in self.records.items() if p in self.nodes and n > 0})
+        self.prune()
+
+    def prune(self):
+        """Drops what nodes that left the tree held."""
+        self.held = {p: h for p, h in self.held.items() if p in self.nodes}
+        self.on_host &= self.nodes
+
+    def forget(self, seq, locked):
+        removed = super().forget(seq, locked)
+        self.prune()
+        return removed
+
+    def keep_locked(self, locked):
+        super().keep_locked(locked)
+        self.prune()
+
+
+class WindowMachine(RuleBasedStateMachine):
+    """Two spaces sharing a window namespace, in one of GEOMETRIES (6
+    pages a slot in each; rows straddle 64 KiB pages: W = 30 rows of 3000 B,
+    21.8 rows a page; W = 5 rows of 20000 B, 3.3 rows a page; W = 3 rows of
+    46080 B, 1.4 rows a page, so a row may span a page). Requests grow
+    and then slide their low mark, as a sliding-window model computes every
+    row before it leaves the window. A WindowTreeModel predicts every node,
+    hole, lock, record, match (its length, low mark and pages) and forget;
+    a match's rows [low, n) must be exactly the recorded bytes. Under
+    pressure (WindowTierMachine) an allocation may give up what the model
+    cannot predict without the pool's LRU order, and the invariant then
+    takes it from the tree after checking it is allowed: pages of locked
+    paths on the device (window_page_drops_total), and the lock of a path
+    one vTensor alone locks (prefix_unpins_total)."""
+
+    GEOMETRIES = ((3000, 120, 30), (20000, 18, 5), (46080, 8, 3))  # row bytes / SCALE, max tokens, window
+    TIER = False
 
     def __init__(self):
         super().__init__()
         self.mgr = self.make_manager()
-        self.spaces = [self.mgr.create_space(row_bytes=3000 * SCALE, max_tokens=120, max_slots=5,
-                                             namespace="win", window_tokens=self.W) for _ in range(2)]
-        self.ios = [RowIO(s) for s in self.spaces]
+        self.spaces = []
         self.live = {}  # vt -> [space index, tokens, low]
-        self.records = {}  # sequence -> the first page its recorders held (the lowest over them)
+        self.lock = {}  # vt -> the path to the node it locks (absent: none)
+        self.forgotten = set()  # paths forgotten, for queries to probe
         self.window_page_drops = 0
+        self.unpins = 0
+        self.spills = 0
 
     def make_manager(self):
         return new_manager(chunks=2048)
 
-    def page_of(self, row):
-        return row * 3000 * SCALE // self.mgr.chunk_bytes
+    def locked(self):
+        """Whether a live vTensor's lock lies on or below the node ending at `path`."""
+        return lambda path: any(p[:len(path)] == path for p in self.lock.values())
 
-    @initialize(data=st.data())
-    def seed(self, data):
-        """A long record with holes below its window and, often, a whole
-        record of a shorter prefix of it: their union serves matches that
-        neither serves alone, and shorter ones where it has holes."""
-        base = data.draw(toks(100))
-        vt = self.spaces[0].create(100).result()
-        self.ios[0].write(vt, base, 0, 100)
-        vt.extend(100, low=70).result()
-        self.spaces[0].prefix_record(vt, base).result()
-        self.records[tuple(base)] = self.page_of(70)
-        vt.release().result()
+    def held_pages(self, vt):
+        """The pages vt maps: from the one holding its low row to the one holding its last."""
+        _, tokens, low = self.live[vt]
+        return set(range(self.tree.first_page(low), self.tree.page_end(len(tokens))))
+
+    def record(self, si, vt, seq, release=False):
+        """With `release`, the vTensor goes in the same operation (and locks nothing)."""
+        expect = self.tree.record(seq, self.held_pages(vt), release)
+        added = self.spaces[si].prefix_record(vt, list(seq), release=release).result()
+        assert added == expect, f"prefix_record({list(seq)}) added {added}, model says {expect}"
+        if release:
+            assert vt.released
+            del self.live[vt]
+            self.lock.pop(vt, None)
+        else:
+            self.lock[vt] = seq  # the recorder locks what it recorded, and nothing else
+
+    @initialize(data=st.data(), geometry=st.sampled_from(GEOMETRIES))
+    def seed(self, data, geometry):
+        """The spaces, then a long record with holes below its window and,
+        often, a whole record of a shorter prefix of it: their union serves
+        matches that neither serves alone, and shorter ones where it has
+        holes."""
+        row, self.max_tokens, self.W = geometry
+        self.row_bytes = row * SCALE
+        self.spaces = [self.mgr.create_space(row_bytes=self.row_bytes, max_tokens=self.max_tokens, max_slots=5,
+                                             namespace="win", window_tokens=self.W) for _ in range(2)]
+        self.ios = [RowIO(s) for s in self.spaces]
+        self.tree = WindowTreeModel(self.row_bytes, self.mgr.chunk_bytes, self.W)
+        event(f"window: rows of {row} B")
+        n = self.max_tokens * 5 // 6
+        base = tuple(data.draw(toks(n)))
+        vt = self.spaces[0].create(n).result()
+        self.ios[0].write(vt, base, 0, n)
+        vt.extend(n, low=n - self.W).result()
+        self.live[vt] = [0, list(base), n - self.W]
+        self.record(0, vt, base)
+        self.release_vt(vt)
         if data.draw(st.booleans()):
-            k = data.draw(st.integers(10, 90))
+            k = data.draw(st.integers(1, n - 1))
             vt = self.spaces[1].create(k).result()
             self.ios[1].write(vt, base, 0, k)
-            self.spaces[1].prefix_record(vt, base[:k]).result()
-            self.records[tuple(base[:k])] = 0
-            vt.release().result()
-
-    def pages_for(self, n):
-        return -(-n * 3000 * SCALE // self.mgr.chunk_bytes)
-
-    def first_needed(self, n):
-        return self.page_of(max(0, n - self.W + 1))
+            self.live[vt] = [1, list(base[:k]), 0]
+            self.record(1, vt, base[:k])
+            self.release_vt(vt)
 
     def draw_vt(self, data):
         vts = sorted(self.live, key=lambda v: v.id)
         return data.draw(st.sampled_from(vts)) if vts else None
 
     def query(self, data):
-        recorded = sorted(self.records)
-        if recorded and data.draw(st.booleans()):
-            base = data.draw(st.sampled_from(recorded))
+        """Mostly a prefix of a path the tree holds (or held), extended."""
+        paths = sorted(self.tree.nodes | self.forgotten)
+        if paths and data.draw(st.integers(0, 3)):
+            base = data.draw(st.sampled_from(paths))
             q = list(base[:data.draw(st.integers(0, len(base)))]) + data.draw(st.lists(TOK, max_size=4))
         else:
-            q = data.draw(st.lists(TOK, max_size=120))
-        return q[:120]
+            q = data.draw(st.lists(TOK, max_size=self.max_tokens))
+        return q[:self.max_tokens]
+
+    def release_vt(self, vt):
+        vt.release().result()
+        del self.live[vt]
+        self.lock.pop(vt, None)
 
     @rule(data=st.data(), si=st.integers(0, 1))
     def create(self, data, si):
@@ -759,7 +941,7 @@ class WindowMachine(RuleBasedStateMachine):
         if vt is None:
             return
         si, tokens, low = self.live[vt]
-        target = data.draw(st.integers(len(tokens), 120))
+        target = data.draw(st.integers(len(tokens), self.max_tokens))
         self.mgr.step({vt: target}).result()
         new = tokens + data.draw(toks(target - len(tokens)))
         self.ios[si].write(vt, new, len(tokens), target)
@@ -767,7 +949,27 @@ class WindowMachine(RuleBasedStateMachine):
         vt.extend(target, low=mark).result()
         assert (vt.num_tokens, vt.low) == (target, mark)
         self.live[vt] = [si, new, mark]
-        event("window: low mark above page 0" if self.page_of(mark) > 0 else "window: low mark on page 0")
+        event("window: low mark above page 0" if self.tree.first_page(mark) > 0 else "window: low mark on page 0")
+
+    @rule(data=st.data())
+    def shrink(self, data):
+        """A vTensor keeps its rows [low, n): its lock moves up to the node
+        holding row n - 1 (none for n = 0)."""
+        vt = self.draw_vt(data)
+        if vt is None:
+            return
+        si, tokens, low = self.live[vt]
+        n = data.draw(st.integers(low, len(tokens)))
+        vt.shrink(n).result()
+        del tokens[n:]
+        assert vt.num_tokens == n
+        path = self.lock.get(vt)
+        if path is not None and n < len(path):
+            if n == 0:
+                del self.lock[vt]
+            else:
+                self.lock[vt] = min((p for p in self.tree.nodes if len(p) >= n and path[:len(p)] == p), key=len)
+        event("window: shrink")
 
     @rule(data=st.data())
     def prefix_record(self, data):
@@ -775,79 +977,178 @@ class WindowMachine(RuleBasedStateMachine):
         if vt is None or not self.live[vt][1]:
             return
         si, tokens, low = self.live[vt]
-        seq = tuple(tokens[:data.draw(st.integers(1, len(tokens)))])
-        added = self.spaces[si].prefix_record(vt, list(seq)).result()
-        assert added == len(seq) - best_lcp(seq, self.records)
-        self.records[seq] = min(self.records.get(seq, 1 << 30), self.page_of(low))
+        # Often a path recorded already (its records add up), when the vTensor holds one.
+        again = sorted(len(p) for p, n in self.tree.records.items() if n and p == tuple(tokens[:len(p)]))
+        k = data.draw(st.sampled_from(again) if again and data.draw(st.booleans()) else st.integers(1, len(tokens)))
+        seq = tuple(tokens[:k])
+        on_host = {p for p in self.tree.on_host if seq[:len(p)] == p}
+        self.record(si, vt, seq, release=data.draw(st.integers(0, 3)) == 0)
+        if on_host:
+            event("window record: through nodes on the host" +
+                  (", adopting some" if on_host - self.tree.on_host else ""))
 
     @rule(data=st.data(), si=st.integers(0, 1))
     def prefix_match(self, data, si):
         if sum(1 for s, _, _ in self.live.values() if s == si) >= 5:
             return
         q = self.query(data) or [data.draw(TOK)]
-        drops = self.mgr.stats()["window_page_drops_total"]
-        if drops != self.window_page_drops:  # any page of any record may be gone
-            self.window_page_drops = drops
-            self.records = {seq: 1 << 30 for seq in self.records}
-            event("window: pages of locked paths given up")
-        upper = min(best_lcp(q, self.records), len(q) - 1)
-        lower = 0
-        for seq, first in self.records.items():
-            n = min(lcp(q, seq), len(q) - 1)
-            if n > 0 and self.first_needed(n) >= first:
-                lower = max(lower, n)
+        tree = self.tree
+        common = tree.reach(q[:len(q) - 1])
+        n = tree.windowed(q, common, with_host=self.TIER)
+        restore = tree.to_restore(q, n) if self.TIER else []
+        if restore:
+            device_only = tree.windowed(q, n, with_host=False)  # what a match without room to restore takes
+        restores = self.mgr.stats()["restores_total"]
         m = self.spaces[si].prefix_match(q).result()
-        assert lower <= m.num_tokens <= upper, (q, lower, m.num_tokens, upper)
-        event("window match: " + ("nothing in common" if upper == 0 else "none of the common prefix"
-                                  if m.num_tokens == 0 else "shorter than the common prefix"
-                                  if m.num_tokens < upper else "the whole common prefix"))
-        if m.num_tokens == 0:
+        if restore and self.mgr.stats()["restores_total"] == restores:
+            # Optional, never unpinning: no room for it in the device pool.
+            event("window match: no room to restore")
+            n = device_only
+        elif restore:
+            assert m.restored_tokens > 0
+            event("window match: restored from the host tier")
+            tree.restore(q, n)
+        assert m.num_tokens == n, f"window match({q}) = {m.num_tokens}, model says {n}"
+        event("window match: " + ("nothing in common" if common == 0 else "none of the common prefix"
+                                  if n == 0 else "shorter than the common prefix"
+                                  if n < common else "the whole common prefix"))
+        if n == 0:
             assert m.vtensor is None
             return
-        vt, n = m.vtensor, m.num_tokens
-        first, need = self.first_needed(n), self.pages_for(n)
-        low = n if first == need else -(-first * self.mgr.chunk_bytes // (3000 * SCALE))
+        vt = m.vtensor
+        first, need = tree.first_needed(n), tree.page_end(n)
+        low = n if first == need else -(-first * self.mgr.chunk_bytes // self.row_bytes)
         assert (vt.num_tokens, vt.low) == (n, low)
         pages = vt.page_chunks()
         assert pages[:first] == [None] * first and None not in pages[first:need]
         self.ios[si].verify(vt, q, low, n, what=f"window match({q}):")
+        tree.split(q[:n])
         self.live[vt] = [si, list(q[:n]), low]
+        self.lock[vt] = tuple(q[:n])
+
+    @rule(data=st.data(), si=st.integers(0, 1))
+    def prefix_forget(self, data, si):
+        """One record taken back (see VtmMachine.prefix_forget): the model
+        says what leaves the tree, the invariant checks every node after it."""
+        tree = self.tree
+        kind = data.draw(st.sampled_from(["recorded", "recorded again", "prefix", "node", "forgotten", "fresh"]))
+        candidates = {"recorded": [p for p, n in tree.records.items() if n > 0],
+                      "recorded again": [p for p, n in tree.records.items() if n > 1],
+                      "prefix": list(tree.records), "node": tree.nodes, "forgotten": self.forgotten}.get(kind)
+        if not candidates:
+            seq = tuple(data.draw(st.lists(TOK, min_size=1, max_size=self.max_tokens)))
+        else:
+            seq = data.draw(st.sampled_from(sorted(candidates)))
+            if kind == "prefix":
+                seq = seq[:data.draw(st.integers(1, len(seq)))]
+        on_host = set(tree.on_host)
+        nodes = set(tree.nodes)
+        expect = tree.forget(seq, self.locked())
+        got = self.spaces[si].prefix_forget(list(seq)).result()
+        assert got == expect, f"prefix_forget({list(seq)}) removed {got} tokens, model says {expect}"
+        self.forgotten.add(seq)
+        if nodes - tree.nodes:
+            event("window forget: nodes removed" + (", some on the host" if (nodes - tree.nodes) & on_host else ""))
 
     @rule(data=st.data())
     def release(self, data):
         vt = self.draw_vt(data)
-        if vt is None:
+        if vt is not None:
+            self.release_vt(vt)
+
+    @rule(data=st.data())
+    def trim_to(self, data):
+        """A trim with a target takes unlocked nodes, least recently used
+        first, from the leaves up, until it has freed enough: without a
+        tier it evicts them (which ones is the LRU's choice: the model
+        checks that they were unlocked and takes the tree's word), with one
+        they spill and paths end up partly on the host."""
+        evictions = self.mgr.stats()["evictions_total"]
+        self.mgr.trim(bytes=data.draw(st.integers(1, 24)) * self.mgr.chunk_bytes)
+        if self.TIER:
             return
-        vt.release().result()
-        del self.live[vt]
+        kept = {path for path, _ in node_paths(self.spaces[0].prefix_nodes())}
+        gone = self.tree.nodes - kept
+        assert kept <= self.tree.nodes and len(gone) == self.mgr.stats()["evictions_total"] - evictions
+        locked = self.locked()
+        for path in gone:
+            assert not locked(path), (path, "evicted while locked")
+            assert all(p in gone for p in self.tree.nodes if p[:len(path)] == path), (path, "evicted above a node")
+        self.tree.keep(kept)
+        if gone:
+            event("window: trim evicted nodes")
 
     @rule()
     def clear_prefixes(self):
-        self.spaces[0].clear_prefixes()
-        kept = leaf_paths(self.spaces[0].prefix_nodes())
-        self.records = {s: f for s, f in self.records.items() if any(k[:len(s)] == s for k in kept)}
-        # A kept path may end where a match split a dropped record: the
-        # tree holds it, with pages the model does not claim to know.
-        for k in kept:
-            self.records.setdefault(k, 1 << 30)
+        before = len(self.tree.nodes)
+        dropped = self.spaces[0].clear_prefixes()
+        self.tree.keep_locked(self.locked())
+        assert dropped == before - len(self.tree.nodes)
+
+    def given_up(self, st_, observed):
+        """What an allocation under pressure took that the model cannot
+        predict: pages of locked window paths on the device become holes,
+        and a path one vTensor alone locks loses its lock (docs/api.md,
+        "Window spaces"; docs/design.md §3). Checked, then taken over."""
+        drops = st_["window_page_drops_total"] - self.window_page_drops
+        self.window_page_drops += drops
+        for path, nd in observed:
+            for p, h in self.tree.held.get(path, {}).items():
+                if h and not self.observed_held(nd)[p]:
+                    assert drops and not nd["on_host"], (path, nd, "a page went that no allowed drop takes")
+                    self.tree.held[path][p] = False
+                    event("window: pages of locked paths given up")
+        unpins = st_["prefix_unpins_total"] - self.unpins
+        self.unpins += unpins
+        if unpins:
+            # Deepest first: a lock a deeper one's unpinning left alone on its node may go next.
+            locks = {path: nd["locks"] for path, nd in observed}
+            unpinned = 0
+            for vt in sorted(self.lock, key=lambda v: -len(self.lock[v])):
+                path = self.lock[vt]
+                if locks.get(path, 0) < sum(p[:len(path)] == path for p in self.lock.values()):
+                    assert sum(p == path for p in self.lock.values()) == 1, (path, "unpinned a shared lock")
+                    del self.lock[vt]
+                    unpinned += 1
+            assert unpinned <= unpins
+            event("window: a lock given up")
+
+    def observed_held(self, nd):
+        first = self.tree.first_page(nd["start"])
+        held = nd["host_pages"] if nd["on_host"] else [c is not None for c in nd["pages"]]
+        return {first + i: bool(h) for i, h in enumerate(held)}
 
     @invariant()
     def consistent(self):
         st_ = assert_pool_consistent(self.mgr)
         nodes = self.spaces[0].prefix_nodes()
         assert nodes == self.spaces[1].prefix_nodes()
-        assert leaf_paths(nodes) == maximal(self.records)
+        observed = node_paths(nodes)
+        assert {path for path, _ in observed} == self.tree.nodes
+        self.given_up(st_, observed)
+        for path, nd in observed:
+            assert self.observed_held(nd) == self.tree.held[path], (path, nd, self.tree.held[path])
+            assert nd["locks"] == sum(p[:len(path)] == path for p in self.lock.values()), (path, nd)
+        # Which nodes spill is the LRU's choice, taken from the tree; with no
+        # spill since the last step, the model's own (restores, adoptions,
+        # splits on the host) must be the tree's.
+        on_host = {path for path, nd in observed if nd["on_host"]}
+        if st_["spills_total"] == self.spills:
+            assert on_host == self.tree.on_host, (on_host, self.tree.on_host)
+        self.spills = st_["spills_total"]
+        self.tree.on_host = on_host
         assert st_["chunks_in_tree"] == len({c for nd in nodes for c in nd["pages"] if c is not None})
         for vt, (si, tokens, low) in self.live.items():
             assert (vt.num_tokens, vt.low) == (len(tokens), low)
-            assert vt.page_chunks()[:self.page_of(low)] == [None] * self.page_of(low)
+            assert vt.page_chunks()[:self.tree.first_page(low)] == [None] * self.tree.first_page(low)
             self.ios[si].verify(vt, tokens)
 
     def teardown(self):
         try:
             for vt in list(self.live):
                 vt.release().result()
-            self.spaces[0].clear_prefixes()
+            for sp in self.spaces[:1]:  # none when the seed failed before making them
+                sp.clear_prefixes()
             self.mgr.trim()
             st_ = self.mgr.stats()
             assert st_["chunks_created"] == 0 and st_["tree_nodes"] == 0, st_
@@ -865,27 +1166,31 @@ class WindowTierMachine(WindowMachine):
     """WindowMachine on a device pool of 80 chunks with a host tier that
     drops nothing: `pressure` fills the pool from a space of another
     namespace, so the window tree spills to the host, holes and all, and
-    matches restore it; records go through nodes on the host. The model is
-    WindowMachine's, unchanged: a prefix on the host serves exactly what it
-    served on the device (the pool always has room to restore one: the live
-    vTensors hold at most 10 x 6 pages)."""
+    matches restore it; records go through nodes on the host and adopt
+    them. The model is WindowMachine's: a prefix on the host serves exactly
+    what it served on the device; a match restores what it needs, and
+    without room for that (a restore never unpins) takes what the device
+    holds."""
+
+    TIER = True
 
     def make_manager(self):
         mgr = new_manager(chunks=80, host_tier_bytes=4096 * CHUNK)
-        self.filler = mgr.create_space(row_bytes=mgr.chunk_bytes, max_tokens=16, max_slots=8, namespace="filler")
+        self.filler = mgr.create_space(row_bytes=mgr.chunk_bytes, max_tokens=16, max_slots=24, namespace="filler")
         return mgr
 
     @rule()
     def release_all_and_spill(self):
         """Nothing locks the tree: the pressure spills all of it."""
         for vt in list(self.live):
-            vt.release().result()
-        self.live.clear()
+            self.release_vt(vt)
         self.pressure()
 
     @rule()
     def pressure(self):
-        fill_and_release(self.filler, 16)
+        """The pool filled to its last chunk: what one chunk more takes,
+        a lock and pages only locked paths hold, goes too."""
+        fill_and_release(self.filler, 16, 1)
         st_ = self.mgr.stats()
         event("tier: nodes on the host" if st_["host_tier_nodes"] else "tier: nothing on the host")
 

@@ -241,11 +241,6 @@ def leaf_paths(nodes):
     return {p for p in pset if not any(q != p and q[:len(p)] == p for q in pset)}
 
 
-def maximal(seqs):
-    seqs = set(tuple(s) for s in seqs if len(s))
-    return {s for s in seqs if not any(q != s and q[:len(s)] == s for q in seqs)}
-
-
 def lcp(a, b):
     n = 0
     for x, y in zip(a, b):
