@@ -43,7 +43,7 @@ def reference_linear(x, weight, bias=None, residual=None):
 
 def check_linear(dtype, out, device):
     gen = torch.Generator().manual_seed(11)
-    for n_rows in (1, 3, ops.MAX_ROWS):
+    for n_rows in (1, 3, 5, 7, ops.MAX_ROWS):
         # 700 inputs: the K loop runs several blocks with a tail; 70 outputs: five programs with a tail.
         x = rows(n_rows, 700, dtype, n_rows, device)
         weight = (torch.randn(70, 700, generator=gen) * 0.05).to(device=device, dtype=dtype)
@@ -134,6 +134,40 @@ def check_qkv(dtype, out, manager, device, head_dim=24):
         kv.close()
 
 
+# (head_dim, heads, kv_heads, rows, bias): the head sizes of current models,
+# grouped-query ratios 1 to 4, rows padded to a block of 2, 4 or 8.
+QKV_SHAPES = ((64, 8, 2, 5, True), (80, 4, 4, 8, False), (96, 6, 2, 3, True), (128, 4, 1, 1, True),
+              (256, 2, 1, 7, False))
+
+
+def check_qkv_shapes(dtype, out, device):
+    """norm_qkv_rotary_kv_write at QKV_SHAPES (K 36: one K block with a tail),
+    into a plain cache tensor, each row at its own (slot, position)."""
+    gen = torch.Generator().manual_seed(16)
+    hidden, max_slots, max_tokens = 36, 3, 4
+    for dim, heads, kv_heads, n_rows, has_bias in QKV_SHAPES:
+        flat = torch.randperm(max_slots * max_tokens, generator=gen)[:n_rows]
+        slots, positions = (flat // max_tokens).to(device), (flat % max_tokens).to(device)
+        inv_freq = 1.0 / (1e4 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
+        freqs = positions.cpu().float()[:, None] * inv_freq[None, :]
+        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)
+        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+        x = rows(n_rows, hidden, dtype, 17 + dim, device)
+        norm = (torch.rand(hidden, generator=gen) + 0.5).to(device=device, dtype=dtype)
+        n = (heads + 2 * kv_heads) * dim
+        weight = (torch.randn(n, hidden, generator=gen) * 0.2).to(device=device, dtype=dtype)
+        bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if has_bias else None
+        kv = torch.randn(max_slots, max_tokens, 2, kv_heads, dim, generator=gen).to(device=device, dtype=dtype)
+        want_qkv = reference_linear(hf_rms_norm(x, norm), weight, bias).view(n_rows, heads + 2 * kv_heads, dim)
+        LlamaModel._rotate_(want_qkv[:, :heads + kv_heads], cos[:, None], sin[:, None])
+        want_kv = kv.clone()
+        want_kv.index_put_((slots, positions), want_qkv[:, heads:].view(n_rows, 2, kv_heads, dim))
+        got_qkv = ops.norm_qkv_rotary_kv_write(x, norm, EPS, weight, bias, heads, cos, sin, kv, slots, positions)
+        name = f"norm_qkv_head_dim_{dim}_{heads}_{kv_heads}_heads_{n_rows}_rows{'_bias' if has_bias else ''}"
+        out[name] = compare(got_qkv, want_qkv)
+        out[name + "_kv_write"] = compare(kv, want_kv)
+
+
 def check_forward(dtype, out, manager, device):
     """A 2-layer model (with a QKV bias) on the fused kernels against the same
     weights on the separate Triton layer ops and F.linear: a ragged prefill
@@ -195,6 +229,7 @@ def run_checks(device: str) -> dict:
             check_linear(dtype, out, device)
             check_gate_up(dtype, out, device)
             check_qkv(dtype, out, manager, device)
+            check_qkv_shapes(dtype, out, device)
             check_forward(dtype, out, manager, device)
         # The kernels split their columns finely for these small shapes (4
         # a program): once more, with the device asking for few programs, at
