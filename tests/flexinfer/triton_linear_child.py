@@ -187,6 +187,11 @@ def check_forward(dtype, out, manager, device):
                        p + "post_attention_layernorm.weight": (h,)})
     weights = {n: torch.randn(s, generator=gen) * 0.3 + (1.0 if n.endswith("norm.weight") else 0.0)
                for n, s in shapes.items()}
+    # The o and down weights as transposed views (a checkpoint may hold them
+    # so): F.linear reads any strides, the fused kernels dense rows.
+    for n in weights:
+        if n.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[n] = weights[n].T.contiguous().T
     model = LlamaModel(config, weights, dtype, device, linear="torch")
     model.layer_ops, model.norm_adds_residual, model.decoder = triton_layer_ops, True, None
     model.triton_linear = ops

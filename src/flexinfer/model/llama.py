@@ -189,7 +189,9 @@ class LlamaModel:
         take = weights.pop if consume_weights else weights.__getitem__
 
         def w(name: str) -> torch.Tensor:
-            return take(name).to(device=self.device, dtype=dtype)
+            # Dense: the fused decode kernels (kernels/triton_linear.py) read a
+            # weight's rows and a norm's values so, where F.linear takes any strides.
+            return take(name).to(device=self.device, dtype=dtype).contiguous()
 
         def gemma_norm(name: str) -> torch.Tensor:
             # Gemma weighs by (1 + w), in float32 from the weight in the model's dtype.
