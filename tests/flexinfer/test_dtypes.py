@@ -36,7 +36,8 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(smollm2_hf_mod
     instead, teacher-forced on float32's greedy continuation (40 steps after
     16 prompts of 32 tokens): the mean distance of the logits from float32's
     and how often the top token differs, FlexInfer's default CPU path
-    (one-call decoder, packed projections, the C++ attention kernel) against
+    (one-call decoder, packed projections, the C++ attention kernel; `packed`
+    named, so that the kernels do not depend on a timing) against
     transformers in bfloat16 on the same weights. Measured there: 0.107 vs
     0.111, flips 1.7 % vs 2.2 %."""
     import copy
@@ -57,7 +58,10 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(smollm2_hf_mod
         theirs = copy.deepcopy(smollm2_hf_model).to(torch.bfloat16)(seqs).logits[:, prompt_len - 1:-1].float()
 
     loaded = load_model("smollm2", torch.bfloat16)
-    model = LlamaModel(loaded.config, loaded.weights, torch.bfloat16)
+    # `packed` named, not "auto": auto times the kernels at load, and once on
+    # a loaded machine its pick flipped 2.2 % of the top tokens against
+    # transformers' 1.1 % + the margin (kernels round differently).
+    model = LlamaModel(loaded.config, loaded.weights, torch.bfloat16, linear="packed")
     ours = torch.empty_like(exact)
     with vtm.Manager(backend="host", capacity_bytes=256 << 20) as manager:
         kv = KVCache(manager, loaded.config, torch.bfloat16, max_tokens=128, max_slots=n)
