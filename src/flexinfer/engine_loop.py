@@ -181,8 +181,11 @@ class EngineLoop:
         # Before the thread starts, so that it shares malloc's main arena (host_memory.py).
         keep_freed_memory()
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="flexinfer-engine", daemon=True)
-        self._thread.start()
+        # A Ctrl-C may come while start() still waits to see the thread run
+        # (a loaded machine may run the thread's load first): it too closes
+        # the thread, or the thread would load the whole model, never closed.
         try:
+            self._thread.start()
             self._ready.wait()
         except BaseException:  # Ctrl-C while loading: the thread closes what it built
             self.close()
@@ -240,7 +243,9 @@ class EngineLoop:
             self._closing = True
             self._cv.notify()
         self._stop_loading.set()
-        if threading.current_thread() is not self._thread:
+        # Not alive: done, or not started yet (a Ctrl-C in start()): join() would raise, and
+        # such a thread, should it run, stops its load at its first tensor (stop is set).
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join(timeout)
 
     @contextlib.contextmanager

@@ -344,30 +344,84 @@ def test_ctrl_c_cancels_the_interrupted_generate(tiny, monkeypatch, python_sigin
         assert_greedy_equal(oracle, prompts[:2], run(llm, prompts[:2], greedy(5)), 5)
 
 
-def test_ctrl_c_while_the_model_loads_stops_the_load(tiny, monkeypatch):
-    """Ctrl-C during LLM(...) waited for the whole load: the engine thread
-    read every tensor before it closed what it had built (`flexinfer
-    generate` said nothing for 10-19 s after Ctrl-C on a busy 2-core VM with
-    SmolLM2; a large model's minute). The load now stops at its next tensor."""
+def read_slowly_and_ctrl_c(monkeypatch, folder: str) -> tuple[list[str], int]:
+    """Has the load read its tensors 0.2 s apart and send the main thread a
+    SIGINT (a Ctrl-C) once it has read the first; returns the list of names
+    it reads and the folder's number of tensors."""
     from flexinfer.model import loader
 
-    folder, _ = tiny
     main, real, read = threading.main_thread().ident, loader._safetensors_tensors, []
 
     def slowly(path):
         for item in real(path):
             read.append(item[0])
-            if len(read) == 1:  # the Ctrl-C comes while the weights are being read
+            if len(read) == 1:
                 signal.pthread_kill(main, signal.SIGINT)
             time.sleep(0.2)
             yield item
 
     monkeypatch.setattr(loader, "_safetensors_tensors", slowly)
-    with pytest.raises(KeyboardInterrupt):
-        LLM(folder, linear="torch")
-    tensors = sum(1 for _ in real(Path(folder)))
+    return read, sum(1 for _ in real(Path(folder)))
+
+
+def assert_the_load_stopped(read: list[str], tensors: int) -> None:
     assert len(read) <= 3 < tensors, (len(read), tensors)
     assert not any(t.name == "flexinfer-engine" for t in threading.enumerate())  # closed, not left loading
+
+
+def test_ctrl_c_while_the_model_loads_stops_the_load(tiny, monkeypatch, python_sigint):
+    """Ctrl-C during LLM(...) waited for the whole load: the engine thread
+    read every tensor before it closed what it had built (`flexinfer
+    generate` said nothing for 10-19 s after Ctrl-C on a busy 2-core VM with
+    SmolLM2; a large model's minute). The load now stops at its next tensor."""
+    folder, _ = tiny
+    read, tensors = read_slowly_and_ctrl_c(monkeypatch, folder)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(folder, linear="torch")
+    assert_the_load_stopped(read, tensors)
+
+
+def test_ctrl_c_before_the_engine_threads_start_returns_stops_the_load(tiny, monkeypatch, python_sigint):
+    """The Ctrl-C can reach the main thread while Thread.start() still waits
+    to see its thread run (on a loaded machine the engine thread may read
+    its first tensors first). EngineLoop caught it only around its wait for
+    the build: one raised by start() left the thread loading the whole
+    model, never closed (test_ctrl_c_while_the_model_loads_stops_the_load
+    failed so in each of three 20-run loops beside two busy loops on 2
+    cores). Here start() returns only once the first tensor is read, as it
+    did there."""
+    folder, _ = tiny
+    read, tensors = read_slowly_and_ctrl_c(monkeypatch, folder)
+    real_start = threading.Thread.start
+
+    def start_late(thread):
+        real_start(thread)
+        if thread.name == "flexinfer-engine":
+            deadline = time.monotonic() + 10
+            while not read and time.monotonic() < deadline:  # the SIGINT ends this wait
+                time.sleep(0.01)
+
+    monkeypatch.setattr(threading.Thread, "start", start_late)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(folder, linear="torch")
+    assert_the_load_stopped(read, tensors)
+
+
+def test_ctrl_c_before_the_engine_thread_exists_is_a_keyboard_interrupt(tiny, monkeypatch):
+    """A Ctrl-C in Thread.start() before it made the thread is still a
+    KeyboardInterrupt: the loop's close() must not join a thread never
+    started (join() raises a RuntimeError, which would take its place)."""
+    folder, _ = tiny
+    real_start = threading.Thread.start
+
+    def interrupted_start(thread):
+        if thread.name == "flexinfer-engine":
+            raise KeyboardInterrupt
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(folder, linear="torch")
 
 
 # ----------------------------------------------------------------------------- streaming and cancel
