@@ -688,7 +688,7 @@ def test_a_deliver_that_raises_fails_its_own_request_alone(tiny, caplog, raises_
         assert_idle_and_released(llm)
 
 
-def test_a_ctrl_c_while_a_deliver_runs_on_the_callers_thread_is_not_swallowed(tiny):
+def test_a_ctrl_c_while_a_deliver_runs_on_the_callers_thread_is_not_swallowed(tiny, python_sigint):
     """A refused request's end is delivered on the caller's thread, where a
     KeyboardInterrupt may be the user's Ctrl-C: it reaches the caller (review:
     catching everything there made it the request's error). The engine
