@@ -50,15 +50,18 @@ def __getattr__(name):
 
 
 def connect(address, name=None, priority=None, guaranteed_bytes=None, limit_bytes=None, timeout=10, fast_path=True,
-            map_ahead_pages=0):
+            map_ahead_pages=0, stop=None):
     """A manager served by the vtm broker at `address` ("unix:PATH") with the
     API of Manager; see docs/broker.md. Needs grpcio (imported only here).
     The operator sets priorities, guarantees and limits; a client may ask for less.
     map_ahead_pages=L keeps L pages mapped ahead of each growing vTensor, so
-    that most steps need no round trip to the broker (docs/api.md)."""
+    that most steps need no round trip to the broker (docs/api.md).
+    stop: a threading.Event that, once set, ends the wait for a broker that
+    is starting at once, with vtm.Unavailable."""
     from vtm.broker.client import connect as _connect
 
-    return _connect(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path, map_ahead_pages)
+    return _connect(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path, map_ahead_pages,
+                    stop)
 
 __all__ = [
     "MAX_SPACE_BYTES",

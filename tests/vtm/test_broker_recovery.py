@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -50,6 +51,33 @@ def test_connect_waits_for_a_broker_that_is_starting(tmp_path):
         broker.kill()
     with pytest.raises(vtm.Unavailable, match="no such socket"):
         vtm.connect("unix:" + str(tmp_path / "nowhere" / "sock"), timeout=0.3)
+
+
+@pytest.mark.parametrize("socket_there", [False, True], ids=["no-socket-yet", "socket-refuses"])
+def test_connect_stops_waiting_once_its_stop_is_set(tmp_path, socket_there):
+    """`stop` ends connect's wait for a broker at once, whether the socket is
+    not there yet or is there and refuses (a dead vtmd's): a server told to
+    stop while it started waited for the whole timeout."""
+    path = tmp_path / "sock"
+    refusing = None
+    if socket_there:  # bound, never listening: a connection is refused, as at a dead vtmd's socket
+        refusing = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        refusing.bind(str(path))
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(vtm.Unavailable, match="stopped waiting for the vtm broker at .*: its stop was set"):
+            vtm.connect(f"unix:{path}", timeout=60, stop=stop)
+    finally:
+        if refusing is not None:
+            refusing.close()
+    assert time.monotonic() - start < 5
+
+
+def test_connect_refuses_a_stop_that_is_no_event(tmp_path):
+    with pytest.raises(vtm.InvalidArgument, match="stop must be a threading.Event, got True"):
+        vtm.connect(f"unix:{tmp_path / 'sock'}", timeout=60, stop=True)
 
 
 def test_a_restarted_broker_gets_the_spaces_back_at_the_same_reservation(broker):

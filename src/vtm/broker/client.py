@@ -80,6 +80,8 @@ from vtm.proto.vtm.v1 import vtm_pb2, vtm_pb2_grpc
 log = logging.getLogger("vtm.broker")
 
 _BYE_TIMEOUT_S = 2.0
+# How often connect's wait for a broker whose socket is there but refuses looks at its `stop`.
+_STOP_POLL_S = 0.05
 _PARKED = 1 << 31  # space ids a broker never gives (ids count up from 1): reconnect's renames pass through them
 
 
@@ -108,7 +110,7 @@ def _token_ids(token_ids) -> list[int]:
 class RemoteManager:
     def __init__(self, address: str, name: str | None = None, priority: int | None = None,
                  guaranteed_bytes: int | None = None, limit_bytes: int | None = None, timeout: float = 10.0,
-                 fast_path: bool = True, map_ahead_pages: int = 0):
+                 fast_path: bool = True, map_ahead_pages: int = 0, stop: threading.Event | None = None):
         self._timeout = float(timeout)
         self._address = address
         self._fast_path = fast_path
@@ -147,13 +149,15 @@ class RemoteManager:
             # Chunks travel as fds: only a Unix socket carries them (a tcp:
             # listener serves control calls only).
             raise errors.InvalidArgument(f"vtm.connect needs a unix:PATH address, got {address!r}")
+        if stop is not None and not isinstance(stop, threading.Event):
+            raise errors.InvalidArgument(f"vtm.connect's stop must be a threading.Event, got {stop!r}")
         # Unset asks take what the operator gives (proto3 presence); sent
         # again by every reconnect.
         self._hello = _message(vtm_pb2.HelloRequest, "connect", name=name or "", priority=priority,
                                guaranteed_bytes=_ask(guaranteed_bytes, "guaranteed_bytes"),
                                limit_bytes=_ask(limit_bytes, "limit_bytes"), gives_back_ahead=True)
         try:
-            hello = self._open_session(time.monotonic() + self._timeout)
+            hello = self._open_session(time.monotonic() + self._timeout, stop=stop)
             # No idle imports (keep_idle 0): a chunk this process maps no more
             # may be another client's a moment later.
             self._mapper = _core.ClientMapper(hello.backend, hello.chunk_bytes,
@@ -168,13 +172,14 @@ class RemoteManager:
         self._worker = threading.Thread(target=self._work, name=f"vtm-client-{self.client_id}", daemon=True)
         self._worker.start()
 
-    def _open_session(self, deadline: float, geometry: tuple | None = None):
+    def _open_session(self, deadline: float, geometry: tuple | None = None, stop: threading.Event | None = None):
         """Says hello to the broker (waiting until `deadline` for one that is
-        starting), attaches the session's channel, opens the fd and step
-        sockets and starts the notice listener; returns the HelloReply.
-        `geometry`: the (backend, chunk_bytes, granularity) this client's
-        reservations were made for; a broker of another is refused
-        (FailedPrecondition) before any of this client's fields take its values."""
+        starting, or until `stop` is set), attaches the session's channel,
+        opens the fd and step sockets and starts the notice listener; returns
+        the HelloReply. `geometry`: the (backend, chunk_bytes, granularity)
+        this client's reservations were made for; a broker of another is
+        refused (FailedPrecondition) before any of this client's fields take
+        its values."""
         path = self._address[len("unix:"):]
         wait = f"{max(0.0, deadline - time.monotonic()):.2g} s"  # this call's wait: a reconnect's try is short
         while not os.path.exists(path):
@@ -182,12 +187,18 @@ class RemoteManager:
             # soon: wait for it, within the deadline.
             if time.monotonic() >= deadline:
                 raise errors.Unavailable(f"no vtm broker answers at {self._address} (no such socket after {wait})")
-            time.sleep(0.05)
+            self._pause(0.05, stop)
         self._channel = grpc.insecure_channel(self._address)
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=max(0.0, deadline - time.monotonic()))
-        except grpc.FutureTimeoutError:
-            raise errors.Unavailable(f"no vtm broker answers at {self._address} (waited {wait})") from None
+        ready = grpc.channel_ready_future(self._channel)
+        while True:  # in slices where there is a `stop`, looked at between them
+            left = deadline - time.monotonic()
+            try:
+                ready.result(timeout=max(0.0, left if stop is None else min(left, _STOP_POLL_S)))
+                break
+            except grpc.FutureTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise errors.Unavailable(f"no vtm broker answers at {self._address} (waited {wait})") from None
+                self._pause(0, stop)
         self._stub = vtm_pb2_grpc.BrokerStub(self._channel)
         while True:
             try:
@@ -198,7 +209,7 @@ class RemoteManager:
                 # ends in a moment, so it is asked again within the deadline.
                 if status.CALLS_IN_FLIGHT_FLAG not in str(exc) or time.monotonic() >= deadline:
                     raise
-                time.sleep(0.01)
+                self._pause(0.01, stop)
                 continue
             self._metadata = ((status.LEASE_KEY, hello.lease),)
             self._lease = hello.lease
@@ -250,6 +261,16 @@ class RemoteManager:
         threading.Thread(target=self._listen, args=(self._session,), name=f"vtm-notices-{self.client_id}",
                          daemon=True).start()
         return hello
+
+    def _pause(self, seconds: float, stop: threading.Event | None) -> None:
+        """Sleeps `seconds` between two tries to reach the broker (0: only
+        looks at `stop`); raises Unavailable at once where `stop` is (or
+        gets) set: its caller no longer waits (a server told to stop while
+        it starts)."""
+        if stop is None:
+            time.sleep(seconds)
+        elif stop.wait(seconds):
+            raise errors.Unavailable(f"stopped waiting for the vtm broker at {self._address}: its stop was set")
 
     # -- plumbing ------------------------------------------------------------
 
@@ -1032,7 +1053,7 @@ class RemoteManager:
 
 def connect(address: str, name: str | None = None, priority: int | None = None, guaranteed_bytes: int | None = None,
             limit_bytes: int | None = None, timeout: float = 10.0, fast_path: bool = True,
-            map_ahead_pages: int = 0) -> RemoteManager:
+            map_ahead_pages: int = 0, stop: threading.Event | None = None) -> RemoteManager:
     """A manager served by the vtm broker at `address` ("unix:PATH"), with
     vtm.Manager's API. Raises vtm.Unavailable when no broker answers within
     `timeout` seconds, which is also the deadline of every later call.
@@ -1044,5 +1065,8 @@ def connect(address: str, name: str | None = None, priority: int | None = None, 
     its step socket (a baseline for scripts/bench_colocation.py).
     map_ahead_pages=L: a growing vTensor keeps L pages mapped ahead of its
     rows (they count against the limit), so that a step needs a round trip
-    to the broker only when it outgrows them (see "mapping ahead" below)."""
-    return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path, map_ahead_pages)
+    to the broker only when it outgrows them (see "mapping ahead" below).
+    stop: an event that, once set, ends the wait for a broker at once with
+    vtm.Unavailable (a server told to stop while it starts)."""
+    return RemoteManager(address, name, priority, guaranteed_bytes, limit_bytes, timeout, fast_path, map_ahead_pages,
+                         stop)
