@@ -302,8 +302,9 @@ def _announce_broker_wait(address: str) -> None:
 
 
 def _engine(args, stop_loading: threading.Event | None = None) -> LLM:
-    """The LLM the flags ask for; once `stop_loading` is set, its load ends
-    early with EngineClosed (serve, stopped while it loads)."""
+    """The LLM the flags ask for; once `stop_loading` is set, its load (and
+    its wait for a --manager broker) ends early with EngineClosed (serve,
+    stopped while it loads)."""
     manager = None
     _check_engine_flags(args)
     if args.manager is not None:
@@ -311,8 +312,14 @@ def _engine(args, stop_loading: threading.Event | None = None) -> LLM:
         # Closed by main() after the command: an LLM never closes a manager it was given.
         # One page mapped ahead of each sequence: most decode steps need no round trip to vtmd.
         _announce_broker_wait(args.manager)
-        manager = args.broker = vtm.connect(args.manager, name=name, priority=args.priority, map_ahead_pages=1,
-                                            timeout=BROKER_START_WAIT_S)
+        try:
+            # `stop_loading` ends the wait too: serve, told to stop while it waited, took all of it to exit.
+            manager = args.broker = vtm.connect(args.manager, name=name, priority=args.priority, map_ahead_pages=1,
+                                                timeout=BROKER_START_WAIT_S, stop=stop_loading)
+        except vtm.Unavailable:
+            if stop_loading is not None and stop_loading.is_set():
+                raise EngineClosed(f"--manager {args.manager}: stopped while waiting for the vtm broker") from None
+            raise
         if args.priority is not None and manager.priority < args.priority:
             log.warning("asked for priority %d; the operator's quota for '%s' grants %d", args.priority, name,
                         manager.priority)

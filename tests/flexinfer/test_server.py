@@ -655,6 +655,42 @@ def test_a_signal_while_the_model_loads_stops_the_load(tiny_chat, tmp_path, sig,
     assert "Traceback" not in text and "failed to load" not in text, text
 
 
+# `flexinfer serve` that waits two minutes, not 10 s, for a --manager broker that is not there:
+# a stop that waits out the wait cannot pass for one that ends it.
+_LONG_BROKER_WAIT = ("import sys\n"
+                     "from flexinfer import cli\n"
+                     "cli.BROKER_START_WAIT_S = 120.0\n"
+                     "sys.exit(cli.run())\n")
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_a_signal_while_serve_waits_for_its_broker_ends_the_wait(tiny_chat, tmp_path, sig, status):
+    """SIGTERM or Ctrl-C while serve --manager waits for a broker whose
+    socket is not there yet: the shutdown waited for vtm.connect's whole
+    wait (10 s), and serve then said the model failed to load. Now the wait
+    ends at once, and serve exits with its usual status for the signal."""
+    address = f"unix:{tmp_path / 'run' / 'sock'}"
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen([sys.executable, "-c", _LONG_BROKER_WAIT, "serve", "--model", tiny_chat,
+                                  "--port", str(free_port()), "--log-level", "warning", "--manager", address,
+                                  *BROKER_SERVER_FLAGS], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while f"waiting up to 120 s for the vtm broker at {address}" not in log_path.read_text():
+            assert time.monotonic() < deadline and child.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        child.send_signal(sig)
+        assert child.wait(60) == status, log_path.read_text()
+        assert time.monotonic() - signalled < 8, log_path.read_text()
+    finally:
+        child.kill()
+        child.wait()
+    text = log_path.read_text()
+    assert "Traceback" not in text and "failed to load" not in text, text
+
+
 def test_bench_serving_load_against_the_server(server, monkeypatch):
     """scripts/bench_serving.py's multi-turn load, small, against this server: every turn answered with
     exactly max_tokens tokens, and turns >= 2 served mostly from the prefix cache."""
