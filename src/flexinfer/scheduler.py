@@ -642,10 +642,10 @@ class Scheduler:
                 self._unreleased.append(vt)
 
     def _retry_releases(self) -> None:
-        # A broker client's vTensor whose release the broker refused is
-        # unmapped here but not released (vt.released) until a retry the
-        # broker answers; one released meanwhile (a reconnect, a closed
-        # space) needs none.
+        # A broker client's vTensor whose release the broker refused, or
+        # whose unmap failed here, is unusable but not released
+        # (vt.released) until a retry the broker answers; one released
+        # meanwhile (a reconnect, a closed space) needs none.
         retry, self._unreleased = [vt for vt in self._unreleased if not vt.released], []
         self._release(retry)
         waiting, self._forget_after_release = self._forget_after_release, []

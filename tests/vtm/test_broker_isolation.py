@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import vtm
-from broker_testing import (ROW, BrokerProcess, child_allocate, child_allocate_release_hold, child_quarantined,
+from broker_testing import (CHUNK, ROW, BrokerProcess, child_allocate, child_allocate_release_hold, child_quarantined,
                             end_liveness_stream, held, memfd_inodes, pattern)
 from broker_testing import broker  # noqa: F401 (a fixture)
 from broker_testing import spawn  # noqa: F401 (a fixture)
@@ -155,6 +155,59 @@ def test_a_release_unmaps_in_the_client_before_the_broker_frees(broker, fast_pat
         vt.release().result()
         assert seen == [(0, 0)]
         assert held(mgr) == 0
+        mgr.check()
+
+
+class _UnmapFailsOnce:
+    """A client's mapper whose next unmap_slot fails before it unmaps
+    anything, as a backend's unmap may (the rest passes through)."""
+
+    def __init__(self, mapper):
+        self._mapper = mapper
+        self.failures = 0
+
+    def unmap_slot(self, space_id, slot):
+        if self.failures == 0:
+            self.failures += 1
+            raise vtm.BackendError("injected: unmapping the slot failed")
+        return self._mapper.unmap_slot(space_id, slot)
+
+    def __getattr__(self, name):
+        return getattr(self._mapper, name)
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["release", "record-and-release"])
+def test_a_release_whose_unmap_fails_is_released_at_vtmd_by_the_next(broker, record):
+    """A release whose unmap failed here marked the vTensor released and
+    never asked vtmd (its pages might still be mapped here), so vtmd held its
+    slot and pages until the session ended, and release() was refused. Now
+    it stays unusable but not released, and the next release() unmaps it and
+    asks vtmd."""
+    with vtm.connect(broker.address) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        vt = space.create(4 * ROWS_PER_CHUNK).result()
+        slot = vt.slot
+        mapper = mgr._mapper
+        mgr._mapper = _UnmapFailsOnce(mapper)
+        with pytest.raises(vtm.BackendError, match="injected"):
+            if record:
+                space.prefix_record(vt, list(range(4 * ROWS_PER_CHUNK)), release=True).result()
+            else:
+                vt.release().result()
+        assert mgr._mapper.failures == 1
+        assert not vt.released and space.free_slots == 0
+        with pytest.raises(vtm.FailedPrecondition, match=r"release\(\) it again"):
+            vt.num_tokens  # noqa: B018 - its release began: unusable
+        stats = mgr.stats()
+        assert stats["spaces"][space.name]["vtensors"] == 1 and stats["chunks_held"] == 4, stats
+        assert space.prefix_nodes() == []  # nothing reached vtmd
+        vt.release().result()
+        assert vt.released and space.free_slots == 1
+        assert mapper.mapped_pages(space.id, slot) == 0 and mgr.imports == 0
+        assert mgr.stats()["spaces"][space.name]["vtensors"] == 0 and held(mgr) == 0
+        with pytest.raises(vtm.FailedPrecondition, match="already released"):
+            vt.release().result()
+        assert space.create(4 * ROWS_PER_CHUNK).result().mapped_bytes == 4 * CHUNK  # the slot is free again
         mgr.check()
 
 

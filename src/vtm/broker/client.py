@@ -133,7 +133,7 @@ class RemoteManager:
         self._spaces: dict[int, RemoteSpace] = {}
         self._vtensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._live: dict[int, RemoteVTensor] = {}
-        # Unmapped here, not released at the broker (RemoteVTensor._broker_holds).
+        # Released here (unusable), not released at the broker yet (RemoteVTensor._broker_holds).
         self._held_at_broker: dict[int, RemoteVTensor] = {}
         self._mapper = None
         self._channel = None
@@ -782,22 +782,34 @@ class RemoteManager:
         them: the broker hands a freed chunk to the next client at once.
         From here the vTensor is unusable, whatever the broker answers; it
         is released once the broker released it (_released_at_broker). One
-        whose unmap failed is never asked of the broker (its pages may still
-        be mapped here): the broker frees it with the session."""
+        whose unmap failed is not asked of the broker (its pages may still
+        be mapped here) and stays unreleased, its slot held there: the next
+        release() unmaps it again (_unmap_held)."""
         if vt._released:
             raise errors.FailedPrecondition(f"vTensor {vt.id} is not live (already released)")
         vt._released = True
         self._live.pop(vt.id, None)
-        self._mapper.unmap_slot(vt._space.id, vt._slot)
         vt._broker_holds = True
+        vt._mapped_here = True
         self._held_at_broker[vt.id] = vt
+        self._unmap_held(vt)
+
+    def _unmap_held(self, vt: RemoteVTensor) -> None:
+        """Unmaps the pages of a vTensor the broker holds, once: an unmap
+        that failed keeps what it did not unmap recorded (mapper_client.cc),
+        so the next call unmaps the rest."""
+        if vt._mapped_here:
+            self._mapper.unmap_slot(vt._space.id, vt._slot)
+            vt._mapped_here = False
 
     def _release(self, vt: RemoteVTensor) -> RemoteFuture:
         def run():
-            # A release the broker failed (refused it: too many calls in
-            # flight, say) left the vTensor unmapped here and held there:
-            # this one asks the broker again.
-            if not vt._broker_holds:
+            # A release whose unmap failed here, or that the broker failed
+            # (refused it: too many calls in flight, say), left the vTensor
+            # held there: this one unmaps what is left and asks again.
+            if vt._broker_holds:
+                self._unmap_held(vt)
+            else:
                 self._unmap_first(vt)
             self._transport.release(vt.id)
             self._released_at_broker([vt])

@@ -63,12 +63,16 @@ class RemoteVTensor:
         self._slot = slot
         self._num_tokens = num_tokens
         self._low = low
-        self._released = False  # unmapped here: unusable, whatever the broker answered
-        # Unmapped here, and the broker has not released it (its release
-        # failed there): it still holds the slot, its pages and the locks of
-        # the prefix path it matched, so it is not `released` until a
-        # release() the broker answers (client.py, _release).
+        self._released = False  # its release began here: unusable, whatever the broker answered
+        # Unusable here, and the broker has not released it (the unmap here
+        # or the release there failed): the broker still holds the slot, its
+        # pages and the locks of the prefix path it matched, so it is not
+        # `released` until a release() the broker answers (client.py,
+        # _release).
         self._broker_holds = False
+        # Held at the broker, and its pages may still be mapped here: the
+        # unmap before its release failed (client.py, _unmap_held).
+        self._mapped_here = False
         # The broker's num_tokens: >= _num_tokens, larger when the client
         # maps ahead (client.py); rows up to it need no new page. Past
         # _refill_at rows the pages ahead run short (client.py sets both).
@@ -77,8 +81,8 @@ class RemoteVTensor:
 
     def _live(self):
         if self._broker_holds:
-            raise errors.FailedPrecondition(f"vTensor {self.id} is unmapped, and its release failed at the broker: "
-                                            f"release() it again")
+            raise errors.FailedPrecondition(f"vTensor {self.id} is unusable, and its release failed (unmapping it "
+                                            f"here, or at the broker): release() it again")
         if self._released:
             raise errors.FailedPrecondition(f"vTensor {self.id} was released")
         return self
