@@ -65,6 +65,33 @@ def tiny_config(layers=2, kv_heads=2, head_dim=16, hidden=48):
                        eos_token_ids=(2,))
 
 
+def tiny_weights(config) -> dict[str, torch.Tensor]:
+    """Random float32 weights of a tiny_config model (its QKV biases too where
+    the config has them); norms near 1."""
+    gen = torch.Generator().manual_seed(0)
+    h, inter = config.hidden_size, config.intermediate_size
+    q, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (k, h),
+                       p + "self_attn.v_proj.weight": (k, h), p + "self_attn.o_proj.weight": (h, q)})
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (k,),
+                           p + "self_attn.v_proj.bias": (k,)})
+        shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+    return {n: torch.randn(s, generator=gen) * 0.3 + (1.0 if n.endswith("norm.weight") else 0.0)
+            for n, s in shapes.items()}
+
+
+def manager_pool(device: str) -> dict:
+    """vtm.Manager's arguments for the checks' pool on `device`."""
+    return dict(backend="host", capacity_bytes=1 << 24, chunk_bytes=4096, granularity=4096) if device == "cpu" \
+        else dict(backend="cuda", capacity_bytes=64 << 20)
+
+
 def check_norms(dtype, out, device):
     x, residual = rows(5, 40, dtype, 1, device), rows(5, 40, dtype, 2, device)
     weight = (torch.rand(40, generator=torch.Generator().manual_seed(3)) + 0.5).to(device=device, dtype=dtype)
@@ -145,19 +172,7 @@ def check_forward(dtype, out, manager, device):
     """A 2-layer model on the Triton ops (the residual added by the norms)
     against the same weights on torch ops: a ragged prefill, then a decode step."""
     config = tiny_config(layers=2, kv_heads=2, head_dim=16, hidden=48)
-    gen = torch.Generator().manual_seed(0)
-    h, inter, q, k = config.hidden_size, config.intermediate_size, 4 * 16, 2 * 16
-    shapes = {"model.embed_tokens.weight": (40, h), "model.norm.weight": (h,)}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (k, h),
-                       p + "self_attn.v_proj.weight": (k, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
-                       p + "post_attention_layernorm.weight": (h,)})
-    weights = {n: torch.randn(s, generator=gen) * 0.3 + (1.0 if n.endswith("norm.weight") else 0.0)
-               for n, s in shapes.items()}
-    model = LlamaModel(config, weights, dtype, device, linear="torch")
+    model = LlamaModel(config, tiny_weights(config), dtype, device, linear="torch")
     results = []
     for fused in (True, False):
         model.layer_ops = ops if fused else None
@@ -189,9 +204,7 @@ def check_forward(dtype, out, manager, device):
 
 def run_checks(device: str) -> dict:
     results = {}
-    pool = dict(backend="host", capacity_bytes=1 << 24, chunk_bytes=4096, granularity=4096) if device == "cpu" \
-        else dict(backend="cuda", capacity_bytes=64 << 20)
-    with vtm.Manager(**pool) as manager:
+    with vtm.Manager(**manager_pool(device)) as manager:
         for name, dtype in DTYPES.items():
             out = results[name] = {}
             check_norms(dtype, out, device)

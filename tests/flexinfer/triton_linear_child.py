@@ -29,7 +29,8 @@ from flexinfer.errors import InvalidArgument  # noqa: E402
 from flexinfer.kernels import triton_layer_ops, triton_linear as ops  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
 from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
-from triton_layer_ops_child import DTYPES, EPS, bits, compare, hf_rms_norm, rows, tiny_config  # noqa: E402
+from triton_layer_ops_child import (DTYPES, EPS, bits, compare, hf_rms_norm, manager_pool, rows,  # noqa: E402
+                                    tiny_config, tiny_weights)
 
 
 def reference_linear(x, weight, bias=None, residual=None):
@@ -173,20 +174,7 @@ def check_forward(dtype, out, manager, device):
     weights on the separate Triton layer ops and F.linear: a ragged prefill
     (which the fused kernels do not run), then decode steps of 1 and 3 rows."""
     config = dataclasses.replace(tiny_config(layers=2, kv_heads=2, head_dim=16, hidden=48), attention_bias=True)
-    gen = torch.Generator().manual_seed(0)
-    h, inter, q, k = config.hidden_size, config.intermediate_size, 4 * 16, 2 * 16
-    shapes = {"model.embed_tokens.weight": (40, h), "model.norm.weight": (h,)}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (k, h),
-                       p + "self_attn.v_proj.weight": (k, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (k,),
-                       p + "self_attn.v_proj.bias": (k,),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
-                       p + "post_attention_layernorm.weight": (h,)})
-    weights = {n: torch.randn(s, generator=gen) * 0.3 + (1.0 if n.endswith("norm.weight") else 0.0)
-               for n, s in shapes.items()}
+    weights = tiny_weights(config)
     # The o and down weights as transposed views (a checkpoint may hold them
     # so): F.linear reads any strides, the fused kernels dense rows.
     for n in weights:
@@ -226,9 +214,7 @@ def check_forward(dtype, out, manager, device):
 
 def run_checks(device: str) -> dict:
     results = {}
-    pool = dict(backend="host", capacity_bytes=1 << 24, chunk_bytes=4096, granularity=4096) if device == "cpu" \
-        else dict(backend="cuda", capacity_bytes=64 << 20)
-    with vtm.Manager(**pool) as manager:
+    with vtm.Manager(**manager_pool(device)) as manager:
         for name, dtype in DTYPES.items():
             out = results[name] = {}
             check_linear(dtype, out, device)
