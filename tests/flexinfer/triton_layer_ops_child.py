@@ -92,6 +92,16 @@ def manager_pool(device: str) -> dict:
         else dict(backend="cuda", capacity_bytes=64 << 20)
 
 
+def rope_rows(positions: torch.Tensor, dim: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, dim] of `positions` (base 1e4) as LlamaModel._rope
+    makes them: sin's first half negated."""
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
+    freqs = positions.cpu().float()[:, None] * inv_freq[None, :]
+    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)
+    sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+    return cos, sin
+
+
 def check_norms(dtype, out, device):
     x, residual = rows(5, 40, dtype, 1, device), rows(5, 40, dtype, 2, device)
     weight = (torch.rand(40, generator=torch.Generator().manual_seed(3)) + 0.5).to(device=device, dtype=dtype)
@@ -119,10 +129,7 @@ def check_rotary(dtype, out, manager, device):
         gen = torch.Generator().manual_seed(5)
         flat = torch.randperm(max_slots * max_tokens, generator=gen)[:tokens]
         slots, positions = flat // max_tokens, flat % max_tokens
-        inv_freq = 1.0 / (1e4 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)
-        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+        cos, sin = rope_rows(positions, dim, dtype, device)
         qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen).to(device=device, dtype=dtype)
         slots, positions = slots.to(device), positions.to(device)
         layer = kv.kv[1]

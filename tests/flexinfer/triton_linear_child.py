@@ -29,8 +29,8 @@ from flexinfer.errors import InvalidArgument  # noqa: E402
 from flexinfer.kernels import triton_layer_ops, triton_linear as ops  # noqa: E402
 from flexinfer.kv_cache import KVCache  # noqa: E402
 from flexinfer.model.llama import ForwardBatch, LlamaModel  # noqa: E402
-from triton_layer_ops_child import (DTYPES, EPS, bits, compare, hf_rms_norm, manager_pool, rows,  # noqa: E402
-                                    tiny_config, tiny_weights)
+from triton_layer_ops_child import (DTYPES, EPS, bits, compare, hf_rms_norm, manager_pool, rope_rows,  # noqa: E402
+                                    rows, tiny_config, tiny_weights)
 
 
 def reference_linear(x, weight, bias=None, residual=None):
@@ -76,10 +76,7 @@ def check_qkv(dtype, out, manager, device, head_dim=24):
         gen = torch.Generator().manual_seed(13)
         flat = torch.randperm(max_slots * max_tokens, generator=gen)[:n_rows]
         slots, positions = (flat // max_tokens).to(device), (flat % max_tokens).to(device)
-        inv_freq = 1.0 / (1e4 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
-        freqs = positions.cpu().float()[:, None] * inv_freq[None, :]
-        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)
-        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+        cos, sin = rope_rows(positions, dim, dtype, device)
         x = rows(n_rows, hidden, dtype, 14, device)
         norm = (torch.rand(hidden, generator=gen) + 0.5).to(device=device, dtype=dtype)
         weight = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=gen) * 0.2).to(device=device,
@@ -149,10 +146,7 @@ def check_qkv_shapes(dtype, out, device):
     for dim, heads, kv_heads, n_rows, has_bias in QKV_SHAPES:
         flat = torch.randperm(max_slots * max_tokens, generator=gen)[:n_rows]
         slots, positions = (flat // max_tokens).to(device), (flat % max_tokens).to(device)
-        inv_freq = 1.0 / (1e4 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
-        freqs = positions.cpu().float()[:, None] * inv_freq[None, :]
-        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)
-        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+        cos, sin = rope_rows(positions, dim, dtype, device)
         x = rows(n_rows, hidden, dtype, 17 + dim, device)
         norm = (torch.rand(hidden, generator=gen) + 0.5).to(device=device, dtype=dtype)
         n = (heads + 2 * kv_heads) * dim
