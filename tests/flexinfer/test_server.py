@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -644,13 +645,19 @@ def test_a_signal_while_the_model_loads_stops_the_load(tiny_chat, tmp_path, sig,
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        signalled = time.monotonic()
-        child.send_signal(sig)
-        assert child.wait(60) == status, log_path.read_text()
-        assert time.monotonic() - signalled < 8, log_path.read_text()
+        _stops_promptly(child, sig, status, log_path)
     finally:
         child.kill()
         child.wait()
+
+
+def _stops_promptly(child: subprocess.Popen, sig: int, status: int, log_path: Path) -> None:
+    """`sig` to a serve child ends it within 8 s, with `status`, and no
+    traceback or load failure in its log."""
+    signalled = time.monotonic()
+    child.send_signal(sig)
+    assert child.wait(60) == status, log_path.read_text()
+    assert time.monotonic() - signalled < 8, log_path.read_text()
     text = log_path.read_text()
     assert "Traceback" not in text and "failed to load" not in text, text
 
@@ -680,15 +687,10 @@ def test_a_signal_while_serve_waits_for_its_broker_ends_the_wait(tiny_chat, tmp_
         while f"waiting up to 120 s for the vtm broker at {address}" not in log_path.read_text():
             assert time.monotonic() < deadline and child.poll() is None, log_path.read_text()
             time.sleep(0.1)
-        signalled = time.monotonic()
-        child.send_signal(sig)
-        assert child.wait(60) == status, log_path.read_text()
-        assert time.monotonic() - signalled < 8, log_path.read_text()
+        _stops_promptly(child, sig, status, log_path)
     finally:
         child.kill()
         child.wait()
-    text = log_path.read_text()
-    assert "Traceback" not in text and "failed to load" not in text, text
 
 
 def test_bench_serving_load_against_the_server(server, monkeypatch):
