@@ -435,11 +435,13 @@ def test_waiting_for_a_broker_that_is_not_there_yet_is_said_at_once(tmp_path, ti
                      r"\(no socket there yet\)\n", timeout=8, start=loading.end())
         assert time.monotonic() - start < 5
         child.send_signal(signal.SIGINT)
-        assert child.wait(30) == 130
+        status = child.wait(30)
     finally:
         child.kill()
         child.wait()
-    assert err.close().endswith("flexinfer: interrupted\n")
+    # stderr shown on failure: once in ~9 full-suite runs the child died by SIGINT (-2) instead, not reproduced alone.
+    text = err.close()
+    assert status == 130 and text.endswith("flexinfer: interrupted\n"), (status, text)
 
 
 _RAM = vtm.machine.host_memory_bytes()

@@ -199,8 +199,12 @@ def test_a_space_whose_close_finds_the_session_lost_stays_closed(broker):
     gone.create(10).result()
     os.kill(broker.proc.pid, signal.SIGSTOP)
     try:
-        with pytest.raises(vtm.Unavailable):
+        try:
             gone.close()
+        except vtm.Unavailable:
+            pass
+        else:  # once, in a run of two pytest workers on two cores: why, not known
+            pytest.fail(f"close() returned; the session was lost before it: {mine._liveness.broken!r}")
         assert not mine.healthy
     finally:
         os.kill(broker.proc.pid, signal.SIGCONT)
