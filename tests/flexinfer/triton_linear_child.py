@@ -206,16 +206,27 @@ def check_forward(dtype, out, manager, device):
                                 torch.cat([t.flatten() for t in separate_kv]))
 
 
+# In the interpreter (~1.5 s a call here) the head shapes run in float32
+# alone and the model in float32 and bfloat16: where a shape's rows, heads or
+# rotary halves are indexed does not depend on the dtype, and check_qkv
+# covers each dtype's rounding. On a device everything runs in every dtype.
+INTERPRETED_SHAPE_DTYPES = ("float32",)
+INTERPRETED_FORWARD_DTYPES = ("float32", "bfloat16")
+
+
 def run_checks(device: str) -> dict:
     results = {}
+    interpreted = device == "cpu"
     with vtm.Manager(**manager_pool(device)) as manager:
         for name, dtype in DTYPES.items():
             out = results[name] = {}
             check_linear(dtype, out, device)
             check_gate_up(dtype, out, device)
             check_qkv(dtype, out, manager, device)
-            check_qkv_shapes(dtype, out, device)
-            check_forward(dtype, out, manager, device)
+            if not interpreted or name in INTERPRETED_SHAPE_DTYPES:
+                check_qkv_shapes(dtype, out, device)
+            if not interpreted or name in INTERPRETED_FORWARD_DTYPES:
+                check_forward(dtype, out, manager, device)
         # The kernels split their columns finely for these small shapes (4
         # a program): once more, with the device asking for few programs, at
         # 16 a program (a head_dim whose half 16 divides).
