@@ -87,7 +87,7 @@ def run_child(lib_dir, tmp_path, files, timeout=600):
 
 
 def test_the_vtm_suite_passes_on_the_cuda_backend_against_the_fake_driver(fake_lib, tmp_path):
-    files = SANITIZER_SUITE if "libasan" in os.environ.get("LD_PRELOAD", "") else SUITE
+    files = SANITIZER_SUITE if vtm_testing.UNDER_ASAN else SUITE
     output, report = run_child(fake_lib, tmp_path, files)
     assert " passed" in output and report["calls"]["cuMemMap"] > 0, output[-3000:]
     # The host tier's batched copies, both ways, ran through the driver.

@@ -16,7 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import fake_cuda_testing
 import vtm
-from vtm_testing import CHUNK, SCALE, RowIO, assert_pool_consistent, best_lcp, leaf_paths, new_manager, node_paths
+from vtm_testing import (CHUNK, SCALE, UNDER_ASAN, RowIO, assert_pool_consistent, best_lcp, leaf_paths, new_manager,
+                         node_paths)
 
 VOCAB = 4
 TOK = st.integers(0, VOCAB - 1)
@@ -514,8 +515,11 @@ class VtmMachine(RuleBasedStateMachine):
 # to write, read and compare, and a run must fit scripts/gpu_check.sh's budget:
 # a quarter of the examples there (the host run, SCALE 1, keeps them all).
 # Under the fake CUDA driver the CPU does the copies too, and the run is one
-# of several in `make test` (tests/vtm/test_fake_cuda.py): a twentieth.
-EXAMPLES = 1.0 if SCALE == 1 else 0.05 if fake_cuda_testing.active() else 0.25
+# of several in `make test` (tests/vtm/test_fake_cuda.py): a twentieth. Under
+# AddressSanitizer (vtm_testing.UNDER_ASAN) a quarter: that lane looks for
+# memory errors on each path, which the first examples take, and `make test`
+# runs all of them in its plain lane.
+EXAMPLES = (1.0 if SCALE == 1 else 0.05 if fake_cuda_testing.active() else 0.25) * (0.25 if UNDER_ASAN else 1)
 
 TestVtmStateful = VtmMachine.TestCase
 TestVtmStateful.settings = settings(max_examples=int(400 * EXAMPLES), stateful_step_count=60, deadline=None,

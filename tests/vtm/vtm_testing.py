@@ -42,6 +42,12 @@ MiB = 1024 * KiB
 HOST_CHUNK = 64 * KiB
 CUDA_CHUNK = 2 * MiB
 SENTINEL = 10**6  # a token id never used in recorded sequences
+# `make test-sanitize`: its runtime is preloaded into this process and its
+# children. There freed memory waits in a quarantine before reuse (RSS
+# grows by design), and every path costs a few times more: tests that repeat
+# a path many times to find a rare state repeat it fewer times there, since
+# that lane looks for memory errors on each path, not for the rare state.
+UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 
 # The backend under test and its geometry; tests/vtm/conftest.py sets them
 # (use_backend) before any vtm test module is imported (they read them at import).
