@@ -5,6 +5,7 @@ engine answers a reclaim notice by preempting without changing its output."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -276,6 +277,35 @@ def test_a_broker_restart_is_a_preemption(tiny_folder, broker):
         assert manager.healthy and manager.reconnects == 1
         again = llm.generate(prompts[:2], greedy(60), use_tqdm=False)
         assert [o.token_ids for o in again] == want
+        manager.check()
+    finally:
+        llm.close()
+        manager.close()
+
+
+def test_a_mapping_that_fails_in_the_engines_process_is_a_preemption(tiny_folder, broker, monkeypatch):
+    """The engine's own process fails to map a page the broker gave a
+    sequence (an mmap past vm.max_map_count; a driver call on CUDA). The
+    client raised a BackendError with the session up while the broker
+    counted the page as mapped: the engine failed the request, and its next
+    write there would have faulted. Now the session is lost and the engine
+    reconnects, its requests resuming by recompute with the tokens they
+    would have had."""
+    monkeypatch.setattr(vtm._core, "ClientMapper", functools.partial(vtm._core.ClientMapper, faults=True))
+    prompts = random_prompts(TINY_PROMPT_LENGTHS, seed=22)
+    with LLM(tiny_folder, backend="host") as local:
+        want = [o.token_ids for o in local.generate(prompts[:2], greedy(60), use_tqdm=False)]
+    manager = vtm.connect(broker.address, name="engine-map-fails")
+    llm = LLM(tiny_folder, manager=manager)
+    try:
+        handles = [llm.submit(p, greedy(60)) for p in prompts[:2]]
+        next(iter(handles[0]))  # decoding: a new page every 8 tokens
+        manager._mapper.faults.fail_nth("map", 1)
+        outs = [h.result(timeout=60) for h in handles]
+        assert [o.error for o in outs] == [None, None]
+        assert [o.token_ids for o in outs] == want
+        assert manager._mapper.faults.calls("map") > 0 and manager.reconnects == 1
+        assert sum(o.metrics.preemptions for o in outs) >= 1
         manager.check()
     finally:
         llm.close()

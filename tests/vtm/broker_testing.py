@@ -272,6 +272,20 @@ def held(mgr) -> int:
     return mgr.stats()["chunks_held"]
 
 
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout} s")
+        time.sleep(0.02)
+
+
+def client_state(mgr, name: str):
+    """The broker's state of the client named `name`, None once it is gone."""
+    states = [c.get("state", "live") for c in mgr.stats()["clients"] if c["name"] == name]
+    return states[0] if states else None
+
+
 def mapped_chunks(manager, name: str, chunk_bytes: int = CHUNK) -> int:
     """The chunks the broker's clients named `name` map (not its cached prefixes)."""
     return sum(c["mapped_bytes"] for c in manager.stats()["clients"] if c["name"] == name) // chunk_bytes

@@ -17,7 +17,7 @@ import pytest
 
 import vtm
 from broker_testing import (CHUNK, ROW, BrokerProcess, child_allocate, child_allocate_release_hold, child_quarantined,
-                            end_liveness_stream, held, memfd_inodes, pattern)
+                            client_state, end_liveness_stream, held, memfd_inodes, pattern, wait_until)
 from broker_testing import broker  # noqa: F401 (a fixture)
 from broker_testing import spawn  # noqa: F401 (a fixture)
 from vtm.broker import step_channel
@@ -26,20 +26,6 @@ CTX = multiprocessing.get_context("spawn")
 ROWS_PER_CHUNK = 65  # 64 KiB chunks of 1,000-byte rows: n * 65 rows need n chunks
 
 
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
-
-
-def client_state(mgr, name: str):
-    """The broker's state of the client named `name`, None once it is gone."""
-    states = [c.get("state", "live") for c in mgr.stats()["clients"] if c["name"] == name]
-    return states[0] if states else None
 
 
 def test_a_live_client_whose_session_ended_keeps_its_chunks(broker):

@@ -45,7 +45,9 @@ Invariants:
   * _vtensors holds every live vTensor this client has, by id;
   * the mapper maps exactly the pages the broker last reported, except the
     pages of a vTensor or space whose release is on its way (unmapped first);
-    it imports exactly the chunks it maps;
+    it imports exactly the chunks it maps. Where a change cannot be made
+    here, the session is lost (_follow); where a page cannot be unmapped,
+    the broker is never told it was (no goodbye: _lost, _teardown);
   * after close() (or the connection broke), no call reaches the broker;
   * an operation runs only in the session it was submitted in (_epoch), and
     the worker runs one at a time under _op_mu, which reconnect() holds
@@ -293,17 +295,38 @@ class RemoteManager:
         try:
             received = dict(zip(reply.serials, reply.fds))
             for space_id, effects in reply.groups:
-                missing = self._mapper.missing(effects)
-                if missing:
-                    for serial in missing:
-                        if serial in received:
-                            self._mapper.import_fd(serial, received[serial])
-                    self._import([s for s in missing if s not in received])
-                self._mapper.apply(space_id, effects)
+                self._follow(space_id, effects, received)
         finally:
             for fd in reply.fds:
                 os.close(fd)
         return reply.vtensor
+
+    def _follow(self, space_id: int, effects, received: dict | None = None) -> None:
+        """Brings this process's pages of a space to what the broker says
+        (`effects`), importing the chunks it lacks from the fds `received`
+        (serial: fd) or else through the fd socket. The broker has made the
+        change by then, so one that cannot be made here (an import, a map or
+        an unmap failed part-way) leaves this process's mappings unlike the
+        broker's: a page the broker counts as a vTensor's that is not mapped
+        here (the next write to it faults), or a chunk the broker may hand to
+        another client still mapped here. The session is lost then
+        (Unavailable): the revoke unmaps everything before the caller sees the
+        error, and a reconnect starts again from what the broker says."""
+        try:
+            missing = self._mapper.missing(effects)
+            if missing:
+                received = received or {}
+                for serial in missing:
+                    if serial in received:
+                        self._mapper.import_fd(serial, received[serial])
+                self._import([s for s in missing if s not in received])
+            self._mapper.apply(space_id, effects)
+        except errors.Unavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the mappings no longer follow the broker's
+            raise self._liveness.lose(errors.Unavailable(
+                f"mapping what the vtm broker changed failed in this process ({exc}): its mappings no longer "
+                f"follow the broker's, so the session ends")) from None
 
     def _listen(self, session: SessionChannel) -> None:
         """Consumes one session's notices; its channel ending means that
@@ -355,8 +378,16 @@ class RemoteManager:
             return
         if not self._liveness.revoke(self._mapper.revoke, lambda: self._closed):
             return
-        lease, self._lease = self._lease, None  # said once
+        lease, self._lease = self._lease, None  # said once, or never
         if lease is None:
+            return
+        if not self._liveness.unmapped:
+            # Some pages are still mapped here: a goodbye would let the broker
+            # hand their chunks to another client. Without one, the session's
+            # channel ends with this process alive (reconnect, close), and the
+            # broker keeps its chunks from everyone until this process exits.
+            log.warning("the chunks of the lost vtm session stay mapped here: no goodbye; the broker keeps them "
+                        "from other clients until this process exits")
             return
         try:
             # Not waiting for the answer: the caller is owed its error now.
@@ -535,9 +566,7 @@ class RemoteManager:
     def _apply(self, reply) -> None:
         """Maps the page changes of a reply and updates vTensor state."""
         for space_effects in reply.effects:
-            effects = [(e.slot, e.page, e.chunk, e.serial) for e in space_effects.pages]
-            self._import(self._mapper.missing(effects))
-            self._mapper.apply(space_effects.space_id, effects)
+            self._follow(space_effects.space_id, [(e.slot, e.page, e.chunk, e.serial) for e in space_effects.pages])
             if space_effects.closed:
                 self._mapper.remove_space(space_effects.space_id)
                 space = self._spaces.pop(space_effects.space_id, None)
@@ -668,25 +697,29 @@ class RemoteManager:
     def _send_shrink(self, sizes, all_ahead: bool = False) -> None:
         """Shrinks on the broker (on the worker). The pages past each new end
         are unmapped here first, as for a release: the broker hands a freed
-        chunk to the next client at once. A refusal changed nothing there,
-        so they are mapped again."""
+        chunk to the next client at once. An unmap that fails here (for any
+        of the vTensors, or part-way through one) and a refusal there changed
+        nothing at the broker, so every page unmapped is mapped again: a
+        vTensor whose pages went here while the broker kept them would fault
+        at its next write, its rows mapped ahead counted as mapped."""
         chunk = self.chunk_bytes
         unmapped = []
-        for vt, n in sizes:
-            mapped = self._mapper.mapped_from(vt._space.id, vt._slot, -(-n * vt._space.row_bytes // chunk))
-            if mapped:
-                self._mapper.apply(vt._space.id, [(slot, page, -1, 0) for slot, page, _, _ in mapped])
-                unmapped.append((vt._space.id, mapped))
-        request = vtm_pb2.ShrinkRequest(targets=[vtm_pb2.ShrinkTarget(vtensor_id=vt.id, num_tokens=n)
-                                                 for vt, n in sizes], all_ahead=all_ahead)
         try:
+            for vt, n in sizes:
+                mapped = self._mapper.mapped_from(vt._space.id, vt._slot, -(-n * vt._space.row_bytes // chunk))
+                if mapped:
+                    # Listed first: an apply that fails may have unmapped some runs.
+                    unmapped.append((vt._space.id, mapped))
+                    self._mapper.apply(vt._space.id, [(slot, page, -1, 0) for slot, page, _, _ in mapped])
+            request = vtm_pb2.ShrinkRequest(targets=[vtm_pb2.ShrinkTarget(vtensor_id=vt.id, num_tokens=n)
+                                                     for vt, n in sizes], all_ahead=all_ahead)
             reply = self._rpc("shrink", self._stub.Shrink, request)
         except errors.Unavailable:
             raise  # the session is lost: every mapping goes (_lost)
-        except errors.Error:
+        except Exception:
+            # Mapping a page that is still mapped changes nothing (ClientMapper.apply).
             for space_id, mapped in unmapped:
-                self._import(self._mapper.missing(mapped))
-                self._mapper.apply(space_id, mapped)
+                self._follow(space_id, mapped)
             raise
         self._apply(reply)
 
@@ -1026,8 +1059,11 @@ class RemoteManager:
 
     def _teardown(self) -> None:
         # Unmapped before the goodbye: the broker frees the chunks at goodbye.
-        if self._mapper is not None:
-            self._mapper.close()
+        # Where an unmap failed, no goodbye (_lost says why).
+        if self._mapper is not None and not self._mapper.close():
+            log.warning("closing: some chunks stay mapped here: no goodbye; the broker keeps them from other "
+                        "clients until this process exits")
+            self._lease = None
         self._disconnect()
 
     def _disconnect(self) -> None:

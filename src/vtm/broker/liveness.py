@@ -30,6 +30,9 @@ log = logging.getLogger("vtm.broker")
 class Liveness:
     def __init__(self):
         self.broken: errors.Error | None = None
+        # False once this session's revoke failed: some pages may still be
+        # mapped here, so the broker must not be told that none is (client.py).
+        self.unmapped = True
         self._revoked = False
         self._mu = threading.Lock()
         self._thread = None
@@ -62,8 +65,9 @@ class Liveness:
     def revoke(self, unmap, closed) -> bool:
         """Runs `unmap` (after before_revoke) if this session's revoke is
         due here: on the bound thread, once, and not once `closed()`.
-        Returns whether it ran now. A failure is logged: the session is gone
-        either way, and the caller is owed its own error."""
+        Returns whether it ran now. A failure is logged and leaves `unmapped`
+        False: the session is gone either way, and the caller is owed its own
+        error."""
         if not self.on_bound_thread():
             return False  # the bound thread revokes, at its own first error or in reconnect()
         with self._mu:
@@ -75,10 +79,12 @@ class Liveness:
                     self._before_revoke()  # the kernels queued on this memory finish first
                 unmap()
             except Exception:  # noqa: BLE001 - see above
+                self.unmapped = False
                 log.exception("unmapping the chunks of a lost vtm session failed")
         return True
 
     def renew(self) -> None:
         """A new session is up."""
         self._revoked = False
+        self.unmapped = True
         self.broken = None

@@ -11,11 +11,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 
 #include "backend.h"
 #include "backend_checked.h"
+#include "backend_faulty.h"
 #include "dlpack_view.h"
 #include "error.h"
 #include "manager.h"
@@ -62,8 +64,11 @@ struct PyFuture {
   std::shared_ptr<FutureState> state;
 };
 
+// The fault injector of a faults=True manager or client mapper. `get`
+// keeps its owner alive and finds the injector at each call (a closed
+// manager's raises).
 struct PyFaults {
-  std::shared_ptr<PyManager> mgr;
+  std::function<FaultInjectingBackend*()> get;
 };
 
 std::shared_ptr<PyVTensor> VTensorObject(const std::shared_ptr<PyManager>& mgr, std::uint64_t id) {
@@ -571,28 +576,29 @@ PYBIND11_MODULE(_core, m) {
                ", max_tokens=" + std::to_string(i.max_tokens) + ", max_slots=" + std::to_string(i.max_slots) + ")";
       });
 
-  py::class_<PyFaults>(m, "FaultInjector", "Makes chosen backend calls fail (faults=True managers only).")
+  py::class_<PyFaults>(m, "FaultInjector",
+                      "Makes chosen backend calls fail (faults=True managers and client mappers only).")
       .def(
           "fail_nth",
           [](const PyFaults& f, const std::string& op, int n, bool oom, bool bad_alloc) {
-            Core(f.mgr).faults()->FailNth(FaultInjectingBackend::OpFromName(op), n, oom, bad_alloc);
+            f.get()->FailNth(FaultInjectingBackend::OpFromName(op), n, oom, bad_alloc);
           },
           py::arg("op"), py::arg("n") = 1, py::arg("oom") = false, py::arg("bad_alloc") = false)
       .def(
           "delay",
           [](const PyFaults& f, const std::string& op, double seconds) {
-            Core(f.mgr).faults()->SetDelay(FaultInjectingBackend::OpFromName(op), seconds);
+            f.get()->SetDelay(FaultInjectingBackend::OpFromName(op), seconds);
           },
           py::arg("op"), py::arg("seconds"))
       .def(
           "set_physical_limit",
-          [](const PyFaults& f, std::optional<std::size_t> bytes) { Core(f.mgr).faults()->SetPhysicalLimit(bytes); },
+          [](const PyFaults& f, std::optional<std::size_t> bytes) { f.get()->SetPhysicalLimit(bytes); },
           py::arg("bytes"))
       .def("calls",
            [](const PyFaults& f, const std::string& op) {
-             return Core(f.mgr).faults()->Calls(FaultInjectingBackend::OpFromName(op));
+             return f.get()->Calls(FaultInjectingBackend::OpFromName(op));
            })
-      .def("clear", [](const PyFaults& f) { Core(f.mgr).faults()->Clear(); });
+      .def("clear", [](const PyFaults& f) { f.get()->Clear(); });
 
   py::class_<PyManager, std::shared_ptr<PyManager>>(m, "Manager", "The vTensor Manager.")
       .def(py::init(&OpenManager), py::arg("backend") = "auto", py::arg("capacity_bytes") = std::size_t{1} << 30,
@@ -749,23 +755,26 @@ PYBIND11_MODULE(_core, m) {
                              [](const std::shared_ptr<PyManager>& mgr) { return Core(mgr).backend()->granularity(); })
       .def_property_readonly("faults", [](const std::shared_ptr<PyManager>& mgr) -> py::object {
         if (Core(mgr).faults() == nullptr) return py::none();
-        return py::cast(PyFaults{mgr});
+        return py::cast(PyFaults{[mgr] { return Core(mgr).faults(); }});
       });
 
   // A broker client's mapper (see mapper_client.h); vtm.broker.client
   // drives it from its own worker thread, without the GIL.
   py::class_<ClientMapper, std::shared_ptr<ClientMapper>>(m, "ClientMapper", "A broker client's mappings.")
       .def(py::init([](const std::string& kind, std::size_t chunk_bytes, std::size_t granularity, int device,
-                       std::size_t keep_idle) {
+                       std::size_t keep_idle, bool faults) {
              std::shared_ptr<Backend> backend;
              if (kind == "host") backend = MakeHostBackend(granularity);
              else if (kind == "cuda") backend = MakeCudaBackend(device);
              else Throw(ErrorCode::kInvalidArgument, "unknown backend '" + kind + "'");
+             // Inside the check, as in Manager: an injected fault is a
+             // device failing a well-formed call.
+             if (faults) backend = std::make_shared<FaultInjectingBackend>(std::move(backend));
              // The contract is checked here too: the client maps what a broker says.
              return std::make_shared<ClientMapper>(MakeCheckedBackend(std::move(backend)), chunk_bytes, keep_idle);
            }),
            py::arg("backend"), py::arg("chunk_bytes"), py::arg("granularity") = 0, py::arg("device") = 0,
-           py::arg("keep_idle") = 256)
+           py::arg("keep_idle") = 256, py::arg("faults") = false)
       .def("add_space", &ClientMapper::AddSpace, py::call_guard<py::gil_scoped_release>())
       .def("remove_space", &ClientMapper::RemoveSpace, py::call_guard<py::gil_scoped_release>())
       .def("missing",
@@ -809,7 +818,17 @@ PYBIND11_MODULE(_core, m) {
                                return std::make_pair(static_cast<int>(m.backend()->device_type()),
                                                      m.backend()->device_id());
                              })
-      .def("close", &ClientMapper::Close, py::call_guard<py::gil_scoped_release>())
+      .def("close", &ClientMapper::Close, py::call_guard<py::gil_scoped_release>(),
+           "Unmaps everything and releases every import; False when an unmap failed (pages stay mapped).")
+      .def_property_readonly("faults",
+                             [](const std::shared_ptr<ClientMapper>& m) -> py::object {
+                               auto* checked = dynamic_cast<CheckedBackend*>(m->backend().get());
+                               auto* faulty = checked == nullptr
+                                                  ? nullptr
+                                                  : dynamic_cast<FaultInjectingBackend*>(checked->inner().get());
+                               if (faulty == nullptr) return py::none();
+                               return py::cast(PyFaults{[m, faulty] { return faulty; }});
+                             })
       .def(
           "_dlpack",
           [](const ClientMapper& m, std::uint32_t space, int code, int bits, std::vector<std::int64_t> shape,

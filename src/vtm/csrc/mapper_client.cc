@@ -239,24 +239,33 @@ std::size_t ClientMapper::imports() const {
   return imports_.size();
 }
 
-void ClientMapper::Close() {
+bool ClientMapper::Close() {
   std::vector<std::uint32_t> spaces;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [space, area] : areas_) spaces.push_back(space);
   }
+  bool unmapped = true;
   for (std::uint32_t space : spaces) {
     try {
       RemoveSpace(space);
     } catch (const Error&) {
-      // An unmap failed: the range stays reserved under its mapping (see
-      // Reservation), which is all that can be done.
+      // An unmap failed: the range stays reserved under its mapping (a free
+      // under a mapping fails, see Reservation), which is all that can be
+      // done. The space is forgotten here all the same, as its imports are
+      // released below: a later Close (the destructor's) must not unmap a
+      // page whose import is gone.
+      unmapped = false;
+      std::lock_guard<std::mutex> lock(mu_);
+      areas_.erase(space);
+      local_.RemoveSpace(space);
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [serial, im] : imports_) backend_->release_chunk(im.handle);
   imports_.clear();
   idle_.clear();
+  return unmapped;
 }
 
 }  // namespace vtm

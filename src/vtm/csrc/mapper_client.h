@@ -75,8 +75,11 @@ class ClientMapper {
   std::size_t imports() const;
   const std::shared_ptr<Backend>& backend() const { return backend_; }
 
-  // Unmaps everything and releases every import. Idempotent.
-  void Close();
+  // Unmaps everything and releases every import. Idempotent. Returns false
+  // when a space's unmap failed: its pages stay mapped (under its
+  // reservation, see RemoveSpace's callers), so the broker must not be told
+  // that this process maps nothing (client.py says no goodbye then).
+  bool Close();
 
  private:
   struct Page {

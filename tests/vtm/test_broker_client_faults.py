@@ -1,0 +1,135 @@
+"""A broker client whose own memory calls fail (a map, an unmap, an import in
+this process, not at the broker): its mappings must still follow the
+broker's, or its session must end; and it must never tell the broker that it
+unmapped what it still maps.
+
+On the host backend an unmap or a map is an mmap, which fails with ENOMEM
+once a process has vm.max_map_count mappings; on CUDA it is a driver call.
+The client's mapper is built with faults=True here (its backend inside a
+FaultInjectingBackend), so each failure is a real call failing part-way
+through the client's work."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import pytest
+
+import vtm
+from broker_testing import ROW, client_state, held, pattern, wait_until
+from broker_testing import broker  # noqa: F401 (a fixture)
+from vtm import _core
+
+ROWS_PER_CHUNK = 65  # 64 KiB chunks of 1,000-byte rows: n * 65 rows need n chunks
+
+
+@pytest.fixture
+def faulty_clients(monkeypatch):
+    """Every vtm.connect from here on builds its mapper with faults=True:
+    mgr._mapper.faults is its FaultInjector."""
+    monkeypatch.setattr(_core, "ClientMapper", functools.partial(_core.ClientMapper, faults=True))
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["first-vtensor", "second-vtensor"])
+def test_a_shrink_whose_unmap_fails_here_keeps_every_page_and_byte(broker, faulty_clients, failing):
+    """A shrink unmaps here before it asks the broker. When the second
+    vTensor's unmap failed, the first's pages stayed unmapped while the
+    broker kept them, and the error said nothing changed: its rows faulted
+    at the next write (a segfault on the host backend), and its rows mapped
+    ahead were still counted as mapped. Now every page unmapped is mapped
+    again, the bytes are where they were, and the shrink can be retried."""
+    with vtm.connect(broker.address, name="shrinker") as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=2)
+        rows = 4 * ROWS_PER_CHUNK
+        vts = [space.create(rows).result() for _ in range(2)]
+        view = space.tensor(np.uint8)
+        for i, vt in enumerate(vts):
+            view[vt.slot, :rows * ROW] = pattern(range(i, i + rows))
+        mgr._mapper.faults.fail_nth("unmap", failing)
+        with pytest.raises(vtm.BackendError, match="injected"):
+            mgr.shrink({vt: ROWS_PER_CHUNK for vt in vts}).result()
+        assert mgr.healthy
+        for i, vt in enumerate(vts):
+            assert mgr._mapper.mapped_pages(space.id, vt.slot) == 4
+            assert vt.num_tokens == rows
+            assert (view[vt.slot, :rows * ROW] == pattern(range(i, i + rows))).all()
+        assert held(mgr) == 8
+        mgr.check()
+        mgr.shrink({vt: ROWS_PER_CHUNK for vt in vts}).result()
+        assert [mgr._mapper.mapped_pages(space.id, vt.slot) for vt in vts] == [1, 1]
+        assert held(mgr) == 2
+        for i, vt in enumerate(vts):
+            assert (view[vt.slot, :ROWS_PER_CHUNK * ROW] == pattern(range(i, i + rows))[:ROWS_PER_CHUNK * ROW]).all()
+        mgr.check()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["step-socket", "grpc"])
+@pytest.mark.parametrize("op, nth", [("import_fd", 2), ("map", 2), ("set_access", 1)])
+def test_a_reply_that_cannot_be_mapped_here_ends_the_session(broker, faulty_clients, op, nth, fast_path):
+    """The broker grew a vTensor and this process failed to map the new
+    pages (the second page's import or map failed, or the one set_access
+    of their run). The error reached the caller as
+    a BackendError with the session still up, and the broker counted pages
+    as the vTensor's that were not mapped here: the next extend within them
+    asked nothing of the broker, and a write to them faulted. Now the
+    session is lost (Unavailable) and revoked before the caller sees it; a
+    reconnect starts from what the broker says."""
+    with vtm.connect(broker.address, name="watcher") as other, \
+            vtm.connect(broker.address, name="client", fast_path=fast_path) as mgr:
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        vt = space.create(ROWS_PER_CHUNK).result()
+        mgr._mapper.faults.fail_nth(op, nth)
+        with pytest.raises(vtm.Unavailable, match="mapping what the vtm broker changed failed in this process"):
+            vt.extend(5 * ROWS_PER_CHUNK).result()
+        assert not mgr.healthy
+        assert mgr._mapper.mapped_pages(space.id, vt.slot) == 0 and mgr.imports == 0
+        wait_until(lambda: client_state(other, "client") is None, 10, "the session said goodbye")
+        wait_until(lambda: held(other) == 0, 10, "the broker freed the session's chunks")
+        mgr.reconnect()
+        vt = space.create(5 * ROWS_PER_CHUNK).result()
+        view = space.tensor(np.uint8)
+        view[vt.slot, :5 * ROWS_PER_CHUNK * ROW] = pattern(range(5 * ROWS_PER_CHUNK))
+        assert (view[vt.slot, :5 * ROWS_PER_CHUNK * ROW] == pattern(range(5 * ROWS_PER_CHUNK))).all()
+        assert held(other) == 5
+        mgr.check()
+
+
+def test_a_client_that_cannot_unmap_never_says_goodbye(broker, faulty_clients):
+    """The session is lost and the revoke's unmap fails, so a page is still
+    mapped here. The client said goodbye anyway, and the broker handed the
+    page's chunk to the next client while this process could still write
+    it. Now it says none: the broker keeps the chunks from everyone while
+    this process lives, and the closed session is quarantined."""
+    with vtm.connect(broker.address, name="other") as other:
+        mgr = vtm.connect(broker.address, name="stuck")
+        try:
+            space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+            vt = space.create(ROWS_PER_CHUNK).result()
+            mgr._mapper.faults.fail_nth("map", 2)  # the extend's second new page: the session is lost
+            mgr._mapper.faults.fail_nth("unmap", 1)  # and the revoke cannot unmap the first pages
+            with pytest.raises(vtm.Unavailable):
+                vt.extend(4 * ROWS_PER_CHUNK).result()
+            assert mgr._mapper.mapped_pages(space.id, vt.slot) > 0
+            time.sleep(0.5)
+            assert client_state(other, "stuck") == "live" and held(other) == 4
+        finally:
+            mgr.close()
+        wait_until(lambda: client_state(other, "stuck") == "quarantined", 10, "the broker saw the session end")
+        assert held(other) == 4
+        ospace = other.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        with pytest.raises(vtm.OutOfMemory):
+            ospace.create(13 * ROWS_PER_CHUNK).result()  # 12 of the 16 chunks are anybody's, not the stuck 4
+        assert ospace.create(12 * ROWS_PER_CHUNK).result().mapped_bytes == 12 * 64 * 1024
+
+
+def test_a_close_whose_unmap_fails_says_no_goodbye(broker, faulty_clients):
+    with vtm.connect(broker.address, name="other") as other:
+        mgr = vtm.connect(broker.address, name="closing")
+        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+        space.create(3 * ROWS_PER_CHUNK).result()
+        mgr._mapper.faults.fail_nth("unmap", 1)
+        mgr.close()
+        wait_until(lambda: client_state(other, "closing") == "quarantined", 10, "the broker saw the session end")
+        assert held(other) == 3
