@@ -2,9 +2,10 @@
 {"error": {"message", "type", "param", "code"}} with its HTTP status.
 
 APIError is what handlers raise; `install_error_handlers` makes FastAPI
-answer it, its own request validation errors (422 there, 400 here, as the
-OpenAI API does), unknown routes, and any bug (500, without a traceback in
-the body) in that shape. A 500 keeps the connection open: only a response
+answer it, unknown routes, and any bug (500, without a traceback in the
+body) in that shape. Request bodies are parsed and validated by the routes
+themselves (limits.py: 400 with pydantic's errors in one line, as the
+OpenAI API answers), never by FastAPI, whose validation errors would be 422s. A 500 keeps the connection open: only a response
 that had already begun when the bug struck ends its connection.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -62,30 +62,10 @@ def error_response(status: int, info: ErrorInfo, headers: dict[str, str] | None 
     return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line from pydantic's errors, and the top-level field they concern."""
-    parts, param = [], None
-    for error in exc.errors():
-        if error.get("type") == "json_invalid":  # loc is ("body", character position)
-            return f"the body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
-        # loc is ("body", field, ...)
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-        if param is None and loc:
-            param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
-    # A union reports every alternative; keep the message short.
-    return "; ".join(parts[:4]) + (f" (and {len(parts) - 4} more)" if len(parts) > 4 else ""), param
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return bad_request(message, param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
