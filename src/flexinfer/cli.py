@@ -3,8 +3,9 @@
 Exit status: 0 on success; 1 when a request failed in the engine (say, NaN
 logits); 2 for bad input (a bad flag value; an empty, too long or non-UTF-8
 prompt; a model that cannot be loaded) or no memory; 130 when interrupted
-(Ctrl-C; serve takes Ctrl-C and SIGTERM as a graceful shutdown first, and
-exits 0 after SIGTERM).
+(Ctrl-C), 143 when terminated (SIGTERM): generate, chat and bench take their
+requests back and close the engine (and its vtm broker session) first; serve
+takes Ctrl-C and SIGTERM as a graceful shutdown, and exits 0 after SIGTERM.
 With several prompts, every prompt's output or error is printed and the status
 is the worst of them. Errors are one line, `flexinfer: error: ...` on stderr,
 and so is every log line (cli_log.py). Anything else is a bug and keeps its
@@ -59,7 +60,20 @@ _BAD_INPUT = (InvalidArgument, ModelLoadError, ChatTemplateError, vtm.InvalidArg
 
 log = logging.getLogger("flexinfer")
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised on the main thread as Ctrl-C raises KeyboardInterrupt,
+    so that a command ends the same way: its requests taken back, the engine
+    closed (a broker session says goodbye), "terminated" said. Without it the
+    interpreter died at once (143 all the same), mid-line, with no word. A
+    BaseException, as KeyboardInterrupt: no `except Exception` swallows it,
+    and chat's Ctrl-C handlers, which go on chatting, let it through."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
 
 # One default for the tokens a request may generate, in every sub-command.
 DEFAULT_MAX_TOKENS = 128
@@ -557,7 +571,8 @@ def _did_you_mean(unrecognized: list[str], command: argparse.ArgumentParser) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="flexinfer", description="LLM serving on vtm vTensor KV caches. Exit status: 0 success, "
-                     "1 a request failed in the engine, 2 bad input or no memory, 130 interrupted.")
+                     "1 a request failed in the engine, 2 bad input or no memory, 130 interrupted, "
+                     "143 terminated.")
     parser.add_argument("--version", action="version", version=f"flexinfer {__version__}")
     _add_verbose(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -601,10 +616,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version or a bad argument (already printed)
         return exc.code
     args.broker = None
-    if args.command != "serve":  # serve handles SIGINT as a graceful shutdown (server/graceful.py)
+    terminate = None
+    if args.command != "serve":  # serve handles both as a graceful shutdown (server/graceful.py)
         # Ctrl-C stops a command even where it was started with SIGINT
         # ignored, as non-interactive shells start background jobs.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        terminate = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if args.command == "serve":  # its own logging (server/main.py)
             return args.fn(args)
@@ -617,9 +634,14 @@ def main(argv: list[str] | None = None) -> int:
         # The command has taken its requests back (a chat its reply) before this.
         print("flexinfer: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print("flexinfer: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     finally:
         if args.broker is not None:
             args.broker.close()
+        if terminate is not None:  # a caller of main() in-process gets its own handler back
+            signal.signal(signal.SIGTERM, terminate)
 
 
 def run() -> int:
@@ -627,10 +649,11 @@ def run() -> int:
     main(), then the interpreter exits. A Ctrl-C while it does (a second
     one, after "interrupted") printed a traceback from its shutdown: from
     here on it ends the process at once, quietly, with 130 (the flush
-    below included: a blocked pipe may hold it). Not main's: a caller of
-    main() in-process keeps its own SIGINT handler."""
+    below included: a blocked pipe may hold it), and a SIGTERM with 143.
+    Not main's: a caller of main() in-process keeps its own handlers."""
     code = main()
     signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_TERMINATED))
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -787,6 +787,40 @@ def test_ctrl_c_keeps_the_text_streamed_so_far(tiny):
     assert "Traceback" not in errors and errors.endswith("flexinfer: interrupted\n"), errors
 
 
+def test_sigterm_in_generate_takes_the_request_back_and_exits_143(tiny):
+    """A SIGTERM (kill, a supervisor, `timeout`) ended the interpreter at
+    once: the streamed line unended, no word on stderr, the engine never
+    closed (a broker session never said goodbye). Now it ends as Ctrl-C
+    does, with 143 and "terminated"."""
+    child = flexinfer_process(["generate", *tiny_args(tiny), "--max-tokens", "3000", "--prompt", "Tell me a story"])
+    out, err = Reader(child.stdout), Reader(child.stderr)
+    shown = out.wait_for(r"\S{8}")
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(60) == 143
+    text, errors = out.close(), err.close()
+    assert text.startswith(shown.string) and text.endswith("\n")
+    assert "Traceback" not in errors and errors.endswith("flexinfer: terminated\n"), errors
+
+
+def test_sigterm_ends_a_chat_waiting_for_its_next_message(tiny):
+    """Chat's Ctrl-C at the prompt only says how to quit; a SIGTERM ends it."""
+    child = flexinfer_process(["chat", *tiny_args(tiny)], stdin=subprocess.PIPE)
+    out, err = Reader(child.stdout), Reader(child.stderr)
+    err.wait_for(r"type a message")
+    out.wait_for(r"you> ")
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(60) == 143
+    out.close()
+    errors = err.close()
+    assert "Traceback" not in errors and errors.endswith("flexinfer: terminated\n"), errors
+
+
+def test_main_in_process_gives_its_sigterm_handler_back(tiny):
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["generate", *tiny_args(tiny), "--max-tokens", "2", "--prompt", "hi"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_loading_shows_a_progress_bar_on_a_terminal(monkeypatch, tiny):
     import torch
 
