@@ -582,7 +582,7 @@ class Engine:
     def _make_sink(self) -> None:
         """The sink in a new session, and new CUDA graphs where it is not
         where they write their padding rows."""
-        self._sink = self.kv_cache.create(1)
+        self._sink = self.kv_cache.create(1, release=self.scheduler.release)
         if self.graphs is not None and self.graphs.sink_slots != [vt.slot for vt in self._sink]:
             from flexinfer.cuda_graphs import DecodeGraphs
 

@@ -148,16 +148,23 @@ class KVCache:
                 unmap = min(unmap, next_low + window - 1)
         return hold, unmap
 
-    def create(self, tokens: int = 0) -> list[vtm.VTensor]:
+    def create(self, tokens: int = 0, release: Callable[[list[vtm.VTensor]], None] | None = None
+               ) -> list[vtm.VTensor]:
         """A vTensor covering `tokens` rows in every group (all or none). The
         engine's CUDA graphs keep a one-token one as the sink that padding rows
-        write into and no request reads (see cuda_graphs.py)."""
+        write into and no request reads (see cuda_graphs.py). Where a group's
+        create fails, `release` (default self.release) gives back the groups'
+        vTensors made before it, and that group's error is raised. The
+        scheduler's release keeps one whose release failed, to retry it:
+        self.release would raise its error instead (an out-of-memory, which
+        waits, became a failure) and leave the vTensor held by nobody, its slot
+        and pages lost for the session."""
         made = []
         try:
             for space in self.spaces:
                 made.append(space.create(tokens).result())
         except vtm.Error:
-            self.release(made)
+            (release or self.release)(made)
             raise
         return made
 

@@ -242,7 +242,7 @@ class Scheduler:
         if ready:
             self._await_pending()  # the pre-extend submitted last may still target them
         for _, vtensors, dead in ready:
-            self._release(vtensors)
+            self.release(vtensors)
             self._forget_once_released(vtensors, dead)
 
     def _in_use(self, seq: Sequence) -> bool:
@@ -572,7 +572,7 @@ class Scheduler:
             # After the new record, which goes on along the old one's path (its nodes stay).
             self._forget_once_released(seq.vtensors, dead)
         else:
-            self._release(seq.vtensors)
+            self.release(seq.vtensors)
             self._forget_once_released(seq.vtensors, dead)
         seq.reset_cache_state()
 
@@ -612,7 +612,7 @@ class Scheduler:
 
     def _record_and_release(self, seq: Sequence, token_ids: list[int]) -> list[int]:
         """The groups that recorded `token_ids`; seq's vTensors are
-        released either way (those a failure left live, as _release does)."""
+        released either way (those a failure left live, as release does)."""
         try:
             self._count_to(seq, len(token_ids))
             outcomes = self.kv.record_and_release(seq.vtensors, token_ids)
@@ -621,11 +621,11 @@ class Scheduler:
         for exc in outcomes:
             if exc is not None and not isinstance(exc, (vtm.OutOfMemory, vtm.Unavailable)):
                 self._record_failed(exc)
-        self._releases += 1  # vtm released them (or _release below does)
-        self._release([vt for vt in seq.vtensors if vt is not None and not vt.released])
+        self._releases += 1  # vtm released them (or release below does)
+        self.release([vt for vt in seq.vtensors if vt is not None and not vt.released])
         return [g for g, exc in enumerate(outcomes) if exc is None]
 
-    def _release(self, vtensors: list) -> None:
+    def release(self, vtensors: list) -> None:
         """Releases vTensors; one the device refuses to unmap (vtm leaves it
         as it was) is retried at the next step instead of failing anyone.
         One of a lost broker session is gone already."""
@@ -647,7 +647,7 @@ class Scheduler:
         # (vt.released) until a retry the broker answers; one released
         # meanwhile (a reconnect, a closed space) needs none.
         retry, self._unreleased = [vt for vt in self._unreleased if not vt.released], []
-        self._release(retry)
+        self.release(retry)
         waiting, self._forget_after_release = self._forget_after_release, []
         for vtensors, record in waiting:
             self._forget_once_released(vtensors, record)
@@ -692,7 +692,7 @@ class Scheduler:
                     # does, rather than compute again what is kept. Running
                     # sequences end or are preempted, so room comes.
                     if vtensors is not None:
-                        self._release(vtensors)
+                        self.release(vtensors)
                     return False
                 hit = hit_host = 0
                 if vtensors is not None:
@@ -709,7 +709,7 @@ class Scheduler:
                     seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens, hit)
                 counts = (len(seq.prompt_ids), min(matched, seq.swapped), hit, hit_host)
             if not seq.vtensors:
-                seq.vtensors = self.kv.create()
+                seq.vtensors = self.kv.create(release=self.release)
             self._count_admission(seq, counts)
         except vtm.OutOfMemory as exc:
             if self._retiring:
@@ -785,9 +785,9 @@ class Scheduler:
         """kv.match, where a failure other than out of memory (a failed copy)
         only costs the prefix its reuse: the prompt is computed instead. A
         vTensor the match gives back and fails to unmap is retried as any
-        failed release (_release), not lost."""
+        failed release (release), not lost."""
         try:
-            return self.kv.match(token_ids, release=self._release)
+            return self.kv.match(token_ids, release=self.release)
         except (vtm.OutOfMemory, vtm.Unavailable):
             raise
         except vtm.Error as exc:

@@ -367,3 +367,27 @@ def test_a_failed_release_in_a_partial_match_of_layer_groups_is_retried(tiny_gpu
                 space.clear_prefixes()
             manager.trim()
             assert manager.stats()["chunks_held"] == 0, nth
+
+
+def test_a_create_that_fails_in_a_later_group_gives_the_earlier_ones_to_the_schedulers_release(tiny_gpu_folder):
+    """Two layer groups: the second group's create runs out of memory and
+    the release of the first group's vTensor fails. KVCache.create raised
+    that release's BackendError (an out-of-memory, which waits, became a
+    failure) and left the vTensor live, held by nobody: its slot and page
+    were lost for the session. Now the scheduler's release keeps it for its
+    retry at the next step, and the create raises its own OutOfMemory."""
+    # No slot cache: a release unmaps at once.
+    with vtm.Manager(backend="host", capacity_bytes=64 * CHUNK, chunk_bytes=CHUNK, granularity=CHUNK,
+                     slot_cache_bytes=0, faults=True) as manager, \
+            LLM(tiny_gpu_folder, manager=manager, max_model_len=256, max_num_seqs=2, layer_groups=2) as llm:
+        kv, scheduler = llm.kv_cache, llm.scheduler
+        manager.faults.fail_nth("create_chunk", 2, oom=True)  # the second group's page
+        manager.faults.fail_nth("unmap", 1)  # the release of the first group's
+        with pytest.raises(vtm.OutOfMemory):
+            kv.create(1, release=scheduler.release)
+        manager.faults.clear()
+        assert scheduler.num_memory_faults == 1 and [vt.released for vt in scheduler._unreleased] == [False]
+        scheduler._retry_releases()
+        assert scheduler._unreleased == []
+        assert [space.free_slots for space in kv.spaces] == [kv.max_slots] * 2
+        manager.check()
