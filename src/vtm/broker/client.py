@@ -47,7 +47,7 @@ Invariants:
     pages of a vTensor or space whose release is on its way (unmapped first);
     it imports exactly the chunks it maps. Where a change cannot be made
     here, the session is lost (_follow); where a page cannot be unmapped,
-    the broker is never told it was (no goodbye: _lost, _teardown);
+    the broker is never told it was (no goodbye: _disconnect);
   * after close() (or the connection broke), no call reaches the broker;
   * an operation runs only in the session it was submitted in (_epoch), and
     the worker runs one at a time under _op_mu, which reconnect() holds
@@ -378,16 +378,16 @@ class RemoteManager:
             return
         if not self._liveness.revoke(self._mapper.revoke, lambda: self._closed):
             return
-        lease, self._lease = self._lease, None  # said once, or never
-        if lease is None:
-            return
         if not self._liveness.unmapped:
             # Some pages are still mapped here: a goodbye would let the broker
-            # hand their chunks to another client. Without one, the session's
-            # channel ends with this process alive (reconnect, close), and the
-            # broker keeps its chunks from everyone until this process exits.
-            log.warning("the chunks of the lost vtm session stay mapped here: no goodbye; the broker keeps them "
-                        "from other clients until this process exits")
+            # hand their chunks to another client. Not said until they are
+            # unmapped (reconnect() tries again, close() too); a session whose
+            # channel ends first is quarantined: the broker keeps its chunks
+            # from everyone until this process exits.
+            log.warning("unmapping the chunks of the lost vtm session failed: no goodbye until they are unmapped")
+            return
+        lease, self._lease = self._lease, None  # said once
+        if lease is None:
             return
         try:
             # Not waiting for the answer: the caller is owed its error now.
@@ -482,7 +482,9 @@ class RemoteManager:
         vTensor of the old session is released. Raises vtm.Unavailable when
         no broker answers in time and another vtm.Error when the new session
         cannot take the spaces back (both leave the manager as it was: try
-        again later), vtm.FailedPrecondition when the manager is closed, the
+        again later; so does vtm.BackendError when pages of the old session
+        are still mapped here and unmapping them fails again),
+        vtm.FailedPrecondition when the manager is closed, the
         broker came back with another backend or chunk size, or this is not
         the bound thread. Returns at once when the session is up."""
         if self._closed:
@@ -494,6 +496,18 @@ class RemoteManager:
         deadline = time.monotonic() + (self._timeout if timeout is None else float(timeout))
         with self._op_mu:
             self._lost(self._liveness.broken)
+            if not self._liveness.unmapped:
+                # The revoke left pages mapped: tried again here. A new session
+                # waits for it: its spaces move into the old reservations,
+                # which must map nothing, and the old session may say goodbye
+                # only once this process maps none of its chunks.
+                try:
+                    self._mapper.revoke()
+                except errors.Error as exc:
+                    raise errors.BackendError(
+                        f"this process still maps chunks of the lost vtm session, and unmapping them failed again "
+                        f"({exc}): no new session until they are unmapped (try again later)") from None
+                self._liveness.unmapped = True
             self._disconnect()
             try:
                 self._open_session(deadline, (self.backend, self.chunk_bytes, self.granularity))
@@ -820,12 +834,18 @@ class RemoteManager:
         release() unmaps it again (_unmap_held)."""
         if vt._released:
             raise errors.FailedPrecondition(f"vTensor {vt.id} is not live (already released)")
+        self._hold(vt)
+        self._unmap_held(vt)
+
+    def _hold(self, vt: RemoteVTensor) -> None:
+        """A live vTensor whose release (or its space's close) begins:
+        unusable from here on, and held at the broker, its pages possibly
+        mapped here, until the broker released it (_released_at_broker)."""
         vt._released = True
         self._live.pop(vt.id, None)
         vt._broker_holds = True
         vt._mapped_here = True
         self._held_at_broker[vt.id] = vt
-        self._unmap_held(vt)
 
     def _unmap_held(self, vt: RemoteVTensor) -> None:
         """Unmaps the pages of a vTensor the broker holds, once: an unmap
@@ -964,10 +984,18 @@ class RemoteManager:
                     return  # closed since it was queued (a reconnect forgot it): what this close asked
                 raise errors.FailedPrecondition(f"space '{space.name}' is closed")
             # Unmapped here first, as for a release; the space's vTensors
-            # are unusable from here on.
-            self._release_vtensors_of(space)
+            # are unusable from here on, and released once the broker closed
+            # the space. An unmap here or a call there that fails leaves them
+            # held there, as a failed release does (a second close(), or their
+            # release(), asks again): not `released`, so that a caller waiting
+            # for their release does not take them for gone.
+            for vt in [vt for vt in self._live.values() if vt._space is space]:
+                self._hold(vt)
             self._mapper.unmap_space(space.id)
+            for vt in [vt for vt in self._held_at_broker.values() if vt._space is space]:
+                vt._mapped_here = False
             self._apply(self._rpc("close_space", self._stub.CloseSpace, vtm_pb2.SpaceRequest(space_id=space.id)))
+            self._release_vtensors_of(space)
         return self._submit(run)
 
     # -- the Manager API -----------------------------------------------------
@@ -1059,21 +1087,26 @@ class RemoteManager:
 
     def _teardown(self) -> None:
         # Unmapped before the goodbye: the broker frees the chunks at goodbye.
-        # Where an unmap failed, no goodbye (_lost says why).
-        if self._mapper is not None and not self._mapper.close():
-            log.warning("closing: some chunks stay mapped here: no goodbye; the broker keeps them from other "
-                        "clients until this process exits")
-            self._lease = None
+        # Where an unmap failed, no goodbye (_disconnect): the broker keeps the
+        # session's chunks from other clients until this process exits.
+        if self._mapper is not None:
+            self._liveness.unmapped = self._mapper.close()
+            if not self._liveness.unmapped:
+                log.warning("closing: some chunks stay mapped here: no goodbye; the broker keeps them from other "
+                            "clients until this process exits")
         self._disconnect()
 
     def _disconnect(self) -> None:
         """Says goodbye (the broker frees what the session held) and closes
-        the session's channels; the mapper stays."""
+        the session's channels; the mapper stays. No goodbye while some of
+        the session's pages are still mapped here (a revoke or close whose
+        unmap failed): the broker would hand their chunks to another client."""
         if self._lease is not None:
-            try:
-                say_bye(self._fd_socket, self._lease, min(self._timeout, _BYE_TIMEOUT_S))
-            except (OSError, ValueError, errors.Error):
-                pass  # the broker is gone (or hung), and the session with it
+            if self._liveness.unmapped:
+                try:
+                    say_bye(self._fd_socket, self._lease, min(self._timeout, _BYE_TIMEOUT_S))
+                except (OSError, ValueError, errors.Error):
+                    pass  # the broker is gone (or hung), and the session with it
             self._lease = None
         with self._grant_mu:  # from here on, the old session's listener applies no quota notice
             session, self._session = self._session, None

@@ -30,8 +30,10 @@ log = logging.getLogger("vtm.broker")
 class Liveness:
     def __init__(self):
         self.broken: errors.Error | None = None
-        # False once this session's revoke failed: some pages may still be
-        # mapped here, so the broker must not be told that none is (client.py).
+        # False while pages of this session may still be mapped here (its
+        # revoke, or the client's close, failed to unmap them): the broker
+        # must not be told that none is (client.py, no goodbye). A retry
+        # that unmaps them sets it back.
         self.unmapped = True
         self._revoked = False
         self._mu = threading.Lock()

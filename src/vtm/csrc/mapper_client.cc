@@ -1,6 +1,7 @@
 #include "mapper_client.h"
 
 #include <algorithm>
+#include <optional>
 #include <unordered_set>
 
 #include "error.h"
@@ -97,8 +98,28 @@ void ClientMapper::UnmapSpace(std::uint32_t space) {
 
 void ClientMapper::Revoke() {
   std::lock_guard<std::mutex> lock(mu_);
+  std::optional<Error> failed;
   for (auto& [space, area] : areas_)
-    for (std::size_t slot = 0; slot < area.slots; ++slot) UnmapSlotLocked(space, area, static_cast<int>(slot));
+    for (std::size_t slot = 0; slot < area.slots; ++slot) {
+      try {
+        UnmapSlotLocked(space, area, static_cast<int>(slot));
+      } catch (const Error& e) {
+        // The other slots' pages go all the same; this slot's that did not
+        // stay recorded, with their imports, for the next Revoke.
+        if (!failed) failed = e;
+      }
+    }
+  if (failed) {
+    // Only the imports no page maps any more: a broker that restarts gives
+    // its serials again from 1, and an import kept idle would be taken for
+    // the new chunk of the same serial.
+    for (std::uint64_t serial : idle_) {
+      backend_->release_chunk(imports_.at(serial).handle);
+      imports_.erase(serial);
+    }
+    idle_.clear();
+    Throw(failed->code(), std::string("revoke: ") + failed->what() + " (the pages not unmapped stay recorded)");
+  }
   for (auto& [serial, im] : imports_) backend_->release_chunk(im.handle);
   imports_.clear();
   idle_.clear();

@@ -60,7 +60,10 @@ class ClientMapper {
   void UnmapSpace(std::uint32_t space);
   // Unmaps every page of every space and releases every import; the
   // reservations stay (a view of one keeps a valid range, whose pages now
-  // fault) until RemoveSpace or Close.
+  // fault) until RemoveSpace or Close. Where an unmap fails it goes on with
+  // the other slots, releases the imports no page maps any more and throws
+  // (the first error's code): what is still mapped stays recorded, so a
+  // second call is a retry.
   void Revoke();
   // After Revoke, in a new session: space `from` is now the broker's space
   // `to`, of the same geometry. The reservation (and every tensor view of
