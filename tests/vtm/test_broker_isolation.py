@@ -228,3 +228,33 @@ def test_capacity_bounds_the_memory_of_every_process(tmp_path, spawn):
         assert former.exitcode == 0
     finally:
         b.kill()
+
+
+def test_a_stale_report_of_a_reused_pidfd_number_ends_no_live_session(tmp_path):
+    """The reactor may run a pidfd's callback for a report about an earlier
+    fd of the same number (a session that ended by its goodbye or channel,
+    whose pidfd was closed, its number taken by the next session's pidfd).
+    That callback ended the live session: its chunks went back to the pool
+    while its process still mapped them. Here the poller's stale report is
+    queued by hand: the session stays, and its process's real exit is still
+    seen (the watch armed again)."""
+    from vtm.broker.server import Broker
+
+    broker = Broker("unix:" + str(tmp_path / "vtmd" / "sock"), backend="host", capacity_bytes=16 * CHUNK,
+                    chunk_bytes=CHUNK, granularity=CHUNK)
+    try:
+        with vtm.connect("unix:" + broker.path, name="live") as mgr:
+            space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+            vt = space.create(4 * ROWS_PER_CHUNK).result()
+            view = space.tensor(np.uint8)
+            view[vt.slot, :4 * ROWS_PER_CHUNK * ROW] = pattern(range(4 * ROWS_PER_CHUNK))
+            session = broker.service.lookup(mgr._lease)
+            fd = session.pidfd
+            broker.reactor._ready.put((broker.reactor._callbacks[fd], fd))
+            time.sleep(0.5)
+            assert client_state(mgr, "live") == "live" and held(mgr) == 4
+            assert (view[vt.slot, :4 * ROWS_PER_CHUNK * ROW] == pattern(range(4 * ROWS_PER_CHUNK))).all()
+            assert vt.extend(5 * ROWS_PER_CHUNK).result() is None and held(mgr) == 5
+            mgr.check()
+    finally:
+        broker.stop()

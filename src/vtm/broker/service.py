@@ -227,11 +227,27 @@ class BrokerService(vtm_pb2_grpc.BrokerServicer):
             raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
         try:
             # Readable once the process has exited (at once if it already has).
-            self._reactor.watch(pidfd, lambda _fd: self.end_session(session))
+            self._reactor.watch(pidfd, lambda fd: self._pidfd_ready(session, fd))
         except OSError as exc:
             os.close(pidfd)
             raise vtm.Unavailable(f"cannot watch process {conn.pid}: {exc}") from None
         session.pidfd, session.channel, session.state = pidfd, conn, LIVE
+
+    def _pidfd_ready(self, session: Session, fd: int) -> None:
+        """The reactor's callback for a session's pidfd. It may run for a
+        report about an earlier fd of the same number, closed since (the
+        reactor's invariants): the pidfd of a session that ended by its
+        channel or a goodbye, whose number a new session's pidfd took. That
+        ended the new session while its process lived, and its chunks went to
+        other clients while the process still mapped them. So the session
+        ends only when this is its pidfd and its process has exited; else the
+        watch, one-shot, is armed again for the real exit."""
+        if session.pidfd != fd:
+            return
+        if _process_exited(fd):
+            self.end_session(session)
+        else:
+            self._reactor.rearm(fd)
 
     def evicted(self, lease: str) -> bool:
         """Whether `lease` was ended before its attach to make room."""
