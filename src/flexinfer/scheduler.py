@@ -625,6 +625,19 @@ class Scheduler:
         self.release([vt for vt in seq.vtensors if vt is not None and not vt.released])
         return [g for g, exc in enumerate(outcomes) if exc is None]
 
+    def _tier_keeps(self, token_ids: list[int], vtensors: list | None) -> bool:
+        """Whether vtm's host tier keeps KV of token_ids that a match could
+        copy back. Asked between a match and the sequence taking its
+        vTensors: where the question fails (a broker's call), the match's
+        vTensors are released before the error goes on, as nobody else
+        holds them (their slots and the locks on the path were lost)."""
+        try:
+            return self.kv.restore_bytes(token_ids) > 0
+        except BaseException:
+            if vtensors is not None:
+                self.release(vtensors)
+            raise
+
     def release(self, vtensors: list) -> None:
         """Releases vTensors; one the device refuses to unmap (vtm leaves it
         as it was) is retried at the next step instead of failing anyone.
@@ -685,7 +698,7 @@ class Scheduler:
                     # partial last page needs one more. Computing the prompt
                     # instead lets the create evict that node.
                     vtensors, matched, restored = None, 0, 0
-                if matched < seq.swapped and self.running and self.kv.restore_bytes(swapped_ids):
+                if matched < seq.swapped and self.running and self._tier_keeps(swapped_ids, vtensors):
                     # The host tier keeps the rest of its KV, but the pool
                     # has no room to copy it back yet (the match fell back to
                     # what the device holds): wait for room, as a swap-in

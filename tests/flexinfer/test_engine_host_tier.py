@@ -270,6 +270,43 @@ def test_swap_records_are_forgotten_once_dead_with_prefix_caching_off(tiny_gpu_f
     assert (after["host_tier_used_bytes"], after["host_tier_nodes"]) == (0, 0), after
 
 
+@pytest.mark.parametrize("error", [vtm.BackendError, vtm.OutOfMemory])
+def test_a_failed_question_to_the_host_tier_releases_the_match_it_follows(tiny_gpu_folder, error):
+    """A swapped-out sequence's readmission matches its record, then asks
+    the host tier what more it keeps (a broker's call). When that question
+    raised, the match's vTensors were in no variable: their slots, pages
+    and locks on the record's path were lost for the session. Now they are
+    released before the error goes on (an out-of-memory waits, another
+    error fails that request), and everything comes back."""
+    chunk = 4096
+    shared = [1] + list(range(100, 124))
+    prompts = [shared + [(7 * i + j) % 400 + 50 for j in range(3 + 5 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with vtm.Manager(backend="host", capacity_bytes=40 * chunk, chunk_bytes=chunk, granularity=chunk,
+                     host_tier_bytes=256 * chunk) as manager, \
+            LLM(tiny_gpu_folder, manager=manager, enable_prefix_caching=False, max_model_len=256,
+                max_num_seqs=len(prompts), preemption="swap") as llm:
+        kv, asked = llm.kv_cache, []
+
+        def failing_once(token_ids):
+            asked.append(len(token_ids))
+            if len(asked) == 1:
+                raise error("injected")
+            return type(kv).restore_bytes(kv, token_ids)
+        kv.restore_bytes = failing_once
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert asked, "no readmission asked the host tier"
+        errors = [o.error for o in outputs if o.error is not None]
+        assert len(errors) == (1 if error is vtm.BackendError else 0), errors
+        stats = manager.stats()
+        assert all(space["vtensors"] == 0 for space in stats["spaces"].values()), stats
+        for space in kv.spaces:
+            space.clear_prefixes()
+        manager.trim()
+        manager.check()
+        assert manager.stats()["chunks_held"] == 0
+
+
 @pytest.mark.parametrize("where", ["finish", "second_preemption"])
 def test_a_swap_record_is_forgotten_after_a_failed_release_too(tiny_gpu_folder, where):
     """Prefix caching off, preemption="swap": a readmitted sequence's match
