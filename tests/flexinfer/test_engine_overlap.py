@@ -458,6 +458,35 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_gpu_folder
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_failed_step_does_not_fail_a_request_the_step_before_ended(tiny_gpu_folder, overlap):
+    """With overlap, the step after the one that sampled a request's stop id
+    is launched before that token is read, with the request in it. When
+    that launch raised, the request was failed ("error", its stop token
+    dropped) before the step before was read, where without overlap it had
+    ended with "stop". Now the step in flight is read first."""
+    probe = _engine(tiny_gpu_folder)
+    free = Sequence(0, 0, 0, PROMPTS[1], _greedy(8), 0, ())
+    _run(probe, [free])
+    _close(probe)
+    k = next(i for i, t in enumerate(free.output_ids) if i >= 3 and t not in free.output_ids[:i])
+    engine = _engine(tiny_gpu_folder) if overlap else Engine(
+        tiny_gpu_folder, manager=_manager(), max_model_len=256, max_num_seqs=8, overlap=False)
+    forward, calls = engine.model.forward, [0]
+
+    def failing_after_the_stop(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == k + 2:  # call 1 is the prompt's, sampling token 0; call k + 1 samples token k
+            raise RuntimeError("injected")
+        return forward(*args, **kwargs)
+    engine.model.forward = failing_after_the_stop
+    seq = Sequence(1, 1, 0, PROMPTS[1], _greedy(8, stop_token_ids=[free.output_ids[k]]), 0, ())
+    _run(engine, [seq])
+    assert (seq.finish_reason, seq.output_ids) == ("stop", free.output_ids[:k + 1])
+    assert _vtensors(engine) == 0
+    _close(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_a_row_of_nan_logits_fails_its_request_alone(tiny_gpu_folder, overlap):
     """One step's logits for one request are NaN. Its choice reads
     NON_FINITE: that request fails with an EngineError, and with overlap
