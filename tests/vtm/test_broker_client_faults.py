@@ -32,6 +32,15 @@ def faulty_clients(monkeypatch):
     monkeypatch.setattr(_core, "ClientMapper", functools.partial(_core.ClientMapper, faults=True))
 
 
+def holds_its_bytes(space, chunks: int) -> None:
+    """A new vTensor of `chunks` chunks in `space` reads back what is written through the space's view."""
+    rows = chunks * ROWS_PER_CHUNK
+    vt = space.create(rows).result()
+    view = space.tensor(np.uint8)
+    view[vt.slot, :rows * ROW] = pattern(range(rows))
+    assert (view[vt.slot, :rows * ROW] == pattern(range(rows))).all()
+
+
 @pytest.mark.parametrize("failing", [1, 2], ids=["first-vtensor", "second-vtensor"])
 def test_a_shrink_whose_unmap_fails_here_keeps_every_page_and_byte(broker, faulty_clients, failing):
     """A shrink unmaps here before it asks the broker. When the second
@@ -88,12 +97,22 @@ def test_a_reply_that_cannot_be_mapped_here_ends_the_session(broker, faulty_clie
         wait_until(lambda: client_state(other, "client") is None, 10, "the session said goodbye")
         wait_until(lambda: held(other) == 0, 10, "the broker freed the session's chunks")
         mgr.reconnect()
-        vt = space.create(5 * ROWS_PER_CHUNK).result()
-        view = space.tensor(np.uint8)
-        view[vt.slot, :5 * ROWS_PER_CHUNK * ROW] = pattern(range(5 * ROWS_PER_CHUNK))
-        assert (view[vt.slot, :5 * ROWS_PER_CHUNK * ROW] == pattern(range(5 * ROWS_PER_CHUNK))).all()
+        holds_its_bytes(space, 5)
         assert held(other) == 5
         mgr.check()
+
+
+def lose_a_session_that_cannot_unmap(mgr):
+    """A space and a vTensor of 4 chunks whose extend loses the session (its
+    second new page fails to map here), and whose revoke fails to unmap the
+    pages mapped so far: (space, vTensor)."""
+    space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
+    vt = space.create(ROWS_PER_CHUNK).result()
+    mgr._mapper.faults.fail_nth("map", 2)
+    mgr._mapper.faults.fail_nth("unmap", 1)
+    with pytest.raises(vtm.Unavailable):
+        vt.extend(4 * ROWS_PER_CHUNK).result()
+    return space, vt
 
 
 def test_a_client_says_no_goodbye_while_it_cannot_unmap(broker, faulty_clients):
@@ -105,12 +124,7 @@ def test_a_client_says_no_goodbye_while_it_cannot_unmap(broker, faulty_clients):
     with vtm.connect(broker.address, name="other") as other:
         mgr = vtm.connect(broker.address, name="stuck")
         try:
-            space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
-            vt = space.create(ROWS_PER_CHUNK).result()
-            mgr._mapper.faults.fail_nth("map", 2)  # the extend's second new page: the session is lost
-            mgr._mapper.faults.fail_nth("unmap", 1)  # and the revoke cannot unmap the first pages
-            with pytest.raises(vtm.Unavailable):
-                vt.extend(4 * ROWS_PER_CHUNK).result()
+            space, vt = lose_a_session_that_cannot_unmap(mgr)
             assert mgr._mapper.mapped_pages(space.id, vt.slot) > 0
             time.sleep(0.5)
             assert client_state(other, "stuck") == "live" and held(other) == 4
@@ -144,12 +158,7 @@ def test_a_reconnect_waits_until_the_lost_sessions_pages_are_unmapped(broker, fa
     refuses, changing nothing, while it cannot; once it can, the old
     session says goodbye and the spaces come back."""
     with vtm.connect(broker.address, name="other") as other, vtm.connect(broker.address, name="stuck") as mgr:
-        space = mgr.create_space(row_bytes=ROW, max_tokens=2000, max_slots=1)
-        vt = space.create(ROWS_PER_CHUNK).result()
-        mgr._mapper.faults.fail_nth("map", 2)  # the extend's second new page: the session is lost
-        mgr._mapper.faults.fail_nth("unmap", 1)  # and the revoke cannot unmap the first pages
-        with pytest.raises(vtm.Unavailable):
-            vt.extend(4 * ROWS_PER_CHUNK).result()
+        space, _ = lose_a_session_that_cannot_unmap(mgr)
         mgr._mapper.faults.fail_nth("unmap", 1)  # nor the reconnect's first try
         with pytest.raises(vtm.BackendError, match="still maps chunks of the lost vtm session"):
             mgr.reconnect()
@@ -157,10 +166,7 @@ def test_a_reconnect_waits_until_the_lost_sessions_pages_are_unmapped(broker, fa
         mgr.reconnect()
         assert mgr.healthy and mgr._mapper.mapped_pages(space.id, 0) == 0
         wait_until(lambda: held(other) == 0, 10, "the old session said goodbye")
-        vt = space.create(3 * ROWS_PER_CHUNK).result()
-        view = space.tensor(np.uint8)
-        view[vt.slot, :3 * ROWS_PER_CHUNK * ROW] = pattern(range(3 * ROWS_PER_CHUNK))
-        assert (view[vt.slot, :3 * ROWS_PER_CHUNK * ROW] == pattern(range(3 * ROWS_PER_CHUNK))).all()
+        holds_its_bytes(space, 3)
         assert held(other) == 3
         mgr.check()
 
