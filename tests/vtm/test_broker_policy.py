@@ -599,8 +599,12 @@ def test_a_recalled_client_keeps_its_mark_until_it_gave_its_pages_ahead_back():
     assert policy.recall(asker, reserve_bytes=4) and len(ahead.channel.sent) == 2  # one failed, one sent
     first.join()
     assert ahead.maps_ahead and ahead.recall_id is not None
+    with pytest.raises(vtm.OutOfMemory, match="reserved"):
+        with policy.gate(ahead, 3, wait=False):
+            pass  # the askers waited wait_s for its answer: overdue, it is held like anyone
+    ahead.recall_sent_s = time.monotonic()
     with policy.gate(ahead, 3, wait=False):
-        pass  # a recalled client's allocation is not held to the asker's reservation
+        pass  # within the askers' wait, a recalled client's allocation is not held to the asker's reservation
     with pytest.raises(vtm.OutOfMemory, match="reserved"):
         with policy.gate(victim, 3, wait=False):
             pass
@@ -794,6 +798,25 @@ def test_a_client_past_its_notice_deadline_is_held_at_the_gate():
     with policy.gate(victim, 1, wait=False):
         pass  # owing, before its deadline: it may have to allocate before it answers
     victim.owed_deadline = time.monotonic() - 1
+    with pytest.raises(vtm.OutOfMemory, match="reserved"):
+        with policy.gate(victim, 1, wait=False):
+            pass
+
+
+def test_a_client_that_never_answers_its_recall_is_held_at_the_gate_after_the_wait():
+    """Review: an unanswered recall notice exempted its client from the gate
+    for good (a reclaim notice's exemption ends at its deadline), so a client
+    whose listener was stuck kept allocating into memory reserved for
+    another's retry, after the victims had preempted work for it."""
+    from vtm.broker.policy import Policy
+
+    asker, _, victim = _asker_one_ahead_one_below()
+    policy = Policy(lambda: [asker, victim], 1, free_bytes=lambda: 4)
+    policy._reserve(asker, 4)
+    victim.recall_id, victim.recall_sent_s = 7, time.monotonic()
+    with policy.gate(victim, 1, wait=False):
+        pass  # recalled, within the askers' wait: it may have to allocate before it answers
+    victim.recall_sent_s = time.monotonic() - policy.wait_s - 1
     with pytest.raises(vtm.OutOfMemory, match="reserved"):
         with policy.gate(victim, 1, wait=False):
             pass

@@ -211,13 +211,18 @@ class Policy:
     def _gated(self, session, extra_bytes: int) -> bool:
         """Whether gate() holds this allocation to others' reservations (under
         _gate). Not a client that owes memory (until its notice's deadline)
-        or has a recall to answer: its worker may have to allocate before it
-        gets to answer. Past the deadline it is held like anyone (admit()
+        or has a recall to answer (until wait_s after it was sent, when its
+        askers stop waiting for it): its worker may have to allocate before it
+        gets to answer. Past that it is held like anyone (admit()
         refuses it more memory; this holds what admit() lets through, the
-        copies of a shrink or a record)."""
+        copies of a shrink or a record): a client whose notices go unanswered
+        (a listener stuck behind an engine step) took others' reservations
+        for as long as it never answered."""
         with self._mu:
-            owing = session.owed_target is not None and time.monotonic() <= session.owed_deadline
-            asked = owing or session.recall_id is not None
+            now = time.monotonic()
+            owing = session.owed_target is not None and now <= session.owed_deadline
+            recalled = session.recall_id is not None and now - session.recall_sent_s < self.wait_s
+            asked = owing or recalled
         return (self._free_bytes is not None and extra_bytes > 0 and not asked
                 and session not in self._reserved and self._reserved_for_others(session) > 0)
 
