@@ -344,6 +344,24 @@ def test_a_match_of_the_prefix_a_spill_ahead_copies_reads_it_from_the_device(bac
     assert_pool_consistent(mgr)
 
 
+def test_clear_prefixes_during_a_spill_ahead_drops_the_prefix_it_copies(backend, make_manager):
+    """clear_prefixes() keeps the nodes live vTensors lock, and a spill ahead
+    locks the node it copies (and its path): that prefix stayed in the tree,
+    moved to the host once the copy ended, and a later match restored what
+    the caller had cleared. Now clear_prefixes() waits for the spill ahead."""
+    mgr, sp, io, prefixes = held_spill_ahead(make_manager, backend, seconds=0.2)
+    sp.clear_prefixes()
+    assert sp.prefix_nodes() == []
+    mgr.faults.delay("copy_to_host", 0)
+    for tokens in prefixes:
+        m = match(sp, tokens)
+        assert m.num_tokens == 0
+        if m.vtensor is not None:
+            m.vtensor.release().result()
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_used_bytes"] == 0
+
+
 def test_an_allocation_during_a_spill_ahead_waits_for_it_and_never_fails_for_want_of_its_chunks(
         backend, make_manager):
     """The node in flight is locked, so its chunks are not counted as
@@ -426,12 +444,15 @@ def test_a_failed_spill_evicts_the_prefix_as_without_a_tier(backend, make_manage
 
 
 @WINDOWS
-@pytest.mark.parametrize("oom", [False, True])
+@pytest.mark.parametrize("how", ["copy_fails", "bad_alloc", "oom"])
 @pytest.mark.parametrize("end", [60, 55], ids=["at_its_end", "inside_it"])
-def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backend, make_manager, oom, window, end):
+def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backend, make_manager, how, window, end):
     """A match of A[:end] that cannot restore the node on the host: a copy
-    fails, or no device memory is left. A match ending inside the node used
-    to leave it split there (two nodes sharing a block) after failing."""
+    fails (with the backend's error, or the host out of memory inside it:
+    std::bad_alloc), or no device memory is left. A match ending inside the
+    node used to leave it split there (two nodes sharing a block) after
+    failing; after a std::bad_alloc, until that was caught too."""
+    oom = how == "oom"
     mgr, sp, io = setup(make_manager, backend, tier_chunks=16, window_tokens=window, faults=True)
     A = [(11 * i + 2) % 83 for i in range(60)]
     record_any(sp, io, A)
@@ -444,12 +465,12 @@ def test_a_failed_restore_changes_nothing_and_the_prefix_stays_on_the_host(backe
             except vtm.OutOfMemory:
                 break
     else:
-        mgr.faults.fail_nth("copy_from_host", 1)
+        mgr.faults.fail_nth("copy_from_host", 1, bad_alloc=how == "bad_alloc")
     before = snapshot(mgr, [sp], held)
     if oom:  # a miss, as without a tier (the prefix would have been evicted), not an error
         assert match(sp, A[:end]).num_tokens == 0
     else:
-        with pytest.raises(vtm.BackendError):
+        with pytest.raises(MemoryError if how == "bad_alloc" else vtm.BackendError):
             match(sp, A[:end])
     assert_same_state(before, snapshot(mgr, [sp], held))
     assert [(n["start"], n["end"]) for n in on_host(sp)] == [(0, 60)] and mgr.stats()["restores_total"] == 0

@@ -424,6 +424,9 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
       if (end != pos.node) uppers.push_back(end);
       PrefixNode* const above = sp.tree->SplitAtWindow(TreePosition{end, pos.length});
       if (above != nullptr) uppers.push_back(above);
+      const auto unsplit = [&] {
+        for (auto it = uppers.rbegin(); it != uppers.rend(); ++it) sp.tree->Unsplit(*it);
+      };
       try {
         const std::size_t copy = pos.length * sp.row_bytes % chunk_bytes_ != 0 ? 1 : 0;
         restoring = StartRestore(*sp.tree, end, pos.length, lock, copy, &reserved);
@@ -435,9 +438,12 @@ FutureValue Manager::DoMatch(std::uint32_t space, std::uint64_t id, const std::v
         restore_splits = std::move(uppers);
         return true;
       } catch (const Error& e) {
-        for (auto it = uppers.rbegin(); it != uppers.rend(); ++it) sp.tree->Unsplit(*it);
+        unsplit();
         if (e.code() != ErrorCode::kOutOfMemory) throw;
         return false;
+      } catch (...) {
+        unsplit();  // std::bad_alloc (the host out of memory) fails the match as it found the tree
+        throw;
       }
     };
     bool fall_back = sp.tree->HostPagesOnPath(found) > max_restore_pages || !restore(found);
@@ -576,6 +582,10 @@ FutureValue Manager::DoForget(std::uint32_t space, const std::vector<std::int32_
 FutureValue Manager::DoClearPrefixes(std::uint32_t space) {
   std::unique_lock<std::mutex> lock(mu_);
   Space& sp = LiveSpace(space);
+  // A spill ahead locks the node it copies and its path, which DropUnlocked
+  // keeps: that prefix stayed, moved to the host once the copy ended, and a
+  // later match restored what the caller had cleared.
+  WaitForSpillAhead(lock);
   const std::size_t dropped = sp.tree->DropUnlocked();
   AfterCommit();
   return static_cast<std::int64_t>(dropped);
