@@ -975,8 +975,22 @@ def test_a_request_waits_for_memory_another_user_of_the_pool_holds(tiny_llama, t
     llm = LLM(folder, manager=manager, enable_prefix_caching=False)
     held, grabbed = [], []
 
-    def hold(count: int) -> None:
-        held.append(other.create(count).result())
+    def hold(count: int | None) -> None:
+        """`count` chunks, or (None) every free one, for 0.5 s."""
+        if count is None:
+            # A chunk at a time until none is left: a count read from stats()
+            # first could be short of what the engine's extends in flight take
+            # meanwhile, and the create then failed (it did, under load).
+            vt, rows = other.create(0).result(), 0
+            while rows < chunks:
+                try:
+                    vt.extend(rows + 1).result()
+                except vtm.OutOfMemory:
+                    break
+                rows += 1
+        else:
+            vt = other.create(count).result()
+        held.append(vt)
         threading.Timer(0.5, lambda: held.pop().release().result()).start()
 
     def on_first_token(event) -> None:
@@ -984,16 +998,18 @@ def test_a_request_waits_for_memory_another_user_of_the_pool_holds(tiny_llama, t
         # goes to the other user, and the request's next page finds none.
         if event is not None and not grabbed:
             grabbed.append(event)
-            hold(chunks - manager.stats()["chunks_held"])
+            hold(None)
     if holder == "before":
         hold(chunks - 2)
     started = time.monotonic()
-    out = llm.submit(prompt, greedy(n), deliver=on_first_token if holder == "while running" else None).result(30)
-    assert time.monotonic() - started >= 0.5
-    assert out.outputs[0].error is None
-    assert_greedy_equal(oracle, [prompt], [out], n)
-    assert out.metrics.preemptions == (holder == "while running")
-    llm.close()
+    try:
+        out = llm.submit(prompt, greedy(n), deliver=on_first_token if holder == "while running" else None).result(30)
+        assert time.monotonic() - started >= 0.5
+        assert out.outputs[0].error is None
+        assert_greedy_equal(oracle, [prompt], [out], n)
+        assert out.metrics.preemptions == (holder == "while running")
+    finally:
+        llm.close()  # a failure here left its engine thread to fail the next tests' thread checks
     other.close()
     manager.check()
     manager.close()
