@@ -362,6 +362,24 @@ def test_clear_prefixes_during_a_spill_ahead_drops_the_prefix_it_copies(backend,
     assert st["host_tier_used_bytes"] == 0
 
 
+def test_a_limit_lowered_during_a_spill_ahead_holds_once_it_is_done(backend, make_manager):
+    """A spill ahead's blocks count in its account while no node holds them
+    yet, and its node reached the host without a look at the limit: a
+    limit lowered during the copy could drop nothing, and the account stayed
+    above it with no node locked. Now the limit waits for the spill ahead."""
+    chunk = chunk_for(backend)
+    mgr = make_manager(backend, chunks=CHUNKS, host_tier_bytes=16 * chunk, spill_ahead_bytes=4 * chunk, faults=True)
+    sp = mgr.create_space(row_bytes=chunk // 20 + 7, max_tokens=200, max_slots=8, tier_account=1)
+    io = RowIO(sp, backend)
+    mgr.faults.delay("copy_to_host", 0.2)
+    fill_with_prefixes(sp, io)
+    assert wait_for(lambda: mgr.faults.calls("copy_to_host") >= 1)
+    mgr.set_host_tier_limit(1, chunk)
+    mgr.faults.delay("copy_to_host", 0)
+    st = assert_pool_consistent(mgr)
+    assert st["host_tier_accounts"][1]["used_bytes"] <= chunk, st
+
+
 def test_an_allocation_during_a_spill_ahead_waits_for_it_and_never_fails_for_want_of_its_chunks(
         backend, make_manager):
     """The node in flight is locked, so its chunks are not counted as

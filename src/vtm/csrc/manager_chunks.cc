@@ -622,6 +622,11 @@ void Manager::SetHostTierLimit(std::uint32_t account, std::size_t bytes) {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) Throw(ErrorCode::kFailedPrecondition, "the manager is closed");
   if (tier_ == nullptr) Throw(ErrorCode::kFailedPrecondition, "this manager has no host tier (host_tier_bytes)");
+  // A spill ahead's blocks count in its account while no node holds them,
+  // and its node reaches the host without a look at the limit: a limit
+  // lowered meanwhile could drop nothing, and left the account above it
+  // with no node locked.
+  WaitForSpillAhead(lock);
   const std::size_t blocks = bytes / chunk_bytes_;
   if (bytes == 0) {
     tier_limits_.erase(account);
