@@ -5,8 +5,9 @@ APIError is what handlers raise; `install_error_handlers` makes FastAPI
 answer it, unknown routes, and any bug (500, without a traceback in the
 body) in that shape. Request bodies are parsed and validated by the routes
 themselves (limits.py: 400 with pydantic's errors in one line, as the
-OpenAI API answers), never by FastAPI, whose validation errors would be 422s. A 500 keeps the connection open: only a response
-that had already begun when the bug struck ends its connection.
+OpenAI API answers), never by FastAPI, whose validation errors would be
+422s. A 500 keeps the connection open: only a response that had already
+begun when the bug struck ends its connection.
 """
 
 from __future__ import annotations
