@@ -492,33 +492,30 @@ class Engine:
             done = self._finish_in_flight()
             self._lose_memory("the vtm broker went away while a step was planned")
             return failed + done + self._take_failed()
-        launched = None
-        done = []
+        launched = launch_error = None
         if plan:
             try:
                 launched = self._launch(plan, previous_launch)
             except Exception as exc:
                 log.exception("a step failed; failing its %d requests", len(plan))
-                # The step in flight (overlap) is read first: a request whose
-                # token there ended it (a stop id) ends as without overlap,
-                # and the failed step fails only the others.
-                if self._in_flight is not None:
-                    done = self._resolve(self._in_flight)
-                    self._in_flight = None
-                broken = [seq for seq, _ in plan if seq.status is not Status.FINISHED]
-                for seq in broken:
-                    self.abort(seq, "error", _engine_error("the model step failed", exc))
-                try:
-                    self.scheduler.settle_steps()  # their memory back now, not when the next step is read
-                except Exception:  # noqa: BLE001 - a device that fails here fails the next step too
-                    log.exception("waiting for the device after a failed step failed")
-                failed += broken
+                launch_error = exc
         # The launched step is in flight before the one before it is read:
         # should reading raise, it is still there to be read.
         previous, self._in_flight = self._in_flight, launched
         self._last_launched = launched
-        if previous is not None:
-            done += self._resolve(previous)
+        done = [] if previous is None else self._resolve(previous)
+        if launch_error is not None:
+            # After the step in flight (overlap) is read: a request whose
+            # token there ended it (a stop id) ends as without overlap, and
+            # the failed step fails only the others.
+            broken = [seq for seq, _ in plan if seq.status is not Status.FINISHED]
+            for seq in broken:
+                self.abort(seq, "error", _engine_error("the model step failed", launch_error))
+            try:
+                self.scheduler.settle_steps()  # their memory back now, not when the next step is read
+            except Exception:  # noqa: BLE001 - a device that fails here fails the next step too
+                log.exception("waiting for the device after a failed step failed")
+            failed += broken
         # Read at once: without overlap; tokens the host chose already;
         # nothing but discarded tokens (the last requests stopped).
         if launched is not None and (not self.overlap or (launched.seqs and (launched.chosen_on_host or all(
