@@ -49,8 +49,8 @@ void ClientMapper::Unuse(std::uint64_t serial) {
   }
 }
 
-void ClientMapper::TrimIdle() {
-  while (idle_.size() > keep_idle_) {
+void ClientMapper::TrimIdle(std::size_t keep) {
+  while (idle_.size() > keep) {
     const std::uint64_t serial = idle_.back();
     idle_.pop_back();
     backend_->release_chunk(imports_.at(serial).handle);
@@ -113,11 +113,7 @@ void ClientMapper::Revoke() {
     // Only the imports no page maps any more: a broker that restarts gives
     // its serials again from 1, and an import kept idle would be taken for
     // the new chunk of the same serial.
-    for (std::uint64_t serial : idle_) {
-      backend_->release_chunk(imports_.at(serial).handle);
-      imports_.erase(serial);
-    }
-    idle_.clear();
+    TrimIdle(0);
     Throw(failed->code(), std::string("revoke: ") + failed->what() + " (the pages not unmapped stay recorded)");
   }
   for (auto& [serial, im] : imports_) backend_->release_chunk(im.handle);

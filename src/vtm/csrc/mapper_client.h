@@ -103,7 +103,9 @@ class ClientMapper {
   void UnmapRun(std::uint32_t space, Area& area, int slot, std::size_t first, std::size_t count);
   void UnmapSlotLocked(std::uint32_t space, Area& area, int slot);
   void Unuse(std::uint64_t serial);
-  void TrimIdle();
+  // Releases the least recently used idle imports beyond `keep`.
+  void TrimIdle(std::size_t keep);
+  void TrimIdle() { TrimIdle(keep_idle_); }
 
   std::shared_ptr<Backend> backend_;
   std::size_t chunk_bytes_;
